@@ -1,0 +1,212 @@
+// moecache-hook.cpp - what patched llama.cpp calls (moecache-hook.h): which moecache belongs
+// to which llama_context, and the two ggml custom ops that route a MoE layer.
+//
+// Graph reuse: llama.cpp reuses a built graph for later ubatches of the same shape. The ops
+// keep only a pointer to their moecache_layer and read the routing parameters when they run,
+// so a reused graph follows moecache_set_routing at once. Attaching or detaching marks the
+// context dirty, and the next ubatch builds a fresh graph with (or without) the ops.
+
+#include "moecache-impl.h"
+#include "moecache-hook.h"
+
+#include "ggml.h"
+
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+struct ctx_entry {
+    moecache * mc    = nullptr; // attached moecache, or nullptr after detach
+    bool       dirty = true;    // the current graph does not match `mc`: rebuild
+};
+
+std::mutex                                               g_mutex;
+std::unordered_map<const llama_context *, ctx_entry>     g_ctx;
+thread_local moecache *                                  g_building = nullptr; // set between graph_begin/end
+
+// llama_expert_gating_func_type (src/llama-hparams.h)
+constexpr int GATING_SOFTMAX        = 1;
+constexpr int GATING_SOFTMAX_WEIGHT = 3;
+
+const float * row_f32(const ggml_tensor * t, int64_t i1) {
+    return (const float *) ((const char *) t->data + i1 * t->nb[1]);
+}
+
+// dst: I32 [K, n_tokens]; src: stock top-K, logits, probs, selection score
+void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    moecache_layer & L  = *(moecache_layer *) userdata;
+    moecache       & mc = *L.mc;
+    const ggml_tensor * stock = dst->src[0];
+    const ggml_tensor * z     = dst->src[1];
+    const ggml_tensor * p     = dst->src[2];
+    const ggml_tensor * s     = dst->src[3];
+    const int64_t K        = dst->ne[0];
+    const int64_t n_tokens = dst->ne[1];
+
+    const moecache_routing_params rp = mc.rparams; // one consistent set for the whole ubatch
+    const bool decode = n_tokens == 1;
+    const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
+    const bool update = decode || mc.cparams.update_on_prompt;
+
+    L.n_active.resize(n_tokens);
+    int8_t hit[MOECACHE_MAX_USED];
+    for (int64_t t = 0; t < n_tokens; t++) {
+        int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
+        const int32_t n = moecache_route_token(mc, L, rp, row_f32(z, t), row_f32(p, t), row_f32(s, t), st,
+                                               apply, update, out, hit);
+        // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)
+        for (int64_t i = n; i < K; i++) {
+            out[i] = out[0];
+        }
+        L.n_active[t] = n;
+    }
+}
+
+// dst: F32 [1, K, n_tokens] = weights, with the slots a policy dropped set to 0
+// (-inf for SOFTMAX_WEIGHT gating, whose weights are softmaxed afterwards)
+void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const moecache_layer & L = *(const moecache_layer *) userdata;
+    const ggml_tensor * w = dst->src[0];
+    const int64_t K        = dst->ne[1];
+    const int64_t n_tokens = dst->ne[2];
+    const float dropped = L.dropped_weight;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t i = 0; i < K; i++) {
+            const float v = *(const float *) ((const char *) w->data + i * w->nb[1] + t * w->nb[2]);
+            float * o = (float *) ((char *) dst->data + i * dst->nb[1] + t * dst->nb[2]);
+            *o = i < L.n_active[t] ? v : dropped;
+        }
+    }
+}
+
+} // namespace
+
+bool moecache_hook_graph_reusable(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_ctx.find(lctx);
+    return it == g_ctx.end() || !it->second.dirty;
+}
+
+void moecache_hook_graph_begin(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_ctx.find(lctx);
+    g_building = nullptr;
+    if (it != g_ctx.end()) {
+        g_building       = it->second.mc;
+        it->second.dirty = false;
+    }
+}
+
+void moecache_hook_graph_end(const llama_context * lctx) {
+    (void) lctx;
+    g_building = nullptr;
+}
+
+void moecache_hook_context_free(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_ctx.find(lctx);
+    if (it != g_ctx.end()) {
+        if (it->second.mc) {
+            it->second.mc->ctx = nullptr;
+        }
+        g_ctx.erase(it);
+    }
+}
+
+ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, ggml_tensor * logits,
+                                   ggml_tensor * probs, ggml_tensor * selection, int il, int gating_op,
+                                   bool has_bias, bool warmup) {
+    moecache * mc = g_building;
+    if (!mc || warmup || il < 0 || il >= mc->n_layer) {
+        return selected;
+    }
+    const int64_t N = logits->ne[0];
+    const int64_t K = selected->ne[0];
+    if (N != mc->n_expert || K != mc->n_expert_used || K > MOECACHE_MAX_USED ||
+        logits->type != GGML_TYPE_F32 || probs->type != GGML_TYPE_F32 || selection->type != GGML_TYPE_F32 ||
+        probs->ne[0] != N || selection->ne[0] != N) {
+        fprintf(stderr, "moecache: layer %d (N = %lld, K = %lld) does not match the model's N = %d, K = %d; "
+                        "routed without the cache\n", il, (long long) N, (long long) K, mc->n_expert, mc->n_expert_used);
+        return selected;
+    }
+    moecache_layer & L = mc->layers[il];
+    L.rank_on_logits = gating_op == GATING_SOFTMAX && !has_bias; // softmax keeps the logits' order
+
+    ggml_tensor * args[4] = { selected, logits, probs, selection };
+    L.select_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
+    ggml_format_name(L.select_out, "moecache_select-%d", il);
+    return L.select_out;
+}
+
+ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
+                                    int il, int gating_op) {
+    moecache * mc = g_building;
+    if (!mc || il < 0 || il >= mc->n_layer || mc->layers[il].select_out != selected) {
+        return weights;
+    }
+    moecache_layer & L = mc->layers[il];
+    L.dropped_weight = gating_op == GATING_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
+    ggml_tensor * args[2] = { weights, selected }; // `selected` orders this op after op_select
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
+                                       args, 2, op_weights, 1, &L);
+    ggml_format_name(out, "moecache_weights-%d", il);
+    L.select_out = nullptr;
+    return out;
+}
+
+// --- attach / detach (API in moecache.cpp; the registry lives here) ---------------------------
+
+void moecache_hook_detach(moecache * mc) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!mc->ctx) {
+        return;
+    }
+    auto it = g_ctx.find(mc->ctx);
+    if (it != g_ctx.end()) {
+        it->second.mc    = nullptr;
+        it->second.dirty = true;
+    }
+    mc->ctx = nullptr;
+}
+
+extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * ctx) {
+    if (!mc || !ctx) {
+        moecache_set_error("moecache_attach: NULL argument");
+        return MOECACHE_ERR_INVALID;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (mc->ctx == ctx) {
+        return MOECACHE_OK;
+    }
+    if (mc->ctx) {
+        moecache_set_error("this moecache is attached to another context; detach it first");
+        return MOECACHE_ERR_STATE;
+    }
+    ctx_entry & e = g_ctx[ctx];
+    if (e.mc) {
+        moecache_set_error("another moecache is attached to this context; detach it first");
+        return MOECACHE_ERR_STATE;
+    }
+    e.mc    = mc;
+    e.dirty = true;
+    mc->ctx = ctx;
+    return MOECACHE_OK;
+}
+
+extern "C" void moecache_detach(struct moecache * mc) {
+    if (mc) {
+        moecache_hook_detach(mc);
+    }
+}

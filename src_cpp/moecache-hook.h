@@ -1,0 +1,49 @@
+// moecache-hook.h - the only functions patched llama.cpp calls (see patches/).
+//
+// Not a public API: users include moecache.h. Every hook is a no-op (returns its input
+// unchanged) when no moecache is attached to the context whose graph is being built, so a
+// stock context keeps its exact graph and logits.
+//
+// Life of one graph build (llama_context::process_ubatch):
+//   moecache_hook_graph_reusable(ctx)  false once after attach/detach: the old graph is rebuilt
+//   moecache_hook_graph_begin(ctx)     remembers which moecache this thread is building for
+//     build_moe_ffn -> moecache_hook_select / moecache_hook_weights, once per MoE layer
+//   moecache_hook_graph_end(ctx)
+#pragma once
+
+struct ggml_context;
+struct ggml_tensor;
+struct llama_context;
+
+bool moecache_hook_graph_reusable(const llama_context * lctx);
+void moecache_hook_graph_begin   (const llama_context * lctx);
+void moecache_hook_graph_end     (const llama_context * lctx);
+void moecache_hook_context_free  (const llama_context * lctx);
+
+// Replaces the stock top-k selection with the moecache routing op.
+//   selected:  stock ggml_argsort_top_k result            // I32 [n_expert_used, n_tokens]
+//   logits:    router logits z                             // F32 [n_expert, n_tokens]
+//   probs:     gating probabilities p (weights come from these)
+//   selection: the score the model ranks by (p, p + bias, group-masked with -inf)
+//   gating_op: llama_expert_gating_func_type; has_bias: selection = p + b
+//   warmup:    llama.cpp's warm-up run routes to every expert; never hooked
+ggml_tensor * moecache_hook_select(
+        ggml_context * ctx,
+        ggml_tensor  * selected,
+        ggml_tensor  * logits,
+        ggml_tensor  * probs,
+        ggml_tensor  * selection,
+        int            il,
+        int            gating_op,
+        bool           has_bias,
+        bool           warmup);
+
+// Zeroes the router weight of slots a policy dropped (prune). `selected` must be the tensor
+// moecache_hook_select returned for the same layer; otherwise weights pass through.
+//   weights: F32 [1, n_expert_used, n_tokens]
+ggml_tensor * moecache_hook_weights(
+        ggml_context * ctx,
+        ggml_tensor  * weights,
+        ggml_tensor  * selected,
+        int            il,
+        int            gating_op);

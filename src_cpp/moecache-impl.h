@@ -1,0 +1,98 @@
+// moecache-impl.h - internal state shared by moecache.cpp (API), moecache-route.cpp (policies,
+// LRU) and moecache-hook.cpp (ggml ops called from llama.cpp). Not installed.
+#pragma once
+
+#include "moecache.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct ggml_tensor;
+
+// largest K (experts per token) the graph op handles
+#define MOECACHE_MAX_USED 64
+
+// One MoE layer: its LRU cache, running Delta and counters.
+struct moecache_layer {
+    struct moecache * mc = nullptr; // owner (the graph op only gets a pointer to its layer)
+    int32_t il       = 0;
+    int32_t capacity = 0;           // M_l
+    bool    seen     = false;       // routed at least one token
+
+    // LRU over expert ids; last_use[e] < 0 means "not cached"
+    std::vector<int64_t> last_use;    // [n_expert] recency stamp (larger = more recent)
+    std::vector<int64_t> inserted_at; // [n_expert] value of stats.tokens when e was inserted
+    int64_t clock     = 0;            // last stamp handed out
+    int32_t occupancy = 0;
+
+    // Delta_l for PRIOR: running mean of the score range, or a fixed calibrated value (> 0)
+    double delta_sum   = 0.0;
+    int64_t delta_n    = 0;
+    float  delta_fixed = 0.0f;
+
+    struct moecache_layer_stats st = {};
+
+    // set while the graph is built (graph-build thread), read by the ops at compute time
+    bool          rank_on_logits = false; // PRIOR boosts logits z (softmax without bias)
+    ggml_tensor * select_out     = nullptr;
+    float         dropped_weight = 0.0f;  // weight of a dropped slot: 0, or -inf before a softmax
+    std::vector<int32_t> n_active;        // [n_tokens] experts run per token of the current ubatch
+
+    // scratch for one token, sized n_expert at init, so routing never allocates
+    std::vector<int32_t> rank;   // r: expert ids by router rank
+    std::vector<int32_t> pos;    // pos[e] = index of e in r
+    std::vector<int32_t> order;  // r': final ranking
+    std::vector<float>   boosted;
+    std::vector<uint8_t> chosen;
+};
+
+struct moecache {
+    // model identity (for state files) and shape
+    std::string desc;
+    uint64_t    n_params      = 0;
+    int32_t     n_layer       = 0;
+    int32_t     n_expert      = 0; // N
+    int32_t     n_expert_used = 0; // K
+
+    struct moecache_cache_params   cparams = {};
+    struct moecache_routing_params rparams = {};
+
+    std::vector<moecache_layer> layers; // [n_layer], never resized after init (ops keep pointers)
+
+    struct llama_context * ctx = nullptr; // attached context
+
+    // trace ring buffer
+    std::vector<moecache_trace_record> trace;
+    int64_t trace_total = 0; // records ever written; the newest is at (trace_total - 1) % capacity
+};
+
+// moecache.cpp
+void moecache_set_error(const std::string & msg);
+
+// moecache-route.cpp
+// Routes one token of layer L and updates its cache and counters.
+//   z, p, s: [n_expert] logits, probabilities, selection scores (s may be p)
+//   stock:   [n_expert_used] the model's own top-K in its order, or nullptr to rank here
+//   apply:   run the policy (false: stock top-K, cache still updated when `update`)
+//   update:  update the cache, counters and trace
+//   sel:     [n_expert_used] out, router-rank order; dropped slots -1
+//   hit:     [n_expert_used] out, 1 hit / 0 miss / -1 dropped (or not updated)
+// Returns the number of experts run.
+int32_t moecache_route_token(
+        moecache                             & mc,
+        moecache_layer                       & L,
+        const struct moecache_routing_params & rp,
+        const float                          * z,
+        const float                          * p,
+        const float                          * s,
+        const int32_t                        * stock,
+        bool                                   apply,
+        bool                                   update,
+        int32_t                              * sel,
+        int8_t                               * hit);
+
+void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);
+void moecache_layer_clear(moecache_layer & L);
+// inserts e as the most recent entry (evicting the LRU one when full); returns false if capacity is 0
+bool moecache_layer_insert(moecache_layer & L, int32_t e);

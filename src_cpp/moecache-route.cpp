@@ -1,0 +1,311 @@
+// moecache-route.cpp - the routing decision for one token of one layer, and the LRU cache.
+//
+// Specification: shared/docs/method.md. pymoecache/reference.py is the same algorithm in numpy;
+// tests/test_route_property.py checks that both choose the same experts. Change them together.
+//
+// Determinism: the router's ranking r sorts by the selection score s, descending, ties by
+// lower expert id; when the graph passes the model's own top-K (stock), r starts with it, so
+// ties are broken exactly as the model breaks them. Every re-ranking below is stable with
+// respect to r. The selected experts are returned in r order, which keeps the stock order,
+// and so the stock float sums, whenever a policy leaves the set unchanged.
+
+#include "moecache-impl.h"
+
+#include <algorithm>
+#include <cmath>
+
+void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t capacity) {
+    const int32_t n = mc.n_expert;
+    L.mc       = &mc;
+    L.il       = il;
+    L.capacity = capacity;
+    L.last_use.assign(n, -1);
+    L.inserted_at.assign(n, 0);
+    L.rank.assign(n, 0);
+    L.pos.assign(n, 0);
+    L.order.assign(n, 0);
+    L.boosted.assign(n, 0.0f);
+    L.chosen.assign(n, 0);
+    L.st.n_expert      = n;
+    L.st.n_expert_used = mc.n_expert_used;
+    L.st.capacity      = capacity;
+}
+
+void moecache_layer_clear(moecache_layer & L) {
+    std::fill(L.last_use.begin(), L.last_use.end(), -1);
+    L.occupancy    = 0;
+    L.clock        = 0;
+    L.st.occupancy = 0;
+    L.delta_sum    = 0.0;
+    L.delta_n      = 0;
+}
+
+bool moecache_layer_insert(moecache_layer & L, int32_t e) {
+    if (L.capacity <= 0) {
+        return false;
+    }
+    if (L.occupancy >= L.capacity) {
+        // evict the least recently used expert
+        int32_t victim = -1;
+        for (int32_t i = 0; i < (int32_t) L.last_use.size(); i++) {
+            if (L.last_use[i] >= 0 && (victim < 0 || L.last_use[i] < L.last_use[victim])) {
+                victim = i;
+            }
+        }
+        L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[victim]);
+        L.st.lifetime_count += 1;
+        L.st.evictions      += 1;
+        L.last_use[victim]   = -1;
+        L.occupancy         -= 1;
+    }
+    L.last_use[e]    = ++L.clock;
+    L.inserted_at[e] = L.st.tokens;
+    L.occupancy     += 1;
+    return true;
+}
+
+static bool is_allowed(float s) {
+    return s > -INFINITY && !std::isnan(s);
+}
+
+// r: the router's ranking (L.rank) and its inverse (L.pos). Masked experts (s = -inf) go last.
+static void rank_experts(moecache_layer & L, const float * s, const int32_t * stock, int32_t K) {
+    const int32_t N = (int32_t) L.rank.size();
+    int32_t n = 0;
+    if (stock) {
+        for (int32_t i = 0; i < K; i++) {
+            L.rank[n++] = stock[i];
+        }
+    }
+    const int32_t n_stock = n;
+    for (int32_t e = 0; e < N; e++) {
+        bool in_stock = false;
+        for (int32_t i = 0; i < n_stock; i++) {
+            in_stock = in_stock || L.rank[i] == e;
+        }
+        if (!in_stock) {
+            L.rank[n++] = e;
+        }
+    }
+    // allowed first, then score descending, then lower id: a total order, so std::sort is deterministic
+    std::sort(L.rank.begin() + n_stock, L.rank.end(), [s](int32_t a, int32_t b) {
+        const bool aa = is_allowed(s[a]);
+        const bool ab = is_allowed(s[b]);
+        if (aa != ab) {
+            return aa;
+        }
+        if (aa && s[a] != s[b]) {
+            return s[a] > s[b];
+        }
+        return a < b;
+    });
+    for (int32_t i = 0; i < N; i++) {
+        L.pos[L.rank[i]] = i;
+    }
+}
+
+// moves the members of r[0:m] that are cached to the front (in r order), the rest after them
+static void promote_cached(moecache_layer & L, int32_t m) {
+    const int32_t N = (int32_t) L.rank.size();
+    m = std::min(m, N);
+    int32_t n = 0;
+    for (int32_t i = 0; i < m; i++) {
+        if (L.last_use[L.rank[i]] >= 0) {
+            L.order[n++] = L.rank[i];
+        }
+    }
+    for (int32_t i = 0; i < N; i++) {
+        if (!(i < m && L.last_use[L.rank[i]] >= 0)) {
+            L.order[n++] = L.rank[i];
+        }
+    }
+}
+
+// cumsum(tau): the smallest m with p[r0] + ... + p[r(m-1)] >= tau * sum(p over allowed experts)
+static int32_t cumsum_rank(const moecache_layer & L, const float * p, const float * s, float tau) {
+    const int32_t N = (int32_t) L.rank.size();
+    double total = 0.0;
+    int32_t n_allowed = 0;
+    for (int32_t i = 0; i < N; i++) {
+        if (is_allowed(s[L.rank[i]])) {
+            total += (double) p[L.rank[i]];
+            n_allowed++;
+        }
+    }
+    if (tau <= 0.0f) {
+        return 0;
+    }
+    const double target = (double) tau * total;
+    double acc = 0.0;
+    for (int32_t i = 0; i < n_allowed; i++) {
+        acc += (double) p[L.rank[i]];
+        if (acc >= target) {
+            return i + 1;
+        }
+    }
+    return n_allowed;
+}
+
+// Delta_l: running mean over tokens of max(u) - min(u) (allowed experts only)
+static double update_delta(moecache_layer & L, const float * u, const float * s) {
+    const int32_t N = (int32_t) L.rank.size();
+    float lo = INFINITY;
+    float hi = -INFINITY;
+    for (int32_t e = 0; e < N; e++) {
+        if (is_allowed(s[e])) {
+            lo = std::min(lo, u[e]);
+            hi = std::max(hi, u[e]);
+        }
+    }
+    if (hi >= lo) {
+        L.delta_sum += (double) hi - (double) lo;
+        L.delta_n   += 1;
+    }
+    return L.delta_n > 0 ? L.delta_sum / (double) L.delta_n : 0.0;
+}
+
+// prior(lambda): r' = argsort(u + lambda * Delta * mask), stable w.r.t. r
+static void prior_order(moecache_layer & L, const float * u, const float * s, int32_t J, float boost) {
+    const int32_t N = (int32_t) L.rank.size();
+    for (int32_t e = 0; e < N; e++) {
+        const bool mask = L.last_use[e] >= 0 || L.pos[e] < J;
+        L.boosted[e] = !is_allowed(s[e]) ? -INFINITY : (mask ? u[e] + boost : u[e]);
+    }
+    for (int32_t i = 0; i < N; i++) {
+        L.order[i] = L.rank[i];
+    }
+    std::sort(L.order.begin(), L.order.end(), [&L](int32_t a, int32_t b) {
+        if (L.boosted[a] != L.boosted[b]) {
+            return L.boosted[a] > L.boosted[b];
+        }
+        return L.pos[a] < L.pos[b];
+    });
+}
+
+int32_t moecache_route_token(
+        moecache                             & mc,
+        moecache_layer                       & L,
+        const struct moecache_routing_params & rp,
+        const float                          * z,
+        const float                          * p,
+        const float                          * s,
+        const int32_t                        * stock,
+        bool                                   apply,
+        bool                                   update,
+        int32_t                              * sel,
+        int8_t                               * hit) {
+    const int32_t N = (int32_t) L.rank.size();
+    const int32_t K = mc.n_expert_used;
+    const int32_t J = std::min(rp.top_j, K);
+    const float * u = L.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
+
+    rank_experts(L, s, stock, K);
+    const double delta = update_delta(L, u, s);
+
+    // 1. the final ranking r' (L.order) and how many experts run
+    int32_t n_keep = K;
+    const enum moecache_policy policy = apply ? rp.policy : MOECACHE_POLICY_TOPK;
+    switch (policy) {
+        case MOECACHE_POLICY_PRUNE:
+            n_keep = std::min(K, std::max(rp.prune_rank, J));
+            promote_cached(L, 0);
+            break;
+        case MOECACHE_POLICY_MAX_RANK:
+            promote_cached(L, rp.max_rank);
+            break;
+        case MOECACHE_POLICY_CUMSUM:
+            promote_cached(L, cumsum_rank(L, p, s, rp.cumsum_tau));
+            break;
+        case MOECACHE_POLICY_PRIOR:
+            if (rp.prior_lambda > 0.0f) {
+                const double d = L.delta_fixed > 0.0f ? (double) L.delta_fixed : delta;
+                prior_order(L, u, s, J, (float) ((double) rp.prior_lambda * d));
+            } else {
+                promote_cached(L, 0);
+            }
+            break;
+        case MOECACHE_POLICY_TOPK:
+        default:
+            promote_cached(L, 0);
+            break;
+    }
+
+    // 2. selected = r[0:J] + the first (n_keep - J) others of r'
+    std::fill(L.chosen.begin(), L.chosen.end(), 0);
+    int32_t n_sel = 0;
+    for (int32_t i = 0; i < J && n_sel < n_keep; i++) {
+        L.chosen[L.rank[i]] = 1;
+        n_sel++;
+    }
+    for (int32_t i = 0; i < N && n_sel < n_keep; i++) {
+        if (!L.chosen[L.order[i]]) {
+            L.chosen[L.order[i]] = 1;
+            n_sel++;
+        }
+    }
+    // output in r order
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < N && n_out < n_sel; i++) {
+        if (L.chosen[L.rank[i]]) {
+            sel[n_out] = L.rank[i];
+            hit[n_out] = -1;
+            n_out++;
+        }
+    }
+    for (int32_t i = n_out; i < K; i++) {
+        sel[i] = -1;
+        hit[i] = -1;
+    }
+
+    if (!update) {
+        return n_sel;
+    }
+
+    // 3. cache update, one selected expert at a time, by router weight p: highest first
+    //    (top-bottom: the lowest-weight expert ends most recent) or exactly the reverse.
+    //    slots are sorted by p descending, ties in r order; an insertion sort over <= K slots.
+    int32_t * slot = L.order.data(); // r' is not needed any more
+    for (int32_t i = 0; i < n_sel; i++) {
+        int32_t j = i;
+        while (j > 0 && p[sel[slot[j - 1]]] < p[sel[i]]) {
+            slot[j] = slot[j - 1];
+            j--;
+        }
+        slot[j] = i;
+    }
+    const bool top_bottom = mc.cparams.insertion == MOECACHE_INSERTION_TOP_BOTTOM;
+    for (int32_t k = 0; k < n_sel; k++) {
+        const int32_t i = slot[top_bottom ? k : n_sel - 1 - k];
+        const int32_t e = sel[i];
+        if (L.last_use[e] >= 0) {
+            L.last_use[e] = ++L.clock;
+            L.st.hits    += 1;
+            hit[i]        = 1;
+        } else {
+            moecache_layer_insert(L, e);
+            L.st.misses  += 1;
+            hit[i]        = 0;
+        }
+    }
+    L.st.selections += n_sel;
+    L.st.occupancy   = L.occupancy;
+    L.st.delta       = (float) (L.delta_fixed > 0.0f ? (double) L.delta_fixed : delta);
+    L.seen           = true;
+
+    // 4. trace
+    if (!mc.trace.empty()) {
+        moecache_trace_record & rec = mc.trace[mc.trace_total % (int64_t) mc.trace.size()];
+        rec = {};
+        rec.layer      = L.il;
+        rec.token      = L.st.tokens;
+        rec.n_selected = std::min(n_sel, (int32_t) MOECACHE_TRACE_MAX_USED);
+        for (int32_t i = 0; i < rec.n_selected; i++) {
+            rec.experts[i] = sel[i];
+            rec.hit_mask   |= (uint32_t) (hit[i] == 1) << i;
+            rec.top_k_mask |= (uint32_t) (L.pos[sel[i]] < K) << i;
+        }
+        mc.trace_total++;
+    }
+    L.st.tokens += 1;
+    return n_sel;
+}

@@ -1,0 +1,495 @@
+// moecache.cpp - the C API of moecache.h: parameters, life cycle, stats, trace, state files.
+// The per-token work is in moecache-route.cpp; the graph hooks in moecache-hook.cpp.
+
+#include "moecache-impl.h"
+
+#include "llama.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#ifndef MOECACHE_VERSION_STR
+#define MOECACHE_VERSION_STR "dev"
+#endif
+#define MOECACHE_LLAMA_PIN "0.3.36"
+
+static thread_local std::string g_last_error;
+
+void moecache_set_error(const std::string & msg) {
+    g_last_error = msg;
+}
+
+static int32_t fail(int32_t status, const std::string & msg) {
+    moecache_set_error(msg);
+    return status;
+}
+
+// attach/detach live in moecache-hook.cpp (they own the context registry)
+void moecache_hook_detach(moecache * mc);
+
+extern "C" {
+
+uint32_t moecache_abi_version(void) {
+    return MOECACHE_ABI_VERSION;
+}
+
+const char * moecache_version(void) {
+    return "pymoecache " MOECACHE_VERSION_STR " (llama.cpp from llama-cpp-python " MOECACHE_LLAMA_PIN ")";
+}
+
+const char * moecache_last_error(void) {
+    return g_last_error.c_str();
+}
+
+struct moecache_cache_params moecache_cache_default_params(void) {
+    struct moecache_cache_params p = {};
+    p.n_cached           = -1;
+    p.fraction           = 0.5f;
+    p.n_cached_per_layer = nullptr;
+    p.n_layer_sizes      = 0;
+    p.insertion          = MOECACHE_INSERTION_TOP_BOTTOM;
+    p.update_on_prompt   = true;
+    p.trace_capacity     = 0;
+    return p;
+}
+
+struct moecache_routing_params moecache_routing_default_params(void) {
+    struct moecache_routing_params p = {};
+    p.policy       = MOECACHE_POLICY_TOPK;
+    p.top_j        = 1;
+    p.prior_lambda = 0.5f;
+    p.max_rank     = 8;
+    p.cumsum_tau   = 0.9f;
+    p.prune_rank   = 2;
+    p.scope        = MOECACHE_SCOPE_ALL;
+    return p;
+}
+
+} // extern "C"
+
+static int32_t check_routing(const moecache_routing_params & p, int32_t K) {
+    char buf[256];
+    if (p.policy < MOECACHE_POLICY_TOPK || p.policy > MOECACHE_POLICY_PRIOR) {
+        snprintf(buf, sizeof(buf), "unknown routing policy %d", (int) p.policy);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (p.top_j < 0 || p.top_j > K) {
+        snprintf(buf, sizeof(buf), "top_j = %d is out of range: the model uses K = %d experts per token (0 <= top_j <= K)", p.top_j, K);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (!(p.prior_lambda >= 0.0f) || std::isinf(p.prior_lambda)) {
+        snprintf(buf, sizeof(buf), "prior lambda = %g must be a finite number >= 0", (double) p.prior_lambda);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (p.max_rank < 0) {
+        snprintf(buf, sizeof(buf), "max-rank m = %d must be >= 0", p.max_rank);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (!(p.cumsum_tau >= 0.0f && p.cumsum_tau <= 1.0f)) {
+        snprintf(buf, sizeof(buf), "cumsum tau = %g must be in [0, 1]", (double) p.cumsum_tau);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (p.prune_rank < 1) {
+        snprintf(buf, sizeof(buf), "prune rank R = %d must be >= 1", p.prune_rank);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (p.scope != MOECACHE_SCOPE_ALL && p.scope != MOECACHE_SCOPE_DECODE) {
+        snprintf(buf, sizeof(buf), "unknown routing scope %d", (int) p.scope);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    return MOECACHE_OK;
+}
+
+// the cache size of layer il, or -2 when the parameters are invalid (error set)
+static int32_t resolve_capacity(const moecache_cache_params & p, int32_t il, int32_t N) {
+    char buf[256];
+    int32_t n = p.n_cached;
+    if (p.n_cached_per_layer && il < p.n_layer_sizes && p.n_cached_per_layer[il] >= 0) {
+        n = p.n_cached_per_layer[il];
+    }
+    if (n < 0) {
+        if (!(p.fraction >= 0.0f && p.fraction <= 1.0f)) {
+            snprintf(buf, sizeof(buf), "cache fraction = %g must be in [0, 1]", (double) p.fraction);
+            fail(MOECACHE_ERR_INVALID, buf);
+            return -2;
+        }
+        n = (int32_t) std::lround((double) p.fraction * N);
+        if (p.fraction > 0.0f && n < 1) {
+            n = 1;
+        }
+    }
+    if (n > N) {
+        snprintf(buf, sizeof(buf), "cache size %d (layer %d) is larger than the %d routed experts of the model", n, il, N);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return -2;
+    }
+    return n;
+}
+
+static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
+                                moecache_cache_params cp, moecache_routing_params rp) {
+    char buf[256];
+    if (N < 1 || K < 1 || K > N || K > MOECACHE_MAX_USED) {
+        snprintf(buf, sizeof(buf), "invalid expert counts: N = %d routed experts, K = %d used per token", N, K);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
+    if (n_layer < 1) {
+        fail(MOECACHE_ERR_INVALID, "the model has no layers");
+        return nullptr;
+    }
+    if (check_routing(rp, K) != MOECACHE_OK) {
+        return nullptr;
+    }
+    if (cp.insertion != MOECACHE_INSERTION_TOP_BOTTOM && cp.insertion != MOECACHE_INSERTION_BOTTOM_TOP) {
+        fail(MOECACHE_ERR_INVALID, "unknown insertion order");
+        return nullptr;
+    }
+    if (cp.trace_capacity < 0) {
+        fail(MOECACHE_ERR_INVALID, "trace_capacity must be >= 0");
+        return nullptr;
+    }
+    if (cp.n_layer_sizes < 0 || cp.n_layer_sizes > n_layer || (cp.n_layer_sizes > 0 && !cp.n_cached_per_layer)) {
+        snprintf(buf, sizeof(buf), "per-layer cache sizes: got %d entries for a model of %d layers", cp.n_layer_sizes, n_layer);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
+    std::vector<int32_t> caps(n_layer);
+    for (int32_t il = 0; il < n_layer; il++) {
+        caps[il] = resolve_capacity(cp, il, N);
+        if (caps[il] < 0) {
+            return nullptr;
+        }
+    }
+
+    moecache * mc = new moecache();
+    mc->n_layer       = n_layer;
+    mc->n_expert      = N;
+    mc->n_expert_used = K;
+    mc->cparams       = cp;
+    mc->cparams.n_cached_per_layer = nullptr; // not kept: resolved into the layers
+    mc->rparams       = rp;
+    mc->layers.resize(n_layer);
+    for (int32_t il = 0; il < n_layer; il++) {
+        moecache_layer_init(*mc, mc->layers[il], il, caps[il]);
+    }
+    mc->trace.resize(cp.trace_capacity);
+    return mc;
+}
+
+static int32_t meta_int(const llama_model * model, const std::string & key) {
+    char buf[64];
+    if (llama_model_meta_val_str(model, key.c_str(), buf, sizeof(buf)) < 0) {
+        return -1;
+    }
+    return (int32_t) std::strtol(buf, nullptr, 10);
+}
+
+extern "C" {
+
+struct moecache * moecache_init(const struct llama_model * model,
+                                struct moecache_cache_params cparams,
+                                struct moecache_routing_params rparams) {
+    if (!model) {
+        fail(MOECACHE_ERR_INVALID, "model is NULL");
+        return nullptr;
+    }
+    char arch[64] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
+    const int32_t N = meta_int(model, std::string(arch) + ".expert_count");
+    const int32_t K = meta_int(model, std::string(arch) + ".expert_used_count");
+    if (N <= 1 || K <= 0) {
+        fail(MOECACHE_ERR_NOT_MOE, std::string("the model has no MoE layers (architecture '") + arch +
+                                   "' without routed experts in its GGUF metadata); moecache needs a Mixture-of-Experts model");
+        return nullptr;
+    }
+    moecache * mc = make_moecache(llama_model_n_layer(model), N, K, cparams, rparams);
+    if (!mc) {
+        return nullptr;
+    }
+    char desc[256] = {0};
+    llama_model_desc(model, desc, sizeof(desc));
+    mc->desc     = std::string(arch) + " | " + desc;
+    mc->n_params = llama_model_n_params(model);
+    return mc;
+}
+
+struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int32_t n_expert_used,
+                                          struct moecache_cache_params cparams,
+                                          struct moecache_routing_params rparams) {
+    moecache * mc = make_moecache(n_layer, n_expert, n_expert_used, cparams, rparams);
+    if (mc) {
+        mc->desc = "synthetic";
+    }
+    return mc;
+}
+
+void moecache_free(struct moecache * mc) {
+    if (!mc) {
+        return;
+    }
+    moecache_hook_detach(mc);
+    delete mc;
+}
+
+int32_t moecache_set_routing(struct moecache * mc, struct moecache_routing_params rparams) {
+    const int32_t rc = check_routing(rparams, mc->n_expert_used);
+    if (rc == MOECACHE_OK) {
+        mc->rparams = rparams;
+    }
+    return rc;
+}
+
+struct moecache_routing_params moecache_get_routing(const struct moecache * mc) {
+    return mc->rparams;
+}
+
+int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int32_t n) {
+    if (n < 0 || n > mc->n_layer || (n > 0 && !delta)) {
+        return fail(MOECACHE_ERR_INVALID, "prior delta: need at most one value per layer");
+    }
+    for (int32_t il = 0; il < mc->n_layer; il++) {
+        const float d = (delta && il < n) ? delta[il] : 0.0f;
+        mc->layers[il].delta_fixed = (d > 0.0f && std::isfinite(d)) ? d : 0.0f;
+    }
+    return MOECACHE_OK;
+}
+
+void moecache_reset_stats(struct moecache * mc) {
+    for (moecache_layer & L : mc->layers) {
+        const moecache_layer_stats old = L.st;
+        L.st = {};
+        L.st.n_expert      = old.n_expert;
+        L.st.n_expert_used = old.n_expert_used;
+        L.st.capacity      = old.capacity;
+        L.st.occupancy     = L.occupancy;
+        L.st.delta         = old.delta;
+        // lifetimes restart now for the experts still cached
+        for (int64_t & t : L.inserted_at) {
+            t = 0;
+        }
+    }
+    mc->trace_total = 0;
+}
+
+void moecache_clear(struct moecache * mc) {
+    for (moecache_layer & L : mc->layers) {
+        // the entries leaving now end their lifetimes here
+        for (size_t e = 0; e < L.last_use.size(); e++) {
+            if (L.last_use[e] >= 0) {
+                L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[e]);
+                L.st.lifetime_count += 1;
+            }
+        }
+        moecache_layer_clear(L);
+    }
+}
+
+int32_t moecache_n_layer(const struct moecache * mc) {
+    return mc->n_layer;
+}
+
+int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct moecache_layer_stats * out) {
+    if (il < 0 || il >= mc->n_layer || !out) {
+        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
+    }
+    const moecache_layer & L = mc->layers[il];
+    *out = L.st;
+    if (!L.seen) {
+        out->n_expert = 0; // a dense layer, or one that has not routed a token yet
+    }
+    // entries resident now count with their age so far
+    for (size_t e = 0; e < L.last_use.size(); e++) {
+        if (L.last_use[e] >= 0) {
+            out->lifetime_sum   += (double) (L.st.tokens - L.inserted_at[e]);
+            out->lifetime_count += 1;
+        }
+    }
+    out->occupancy = L.occupancy;
+    return MOECACHE_OK;
+}
+
+int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * out) {
+    if (!out) {
+        return fail(MOECACHE_ERR_INVALID, "out is NULL");
+    }
+    *out = {};
+    out->n_layer = mc->n_layer;
+    moecache_layer_stats & t = out->total;
+    for (int32_t il = 0; il < mc->n_layer; il++) {
+        moecache_layer_stats ls;
+        moecache_get_layer_stats(mc, il, &ls);
+        if (ls.n_expert == 0) {
+            continue;
+        }
+        if (out->n_moe_layer++ == 0) {
+            t.n_expert      = ls.n_expert;
+            t.n_expert_used = ls.n_expert_used;
+            t.capacity      = ls.capacity;
+        }
+        t.occupancy      += ls.occupancy;
+        t.tokens         += ls.tokens;
+        t.selections     += ls.selections;
+        t.hits           += ls.hits;
+        t.misses         += ls.misses;
+        t.evictions      += ls.evictions;
+        t.lifetime_count += ls.lifetime_count;
+        t.lifetime_sum   += ls.lifetime_sum;
+        t.delta          += ls.delta;
+    }
+    if (out->n_moe_layer > 0) {
+        t.delta /= (float) out->n_moe_layer; // mean Delta over layers
+    }
+    return MOECACHE_OK;
+}
+
+int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
+    if (il < 0 || il >= mc->n_layer) {
+        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
+    }
+    const moecache_layer & L = mc->layers[il];
+    std::vector<std::pair<int64_t, int32_t>> v;
+    for (int32_t e = 0; e < (int32_t) L.last_use.size(); e++) {
+        if (L.last_use[e] >= 0) {
+            v.emplace_back(L.last_use[e], e);
+        }
+    }
+    std::sort(v.begin(), v.end());
+    for (int32_t i = 0; i < (int32_t) v.size() && i < cap; i++) {
+        ids[i] = v[i].second;
+    }
+    return (int32_t) v.size();
+}
+
+int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap) {
+    const int64_t size = (int64_t) mc->trace.size();
+    if (size == 0 || cap <= 0) {
+        return 0;
+    }
+    const int64_t n     = std::min<int64_t>({mc->trace_total, size, (int64_t) cap});
+    const int64_t first = mc->trace_total - std::min(mc->trace_total, size); // oldest kept record
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = mc->trace[(first + i) % size];
+    }
+    return (int32_t) n;
+}
+
+int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                       const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+                       bool rank_on_logits, int32_t * selected, int8_t * hits) {
+    if (il < 0 || il >= mc->n_layer) {
+        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
+    }
+    if (n_expert != mc->n_expert || n_expert_used != mc->n_expert_used) {
+        return fail(MOECACHE_ERR_INVALID, "n_expert / n_expert_used differ from the moecache's model");
+    }
+    if (n_tokens < 0 || !logits || !probs || !selected) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_route: bad arguments");
+    }
+    moecache_layer & L = mc->layers[il];
+    L.rank_on_logits = rank_on_logits;
+    std::vector<int8_t> hit_tmp(n_expert_used);
+    const moecache_routing_params rp = mc->rparams;
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const size_t row = (size_t) t * n_expert;
+        int8_t * h = hits ? hits + (size_t) t * n_expert_used : hit_tmp.data();
+        moecache_route_token(*mc, L, rp, logits + row, probs + row, (scores ? scores : probs) + row,
+                             nullptr, true, true, selected + (size_t) t * n_expert_used, h);
+    }
+    return MOECACHE_OK;
+}
+
+} // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// state files: a tiny binary format, native endianness
+//   "MOECACH1" | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K
+//   per layer: i32 n_cached, i32 ids[n_cached] (least recently used first), f64 delta_sum, i64 delta_n
+
+static const char STATE_MAGIC[8] = {'M', 'O', 'E', 'C', 'A', 'C', 'H', '1'};
+
+struct file_closer {
+    FILE * f;
+    ~file_closer() { if (f) fclose(f); }
+};
+
+template <typename T> static bool put(FILE * f, const T & v) { return fwrite(&v, sizeof(T), 1, f) == 1; }
+template <typename T> static bool get(FILE * f, T & v)       { return fread(&v, sizeof(T), 1, f) == 1; }
+
+extern "C" int32_t moecache_state_save(const struct moecache * mc, const char * path) {
+    file_closer fc = { fopen(path, "wb") };
+    if (!fc.f) {
+        return fail(MOECACHE_ERR_IO, std::string("cannot write cache state to '") + path + "': " + strerror(errno));
+    }
+    bool ok = fwrite(STATE_MAGIC, 1, 8, fc.f) == 8 && put(fc.f, (uint32_t) MOECACHE_ABI_VERSION) &&
+              put(fc.f, (uint32_t) mc->desc.size()) && fwrite(mc->desc.data(), 1, mc->desc.size(), fc.f) == mc->desc.size() &&
+              put(fc.f, mc->n_params) && put(fc.f, mc->n_layer) && put(fc.f, mc->n_expert) && put(fc.f, mc->n_expert_used);
+    std::vector<int32_t> ids(mc->n_expert);
+    for (int32_t il = 0; ok && il < mc->n_layer; il++) {
+        const int32_t n = moecache_get_cached(mc, il, ids.data(), (int32_t) ids.size());
+        ok = put(fc.f, n) && fwrite(ids.data(), sizeof(int32_t), n, fc.f) == (size_t) n &&
+             put(fc.f, mc->layers[il].delta_sum) && put(fc.f, mc->layers[il].delta_n);
+    }
+    if (!ok) {
+        return fail(MOECACHE_ERR_IO, std::string("write error on '") + path + "'");
+    }
+    return MOECACHE_OK;
+}
+
+extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) {
+    file_closer fc = { fopen(path, "rb") };
+    if (!fc.f) {
+        return fail(MOECACHE_ERR_IO, std::string("cannot read cache state '") + path + "': " + strerror(errno));
+    }
+    char magic[8];
+    uint32_t abi = 0, len = 0;
+    if (fread(magic, 1, 8, fc.f) != 8 || memcmp(magic, STATE_MAGIC, 8) != 0 || !get(fc.f, abi) || !get(fc.f, len) || len > 4096) {
+        return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is not a pymoecache cache state file");
+    }
+    std::string desc(len, '\0');
+    uint64_t n_params = 0;
+    int32_t n_layer = 0, N = 0, K = 0;
+    if (fread(&desc[0], 1, len, fc.f) != len || !get(fc.f, n_params) || !get(fc.f, n_layer) || !get(fc.f, N) || !get(fc.f, K)) {
+        return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is truncated");
+    }
+    if (abi != MOECACHE_ABI_VERSION || desc != mc->desc || n_params != mc->n_params ||
+        n_layer != mc->n_layer || N != mc->n_expert || K != mc->n_expert_used) {
+        return fail(MOECACHE_ERR_MISMATCH, std::string("cache state '") + path + "' was saved for another model (" + desc +
+                                               ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
+    }
+    // read everything first: a bad file leaves the cache untouched
+    std::vector<std::vector<int32_t>> ids(n_layer);
+    std::vector<double>  dsum(n_layer);
+    std::vector<int64_t> dn(n_layer);
+    for (int32_t il = 0; il < n_layer; il++) {
+        int32_t n = 0;
+        if (!get(fc.f, n) || n < 0 || n > N) {
+            return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is corrupt");
+        }
+        ids[il].resize(n);
+        if (fread(ids[il].data(), sizeof(int32_t), n, fc.f) != (size_t) n || !get(fc.f, dsum[il]) || !get(fc.f, dn[il])) {
+            return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is truncated");
+        }
+        for (int32_t e : ids[il]) {
+            if (e < 0 || e >= N) {
+                return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is corrupt");
+            }
+        }
+    }
+    for (int32_t il = 0; il < n_layer; il++) {
+        moecache_layer & L = mc->layers[il];
+        moecache_layer_clear(L);
+        // a smaller cache keeps the most recently used entries
+        const size_t skip = ids[il].size() > (size_t) L.capacity ? ids[il].size() - L.capacity : 0;
+        for (size_t i = skip; i < ids[il].size(); i++) {
+            moecache_layer_insert(L, ids[il][i]);
+        }
+        L.st.occupancy = L.occupancy;
+        L.delta_sum    = dsum[il];
+        L.delta_n      = dn[il];
+    }
+    return MOECACHE_OK;
+}

@@ -1,0 +1,218 @@
+// moecache.h - per-layer expert cache and cache-conditional routing for llama.cpp MoE models.
+//
+// The whole public C API of pymoecache. Specification of the routing policies:
+// shared/docs/method.md (notation used below: N routed experts per layer, K = experts used
+// per token, r = the router's ranking, C = the layer's cache, J = Top-J).
+//
+// Usage:
+//     struct moecache_cache_params   cp = moecache_cache_default_params();
+//     struct moecache_routing_params rp = moecache_routing_default_params();
+//     cp.n_cached     = 30;                      // experts kept per layer
+//     rp.policy       = MOECACHE_POLICY_PRIOR;
+//     rp.prior_lambda = 0.5f;
+//     struct moecache * mc = moecache_init(model, cp, rp);   // NULL on error: moecache_last_error()
+//     moecache_attach(mc, ctx);                  // the next llama_decode routes through mc
+//     ... llama_decode(ctx, batch) ...
+//     struct moecache_stats st; moecache_get_stats(mc, &st);
+//     moecache_free(mc);                         // detaches first
+//
+// How a token gets here: llama_decode -> build_moe_ffn (patched, patches/0001-*.patch) ->
+// moecache_hook_select inserts one ggml custom op per MoE layer -> at compute time the op
+// calls moecache_route_tokens (moecache-route.cpp) for the tokens of the ubatch, in order.
+//
+// Threading: one moecache per llama_context. Read stats and change parameters between
+// llama_decode calls, not during one.
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && !defined(__MINGW32__)
+#    define MOECACHE_API __declspec(dllexport)
+#else
+#    define MOECACHE_API __attribute__((visibility("default")))
+#endif
+
+// bumped whenever a struct layout or a signature below changes; bindings check it
+#define MOECACHE_ABI_VERSION 1
+
+// a trace record holds at most this many experts (models with larger K are truncated)
+#define MOECACHE_TRACE_MAX_USED 32
+
+struct llama_model;
+struct llama_context;
+
+struct moecache; // opaque handle
+
+// status codes returned by functions that can fail; details in moecache_last_error()
+enum moecache_status {
+    MOECACHE_OK              =  0,
+    MOECACHE_ERR_INVALID     = -1, // a parameter is out of range
+    MOECACHE_ERR_NOT_MOE     = -2, // the model has no routed experts
+    MOECACHE_ERR_IO          = -3, // a state file could not be read or written
+    MOECACHE_ERR_MISMATCH    = -4, // a state file belongs to another model
+    MOECACHE_ERR_STATE       = -5, // call not allowed now (e.g. attached to another context)
+};
+
+enum moecache_policy {
+    MOECACHE_POLICY_TOPK     = 0, // stock routing; the cache only counts and evicts ("LRU")
+    MOECACHE_POLICY_PRUNE    = 1, // keep r[0:max(J, min(K, R))], drop the others (fewer experts run)
+    MOECACHE_POLICY_MAX_RANK = 2, // cached experts of rank < m jump ahead of uncached ones
+    MOECACHE_POLICY_CUMSUM   = 3, // max-rank with per-token m = first rank where cumsum(p) >= tau
+    MOECACHE_POLICY_PRIOR    = 4, // rank by z + lambda * Delta_l * [e in C or e in r[0:J]]
+};
+
+enum moecache_insertion {
+    MOECACHE_INSERTION_TOP_BOTTOM = 0, // insert highest router weight first: lowest weight is most recent
+    MOECACHE_INSERTION_BOTTOM_TOP = 1, // the reverse order
+};
+
+enum moecache_scope {
+    MOECACHE_SCOPE_ALL    = 0, // the policy routes every token (evaluation, perplexity)
+    MOECACHE_SCOPE_DECODE = 1, // only ubatches of one token (generation); prompts use stock top-k
+};
+
+// Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
+// the change takes effect on the next token, no graph rebuild, no reload.
+struct moecache_routing_params {
+    enum moecache_policy policy;  // default MOECACHE_POLICY_TOPK
+    int32_t top_j;                // J: experts of router rank < J are always selected; default 1; 0 <= J <= K
+    float   prior_lambda;         // PRIOR strength lambda >= 0; 0 = stock model; default 0.5
+    int32_t max_rank;             // MAX_RANK m >= 0 (ranks counted from 0: r[0:m] may be promoted); default 8
+    float   cumsum_tau;           // CUMSUM threshold tau in [0, 1]; default 0.9
+    int32_t prune_rank;           // PRUNE R >= 1: experts kept per token (at most K, at least J); default 2
+    enum moecache_scope scope;    // default MOECACHE_SCOPE_ALL
+};
+
+// Cache: sizes and bookkeeping. Fixed for the life of the moecache.
+struct moecache_cache_params {
+    int32_t n_cached;             // experts kept per MoE layer, 0 <= n_cached <= N; < 0: use `fraction`; default -1
+    float   fraction;             // share of the routed experts kept when n_cached < 0, in [0, 1]; default 0.5
+                                  //   (rounded to the nearest count, at least 1 when fraction > 0)
+    const int32_t * n_cached_per_layer; // optional [n_layer] per-layer sizes (-1 = use the above); copied at init; default NULL
+    int32_t n_layer_sizes;        // length of n_cached_per_layer; default 0
+    enum moecache_insertion insertion; // default MOECACHE_INSERTION_TOP_BOTTOM
+    bool    update_on_prompt;     // prompt ubatches (> 1 token) update the cache and counters; default true
+    int32_t trace_capacity;       // per-token trace records kept, newest win (ring buffer); 0 = off; default 0
+};
+
+// Counters of one layer (or, in moecache_stats, summed over MoE layers).
+// hits + misses = selections; with no pruning selections = n_expert_used * tokens.
+struct moecache_layer_stats {
+    int32_t n_expert;             // N routed experts; 0 if this layer has not routed a token yet (or is dense)
+    int32_t n_expert_used;        // K
+    int32_t capacity;             // cache size M_l (experts)
+    int32_t occupancy;            // experts in the cache now
+    int64_t tokens;               // tokens routed through the policy's cache update
+    int64_t selections;           // experts run (pruned slots excluded)
+    int64_t hits;                 // selected and already cached
+    int64_t misses;               // selected and not cached: must be brought in
+    int64_t evictions;            // experts dropped to make room
+    int64_t lifetime_count;       // cache entries measured (evicted ones + those resident now)
+    double  lifetime_sum;         // tokens each entry stayed, insertion to eviction (or to now)
+    float   delta;                // Delta_l used by PRIOR: running mean of max(score) - min(score)
+};
+
+struct moecache_stats {
+    int32_t n_layer;              // layers of the model
+    int32_t n_moe_layer;          // layers that routed at least one token through the moecache
+    struct moecache_layer_stats total; // sums over MoE layers (n_expert, capacity: of the first one)
+};
+
+// one (layer, token) routing decision, for timelines and offline analysis
+struct moecache_trace_record {
+    int32_t  layer;
+    int32_t  n_selected;                         // experts run for this token (<= MOECACHE_TRACE_MAX_USED)
+    int64_t  token;                              // index of the token at this layer (stats.tokens before it)
+    int32_t  experts[MOECACHE_TRACE_MAX_USED];   // selected expert ids, in router-rank order
+    uint32_t hit_mask;                           // bit i set: experts[i] was a hit
+    uint32_t top_k_mask;                         // bit i set: experts[i] is also in the stock top-K
+};
+
+MOECACHE_API uint32_t     moecache_abi_version(void); // MOECACHE_ABI_VERSION of the library
+MOECACHE_API const char * moecache_version(void);     // "pymoecache <version> (llama.cpp from llama-cpp-python <pin>)"
+MOECACHE_API const char * moecache_last_error(void);  // message of the last failure on this thread, "" if none
+
+MOECACHE_API struct moecache_cache_params   moecache_cache_default_params(void);
+MOECACHE_API struct moecache_routing_params moecache_routing_default_params(void);
+
+// Checks the parameters against the model (N and K come from its GGUF metadata).
+// Returns NULL on error (MoE-less model, n_cached > N, top_j > K, ...): see moecache_last_error().
+MOECACHE_API struct moecache * moecache_init(
+        const struct llama_model           * model,
+        struct moecache_cache_params         cparams,
+        struct moecache_routing_params       rparams);
+
+// Detaches (if attached) and frees.
+MOECACHE_API void moecache_free(struct moecache * mc);
+
+// Route ctx's MoE layers through mc from its next llama_decode on (the graph is rebuilt once).
+// One context per moecache and one moecache per context.
+MOECACHE_API int32_t moecache_attach(struct moecache * mc, struct llama_context * ctx);
+MOECACHE_API void    moecache_detach(struct moecache * mc);
+
+// Validated like moecache_init; on error the old parameters stay.
+MOECACHE_API int32_t moecache_set_routing(struct moecache * mc, struct moecache_routing_params rparams);
+MOECACHE_API struct moecache_routing_params moecache_get_routing(const struct moecache * mc);
+
+// Fixed per-layer Delta_l for PRIOR (from a calibration run) instead of the running mean.
+// delta: [n] values, n <= n_layer; an entry <= 0 keeps the running mean for that layer; NULL clears all.
+MOECACHE_API int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int32_t n);
+
+MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and trace to zero; cache kept
+MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta)
+
+MOECACHE_API int32_t moecache_n_layer(const struct moecache * mc);
+MOECACHE_API int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * out);
+MOECACHE_API int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct moecache_layer_stats * out);
+
+// Experts cached in layer il, least recently used first. Returns how many (<= cap are written).
+MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
+
+// Copies up to cap trace records, oldest first; returns how many. Records are not consumed.
+MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap);
+
+// Cache contents (with recency order) and Delta per layer, tied to the model's identity
+// (description, parameter count, layer and expert counts). Load into a moecache of the same model.
+MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char * path);
+MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
+
+// Routes n_tokens tokens of layer il exactly as the graph op does and updates the cache and
+// counters (for tests and trace replay; the hook calls the same code).
+//   logits:   [n_tokens, n_expert] router logits z
+//   probs:    [n_tokens, n_expert] gating probabilities p
+//   scores:   [n_tokens, n_expert] selection score s (p, p + bias, -INFINITY = masked); NULL = probs
+//   selected: [n_tokens, n_expert_used] out: chosen experts, router-rank order, dropped slots = -1
+//   hits:     [n_tokens, n_expert_used] out, may be NULL: 1 hit, 0 miss, -1 dropped slot
+// rank_on_logits: PRIOR boosts logits (softmax models without bias) instead of scores.
+// Layer il must have n_expert == N of the moecache's model (or any N when the moecache was
+// made with moecache_init_synthetic).
+MOECACHE_API int32_t moecache_route(
+        struct moecache * mc,
+        int32_t           il,
+        const float     * logits,
+        const float     * probs,
+        const float     * scores,
+        int32_t           n_expert,
+        int32_t           n_expert_used,
+        int32_t           n_tokens,
+        bool              rank_on_logits,
+        int32_t         * selected,
+        int8_t          * hits);
+
+// A moecache without a model, for moecache_route (tests, offline simulation): n_layer layers
+// of n_expert experts, n_expert_used per token.
+MOECACHE_API struct moecache * moecache_init_synthetic(
+        int32_t                              n_layer,
+        int32_t                              n_expert,
+        int32_t                              n_expert_used,
+        struct moecache_cache_params         cparams,
+        struct moecache_routing_params       rparams);
+
+#ifdef __cplusplus
+}
+#endif
