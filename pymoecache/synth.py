@@ -93,6 +93,9 @@ class ModelSpec:
     n_dense_lead: int               # leading dense blocks before the MoE blocks
     expert_weights_norm: bool       # renormalise the top-k weights
     expert_weights_scale: float     # 0.0: key not written
+    # (llama, qwen2moe and olmoe hard-code softmax gating and the norm flag in
+    #  llama.cpp; for them these fields only describe what llama.cpp does.
+    #  deepseek2 reads gating, norm, scale and groups from the file.)
     attn_qkv_bias: bool             # q/k/v bias tensors (Qwen style)
     tie_output: bool                # no output.weight, llama.cpp reuses token_embd
     # MLA attention (deepseek2 only, all 0 otherwise)
@@ -104,6 +107,10 @@ class ModelSpec:
     # weights
     embd_type: str                  # token_embd / output: "F16", "F32" or "Q8_0"
     weight_type: str                # other matrices: "F32", "F16" or "Q8_0"
+    embd_std: float                 # std of token_embd entries (small: the layers, not the
+                                    # input token, should dominate the residual stream)
+    output_std: float               # std of output.weight entries (large: peaked logits,
+                                    # so greedy decoding is stable under quantization)
     router_std: float               # std of ffn_gate_inp entries (absolute, not / sqrt(fan_in))
     probs_bias_std: float           # std of exp_probs_b (sigmoid selection bias)
     rms_eps: float
@@ -133,7 +140,8 @@ FIXTURES: dict[str, ModelSpec] = {
         expert_weights_norm=False, expert_weights_scale=0.0,
         attn_qkv_bias=True, tie_output=False,
         q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-        embd_type="F16", weight_type="F32", router_std=1.0, probs_bias_std=0.0,
+        embd_type="F16", weight_type="F32",
+        embd_std=0.5, output_std=1.0, router_std=1.0, probs_bias_std=0.0,
         rms_eps=1e-6, rope_freq_base=1000000.0, vocab="llama-spm",
     ),
     # OLMoE layout: 64 experts, top-8, softmax, q/k norms, no shared expert.
@@ -146,7 +154,8 @@ FIXTURES: dict[str, ModelSpec] = {
         expert_weights_norm=False, expert_weights_scale=0.0,
         attn_qkv_bias=False, tie_output=False,
         q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-        embd_type="F16", weight_type="F32", router_std=1.0, probs_bias_std=0.0,
+        embd_type="F16", weight_type="F32",
+        embd_std=0.5, output_std=1.0, router_std=1.0, probs_bias_std=0.0,
         rms_eps=1e-5, rope_freq_base=10000.0, vocab="llama-spm",
     ),
     # Mixtral layout (arch "llama" with expert tensors): 8 experts, top-2.
@@ -159,7 +168,8 @@ FIXTURES: dict[str, ModelSpec] = {
         expert_weights_norm=True, expert_weights_scale=0.0,
         attn_qkv_bias=False, tie_output=True,
         q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-        embd_type="F16", weight_type="F32", router_std=1.0, probs_bias_std=0.0,
+        embd_type="F16", weight_type="F32",
+        embd_std=0.5, output_std=1.0, router_std=1.0, probs_bias_std=0.0,
         rms_eps=1e-5, rope_freq_base=1000000.0, vocab="llama-spm",
     ),
     # DeepSeek-V3 style routing on the deepseek2 arch (MLA attention):
@@ -175,7 +185,8 @@ FIXTURES: dict[str, ModelSpec] = {
         expert_weights_norm=True, expert_weights_scale=2.5,
         attn_qkv_bias=False, tie_output=True,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        embd_type="F16", weight_type="F32", router_std=0.5, probs_bias_std=0.25,
+        embd_type="F16", weight_type="F32",
+        embd_std=0.5, output_std=1.0, router_std=0.5, probs_bias_std=0.25,
         rms_eps=1e-6, rope_freq_base=10000.0, vocab="llama-spm",
     ),
     # A plain dense llama: no MoE layers at all.
@@ -188,7 +199,8 @@ FIXTURES: dict[str, ModelSpec] = {
         expert_weights_norm=False, expert_weights_scale=0.0,
         attn_qkv_bias=False, tie_output=True,
         q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-        embd_type="F16", weight_type="F32", router_std=0.0, probs_bias_std=0.0,
+        embd_type="F16", weight_type="F32",
+        embd_std=0.5, output_std=1.0, router_std=0.0, probs_bias_std=0.0,
         rms_eps=1e-5, rope_freq_base=10000.0, vocab="llama-spm",
     ),
 }
@@ -204,7 +216,8 @@ BENCH_SPEC = ModelSpec(
     expert_weights_norm=False, expert_weights_scale=0.0,
     attn_qkv_bias=True, tie_output=False,
     q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-    embd_type="Q8_0", weight_type="Q8_0", router_std=1.0, probs_bias_std=0.0,
+    embd_type="Q8_0", weight_type="Q8_0",
+    embd_std=0.5, output_std=1.0, router_std=1.0, probs_bias_std=0.0,
     rms_eps=1e-6, rope_freq_base=1000000.0, vocab="llama-spm",
 )
 
@@ -251,10 +264,10 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
         plan.append(TensorPlan(name, tuple(shape), std, F32))
 
     n_vocab = vocab_size(spec.vocab)
-    plan.append(TensorPlan("token_embd.weight", (spec.n_embd, n_vocab), 1.0, embd_t))
+    plan.append(TensorPlan("token_embd.weight", (spec.n_embd, n_vocab), spec.embd_std, embd_t))
     norm("output_norm.weight", spec.n_embd)
     if not spec.tie_output:
-        plan.append(TensorPlan("output.weight", (spec.n_embd, n_vocab), 1.0 / math.sqrt(spec.n_embd), embd_t))
+        plan.append(TensorPlan("output.weight", (spec.n_embd, n_vocab), spec.output_std, embd_t))
 
     for il in range(spec.n_layer):
         blk = f"blk.{il}"

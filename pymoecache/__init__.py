@@ -1,0 +1,31 @@
+"""pymoecache: a per-layer expert cache and cache-conditional routing for Mixture-of-Experts
+models, running inside a patched llama.cpp.
+
+Importing pymoecache points llama-cpp-python at our libllama (so import it before llama_cpp)
+and checks that the library exports the moecache API.
+
+>>> import pymoecache
+>>> pymoecache.parse_routing("prior:0.5")
+Prior(strength=0.5, top_j=1)
+"""
+
+from . import _moecache_cpp as _C  # loads our libllama through llama_cpp (raises ImportError if it can't)
+from .config import (CacheConfig, ConfigError, CumsumThreshold, MaxRank, Prior, Prune, TopK, parse_cache_size,
+                     parse_routing)
+from .llama import Llama, MoECache, MoECacheError, MoEStats
+from .model_info import ModelFileError, ModelInfo, model_info
+from .models import default_model_path
+
+__version__ = "0.1.0"
+
+
+def native_version() -> str:
+    """Version string of the loaded native library (moecache_version())."""
+    return _C.moecache_version().decode()
+
+
+__all__ = [
+    "CacheConfig", "ConfigError", "CumsumThreshold", "Llama", "MaxRank", "MoECache", "MoECacheError", "MoEStats",
+    "ModelFileError", "ModelInfo", "Prior", "Prune", "TopK", "default_model_path", "model_info", "native_version",
+    "parse_cache_size", "parse_routing",
+]

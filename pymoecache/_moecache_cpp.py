@@ -1,0 +1,144 @@
+"""ctypes mirror of src_cpp/moecache.h, one-to-one. See the header for the meaning of each field.
+
+Pythonic wrappers live in pymoecache.llama and pymoecache.config; this module only declares.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32, c_int64, c_uint32, c_void_p
+
+from ._lib import load_llama_cpp
+
+MOECACHE_ABI_VERSION = 1
+MOECACHE_TRACE_MAX_USED = 32
+
+# enum moecache_status
+MOECACHE_OK = 0
+MOECACHE_ERR_INVALID = -1
+MOECACHE_ERR_NOT_MOE = -2
+MOECACHE_ERR_IO = -3
+MOECACHE_ERR_MISMATCH = -4
+MOECACHE_ERR_STATE = -5
+
+# enum moecache_policy
+MOECACHE_POLICY_TOPK = 0
+MOECACHE_POLICY_PRUNE = 1
+MOECACHE_POLICY_MAX_RANK = 2
+MOECACHE_POLICY_CUMSUM = 3
+MOECACHE_POLICY_PRIOR = 4
+
+# enum moecache_insertion
+MOECACHE_INSERTION_TOP_BOTTOM = 0
+MOECACHE_INSERTION_BOTTOM_TOP = 1
+
+# enum moecache_scope
+MOECACHE_SCOPE_ALL = 0
+MOECACHE_SCOPE_DECODE = 1
+
+
+class moecache_routing_params(ctypes.Structure):
+    _fields_ = [
+        ("policy", c_int32),
+        ("top_j", c_int32),
+        ("prior_lambda", c_float),
+        ("max_rank", c_int32),
+        ("cumsum_tau", c_float),
+        ("prune_rank", c_int32),
+        ("scope", c_int32),
+    ]
+
+
+class moecache_cache_params(ctypes.Structure):
+    _fields_ = [
+        ("n_cached", c_int32),
+        ("fraction", c_float),
+        ("n_cached_per_layer", POINTER(c_int32)),
+        ("n_layer_sizes", c_int32),
+        ("insertion", c_int32),
+        ("update_on_prompt", c_bool),
+        ("trace_capacity", c_int32),
+    ]
+
+
+class moecache_layer_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_expert", c_int32),
+        ("n_expert_used", c_int32),
+        ("capacity", c_int32),
+        ("occupancy", c_int32),
+        ("tokens", c_int64),
+        ("selections", c_int64),
+        ("hits", c_int64),
+        ("misses", c_int64),
+        ("evictions", c_int64),
+        ("lifetime_count", c_int64),
+        ("lifetime_sum", c_double),
+        ("delta", c_float),
+    ]
+
+
+class moecache_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_layer", c_int32),
+        ("n_moe_layer", c_int32),
+        ("total", moecache_layer_stats),
+    ]
+
+
+class moecache_trace_record(ctypes.Structure):
+    _fields_ = [
+        ("layer", c_int32),
+        ("n_selected", c_int32),
+        ("token", c_int64),
+        ("experts", c_int32 * MOECACHE_TRACE_MAX_USED),
+        ("hit_mask", c_uint32),
+        ("top_k_mask", c_uint32),
+    ]
+
+
+moecache_p = c_void_p  # struct moecache * (opaque)
+
+lib = load_llama_cpp()
+
+
+def _fn(name, argtypes, restype):
+    f = getattr(lib, name)
+    f.argtypes = argtypes
+    f.restype = restype
+    return f
+
+
+moecache_abi_version = _fn("moecache_abi_version", [], c_uint32)
+moecache_version = _fn("moecache_version", [], c_char_p)
+moecache_last_error = _fn("moecache_last_error", [], c_char_p)
+moecache_cache_default_params = _fn("moecache_cache_default_params", [], moecache_cache_params)
+moecache_routing_default_params = _fn("moecache_routing_default_params", [], moecache_routing_params)
+moecache_init = _fn("moecache_init", [c_void_p, moecache_cache_params, moecache_routing_params], moecache_p)
+moecache_init_synthetic = _fn("moecache_init_synthetic",
+                              [c_int32, c_int32, c_int32, moecache_cache_params, moecache_routing_params], moecache_p)
+moecache_free = _fn("moecache_free", [moecache_p], None)
+moecache_attach = _fn("moecache_attach", [moecache_p, c_void_p], c_int32)
+moecache_detach = _fn("moecache_detach", [moecache_p], None)
+moecache_set_routing = _fn("moecache_set_routing", [moecache_p, moecache_routing_params], c_int32)
+moecache_get_routing = _fn("moecache_get_routing", [moecache_p], moecache_routing_params)
+moecache_set_prior_delta = _fn("moecache_set_prior_delta", [moecache_p, POINTER(c_float), c_int32], c_int32)
+moecache_reset_stats = _fn("moecache_reset_stats", [moecache_p], None)
+moecache_clear = _fn("moecache_clear", [moecache_p], None)
+moecache_n_layer = _fn("moecache_n_layer", [moecache_p], c_int32)
+moecache_get_stats = _fn("moecache_get_stats", [moecache_p, POINTER(moecache_stats)], c_int32)
+moecache_get_layer_stats = _fn("moecache_get_layer_stats", [moecache_p, c_int32, POINTER(moecache_layer_stats)], c_int32)
+moecache_get_cached = _fn("moecache_get_cached", [moecache_p, c_int32, POINTER(c_int32), c_int32], c_int32)
+moecache_get_trace = _fn("moecache_get_trace", [moecache_p, POINTER(moecache_trace_record), c_int32], c_int32)
+moecache_state_save = _fn("moecache_state_save", [moecache_p, c_char_p], c_int32)
+moecache_state_load = _fn("moecache_state_load", [moecache_p, c_char_p], c_int32)
+moecache_route = _fn("moecache_route", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float), POINTER(c_float),
+                                        c_int32, c_int32, c_int32, c_bool, POINTER(c_int32), POINTER(c_int8)], c_int32)
+
+if moecache_abi_version() != MOECACHE_ABI_VERSION:
+    raise ImportError(f"libllama has moecache ABI {moecache_abi_version()}, these bindings expect "
+                      f"{MOECACHE_ABI_VERSION}: rebuild with `pip install .`")
+
+
+def last_error() -> str:
+    return (moecache_last_error() or b"").decode("utf-8", "replace")

@@ -1,0 +1,271 @@
+"""Routing policies and cache configuration: small validated objects, also parsed from CLI strings.
+
+>>> parse_routing("prior:0.5")
+Prior(strength=0.5, top_j=1)
+>>> parse_routing("max-rank:4")
+MaxRank(m=4, top_j=1)
+>>> parse_routing("lru")
+TopK()
+>>> CacheConfig(size=0.25).size
+0.25
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from . import _moecache_cpp as C
+
+
+class ConfigError(ValueError):
+    """A routing or cache parameter is out of range or cannot be parsed."""
+
+
+def _check_top_j(top_j: int) -> None:
+    if not isinstance(top_j, int) or top_j < 0:
+        raise ConfigError(f"top_j must be an integer >= 0, got {top_j!r}")
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Stock routing (the "LRU" baseline): the model's own top-K; the cache only counts and evicts."""
+
+    spec_name = "lru"
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy = C.MOECACHE_POLICY_TOPK
+
+    def spec(self) -> str:
+        return "lru"
+
+
+@dataclass(frozen=True)
+class Prune:
+    """Run only the router's top ``rank`` experts (at most K, at least J); drop the others.
+
+    >>> Prune(2).spec()
+    'prune:2'
+    """
+
+    rank: int
+    top_j: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"prune rank R must be an integer >= 1, got {self.rank!r}")
+        _check_top_j(self.top_j)
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.prune_rank, p.top_j = C.MOECACHE_POLICY_PRUNE, self.rank, self.top_j
+
+    def spec(self) -> str:
+        return f"prune:{self.rank}"
+
+
+@dataclass(frozen=True)
+class MaxRank:
+    """Cached experts among the router's top ``m`` jump ahead of uncached ones (Top-J always kept).
+
+    >>> MaxRank(4).spec()
+    'max-rank:4'
+    """
+
+    m: int
+    top_j: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.m, int) or self.m < 0:
+            raise ConfigError(f"max-rank m must be an integer >= 0, got {self.m!r}")
+        _check_top_j(self.top_j)
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.max_rank, p.top_j = C.MOECACHE_POLICY_MAX_RANK, self.m, self.top_j
+
+    def spec(self) -> str:
+        return f"max-rank:{self.m}"
+
+
+@dataclass(frozen=True)
+class CumsumThreshold:
+    """Max-rank with a per-token m: the first rank where the router's cumulative probability
+    reaches ``tau``. A confident router allows little change, a flat one more.
+
+    >>> CumsumThreshold(0.7).spec()
+    'cumsum:0.7'
+    """
+
+    tau: float
+    top_j: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.tau, (int, float)) or not (0.0 <= self.tau <= 1.0):
+            raise ConfigError(f"cumsum tau must be a number in [0, 1], got {self.tau!r}")
+        _check_top_j(self.top_j)
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.cumsum_tau, p.top_j = C.MOECACHE_POLICY_CUMSUM, float(self.tau), self.top_j
+
+    def spec(self) -> str:
+        return f"cumsum:{self.tau:g}"
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The main method: rank by ``z + strength * Delta_l`` for cached (and Top-J) experts.
+    Weights still come from the unmodified router probabilities. ``strength=0`` is the stock
+    model; 0.5 is the usual operating point.
+
+    >>> Prior(0.5).spec()
+    'prior:0.5'
+    """
+
+    strength: float = 0.5
+    top_j: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.strength, (int, float)) or not math.isfinite(self.strength) or self.strength < 0:
+            raise ConfigError(f"prior strength (lambda) must be a finite number >= 0, got {self.strength!r}")
+        _check_top_j(self.top_j)
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), self.top_j
+
+    def spec(self) -> str:
+        return f"prior:{self.strength:g}"
+
+
+Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior]
+
+_SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*j\s*=\s*(\d+))?\s*$")
+ROUTING_SPECS = "lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2)"
+
+
+def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
+    """Parse a routing spec string (``prior:0.5``, ``max-rank:4``, ``cumsum:0.7``, ``prune:3``, ``lru``).
+
+    >>> parse_routing("prior:0.25:j=2")
+    Prior(strength=0.25, top_j=2)
+    >>> parse_routing("cumsum:0.7", top_j=0)
+    CumsumThreshold(tau=0.7, top_j=0)
+    """
+    m = _SPEC_RE.match(spec.lower())
+    if not m:
+        raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")
+    name, arg, j = m.group(1), m.group(2), m.group(3)
+    j = int(j) if j is not None else (top_j if top_j is not None else 1)
+
+    def num(kind):
+        if arg is None:
+            raise ConfigError(f"routing spec {spec!r} needs a value, e.g. {name}:{'0.5' if kind is float else '4'}")
+        try:
+            return kind(arg)
+        except ValueError:
+            raise ConfigError(f"routing spec {spec!r}: {arg!r} is not a valid {'number' if kind is float else 'integer'}")
+
+    if name in ("lru", "topk", "top-k"):
+        if arg is not None:
+            raise ConfigError(f"routing spec {spec!r}: '{name}' takes no value")
+        return TopK()
+    if name == "prior":
+        return Prior(num(float) if arg is not None else 0.5, top_j=j)
+    if name in ("max-rank", "maxrank"):
+        return MaxRank(num(int), top_j=j)
+    if name == "cumsum":
+        return CumsumThreshold(num(float), top_j=j)
+    if name == "prune":
+        return Prune(num(int), top_j=j)
+    raise ConfigError(f"unknown routing policy {name!r} in {spec!r}; expected {ROUTING_SPECS}")
+
+
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)\s*$", re.I)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> Optional[int]:
+    """``"4GiB"`` -> 4294967296; None if ``text`` is not a byte size.
+
+    >>> parse_bytes("1.5 MiB")
+    1572864
+    """
+    m = _BYTES_RE.match(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
+
+
+def parse_cache_size(text: str) -> Union[int, float, str]:
+    """CLI form of a cache size: ``30`` (experts per layer), ``0.5`` (share of N), ``4GiB`` (budget).
+
+    >>> parse_cache_size("30"), parse_cache_size("0.5"), parse_cache_size("3GiB")
+    (30, 0.5, '3GiB')
+    """
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    if parse_bytes(text) is not None:
+        return text
+    try:
+        f = float(text)
+    except ValueError:
+        raise ConfigError(f"cannot parse cache size {text!r}: use a count (30), a fraction of the experts "
+                          "(0.5) or a memory budget (4GiB)")
+    if not 0.0 <= f <= 1.0:
+        raise ConfigError(f"cache fraction {f} must be in [0, 1] (use an integer for a count of experts)")
+    return f
+
+
+@dataclass
+class CacheConfig:
+    """Per-layer expert cache.
+
+    size: ``int`` experts per MoE layer, ``float`` in [0, 1] share of the routed experts, or a
+    memory budget string such as ``"4GiB"`` for all layers' cached experts together (turned into
+    a per-layer count from the model's real expert sizes). ``per_layer`` overrides single layers.
+
+    >>> CacheConfig(size=30, insertion="bottom-top").insertion
+    'bottom-top'
+    """
+
+    size: Union[int, float, str] = 0.5
+    insertion: str = "top-bottom"
+    update_on_prompt: bool = True
+    trace: int = 0
+    per_layer: Optional[Sequence[int]] = field(default=None)
+
+    def __post_init__(self):
+        if isinstance(self.size, bool):
+            raise ConfigError("cache size must be a count, a fraction or a byte budget, not a bool")
+        if isinstance(self.size, int):
+            if self.size < 0:
+                raise ConfigError(f"cache size {self.size} must be >= 0")
+        elif isinstance(self.size, float):
+            if not 0.0 <= self.size <= 1.0:
+                raise ConfigError(f"cache fraction {self.size} must be in [0, 1]")
+        elif isinstance(self.size, str):
+            if parse_bytes(self.size) is None:
+                raise ConfigError(f"cannot parse cache budget {self.size!r} (e.g. '4GiB', '512MB')")
+        else:
+            raise ConfigError(f"cache size must be int, float or str, got {type(self.size).__name__}")
+        if self.insertion not in ("top-bottom", "bottom-top"):
+            raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {self.insertion!r}")
+        if not isinstance(self.trace, int) or self.trace < 0:
+            raise ConfigError(f"trace must be a number of records >= 0, got {self.trace!r}")
+
+    def n_cached_for(self, n_expert: int, expert_bytes_per_layer: Optional[float], n_moe_layer: int) -> int:
+        """Experts per layer this config asks for, given the model's N and the bytes of one expert."""
+        if isinstance(self.size, int):
+            n = self.size
+        elif isinstance(self.size, float):
+            n = int(round(self.size * n_expert))
+            if self.size > 0 and n < 1:
+                n = 1
+        else:
+            budget = parse_bytes(self.size)
+            if not expert_bytes_per_layer or n_moe_layer <= 0:
+                raise ConfigError("a memory budget needs the model's expert sizes, which are unknown")
+            n = int(budget // (expert_bytes_per_layer * n_moe_layer))
+        if n > n_expert:
+            raise ConfigError(f"cache size {n} is larger than the model's {n_expert} routed experts per layer")
+        return n

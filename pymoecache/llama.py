@@ -1,0 +1,349 @@
+"""``pymoecache.Llama``: llama-cpp-python's ``Llama`` with an expert cache and cache-aware routing.
+
+>>> import pymoecache
+>>> llm = pymoecache.Llama(pymoecache.default_model_path(), cache=pymoecache.CacheConfig(size=0.5),
+...                        routing=pymoecache.Prior(0.5), verbose=False)      # doctest: +SKIP
+>>> out = llm("Once upon a time", max_tokens=16)                              # doctest: +SKIP
+>>> round(llm.moe_stats().hit_rate, 2)                                        # doctest: +SKIP
+0.83
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import llama_cpp
+
+from . import _moecache_cpp as C
+from .config import CacheConfig, ConfigError, Routing, TopK, parse_routing
+from .model_info import ModelInfo, model_info
+
+_SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
+
+
+class MoECacheError(RuntimeError):
+    """The native moecache refused a call; the message says why."""
+
+
+def _check(rc: int) -> None:
+    if rc != C.MOECACHE_OK:
+        msg = C.last_error()
+        raise (ConfigError if rc == C.MOECACHE_ERR_INVALID else MoECacheError)(msg)
+
+
+@dataclass
+class MoEStats:
+    """Counters of the expert cache, in total and per layer (numpy arrays indexed by MoE layer).
+
+    miss_rate = misses / (K * tokens), as in the published work; hit_rate = 1 - miss_rate.
+    """
+
+    n_expert: int
+    n_expert_used: int
+    moe_layers: np.ndarray           # layer index of each row below
+    capacity_per_layer: np.ndarray
+    occupancy_per_layer: np.ndarray
+    tokens_per_layer: np.ndarray
+    selections_per_layer: np.ndarray
+    hits_per_layer: np.ndarray
+    misses_per_layer: np.ndarray
+    evictions_per_layer: np.ndarray
+    lifetime_per_layer: np.ndarray   # mean tokens an entry stays cached (evicted + current entries)
+    delta_per_layer: np.ndarray      # Delta_l used by the prior
+    expert_bytes: float              # bytes of one routed expert (0 if unknown)
+    lifetime: float                  # mean tokens an entry stays cached, over all layers
+
+    @property
+    def tokens(self) -> int:
+        """Tokens routed (through the first MoE layer)."""
+        return int(self.tokens_per_layer.max()) if self.tokens_per_layer.size else 0
+
+    @property
+    def hits(self) -> int:
+        return int(self.hits_per_layer.sum())
+
+    @property
+    def misses(self) -> int:
+        return int(self.misses_per_layer.sum())
+
+    @property
+    def evictions(self) -> int:
+        return int(self.evictions_per_layer.sum())
+
+    @property
+    def miss_rate(self) -> float:
+        denom = self.n_expert_used * int(self.tokens_per_layer.sum())
+        return self.misses / denom if denom else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.miss_rate if self.tokens_per_layer.sum() else 0.0
+
+    @property
+    def miss_rate_per_layer(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.tokens_per_layer > 0,
+                            self.misses_per_layer / np.maximum(1, self.n_expert_used * self.tokens_per_layer), 0.0)
+
+    @property
+    def hit_rate_per_layer(self) -> np.ndarray:
+        return np.where(self.tokens_per_layer > 0, 1.0 - self.miss_rate_per_layer, 0.0)
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.misses / self.tokens if self.tokens else 0.0
+
+    @property
+    def bytes_loaded(self) -> int:
+        """Bytes the misses had to bring in (misses x bytes of one expert)."""
+        return int(self.misses * self.expert_bytes)
+
+    def summary(self) -> str:
+        hr = self.hit_rate_per_layer
+        return (f"hit rate {100 * self.hit_rate:.1f}% | misses/token {self.misses_per_token:.2f} | "
+                f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
+                f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
+                if self.tokens else "no tokens routed yet")
+
+
+class MoECache:
+    """Owner of one native ``struct moecache`` (see src_cpp/moecache.h). Usually reached through
+    ``Llama``; also usable on its own with :meth:`synthetic` and :meth:`route` (tests, replay).
+
+    >>> mc = MoECache.synthetic(n_layer=1, n_expert=8, n_expert_used=2, cache=CacheConfig(size=4))
+    >>> sel, hits = mc.route(0, np.array([[3., 2, 1, 0, 0, 0, 0, 0]], dtype=np.float32))
+    >>> sel.tolist(), hits.tolist()
+    ([[0, 1]], [[0, 0]])
+    """
+
+    def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0):
+        if not handle:
+            msg = C.last_error()
+            raise (ConfigError if "no MoE layers" not in msg else MoECacheError)(msg)
+        self._h = handle
+        self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
+        self.expert_bytes = expert_bytes
+
+    # --- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _params(n_expert: int, cache: CacheConfig, routing: Routing, scope: str,
+                expert_bytes: float = 0.0, n_moe_layer: int = 0):
+        cp = C.moecache_cache_default_params()
+        cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
+        cp.insertion = (C.MOECACHE_INSERTION_TOP_BOTTOM if cache.insertion == "top-bottom"
+                        else C.MOECACHE_INSERTION_BOTTOM_TOP)
+        cp.update_on_prompt = bool(cache.update_on_prompt)
+        cp.trace_capacity = int(cache.trace)
+        keep = None
+        if cache.per_layer is not None:
+            keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
+            cp.n_cached_per_layer = keep
+            cp.n_layer_sizes = len(cache.per_layer)
+        rp = MoECache._routing_params(routing, scope)
+        return cp, rp, keep
+
+    @staticmethod
+    def _routing_params(routing: Union[Routing, str], scope: str) -> C.moecache_routing_params:
+        if isinstance(routing, str):
+            routing = parse_routing(routing)
+        if scope not in _SCOPES:
+            raise ConfigError(f"routing scope must be one of {sorted(_SCOPES)}, got {scope!r}")
+        rp = C.moecache_routing_default_params()
+        routing._apply(rp)
+        rp.scope = _SCOPES[scope]
+        return rp
+
+    @classmethod
+    def synthetic(cls, n_layer: int, n_expert: int, n_expert_used: int, *, cache: Optional[CacheConfig] = None,
+                  routing: Union[Routing, str, None] = None, scope: str = "all") -> "MoECache":
+        """A moecache without a model, driven by :meth:`route`."""
+        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(), routing or TopK(), scope)
+        h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
+        return cls(h, n_layer, n_expert, n_expert_used)
+
+    @classmethod
+    def for_model(cls, model_ptr, info: ModelInfo, *, cache: CacheConfig, routing: Union[Routing, str],
+                  scope: str = "all") -> "MoECache":
+        cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer)
+        h = C.moecache_init(model_ptr, cp, rp)
+        return cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes)
+
+    # --- life cycle --------------------------------------------------------------------------
+    def attach(self, ctx_ptr) -> None:
+        _check(C.moecache_attach(self._h, ctx_ptr))
+
+    def detach(self) -> None:
+        C.moecache_detach(self._h)
+
+    def close(self) -> None:
+        if self._h:
+            C.moecache_free(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+    # --- routing -----------------------------------------------------------------------------
+    def set_routing(self, routing: Union[Routing, str], scope: Optional[str] = None) -> None:
+        if scope is None:
+            scope = {v: k for k, v in _SCOPES.items()}[C.moecache_get_routing(self._h).scope]
+        _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope)))
+
+    def set_prior_delta(self, delta: Optional[np.ndarray]) -> None:
+        """Fixed per-layer Delta_l (entries <= 0 keep the running mean); None restores the running mean."""
+        if delta is None:
+            _check(C.moecache_set_prior_delta(self._h, None, 0))
+            return
+        d = np.ascontiguousarray(delta, dtype=np.float32)
+        _check(C.moecache_set_prior_delta(self._h, d.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), d.size))
+
+    def route(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,
+              scores: Optional[np.ndarray] = None, rank_on_logits: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        """Route ``[n_tokens, n_expert]`` router outputs through layer ``il`` as the graph op does.
+
+        ``probs`` defaults to softmax(logits) and ``scores`` to ``probs``. Returns
+        ``(selected, hits)``, both ``[n_tokens, K]``; dropped slots are -1.
+        """
+        z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
+        if probs is None:
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            probs = e / e.sum(axis=1, keepdims=True)
+        p = np.ascontiguousarray(probs, dtype=np.float32)
+        s = None if scores is None else np.ascontiguousarray(scores, dtype=np.float32)
+        n_tokens, n_expert = z.shape
+        if p.shape != z.shape or (s is not None and s.shape != z.shape):
+            raise ValueError("logits, probs and scores must have the same shape [n_tokens, n_expert]")
+        sel = np.empty((n_tokens, self.n_expert_used), dtype=np.int32)
+        hits = np.empty((n_tokens, self.n_expert_used), dtype=np.int8)
+        fp = ctypes.POINTER(ctypes.c_float)
+        _check(C.moecache_route(self._h, il, z.ctypes.data_as(fp), p.ctypes.data_as(fp),
+                                None if s is None else s.ctypes.data_as(fp), n_expert, self.n_expert_used, n_tokens,
+                                rank_on_logits, sel.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                hits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))))
+        return sel, hits
+
+    # --- stats, contents, state ----------------------------------------------------------------
+    def stats(self) -> MoEStats:
+        rows = []
+        ls = C.moecache_layer_stats()
+        for il in range(C.moecache_n_layer(self._h)):
+            _check(C.moecache_get_layer_stats(self._h, il, ctypes.byref(ls)))
+            if ls.n_expert > 0:
+                rows.append((il, ls.capacity, ls.occupancy, ls.tokens, ls.selections, ls.hits, ls.misses,
+                             ls.evictions, ls.lifetime_count, ls.lifetime_sum, ls.delta))
+        a = np.array(rows, dtype=np.float64).reshape(-1, 11)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            life = np.where(a[:, 8] > 0, a[:, 9] / np.maximum(a[:, 8], 1), 0.0)
+        st = MoEStats(
+            n_expert=self.n_expert, n_expert_used=self.n_expert_used,
+            moe_layers=a[:, 0].astype(np.int32), capacity_per_layer=a[:, 1].astype(np.int32),
+            occupancy_per_layer=a[:, 2].astype(np.int32), tokens_per_layer=a[:, 3].astype(np.int64),
+            selections_per_layer=a[:, 4].astype(np.int64), hits_per_layer=a[:, 5].astype(np.int64),
+            misses_per_layer=a[:, 6].astype(np.int64), evictions_per_layer=a[:, 7].astype(np.int64),
+            lifetime_per_layer=life, delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=self.expert_bytes,
+            lifetime=float(a[:, 9].sum() / a[:, 8].sum()) if a[:, 8].sum() > 0 else 0.0)
+        return st
+
+    def reset_stats(self) -> None:
+        C.moecache_reset_stats(self._h)
+
+    def clear(self) -> None:
+        C.moecache_clear(self._h)
+
+    def cached(self, il: int) -> list:
+        """Experts cached in layer ``il``, least recently used first."""
+        buf = (ctypes.c_int32 * self.n_expert)()
+        n = C.moecache_get_cached(self._h, il, buf, self.n_expert)
+        if n < 0:
+            _check(n)
+        return list(buf[:n])
+
+    def trace(self, max_records: int = 1 << 20) -> np.ndarray:
+        """The per-token trace (oldest first) as a numpy structured array: layer, token,
+        n_selected, experts[32], hit_mask, top_k_mask."""
+        buf = (C.moecache_trace_record * max_records)()
+        n = C.moecache_get_trace(self._h, buf, max_records)
+        dt = np.dtype([("layer", "<i4"), ("n_selected", "<i4"), ("token", "<i8"),
+                       ("experts", "<i4", (C.MOECACHE_TRACE_MAX_USED,)), ("hit_mask", "<u4"), ("top_k_mask", "<u4")])
+        return np.frombuffer(bytes(memoryview(buf)[:n * ctypes.sizeof(C.moecache_trace_record)]), dtype=dt).copy()
+
+    def save(self, path: "os.PathLike[str] | str") -> None:
+        _check(C.moecache_state_save(self._h, os.fsencode(path)))
+
+    def load(self, path: "os.PathLike[str] | str") -> None:
+        _check(C.moecache_state_load(self._h, os.fsencode(path)))
+
+
+class Llama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` running on pymoecache's libllama, with a per-layer expert cache.
+
+    Everything of ``llama_cpp.Llama`` works unchanged (completion, chat, streaming, grammars,
+    tokenization); routing goes through the cache from the first token on.
+
+    Args:
+        model_path: a GGUF file.
+        cache: :class:`CacheConfig` (default: half of the routed experts per layer).
+        routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
+            as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts).
+        routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
+            generated tokens (prompts use stock routing), as in the on-device deployment.
+        **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, ...).
+
+    A dense model (no MoE layers) loads and runs with a warning, without a cache.
+
+    >>> llm = Llama("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.25))  # doctest: +SKIP
+    >>> llm.set_routing("max-rank:4")                                               # doctest: +SKIP
+    """
+
+    def __init__(self, model_path: str, *, cache: Optional[CacheConfig] = None,
+                 routing: Union[Routing, str, None] = None, routing_scope: str = "all", **kwargs):
+        info = model_info(model_path)  # clear errors for missing, non-GGUF and truncated files
+        cache = cache if cache is not None else CacheConfig()
+        routing = parse_routing(routing) if isinstance(routing, str) else (routing or TopK())
+        if info.is_moe:  # check the parameters before spending time on loading weights
+            MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes, info.n_moe_layer)
+            top_j = getattr(routing, "top_j", 0)
+            if top_j > info.n_expert_used:
+                raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
+        super().__init__(model_path=str(model_path), **kwargs)
+        self.model_info = info
+        self.moecache: Optional[MoECache] = None
+        if not info.is_moe:
+            warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",
+                          stacklevel=2)
+            return
+        self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope)
+        self.moecache.attach(self._ctx.ctx)
+        self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+
+    def _require_cache(self) -> MoECache:
+        if self.moecache is None:
+            raise MoECacheError("this model has no MoE layers, so there is no expert cache")
+        return self.moecache
+
+    def moe_stats(self) -> MoEStats:
+        """Hit/miss counters since load (or the last :meth:`reset_moe_stats`)."""
+        return self._require_cache().stats()
+
+    def reset_moe_stats(self) -> None:
+        self._require_cache().reset_stats()
+
+    def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:
+        """Change the policy; takes effect on the next token, no reload.
+
+        >>> llm.set_routing(Prior(1.0))        # doctest: +SKIP
+        """
+        self._require_cache().set_routing(routing, scope)
+
+    def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
+        """Write the cache contents (per layer, in recency order) to ``path``."""
+        self._require_cache().save(path)
+
+    def load_cache_state(self, path: "os.PathLike[str] | str") -> None:
+        """Start warm: load contents saved by :meth:`save_cache_state` for the same model."""
+        self._require_cache().load(path)
