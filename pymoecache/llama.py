@@ -321,6 +321,10 @@ class Llama(llama_cpp.Llama):
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
 
+    def __del__(self) -> None:
+        if hasattr(self, "_stack"):  # __init__ may have failed before llama_cpp.Llama set it up
+            super().__del__()
+
     def _require_cache(self) -> MoECache:
         if self.moecache is None:
             raise MoECacheError("this model has no MoE layers, so there is no expert cache")

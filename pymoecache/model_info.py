@@ -156,6 +156,9 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
             per_layer[il] = per_layer.get(il, 0) + int(t.n_bytes)
             types.add(t.tensor_type.name)
     moe_layers = sorted(per_layer)
+    n_shared = int(kv(f"{arch}.expert_shared_count", 0) or 0)
+    if n_shared == 0 and any("_shexp." in t.name for t in r.tensors):
+        n_shared = 1  # qwen2moe stores one shared expert without a count key
     total = sum(per_layer.values())
     expert_bytes = total / (len(moe_layers) * n_expert) if moe_layers and n_expert else 0.0
     return ModelInfo(
@@ -167,7 +170,7 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         moe_layers=moe_layers,
         n_expert=n_expert,
         n_expert_used=int(kv(f"{arch}.expert_used_count", 0) or 0),
-        n_expert_shared=int(kv(f"{arch}.expert_shared_count", 0) or 0),
+        n_expert_shared=n_shared,
         gating=_GATING.get(int(kv(f"{arch}.expert_gating_func", 1 if n_expert else 0) or 0), "?"),
         n_expert_groups=int(kv(f"{arch}.expert_group_count", 1) or 1),
         expert_bytes=expert_bytes,

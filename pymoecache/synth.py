@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -54,9 +55,6 @@ VOCAB_DIR = REPO_ROOT / "vendor" / "llama.cpp" / "models"
 
 # Quantized variants made by build_all() for every MoE fixture.
 QUANT_TYPES = ("Q8_0", "Q4_K_M")
-
-# Default llama.cpp build of this project (used only when LLAMA_CPP_LIB_PATH is unset).
-DEFAULT_LIB_DIR = REPO_ROOT / "build" / "dev" / "bin"
 
 F32 = gguf.GGMLQuantizationType.F32
 F16 = gguf.GGMLQuantizationType.F16
@@ -175,7 +173,9 @@ FIXTURES: dict[str, ModelSpec] = {
     # DeepSeek-V3 style routing on the deepseek2 arch (MLA attention):
     # sigmoid scores + selection bias, 8 groups of 8 experts with the best 4
     # groups kept, top-6, renormalised and scaled by 2.5, one shared expert,
-    # and a leading dense block.
+    # and a leading dense block. router_std/probs_bias_std are chosen so the
+    # bias changes the expert set of most tokens (~4.5 of 6 experts kept) while
+    # every expert still gets used.
     "deepseek2-sigmoid-64x6": ModelSpec(
         name="deepseek2-sigmoid-64x6", arch="deepseek2",
         n_layer=4, n_embd=64, n_head=4, n_head_kv=1, n_ctx=512, n_ff=128,
@@ -186,7 +186,7 @@ FIXTURES: dict[str, ModelSpec] = {
         attn_qkv_bias=False, tie_output=True,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         embd_type="F16", weight_type="F32",
-        embd_std=0.5, output_std=1.0, router_std=0.5, probs_bias_std=0.25,
+        embd_std=0.5, output_std=1.0, router_std=0.25, probs_bias_std=0.05,
         rms_eps=1e-6, rope_freq_base=10000.0, vocab="llama-spm",
     ),
     # A plain dense llama: no MoE layers at all.
@@ -207,6 +207,7 @@ FIXTURES: dict[str, ModelSpec] = {
 
 # Large qwen2moe-style model for benchmarks. n_layer is a minimum:
 # build_bench_model() adds layers until the file reaches target_mb.
+# output_std 0.25 = 8 / sqrt(n_embd): logits std ~8, as in the small fixtures.
 BENCH_SPEC = ModelSpec(
     name="bench-qwen2moe-60x4", arch="qwen2moe",
     n_layer=8, n_embd=1024, n_head=16, n_head_kv=16, n_ctx=4096, n_ff=2048,
@@ -217,7 +218,7 @@ BENCH_SPEC = ModelSpec(
     attn_qkv_bias=True, tie_output=False,
     q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
     embd_type="Q8_0", weight_type="Q8_0",
-    embd_std=0.5, output_std=1.0, router_std=1.0, probs_bias_std=0.0,
+    embd_std=0.5, output_std=0.25, router_std=1.0, probs_bias_std=0.0,
     rms_eps=1e-6, rope_freq_base=1000000.0, vocab="llama-spm",
 )
 
@@ -614,12 +615,19 @@ def build_fixture(name: str, out_dir: str | os.PathLike, seed: int = 0, force: b
 
 
 def _load_llama_cpp():
-    """Import llama_cpp, pointing it at this repo's build if nothing else is set."""
-    if "LLAMA_CPP_LIB_PATH" not in os.environ and (DEFAULT_LIB_DIR / "libllama.so").exists():
-        os.environ["LLAMA_CPP_LIB_PATH"] = str(DEFAULT_LIB_DIR)
+    """Import llama_cpp, loaded on this project's libllama when possible.
+
+    If llama_cpp is not imported yet and LLAMA_CPP_LIB_PATH is unset, importing
+    the pymoecache package sets it (pymoecache/_lib.py finds the build).
+    """
+    if "llama_cpp" not in sys.modules and "LLAMA_CPP_LIB_PATH" not in os.environ:
+        try:
+            import pymoecache  # noqa: F401
+        except ImportError:
+            pass
     try:
         import llama_cpp
-    except (ImportError, OSError, FileNotFoundError) as e:
+    except (ImportError, OSError) as e:
         raise RuntimeError(
             "quantization needs llama-cpp-python and libllama; set LLAMA_CPP_LIB_PATH "
             f"to the folder holding libllama.so ({e})") from e

@@ -1,0 +1,386 @@
+"""The routing policies and the per-layer LRU expert cache in plain Python/numpy.
+
+This is a readable twin of ``src_cpp/moecache-route.cpp`` (the code that runs inside llama.cpp),
+written to be checked line by line against ``shared/docs/method.md``.
+``tests/test_route_property.py`` feeds random router outputs to both and requires identical
+selections, hit masks, counters and cache contents. It is slow (pure Python per token) and meant
+for tests and for small offline experiments (``pymoecache.simulate``).
+
+Notation (method.md): N routed experts, K used per token, z logits, p gating probabilities,
+s selection scores (-inf or NaN = masked: the model forbids the expert for this token),
+r the router's ranking, r' the final ranking, C the layer's cache, J = Top-J.
+
+>>> import numpy as np
+>>> from pymoecache.config import Prior
+>>> rc = ReferenceCache(n_layer=1, n_expert=4, n_expert_used=2, capacity=2, routing=Prior(1.0, top_j=1))
+>>> sel, hits = rc.route(0, np.array([[3., 2., 1., 0.]], dtype=np.float32))
+>>> sel.tolist(), hits.tolist(), rc.cached(0)
+([[0, 1]], [[0, 0]], [0, 1])
+>>> # expert 2 now outranks 1, but 1 is cached: the prior keeps it
+>>> sel, hits = rc.route(0, np.array([[3., 1.5, 2., 0.]], dtype=np.float32))
+>>> sel.tolist(), hits.tolist()
+([[0, 1]], [[1, 1]])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+
+from .config import ConfigError, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK, parse_routing
+
+INSERTIONS = ("top-bottom", "bottom-top")
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32, as a Python float. The C++ keeps lambda and tau in ``float``
+    fields (struct moecache_routing_params), so e.g. Prior(0.3) really uses float32(0.3)."""
+    return float(np.float32(x))
+
+
+def is_allowed(score: float) -> bool:
+    """An expert may be selected unless its selection score is -inf or NaN (masked)."""
+    return score > -math.inf  # False for -inf and for NaN
+
+
+def softmax_f32(z: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float32, computed exactly as ``MoECache.route`` does when it is given
+    no ``probs`` (so both see bit-identical p)."""
+    z = np.ascontiguousarray(np.atleast_2d(z), dtype=np.float32)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def top_j_of(routing: Routing) -> int:
+    """J of a policy. TopK has no knob; the C++ default (1) applies, and it changes nothing there."""
+    return getattr(routing, "top_j", 1)
+
+
+# --------------------------------------------------------------------------------------------
+# method.md, "Ranking and promotion"
+
+
+def rank_experts(s: Sequence[float]) -> List[int]:
+    """r: experts sorted by s, descending.
+
+    Left open by method.md, fixed by the C++: masked experts (-inf / NaN) go last, and ties are
+    broken by the lower expert id, in both the allowed and the masked part. (In the llama.cpp graph
+    the model's own top-K is put first instead, so ties follow the model; moecache_route and this
+    reference always rank here.)
+    """
+    def key(e):
+        allowed = is_allowed(s[e])
+        return (not allowed, -s[e] if allowed else 0.0, e)
+    return sorted(range(len(s)), key=key)
+
+
+def promote(r: Sequence[int], members: Sequence[int]) -> List[int]:
+    """promote(r, S): the members of S in the order they have in r, then the rest of r in order."""
+    chosen = set(members)
+    return [e for e in r if e in chosen] + [e for e in r if e not in chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# method.md, "Policies"
+
+
+def cumsum_m(r: Sequence[int], p: Sequence[float], s: Sequence[float], tau: float) -> int:
+    """cumsum(tau): m_t, the smallest m with p[r0] + ... + p[r(m-1)] >= tau * total.
+
+    Choices the C++ makes that method.md leaves open:
+    * "p_sorted" is p taken in router order r (r sorts by s, which may differ from p by a bias);
+    * masked experts are left out, and tau is relative to total = the sum of p over the allowed
+      experts (so it also works for sigmoid routers whose p do not sum to 1);
+    * sums are float64, accumulated one expert at a time in r order (total too);
+    * tau <= 0 gives m = 0; a threshold never reached (rounding) gives m = number of allowed experts.
+    """
+    allowed = [e for e in r if is_allowed(s[e])]  # r puts them first
+    total = 0.0
+    for e in allowed:
+        total += float(p[e])
+    if tau <= 0.0:
+        return 0
+    target = tau * total
+    acc = 0.0
+    for i, e in enumerate(allowed):
+        acc += float(p[e])
+        if acc >= target:
+            return i + 1
+    return len(allowed)
+
+
+def max_rank_order(r: Sequence[int], s: Sequence[float], cached: Set[int], m: int) -> List[int]:
+    """max-rank(m) before Top-J: the cached members of r[0:m] jump ahead, in r order.
+
+    A masked expert is never promoted (it may not run at all, whatever the cache holds).
+    """
+    return promote(r, [e for e in r[:m] if e in cached and is_allowed(s[e])])
+
+
+def score_range(u: Sequence[float], s: Sequence[float]) -> Optional[float]:
+    """max(u) - min(u) over the allowed experts, in float64 from float32 extremes; None if
+    every expert is masked. NaN values of u are skipped (the C++ uses std::min/std::max, which
+    never pick a NaN over a number)."""
+    vals = [float(u[e]) for e in range(len(u)) if is_allowed(s[e]) and not math.isnan(u[e])]
+    if not vals:
+        return None
+    return max(vals) - min(vals)
+
+
+def prior_order(r: Sequence[int], u: np.ndarray, s: Sequence[float], cached: Set[int], J: int,
+                boost: np.float32) -> List[int]:
+    """prior(lambda): r' = argsort(u + boost * mask, descending), mask = cached or in r[0:J].
+
+    The boost is added in float32 (as the C++ does) to u, the scale the model ranks by (z for
+    softmax routers, s for biased-sigmoid ones). Masked experts stay at -inf. Ties in the boosted
+    score keep their order in r (a stable sort of r).
+    """
+    top_j = set(r[:J])
+    boosted = {}
+    for e in range(len(u)):
+        if not is_allowed(s[e]):
+            boosted[e] = -math.inf
+        elif e in cached or e in top_j:
+            boosted[e] = float(np.float32(u[e]) + boost)  # float32 + float32
+        else:
+            boosted[e] = float(u[e])
+    return sorted(r, key=lambda e: -boosted[e])  # sorted() is stable: ties stay in r order
+
+
+def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n_expert_used: int,
+                cached: Set[int], delta: float, rank_on_logits: bool = True) -> List[int]:
+    """The experts one token runs at one layer, in router order r.
+
+    z, p, s: float32 [N] logits, probabilities, selection scores; cached: the layer's cache
+    before this token; delta: Delta_l for the prior, already updated with this token (see
+    ReferenceCache); rank_on_logits: the prior boosts z (True) or s (False).
+    The selected set is r[0:J] plus the first (n_keep - J) other experts of r' (method.md: Top-J is
+    applied by every policy); n_keep = K, except prune: min(K, max(R, J)).
+    """
+    K = n_expert_used
+    J = min(top_j_of(routing), K)
+    r = rank_experts(s)
+    n_keep = K
+    if isinstance(routing, TopK):
+        r_final = r
+    elif isinstance(routing, Prune):
+        n_keep = min(K, max(routing.rank, J))
+        r_final = r
+    elif isinstance(routing, MaxRank):
+        r_final = max_rank_order(r, s, cached, routing.m)
+    elif isinstance(routing, CumsumThreshold):
+        r_final = max_rank_order(r, s, cached, cumsum_m(r, p, s, f32(routing.tau)))
+    elif isinstance(routing, Prior):
+        lam = f32(routing.strength)
+        if lam > 0.0:
+            # the boost is computed in float64 and rounded once to float32
+            boost = np.float32(lam * delta)
+            u = np.asarray(z if rank_on_logits else s, dtype=np.float32)
+            r_final = prior_order(r, u, s, cached, J, boost)
+        else:
+            r_final = r  # lambda = 0 is exactly the stock model
+    else:
+        raise ConfigError(f"unknown routing policy {routing!r}")
+
+    chosen = list(r[:min(J, n_keep)])
+    for e in r_final:
+        if len(chosen) >= n_keep:
+            break
+        if e not in chosen:
+            chosen.append(e)
+    chosen_set = set(chosen)
+    return [e for e in r if e in chosen_set]
+
+
+def update_order(selected: Sequence[int], p: Sequence[float], insertion: str) -> List[int]:
+    """The order in which one token's selected experts go through the cache (method.md, "Cache
+    update"): by router weight p, highest first ("top-bottom", so the lowest-weight expert ends
+    most recent), ties in r order (``selected`` is in r order and sorted() is stable);
+    "bottom-top" is exactly the reverse, ties included."""
+    order = sorted(selected, key=lambda e: -float(p[e]))
+    return order if insertion == "top-bottom" else order[::-1]
+
+
+# --------------------------------------------------------------------------------------------
+# method.md, "Cache update": one layer's LRU cache and counters
+
+
+@dataclass
+class ReferenceLayerStats:
+    """The counters of struct moecache_layer_stats, as moecache_get_layer_stats reports them."""
+
+    capacity: int
+    occupancy: int
+    tokens: int
+    selections: int
+    hits: int
+    misses: int
+    evictions: int
+    lifetime_count: int  # evicted entries + entries resident now
+    lifetime_sum: float  # tokens each stayed: insertion to eviction, or insertion to now
+    delta: float         # Delta_l (float32), as last used
+
+    @property
+    def lifetime(self) -> float:
+        return self.lifetime_sum / self.lifetime_count if self.lifetime_count else 0.0
+
+
+class _Layer:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.lru: List[int] = []        # cached experts, least recently used first
+        self.inserted_at = {}           # expert -> value of `tokens` when it was inserted
+        self.tokens = self.selections = self.hits = self.misses = self.evictions = 0
+        self.lifetime_sum = 0.0         # of evicted entries
+        self.lifetime_count = 0
+        self.delta_sum = 0.0            # running Delta: float64 sum of per-token ranges
+        self.delta_n = 0
+        self.delta_fixed = 0.0          # > 0: a calibrated Delta used instead of the running mean
+        self.delta_last = 0.0
+
+    def update_delta(self, u: np.ndarray, s: np.ndarray) -> float:
+        """Adds this token's range of u, then returns the Delta to use. The current token counts
+        (method.md says "all tokens seen so far"; the C++ includes the current one). Tokens with
+        every expert masked do not count."""
+        rng = score_range(u, s)
+        if rng is not None:
+            self.delta_sum += rng
+            self.delta_n += 1
+        running = self.delta_sum / self.delta_n if self.delta_n > 0 else 0.0
+        return self.delta_fixed if self.delta_fixed > 0.0 else running
+
+    def insert(self, e: int) -> None:
+        """A miss: e becomes the most recent entry, evicting the LRU one when full.
+        Capacity 0 caches nothing. The evicted entry's lifetime ends at `tokens`, the count of
+        tokens before the current one."""
+        if self.capacity <= 0:
+            return
+        if len(self.lru) >= self.capacity:
+            victim = self.lru.pop(0)
+            self.lifetime_sum += float(self.tokens - self.inserted_at.pop(victim))
+            self.lifetime_count += 1
+            self.evictions += 1
+        self.lru.append(e)
+        self.inserted_at[e] = self.tokens
+
+    def access(self, selected: Sequence[int], p: np.ndarray, insertion: str) -> List[int]:
+        """Looks up the selected experts one by one in update_order; returns 1/0 (hit/miss) per
+        entry of ``selected``. Note: each lookup sees the cache as left by the previous one, so a
+        higher-weight miss of this token can evict a lower-weight selected expert before its own
+        lookup, which then counts as a miss (the C++ does the same)."""
+        hit = {}
+        for e in update_order(selected, p, insertion):
+            if e in self.lru:
+                self.lru.remove(e)
+                self.lru.append(e)  # refresh recency
+                self.hits += 1
+                hit[e] = 1
+            else:
+                self.insert(e)
+                self.misses += 1
+                hit[e] = 0
+        self.selections += len(selected)
+        self.tokens += 1
+        return [hit[e] for e in selected]
+
+    def stats(self) -> ReferenceLayerStats:
+        """Counters now; entries resident now count in the lifetimes with their age so far."""
+        ages = [self.tokens - self.inserted_at[e] for e in self.lru]
+        return ReferenceLayerStats(
+            capacity=self.capacity, occupancy=len(self.lru), tokens=self.tokens, selections=self.selections,
+            hits=self.hits, misses=self.misses, evictions=self.evictions,
+            lifetime_count=self.lifetime_count + len(ages), lifetime_sum=self.lifetime_sum + float(sum(ages)),
+            delta=float(np.float32(self.delta_last)))
+
+
+class ReferenceCache:
+    """Expert caches of ``n_layer`` MoE layers and a routing policy: the numpy twin of
+    ``MoECache.synthetic`` / ``moecache_route``.
+
+    capacity: experts cached per layer (int), or one int per layer; 0 <= capacity <= n_expert.
+    insertion: "top-bottom" (default) or "bottom-top".
+    routing: a config object (TopK, Prune, MaxRank, CumsumThreshold, Prior) or a spec string.
+    """
+
+    def __init__(self, n_layer: int, n_expert: int, n_expert_used: int, capacity: Union[int, Sequence[int]],
+                 insertion: str = "top-bottom", routing: Union[Routing, str, None] = None):
+        if not (1 <= n_expert_used <= n_expert) or n_layer < 1:
+            raise ConfigError(f"invalid expert counts: N = {n_expert} routed experts, K = {n_expert_used} used "
+                              f"per token, {n_layer} layers")
+        caps = [capacity] * n_layer if isinstance(capacity, (int, np.integer)) else list(capacity)
+        if len(caps) != n_layer:
+            raise ConfigError(f"per-layer cache sizes: got {len(caps)} entries for {n_layer} layers")
+        for il, c in enumerate(caps):
+            if not 0 <= c <= n_expert:
+                raise ConfigError(f"cache size {c} (layer {il}) must be in [0, {n_expert}], the routed experts "
+                                  "of the model")
+        if insertion not in INSERTIONS:
+            raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {insertion!r}")
+        self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
+        self.insertion = insertion
+        self.layers = [_Layer(int(c)) for c in caps]
+        self.set_routing(routing if routing is not None else TopK())
+
+    def set_routing(self, routing: Union[Routing, str]) -> None:
+        """Change the policy (next token on), validated like moecache_set_routing."""
+        if isinstance(routing, str):
+            routing = parse_routing(routing)
+        if not isinstance(routing, (TopK, Prune, MaxRank, CumsumThreshold, Prior)):
+            raise ConfigError(f"unknown routing policy {routing!r}")
+        if top_j_of(routing) > self.n_expert_used:
+            raise ConfigError(f"top_j = {top_j_of(routing)} is out of range: the model uses K = "
+                              f"{self.n_expert_used} experts per token (0 <= top_j <= K)")
+        self.routing = routing
+
+    def set_prior_delta(self, delta: Optional[Sequence[float]]) -> None:
+        """Fixed per-layer Delta_l (entries <= 0 keep the running mean); None restores the running mean."""
+        vals = [] if delta is None else [f32(d) for d in delta]
+        for il, L in enumerate(self.layers):
+            d = vals[il] if il < len(vals) else 0.0
+            L.delta_fixed = d if d > 0.0 and math.isfinite(d) else 0.0
+
+    def route_one(self, il: int, z: np.ndarray, p: np.ndarray, s: np.ndarray,
+                  rank_on_logits: bool = True) -> Tuple[List[int], List[int]]:
+        """Routes one token through layer ``il``: (selected in r order, 1/0 hit per selected)."""
+        L = self.layers[il]
+        u = z if rank_on_logits else s  # the scale the prior boosts and Delta measures
+        delta = L.update_delta(u, s)    # every policy keeps Delta up to date
+        L.delta_last = delta
+        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru), delta, rank_on_logits)
+        return selected, L.access(selected, p, self.insertion)
+
+    def route(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,
+              scores: Optional[np.ndarray] = None, rank_on_logits: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        """Same contract as ``MoECache.route``: ``[n_tokens, n_expert]`` inputs (probs default to
+        softmax(logits), scores to probs), tokens in order; returns ``(selected, hits)``, both
+        ``[n_tokens, K]``, selected in r order, dropped slots -1 in both."""
+        z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
+        p = softmax_f32(z) if probs is None else np.ascontiguousarray(np.atleast_2d(probs), dtype=np.float32)
+        s = p if scores is None else np.ascontiguousarray(np.atleast_2d(scores), dtype=np.float32)
+        if z.shape[1] != self.n_expert or p.shape != z.shape or s.shape != z.shape:
+            raise ValueError(f"logits, probs and scores must have the same shape [n_tokens, {self.n_expert}]")
+        K = self.n_expert_used
+        sel = np.full((z.shape[0], K), -1, dtype=np.int32)
+        hits = np.full((z.shape[0], K), -1, dtype=np.int8)
+        for t in range(z.shape[0]):
+            chosen, hit = self.route_one(il, z[t], p[t], s[t], rank_on_logits)
+            sel[t, :len(chosen)] = chosen
+            hits[t, :len(hit)] = hit
+        return sel, hits
+
+    def cached(self, il: int) -> List[int]:
+        """Experts cached in layer ``il``, least recently used first (as MoECache.cached)."""
+        return list(self.layers[il].lru)
+
+    def layer_stats(self, il: int) -> ReferenceLayerStats:
+        return self.layers[il].stats()
+
+    def stats(self) -> List[ReferenceLayerStats]:
+        return [L.stats() for L in self.layers]
