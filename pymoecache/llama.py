@@ -121,13 +121,15 @@ class MoECache:
     ([[0, 1]], [[0, 0]])
     """
 
-    def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0):
+    def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0,
+                 trace_capacity: int = 0):
         if not handle:
             msg = C.last_error()
             raise (ConfigError if "no MoE layers" not in msg else MoECacheError)(msg)
         self._h = handle
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.expert_bytes = expert_bytes
+        self.trace_capacity = trace_capacity
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -164,14 +166,14 @@ class MoECache:
         """A moecache without a model, driven by :meth:`route`."""
         cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(), routing or TopK(), scope)
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
-        return cls(h, n_layer, n_expert, n_expert_used)
+        return cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
 
     @classmethod
     def for_model(cls, model_ptr, info: ModelInfo, *, cache: CacheConfig, routing: Union[Routing, str],
                   scope: str = "all") -> "MoECache":
         cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer)
         h = C.moecache_init(model_ptr, cp, rp)
-        return cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes)
+        return cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
 
     # --- life cycle --------------------------------------------------------------------------
     def attach(self, ctx_ptr) -> None:
@@ -263,14 +265,16 @@ class MoECache:
             _check(n)
         return list(buf[:n])
 
-    def trace(self, max_records: int = 1 << 20) -> np.ndarray:
+    def trace(self) -> np.ndarray:
         """The per-token trace (oldest first) as a numpy structured array: layer, token,
-        n_selected, experts[32], hit_mask, top_k_mask."""
-        buf = (C.moecache_trace_record * max_records)()
-        n = C.moecache_get_trace(self._h, buf, max_records)
+        n_selected, experts[32], hit_mask, top_k_mask. Empty unless ``CacheConfig(trace=N)``."""
+        cap = max(1, self.trace_capacity)
+        buf = (C.moecache_trace_record * cap)()
+        n = C.moecache_get_trace(self._h, buf, cap)
         dt = np.dtype([("layer", "<i4"), ("n_selected", "<i4"), ("token", "<i8"),
                        ("experts", "<i4", (C.MOECACHE_TRACE_MAX_USED,)), ("hit_mask", "<u4"), ("top_k_mask", "<u4")])
-        return np.frombuffer(bytes(memoryview(buf)[:n * ctypes.sizeof(C.moecache_trace_record)]), dtype=dt).copy()
+        assert dt.itemsize == ctypes.sizeof(C.moecache_trace_record)
+        return np.frombuffer(ctypes.string_at(buf, n * dt.itemsize), dtype=dt).copy()
 
     def save(self, path: "os.PathLike[str] | str") -> None:
         _check(C.moecache_state_save(self._h, os.fsencode(path)))

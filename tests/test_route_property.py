@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pymoecache import _moecache_cpp as C  # noqa: E402
@@ -54,6 +54,7 @@ class Scenario:
     n_masked: int            # experts masked per token (so N - n_masked >= K stay allowed)
     bias: str                # rank_on_logits=False: bias added to sigmoid(z)
     seed: int
+    fixed_delta: Optional[List[float]] = None  # set_prior_delta (<= 0: running mean for that layer)
 
 
 def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = None):
@@ -65,12 +66,18 @@ def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = 
         return MaxRank(draw(st.integers(0, N + 2 if max_m is None else max_m)), top_j=J)
     if kind == "cumsum":
         return CumsumThreshold(draw(st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))), top_j=J)
-    return Prior(draw(st.one_of(st.just(0.0), st.sampled_from([0.5, 3.0]), st.floats(0.0, 3.0))), top_j=J)
+    # exact binary fractions make boosted scores tie with unboosted ones (ties resolve by rank in r)
+    return Prior(draw(st.one_of(st.just(0.0), st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), st.floats(0.0, 3.0))),
+                 top_j=J)
+
+
+VALUES = ("normal", "small-int", "binary", "near-int", "wide", "peaked")
 
 
 @st.composite
-def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2):
-    N = draw(st.integers(min_n, 96))
+def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2, max_n=96, values=VALUES,
+              biases=("none", "normal", "coarse")):
+    N = draw(st.integers(min_n, max_n))
     K = draw(st.integers(1, min(N, 8)))
     J = draw(st.integers(0, K))
     kind = draw(st.sampled_from(kinds))
@@ -88,10 +95,11 @@ def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2):
         rank_on_logits=draw(st.booleans()),
         n_layer=draw(st.integers(1, 3)),
         batches=draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)),
-        values=draw(st.sampled_from(("normal", "small-int", "wide", "peaked"))),
+        values=draw(st.sampled_from(values)),
         mask=mask, n_masked=n_masked,
-        bias=draw(st.sampled_from(("none", "normal", "coarse"))),
-        seed=draw(st.integers(0, 2**32 - 1)))
+        bias=draw(st.sampled_from(biases)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        fixed_delta=draw(st.one_of(st.none(), st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.75]), max_size=3))))
 
 
 def router_outputs(rng: np.random.Generator, sc: Scenario, T: int, bias: np.ndarray):
@@ -99,6 +107,10 @@ def router_outputs(rng: np.random.Generator, sc: Scenario, T: int, bias: np.ndar
     N = sc.N
     if sc.values == "small-int":      # many exact ties
         z = rng.integers(-2, 3, size=(T, N)).astype(np.float32)
+    elif sc.values == "binary":       # ties everywhere, and Delta = 1 (or 0) exactly
+        z = rng.integers(0, 2, size=(T, N)).astype(np.float32)
+    elif sc.values == "near-int":     # distinct values closer than a float32 step after the boost
+        z = (rng.integers(-2, 3, size=(T, N)) + rng.normal(size=(T, N)) * 1e-6).astype(np.float32)
     elif sc.values == "wide":         # softmax underflows to exact zeros: ties in p, not in z
         z = (rng.normal(size=(T, N)) * 40).astype(np.float32)
     elif sc.values == "peaked":       # one dominant expert per token
@@ -109,7 +121,8 @@ def router_outputs(rng: np.random.Generator, sc: Scenario, T: int, bias: np.ndar
     if sc.rank_on_logits:
         e = np.exp(z - z.max(axis=1, keepdims=True))
         p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
-        s = None
+        # the C API allows a biased s while the prior boosts z; then r (by s) and z disagree
+        s = None if sc.bias == "none" else (p + bias).astype(np.float32)
     else:
         p = (1.0 / (1.0 + np.exp(-z.astype(np.float64)))).astype(np.float32)
         s = (p + bias).astype(np.float32)
@@ -137,6 +150,13 @@ def native(sc: Scenario, routing=None, capacity=None) -> MoECache:
 def reference(sc: Scenario, routing=None, capacity=None) -> ReferenceCache:
     return ReferenceCache(sc.n_layer, sc.N, sc.K, sc.capacity if capacity is None else capacity,
                           insertion=sc.insertion, routing=routing or sc.routing)
+
+
+ENGINES = ("native", "reference")
+
+
+def make(engine: str, sc: Scenario, routing=None, capacity=None):
+    return (native if engine == "native" else reference)(sc, routing, capacity)
 
 
 def native_layer_stats(mc: MoECache, il: int):
@@ -195,10 +215,13 @@ def assert_same_state(mc: MoECache, rc: ReferenceCache, n_layer: int) -> None:
         assert mc.cached(il) == rc.cached(il), f"layer {il}: LRU order"
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=800, **SETTINGS)
 @given(sc=scenarios())
 def test_cpp_matches_reference(sc: Scenario):
     mc, rc = native(sc), reference(sc)
+    if sc.fixed_delta is not None:
+        for c in (mc, rc):
+            c.set_prior_delta(np.array(sc.fixed_delta[:sc.n_layer], dtype=np.float32))
 
     def check(outputs, inputs):
         for il in range(sc.n_layer):
@@ -208,6 +231,33 @@ def test_cpp_matches_reference(sc: Scenario):
         assert_same_state(mc, rc, sc.n_layer)
 
     drive(sc, [mc, rc], check)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(sc=scenarios(kinds=("prior",), max_n=12, values=("binary", "small-int", "near-int", "near-int"),
+                    biases=("normal", "coarse")))
+def test_cpp_matches_reference_prior_ties(sc: Scenario):
+    """Few experts, tied or nearly tied logits, s biased away from z: boosted scores tie (ties go
+    by rank in r, not by id) and the float32 rounding of z + boost decides the order."""
+    test_cpp_matches_reference.hypothesis.inner_test(sc)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prior_boost_is_added_in_float32(engine):
+    """z_b = z_a + 2^-23; after the float32 addition of the boost (1.625) both are 2.625, so the
+    tie goes to the expert ranked first in r (a, by its biased score). In float64 b would win."""
+    eps = np.float32(2.0**-23)
+    z = np.array([[1, 1 + eps, -1, -1], [1, 1 + eps, 3.5, -1]], dtype=np.float32)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    s = p.copy()
+    s[1, :2] = [0.9, 0.8]
+    sc = Scenario(N=4, K=2, J=0, routing=Prior(0.5, top_j=0), capacity=2, insertion="top-bottom",
+                  rank_on_logits=True, n_layer=1, batches=[2], values="normal", mask="none", n_masked=0,
+                  bias="none", seed=0)
+    sel, hits = make(engine, sc).route(0, z, p, s)
+    assert sel.tolist() == [[1, 0], [0, 2]]
+    assert hits.tolist() == [[0, 0], [1, 0]]
 
 
 def test_reference_matches_cpp_on_a_hand_made_prior_case():
@@ -223,13 +273,6 @@ def test_reference_matches_cpp_on_a_hand_made_prior_case():
 
 # --------------------------------------------------------------------------------------------
 # invariants (checked on both implementations)
-
-ENGINES = ("native", "reference")
-
-
-def make(engine: str, sc: Scenario, routing=None, capacity=None):
-    return (native if engine == "native" else reference)(sc, routing, capacity)
-
 
 def counters(cache, il: int) -> dict:
     if isinstance(cache, ReferenceCache):

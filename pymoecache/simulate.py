@@ -1,0 +1,335 @@
+"""Offline replay of recorded router outputs, and Belady's optimal eviction as a lower bound.
+
+Routing and caching only need the router's outputs, not the model: record them once, then try
+any policy and cache size in seconds. Layers are independent (each has its own cache), so a
+replay routes all tokens of layer 0, then of layer 1, ... which gives the same result as the
+model's token-by-token order.
+
+Trace format: a file written with ``np.savez`` / ``np.savez_compressed`` (or any mapping) with
+
+    logits          float32 [n_tokens, n_layer, n_expert]  router logits z, tokens in order
+    probs           optional, same shape: gating probabilities p (default: softmax(logits))
+    scores          optional, same shape: selection scores s, -inf = masked (default: probs)
+    n_expert_used   int: K, experts used per token
+    rank_on_logits  optional bool (default True): Prior boosts z (softmax routers) rather than s
+
+Only MoE layers belong in a trace (index them 0..n_layer-1).
+
+>>> rng = np.random.default_rng(0)
+>>> tr = Trace(rng.normal(size=(50, 2, 8)).astype(np.float32), n_expert_used=2)
+>>> lru = replay(tr, "lru", cache_size=4)
+>>> prior = replay(tr, "prior:1.0", cache_size=4)
+>>> bool(prior.miss_rate < lru.miss_rate)
+True
+>>> bool((belady_opt(lru.requests, 4) <= lru.misses_per_layer).all())
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _moecache_cpp as C
+from .config import CacheConfig, ConfigError, Routing, parse_routing
+from .reference import ReferenceCache, softmax_f32, update_order
+
+CacheSize = Union[int, float, Sequence[int]]
+
+
+# --------------------------------------------------------------------------------------------
+# traces
+
+
+@dataclass
+class Trace:
+    """Recorded router outputs, ``[n_tokens, n_layer, n_expert]`` each (see the module doc)."""
+
+    logits: np.ndarray
+    n_expert_used: int
+    probs: Optional[np.ndarray] = None
+    scores: Optional[np.ndarray] = None
+    rank_on_logits: bool = True
+
+    def __post_init__(self):
+        self.logits = np.asarray(self.logits, dtype=np.float32)
+        if self.logits.ndim != 3:
+            raise ValueError(f"logits must be [n_tokens, n_layer, n_expert], got shape {self.logits.shape}")
+        for name in ("probs", "scores"):
+            a = getattr(self, name)
+            if a is not None:
+                a = np.asarray(a, dtype=np.float32)
+                if a.shape != self.logits.shape:
+                    raise ValueError(f"{name} has shape {a.shape}, logits {self.logits.shape}")
+                setattr(self, name, a)
+        self.n_expert_used = int(self.n_expert_used)
+        self.rank_on_logits = bool(self.rank_on_logits)
+
+    n_tokens = property(lambda self: self.logits.shape[0])
+    n_layer = property(lambda self: self.logits.shape[1])
+    n_expert = property(lambda self: self.logits.shape[2])
+
+    def layer(self, il: int):
+        """(z, p, s) of layer ``il`` as contiguous float32 ``[n_tokens, n_expert]``; s is None
+        when it equals p. Missing probs are softmax(z), computed as MoECache.route does."""
+        z = np.ascontiguousarray(self.logits[:, il, :])
+        p = softmax_f32(z) if self.probs is None else np.ascontiguousarray(self.probs[:, il, :])
+        s = None if self.scores is None else np.ascontiguousarray(self.scores[:, il, :])
+        return z, p, s
+
+
+def load_trace(src: Union[str, "os.PathLike[str]", Mapping]) -> Trace:
+    """A Trace from an ``.npz`` path or a mapping with the keys of the module doc."""
+    if isinstance(src, Trace):
+        return src
+    data = np.load(src) if isinstance(src, (str, os.PathLike)) else src
+    keys = set(data.keys())
+    if not {"logits", "n_expert_used"} <= keys:
+        raise ValueError(f"a trace needs 'logits' and 'n_expert_used'; got {sorted(keys)}")
+    return Trace(logits=data["logits"], n_expert_used=int(np.asarray(data["n_expert_used"])),
+                 probs=data["probs"] if "probs" in keys else None,
+                 scores=data["scores"] if "scores" in keys else None,
+                 rank_on_logits=bool(np.asarray(data["rank_on_logits"])) if "rank_on_logits" in keys else True)
+
+
+def save_trace(path: Union[str, "os.PathLike[str]"], trace: Trace) -> None:
+    """Writes ``trace`` in the format of the module doc (np.savez_compressed).
+
+    >>> import tempfile, pathlib
+    >>> tr = Trace(np.zeros((3, 1, 4), np.float32), n_expert_used=2)
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.npz"
+    >>> save_trace(path, tr); load_trace(path).logits.shape
+    (3, 1, 4)
+    """
+    extra = {k: getattr(trace, k) for k in ("probs", "scores") if getattr(trace, k) is not None}
+    np.savez_compressed(path, logits=trace.logits, n_expert_used=np.int32(trace.n_expert_used),
+                        rank_on_logits=np.bool_(trace.rank_on_logits), **extra)
+
+
+# --------------------------------------------------------------------------------------------
+# replay
+
+
+@dataclass
+class ReplayResult:
+    """Counters of a replay, one entry per layer (numpy arrays), plus what was selected.
+
+    selected[il]: ``[n_tokens, K]`` experts run, in router order, -1 = dropped (prune).
+    requests[il]: the same experts in the order the cache served them (by router weight), the
+    input to hand to :func:`belady_opt` / :func:`lru_misses`.
+    """
+
+    n_expert_used: int
+    capacity: np.ndarray
+    tokens: np.ndarray
+    selections: np.ndarray
+    hits: np.ndarray
+    misses_per_layer: np.ndarray
+    evictions_per_layer: np.ndarray
+    lifetime_count: np.ndarray
+    lifetime_sum: np.ndarray
+    selected: List[np.ndarray]
+    requests: List[np.ndarray]
+
+    @property
+    def miss_rate_per_layer(self) -> np.ndarray:
+        """misses / (K * tokens), as in method.md (pruned slots count as neither hit nor miss)."""
+        return self.misses_per_layer / np.maximum(1, self.n_expert_used * self.tokens)
+
+    @property
+    def hit_rate_per_layer(self) -> np.ndarray:
+        return np.where(self.tokens > 0, 1.0 - self.miss_rate_per_layer, 0.0)
+
+    @property
+    def lifetime_per_layer(self) -> np.ndarray:
+        """Mean tokens an entry stayed cached (evicted entries and those still resident)."""
+        return self.lifetime_sum / np.maximum(1, self.lifetime_count)
+
+    @property
+    def misses(self) -> int:
+        return int(self.misses_per_layer.sum())
+
+    @property
+    def evictions(self) -> int:
+        return int(self.evictions_per_layer.sum())
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / max(1, self.n_expert_used * int(self.tokens.sum()))
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.miss_rate if self.tokens.sum() else 0.0
+
+    @property
+    def lifetime(self) -> float:
+        return float(self.lifetime_sum.sum() / max(1, self.lifetime_count.sum()))
+
+    def summary(self) -> str:
+        return (f"miss rate {100 * self.miss_rate:.1f}% | hit rate {100 * self.hit_rate:.1f}% | "
+                f"lifetime {self.lifetime:.1f} tok | evictions {self.evictions}")
+
+
+def capacities(cache_size: CacheSize, n_layer: int, n_expert: int) -> List[int]:
+    """Experts cached per layer: an int count, a float share of N (rounded as CacheConfig does),
+    or one int per layer.
+
+    >>> capacities(0.25, 2, 60), capacities([3, 5], 2, 8)
+    ([15, 15], [3, 5])
+    """
+    if isinstance(cache_size, (int, float, np.integer, np.floating)) and not isinstance(cache_size, bool):
+        size = int(cache_size) if isinstance(cache_size, (int, np.integer)) else float(cache_size)
+        return [CacheConfig(size=size).n_cached_for(n_expert, None, 0)] * n_layer
+    caps = [int(c) for c in cache_size]
+    if len(caps) != n_layer or not all(0 <= c <= n_expert for c in caps):
+        raise ConfigError(f"per-layer cache sizes must be {n_layer} counts in [0, {n_expert}], got {caps}")
+    return caps
+
+
+def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union[Routing, str] = "lru",
+           cache_size: CacheSize = 0.5, insertion: str = "top-bottom", engine: str = "native") -> ReplayResult:
+    """Routes every token of ``trace`` through fresh caches under ``routing`` and counts.
+
+    engine: "native" (the C++ of the real hook, via MoECache.synthetic) or "reference" (the numpy
+    twin, slow). Both give identical results.
+
+    >>> z = np.array([[[2., 1, 0]], [[0., 1, 2]], [[2., 1, 0]]], np.float32)   # 3 tokens, 1 layer, N=3
+    >>> r = replay(Trace(z, n_expert_used=1), "lru", cache_size=1)
+    >>> r.selected[0].ravel().tolist(), int(r.misses_per_layer[0]), r.miss_rate
+    ([0, 2, 0], 3, 1.0)
+    >>> replay(Trace(z, n_expert_used=1), "lru", cache_size=2).misses
+    2
+    """
+    tr = load_trace(trace)
+    routing = parse_routing(routing) if isinstance(routing, str) else routing
+    caps = capacities(cache_size, tr.n_layer, tr.n_expert)
+    if engine == "native":
+        from .llama import MoECache
+        cache = MoECache.synthetic(tr.n_layer, tr.n_expert, tr.n_expert_used, routing=routing,
+                                   cache=CacheConfig(size=0, per_layer=caps, insertion=insertion))
+    elif engine == "reference":
+        cache = ReferenceCache(tr.n_layer, tr.n_expert, tr.n_expert_used, caps, insertion=insertion, routing=routing)
+    else:
+        raise ValueError(f"engine must be 'native' or 'reference', got {engine!r}")
+    selected, requests = [], []
+    for il in range(tr.n_layer):
+        z, p, s = tr.layer(il)
+        sel, _ = cache.route(il, z, p, s, rank_on_logits=tr.rank_on_logits)
+        selected.append(sel)
+        requests.append(served_order(sel, p, insertion))
+    counts = np.array([_layer_counters(cache, il) for il in range(tr.n_layer)], dtype=np.float64).reshape(-1, 7)
+    as_int = lambda j: counts[:, j].astype(np.int64)  # noqa: E731
+    return ReplayResult(n_expert_used=tr.n_expert_used, capacity=np.array(caps), tokens=as_int(0),
+                        selections=as_int(1), hits=as_int(2), misses_per_layer=as_int(3),
+                        evictions_per_layer=as_int(4), lifetime_count=as_int(5), lifetime_sum=counts[:, 6],
+                        selected=selected, requests=requests)
+
+
+def served_order(selected: np.ndarray, probs: np.ndarray, insertion: str = "top-bottom") -> np.ndarray:
+    """Each row of ``selected`` (router order, -1 = dropped) reordered as the cache serves it:
+    by router weight, highest first ("top-bottom") or exactly reversed; -1 slots stay last."""
+    out = np.full_like(selected, -1)
+    for t, row in enumerate(selected):
+        order = update_order([int(e) for e in row if e >= 0], probs[t], insertion)
+        out[t, :len(order)] = order
+    return out
+
+
+def _layer_counters(cache, il: int):
+    if isinstance(cache, ReferenceCache):
+        r = cache.layer_stats(il)
+        return r.tokens, r.selections, r.hits, r.misses, r.evictions, r.lifetime_count, r.lifetime_sum
+    ls = C.moecache_layer_stats()
+    if C.moecache_get_layer_stats(cache._h, il, ctypes.byref(ls)) != C.MOECACHE_OK:
+        raise RuntimeError(C.last_error())
+    return ls.tokens, ls.selections, ls.hits, ls.misses, ls.evictions, ls.lifetime_count, ls.lifetime_sum
+
+
+# --------------------------------------------------------------------------------------------
+# fixed selection sequences: LRU and Belady's OPT
+
+
+def _requests(selections) -> List[int]:
+    """A layer's selections as one request sequence: a ``[n_tokens, K]`` array (-1 = dropped
+    slot, skipped) or a sequence of per-token expert lists, served row by row, left to right."""
+    return [int(e) for row in selections for e in np.atleast_1d(row) if e >= 0]
+
+
+def _per_layer(capacity: Union[int, Sequence[int]], n_layer: int) -> List[int]:
+    caps = [int(capacity)] * n_layer if np.isscalar(capacity) else [int(c) for c in capacity]
+    if len(caps) != n_layer:
+        raise ValueError(f"{len(caps)} capacities for {n_layer} layers")
+    return caps
+
+
+def lru_misses(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.ndarray:
+    """Misses of an LRU cache serving each layer's requests in the given order (a miss inserts,
+    evicting the least recently used entry; capacity 0 never caches).
+
+    >>> lru_misses([[[0], [1], [2], [0], [1], [2]]], 2).tolist()
+    [6]
+    """
+    caps = _per_layer(capacity, len(selections_per_layer))
+    out = []
+    for sel, cap in zip(selections_per_layer, caps):
+        cache, misses = OrderedDict(), 0
+        for e in _requests(sel):
+            if e in cache:
+                cache.move_to_end(e)
+                continue
+            misses += 1
+            if cap > 0:
+                if len(cache) >= cap:
+                    cache.popitem(last=False)
+                cache[e] = True
+        out.append(misses)
+    return np.array(out, dtype=np.int64)
+
+
+def belady_opt(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.ndarray:
+    """Misses per layer under Belady's optimal eviction (MIN) for a FIXED request sequence.
+
+    Same rules as the cache: each request that is not cached is a miss and is inserted (capacity 0
+    caches nothing); when full, OPT evicts the cached expert whose next request is farthest in the
+    future (never requested again counts as farthest; ties go to the lower expert id). No eviction
+    policy can do better on the same sequence, so this bounds what smarter eviction could gain
+    without changing routing. Requests are served in the given order; pass ``ReplayResult.requests``
+    to compare with a replay (with capacity >= K the order inside a token does not change OPT).
+
+    >>> cyclic = [[[0], [1], [2], [0], [1], [2]]]        # one layer, K = 1
+    >>> belady_opt(cyclic, 2).tolist(), lru_misses(cyclic, 2).tolist()
+    ([4], [6])
+    """
+    caps = _per_layer(capacity, len(selections_per_layer))
+    return np.array([_belady(_requests(sel), cap) for sel, cap in zip(selections_per_layer, caps)], dtype=np.int64)
+
+
+def _belady(seq: List[int], capacity: int) -> int:
+    if capacity <= 0:
+        return len(seq)
+    n = len(seq)
+    next_use, later = [n] * n, {}
+    for i in range(n - 1, -1, -1):  # next_use[i]: position of the next request of seq[i] (n: none)
+        next_use[i] = later.get(seq[i], n)
+        later[seq[i]] = i
+    cached = {}  # expert -> position of its next request
+    heap = []    # (-next request, expert); entries go stale when an expert is requested again
+    misses = 0
+    for i, e in enumerate(seq):
+        if e not in cached:
+            misses += 1
+            if len(cached) >= capacity:
+                while True:
+                    neg_next, victim = heapq.heappop(heap)
+                    if cached.get(victim) == -neg_next:
+                        break
+                del cached[victim]
+        cached[e] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], e))
+    return misses
