@@ -258,7 +258,7 @@ class CacheConfig:
         if isinstance(self.size, int):
             n = self.size
         elif isinstance(self.size, float):
-            n = int(round(self.size * n_expert))
+            n = int(math.floor(self.size * n_expert + 0.5))  # halves round up, like the C library's lround
             if self.size > 0 and n < 1:
                 n = 1
         else:

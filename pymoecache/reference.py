@@ -126,9 +126,9 @@ def max_rank_order(r: Sequence[int], s: Sequence[float], cached: Set[int], m: in
 
 def score_range(u: Sequence[float], s: Sequence[float]) -> Optional[float]:
     """max(u) - min(u) over the allowed experts, in float64 from float32 extremes; None if
-    every expert is masked. NaN values of u are skipped (the C++ uses std::min/std::max, which
-    never pick a NaN over a number)."""
-    vals = [float(u[e]) for e in range(len(u)) if is_allowed(s[e]) and not math.isnan(u[e])]
+    every expert is masked. Non-finite values of u are skipped, so one -inf logit cannot make
+    Delta infinite."""
+    vals = [float(u[e]) for e in range(len(u)) if is_allowed(s[e]) and math.isfinite(u[e])]
     if not vals:
         return None
     return max(vals) - min(vals)
@@ -256,14 +256,16 @@ class _Layer:
         running = self.delta_sum / self.delta_n if self.delta_n > 0 else 0.0
         return self.delta_fixed if self.delta_fixed > 0.0 else running
 
-    def insert(self, e: int) -> None:
-        """A miss: e becomes the most recent entry, evicting the LRU one when full.
+    def insert(self, e: int, in_use: Set[int] = frozenset()) -> None:
+        """A miss: e becomes the most recent entry. When full, the least recently used entry
+        that the current token does not use is evicted (if all are in use, the LRU one).
         Capacity 0 caches nothing. The evicted entry's lifetime ends at `tokens`, the count of
         tokens before the current one."""
         if self.capacity <= 0:
             return
         if len(self.lru) >= self.capacity:
-            victim = self.lru.pop(0)
+            victim = next((x for x in self.lru if x not in in_use), self.lru[0])
+            self.lru.remove(victim)
             self.lifetime_sum += float(self.tokens - self.inserted_at.pop(victim))
             self.lifetime_count += 1
             self.evictions += 1
@@ -271,24 +273,23 @@ class _Layer:
         self.inserted_at[e] = self.tokens
 
     def access(self, selected: Sequence[int], p: np.ndarray, insertion: str) -> List[int]:
-        """Looks up the selected experts one by one in update_order; returns 1/0 (hit/miss) per
-        entry of ``selected``. Note: each lookup sees the cache as left by the previous one, so a
-        higher-weight miss of this token can evict a lower-weight selected expert before its own
-        lookup, which then counts as a miss (the C++ does the same)."""
-        hit = {}
+        """Returns 1/0 (hit/miss) per entry of ``selected``: a hit is an expert that was cached
+        when the token was routed. Then the selected experts are touched in update_order: a hit
+        refreshes its recency, a miss is inserted (never evicting an expert this token uses,
+        unless all cached experts are in use). Only misses insert."""
+        was_cached = {e for e in selected if e in self.lru}
+        in_use = set(selected)
         for e in update_order(selected, p, insertion):
-            if e in self.lru:
+            if e not in was_cached:
+                self.insert(e, in_use)
+            elif e in self.lru:  # a hit not already evicted by this token's own misses (cache < K)
                 self.lru.remove(e)
                 self.lru.append(e)  # refresh recency
-                self.hits += 1
-                hit[e] = 1
-            else:
-                self.insert(e)
-                self.misses += 1
-                hit[e] = 0
+        self.hits += len(was_cached)
+        self.misses += len(selected) - len(was_cached)
         self.selections += len(selected)
         self.tokens += 1
-        return [hit[e] for e in selected]
+        return [1 if e in was_cached else 0 for e in selected]
 
     def stats(self) -> ReferenceLayerStats:
         """Counters now; entries resident now count in the lifetimes with their age so far."""

@@ -27,6 +27,9 @@ True
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import ctypes
 import heapq
 import os
@@ -269,8 +272,10 @@ def _per_layer(capacity: Union[int, Sequence[int]], n_layer: int) -> List[int]:
 
 
 def lru_misses(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.ndarray:
-    """Misses of an LRU cache serving each layer's requests in the given order (a miss inserts,
-    evicting the least recently used entry; capacity 0 never caches).
+    """Misses of the cache's own LRU rule serving each layer's tokens in the given order: per
+    token, an expert cached before the token is a hit; the misses are inserted in the row's
+    order, evicting the least recently used entry the token does not use (the LRU one if it
+    uses them all); hits refresh their recency; capacity 0 never caches.
 
     >>> lru_misses([[[0], [1], [2], [0], [1], [2]]], 2).tolist()
     [6]
@@ -279,57 +284,71 @@ def lru_misses(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.
     out = []
     for sel, cap in zip(selections_per_layer, caps):
         cache, misses = OrderedDict(), 0
-        for e in _requests(sel):
-            if e in cache:
-                cache.move_to_end(e)
-                continue
-            misses += 1
-            if cap > 0:
-                if len(cache) >= cap:
-                    cache.popitem(last=False)
-                cache[e] = True
+        for token in sel:
+            row = [int(e) for e in np.atleast_1d(token) if e >= 0]
+            was_cached = {e for e in row if e in cache}
+            for e in row:
+                if e in was_cached:
+                    if e in cache:
+                        cache.move_to_end(e)
+                    continue
+                misses += 1
+                if cap > 0:
+                    if len(cache) >= cap:
+                        victim = next((x for x in cache if x not in row), next(iter(cache)))
+                        del cache[victim]
+                    cache[e] = True
         out.append(misses)
     return np.array(out, dtype=np.int64)
 
 
 def belady_opt(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.ndarray:
-    """Misses per layer under Belady's optimal eviction (MIN) for a FIXED request sequence.
+    """Misses per layer under Belady's optimal eviction (MIN) for a FIXED selection sequence.
 
-    Same rules as the cache: each request that is not cached is a miss and is inserted (capacity 0
-    caches nothing); when full, OPT evicts the cached expert whose next request is farthest in the
-    future (never requested again counts as farthest; ties go to the lower expert id). No eviction
-    policy can do better on the same sequence, so this bounds what smarter eviction could gain
-    without changing routing. Requests are served in the given order; pass ``ReplayResult.requests``
-    to compare with a replay (with capacity >= K the order inside a token does not change OPT).
+    Same rules as the cache: per token, an expert cached before the token is a hit; each miss is
+    inserted (capacity 0 caches nothing); when full, OPT evicts the cached expert the token does
+    not use (any cached one if it uses them all) whose next use is farthest in the future (never
+    used again counts as farthest; ties go to the lower expert id). No eviction policy can do
+    better on the same sequence, so this bounds what smarter eviction could gain without
+    changing routing. The capacity must be 0 or at least K (the largest row), where this greedy
+    rule is optimal. Pass ``ReplayResult.requests`` to compare with a replay.
 
     >>> cyclic = [[[0], [1], [2], [0], [1], [2]]]        # one layer, K = 1
     >>> belady_opt(cyclic, 2).tolist(), lru_misses(cyclic, 2).tolist()
     ([4], [6])
     """
     caps = _per_layer(capacity, len(selections_per_layer))
-    return np.array([_belady(_requests(sel), cap) for sel, cap in zip(selections_per_layer, caps)], dtype=np.int64)
+    for sel, cap in zip(selections_per_layer, caps):
+        k = max((sum(1 for e in np.atleast_1d(t) if e >= 0) for t in sel), default=0)
+        if 0 < cap < k:
+            raise ValueError(f"belady_opt needs a cache of 0 or at least K = {k} experts (got {cap}): "
+                             "with less, no cache can hold one token's experts and OPT is not defined")
+    return np.array([_belady(sel, cap) for sel, cap in zip(selections_per_layer, caps)], dtype=np.int64)
 
 
-def _belady(seq: List[int], capacity: int) -> int:
-    if capacity <= 0:
-        return len(seq)
-    n = len(seq)
-    next_use, later = [n] * n, {}
-    for i in range(n - 1, -1, -1):  # next_use[i]: position of the next request of seq[i] (n: none)
-        next_use[i] = later.get(seq[i], n)
-        later[seq[i]] = i
-    cached = {}  # expert -> position of its next request
-    heap = []    # (-next request, expert); entries go stale when an expert is requested again
-    misses = 0
-    for i, e in enumerate(seq):
-        if e not in cached:
+def _belady(selections, capacity: int) -> int:
+    rows = [[int(e) for e in np.atleast_1d(token) if e >= 0] for token in selections]
+    uses = {}  # expert -> token indices that use it, ascending
+    for t, row in enumerate(rows):
+        for e in row:
+            uses.setdefault(e, []).append(t)
+
+    def next_use(e: int, t: int) -> float:
+        i = bisect.bisect_right(uses[e], t)
+        return uses[e][i] if i < len(uses[e]) else math.inf
+
+    cache, misses = set(), 0
+    for t, row in enumerate(rows):
+        was_cached = cache.intersection(row)
+        for e in row:
+            if e in was_cached:
+                continue
             misses += 1
-            if len(cached) >= capacity:
-                while True:
-                    neg_next, victim = heapq.heappop(heap)
-                    if cached.get(victim) == -neg_next:
-                        break
-                del cached[victim]
-        cached[e] = next_use[i]
-        heapq.heappush(heap, (-next_use[i], e))
+            if capacity <= 0:
+                continue
+            if len(cache) >= capacity:
+                candidates = [x for x in cache if x not in row] or list(cache)
+                victim = max(candidates, key=lambda x: (next_use(x, t), -x))
+                cache.discard(victim)
+            cache.add(e)
     return misses

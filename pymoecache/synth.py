@@ -52,6 +52,7 @@ SYNTH_VERSION = 1
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB_DIR = REPO_ROOT / "vendor" / "llama.cpp" / "models"
+PACKAGE_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # Quantized variants made by build_all() for every MoE fixture.
 QUANT_TYPES = ("Q8_0", "Q4_K_M")
@@ -341,11 +342,14 @@ def _plan_mla_attention(spec, blk, norm, matrix) -> None:
 # ---------------------------------------------------------------------------
 
 def vocab_path(vocab: str) -> Path:
-    """Path of the vendored vocab-only GGUF ``ggml-vocab-<vocab>.gguf``."""
-    path = VOCAB_DIR / f"ggml-vocab-{vocab}.gguf"
-    if not path.is_file():
-        raise FileNotFoundError(f"vocab file not found: {path} (is vendor/llama.cpp checked out?)")
-    return path
+    """Path of the vocab-only GGUF ``ggml-vocab-<vocab>.gguf``: shipped in the wheel
+    (``pymoecache/data``, installed by CMakeLists.txt) or in a source checkout's vendor tree."""
+    name = f"ggml-vocab-{vocab}.gguf"
+    for d in (PACKAGE_DATA_DIR, VOCAB_DIR):
+        if (d / name).is_file():
+            return d / name
+    raise FileNotFoundError(f"vocab file {name} not found in {PACKAGE_DATA_DIR} or {VOCAB_DIR} "
+                            "(reinstall pymoecache, or run scripts/vendor_llama_cpp.py in a checkout)")
 
 
 @functools.lru_cache(maxsize=None)

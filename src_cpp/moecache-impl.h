@@ -94,5 +94,6 @@ int32_t moecache_route_token(
 
 void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);
 void moecache_layer_clear(moecache_layer & L);
-// inserts e as the most recent entry (evicting the LRU one when full); returns false if capacity is 0
-bool moecache_layer_insert(moecache_layer & L, int32_t e);
+// inserts e as the most recent entry; when full, evicts the least recently used expert whose
+// in_use[] entry is 0 (in_use may be NULL). Returns false if the capacity is 0.
+bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use);

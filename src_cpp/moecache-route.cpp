@@ -40,16 +40,19 @@ void moecache_layer_clear(moecache_layer & L) {
     L.delta_n      = 0;
 }
 
-bool moecache_layer_insert(moecache_layer & L, int32_t e) {
+bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use) {
     if (L.capacity <= 0) {
         return false;
     }
     if (L.occupancy >= L.capacity) {
-        // evict the least recently used expert
+        // evict the least recently used expert not in use; all in use (cache < K): the LRU one
         int32_t victim = -1;
-        for (int32_t i = 0; i < (int32_t) L.last_use.size(); i++) {
-            if (L.last_use[i] >= 0 && (victim < 0 || L.last_use[i] < L.last_use[victim])) {
-                victim = i;
+        for (int32_t pass = 0; pass < 2 && victim < 0; pass++) {
+            for (int32_t i = 0; i < (int32_t) L.last_use.size(); i++) {
+                const bool usable = pass == 1 || !in_use || !in_use[i];
+                if (usable && L.last_use[i] >= 0 && (victim < 0 || L.last_use[i] < L.last_use[victim])) {
+                    victim = i;
+                }
             }
         }
         L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[victim]);
@@ -104,19 +107,21 @@ static void rank_experts(moecache_layer & L, const float * s, const int32_t * st
     }
 }
 
-// moves the members of r[0:m] that are cached to the front (in r order), the rest after them
-static void promote_cached(moecache_layer & L, int32_t m) {
+// moves the members of r[0:m] that are cached (and not masked) to the front, in r order
+static void promote_cached(moecache_layer & L, const float * s, int32_t m) {
     const int32_t N = (int32_t) L.rank.size();
     m = std::min(m, N);
     int32_t n = 0;
-    for (int32_t i = 0; i < m; i++) {
-        if (L.last_use[L.rank[i]] >= 0) {
-            L.order[n++] = L.rank[i];
+    for (int32_t i = 0; i < N; i++) {
+        const int32_t e = L.rank[i];
+        if (i < m && L.last_use[e] >= 0 && is_allowed(s[e])) {
+            L.order[n++] = e;
         }
     }
     for (int32_t i = 0; i < N; i++) {
-        if (!(i < m && L.last_use[L.rank[i]] >= 0)) {
-            L.order[n++] = L.rank[i];
+        const int32_t e = L.rank[i];
+        if (!(i < m && L.last_use[e] >= 0 && is_allowed(s[e]))) {
+            L.order[n++] = e;
         }
     }
 }
@@ -146,13 +151,13 @@ static int32_t cumsum_rank(const moecache_layer & L, const float * p, const floa
     return n_allowed;
 }
 
-// Delta_l: running mean over tokens of max(u) - min(u) (allowed experts only)
+// Delta_l: running mean over tokens of max(u) - min(u) (allowed experts, finite values only)
 static double update_delta(moecache_layer & L, const float * u, const float * s) {
     const int32_t N = (int32_t) L.rank.size();
     float lo = INFINITY;
     float hi = -INFINITY;
     for (int32_t e = 0; e < N; e++) {
-        if (is_allowed(s[e])) {
+        if (is_allowed(s[e]) && std::isfinite(u[e])) {
             lo = std::min(lo, u[e]);
             hi = std::max(hi, u[e]);
         }
@@ -208,25 +213,25 @@ int32_t moecache_route_token(
     switch (policy) {
         case MOECACHE_POLICY_PRUNE:
             n_keep = std::min(K, std::max(rp.prune_rank, J));
-            promote_cached(L, 0);
+            promote_cached(L, s, 0);
             break;
         case MOECACHE_POLICY_MAX_RANK:
-            promote_cached(L, rp.max_rank);
+            promote_cached(L, s, rp.max_rank);
             break;
         case MOECACHE_POLICY_CUMSUM:
-            promote_cached(L, cumsum_rank(L, p, s, rp.cumsum_tau));
+            promote_cached(L, s, cumsum_rank(L, p, s, rp.cumsum_tau));
             break;
         case MOECACHE_POLICY_PRIOR:
             if (rp.prior_lambda > 0.0f) {
                 const double d = L.delta_fixed > 0.0f ? (double) L.delta_fixed : delta;
                 prior_order(L, u, s, J, (float) ((double) rp.prior_lambda * d));
             } else {
-                promote_cached(L, 0);
+                promote_cached(L, s, 0);
             }
             break;
         case MOECACHE_POLICY_TOPK:
         default:
-            promote_cached(L, 0);
+            promote_cached(L, s, 0);
             break;
     }
 
@@ -261,8 +266,12 @@ int32_t moecache_route_token(
         return n_sel;
     }
 
-    // 3. cache update, one selected expert at a time, by router weight p: highest first
-    //    (top-bottom: the lowest-weight expert ends most recent) or exactly the reverse.
+    // 3. cache update. A selected expert is a hit if it was cached when the token was routed.
+    //    Then the selected experts are touched one at a time by router weight p, highest first
+    //    (top-bottom: the lowest-weight new expert ends most recent) or exactly the reverse:
+    //    a hit refreshes its recency, a miss is inserted, evicting the least recently used
+    //    expert that this token does not use (L.chosen marks the ones it uses). Only misses
+    //    insert, so evictions <= misses even when the cache is smaller than K.
     //    slots are sorted by p descending, ties in r order; an insertion sort over <= K slots.
     int32_t * slot = L.order.data(); // r' is not needed any more
     for (int32_t i = 0; i < n_sel; i++) {
@@ -272,20 +281,19 @@ int32_t moecache_route_token(
             j--;
         }
         slot[j] = i;
+        hit[i] = L.last_use[sel[i]] >= 0 ? 1 : 0;
     }
     const bool top_bottom = mc.cparams.insertion == MOECACHE_INSERTION_TOP_BOTTOM;
     for (int32_t k = 0; k < n_sel; k++) {
         const int32_t i = slot[top_bottom ? k : n_sel - 1 - k];
         const int32_t e = sel[i];
-        if (L.last_use[e] >= 0) {
+        if (!hit[i]) {
+            moecache_layer_insert(L, e, L.chosen.data());
+        } else if (L.last_use[e] >= 0) { // (not evicted by this token's own misses: cache < K)
             L.last_use[e] = ++L.clock;
-            L.st.hits    += 1;
-            hit[i]        = 1;
-        } else {
-            moecache_layer_insert(L, e);
-            L.st.misses  += 1;
-            hit[i]        = 0;
         }
+        L.st.hits   += hit[i];
+        L.st.misses += 1 - hit[i];
     }
     L.st.selections += n_sel;
     L.st.occupancy   = L.occupancy;

@@ -485,7 +485,7 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
         // a smaller cache keeps the most recently used entries
         const size_t skip = ids[il].size() > (size_t) L.capacity ? ids[il].size() - L.capacity : 0;
         for (size_t i = skip; i < ids[il].size(); i++) {
-            moecache_layer_insert(L, ids[il][i]);
+            moecache_layer_insert(L, ids[il][i], nullptr);
         }
         L.st.occupancy = L.occupancy;
         L.delta_sum    = dsum[il];

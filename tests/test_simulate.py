@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import assume, HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pymoecache.config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, TopK  # noqa: E402
@@ -50,6 +50,7 @@ def selection_sequences(draw, max_n=12, max_tokens=60, max_layers=3):
 @settings(max_examples=200, **SETTINGS)
 @given(data=selection_sequences(), cap=st.integers(0, 13))
 def test_opt_never_misses_more_than_lru(data, cap):
+    assume(cap == 0 or cap >= data[2])  # OPT is defined when a token's K experts fit
     layers, N, K = data
     opt, lru = belady_opt(layers, cap), lru_misses(layers, cap)
     requests = np.array([(sel >= 0).sum() for sel in layers])
@@ -59,20 +60,31 @@ def test_opt_never_misses_more_than_lru(data, cap):
     assert (opt >= (distinct if cap > 0 else requests)).all()  # compulsory misses
 
 
-def brute_force_misses(seq, cap):
-    """The fewest misses over every choice of victim at every eviction (a miss always inserts)."""
+def brute_force_misses(rows, cap):
+    """The fewest misses over every choice of victim at every eviction, under the cache's
+    per-token rule (hits are the experts cached before the token; a miss always inserts; a
+    victim is an expert the token does not use, unless it uses them all)."""
+    rows = tuple(tuple(r) for r in rows)
+
     @lru_cache(maxsize=None)
-    def best(i, cache):
-        if i == len(seq):
+    def best(t, cache):
+        if t == len(rows):
             return 0
-        e = seq[i]
-        if e in cache:
-            return best(i + 1, cache)
-        if cap == 0:
-            return 1 + best(i + 1, cache)
-        if len(cache) < cap:
-            return 1 + best(i + 1, cache | {e})
-        return 1 + min(best(i + 1, (cache - {v}) | {e}) for v in cache)
+        row = rows[t]
+        missing = [e for e in row if e not in cache]
+
+        def insert(i, c):
+            if i == len(missing):
+                return best(t + 1, c)
+            e = missing[i]
+            if cap == 0:
+                return insert(i + 1, c)
+            if len(c) < cap:
+                return insert(i + 1, c | {e})
+            victims = [v for v in c if v not in row] or list(c)
+            return min(insert(i + 1, (c - {v}) | {e}) for v in victims)
+
+        return len(missing) + insert(0, cache)
 
     return best(0, frozenset())
 
@@ -80,15 +92,16 @@ def brute_force_misses(seq, cap):
 @settings(max_examples=300, **SETTINGS)
 @given(seq=st.lists(st.integers(0, 4), max_size=12), cap=st.integers(0, 4))
 def test_opt_equals_brute_force_optimum(seq, cap):
-    assert belady_opt([[[e] for e in seq]], cap)[0] == brute_force_misses(tuple(seq), cap)
+    assert belady_opt([[[e] for e in seq]], cap)[0] == brute_force_misses([[e] for e in seq], cap)
 
 
 @settings(max_examples=100, **SETTINGS)
 @given(data=selection_sequences(max_n=5, max_tokens=6, max_layers=1), cap=st.integers(0, 5))
 def test_opt_equals_brute_force_with_several_experts_per_token(data, cap):
+    assume(cap == 0 or cap >= data[2])
     (sel,), _, _ = data
-    seq = tuple(int(e) for e in sel.ravel() if e >= 0)
-    assert belady_opt([sel], cap)[0] == brute_force_misses(seq, cap)
+    rows = [[int(e) for e in row if e >= 0] for row in sel]
+    assert belady_opt([sel], cap)[0] == brute_force_misses(rows, cap)
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -123,12 +136,15 @@ def test_hand_made_lru_and_opt_differ_by_a_known_amount():
 
 
 def test_two_experts_per_token_opt_keeps_the_returning_expert():
-    """K = 2, room for 2, tokens {0,1} {2,3} {0,2} {0,1} served left to right.
-    LRU: 2 + 2 + 2 (0 and 2 were both evicted) + 1 (1) = 7 misses.
-    OPT: 2 + 2 (keeping 0, needed again first) + 1 (2) + 1 (1) = 6 misses."""
-    sel = np.array([[0, 1], [2, 3], [0, 2], [0, 1]], dtype=np.int32)
-    assert lru_misses([sel], 2).tolist() == [7]
+    """K = 2, room for 2, tokens {0,1} {2,3} {0,2} {0,3}: the cache can only hold the last
+    token's experts, so LRU = OPT = 2 + 2 + 1 (0; 2 is a hit and is spared) + 1 (3) = 6.
+    With room for 3 on a longer sequence OPT can keep the expert needed soonest."""
+    sel = np.array([[0, 1], [2, 3], [0, 2], [0, 3]], dtype=np.int32)
+    assert lru_misses([sel], 2).tolist() == [6]
     assert belady_opt([sel], 2).tolist() == [6]
+    sel = np.array([[0, 1], [2, 3], [0, 2], [1, 3], [0, 1]], dtype=np.int32)
+    assert belady_opt([sel], 3)[0] <= lru_misses([sel], 3)[0]
+    assert belady_opt([sel], 3)[0] == brute_force_misses(sel.tolist(), 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +214,11 @@ def test_replayed_requests_bound_the_replay(seed, k, cap, routing, insertion, ki
     tr = random_trace(seed, n_tokens=30, k=k, kind=kind)
     res = replay(tr, routing, cache_size=cap, insertion=insertion)
     assert lru_misses(res.requests, cap).tolist() == res.misses_per_layer.tolist()
-    assert (belady_opt(res.requests, cap) <= res.misses_per_layer).all()
+    if cap == 0 or cap >= k:
+        assert (belady_opt(res.requests, cap) <= res.misses_per_layer).all()
+    else:
+        with pytest.raises(ValueError, match="at least K"):
+            belady_opt(res.requests, cap)
     for sel, req in zip(res.selected, res.requests):  # same experts, other order
         np.testing.assert_array_equal(np.sort(sel, axis=1), np.sort(req, axis=1))
 
