@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -275,6 +277,30 @@ class MoECache:
                        ("experts", "<i4", (C.MOECACHE_TRACE_MAX_USED,)), ("hit_mask", "<u4"), ("top_k_mask", "<u4")])
         assert dt.itemsize == ctypes.sizeof(C.moecache_trace_record)
         return np.frombuffer(ctypes.string_at(buf, n * dt.itemsize), dtype=dt).copy()
+
+    def save_prior_calibration(self, path: "os.PathLike[str] | str", model: str = "") -> None:
+        """Write the per-layer Delta_l measured so far (running means) as JSON, to be loaded with
+        :meth:`load_prior_calibration` instead of starting the running mean from scratch."""
+        st = self.stats()
+        delta = np.zeros(self.n_layer, dtype=np.float64)
+        delta[st.moe_layers] = st.delta_per_layer
+        if not st.tokens:
+            raise MoECacheError("no tokens routed yet: run some text through the model before calibrating")
+        Path(path).write_text(json.dumps({"format": "pymoecache-prior-calibration", "version": 1, "model": model,
+                                          "n_layer": self.n_layer, "n_expert": self.n_expert,
+                                          "tokens": st.tokens, "delta": delta.tolist()}, indent=1))
+
+    def load_prior_calibration(self, path: "os.PathLike[str] | str") -> None:
+        """Use fixed per-layer Delta_l from a file written by :meth:`save_prior_calibration`."""
+        try:
+            d = json.loads(Path(path).read_text())
+            ok = d.get("format") == "pymoecache-prior-calibration"
+        except (OSError, ValueError) as e:
+            raise MoECacheError(f"cannot read prior calibration {path}: {e}") from None
+        if not ok or d.get("n_layer") != self.n_layer or d.get("n_expert") != self.n_expert:
+            raise MoECacheError(f"{path} is not a prior calibration for this model "
+                                f"({self.n_layer} layers, {self.n_expert} experts)")
+        self.set_prior_delta(np.asarray(d["delta"], dtype=np.float32))
 
     def save(self, path: "os.PathLike[str] | str") -> None:
         _check(C.moecache_state_save(self._h, os.fsencode(path)))

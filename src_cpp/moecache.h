@@ -20,6 +20,13 @@
 // moecache_hook_select inserts one ggml custom op per MoE layer -> at compute time the op
 // calls moecache_route_tokens (moecache-route.cpp) for the tokens of the ubatch, in order.
 //
+// Determinism: the router's ranking r sorts by the selection score, descending, ties by lower
+// expert id (in the graph, r starts with the model's own top-K, so ties break as the model
+// breaks them); every re-ranking is stable with respect to r; the selected experts are
+// returned in r order, so a policy that leaves the set unchanged leaves the logits unchanged.
+// A selected expert is a hit if it was cached when its token was routed; misses are inserted
+// in router-weight order and never evict an expert the same token uses.
+//
 // Threading: one moecache per llama_context. Read stats and change parameters between
 // llama_decode calls, not during one.
 #pragma once

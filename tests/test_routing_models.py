@@ -168,3 +168,22 @@ def test_cache_state_round_trip_and_model_identity(fixture_dir, tmp_path):
         other.load_cache_state(path)
     for llm in (a, b, cold, other):
         llm.close()
+
+
+def test_prior_calibration_file_fixes_delta(fixture_dir, tmp_path):
+    a = load(fixture_dir, "qwen2moe-60x4", cache=CacheConfig(size=0.25), routing=Prior(0.5))
+    run(a)
+    cal = tmp_path / "prior.json"
+    a.moecache.save_prior_calibration(cal)
+    measured = a.moe_stats().delta_per_layer
+    assert (measured > 0).all()
+
+    b = load(fixture_dir, "qwen2moe-60x4", cache=CacheConfig(size=0.25), routing=Prior(0.5))
+    b.moecache.load_prior_calibration(cal)
+    run(b, prompt=PROMPT[:5], gen=[])  # a short, different text: a running mean would drift
+    assert np.allclose(b.moe_stats().delta_per_layer, measured, rtol=1e-6)
+    other = load(fixture_dir, "olmoe-64x8", cache=CacheConfig(size=0.25), routing=Prior(0.5))
+    with pytest.raises(pymoecache.MoECacheError, match="not a prior calibration for this model"):
+        other.moecache.load_prior_calibration(cal)
+    for llm in (a, b, other):
+        llm.close()
