@@ -125,10 +125,10 @@ class MoECache:
 
     def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0,
                  trace_capacity: int = 0):
+        self._h = handle or None
         if not handle:
             msg = C.last_error()
             raise (ConfigError if "no MoE layers" not in msg else MoECacheError)(msg)
-        self._h = handle
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.expert_bytes = expert_bytes
         self.trace_capacity = trace_capacity
@@ -185,7 +185,7 @@ class MoECache:
         C.moecache_detach(self._h)
 
     def close(self) -> None:
-        if self._h:
+        if getattr(self, "_h", None):
             C.moecache_free(self._h)
             self._h = None
 

@@ -187,3 +187,18 @@ def test_prior_calibration_file_fixes_delta(fixture_dir, tmp_path):
         other.moecache.load_prior_calibration(cal)
     for llm in (a, b, other):
         llm.close()
+
+
+def test_per_layer_cache_sizes(fixture_dir):
+    # deepseek2 fixture: layer 0 is dense, layers 1-3 are MoE with 64 experts
+    llm = load(fixture_dir, "deepseek2-sigmoid-64x6", cache=CacheConfig(size=16, per_layer=[-1, 8, 32]),
+               routing=TopK())
+    run(llm)
+    st = llm.moe_stats()
+    assert st.moe_layers.tolist() == [1, 2, 3]
+    assert st.capacity_per_layer.tolist() == [8, 32, 16]   # layer 3 falls back to size=16
+    assert (st.occupancy_per_layer == st.capacity_per_layer).all()
+    assert st.misses_per_layer[0] > st.misses_per_layer[1]   # the smaller cache misses more
+    llm.close()
+    with pytest.raises(pymoecache.ConfigError, match="larger than"):
+        load(fixture_dir, "deepseek2-sigmoid-64x6", cache=CacheConfig(size=16, per_layer=[0, 65]))
