@@ -60,6 +60,25 @@ class MoEStats:
     expert_bytes: float              # bytes of one routed expert (0 if unknown)
     lifetime: float                  # mean tokens an entry stays cached, over all layers
 
+    # columns of a layer row for from_rows(): what struct moecache_layer_stats reports
+    ROW = ("layer", "capacity", "occupancy", "tokens", "selections", "hits", "misses", "evictions",
+           "lifetime_count", "lifetime_sum", "delta")
+
+    @classmethod
+    def from_rows(cls, rows, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0, **extra) -> "MoEStats":
+        """Build from one row per MoE layer with the columns of ``MoEStats.ROW``."""
+        a = np.array(rows, dtype=np.float64).reshape(-1, len(cls.ROW))
+        count, total = a[:, 8], a[:, 9]
+        as_int = lambda j, t=np.int64: a[:, j].astype(t)  # noqa: E731
+        return cls(
+            n_expert=n_expert, n_expert_used=n_expert_used, moe_layers=as_int(0, np.int32),
+            capacity_per_layer=as_int(1, np.int32), occupancy_per_layer=as_int(2, np.int32),
+            tokens_per_layer=as_int(3), selections_per_layer=as_int(4), hits_per_layer=as_int(5),
+            misses_per_layer=as_int(6), evictions_per_layer=as_int(7),
+            lifetime_per_layer=np.where(count > 0, total / np.maximum(count, 1), 0.0),
+            delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=expert_bytes,
+            lifetime=float(total.sum() / count.sum()) if count.sum() > 0 else 0.0, **extra)
+
     @property
     def tokens(self) -> int:
         """Tokens routed (through the first MoE layer)."""
@@ -232,26 +251,16 @@ class MoECache:
         return sel, hits
 
     # --- stats, contents, state ----------------------------------------------------------------
-    def stats(self) -> MoEStats:
-        rows = []
+    def layer_row(self, il: int) -> tuple:
+        """Layer il's counters in the column order of ``MoEStats.ROW``."""
         ls = C.moecache_layer_stats()
-        for il in range(C.moecache_n_layer(self._h)):
-            _check(C.moecache_get_layer_stats(self._h, il, ctypes.byref(ls)))
-            if ls.n_expert > 0:
-                rows.append((il, ls.capacity, ls.occupancy, ls.tokens, ls.selections, ls.hits, ls.misses,
-                             ls.evictions, ls.lifetime_count, ls.lifetime_sum, ls.delta))
-        a = np.array(rows, dtype=np.float64).reshape(-1, 11)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            life = np.where(a[:, 8] > 0, a[:, 9] / np.maximum(a[:, 8], 1), 0.0)
-        st = MoEStats(
-            n_expert=self.n_expert, n_expert_used=self.n_expert_used,
-            moe_layers=a[:, 0].astype(np.int32), capacity_per_layer=a[:, 1].astype(np.int32),
-            occupancy_per_layer=a[:, 2].astype(np.int32), tokens_per_layer=a[:, 3].astype(np.int64),
-            selections_per_layer=a[:, 4].astype(np.int64), hits_per_layer=a[:, 5].astype(np.int64),
-            misses_per_layer=a[:, 6].astype(np.int64), evictions_per_layer=a[:, 7].astype(np.int64),
-            lifetime_per_layer=life, delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=self.expert_bytes,
-            lifetime=float(a[:, 9].sum() / a[:, 8].sum()) if a[:, 8].sum() > 0 else 0.0)
-        return st
+        _check(C.moecache_get_layer_stats(self._h, il, ctypes.byref(ls)))
+        return (il, ls.capacity, ls.occupancy, ls.tokens, ls.selections, ls.hits, ls.misses, ls.evictions,
+                ls.lifetime_count, ls.lifetime_sum, ls.delta), ls.n_expert > 0
+
+    def stats(self) -> MoEStats:
+        rows = [row for row, routed in map(self.layer_row, range(self.n_layer)) if routed]
+        return MoEStats.from_rows(rows, self.n_expert, self.n_expert_used, self.expert_bytes)
 
     def reset_stats(self) -> None:
         C.moecache_reset_stats(self._h)

@@ -30,17 +30,15 @@ from __future__ import annotations
 import bisect
 import math
 
-import ctypes
-import heapq
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _moecache_cpp as C
 from .config import CacheConfig, ConfigError, Routing, parse_routing
+from .llama import MoECache, MoEStats
 from .reference import ReferenceCache, softmax_f32, update_order
 
 CacheSize = Union[int, float, Sequence[int]]
@@ -120,63 +118,17 @@ def save_trace(path: Union[str, "os.PathLike[str]"], trace: Trace) -> None:
 
 
 @dataclass
-class ReplayResult:
-    """Counters of a replay, one entry per layer (numpy arrays), plus what was selected.
+class ReplayResult(MoEStats):
+    """The cache counters of a replay (:class:`MoEStats`: per-layer arrays, rates, lifetime),
+    plus what was selected.
 
     selected[il]: ``[n_tokens, K]`` experts run, in router order, -1 = dropped (prune).
     requests[il]: the same experts in the order the cache served them (by router weight), the
     input to hand to :func:`belady_opt` / :func:`lru_misses`.
     """
 
-    n_expert_used: int
-    capacity: np.ndarray
-    tokens: np.ndarray
-    selections: np.ndarray
-    hits: np.ndarray
-    misses_per_layer: np.ndarray
-    evictions_per_layer: np.ndarray
-    lifetime_count: np.ndarray
-    lifetime_sum: np.ndarray
-    selected: List[np.ndarray]
-    requests: List[np.ndarray]
-
-    @property
-    def miss_rate_per_layer(self) -> np.ndarray:
-        """misses / (K * tokens), as in method.md (pruned slots count as neither hit nor miss)."""
-        return self.misses_per_layer / np.maximum(1, self.n_expert_used * self.tokens)
-
-    @property
-    def hit_rate_per_layer(self) -> np.ndarray:
-        return np.where(self.tokens > 0, 1.0 - self.miss_rate_per_layer, 0.0)
-
-    @property
-    def lifetime_per_layer(self) -> np.ndarray:
-        """Mean tokens an entry stayed cached (evicted entries and those still resident)."""
-        return self.lifetime_sum / np.maximum(1, self.lifetime_count)
-
-    @property
-    def misses(self) -> int:
-        return int(self.misses_per_layer.sum())
-
-    @property
-    def evictions(self) -> int:
-        return int(self.evictions_per_layer.sum())
-
-    @property
-    def miss_rate(self) -> float:
-        return self.misses / max(1, self.n_expert_used * int(self.tokens.sum()))
-
-    @property
-    def hit_rate(self) -> float:
-        return 1.0 - self.miss_rate if self.tokens.sum() else 0.0
-
-    @property
-    def lifetime(self) -> float:
-        return float(self.lifetime_sum.sum() / max(1, self.lifetime_count.sum()))
-
-    def summary(self) -> str:
-        return (f"miss rate {100 * self.miss_rate:.1f}% | hit rate {100 * self.hit_rate:.1f}% | "
-                f"lifetime {self.lifetime:.1f} tok | evictions {self.evictions}")
+    selected: List[np.ndarray] = field(default_factory=list)
+    requests: List[np.ndarray] = field(default_factory=list)
 
 
 def capacities(cache_size: CacheSize, n_layer: int, n_expert: int) -> List[int]:
@@ -213,7 +165,6 @@ def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     caps = capacities(cache_size, tr.n_layer, tr.n_expert)
     if engine == "native":
-        from .llama import MoECache
         cache = MoECache.synthetic(tr.n_layer, tr.n_expert, tr.n_expert_used, routing=routing,
                                    cache=CacheConfig(size=0, per_layer=caps, insertion=insertion))
     elif engine == "reference":
@@ -226,12 +177,8 @@ def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union
         sel, _ = cache.route(il, z, p, s, rank_on_logits=tr.rank_on_logits)
         selected.append(sel)
         requests.append(served_order(sel, p, insertion))
-    counts = np.array([_layer_counters(cache, il) for il in range(tr.n_layer)], dtype=np.float64).reshape(-1, 7)
-    as_int = lambda j: counts[:, j].astype(np.int64)  # noqa: E731
-    return ReplayResult(n_expert_used=tr.n_expert_used, capacity=np.array(caps), tokens=as_int(0),
-                        selections=as_int(1), hits=as_int(2), misses_per_layer=as_int(3),
-                        evictions_per_layer=as_int(4), lifetime_count=as_int(5), lifetime_sum=counts[:, 6],
-                        selected=selected, requests=requests)
+    rows = [_layer_row(cache, il) for il in range(tr.n_layer)]
+    return ReplayResult.from_rows(rows, tr.n_expert, tr.n_expert_used, selected=selected, requests=requests)
 
 
 def served_order(selected: np.ndarray, probs: np.ndarray, insertion: str = "top-bottom") -> np.ndarray:
@@ -244,14 +191,13 @@ def served_order(selected: np.ndarray, probs: np.ndarray, insertion: str = "top-
     return out
 
 
-def _layer_counters(cache, il: int):
+def _layer_row(cache, il: int) -> tuple:
+    """Layer il's counters in the column order of MoEStats.ROW, from either engine."""
     if isinstance(cache, ReferenceCache):
         r = cache.layer_stats(il)
-        return r.tokens, r.selections, r.hits, r.misses, r.evictions, r.lifetime_count, r.lifetime_sum
-    ls = C.moecache_layer_stats()
-    if C.moecache_get_layer_stats(cache._h, il, ctypes.byref(ls)) != C.MOECACHE_OK:
-        raise RuntimeError(C.last_error())
-    return ls.tokens, ls.selections, ls.hits, ls.misses, ls.evictions, ls.lifetime_count, ls.lifetime_sum
+        return (il, r.capacity, r.occupancy, r.tokens, r.selections, r.hits, r.misses, r.evictions,
+                r.lifetime_count, r.lifetime_sum, r.delta)
+    return cache.layer_row(il)[0]
 
 
 # --------------------------------------------------------------------------------------------

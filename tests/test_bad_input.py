@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 
