@@ -52,7 +52,7 @@ def main() -> int:
         print(f"building the benchmark model {path} ...", file=sys.stderr)
         synth.build_bench_model(path, target_mb=320)
     info = pymoecache.model_info(path)
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0), routing=TopK(), n_ctx=256,
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0), routing=TopK(), n_ctx=args.tokens + 64,
                            n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     full = llm.moecache
     half = MoECache.for_model(llm._model.model, info, cache=CacheConfig(size=0.5), routing=Prior(0.5))
