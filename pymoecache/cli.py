@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import List, Optional
 
 EXIT_USAGE = 2
@@ -34,12 +33,22 @@ def _add_routing_options(p: argparse.ArgumentParser) -> None:
                    help="the router's top J experts are always used, cached or not (default 1)")
     g.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token through the policy (all, default) or generated tokens only (decode)")
+    _add_cache_options(p)
+
+
+def _add_cache_options(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cache")
     c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES",
                    help="experts cached per MoE layer: a count (30), a share of the routed experts (0.5, default) "
                         "or a memory budget for all layers (4GiB)")
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
+
+
+def _add_hub_options(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("download (instead of MODEL)")
+    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from")
+    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress)")
 
 
 def _routing_from_args(args):
@@ -65,9 +74,23 @@ def _cache_from_args(args):
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion)
 
 
-def _resolve_model(path: Optional[str]) -> str:
+def _resolve_model(path: Optional[str], args=None) -> str:
+    """MODEL argument, a Hugging Face download (--hf-repo/--hf-file), or the default model."""
     from .models import default_model_path
 
+    repo, file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
+    if repo or file:
+        if path:
+            raise UserError("give either MODEL or --hf-repo/--hf-file, not both")
+        if not (repo and file):
+            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo Qwen/Qwen1.5-MoE-A2.7B-Chat-GGUF "
+                            "--hf-file qwen1_5-moe-a2_7b-chat-q4_k_m.gguf)")
+        from .hub import HubError, download
+
+        try:
+            return str(download(repo, file))
+        except HubError as e:
+            raise UserError(str(e))
     if path:
         return path
     p = default_model_path()
@@ -75,21 +98,33 @@ def _resolve_model(path: Optional[str]) -> str:
     return str(p)
 
 
+def _perf(llm):
+    """llama.cpp's own timings since the last reset: (prompt tokens, prompt s, decoded tokens, decode s)."""
+    import llama_cpp
+
+    d = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    return d.n_p_eval, d.t_p_eval_ms / 1e3, d.n_eval, d.t_eval_ms / 1e3
+
+
+def _perf_reset(llm) -> None:
+    import llama_cpp
+
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+
+
 def cmd_run(args) -> int:
     import pymoecache
 
     routing = _routing_from_args(args)
     cache = _cache_from_args(args)
-    model = _resolve_model(args.model)
+    model = _resolve_model(args.model, args)
     llm = pymoecache.Llama(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
                            n_threads=args.threads, seed=args.seed, verbose=False)
     if llm.moecache is None:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
 
     out = sys.stdout
-    t0 = time.perf_counter()
-    t_first = None
-    n_gen = 0
+    _perf_reset(llm)
     text = []
     kw = dict(max_tokens=args.n, temperature=args.temp, seed=args.seed, stream=True)
     if args.chat:
@@ -101,17 +136,12 @@ def cmd_run(args) -> int:
     if not args.json:
         out.write(args.prompt if not args.chat else "")
     for piece in pieces:
-        if t_first is None:
-            t_first = time.perf_counter()
-        n_gen += 1
         text.append(piece)
         if not args.json:
             out.write(piece)
             out.flush()
-    t_end = time.perf_counter()
-    n_prompt = len(llm.tokenize(args.prompt.encode("utf-8")))
+    n_prompt, t_prompt, n_gen, t_gen = _perf(llm)
     st = llm.moe_stats()
-    t_first = t_first or t_end
     res = {
         "model": model,
         "routing": routing.spec(),
@@ -120,8 +150,8 @@ def cmd_run(args) -> int:
         "n_expert_used": st.n_expert_used,
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
-        "prompt_tok_s": n_prompt / max(t_first - t0, 1e-9),
-        "decode_tok_s": (n_gen - 1) / (t_end - t_first) if n_gen > 1 and t_end > t_first else 0.0,
+        "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
+        "decode_tok_s": n_gen / t_gen if t_gen > 0 else 0.0,
         "hit_rate": st.hit_rate,
         "miss_rate": st.miss_rate,
         "misses_per_token": st.misses_per_token,
@@ -144,11 +174,111 @@ def cmd_run(args) -> int:
     return 0
 
 
+DEFAULT_BENCH_PROMPTS = [
+    "Once upon a time",
+    "The history of the city begins in",
+    "Q: What is a Mixture-of-Experts model?\nA:",
+    "def fibonacci(n):",
+]
+
+
+def cmd_bench(args) -> int:
+    import pymoecache
+    from .config import parse_routing
+
+    routings = [parse_routing(spec, top_j=args.top_j) for spec in args.routing.split(",") if spec.strip()]
+    if not routings:
+        raise UserError("--routing needs at least one spec, e.g. lru,prior:0.5")
+    if args.prompts:
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = [ln.rstrip("\n") for ln in f if ln.strip()]
+        except OSError as e:
+            raise UserError(f"cannot read --prompts {args.prompts}: {e.strerror}")
+        if not prompts:
+            raise UserError(f"--prompts {args.prompts} has no non-empty line")
+    else:
+        prompts = DEFAULT_BENCH_PROMPTS
+    if args.reps < 1:
+        raise UserError("--reps must be >= 1")
+    model = _resolve_model(args.model, args)
+    llm = pymoecache.Llama(model, cache=_cache_from_args(args), routing=routings[0], routing_scope=args.scope,
+                           n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    if llm.moecache is None:
+        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
+
+    for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
+        llm.reset()
+        llm(prompt, max_tokens=2, temperature=0.0)
+    acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, lifetime=[], loaded=0) for r in routings}
+    total = args.reps * len(routings)
+    done = 0
+    for rep in range(args.reps):
+        order = routings[rep % len(routings):] + routings[:rep % len(routings)]  # rotate: no setting always first
+        for routing in order:
+            a = acc[routing.spec()]
+            llm.moecache.clear()
+            llm.reset_moe_stats()
+            llm.set_routing(routing)
+            for prompt in prompts:
+                llm.reset()
+                _perf_reset(llm)
+                llm(prompt, max_tokens=args.n, temperature=0.0, seed=args.seed)
+                pt, ps, dt, ds = _perf(llm)
+                a["pt"] += pt
+                a["ps"] += ps
+                a["dt"] += dt
+                a["ds"] += ds
+            st = llm.moe_stats()
+            a["misses"] += st.misses
+            a["routed"] += st.tokens
+            a["lifetime"].append(st.lifetime)
+            a["loaded"] += st.bytes_loaded
+            done += 1
+            print(f"\r[{done}/{total}] {routing.spec():<24}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    K = llm.moecache.n_expert_used
+    rows = []
+    for spec, a in acc.items():
+        rows.append({
+            "routing": spec,
+            "cache_size": int(llm.moe_stats().capacity_per_layer[0]),
+            "n_expert": llm.moecache.n_expert,
+            "prompt_tok_s": a["pt"] / a["ps"] if a["ps"] else 0.0,
+            "decode_tok_s": a["dt"] / a["ds"] if a["ds"] else 0.0,
+            "miss_rate": a["misses"] / (K * a["routed"] * len(llm.moe_stats().moe_layers)) if a["routed"] else 0.0,
+            "misses_per_token": a["misses"] / a["routed"] if a["routed"] else 0.0,
+            "lifetime": sum(a["lifetime"]) / len(a["lifetime"]),
+            "mib_loaded_per_run": a["loaded"] / args.reps / 2**20,
+        })
+    llm.close()
+    _write_rows(rows, args.csv, args.json)
+    hdr = f"{'routing':<16} {'cache':>7} {'prompt tok/s':>12} {'decode tok/s':>12} {'miss %':>7} {'miss/tok':>8} {'lifetime':>8} {'MiB loaded':>10}"
+    print(hdr)
+    for r in rows:
+        print(f"{r['routing']:<16} {r['cache_size']:>3}/{r['n_expert']:<3} {r['prompt_tok_s']:>12.1f} {r['decode_tok_s']:>12.1f} "
+              f"{100 * r['miss_rate']:>7.1f} {r['misses_per_token']:>8.2f} {r['lifetime']:>8.1f} {r['mib_loaded_per_run']:>10.2f}")
+    return 0
+
+
+def _write_rows(rows, csv_path: Optional[str], json_path: Optional[str]) -> None:
+    if csv_path:
+        import csv
+
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def cmd_info(args) -> int:
     from .config import parse_bytes
     from .model_info import model_info
 
-    info = model_info(_resolve_model(args.model))
+    info = model_info(_resolve_model(args.model, args))
     budget = None
     if args.ram:
         budget = parse_bytes(args.ram)
@@ -184,8 +314,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
+    _add_hub_options(r)
     _add_routing_options(r)
     r.set_defaults(func=cmd_run)
+
+    b = sub.add_parser("bench", help="compare routing policies on the same prompts (tok/s, miss rate, lifetime)",
+                       description="Run the same prompts under each routing setting (settings rotate between "
+                                   "repetitions, the cache starts empty for each) and print one row per setting. "
+                                   "Timings are llama.cpp's own prompt and decode counters.")
+    b.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    b.add_argument("--routing", default="lru,prior:0.5,max-rank:8,cumsum:0.9", metavar="SPECS",
+                   help="comma-separated routing specs (default %(default)s)")
+    b.add_argument("--top-j", type=int, default=None, metavar="J", help="Top-J for every spec (default 1)")
+    b.add_argument("--scope", choices=["all", "decode"], default="all",
+                   help="route every token (all, default) or generated tokens only (decode)")
+    b.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: four built-in prompts)")
+    b.add_argument("-n", type=int, default=64, metavar="N", help="tokens generated per prompt (default %(default)s)")
+    b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
+    b.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    b.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    b.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    b.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    _add_hub_options(b)
+    _add_cache_options(b)
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("info", help="describe a GGUF model from its header (experts, sizes)",
                        description="Architecture, layers, experts and bytes per expert, read from the GGUF header only.")
