@@ -64,8 +64,12 @@ def _routing_from_args(args):
     if args.prune is not None:
         return Prune(args.prune, top_j=j)
     if args.routing:
-        return parse_routing(args.routing, top_j=args.top_j)
-    return TopK()
+        routing = parse_routing(args.routing, top_j=args.top_j)
+    else:
+        routing = TopK()
+    if isinstance(routing, TopK) and args.top_j is not None:
+        raise UserError("--top-j needs a policy that changes the ranking (--prior, --max-rank, --cumsum, --prune)")
+    return routing
 
 
 def _cache_from_args(args):
@@ -140,7 +144,8 @@ def cmd_run(args) -> int:
         if not args.json:
             out.write(piece)
             out.flush()
-    n_prompt, t_prompt, n_gen, t_gen = _perf(llm)
+    n_prompt, t_prompt, n_decoded, t_gen = _perf(llm)
+    n_gen = n_decoded + 1 if text else 0  # the last sampled token is never decoded
     st = llm.moe_stats()
     res = {
         "model": model,
@@ -151,7 +156,7 @@ def cmd_run(args) -> int:
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
-        "decode_tok_s": n_gen / t_gen if t_gen > 0 else 0.0,
+        "decode_tok_s": n_decoded / t_gen if t_gen > 0 else 0.0,
         "hit_rate": st.hit_rate,
         "miss_rate": st.miss_rate,
         "misses_per_token": st.misses_per_token,
