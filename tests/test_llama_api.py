@@ -1,0 +1,99 @@
+"""pymoecache.Llama is a llama_cpp.Llama: everything of llama-cpp-python works, plus the cache API."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import llama_cpp
+
+import pymoecache
+from pymoecache import CacheConfig, Prior, TopK
+from conftest import model_path
+
+QWEN = "qwen2moe-60x4"
+
+
+@pytest.fixture(scope="module")
+def llm(fixture_dir):
+    m = pymoecache.Llama(str(model_path(fixture_dir, QWEN)), cache=CacheConfig(size=0.5), routing=Prior(0.5),
+                         n_ctx=256, verbose=False, seed=3)
+    yield m
+    m.close()
+
+
+def test_is_a_llama_cpp_llama(llm):
+    assert isinstance(llm, llama_cpp.Llama)
+
+
+def test_completion_streaming_and_tokenization(llm):
+    out = llm("The cat", max_tokens=8, temperature=0.0)
+    assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 8
+    pieces = [c["choices"][0]["text"] for c in llm("The cat", max_tokens=8, temperature=0.0, stream=True)]
+    assert "".join(pieces) == out["choices"][0]["text"]  # same greedy text, streamed
+    toks = llm.tokenize(b"Hello world")
+    assert llm.detokenize(toks).decode().strip() == "Hello world"
+
+
+def test_chat_completion(llm):
+    r = llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_grammar_constrains_output(llm):
+    g = llama_cpp.LlamaGrammar.from_string('root ::= ("yes" | "no")', verbose=False)
+    text = llm("Answer:", max_tokens=4, grammar=g, temperature=0.0)["choices"][0]["text"]
+    assert text in ("yes", "no")
+
+
+def test_moe_stats_fields_and_reset(llm):
+    llm.reset_moe_stats()
+    llm("Once upon a time", max_tokens=10, temperature=0.0)
+    st = llm.moe_stats()
+    n_layer = len(st.moe_layers)
+    for name in ("tokens_per_layer", "hits_per_layer", "misses_per_layer", "evictions_per_layer"):
+        arr = getattr(st, name)
+        assert isinstance(arr, np.ndarray) and arr.shape == (n_layer,)
+    assert st.n_expert_used == 4 and st.tokens > 0
+    assert st.hit_rate == pytest.approx(1 - st.miss_rate)
+    assert st.bytes_loaded == st.misses * llm.model_info.expert_bytes > 0
+    assert st.lifetime > 0
+    llm.reset_moe_stats()
+    assert llm.moe_stats().tokens == 0 and llm.moe_stats().misses == 0
+
+
+def test_memory_budget_becomes_a_per_layer_size(fixture_dir):
+    path = str(model_path(fixture_dir, QWEN))
+    info = pymoecache.model_info(path)
+    m = pymoecache.Llama(path, cache=CacheConfig(size="512KiB"), routing=TopK(), n_ctx=64, verbose=False)
+    expect = int(512 * 1024 // (info.expert_bytes * info.n_moe_layer))
+    assert 0 < expect < info.n_expert
+    m("Hi", max_tokens=2)
+    assert m.moe_stats().capacity_per_layer.tolist() == [expect] * info.n_moe_layer
+    assert expect == info.cache_size_for_budget(512 * 1024)
+    m.close()
+    with pytest.raises(pymoecache.ConfigError, match="larger than"):
+        pymoecache.Llama(path, cache=CacheConfig(size="1GiB"), n_ctx=64, verbose=False)
+
+
+def test_config_objects_validate_and_parse():
+    assert pymoecache.parse_routing("prior:0.5") == Prior(0.5)
+    assert pymoecache.parse_routing("max-rank:4:j=2") == pymoecache.MaxRank(4, top_j=2)
+    assert pymoecache.parse_routing("cumsum:0.7").spec() == "cumsum:0.7"
+    assert pymoecache.parse_routing("prune:3") == pymoecache.Prune(3)
+    assert pymoecache.parse_routing("lru") == TopK()
+    for bad in ("prior:-1", "cumsum:1.5", "prune:0", "max-rank:-2", "warp:3", "prior:x", "lru:3"):
+        with pytest.raises(pymoecache.ConfigError):
+            pymoecache.parse_routing(bad)
+    for bad in (-1, 1.5, "lots", True):
+        with pytest.raises(pymoecache.ConfigError):
+            CacheConfig(size=bad)
+    with pytest.raises(pymoecache.ConfigError):
+        CacheConfig(insertion="middle-out")
+
+
+def test_default_model_is_built_on_first_use_and_loads():
+    p = pymoecache.default_model_path()
+    assert p.exists() and p.suffix == ".gguf"
+    assert pymoecache.default_model_path() == p  # second call: same file, not rebuilt
+    info = pymoecache.model_info(p)
+    assert info.is_moe and info.n_expert == 60 and info.n_expert_used == 4
