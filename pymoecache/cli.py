@@ -2,6 +2,10 @@
 
     pymoecache run [MODEL] -p "Once upon a time" -n 64 --prior 0.5 --cache-size 0.5
     pymoecache info MODEL [--ram 4GiB]
+    pymoecache bench MODEL --routing lru,prior:0.5,max-rank:8 [--csv out.csv]
+    pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
+    pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
+    pymoecache serve MODEL --prior 0.5 --port 8000
 
 User errors print one line and exit with code 2; no tracebacks.
 """
@@ -13,6 +17,8 @@ import json
 import sys
 from typing import List, Optional
 
+from . import cli_eval, server
+
 EXIT_USAGE = 2
 
 
@@ -20,7 +26,7 @@ class UserError(Exception):
     """An error caused by the command's input: one line on stderr, exit code 2."""
 
 
-def _add_routing_options(p: argparse.ArgumentParser) -> None:
+def _add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False) -> None:
     g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--prior", type=float, metavar="L",
@@ -33,14 +39,18 @@ def _add_routing_options(p: argparse.ArgumentParser) -> None:
                    help="the router's top J experts are always used, cached or not (default 1)")
     g.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token through the policy (all, default) or generated tokens only (decode)")
-    _add_cache_options(p)
+    _add_cache_options(p, multi_cache_size)
 
 
-def _add_cache_options(p: argparse.ArgumentParser) -> None:
+def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
     c = p.add_argument_group("cache")
-    c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES",
-                   help="experts cached per MoE layer: a count (30), a share of the routed experts (0.5, default) "
-                        "or a memory budget for all layers (4GiB)")
+    what = ("experts cached per MoE layer: a count (30), a share of the routed experts (0.5) "
+            "or a memory budget for all layers (4GiB); default 0.5")
+    if multi:
+        c.add_argument("--cache-size", nargs="+", default=["0.5"], metavar="N|F|BYTES",
+                       help=what + "; several values sweep several sizes")
+    else:
+        c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES", help=what)
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
 
@@ -351,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget (e.g. 4GiB)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)
+
+    cli_eval.add_commands(sub)  # ppl, trace, plot-timeline
+    server.add_command(sub)     # serve
     return ap
 
 

@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A routing or cache parameter is out of range or cannot be parsed."""
 
 
+def _with_j(spec: str, top_j: int) -> str:
+    """``prior:0.5`` -> ``prior:0.5:j=2`` when J is not the default 1 (parse_routing reads both)."""
+    return spec if top_j == 1 else f"{spec}:j={top_j}"
+
+
 def _check_top_j(top_j: int) -> None:
     if not isinstance(top_j, int) or top_j < 0:
         raise ConfigError(f"top_j must be an integer >= 0, got {top_j!r}")
@@ -62,7 +67,7 @@ class Prune:
         p.policy, p.prune_rank, p.top_j = C.MOECACHE_POLICY_PRUNE, self.rank, self.top_j
 
     def spec(self) -> str:
-        return f"prune:{self.rank}"
+        return _with_j(f"prune:{self.rank}", self.top_j)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class MaxRank:
         p.policy, p.max_rank, p.top_j = C.MOECACHE_POLICY_MAX_RANK, self.m, self.top_j
 
     def spec(self) -> str:
-        return f"max-rank:{self.m}"
+        return _with_j(f"max-rank:{self.m}", self.top_j)
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ class CumsumThreshold:
         p.policy, p.cumsum_tau, p.top_j = C.MOECACHE_POLICY_CUMSUM, float(self.tau), self.top_j
 
     def spec(self) -> str:
-        return f"cumsum:{self.tau:g}"
+        return _with_j(f"cumsum:{self.tau:g}", self.top_j)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Prior:
         p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), self.top_j
 
     def spec(self) -> str:
-        return f"prior:{self.strength:g}"
+        return _with_j(f"prior:{self.strength:g}", self.top_j)
 
 
 Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior]

@@ -32,6 +32,10 @@ class MoECacheError(RuntimeError):
     """The native moecache refused a call; the message says why."""
 
 
+def _as_routing(routing: Union[Routing, str]) -> Routing:
+    return parse_routing(routing) if isinstance(routing, str) else routing
+
+
 def _check(rc: int) -> None:
     if rc != C.MOECACHE_OK:
         msg = C.last_error()
@@ -145,6 +149,8 @@ class MoECache:
     def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0,
                  trace_capacity: int = 0):
         self._h = handle or None
+        self.routing: Routing = TopK()  # what the native cache routes with now (set by the constructors)
+        self.scope = "all"
         if not handle:
             msg = C.last_error()
             raise (ConfigError if "no MoE layers" not in msg else MoECacheError)(msg)
@@ -185,16 +191,22 @@ class MoECache:
     def synthetic(cls, n_layer: int, n_expert: int, n_expert_used: int, *, cache: Optional[CacheConfig] = None,
                   routing: Union[Routing, str, None] = None, scope: str = "all") -> "MoECache":
         """A moecache without a model, driven by :meth:`route`."""
-        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(), routing or TopK(), scope)
+        routing = _as_routing(routing or TopK())
+        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(), routing, scope)
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
-        return cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
+        mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
+        mc.routing, mc.scope = routing, scope
+        return mc
 
     @classmethod
     def for_model(cls, model_ptr, info: ModelInfo, *, cache: CacheConfig, routing: Union[Routing, str],
                   scope: str = "all") -> "MoECache":
+        routing = _as_routing(routing)
         cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer)
         h = C.moecache_init(model_ptr, cp, rp)
-        return cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
+        mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
+        mc.routing, mc.scope = routing, scope
+        return mc
 
     # --- life cycle --------------------------------------------------------------------------
     def attach(self, ctx_ptr) -> None:
@@ -213,9 +225,11 @@ class MoECache:
 
     # --- routing -----------------------------------------------------------------------------
     def set_routing(self, routing: Union[Routing, str], scope: Optional[str] = None) -> None:
-        if scope is None:
-            scope = {v: k for k, v in _SCOPES.items()}[C.moecache_get_routing(self._h).scope]
+        """Change the policy (and optionally the scope); the next token uses it."""
+        routing = _as_routing(routing)
+        scope = self.scope if scope is None else scope
         _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope)))
+        self.routing, self.scope = routing, scope
 
     def set_prior_delta(self, delta: Optional[np.ndarray]) -> None:
         """Fixed per-layer Delta_l (entries <= 0 keep the running mean); None restores the running mean."""

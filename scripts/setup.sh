@@ -23,7 +23,7 @@ VPY=.venv/bin/python
 
 step "build tools and Python dependencies"
 "$VPY" -m pip install -q "scikit-build-core>=0.10" "numpy>=1.24" "gguf>=0.10" "tqdm>=4.60" \
-    "pytest>=7" "hypothesis>=6" "matplotlib>=3.6" "huggingface-hub>=0.20" \
+    "pytest>=7" "hypothesis>=6" "matplotlib>=3.6" "huggingface-hub>=0.23" \
     "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
     "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
 if ! "$VPY" -c "import llama_cpp" 2>/dev/null; then

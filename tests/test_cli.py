@@ -34,7 +34,7 @@ def test_run_json(fixture_dir):
             "--cache-size", "0.25", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["routing"] == "max-rank:8" and d["cache_size"] == 15 and d["n_expert"] == 60
+    assert d["routing"] == "max-rank:8:j=2" and d["cache_size"] == 15 and d["n_expert"] == 60
     assert d["generated_tokens"] == 10 and d["decode_tok_s"] > 0 and d["prompt_tokens"] >= 1
     assert 0.0 <= d["hit_rate"] <= 1.0 and abs(d["hit_rate"] + d["miss_rate"] - 1.0) < 1e-9
     assert d["layer_hit_rate_min"] <= d["hit_rate"] <= d["layer_hit_rate_max"]

@@ -1,0 +1,175 @@
+"""Evaluation commands of the ``pymoecache`` CLI: ``ppl``, ``trace`` and ``plot-timeline``.
+
+    pymoecache ppl MODEL --text valid.txt --ctx 256 --sweep prior=0,0.25,0.5,1 --cache-size 0.5 0.25 --plot pareto.png
+    pymoecache trace MODEL --text valid.txt --out trace.npz --tokens 256 --prior 0.5
+    pymoecache plot-timeline trace.npz --layer 1 timeline.png
+
+``cli.build_parser()`` calls :func:`add_commands`. Errors raise ``cli.UserError`` (one line, exit 2).
+Options shared with ``run`` (routing, cache) come from ``cli._add_routing_options``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+from . import cli  # the module, not its names: cli.py may import this module while it is being set up
+from .evaluate import EvalError
+
+
+def _user_errors(func):
+    """Turn EvalError from the evaluation and plotting code into cli.UserError (one line, exit 2)."""
+    @functools.wraps(func)
+    def wrapper(args):
+        try:
+            return func(args)
+        except EvalError as e:
+            raise cli.UserError(str(e)) from None
+    return wrapper
+
+
+def _check_out_path(path) -> None:
+    if path and not Path(path).resolve().parent.is_dir():
+        raise cli.UserError(f"cannot write {path}: the directory {Path(path).parent} does not exist")
+
+
+def _routing_option_given(args) -> bool:
+    return any(getattr(args, k) is not None for k in ("prior", "max_rank", "cumsum", "prune", "routing"))
+
+
+@_user_errors
+def cmd_ppl(args) -> int:
+    from .config import parse_cache_size
+    from .evaluate import format_table, load_text, parse_sweep, sweep, write_rows
+
+    if args.ctx < 2:
+        raise cli.UserError(f"--ctx must be >= 2, got {args.ctx}")
+    if args.chunks is not None and args.chunks < 1:
+        raise cli.UserError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.scope != "all":
+        raise cli.UserError("ppl routes every token through the policy: --scope decode would leave the text unrouted")
+    for path in (args.csv, args.json, args.plot):
+        _check_out_path(path)
+    if args.plot:
+        from .plots import require_matplotlib
+
+        require_matplotlib()  # fail now, not after the sweep
+    routings = parse_sweep(args.sweep, top_j=args.top_j) if args.sweep else []
+    if _routing_option_given(args) or not args.sweep:
+        routings.append(cli._routing_from_args(args))
+    sizes = [parse_cache_size(s) for s in args.cache_size]
+    load_text(args.text)  # a missing text file is reported before the model is loaded
+    rows = sweep(cli._resolve_model(args.model), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
+                 n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion)
+    print(format_table(rows))
+    if args.csv:
+        write_rows(rows, args.csv, "csv")
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.json:
+        write_rows(rows, args.json, "json")
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from .plots import plot_pareto
+
+        plot_pareto(rows, args.plot, title=f"{rows[0]['model']}: perplexity vs miss rate "
+                                           f"(ctx {args.ctx}, {rows[0]['tokens']} tokens scored)")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+@_user_errors
+def cmd_trace(args) -> int:
+    from .evaluate import check_loaded_model, load_llama, load_text, record_trace, save_trace_npz, tokenize_text
+    from .model_info import model_info
+
+    if args.tokens < 1:
+        raise cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
+    _check_out_path(args.out)
+    text = load_text(args.text)
+    model = cli._resolve_model(args.model)
+    info = model_info(model)
+    if not info.is_moe:
+        raise cli.UserError(f"{model} has no MoE layers (a dense model): there are no experts to trace")
+    cache = dataclasses.replace(cli._cache_from_args(args), trace=args.tokens * info.n_moe_layer)
+    llm = load_llama(model, cache=cache, routing=cli._routing_from_args(args), routing_scope=args.scope,
+                     n_ctx=args.tokens, n_threads=args.threads)
+    check_loaded_model(llm, args.tokens, what="--tokens")
+    try:
+        tokens = llm.tokenize(b"", add_bos=True) + tokenize_text(llm, text)
+        d = record_trace(llm, tokens[:args.tokens], progress=not args.no_progress)
+    finally:
+        llm.close()
+    save_trace_npz(args.out, d)
+    T, L, K = d["selected"].shape
+    miss = ((d["selected"] >= 0) & ~d["hit"]).sum() / (T * L * K)  # dropped slots are neither hit nor miss
+    print(f"wrote {args.out}: {T} tokens x {L} MoE layers (layers {d['moe_layers'][0]}..{d['moe_layers'][-1]}), "
+          f"{d['routing']}, cache {d['cache_size']}/{d['n_expert']} experts, miss rate {100 * miss:.1f}%")
+    return 0
+
+
+@_user_errors
+def cmd_plot_timeline(args) -> int:
+    from .evaluate import load_trace_npz
+    from .plots import plot_timeline
+
+    if args.tokens is not None and args.tokens < 1:
+        raise cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
+    _check_out_path(args.out)
+    d = load_trace_npz(args.trace)
+    layer = int(d["moe_layers"][0]) if args.layer is None else args.layer
+    plot_timeline(d, layer, args.out, max_tokens=args.tokens)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register ``ppl``, ``trace`` and ``plot-timeline`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "ppl", help="perplexity and cache miss rate of routing policies on a text (Pareto sweeps)",
+        description="Perplexity and expert-cache miss rate on a text, as in the evaluation protocol: the text is "
+                    "cut into chunks of --ctx tokens, each evaluated from an empty KV cache, every token routed "
+                    "through the policy, the expert cache carried from chunk to chunk. LRU (stock top-K) is always "
+                    "evaluated as the reference. Prints one table row per (cache size, routing).",
+        epilog="Example: pymoecache ppl model.gguf --text valid.txt --sweep prior=0,0.25,0.5,1 max-rank=2,4 "
+               "--cache-size 0.5 0.25 --csv pareto.csv --plot pareto.png")
+    p.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file, e.g. WikiText-2 valid.txt (required)")
+    p.add_argument("--ctx", type=int, default=256, metavar="N", help="chunk length in tokens (default %(default)s)")
+    p.add_argument("--chunks", type=int, default=None, metavar="N", help="evaluate only the first N chunks (default: all)")
+    p.add_argument("--sweep", nargs="+", action="extend", metavar="POLICY=V1,V2",
+                   help="policy knob values to sweep: prior=L1,L2 | max-rank=M1,M2 | cumsum=T1,T2 | prune=R1,R2 | lru; "
+                        "several may be given (default: none, evaluate the routing options below)")
+    p.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (default: no file)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON (default: no file)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the perplexity / miss rate plot, needs matplotlib (default: no plot)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli._add_routing_options(p, multi_cache_size=True)
+    p.set_defaults(func=cmd_ppl)
+
+    t = sub.add_parser(
+        "trace", help="record per-token expert selections, hits and cache contents to an .npz",
+        description="Evaluate the first --tokens tokens of a text one at a time, from an empty cache, and record per "
+                    "token and MoE layer: the selected experts, which were hits, and the cache contents after the "
+                    "token. The .npz is read by `pymoecache plot-timeline`.")
+    t.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    t.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file (required)")
+    t.add_argument("--out", required=True, metavar="NPZ", help="output .npz file (required)")
+    t.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens to trace, BOS included (default %(default)s)")
+    t.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli._add_routing_options(t)
+    t.set_defaults(func=cmd_trace)
+
+    v = sub.add_parser(
+        "plot-timeline", help="draw one layer's hit/miss timeline from a trace .npz",
+        description="Image of one MoE layer's cache over time: experts (y) x tokens (x), coloured not cached / "
+                    "cached, not used / hit / miss. Needs matplotlib.")
+    v.add_argument("trace", metavar="TRACE.npz", help="trace written by `pymoecache trace`")
+    v.add_argument("out", metavar="OUT.png", help="output PNG file")
+    v.add_argument("--layer", type=int, default=None, metavar="L",
+                   help="model layer index, must be a MoE layer (default: the first MoE layer)")
+    v.add_argument("--tokens", type=int, default=None, metavar="N", help="draw only the first N tokens (default: all)")
+    v.set_defaults(func=cmd_plot_timeline)

@@ -1,0 +1,407 @@
+"""Perplexity and miss rate of routing policies on a text, and per-token traces of the cache.
+
+The protocol is the one of ``shared/docs/method.md`` ("Evaluation protocol"): the text is cut
+into chunks of ``ctx`` tokens; each chunk is evaluated from an empty KV cache and every
+predicted position of it is scored; the policy routes every token; the expert cache is carried
+from one chunk to the next (never cleared between chunks).
+
+>>> parse_sweep("prior=0,0.5")
+[Prior(strength=0.0, top_j=1), Prior(strength=0.5, top_j=1)]
+>>> knob(MaxRank(4)), knob(TopK())
+(4, None)
+
+Typical use::
+
+    rows = sweep("model.gguf", "valid.txt", parse_sweep("prior=0,0.5,1"), [0.5, 0.25], ctx=256)
+    write_rows(rows, "pareto.csv")
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK
+from .llama import MoEStats
+
+TRACE_FORMAT = "pymoecache-trace"
+
+
+class EvalError(ValueError):
+    """An evaluation cannot run as asked (missing text, context too small, bad sweep spec, ...)."""
+
+
+# --- text ------------------------------------------------------------------------------------
+
+def load_text(path: "str | Path") -> str:
+    """The whole text file (WikiText raw files are already paragraphs joined with blank lines).
+
+    >>> load_text("no-such-file.txt")
+    Traceback (most recent call last):
+    ...
+    pymoecache.evaluate.EvalError: text file not found: no-such-file.txt
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise EvalError(f"text file not found: {p}" if not p.exists() else f"{p} is not a file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise EvalError(f"text file {p} is empty")
+    return text
+
+
+def tokenize_text(llm, text: str) -> List[int]:
+    """Tokens of ``text`` without BOS (chunks get their own BOS in :func:`perplexity`)."""
+    return llm.tokenize(text.encode("utf-8"), add_bos=False)
+
+
+# --- perplexity ------------------------------------------------------------------------------
+
+@dataclass
+class PerplexityResult:
+    ppl: float           # exp(nll)
+    nll: float           # mean negative log-likelihood per scored token (nats)
+    n_tokens: int        # tokens scored (ctx - 1 per chunk)
+    n_chunks: int
+    ctx: int
+    stats: MoEStats      # cache counters of this run only
+
+
+def model_context_length(llm) -> int:
+    """The context length the model was trained with (GGUF ``<arch>.context_length``), 0 if unknown."""
+    arch = llm.metadata.get("general.architecture", "")
+    return int(llm.metadata.get(f"{arch}.context_length", 0) or 0)
+
+
+def check_loaded_model(llm, n_ctx: int, what: str = "ctx") -> None:
+    """EvalError (after closing ``llm``) unless it has MoE layers and a training context >= ``n_ctx``."""
+    n_train = model_context_length(llm)
+    if llm.moecache is None:
+        llm.close()
+        raise EvalError(f"{llm.model_path} has no MoE layers (a dense model): there are no experts to cache")
+    if n_train and n_ctx > n_train:
+        llm.close()
+        raise EvalError(f"{what} {n_ctx} is larger than the model's context length {n_train}")
+
+
+def load_llama(model_path: "str | Path", **kwargs):
+    """``pymoecache.Llama(model_path, verbose=False, **kwargs)`` without the dense-model warning
+    (callers check for a cache themselves and raise a clear error)."""
+    import warnings
+
+    from .llama import Llama
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return Llama(str(model_path), verbose=False, **kwargs)
+
+
+def _n_ctx(llm) -> int:
+    """Tokens the Llama can hold: llama-cpp-python sizes its token and logit buffers by the n_ctx it
+    was given (llama.cpp may pad its own context up, so llm.n_ctx() can be larger)."""
+    return min(llm.n_ctx(), llm.context_params.n_ctx)
+
+
+def _check_llm(llm, ctx: int) -> None:
+    if llm.moecache is None:
+        raise EvalError("the model has no MoE layers: there is no expert cache to evaluate")
+    if ctx < 2:
+        raise EvalError(f"ctx must be >= 2 tokens, got {ctx}")
+    if not getattr(llm, "_logits_all", False):
+        raise EvalError("perplexity needs the logits of every position: create the Llama with logits_all=True")
+    if ctx > _n_ctx(llm):
+        raise EvalError(f"ctx {ctx} is larger than the Llama's context n_ctx={_n_ctx(llm)}: create it with n_ctx >= ctx")
+
+
+def split_chunks(tokens: Sequence[int], ctx: int, limit_chunks: Optional[int] = None) -> List[List[int]]:
+    """Whole chunks of ``ctx`` tokens (a shorter tail is dropped), at most ``limit_chunks``.
+
+    >>> split_chunks(list(range(7)), 3)
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    n = len(tokens) // ctx
+    if n == 0:
+        raise EvalError(f"the text has {len(tokens)} tokens, fewer than one chunk of ctx={ctx}")
+    if limit_chunks is not None:
+        n = min(n, max(1, int(limit_chunks)))
+    return [list(tokens[i * ctx:(i + 1) * ctx]) for i in range(n)]
+
+
+def chunk_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 128) -> float:
+    """Sum over positions of -log softmax(logits[i])[targets[i]], in float64.
+
+    >>> round(chunk_nll(np.zeros((2, 4), dtype=np.float32), [0, 3]), 6) == round(2 * math.log(4), 6)
+    True
+    """
+    targets = np.asarray(targets)
+    total = 0.0
+    for i in range(0, len(targets), rows):  # slices: [rows, n_vocab] float64 at a time
+        x = np.asarray(logits[i:i + rows], dtype=np.float64)
+        m = x.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+        t = targets[i:i + rows]
+        total += float((lse - x[np.arange(len(t)), t]).sum())
+    return total
+
+
+def _progress(iterable, enabled: bool, desc: str, unit: str = "chunk"):
+    if not enabled:
+        return iterable
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
+               limit_chunks: Optional[int] = None, desc: str = "perplexity") -> PerplexityResult:
+    """Perplexity of ``tokens`` in chunks of ``ctx`` with the Llama's current routing and cache.
+
+    Every chunk starts from an empty KV cache; its first token is replaced by BOS when the model's
+    tokenizer adds one (as llama.cpp's perplexity tool does; that token is never scored). The expert
+    cache is not cleared: it carries over from the previous chunk (and from before the call). The
+    cache counters are reset at the start, so ``stats`` covers this run only. ``llm`` must be made
+    with ``logits_all=True`` and ``n_ctx >= ctx``; route every token (``routing_scope="all"``).
+    """
+    _check_llm(llm, ctx)
+    chunks = split_chunks(tokens, ctx, limit_chunks)
+    bos = llm.tokenize(b"", add_bos=True)  # [BOS] or [] for models without one
+    llm.moecache.reset_stats()
+    total, n_scored = 0.0, 0
+    for chunk in _progress(chunks, progress, desc):
+        chunk = bos + chunk[len(bos):]
+        llm.reset()  # empty KV cache: eval() removes every position from n_tokens = 0 on
+        llm.eval(chunk)
+        total += chunk_nll(llm.scores[:len(chunk) - 1], chunk[1:])
+        n_scored += len(chunk) - 1
+    nll = total / n_scored
+    return PerplexityResult(ppl=math.exp(nll), nll=nll, n_tokens=n_scored, n_chunks=len(chunks), ctx=ctx,
+                            stats=llm.moecache.stats())
+
+
+# --- sweeps ----------------------------------------------------------------------------------
+
+_SWEEP_POLICIES = {"prior": (Prior, float), "max-rank": (MaxRank, int), "cumsum": (CumsumThreshold, float),
+                   "prune": (Prune, int)}
+SWEEP_SPECS = "prior=L1,L2,... | max-rank=M1,M2,... | cumsum=T1,T2,... | prune=R1,R2,... | lru"
+
+
+def parse_sweep(specs: "str | Iterable[str]", top_j: Optional[int] = None) -> List[Routing]:
+    """Routings of one or more sweep specs such as ``"prior=0,0.25,0.5,1"``, in order.
+
+    >>> [r.spec() for r in parse_sweep(["max-rank=2,4", "lru", "prune=1"])]
+    ['max-rank:2', 'max-rank:4', 'lru', 'prune:1']
+    >>> parse_sweep("cumsum=0.7", top_j=2)
+    [CumsumThreshold(tau=0.7, top_j=2)]
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    out: List[Routing] = []
+    for spec in specs:
+        name, _, values = spec.strip().lower().partition("=")
+        name = name.strip()
+        if name in ("lru", "topk", "top-k") and not values.strip():
+            out.append(TopK())
+            continue
+        if name not in _SWEEP_POLICIES or not values.strip():
+            raise EvalError(f"cannot parse sweep {spec!r}; expected {SWEEP_SPECS}")
+        cls, kind = _SWEEP_POLICIES[name]
+        for v in values.split(","):
+            try:
+                x = kind(v.strip())
+            except ValueError:
+                raise EvalError(f"sweep {spec!r}: {v.strip()!r} is not a valid "
+                                f"{'number' if kind is float else 'integer'}") from None
+            out.append(cls(x) if top_j is None else cls(x, top_j=top_j))
+    return out
+
+
+def knob(routing: Routing):
+    """The policy's parameter (lambda, m, tau or R); None for LRU."""
+    fields = [f.name for f in dataclasses.fields(routing) if f.name != "top_j"]
+    return getattr(routing, fields[0]) if fields else None
+
+
+def policy_name(routing: Routing) -> str:
+    return routing.spec().split(":")[0]
+
+
+def result_row(routing: Routing, res: PerplexityResult) -> dict:
+    """One row of a sweep table."""
+    st = res.stats
+    return {
+        "policy": policy_name(routing),
+        "knob": knob(routing),
+        "top_j": getattr(routing, "top_j", None),
+        "spec": routing.spec(),
+        "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
+        "n_expert": st.n_expert,
+        "ppl": res.ppl,
+        "nll": res.nll,
+        "miss_rate": st.miss_rate,
+        "hit_rate": st.hit_rate,
+        "lifetime": st.lifetime,
+        "tokens": res.n_tokens,
+        "chunks": res.n_chunks,
+        "ctx": res.ctx,
+    }
+
+
+def with_lru(routings: Iterable[Routing]) -> List[Routing]:
+    """LRU first, then the others in order, each spec once.
+
+    >>> [r.spec() for r in with_lru(parse_sweep(["prior=0.5,0.5", "lru"]))]
+    ['lru', 'prior:0.5']
+    """
+    out, seen = [TopK()], {"lru"}
+    for r in routings:
+        key = (r.spec(), getattr(r, "top_j", None))
+        if r.spec() != "lru" and key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
+                  insertion: str = "top-bottom"):
+    """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token)."""
+    llm = load_llama(model_path, cache=CacheConfig(size=cache_size, insertion=insertion), routing=TopK(),
+                     routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
+    check_loaded_model(llm, ctx)
+    return llm
+
+
+def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[Routing], cache_sizes: Sequence,
+          *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
+          insertion: str = "top-bottom") -> List[dict]:
+    """Perplexity and cache counters for every (cache size, routing); LRU is always included.
+
+    The model is loaded once per cache size; before each routing the cache is emptied (which also
+    restarts the prior's running Delta) and the counters are reset, so the rows are independent.
+    """
+    text = load_text(text_path)
+    routings = with_lru(routings)
+    rows: List[dict] = []
+    tokens = None
+    for size in cache_sizes:
+        llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion)
+        try:
+            tokens = tokens if tokens is not None else tokenize_text(llm, text)
+            for routing in routings:
+                llm.moecache.clear()
+                llm.moecache.reset_stats()
+                llm.moecache.set_routing(routing, scope="all")
+                res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
+                                 desc=f"{routing.spec()}, cache {size}")
+                rows.append({"model": Path(model_path).name, **result_row(routing, res)})
+        finally:
+            llm.close()
+    return rows
+
+
+def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = None) -> None:
+    """Write sweep rows as CSV or JSON (``fmt``, or from the extension: .csv / .json)."""
+    p = Path(path)
+    fmt = fmt or p.suffix.lower().lstrip(".")
+    if fmt == "json":
+        p.write_text(json.dumps(list(rows), indent=1) + "\n")
+    elif fmt == "csv":
+        with open(p, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+            w.writeheader()
+            w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    else:
+        raise EvalError(f"cannot tell the format of {p}: use a .csv or .json file name")
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The rows as an aligned text table (policy, knob, cache, ppl, miss %, hit %, lifetime)."""
+    head = ("policy", "knob", "cache", "ppl", "miss %", "hit %", "lifetime")
+    body = [(r["policy"], "-" if r["knob"] is None else f"{r['knob']:g}", f"{r['cache_size']}/{r['n_expert']}",
+             f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}")
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(x.ljust(w) if i < 3 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+             for line in [head, *body]]
+    return "\n".join(lines)
+
+
+# --- traces ----------------------------------------------------------------------------------
+
+def record_trace(llm, tokens: Sequence[int], *, progress: bool = False) -> dict:
+    """Evaluate ``tokens`` one at a time from an empty expert cache and KV cache and record, per
+    token t and MoE layer: the selected experts, which were hits, and the cache contents after t.
+
+    Needs ``CacheConfig(trace=N)`` with N >= len(tokens) * (number of MoE layers). Returns a dict:
+    ``selected`` [T, L, K] int32 (-1: dropped slot), ``hit`` [T, L, K] bool, ``cached`` [T, L, N]
+    bool, ``moe_layers`` [L], and ``n_layer``, ``n_expert``, ``n_expert_used``, ``routing``,
+    ``cache_size``, ``model``.
+    """
+    mc = llm.moecache
+    if mc is None:
+        raise EvalError("the model has no MoE layers: there is no expert cache to trace")
+    moe = [int(x) for x in llm.model_info.moe_layers]
+    T, L, N, K = len(tokens), len(moe), mc.n_expert, mc.n_expert_used
+    if T == 0:
+        raise EvalError("no tokens to trace")
+    if T > _n_ctx(llm):
+        raise EvalError(f"{T} tokens do not fit in the context (n_ctx={_n_ctx(llm)})")
+    if mc.trace_capacity < T * L:
+        raise EvalError(f"the trace buffer holds {mc.trace_capacity} records, {T} tokens x {L} MoE layers need "
+                        f"{T * L}: create the Llama with CacheConfig(trace={T * L})")
+    mc.clear()
+    mc.reset_stats()
+    llm.reset()
+    cached = np.zeros((T, L, N), dtype=bool)
+    for t in _progress(range(T), progress, "trace", unit="tok"):
+        llm.eval([tokens[t]])
+        for j, il in enumerate(moe):
+            cached[t, j, mc.cached(il)] = True
+    selected = np.full((T, L, K), -1, dtype=np.int32)
+    hit = np.zeros((T, L, K), dtype=bool)
+    col = {il: j for j, il in enumerate(moe)}
+    for rec in mc.trace():
+        t, j, n = int(rec["token"]), col[int(rec["layer"])], int(rec["n_selected"])
+        selected[t, j, :n] = rec["experts"][:n]
+        hit[t, j, :n] = (int(rec["hit_mask"]) >> np.arange(n)) & 1
+    st = mc.stats()
+    return {"format": TRACE_FORMAT, "selected": selected, "hit": hit, "cached": cached,
+            "moe_layers": np.array(moe, dtype=np.int32), "n_layer": int(llm.model_info.n_layer),
+            "n_expert": N, "n_expert_used": K, "routing": mc.routing.spec(),
+            "cache_size": int(st.capacity_per_layer[0]), "model": Path(llm.model_path).name}
+
+
+_TRACE_ARRAYS = ("selected", "hit", "cached", "moe_layers")
+
+
+def save_trace_npz(path: "str | Path", d: dict) -> None:
+    """Write a :func:`record_trace` dict to a compressed .npz file."""
+    np.savez_compressed(path, **{k: np.asarray(v) for k, v in d.items()})
+
+
+def load_trace_npz(path: "str | Path") -> dict:
+    """Read a trace written by :func:`save_trace_npz` (scalars come back as Python values)."""
+    p = Path(path)
+    if not p.is_file():
+        raise EvalError(f"trace file not found: {p}")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            d = {k: (z[k] if k in _TRACE_ARRAYS else z[k].item()) for k in z.files}
+    except (OSError, ValueError, EOFError):
+        raise EvalError(f"{p} is not a pymoecache trace (not an .npz file)") from None
+    if d.get("format") != TRACE_FORMAT or any(k not in d for k in _TRACE_ARRAYS):
+        raise EvalError(f"{p} is not a pymoecache trace (write one with `pymoecache trace`)")
+    return d
+
+
+def trace_source(trace: Union[str, Path, dict]) -> dict:
+    """A trace dict from a dict or an .npz path."""
+    return trace if isinstance(trace, dict) else load_trace_npz(trace)

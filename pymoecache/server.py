@@ -1,0 +1,252 @@
+"""``pymoecache serve``: llama-cpp-python's OpenAI-compatible server running ``pymoecache.Llama``.
+
+    pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+    curl http://127.0.0.1:8000/moecache/stats
+
+Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat/completions,
+/v1/embeddings, /v1/models, /extras/tokenize, /docs), with two additions:
+
+* ``GET /moecache/stats``: the cache counters since the server started (see :func:`stats_json`).
+* a ``"moecache"`` object in every completion and chat completion response, and in the last
+  chunk of a streamed completion: the counters of that request alone (tokens, hits, misses,
+  rates, bytes loaded). Streamed chats have none: llama_cpp.server runs them through
+  ``llama_cpp.Llama.create_chat_completion`` itself, not through our subclass.
+
+The server extras are imported only here, when a server is built: fastapi, uvicorn, sse-starlette,
+starlette-context and pydantic-settings (see ``PIP_SERVER``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+from .config import CacheConfig, Routing, TopK, parse_routing
+from .llama import Llama, MoEStats
+
+PIP_SERVER = ('pip install "fastapi>=0.100" "uvicorn>=0.22" "sse-starlette>=1.6.1" '
+              '"starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1"')
+_EXTRAS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+_COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _server_module():
+    """``llama_cpp.server.app``, or a UserError saying how to install what it needs."""
+    from .cli import UserError
+
+    missing = [m for m in _EXTRAS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"the server needs packages that are not installed ({', '.join(missing)}): {PIP_SERVER}")
+    import llama_cpp.server.app as app_mod
+
+    return app_mod
+
+
+def request_stats(before: MoEStats, after: MoEStats) -> dict:
+    """Cache counters between two snapshots of the same cache (one request's share).
+
+    >>> st = MoEStats.from_rows([(0, 2, 2, 10, 40, 30, 10, 8, 0, 0, 1.0)], n_expert=8, n_expert_used=4)
+    >>> request_stats(st, st)["tokens"]
+    0
+    """
+
+    def since(field):  # a layer that has routed no token yet is not in a snapshot: count it from 0
+        a, b = getattr(after, field), getattr(before, field)
+        return a - b if b.shape == a.shape else a
+
+    d = dataclasses.replace(after, **{f: since(f) for f in ("tokens_per_layer", "selections_per_layer",
+                                                            "hits_per_layer", "misses_per_layer",
+                                                            "evictions_per_layer")})
+    return {"tokens": d.tokens, "hits": d.hits, "misses": d.misses, "hit_rate": d.hit_rate,
+            "miss_rate": d.miss_rate, "misses_per_token": d.misses_per_token, "bytes_loaded": d.bytes_loaded}
+
+
+def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
+    """What ``GET /moecache/stats`` answers: the counters since load, in total and per MoE layer."""
+    st = llm.moe_stats()
+    return {
+        "model": llm.model_path,
+        "routing": routing.spec(),
+        "top_j": getattr(routing, "top_j", None),
+        "routing_scope": routing_scope,
+        "n_expert": st.n_expert,
+        "n_expert_used": st.n_expert_used,
+        "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
+        "tokens": st.tokens,
+        "hits": st.hits,
+        "misses": st.misses,
+        "evictions": st.evictions,
+        "hit_rate": st.hit_rate,
+        "miss_rate": st.miss_rate,
+        "misses_per_token": st.misses_per_token,
+        "lifetime": st.lifetime,
+        "bytes_loaded": st.bytes_loaded,
+        "expert_bytes": st.expert_bytes,
+        "moe_layers": st.moe_layers.tolist(),
+        "cache_size_per_layer": st.capacity_per_layer.tolist(),
+        "hit_rate_per_layer": st.hit_rate_per_layer.tolist(),
+    }
+
+
+class _ServedLlama(Llama):
+    """``pymoecache.Llama`` that puts each request's cache counters into its results as ``"moecache"``
+    (the stock server calls these two methods, under its lock, for every completion and chat)."""
+
+    def create_completion(self, *args, **kwargs):
+        return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs))
+
+    def create_chat_completion(self, *args, **kwargs):
+        return self._with_request_stats(self._stats(), super().create_chat_completion(*args, **kwargs))
+
+    def _stats(self) -> Optional[MoEStats]:
+        return self.moecache.stats() if self.moecache is not None else None
+
+    def _with_request_stats(self, before, result):
+        if before is None:
+            return result
+        if isinstance(result, dict):
+            result["moecache"] = request_stats(before, self._stats())
+            return result
+        return self._stream_with_request_stats(before, result)
+
+    def _stream_with_request_stats(self, before, chunks):
+        for chunk in chunks:
+            if any(c.get("finish_reason") for c in chunk.get("choices", [])):
+                chunk["moecache"] = request_stats(before, self._stats())
+            yield chunk
+
+
+def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
+               routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
+               n_threads: Optional[int] = None, **llama_kwargs):
+    """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
+    plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
+    Run it with ``uvicorn.run(app, host=..., port=...)``.
+
+    ``llama_cpp.server`` keeps its model in a module global, so one app per process: a second call
+    frees the first app's model. ``**llama_kwargs`` go to :class:`pymoecache.Llama`.
+
+    >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
+    """
+    app_mod = _server_module()
+    from fastapi import APIRouter, Depends, FastAPI, HTTPException
+    from fastapi.middleware import Middleware
+    from fastapi.middleware.cors import CORSMiddleware
+    from llama_cpp.server.errors import RouteErrorHandler
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from starlette_context.middleware import RawContextMiddleware
+    from starlette_context.plugins import RequestIdPlugin
+
+    from . import __version__
+
+    cache = cache if cache is not None else CacheConfig()
+    routing = parse_routing(routing) if isinstance(routing, str) else (routing or TopK())
+
+    class MoELlamaProxy(LlamaProxy):
+        """The stock model holder, loading our class: its own loader hard-codes ``llama_cpp.Llama``."""
+
+        def load_llama_from_model_settings(self, settings):
+            return _ServedLlama(settings.model, cache=cache, routing=routing, routing_scope=routing_scope,
+                                n_ctx=n_ctx, n_threads=n_threads, **{"verbose": False, **llama_kwargs})
+
+    # model_construct: these settings come from our arguments only, not from environment variables
+    # (pydantic-settings would read MODEL, N_CTX, API_KEY, ... from the environment).
+    model_settings = ModelSettings.model_construct(model=str(model_path), model_alias=str(model_path), n_ctx=n_ctx)
+    app_mod.set_server_settings(ServerSettings.model_construct())
+    # The one place we reach into llama_cpp.server: its endpoints take the model from this module
+    # global, and set_llama_proxy() can only build a stock LlamaProxy (llama_cpp.Llama), not ours.
+    if app_mod._llama_proxy is not None:  # one model per process: free the previous app's first
+        app_mod._llama_proxy.free()
+        app_mod._llama_proxy = None
+    proxy = app_mod._llama_proxy = MoELlamaProxy(models=[model_settings])  # loads the model
+
+    app = FastAPI(title="pymoecache", version=__version__,
+                  middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+
+    # The stock completion endpoints again, without their response models, which would drop the
+    # "moecache" field from the results; registered first, so they answer these two paths.
+    ours = APIRouter(route_class=RouteErrorHandler)
+    for path, endpoint in zip(_COMPLETION_PATHS, (app_mod.create_completion, app_mod.create_chat_completion)):
+        ours.add_api_route(path, endpoint, methods=["POST"], response_model=None, include_in_schema=False,
+                           dependencies=[Depends(app_mod.authenticate)])
+
+    @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"])
+    def moecache_stats() -> dict:
+        # a snapshot read without the server's model lock: it neither waits for nor interrupts a
+        # running request (taking that lock would stop a running stream)
+        llm = proxy()
+        if llm.moecache is None:
+            raise HTTPException(status_code=404, detail=f"{model_path} has no MoE layers: there is no expert cache")
+        return stats_json(llm, routing, routing_scope)
+
+    app.include_router(ours)
+    app.include_router(app_mod.router)
+    return app
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading the model if the address cannot be listened on (in use, bad host)."""
+    import socket
+
+    from .cli import UserError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def cmd_serve(args) -> int:
+    from .cli import UserError, _cache_from_args, _resolve_model, _routing_from_args
+    from .model_info import model_info
+
+    _server_module()
+    import uvicorn
+
+    routing = _routing_from_args(args)
+    cache = _cache_from_args(args)
+    _check_port(args.host, args.port)
+    model = _resolve_model(args.model, args)
+    if not model_info(model).is_moe:
+        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
+    app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
+                     n_threads=args.threads)
+    url = f"http://{args.host}:{args.port}"
+    print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
+          f"cache statistics at {url}/moecache/stats", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    """Register ``serve`` on the ``pymoecache`` command line (called from cli.build_parser)."""
+    from .cli import _add_hub_options, _add_routing_options
+
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with the expert cache and its statistics",
+        description="Serve a GGUF model over llama-cpp-python's OpenAI-compatible API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /docs) with the expert cache and routing below. "
+                    "GET /moecache/stats returns the cache statistics as JSON, and every completion carries "
+                    "a 'moecache' object with its own. Needs the server extras: fastapi, uvicorn, sse-starlette, "
+                    "starlette-context and pydantic-settings.")
+    s.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s, this machine only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default %(default)s)")
+    s.add_argument("--ctx", type=int, default=2048, metavar="N",
+                   help="context length shared by a request's prompt and answer (default %(default)s; "
+                        "0: the model's training context)")
+    s.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; info logs one line per request (default %(default)s)")
+    _add_hub_options(s)
+    _add_routing_options(s)
+    s.set_defaults(func=cmd_serve)

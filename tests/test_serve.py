@@ -1,0 +1,155 @@
+"""``pymoecache serve`` as a real process: OpenAI-style requests over HTTP on 127.0.0.1, then the
+cache statistics at /moecache/stats. Skipped when the server extras are not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pymoecache import server
+from conftest import ROOT, model_path
+
+MISSING = [m for m in server._EXTRAS if importlib.util.find_spec(m) is None]
+needs_extras = pytest.mark.skipif(bool(MISSING), reason=f"server extras not installed ({', '.join(MISSING)}): "
+                                                        f"{server.PIP_SERVER}")
+# straight to 127.0.0.1, whatever HTTP_PROXY says
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _request(url: str, body=None, timeout: float = 120):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with _opener.open(req, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def _post(url: str, body):
+    status, text = _request(url, body)
+    assert status == 200
+    return json.loads(text)
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pymoecache", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def url(fixture_dir, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "pymoecache", "serve", str(model_path(fixture_dir, "qwen2moe-60x4")),
+           "--host", "127.0.0.1", "--port", str(port), "--prior", "0.5"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                _request(base + "/v1/models", timeout=5)
+                break
+            except (OSError, urllib.error.URLError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server did not answer within 60 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.25)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _check_request_stats(res) -> None:
+    mc = res["moecache"]  # this request's own counters
+    assert mc["tokens"] > 0
+    assert mc["hits"] + mc["misses"] > 0 and mc["bytes_loaded"] >= 0
+    assert 0.0 <= mc["hit_rate"] <= 1.0 and mc["hit_rate"] + mc["miss_rate"] == pytest.approx(1.0)
+
+
+@needs_extras
+def test_chat_completion(url):
+    res = _post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}],
+                                               "max_tokens": 8, "temperature": 0})
+    assert res["object"] == "chat.completion" and res["id"]
+    msg = res["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert res["choices"][0]["finish_reason"] in ("stop", "length")
+    u = res["usage"]
+    assert u["prompt_tokens"] > 0 and 0 < u["completion_tokens"] <= 8
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    _check_request_stats(res)
+
+
+@needs_extras
+def test_completion(url):
+    res = _post(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+    assert res["object"] == "text_completion"
+    assert isinstance(res["choices"][0]["text"], str) and res["choices"][0]["finish_reason"] in ("stop", "length")
+    assert res["usage"]["prompt_tokens"] > 0
+    _check_request_stats(res)
+
+
+@needs_extras
+def test_streamed_completion_ends_with_stats(url):
+    _, text = _request(url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "stream": True})
+    events = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    _check_request_stats(chunks[-1])
+
+
+@needs_extras
+def test_stats(url):
+    before = json.loads(_request(url + "/moecache/stats")[1])
+    res = _post(url + "/v1/completions", {"prompt": "The history of the city", "max_tokens": 8, "temperature": 0})
+    st = json.loads(_request(url + "/moecache/stats")[1])
+    assert st["tokens"] == before["tokens"] + res["moecache"]["tokens"] > 0
+    assert st["routing"] == "prior:0.5" and st["top_j"] == 1 and st["routing_scope"] == "all"
+    assert (st["n_expert"], st["n_expert_used"], st["cache_size"]) == (60, 4, 30)
+    assert 0.0 < st["hit_rate"] <= 1.0 and st["hit_rate"] + st["miss_rate"] == pytest.approx(1.0)
+    assert st["misses_per_token"] == pytest.approx(st["misses"] / st["tokens"])
+    assert st["bytes_loaded"] == int(st["misses"] * st["expert_bytes"]) > 0
+    assert st["lifetime"] > 0
+    assert len(st["moe_layers"]) == len(st["hit_rate_per_layer"]) == len(st["cache_size_per_layer"]) > 0
+    assert all(0.0 <= h <= 1.0 for h in st["hit_rate_per_layer"])
+
+
+@needs_extras
+def test_port_in_use_is_a_user_error(fixture_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = _cli("serve", str(model_path(fixture_dir, "qwen2moe-60x4")), "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2
+    assert "cannot listen on 127.0.0.1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_extras_say_what_to_install(monkeypatch):
+    from pymoecache.cli import UserError
+
+    monkeypatch.setattr(server, "_EXTRAS", ("fastapi", "no_such_module_for_pymoecache"))
+    with pytest.raises(UserError, match=r"no_such_module_for_pymoecache.*pip install .*fastapi"):
+        server.create_app("model.gguf")
