@@ -97,8 +97,8 @@ def _resolve_model(path: Optional[str], args=None) -> str:
         if path:
             raise UserError("give either MODEL or --hf-repo/--hf-file, not both")
         if not (repo and file):
-            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo Qwen/Qwen1.5-MoE-A2.7B-Chat-GGUF "
-                            "--hf-file qwen1_5-moe-a2_7b-chat-q4_k_m.gguf)")
+            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo OWNER/SOME-MOE-GGUF "
+                            "--hf-file some-moe-q4_k_m.gguf)")
         from .hub import HubError, download
 
         try:
