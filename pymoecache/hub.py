@@ -4,8 +4,8 @@ Files go to the usual Hugging Face cache (``$HF_HUB_CACHE``, default ``~/.cache/
 so a model is downloaded once and found there afterwards, also offline (``HF_HUB_OFFLINE=1``).
 ``huggingface_hub`` is imported only when needed: ``pip install "huggingface-hub>=0.23"``.
 
->>> path = download("Qwen/Qwen1.5-MoE-A2.7B-Chat-GGUF", "qwen1_5-moe-a2_7b-chat-q4_k_m.gguf")  # doctest: +SKIP
->>> download("Qwen/Qwen1.5-MoE-A2.7B-Chat", "config.json")
+>>> path = download("OWNER/SOME-MOE-GGUF", "some-moe-q4_k_m.gguf")  # doctest: +SKIP
+>>> download("OWNER/SOME-MOE-GGUF", "config.json")
 Traceback (most recent call last):
 ...
 pymoecache.hub.HubError: config.json is not a GGUF file (the name must end in .gguf)
