@@ -30,11 +30,12 @@ def _add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fa
     g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--prior", type=float, metavar="L",
-                   help="logit prior: rank cached experts up by L x the layer's logit range (typical 0.1-1.0; 0.5 is the usual point)")
-    x.add_argument("--max-rank", type=int, metavar="M", help="cached experts among the router's top M jump ahead")
-    x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T")
-    x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token")
-    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3")
+                   help="logit prior: rank cached experts up by L x the layer's logit range (typical 0.1-1.0; 0.5 is the usual "
+                        "point; default: off)")
+    x.add_argument("--max-rank", type=int, metavar="M", help="cached experts among the router's top M jump ahead (default: off)")
+    x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
+    x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
+    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
     g.add_argument("--top-j", type=int, default=None, metavar="J",
                    help="the router's top J experts are always used, cached or not (default 1)")
     g.add_argument("--scope", choices=["all", "decode"], default="all",
@@ -57,8 +58,8 @@ def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
 
 def _add_hub_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("download (instead of MODEL)")
-    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from")
-    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress)")
+    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from (default: none, use MODEL)")
+    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
 
 
 def _routing_from_args(args):
@@ -349,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     b.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
     b.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
-    b.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    b.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    b.add_argument("--csv", metavar="FILE", help="also write the table as CSV (default: no file)")
+    b.add_argument("--json", metavar="FILE", help="also write the table as JSON (default: no file)")
     _add_hub_options(b)
     _add_cache_options(b)
     b.set_defaults(func=cmd_bench)
@@ -358,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a GGUF model from its header (experts, sizes)",
                        description="Architecture, layers, experts and bytes per expert, read from the GGUF header only.")
     i.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
-    i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget (e.g. 4GiB)")
+    i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget, e.g. 4GiB (default: none)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)
 
