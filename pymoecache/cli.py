@@ -56,6 +56,12 @@ def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="order in which one token's new experts enter the cache (default top-bottom)")
 
 
+def _add_runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+
+
 def _add_hub_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("download (instead of MODEL)")
     h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from (default: none, use MODEL)")
@@ -325,9 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-n", type=int, default=64, metavar="N", help="tokens to generate (default %(default)s)")
     r.add_argument("--chat", action="store_true", help="treat the prompt as a user message with the model's chat template")
     r.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default %(default)s)")
-    r.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    r.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
-    r.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    _add_runtime_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
     _add_hub_options(r)
@@ -347,9 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: four built-in prompts)")
     b.add_argument("-n", type=int, default=64, metavar="N", help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
-    b.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    b.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    _add_runtime_options(b)
     b.add_argument("--csv", metavar="FILE", help="also write the table as CSV (default: no file)")
     b.add_argument("--json", metavar="FILE", help="also write the table as JSON (default: no file)")
     _add_hub_options(b)
