@@ -31,6 +31,7 @@ struct moecache_layer {
     int64_t delta_n    = 0;
     float  delta_fixed = 0.0f;
 
+    // counters only; moecache_get_layer_stats derives the shape, occupancy and Delta fields
     struct moecache_layer_stats st = {};
 
     // set while the graph is built (graph-build thread), read by the ops at compute time
@@ -66,6 +67,14 @@ struct moecache {
     std::vector<moecache_trace_record> trace;
     int64_t trace_total = 0; // records ever written; the newest is at (trace_total - 1) % capacity
 };
+
+// Delta_l the prior uses now: the calibrated value, else the running mean (0 before any token)
+inline double moecache_layer_delta(const moecache_layer & L) {
+    if (L.delta_fixed > 0.0f) {
+        return L.delta_fixed;
+    }
+    return L.delta_n > 0 ? L.delta_sum / (double) L.delta_n : 0.0;
+}
 
 // moecache.cpp
 void moecache_set_error(const std::string & msg);

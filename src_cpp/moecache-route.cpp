@@ -26,16 +26,12 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.order.assign(n, 0);
     L.boosted.assign(n, 0.0f);
     L.chosen.assign(n, 0);
-    L.st.n_expert      = n;
-    L.st.n_expert_used = mc.n_expert_used;
-    L.st.capacity      = capacity;
 }
 
 void moecache_layer_clear(moecache_layer & L) {
     std::fill(L.last_use.begin(), L.last_use.end(), -1);
     L.occupancy    = 0;
     L.clock        = 0;
-    L.st.occupancy = 0;
     L.delta_sum    = 0.0;
     L.delta_n      = 0;
 }
@@ -75,18 +71,16 @@ static bool is_allowed(float s) {
 static void rank_experts(moecache_layer & L, const float * s, const int32_t * stock, int32_t K) {
     const int32_t N = (int32_t) L.rank.size();
     int32_t n = 0;
+    std::fill(L.chosen.begin(), L.chosen.end(), 0); // marks the stock experts here
     if (stock) {
         for (int32_t i = 0; i < K; i++) {
-            L.rank[n++] = stock[i];
+            L.rank[n++]         = stock[i];
+            L.chosen[stock[i]] = 1;
         }
     }
     const int32_t n_stock = n;
     for (int32_t e = 0; e < N; e++) {
-        bool in_stock = false;
-        for (int32_t i = 0; i < n_stock; i++) {
-            in_stock = in_stock || L.rank[i] == e;
-        }
-        if (!in_stock) {
+        if (!L.chosen[e]) {
             L.rank[n++] = e;
         }
     }
@@ -152,7 +146,7 @@ static int32_t cumsum_rank(const moecache_layer & L, const float * p, const floa
 }
 
 // Delta_l: running mean over tokens of max(u) - min(u) (allowed experts, finite values only)
-static double update_delta(moecache_layer & L, const float * u, const float * s) {
+static void update_delta(moecache_layer & L, const float * u, const float * s) {
     const int32_t N = (int32_t) L.rank.size();
     float lo = INFINITY;
     float hi = -INFINITY;
@@ -166,7 +160,6 @@ static double update_delta(moecache_layer & L, const float * u, const float * s)
         L.delta_sum += (double) hi - (double) lo;
         L.delta_n   += 1;
     }
-    return L.delta_n > 0 ? L.delta_sum / (double) L.delta_n : 0.0;
 }
 
 // prior(lambda): r' = argsort(u + lambda * Delta * mask), stable w.r.t. r
@@ -205,7 +198,7 @@ int32_t moecache_route_token(
     const float * u = L.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
 
     rank_experts(L, s, stock, K);
-    const double delta = update_delta(L, u, s);
+    update_delta(L, u, s);
 
     // 1. the final ranking r' (L.order) and how many experts run
     int32_t n_keep = K;
@@ -223,8 +216,7 @@ int32_t moecache_route_token(
             break;
         case MOECACHE_POLICY_PRIOR:
             if (rp.prior_lambda > 0.0f) {
-                const double d = L.delta_fixed > 0.0f ? (double) L.delta_fixed : delta;
-                prior_order(L, u, s, J, (float) ((double) rp.prior_lambda * d));
+                prior_order(L, u, s, J, (float) ((double) rp.prior_lambda * moecache_layer_delta(L)));
             } else {
                 promote_cached(L, s, 0);
             }
@@ -296,8 +288,6 @@ int32_t moecache_route_token(
         L.st.misses += 1 - hit[i];
     }
     L.st.selections += n_sel;
-    L.st.occupancy   = L.occupancy;
-    L.st.delta       = (float) (L.delta_fixed > 0.0f ? (double) L.delta_fixed : delta);
     L.seen           = true;
 
     // 4. trace

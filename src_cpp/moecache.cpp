@@ -260,13 +260,7 @@ int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int3
 
 void moecache_reset_stats(struct moecache * mc) {
     for (moecache_layer & L : mc->layers) {
-        const moecache_layer_stats old = L.st;
         L.st = {};
-        L.st.n_expert      = old.n_expert;
-        L.st.n_expert_used = old.n_expert_used;
-        L.st.capacity      = old.capacity;
-        L.st.occupancy     = L.occupancy;
-        L.st.delta         = old.delta;
         // lifetimes restart now for the experts still cached
         for (int64_t & t : L.inserted_at) {
             t = 0;
@@ -298,9 +292,11 @@ int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct 
     }
     const moecache_layer & L = mc->layers[il];
     *out = L.st;
-    if (!L.seen) {
-        out->n_expert = 0; // a dense layer, or one that has not routed a token yet
-    }
+    out->n_expert      = L.seen ? mc->n_expert : 0; // 0: a dense layer, or one that has not routed a token yet
+    out->n_expert_used = mc->n_expert_used;
+    out->capacity      = L.capacity;
+    out->occupancy     = L.occupancy;
+    out->delta         = (float) moecache_layer_delta(L);
     // entries resident now count with their age so far
     for (size_t e = 0; e < L.last_use.size(); e++) {
         if (L.last_use[e] >= 0) {
@@ -308,7 +304,6 @@ int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct 
             out->lifetime_count += 1;
         }
     }
-    out->occupancy = L.occupancy;
     return MOECACHE_OK;
 }
 
@@ -487,7 +482,6 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
         for (size_t i = skip; i < ids[il].size(); i++) {
             moecache_layer_insert(L, ids[il][i], nullptr);
         }
-        L.st.occupancy = L.occupancy;
         L.delta_sum    = dsum[il];
         L.delta_n      = dn[il];
     }
