@@ -167,20 +167,11 @@ def cmd_run(args) -> int:
     res = {
         "model": model,
         "routing": routing.spec(),
-        "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
-        "n_expert": st.n_expert,
-        "n_expert_used": st.n_expert_used,
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
         "decode_tok_s": n_decoded / t_gen if t_gen > 0 else 0.0,
-        "hit_rate": st.hit_rate,
-        "miss_rate": st.miss_rate,
-        "misses_per_token": st.misses_per_token,
-        "layer_hit_rate_min": float(st.hit_rate_per_layer.min()) if st.tokens else 0.0,
-        "layer_hit_rate_max": float(st.hit_rate_per_layer.max()) if st.tokens else 0.0,
-        "lifetime": st.lifetime,
-        "bytes_loaded": st.bytes_loaded,
+        **st.summary_dict(),
         "text": "".join(text),
     }
     if args.json:
@@ -232,7 +223,7 @@ def cmd_bench(args) -> int:
     for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
         llm.reset()
         llm(prompt, max_tokens=2, temperature=0.0)
-    acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, lifetime=[], loaded=0) for r in routings}
+    acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, layer_tokens=0, lifetime=[], loaded=0) for r in routings}
     total = args.reps * len(routings)
     done = 0
     for rep in range(args.reps):
@@ -254,21 +245,23 @@ def cmd_bench(args) -> int:
             st = llm.moe_stats()
             a["misses"] += st.misses
             a["routed"] += st.tokens
+            a["layer_tokens"] += int(st.tokens_per_layer.sum())  # miss rate: misses / (K x tokens), all layers
             a["lifetime"].append(st.lifetime)
             a["loaded"] += st.bytes_loaded
             done += 1
             print(f"\r[{done}/{total}] {routing.spec():<24}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     K = llm.moecache.n_expert_used
+    cache_size = llm.moe_stats().summary_dict()["cache_size"]
     rows = []
     for spec, a in acc.items():
         rows.append({
             "routing": spec,
-            "cache_size": int(llm.moe_stats().capacity_per_layer[0]),
+            "cache_size": cache_size,
             "n_expert": llm.moecache.n_expert,
             "prompt_tok_s": a["pt"] / a["ps"] if a["ps"] else 0.0,
             "decode_tok_s": a["dt"] / a["ds"] if a["ds"] else 0.0,
-            "miss_rate": a["misses"] / (K * a["routed"] * len(llm.moe_stats().moe_layers)) if a["routed"] else 0.0,
+            "miss_rate": a["misses"] / (K * a["layer_tokens"]) if a["layer_tokens"] else 0.0,
             "misses_per_token": a["misses"] / a["routed"] if a["routed"] else 0.0,
             "lifetime": sum(a["lifetime"]) / len(a["lifetime"]),
             "mib_loaded_per_run": a["loaded"] / args.reps / 2**20,

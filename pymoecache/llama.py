@@ -128,6 +128,20 @@ class MoEStats:
         """Bytes the misses had to bring in (misses x bytes of one expert)."""
         return int(self.misses * self.expert_bytes)
 
+    def summary_dict(self) -> dict:
+        """The headline numbers as plain JSON-ready values (used by ``run --json`` and ``serve``)."""
+        hr = self.hit_rate_per_layer
+        return {
+            "n_expert": self.n_expert,
+            "n_expert_used": self.n_expert_used,
+            "cache_size": int(self.capacity_per_layer[0]) if self.capacity_per_layer.size else 0,
+            "tokens": self.tokens, "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+            "hit_rate": self.hit_rate, "miss_rate": self.miss_rate, "misses_per_token": self.misses_per_token,
+            "layer_hit_rate_min": float(hr.min()) if hr.size else 0.0,
+            "layer_hit_rate_max": float(hr.max()) if hr.size else 0.0,
+            "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
+        }
+
     def summary(self) -> str:
         hr = self.hit_rate_per_layer
         return (f"hit rate {100 * self.hit_rate:.1f}% | misses/token {self.misses_per_token:.2f} | "

@@ -61,9 +61,9 @@ def request_stats(before: MoEStats, after: MoEStats) -> dict:
 
     d = dataclasses.replace(after, **{f: since(f) for f in ("tokens_per_layer", "selections_per_layer",
                                                             "hits_per_layer", "misses_per_layer",
-                                                            "evictions_per_layer")})
-    return {"tokens": d.tokens, "hits": d.hits, "misses": d.misses, "hit_rate": d.hit_rate,
-            "miss_rate": d.miss_rate, "misses_per_token": d.misses_per_token, "bytes_loaded": d.bytes_loaded}
+                                                            "evictions_per_layer")}).summary_dict()
+    return {k: d[k] for k in ("tokens", "hits", "misses", "hit_rate", "miss_rate", "misses_per_token",
+                              "bytes_loaded")}
 
 
 def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
@@ -74,18 +74,7 @@ def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
         "routing": routing.spec(),
         "top_j": getattr(routing, "top_j", None),
         "routing_scope": routing_scope,
-        "n_expert": st.n_expert,
-        "n_expert_used": st.n_expert_used,
-        "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
-        "tokens": st.tokens,
-        "hits": st.hits,
-        "misses": st.misses,
-        "evictions": st.evictions,
-        "hit_rate": st.hit_rate,
-        "miss_rate": st.miss_rate,
-        "misses_per_token": st.misses_per_token,
-        "lifetime": st.lifetime,
-        "bytes_loaded": st.bytes_loaded,
+        **st.summary_dict(),
         "expert_bytes": st.expert_bytes,
         "moe_layers": st.moe_layers.tolist(),
         "cache_size_per_layer": st.capacity_per_layer.tolist(),
