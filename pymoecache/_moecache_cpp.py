@@ -10,7 +10,7 @@ from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32
 
 from ._lib import load_llama_cpp
 
-MOECACHE_ABI_VERSION = 1
+MOECACHE_ABI_VERSION = 2
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -27,6 +27,8 @@ MOECACHE_POLICY_PRUNE = 1
 MOECACHE_POLICY_MAX_RANK = 2
 MOECACHE_POLICY_CUMSUM = 3
 MOECACHE_POLICY_PRIOR = 4
+MOECACHE_POLICY_DROP_RANK = 5
+MOECACHE_POLICY_SWAP_RANK = 6
 
 # enum moecache_insertion
 MOECACHE_INSERTION_TOP_BOTTOM = 0
@@ -46,6 +48,8 @@ class moecache_routing_params(ctypes.Structure):
         ("cumsum_tau", c_float),
         ("prune_rank", c_int32),
         ("scope", c_int32),
+        ("analysis_rank", c_int32),
+        ("analysis_seed", ctypes.c_uint32),
     ]
 
 

@@ -142,10 +142,59 @@ class Prior:
         return _with_j(f"prior:{self.strength:g}", self.top_j)
 
 
-Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior]
+@dataclass(frozen=True)
+class DropRank:
+    """Analysis only (rank sensitivity): the expert of router rank ``rank`` (0 = the top one)
+    is not run; the other K - 1 are. Top-J does not apply.
 
-_SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*j\s*=\s*(\d+))?\s*$")
-ROUTING_SPECS = "lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2)"
+    >>> DropRank(1).spec()
+    'drop-rank:1'
+    """
+
+    rank: int
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"drop-rank i must be an integer >= 0, got {self.rank!r}")
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.analysis_rank, p.top_j = C.MOECACHE_POLICY_DROP_RANK, self.rank, 0
+
+    def spec(self) -> str:
+        return f"drop-rank:{self.rank}"
+
+
+@dataclass(frozen=True)
+class SwapRank:
+    """Analysis only (rank sensitivity): the expert of router rank ``rank`` is replaced by a
+    random allowed expert outside the top-K (a hash of ``seed``, layer and token), which runs
+    with the replaced expert's router weight. Top-J does not apply.
+
+    >>> SwapRank(0).spec()
+    'swap-rank:0'
+    """
+
+    rank: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"swap-rank i must be an integer >= 0, got {self.rank!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ConfigError(f"swap-rank seed must be an integer in [0, 2**32), got {self.seed!r}")
+
+    def _apply(self, p: C.moecache_routing_params) -> None:
+        p.policy, p.analysis_rank, p.analysis_seed, p.top_j = C.MOECACHE_POLICY_SWAP_RANK, self.rank, self.seed, 0
+
+    def spec(self) -> str:
+        return f"swap-rank:{self.rank}" + (f":seed={self.seed}" if self.seed else "")
+
+
+Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank]
+
+_SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?\s*$")
+ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2); "
+                 "analysis: drop-rank:I | swap-rank:I[:seed=S]")
 
 
 def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
@@ -159,8 +208,12 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     m = _SPEC_RE.match(spec.lower())
     if not m:
         raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")
-    name, arg, j = m.group(1), m.group(2), m.group(3)
-    j = int(j) if j is not None else (top_j if top_j is not None else 1)
+    name, arg, opt, opt_val = m.group(1), m.group(2), m.group(3), m.group(4)
+    if opt == "seed" and name != "swap-rank":
+        raise ConfigError(f"routing spec {spec!r}: only swap-rank takes ':seed=S'")
+    if opt == "j" and name in ("drop-rank", "swap-rank"):
+        raise ConfigError(f"routing spec {spec!r}: {name} is an analysis policy without Top-J")
+    j = int(opt_val) if opt == "j" else (top_j if top_j is not None else 1)
 
     def num(kind):
         if arg is None:
@@ -182,6 +235,10 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
         return CumsumThreshold(num(float), top_j=j)
     if name == "prune":
         return Prune(num(int), top_j=j)
+    if name == "drop-rank":
+        return DropRank(num(int))
+    if name == "swap-rank":
+        return SwapRank(num(int), seed=int(opt_val) if opt == "seed" else 0)
     raise ConfigError(f"unknown routing policy {name!r} in {spec!r}; expected {ROUTING_SPECS}")
 
 

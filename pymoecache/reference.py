@@ -30,7 +30,8 @@ from typing import List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
-from .config import ConfigError, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK, parse_routing
+from .config import (ConfigError, CumsumThreshold, DropRank, MaxRank, Prior, Prune, Routing, SwapRank, TopK,
+                     parse_routing)
 
 INSERTIONS = ("top-bottom", "bottom-top")
 
@@ -154,8 +155,39 @@ def prior_order(r: Sequence[int], u: np.ndarray, s: Sequence[float], cached: Set
     return sorted(r, key=lambda e: -boosted[e])  # sorted() is stable: ties stay in r order
 
 
+_M64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """splitmix64, as in moecache-route.cpp (swap-rank's random choice)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def analysis_order(r: List[int], s: np.ndarray, K: int, rank: int, swap: bool, seed: int, il: int,
+                   token: int) -> Tuple[List[int], Optional[int]]:
+    """drop-rank / swap-rank: (r', replacement) with r' = r with r[rank] moved last; for a swap,
+    the replacement (a hashed pick among the allowed experts outside r[0:K], None if there is
+    none) moved to position ``rank``."""
+    n_allowed = sum(1 for e in r if is_allowed(s[e]))
+    repl = None
+    if swap and n_allowed > K:
+        h = mix64(mix64(((seed << 32) ^ il) & _M64) ^ token)
+        repl = r[K + h % (n_allowed - K)]
+    out = []
+    for i, e in enumerate(r):
+        if i == rank and repl is not None:
+            out.append(repl)
+        if i != rank and e != repl:
+            out.append(e)
+    return out + [r[rank]], repl
+
+
 def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n_expert_used: int,
-                cached: Set[int], delta: float, rank_on_logits: bool = True) -> List[int]:
+                cached: Set[int], delta: float, rank_on_logits: bool = True, il: int = 0,
+                token: int = 0) -> List[int]:
     """The experts one token runs at one layer, in router order r.
 
     z, p, s: float32 [N] logits, probabilities, selection scores; cached: the layer's cache
@@ -165,10 +197,15 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
     applied by every policy); n_keep = K, except prune: min(K, max(R, J)).
     """
     K = n_expert_used
-    J = min(top_j_of(routing), K)
+    analysis = isinstance(routing, (DropRank, SwapRank))
+    J = 0 if analysis else min(top_j_of(routing), K)
     r = rank_experts(s)
     n_keep = K
-    if isinstance(routing, TopK):
+    if analysis:
+        r_final, repl = analysis_order(r, s, K, routing.rank, isinstance(routing, SwapRank),
+                                       getattr(routing, "seed", 0), il, token)
+        n_keep = K if repl is not None else max(K - 1, 1)  # a swap with nothing to swap in is a drop
+    elif isinstance(routing, TopK):
         r_final = r
     elif isinstance(routing, Prune):
         n_keep = min(K, max(routing.rank, J))
@@ -333,8 +370,13 @@ class ReferenceCache:
         """Change the policy (next token on), validated like moecache_set_routing."""
         if isinstance(routing, str):
             routing = parse_routing(routing)
-        if not isinstance(routing, (TopK, Prune, MaxRank, CumsumThreshold, Prior)):
+        if not isinstance(routing, (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)):
             raise ConfigError(f"unknown routing policy {routing!r}")
+        if isinstance(routing, (DropRank, SwapRank)) and routing.rank >= self.n_expert_used:
+            raise ConfigError(f"analysis rank i = {routing.rank} is out of range: the model uses K = "
+                              f"{self.n_expert_used} experts per token (0 <= i < K)")
+        if isinstance(routing, DropRank) and self.n_expert_used < 2:
+            raise ConfigError("drop-rank needs a model with at least 2 experts per token")
         if top_j_of(routing) > self.n_expert_used:
             raise ConfigError(f"top_j = {top_j_of(routing)} is out of range: the model uses K = "
                               f"{self.n_expert_used} experts per token (0 <= top_j <= K)")
@@ -354,7 +396,8 @@ class ReferenceCache:
         u = z if rank_on_logits else s  # the scale the prior boosts and Delta measures
         delta = L.update_delta(u, s)    # every policy keeps Delta up to date
         L.delta_last = delta
-        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru), delta, rank_on_logits)
+        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru), delta, rank_on_logits,
+                               il=il, token=L.tokens)
         return selected, L.access(selected, p, self.insertion)
 
     def route(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,

@@ -56,6 +56,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool update = decode || mc.cparams.update_on_prompt;
 
     L.n_active.resize(n_tokens);
+    L.weight_from.resize(n_tokens);
     int8_t hit[MOECACHE_MAX_USED];
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
@@ -66,12 +67,14 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int64_t i = n; i < K; i++) {
             out[i] = out[0];
         }
-        L.n_active[t] = n;
+        L.n_active[t]    = n;
+        L.weight_from[t] = L.swapped_from; // the replacement is the last slot: it is outside r[0:K]
     }
 }
 
 // dst: F32 [1, K, n_tokens] = weights, with the slots a policy dropped set to 0
-// (-inf for SOFTMAX_WEIGHT gating, whose weights are softmaxed afterwards)
+// (-inf for SOFTMAX_WEIGHT gating, whose weights are softmaxed afterwards), and SWAP_RANK's
+// replacement given the weight of the expert it replaced (src[2]: probs [1, n_expert, n_tokens])
 void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -79,6 +82,7 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     const moecache_layer & L = *(const moecache_layer *) userdata;
     const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * p = dst->src[2];
     const int64_t K        = dst->ne[1];
     const int64_t n_tokens = dst->ne[2];
     const float dropped = L.dropped_weight;
@@ -87,6 +91,10 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
             const float v = *(const float *) ((const char *) w->data + i * w->nb[1] + t * w->nb[2]);
             float * o = (float *) ((char *) dst->data + i * dst->nb[1] + t * dst->nb[2]);
             *o = i < L.n_active[t] ? v : dropped;
+        }
+        if (L.weight_from[t] >= 0) {
+            *(float *) ((char *) dst->data + (K - 1) * dst->nb[1] + t * dst->nb[2]) =
+                *(const float *) ((const char *) p->data + L.weight_from[t] * p->nb[1] + t * p->nb[2]);
         }
     }
 }
@@ -158,9 +166,10 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
     }
     moecache_layer & L = mc->layers[il];
     L.dropped_weight = gating_op == GATING_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
-    ggml_tensor * args[2] = { weights, selected }; // `selected` orders this op after op_select
+    // `selected` orders this op after op_select; weights = get_rows(probs, selected): src[0] is probs
+    ggml_tensor * args[3] = { weights, selected, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
-                                       args, 2, op_weights, 1, &L);
+                                       args, 3, op_weights, 1, &L);
     ggml_format_name(out, "moecache_weights-%d", il);
     L.select_out = nullptr;
     return out;

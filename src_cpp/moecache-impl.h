@@ -39,6 +39,8 @@ struct moecache_layer {
     ggml_tensor * select_out     = nullptr;
     float         dropped_weight = 0.0f;  // weight of a dropped slot: 0, or -inf before a softmax
     std::vector<int32_t> n_active;        // [n_tokens] experts run per token of the current ubatch
+    std::vector<int32_t> weight_from;     // [n_tokens] SWAP_RANK: expert whose weight the last slot takes, or -1
+    int32_t swapped_from = -1;            // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
 
     // scratch for one token, sized n_expert at init, so routing never allocates
     std::vector<int32_t> rank;   // r: expert ids by router rank

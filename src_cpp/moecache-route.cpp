@@ -180,6 +180,42 @@ static void prior_order(moecache_layer & L, const float * u, const float * s, in
     });
 }
 
+// splitmix64: a fixed, portable hash for SWAP_RANK's random choice
+static uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// drop-rank / swap-rank (analysis): r' = r with r[i] moved to the end; for a swap, the
+// replacement (a hashed pick among the allowed experts outside r[0:K]) moved to rank i
+static void analysis_order(moecache_layer & L, const float * s, const moecache_routing_params & rp, int32_t K,
+                           bool swap) {
+    const int32_t N = (int32_t) L.rank.size();
+    const int32_t i_drop = rp.analysis_rank;
+    int32_t n_allowed = 0;
+    for (int32_t i = 0; i < N; i++) {
+        n_allowed += is_allowed(s[L.rank[i]]) ? 1 : 0; // masked experts are last in r
+    }
+    int32_t repl = -1;
+    if (swap && n_allowed > K) {
+        const uint64_t h = mix64(mix64(((uint64_t) rp.analysis_seed << 32) ^ (uint64_t) L.il) ^ (uint64_t) L.st.tokens);
+        repl = L.rank[K + (int32_t) (h % (uint64_t) (n_allowed - K))];
+    }
+    int32_t n = 0;
+    for (int32_t i = 0; i < N; i++) {
+        if (i == i_drop && repl >= 0) {
+            L.order[n++] = repl;
+        }
+        if (i != i_drop && L.rank[i] != repl) {
+            L.order[n++] = L.rank[i];
+        }
+    }
+    L.order[n++] = L.rank[i_drop];
+    L.swapped_from = repl >= 0 ? L.rank[i_drop] : -1;
+}
+
 int32_t moecache_route_token(
         moecache                             & mc,
         moecache_layer                       & L,
@@ -194,7 +230,8 @@ int32_t moecache_route_token(
         int8_t                               * hit) {
     const int32_t N = (int32_t) L.rank.size();
     const int32_t K = mc.n_expert_used;
-    const int32_t J = std::min(rp.top_j, K);
+    const bool analysis = apply && (rp.policy == MOECACHE_POLICY_DROP_RANK || rp.policy == MOECACHE_POLICY_SWAP_RANK);
+    const int32_t J = analysis ? 0 : std::min(rp.top_j, K);
     const float * u = L.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
 
     rank_experts(L, s, stock, K);
@@ -202,6 +239,7 @@ int32_t moecache_route_token(
 
     // 1. the final ranking r' (L.order) and how many experts run
     int32_t n_keep = K;
+    L.swapped_from = -1;
     const enum moecache_policy policy = apply ? rp.policy : MOECACHE_POLICY_TOPK;
     switch (policy) {
         case MOECACHE_POLICY_PRUNE:
@@ -220,6 +258,14 @@ int32_t moecache_route_token(
             } else {
                 promote_cached(L, s, 0);
             }
+            break;
+        case MOECACHE_POLICY_DROP_RANK:
+            n_keep = K - 1;
+            analysis_order(L, s, rp, K, false);
+            break;
+        case MOECACHE_POLICY_SWAP_RANK:
+            analysis_order(L, s, rp, K, true);
+            n_keep = L.swapped_from >= 0 ? K : std::max(K - 1, 1); // nothing to swap in: a drop
             break;
         case MOECACHE_POLICY_TOPK:
         default:

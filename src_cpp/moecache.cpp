@@ -72,7 +72,7 @@ struct moecache_routing_params moecache_routing_default_params(void) {
 
 static int32_t check_routing(const moecache_routing_params & p, int32_t K) {
     char buf[256];
-    if (p.policy < MOECACHE_POLICY_TOPK || p.policy > MOECACHE_POLICY_PRIOR) {
+    if (p.policy < MOECACHE_POLICY_TOPK || p.policy > MOECACHE_POLICY_SWAP_RANK) {
         snprintf(buf, sizeof(buf), "unknown routing policy %d", (int) p.policy);
         return fail(MOECACHE_ERR_INVALID, buf);
     }
@@ -99,6 +99,15 @@ static int32_t check_routing(const moecache_routing_params & p, int32_t K) {
     if (p.scope != MOECACHE_SCOPE_ALL && p.scope != MOECACHE_SCOPE_DECODE) {
         snprintf(buf, sizeof(buf), "unknown routing scope %d", (int) p.scope);
         return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if ((p.policy == MOECACHE_POLICY_DROP_RANK || p.policy == MOECACHE_POLICY_SWAP_RANK) &&
+        (p.analysis_rank < 0 || p.analysis_rank >= K)) {
+        snprintf(buf, sizeof(buf), "analysis rank i = %d is out of range: the model uses K = %d experts per token (0 <= i < K)",
+                 p.analysis_rank, K);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (p.policy == MOECACHE_POLICY_DROP_RANK && K < 2) {
+        return fail(MOECACHE_ERR_INVALID, "drop-rank needs a model with at least 2 experts per token");
     }
     return MOECACHE_OK;
 }

@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 1
+#define MOECACHE_ABI_VERSION 2
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -71,6 +71,10 @@ enum moecache_policy {
     MOECACHE_POLICY_MAX_RANK = 2, // cached experts of rank < m jump ahead of uncached ones
     MOECACHE_POLICY_CUMSUM   = 3, // max-rank with per-token m = first rank where cumsum(p) >= tau
     MOECACHE_POLICY_PRIOR    = 4, // rank by z + lambda * Delta_l * [e in C or e in r[0:J]]
+    // analysis only (rank sensitivity, method.md); the cache counts as usual, J is not applied:
+    MOECACHE_POLICY_DROP_RANK = 5, // run r[0:K] without r[i] (i = analysis_rank): K - 1 experts
+    MOECACHE_POLICY_SWAP_RANK = 6, // run r[i] replaced by a random allowed expert outside r[0:K],
+                                   //   with r[i]'s router weight
 };
 
 enum moecache_insertion {
@@ -93,6 +97,8 @@ struct moecache_routing_params {
     float   cumsum_tau;           // CUMSUM threshold tau in [0, 1]; default 0.9
     int32_t prune_rank;           // PRUNE R >= 1: experts kept per token (at most K, at least J); default 2
     enum moecache_scope scope;    // default MOECACHE_SCOPE_ALL
+    int32_t  analysis_rank;       // DROP_RANK / SWAP_RANK: the rank i removed, 0 = top expert, i < K; default 0
+    uint32_t analysis_seed;       // SWAP_RANK: the replacement is a hash of (seed, layer, token); default 0
 };
 
 // Cache: sizes and bookkeeping. Fixed for the life of the moecache.

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pymoecache import _moecache_cpp as C  # noqa: E402
-from pymoecache.config import (CacheConfig, ConfigError, CumsumThreshold, MaxRank, Prior, Prune,  # noqa: E402
+from pymoecache.config import (CacheConfig, ConfigError, CumsumThreshold, DropRank, MaxRank, SwapRank, Prior, Prune,  # noqa: E402
                                TopK)
 from pymoecache.llama import MoECache  # noqa: E402
 from pymoecache.reference import ReferenceCache  # noqa: E402
@@ -64,6 +64,10 @@ def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = 
         return Prune(draw(st.integers(1, K + 2)), top_j=J)
     if kind == "max-rank":
         return MaxRank(draw(st.integers(0, N + 2 if max_m is None else max_m)), top_j=J)
+    if kind == "drop-rank":
+        return DropRank(draw(st.integers(0, K - 1)))
+    if kind == "swap-rank":
+        return SwapRank(draw(st.integers(0, K - 1)), seed=draw(st.integers(0, 2**32 - 1)))
     if kind == "cumsum":
         return CumsumThreshold(draw(st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))), top_j=J)
     # exact binary fractions make boosted scores tie with unboosted ones (ties resolve by rank in r)
@@ -237,6 +241,37 @@ def test_cpp_matches_reference_prior_ties(sc: Scenario):
     """Few experts, tied or nearly tied logits, s biased away from z: boosted scores tie (ties go
     by rank in r, not by id) and the float32 rounding of z + boost decides the order."""
     test_cpp_matches_reference.hypothesis.inner_test(sc)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(sc=scenarios(kinds=("drop-rank", "swap-rank"), min_n=3))
+def test_cpp_matches_reference_analysis_policies(sc: Scenario):
+    """drop-rank / swap-rank (rank sensitivity analysis): same experts, hits and LRU state, and
+    the removed rank is really gone: drop runs K - 1 experts without r[i]; swap runs r[0:K]
+    without r[i] plus one allowed expert from outside r[0:K] (if any is left)."""
+    if sc.K < 2:
+        return
+    test_cpp_matches_reference.hypothesis.inner_test(sc)
+    rc = reference(sc)
+    rng = np.random.default_rng(sc.seed)
+    for T in sc.batches:
+        z, p, s = router_outputs(rng, sc, T, make_bias(rng, sc))
+        sel, _ = rc.route(0, z, p, s, rank_on_logits=sc.rank_on_logits)
+        for t in range(T):
+            st_ = p[t] if s is None else s[t]
+            r = ranking(st_)
+            got = [e for e in sel[t] if e >= 0]
+            top = set(r[:sc.K].tolist())
+            gone = int(r[sc.routing.rank])
+            assert gone not in got
+            if isinstance(sc.routing, DropRank):
+                assert set(got) == top - {gone}
+            else:
+                n_allowed = int(np.sum(st_ > -np.inf))
+                extra = set(got) - top
+                assert len(got) == sc.K - (0 if n_allowed > sc.K else 1)
+                assert len(extra) == (1 if n_allowed > sc.K else 0)
+                assert all(st_[e] > -np.inf for e in extra)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

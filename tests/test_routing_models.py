@@ -8,6 +8,7 @@ import pytest
 
 import pymoecache
 from pymoecache import CacheConfig, MaxRank, Prior, Prune, TopK
+from pymoecache.config import DropRank, SwapRank
 from pymoecache import synth
 from conftest import MOE_FIXTURES, model_path
 
@@ -80,6 +81,28 @@ def test_prune_runs_at_most_r_experts(fixture_dir, name):
         assert not np.array_equal(out, run(ref))
     llm.close()
     ref.close()
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_rank_sensitivity_policies(fixture_dir, name):
+    """drop-rank:(K-1) is prune:(K-1) without Top-J (same logits, bit for bit); swap-rank:0 runs
+    the other K - 1 top experts plus exactly one from outside the stock top-K, every token."""
+    K = synth.FIXTURES[name].n_expert_used
+    drop = load(fixture_dir, name, cache=CacheConfig(size=0.5), routing=DropRank(K - 1))
+    prune = load(fixture_dir, name, cache=CacheConfig(size=0.5), routing=Prune(K - 1, top_j=0))
+    np.testing.assert_array_equal(run(drop), run(prune))
+    st = drop.moe_stats()
+    assert (st.selections_per_layer == (K - 1) * st.tokens_per_layer).all()
+    swap = load(fixture_dir, name, cache=CacheConfig(size=0.5, trace=100000), routing=SwapRank(0, seed=7))
+    out = run(swap)
+    assert np.isfinite(out).all()
+    tr = swap.moecache.trace()
+    assert (tr["n_selected"] == K).all()
+    in_top_k = np.array([bin(int(m)).count("1") for m in tr["top_k_mask"]])
+    assert (in_top_k == K - 1).all()
+    assert not np.array_equal(out, run(load(fixture_dir, name, cache=CacheConfig(size=0.5), routing=TopK())))
+    for llm in (drop, prune, swap):
+        llm.close()
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURES)
