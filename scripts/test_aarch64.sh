@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# aarch64 Linux, our stand-in for Termux and Android (both are Linux on aarch64): cross build with
+# Debian's toolchain, run under qemu-user, compare with the x86-64 build on this machine.
+#
+#   bash scripts/test_aarch64.sh            # everything below; exit 0 = all passed
+#
+#   1. src_cpp/ compiles warning-free (-Wall -Wextra -Werror) with gcc and clang, for x86-64 and
+#      aarch64 (scripts/check_warnings.sh)
+#   2. cross build of libllama (patched llama.cpp + src_cpp), tests/cpp/test-moecache and
+#      tools/moecache-run for aarch64 into build/aarch64 (ccache'd; GGML_CPU_ARM_ARCH from
+#      $AARCH64_ARCH, default armv8.2-a+dotprod: any phone since 2018)
+#   3. the C++ unit tests under qemu-aarch64
+#   4. moecache-run --trace on fixture models, under qemu (aarch64) and natively (x86-64, against
+#      the package's libllama): the reports (selected experts of every layer and token, hit masks,
+#      generated tokens, per-layer and total hits/misses) must be identical
+#
+# Needs: the Python setup (bash scripts/setup.sh --no-run, run here if .venv is missing), and
+# Debian's g++-aarch64-linux-gnu, qemu-user and clang (installed with apt-get when run as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+T0=$(date +%s)
+step() { printf '\n==> %s\n' "$*"; }
+die() { echo "test_aarch64: $*" >&2; exit 2; }
+
+need=()
+command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null || command -v qemu-aarch64-static >/dev/null || need+=(qemu-user)
+command -v clang++ >/dev/null || need+=(clang)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        step "apt-get install ${need[*]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        die "missing ${need[*]}: sudo apt-get install ${need[*]}"
+    fi
+fi
+QEMU=$(command -v qemu-aarch64 || command -v qemu-aarch64-static)
+export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
+
+[ -x .venv/bin/python ] || bash scripts/setup.sh --no-run
+VPY=$ROOT/.venv/bin/python
+LIB_DIR=$("$VPY" -c "from pymoecache._lib import find_lib_dir; print(find_lib_dir())")
+
+step "1. src_cpp: gcc and clang, x86-64 and aarch64, -Wall -Wextra -Werror"
+bash scripts/check_warnings.sh
+
+step "2. cross build for aarch64 (build/aarch64)"
+ARCH=${AARCH64_ARCH:-armv8.2-a+dotprod}
+cmake -S . -B build/aarch64 -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_TOOLCHAIN_FILE=scripts/toolchains/aarch64-linux-gnu.cmake \
+    -DMOECACHE_VENDOR=OFF -DMOECACHE_BUILD_TESTS=ON -DMOECACHE_BUILD_TOOLS=ON \
+    -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARCH" >build/aarch64.configure.log 2>&1 \
+    || { tail -30 build/aarch64.configure.log; die "cmake configure failed (build/aarch64.configure.log)"; }
+cmake --build build/aarch64 --target test-moecache moecache-run -j"$(nproc)" >build/aarch64.build.log 2>&1 \
+    || { tail -30 build/aarch64.build.log; die "cross build failed (build/aarch64.build.log)"; }
+file build/aarch64/bin/moecache-run build/aarch64/bin/libllama.so | sed 's/, BuildID[^,]*//'
+
+step "3. C++ unit tests under qemu-aarch64"
+"$QEMU" build/aarch64/bin/test-moecache | tail -1
+
+step "4. fixture decodes: aarch64 (qemu) vs x86-64 (native)"
+"$VPY" scripts/make_test_models.py >/dev/null
+mkdir -p build/x86_64
+c++ -std=c++17 -O2 -Wall -Wextra -Werror tools/moecache-run.cpp -Isrc_cpp -Ivendor/llama.cpp/include \
+    -Ivendor/llama.cpp/ggml/include -L"$LIB_DIR" -lllama -lggml -lggml-base -Wl,-rpath,"$LIB_DIR" \
+    -o build/x86_64/moecache-run
+OUT=build/aarch64-compare
+rm -rf "$OUT" && mkdir -p "$OUT"
+M=tests/fixtures/models
+# model | routing | cache | prompt
+CASES=(
+    "$M/qwen2moe-60x4.Q8_0.gguf|prior:0.5|0.5|Once upon a time, in a land far away"
+    "$M/qwen2moe-60x4.gguf|max-rank:8:j=2|15|The quick brown fox"
+    "$M/olmoe-64x8.Q4_K_M.gguf|cumsum:0.9|32|It was a bright cold day in April"
+    "$M/mixtral-8x2.Q8_0.gguf|prior:0.5:j=1|4|To be or not to be"
+    "$M/deepseek2-sigmoid-64x6.Q8_0.gguf|topk|0.25|All happy families are alike"
+)
+fail=0
+for c in "${CASES[@]}"; do
+    IFS='|' read -r model routing cache prompt <<<"$c"
+    name=$(basename "$model" .gguf)_${routing//:/-}
+    args=(-m "$model" -p "$prompt" -n 24 -t 2 --cache "$cache" --routing "$routing" --trace)
+    build/x86_64/moecache-run "${args[@]}" >"$OUT/$name.x86_64.txt" 2>"$OUT/$name.x86_64.log"
+    "$QEMU" build/aarch64/bin/moecache-run "${args[@]}" >"$OUT/$name.aarch64.txt" 2>"$OUT/$name.aarch64.log"
+    n_sel=$(grep -c '^sel ' "$OUT/$name.x86_64.txt" || true)
+    total=$(grep '^total ' "$OUT/$name.aarch64.txt" | sed 's/^total //')
+    if [ "$n_sel" -gt 0 ] && cmp -s "$OUT/$name.x86_64.txt" "$OUT/$name.aarch64.txt"; then
+        echo "same  $name: $n_sel (layer, token) selections, $total"
+    else
+        echo "DIFF  $name ($n_sel selections):"
+        diff "$OUT/$name.x86_64.txt" "$OUT/$name.aarch64.txt" | head -8 || true
+        fail=1
+    fi
+done
+echo "reports: $OUT/*.txt (stdout of moecache-run), logs: $OUT/*.log"
+echo "wall time: $(( $(date +%s) - T0 )) s"
+[ "$fail" = 0 ] || die "aarch64 and x86-64 differ"
+echo "test_aarch64: passed"
