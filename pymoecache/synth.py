@@ -388,14 +388,15 @@ def _file_type(spec: ModelSpec) -> int:
     }[spec.weight_type]
 
 
-def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
-    """Write the ``general.*`` and ``<arch>.*`` keys llama.cpp reads for ``spec``."""
+def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int | None = None) -> None:
+    """Write the ``general.*`` and ``<arch>.*`` keys llama.cpp reads for ``spec``
+    (``n_vocab``: the vocabulary size when it is not a vendored vocab file's)."""
     writer.add_name(spec.name)
     writer.add_file_type(_file_type(spec))
     if spec.weight_type == "Q8_0":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    writer.add_vocab_size(vocab_size(spec.vocab))
+    writer.add_vocab_size(vocab_size(spec.vocab) if n_vocab is None else n_vocab)
     writer.add_context_length(spec.n_ctx)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
@@ -725,6 +726,54 @@ def _report(path: Path, built: bool, t0: float) -> None:
     size_mb = path.stat().st_size / 1e6
     what = f"built in {time.perf_counter() - t0:.1f}s" if built else "up to date"
     print(f"{path}: {size_mb:.1f} MB, {what}", flush=True)
+
+
+def export_trained(spec: ModelSpec, tensors: dict, vocab: dict, path: str | os.PathLike) -> Path:
+    """Write a model with given (trained) weights and its own SPM tokenizer to ``path``.
+
+    ``tensors``: llama.cpp tensor name -> float numpy array in numpy order (the reversed ggml
+    shape, e.g. ``token_embd.weight`` is ``[n_vocab, n_embd]``). Matrices (2-D and 3-D) are stored
+    as ``spec.weight_type`` (F32 or F16); 1-D tensors and the routers (``ffn_gate_inp``) stay F32.
+    ``vocab``: a llama-style sentencepiece vocabulary: ``tokens``, ``scores``, ``token_types``
+    (llama.cpp's token types: 1 normal, 2 unknown, 3 control, 6 byte) and the ``bos``, ``eos``,
+    ``unk`` ids. The names and shapes must match :func:`tensor_plan` for ``spec`` (checked).
+    Used by scripts/train_tiny_moe.py. Returns the path.
+    """
+    path = Path(path)
+    n_vocab = len(vocab["tokens"])
+    expected = {t.name: tuple(reversed(t.shape)) for t in tensor_plan(dataclasses.replace(spec, vocab="llama-spm"))}
+    expected = {k: ((n_vocab, spec.n_embd) if k in ("token_embd.weight", "output.weight") else v)
+                for k, v in expected.items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != expected:
+        diff = sorted(set(got.items()) ^ set(expected.items()))
+        raise ValueError(f"tensors do not match the layout llama.cpp expects for {spec.arch}: {diff[:6]}")
+    wtype = {"F32": np.float32, "F16": np.float16}[spec.weight_type]
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, spec.arch)
+    _add_hparams(writer, spec, n_vocab=n_vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_scores([float(x) for x in vocab["scores"]])
+    writer.add_token_types([int(x) for x in vocab["token_types"]])
+    writer.add_bos_token_id(int(vocab["bos"]))
+    writer.add_eos_token_id(int(vocab["eos"]))
+    writer.add_unk_token_id(int(vocab["unk"]))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    for name in expected:
+        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        if a.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
+            a = a.astype(wtype)
+        writer.add_tensor(name, a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path
 
 
 def bench_spec(target_mb: float = 320) -> ModelSpec:
