@@ -64,7 +64,7 @@ class Preset:
     vocab: int = 2048
     ctx: int = 256      # training sequence length = GGUF context length
     batch: int = 16
-    steps: int = 3000
+    steps: int = 1200
     lr: float = 3e-3
     warmup: int = 100
     aux_coef: float = 0.01   # Switch-style load-balancing loss
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--minutes", type=float, default=35.0, help="wall-clock safety budget (default 35)")
+    ap.add_argument("--minutes", type=float, default=70.0, help="wall-clock safety budget in minutes (default 70)")
     ap.add_argument("--ckpt-dir", default=os.path.expanduser("~/.cache/pymoecache/train"),
                     help="where the PyTorch checkpoint is kept (default ~/.cache/pymoecache/train)")
     ap.add_argument("--export-only", action="store_true", help="export the checkpoint of a finished run")

@@ -53,6 +53,8 @@ void usage(FILE * f) {
         "  --scope all|decode     decode: prompts use stock top-k routing (default all)\n"
         "  --no-prompt-update     prompt ubatches do not update the cache and counters\n"
         "  --trace                print the selected experts of every layer and token\n"
+        "  -fa, --flash-attn      flash attention (default off, as in llama-cpp-python, so the two\n"
+        "                         runs agree bit for bit)\n"
         "  --mlock                lock the model in memory (llama.cpp use_mlock; warns if the limit is too low)\n"
         "  --no-mmap              read the model into memory instead of mapping it\n"
         "  --stop-at-eog          stop at an end-of-generation token\n"
@@ -186,7 +188,7 @@ int main(int argc, char ** argv) {
     std::string cache       = "0.5";
     std::string scope       = "all";
     long n_predict = 16, n_ctx = 512, n_threads = 2, n_gpu_layers = 0;
-    bool trace = false, mlock = false, no_mmap = false, stop_at_eog = false, prompt_update = true;
+    bool trace = false, flash_attn = false, mlock = false, no_mmap = false, stop_at_eog = false, prompt_update = true;
 
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
@@ -211,6 +213,7 @@ int main(int argc, char ** argv) {
         else if (a == "--scope") scope = value();
         else if (a == "--no-prompt-update") prompt_update = false;
         else if (a == "--trace") trace = true;
+        else if (a == "-fa" || a == "--flash-attn") flash_attn = true;
         else if (a == "--mlock") mlock = true;
         else if (a == "--no-mmap") no_mmap = true;
         else if (a == "--stop-at-eog") stop_at_eog = true;
@@ -264,6 +267,7 @@ int main(int argc, char ** argv) {
     cparams.n_threads       = (int32_t) n_threads;
     cparams.n_threads_batch = (int32_t) n_threads;
     cparams.no_perf         = true;
+    cparams.flash_attn_type = flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) die("cannot create a context for %s", model_path.c_str());
 
