@@ -7,12 +7,15 @@ loaded exports the moecache API (``moecache_abi_version``).
 Search order for the library directory:
 1. ``$PYMOECACHE_LIB_DIR``
 2. ``pymoecache/lib`` next to this file (an installed wheel)
-3. ``build/*/bin`` of a source checkout (after ``pip install .`` or a CMake build), newest first
+3. ``build/cp*/bin`` of a source checkout (scikit-build-core's build dirs, named by wheel tag),
+   newest first, for this machine's architecture only (``build/aarch64`` of
+   scripts/test_aarch64.sh is a cross build and is never picked)
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -28,7 +31,9 @@ def find_lib_dir() -> Path:
             raise ImportError(f"PYMOECACHE_LIB_DIR={env} has no {_LIB_NAME}")
         return Path(env)
     candidates = [_PKG_DIR / "lib"]
-    candidates += sorted((_PKG_DIR.parent / "build").glob("*/bin"),
+    machine = platform.machine().lower()  # x86_64, aarch64, arm64, amd64
+    builds = [d for d in (_PKG_DIR.parent / "build").glob("cp*/bin") if d.parent.name.lower().endswith(machine)]
+    candidates += sorted(builds,
                          key=lambda p: (p / _LIB_NAME).stat().st_mtime if (p / _LIB_NAME).exists() else 0,
                          reverse=True)
     for d in candidates:

@@ -1,7 +1,10 @@
 """Models the project ships or builds: the embedded default model and the test fixtures.
 
-The default model is built on first use into ``$PYMOECACHE_HOME`` (default
-``~/.cache/pymoecache``) from the deterministic generator in :mod:`pymoecache.synth`.
+The default model is ``tiny-shakespeare-qwen2moe-60x4``: a small MoE (qwen2moe layout, 60 routed
+experts, top-4, one shared expert) whose router and experts were really trained, on Tiny
+Shakespeare, by ``scripts/train_tiny_moe.py --preset A``. Its GGUF and model card live in
+``models/`` of the repository and are installed into the wheel as ``pymoecache/data/``.
+Random-weight models for tests are built on demand by :mod:`pymoecache.synth`.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DEFAULT_MODEL = "qwen2moe-60x4"  # 60 routed experts, top-4, shared experts (Qwen1.5-MoE layout)
+DEFAULT_MODEL = "tiny-shakespeare-qwen2moe-60x4"  # trained; 60 routed experts, top-4, a shared expert
+
+_PKG_DIR = Path(__file__).resolve().parent
 
 
 def home_dir() -> Path:
@@ -18,11 +23,16 @@ def home_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """Path of the embedded default model, building it (a few seconds, offline) if needed.
+    """Path of the embedded default model (the installed copy, else the checkout's ``models/``).
 
-    >>> default_model_path().suffix
-    '.gguf'
+    >>> default_model_path().name
+    'tiny-shakespeare-qwen2moe-60x4.gguf'
     """
-    from .synth import build_fixture
-
-    return build_fixture(DEFAULT_MODEL, home_dir() / "models")
+    name = f"{DEFAULT_MODEL}.gguf"
+    places = (_PKG_DIR / "data" / name, _PKG_DIR.parent / "models" / name)
+    for p in places:
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"the default model {name} is missing (looked in {', '.join(str(p.parent) for p in places)}); "
+        "reinstall pymoecache, or rebuild it with `python scripts/train_tiny_moe.py --preset A`")

@@ -117,3 +117,12 @@ def test_bench_bad_parameters(fixture_dir, tmp_path):
 def test_hf_options_go_together():
     r = cli("run", "--hf-repo", "someone/model")
     assert r.returncode == 2 and "--hf-repo and --hf-file go together" in r.stderr
+
+
+def test_run_without_a_model_uses_the_embedded_trained_model():
+    r = cli("run", "-p", "ROMEO:", "-n", "24", "--prior", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert "using the embedded default model" in r.stderr and "tiny-shakespeare-qwen2moe-60x4.gguf" in r.stderr
+    text, last = r.stdout.strip().rsplit("\n", 1)
+    assert last.startswith("[prior:0.5, cache 30/60 experts per layer]")
+    assert text.startswith("ROMEO:") and len(text.split()) >= 6
