@@ -10,7 +10,7 @@ from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32
 
 from ._lib import load_llama_cpp
 
-MOECACHE_ABI_VERSION = 2
+MOECACHE_ABI_VERSION = 3
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -20,6 +20,12 @@ MOECACHE_ERR_NOT_MOE = -2
 MOECACHE_ERR_IO = -3
 MOECACHE_ERR_MISMATCH = -4
 MOECACHE_ERR_STATE = -5
+MOECACHE_ERR_RESIDENCY = -6
+
+# enum moecache_residency
+MOECACHE_RESIDENCY_NONE = 0
+MOECACHE_RESIDENCY_MMAP = 1
+MOECACHE_RESIDENCY_STREAM = 2
 
 # enum moecache_policy
 MOECACHE_POLICY_TOPK = 0
@@ -62,6 +68,11 @@ class moecache_cache_params(ctypes.Structure):
         ("insertion", c_int32),
         ("update_on_prompt", c_bool),
         ("trace_capacity", c_int32),
+        ("residency", c_int32),
+        ("model_path", c_char_p),
+        ("io_threads", c_int32),
+        ("direct_io", c_bool),
+        ("lock_memory", c_bool),
     ]
 
 
@@ -87,6 +98,26 @@ class moecache_stats(ctypes.Structure):
         ("n_layer", c_int32),
         ("n_moe_layer", c_int32),
         ("total", moecache_layer_stats),
+    ]
+
+
+class moecache_residency_stats(ctypes.Structure):
+    _fields_ = [
+        ("residency", c_int32),
+        ("io_threads", c_int32),
+        ("direct_io", c_bool),
+        ("locked", c_bool),
+        ("arena_bytes", c_int64),
+        ("locked_bytes", c_int64),
+        ("expert_bytes", c_int64),
+        ("decode_tokens", c_int64),
+        ("decode_loads", c_int64),
+        ("decode_bytes_read", c_int64),
+        ("decode_t_io_ms", c_double),
+        ("decode_t_route_ms", c_double),
+        ("prompt_bytes_read", c_int64),
+        ("prompt_t_io_ms", c_double),
+        ("rss_bytes", c_int64),
     ]
 
 
@@ -121,6 +152,10 @@ moecache_routing_default_params = _fn("moecache_routing_default_params", [], moe
 moecache_init = _fn("moecache_init", [c_void_p, moecache_cache_params, moecache_routing_params], moecache_p)
 moecache_init_synthetic = _fn("moecache_init_synthetic",
                               [c_int32, c_int32, c_int32, moecache_cache_params, moecache_routing_params], moecache_p)
+moecache_set_load_residency = _fn("moecache_set_load_residency", [c_int32], None)
+moecache_get_residency_stats = _fn("moecache_get_residency_stats", [moecache_p, POINTER(moecache_residency_stats)],
+                                   c_int32)
+moecache_take_io_error = _fn("moecache_take_io_error", [moecache_p], c_char_p)
 moecache_free = _fn("moecache_free", [moecache_p], None)
 moecache_attach = _fn("moecache_attach", [moecache_p, c_void_p], c_int32)
 moecache_detach = _fn("moecache_detach", [moecache_p], None)

@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A routing or cache parameter is out of range or cannot be parsed."""
 
 
+# CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
+RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE_RESIDENCY_MMAP,
+               "stream": C.MOECACHE_RESIDENCY_STREAM}
+
+
 def _with_j(spec: str, top_j: int) -> str:
     """``prior:0.5`` -> ``prior:0.5:j=2`` when J is not the default 1 (parse_routing reads both)."""
     return spec if top_j == 1 else f"{spec}:j={top_j}"
@@ -260,10 +265,12 @@ def parse_bytes(text: str) -> Optional[int]:
 def parse_cache_size(text: str) -> Union[int, float, str]:
     """CLI form of a cache size: ``30`` (experts per layer), ``0.5`` (share of N), ``4GiB`` (budget).
 
-    >>> parse_cache_size("30"), parse_cache_size("0.5"), parse_cache_size("3GiB")
-    (30, 0.5, '3GiB')
+    >>> parse_cache_size("30"), parse_cache_size("0.5"), parse_cache_size("3GiB"), parse_cache_size("auto")
+    (30, 0.5, '3GiB', 'auto')
     """
     text = text.strip()
+    if text == "auto":
+        return text
     if re.fullmatch(r"\d+", text):
         return int(text)
     if parse_bytes(text) is not None:
@@ -272,7 +279,7 @@ def parse_cache_size(text: str) -> Union[int, float, str]:
         f = float(text)
     except ValueError:
         raise ConfigError(f"cannot parse cache size {text!r}: use a count (30), a fraction of the experts "
-                          "(0.5) or a memory budget (4GiB)")
+                          "(0.5), a memory budget (4GiB) or auto")
     if not 0.0 <= f <= 1.0:
         raise ConfigError(f"cache fraction {f} must be in [0, 1] (use an integer for a count of experts)")
     return f
@@ -282,12 +289,24 @@ def parse_cache_size(text: str) -> Union[int, float, str]:
 class CacheConfig:
     """Per-layer expert cache.
 
-    size: ``int`` experts per MoE layer, ``float`` in [0, 1] share of the routed experts, or a
+    size: ``int`` experts per MoE layer, ``float`` in [0, 1] share of the routed experts, a
     memory budget string such as ``"4GiB"`` for all layers' cached experts together (turned into
-    a per-layer count from the model's real expert sizes). ``per_layer`` overrides single layers.
+    a per-layer count from the model's real expert sizes, never more than asked), or ``"auto"``:
+    the budget is what the machine has free, less the non-expert weights, the KV cache and a
+    margin (see ``Llama``). ``per_layer`` overrides single layers.
+
+    residency: where the experts' bytes live (src_cpp/moecache.h, ``enum moecache_residency``):
+    ``"stream"`` (cached experts in an mlocked per-layer slot arena, misses read from the GGUF
+    with direct I/O), ``"mmap"`` (experts stay mmapped, cached ones mlocked, evicted ones
+    dropped), ``"none"`` (counters only, every expert resident), or ``"auto"`` (the default):
+    ``stream`` when the cache is smaller than all experts, else ``none``.
+    io_threads: reads in flight on a miss. direct_io: ``O_DIRECT`` reads for ``stream``.
+    lock_memory: mlock the cache; if the OS refuses, one warning and the run goes on unlocked.
 
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
+    >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
+    ('stream', 'none')
     """
 
     size: Union[int, float, str] = 0.5
@@ -295,6 +314,10 @@ class CacheConfig:
     update_on_prompt: bool = True
     trace: int = 0
     per_layer: Optional[Sequence[int]] = field(default=None)
+    residency: str = "auto"
+    io_threads: int = 4
+    direct_io: bool = True
+    lock_memory: bool = True
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -306,14 +329,27 @@ class CacheConfig:
             if not 0.0 <= self.size <= 1.0:
                 raise ConfigError(f"cache fraction {self.size} must be in [0, 1]")
         elif isinstance(self.size, str):
-            if parse_bytes(self.size) is None:
-                raise ConfigError(f"cannot parse cache budget {self.size!r} (e.g. '4GiB', '512MB')")
+            if self.size != "auto" and parse_bytes(self.size) is None:
+                raise ConfigError(f"cannot parse cache budget {self.size!r} (e.g. '4GiB', '512MB', 'auto')")
         else:
             raise ConfigError(f"cache size must be int, float or str, got {type(self.size).__name__}")
         if self.insertion not in ("top-bottom", "bottom-top"):
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {self.insertion!r}")
         if not isinstance(self.trace, int) or self.trace < 0:
             raise ConfigError(f"trace must be a number of records >= 0, got {self.trace!r}")
+        if self.residency not in RESIDENCIES:
+            raise ConfigError(f"residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}")
+        if not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads must be an integer in [1, 64], got {self.io_threads!r}")
+
+    def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
+        """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""
+        if self.residency != "auto":
+            return self.residency
+        return "stream" if any(c < n_expert for c in capacities) else "none"
+
+    def residency_code(self, capacities: Sequence[int], n_expert: int) -> int:
+        return RESIDENCIES[self.residency_for(capacities, n_expert)]
 
     def n_cached_for(self, n_expert: int, expert_bytes_per_layer: Optional[float], n_moe_layer: int) -> int:
         """Experts per layer this config asks for, given the model's N and the bytes of one expert."""
@@ -323,6 +359,8 @@ class CacheConfig:
             n = int(math.floor(self.size * n_expert + 0.5))  # halves round up, like the C library's lround
             if self.size > 0 and n < 1:
                 n = 1
+        elif self.size == "auto":
+            raise ConfigError('cache size "auto" is resolved by pymoecache.Llama from the free memory')
         else:
             budget = parse_bytes(self.size)
             if not expert_bytes_per_layer or n_moe_layer <= 0:

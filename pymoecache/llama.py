@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import warnings
@@ -22,7 +23,7 @@ import numpy as np
 import llama_cpp
 
 from . import _moecache_cpp as C
-from .config import CacheConfig, ConfigError, Routing, TopK, parse_routing
+from .config import RESIDENCIES, CacheConfig, ConfigError, Routing, TopK, parse_routing
 from .model_info import ModelInfo, model_info
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
@@ -30,6 +31,44 @@ _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
 
 class MoECacheError(RuntimeError):
     """The native moecache refused a call; the message says why."""
+
+
+def _fmt_mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _available_memory() -> int:
+    """Bytes the OS can give this process now (MemAvailable on Linux; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> int:
+    """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
+    weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
+    margin of 10% (at least 256 MiB), spent on cached experts; at most N, at least 0.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20))
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30)
+    24
+    """
+    free = _available_memory() if available is None else available
+    kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+    budget = free - info.non_expert_bytes - kv
+    budget -= max(256 << 20, budget // 10)
+    return max(0, info.cache_size_for_budget(max(0, budget)))
 
 
 def _as_routing(routing: Union[Routing, str]) -> Routing:
@@ -40,6 +79,72 @@ def _check(rc: int) -> None:
     if rc != C.MOECACHE_OK:
         msg = C.last_error()
         raise (ConfigError if rc == C.MOECACHE_ERR_INVALID else MoECacheError)(msg)
+
+
+class MoECacheIOError(MoECacheError):
+    """An expert could not be read from the model file (truncated, unreadable) during a decode;
+    that decode's output was discarded and the expert will be read again next time."""
+
+
+@dataclass
+class ResidencyStats:
+    """What the expert residency costs (``struct moecache_residency_stats``), with per-token rates.
+
+    Decode times: ``t_io_ms`` waiting for expert reads, ``t_route_ms`` in the routing decision;
+    ``Llama.moe_stats()`` adds ``t_compute_ms`` (llama.cpp's eval time less the two).
+    """
+
+    residency: str                   # "none", "mmap" or "stream"
+    io_threads: int
+    direct_io: bool
+    locked: bool                     # the cache is mlocked
+    arena_bytes: int                 # stream: bytes of all slot arenas
+    locked_bytes: int
+    expert_bytes: int                # one expert of one layer, all its tensors
+    decode_tokens: int
+    decode_loads: int                # experts read from storage while decoding
+    decode_bytes_read: int
+    decode_t_io_ms: float
+    decode_t_route_ms: float
+    prompt_bytes_read: int           # experts read through the mapping by prompts
+    prompt_t_io_ms: float
+    rss_bytes: int                   # resident set size of the process now
+    decode_t_eval_ms: float = 0.0    # llama.cpp's decode time over the same tokens (0 if unknown)
+
+    @property
+    def bytes_read_per_token(self) -> float:
+        return self.decode_bytes_read / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def t_io_ms_per_token(self) -> float:
+        return self.decode_t_io_ms / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def t_route_ms_per_token(self) -> float:
+        return self.decode_t_route_ms / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def t_compute_ms_per_token(self) -> float:
+        """Decode time that is neither waiting for reads nor routing (0 if the eval time is unknown)."""
+        if not self.decode_tokens or self.decode_t_eval_ms <= 0:
+            return 0.0
+        return max(0.0, self.decode_t_eval_ms - self.decode_t_io_ms - self.decode_t_route_ms) / self.decode_tokens
+
+    def summary_dict(self) -> dict:
+        return {"residency": self.residency, "bytes_read_per_token": self.bytes_read_per_token,
+                "decode_bytes_read": self.decode_bytes_read, "decode_loads": self.decode_loads,
+                "t_io_ms_per_token": self.t_io_ms_per_token, "t_route_ms_per_token": self.t_route_ms_per_token,
+                "t_compute_ms_per_token": self.t_compute_ms_per_token, "arena_bytes": self.arena_bytes,
+                "locked": self.locked, "direct_io": self.direct_io, "rss_bytes": self.rss_bytes,
+                "prompt_bytes_read": self.prompt_bytes_read}
+
+    def summary(self) -> str:
+        mib = 2.0 ** 20
+        return (f"{self.residency}: read {self.bytes_read_per_token / mib:.2f} MiB/tok | "
+                f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
+                f"routing {self.t_route_ms_per_token:.3f} ms | rss {self.rss_bytes / mib:.0f} MiB"
+                + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
+                   if self.residency == "stream" else ""))
 
 
 @dataclass
@@ -63,6 +168,7 @@ class MoEStats:
     delta_per_layer: np.ndarray      # Delta_l used by the prior
     expert_bytes: float              # bytes of one routed expert (0 if unknown)
     lifetime: float                  # mean tokens an entry stays cached, over all layers
+    residency: Optional[ResidencyStats] = None  # I/O, time split, memory (None for a synthetic cache)
 
     # columns of a layer row for from_rows(): what struct moecache_layer_stats reports
     ROW = ("layer", "capacity", "occupancy", "tokens", "selections", "hits", "misses", "evictions",
@@ -140,6 +246,7 @@ class MoEStats:
             "layer_hit_rate_min": float(hr.min()) if hr.size else 0.0,
             "layer_hit_rate_max": float(hr.max()) if hr.size else 0.0,
             "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
+            **(self.residency.summary_dict() if self.residency else {}),
         }
 
     def summary(self) -> str:
@@ -147,6 +254,7 @@ class MoEStats:
         return (f"hit rate {100 * self.hit_rate:.1f}% | misses/token {self.misses_per_token:.2f} | "
                 f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
                 f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
+                + (f" | {self.residency.summary()}" if self.residency and self.residency.residency != "none" else "")
                 if self.tokens else "no tokens routed yet")
 
 
@@ -175,9 +283,24 @@ class MoECache:
     # --- construction ------------------------------------------------------------------------
     @staticmethod
     def _params(n_expert: int, cache: CacheConfig, routing: Routing, scope: str,
-                expert_bytes: float = 0.0, n_moe_layer: int = 0):
+                expert_bytes: float = 0.0, n_moe_layer: int = 0, model_path: Optional[str] = None,
+                n_expert_used: int = 0):
         cp = C.moecache_cache_default_params()
         cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
+        capacities = [cp.n_cached] + [int(x) for x in (cache.per_layer or []) if int(x) >= 0]
+        if model_path is not None:
+            residency = cache.residency_for(capacities, n_expert)
+            if (residency == "stream" and isinstance(cache.size, str) and n_expert_used
+                    and cp.n_cached < n_expert_used):
+                raise ConfigError(
+                    f"cache budget {cache.size} holds {cp.n_cached} experts per layer, but streaming needs at least "
+                    f"K = {n_expert_used} slots per layer ({_fmt_mib(n_expert_used * expert_bytes * n_moe_layer)}): "
+                    "raise the budget or use residency='mmap'")
+            cp.residency = RESIDENCIES[residency]
+            cp.model_path = os.fsencode(model_path)
+            cp.io_threads = cache.io_threads
+            cp.direct_io = bool(cache.direct_io)
+            cp.lock_memory = bool(cache.lock_memory)
         cp.insertion = (C.MOECACHE_INSERTION_TOP_BOTTOM if cache.insertion == "top-bottom"
                         else C.MOECACHE_INSERTION_BOTTOM_TOP)
         cp.update_on_prompt = bool(cache.update_on_prompt)
@@ -216,7 +339,8 @@ class MoECache:
     def for_model(cls, model_ptr, info: ModelInfo, *, cache: CacheConfig, routing: Union[Routing, str],
                   scope: str = "all") -> "MoECache":
         routing = _as_routing(routing)
-        cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer)
+        cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer,
+                                    model_path=info.path, n_expert_used=info.n_expert_used)
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
@@ -288,7 +412,26 @@ class MoECache:
 
     def stats(self) -> MoEStats:
         rows = [row for row, routed in map(self.layer_row, range(self.n_layer)) if routed]
-        return MoEStats.from_rows(rows, self.n_expert, self.n_expert_used, self.expert_bytes)
+        return MoEStats.from_rows(rows, self.n_expert, self.n_expert_used, self.expert_bytes,
+                                  residency=self.residency_stats())
+
+    def residency_stats(self) -> ResidencyStats:
+        """I/O, time and memory of the expert residency (all zero but rss for ``"none"``)."""
+        rs = C.moecache_residency_stats()
+        _check(C.moecache_get_residency_stats(self._h, ctypes.byref(rs)))
+        names = {v: k for k, v in RESIDENCIES.items()}
+        return ResidencyStats(residency=names.get(rs.residency, "?"), io_threads=rs.io_threads,
+                              direct_io=rs.direct_io, locked=rs.locked, arena_bytes=rs.arena_bytes,
+                              locked_bytes=rs.locked_bytes, expert_bytes=rs.expert_bytes,
+                              decode_tokens=rs.decode_tokens, decode_loads=rs.decode_loads,
+                              decode_bytes_read=rs.decode_bytes_read, decode_t_io_ms=rs.decode_t_io_ms,
+                              decode_t_route_ms=rs.decode_t_route_ms, prompt_bytes_read=rs.prompt_bytes_read,
+                              prompt_t_io_ms=rs.prompt_t_io_ms, rss_bytes=rs.rss_bytes)
+
+    def take_io_error(self) -> Optional[str]:
+        """The message of a failed expert read since the last call, or None."""
+        msg = C.moecache_take_io_error(self._h)
+        return msg.decode("utf-8", "replace") if msg else None
 
     def reset_stats(self) -> None:
         C.moecache_reset_stats(self._h)
@@ -372,13 +515,32 @@ class Llama(llama_cpp.Llama):
         info = model_info(model_path)  # clear errors for missing, non-GGUF and truncated files
         cache = cache if cache is not None else CacheConfig()
         routing = parse_routing(routing) if isinstance(routing, str) else (routing or TopK())
+        residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
-            MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes, info.n_moe_layer)
+            if cache.size == "auto":
+                n = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
+                cache = dataclasses.replace(cache, size=n)
+            cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes,
+                                              info.n_moe_layer, model_path=str(model_path),
+                                              n_expert_used=info.n_expert_used)
+            residency = {v: k for k, v in RESIDENCIES.items()}[cp.residency]
             top_j = getattr(routing, "top_j", 0)
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
-        super().__init__(model_path=str(model_path), **kwargs)
+            if residency != "none" and kwargs.get("n_gpu_layers", 0) not in (0, None):
+                raise ConfigError(f"residency '{residency}' keeps the experts on the CPU: use n_gpu_layers=0, "
+                                  "or residency='none' to offload")
+            if residency != "none" and kwargs.get("use_mmap", True) is False:
+                raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
+                                  "use_mmap must stay True")
+        # stream and mmap: the experts keep the file's layout and are not read at load time
+        C.moecache_set_load_residency(RESIDENCIES[residency])
+        try:
+            super().__init__(model_path=str(model_path), **kwargs)
+        finally:
+            C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
         self.model_info = info
+        self.cache_config = cache
         self.moecache: Optional[MoECache] = None
         if not info.is_moe:
             warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",
@@ -387,6 +549,22 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope)
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+        self._t_eval_ms0 = self._perf_eval()[0]
+
+    def _perf_eval(self) -> Tuple[float, int]:
+        """llama.cpp's (t_eval_ms, n_eval) of this context since it was made."""
+        pd = llama_cpp.llama_perf_context(self._ctx.ctx)
+        return float(pd.t_eval_ms), int(pd.n_eval)
+
+    def eval(self, tokens) -> None:
+        """``llama_cpp.Llama.eval``; a failed expert read raises :class:`MoECacheIOError` with the reason."""
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            msg = self.moecache.take_io_error() if self.moecache is not None else None
+            if msg:
+                raise MoECacheIOError(msg) from None
+            raise e
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # __init__ may have failed before llama_cpp.Llama set it up
@@ -398,11 +576,16 @@ class Llama(llama_cpp.Llama):
         return self.moecache
 
     def moe_stats(self) -> MoEStats:
-        """Hit/miss counters since load (or the last :meth:`reset_moe_stats`)."""
-        return self._require_cache().stats()
+        """Hit/miss counters since load (or the last :meth:`reset_moe_stats`), with the
+        residency's bytes read, time split per token and resident memory in ``.residency``."""
+        st = self._require_cache().stats()
+        if st.residency is not None:
+            st.residency.decode_t_eval_ms = self._perf_eval()[0] - self._t_eval_ms0
+        return st
 
     def reset_moe_stats(self) -> None:
         self._require_cache().reset_stats()
+        self._t_eval_ms0 = self._perf_eval()[0]
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:
         """Change the policy; takes effect on the next token, no reload.

@@ -39,6 +39,8 @@ class ModelInfo:
     expert_bytes: float                # bytes of one routed expert (gate+up+down) in one layer
     expert_bytes_total: int            # all routed experts of all layers
     expert_types: List[str] = field(default_factory=list)  # ggml types of the expert tensors
+    n_embd: int = 0                    # embedding width (sizes the KV cache for --cache-size auto)
+    n_ctx_train: int = 0               # context the model was trained with
 
     @property
     def is_moe(self) -> bool:
@@ -256,4 +258,6 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         expert_bytes=expert_bytes,
         expert_bytes_total=total,
         expert_types=sorted(types),
+        n_embd=int(kv(f"{arch}.embedding_length", 0) or 0),
+        n_ctx_train=int(kv(f"{arch}.context_length", 0) or 0),
     )

@@ -10,6 +10,7 @@
 #include "moecache-hook.h"
 
 #include "ggml.h"
+#include "llama.h"
 
 #include <cmath>
 #include <cstdio>
@@ -55,6 +56,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
     const bool update = decode || mc.cparams.update_on_prompt;
 
+    const int64_t t0 = decode ? moecache_time_us() : 0;
     L.n_active.resize(n_tokens);
     L.weight_from.resize(n_tokens);
     int8_t hit[MOECACHE_MAX_USED];
@@ -69,6 +71,10 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         L.n_active[t]    = n;
         L.weight_from[t] = L.swapped_from; // the replacement is the last slot: it is outside r[0:K]
+    }
+    if (decode) {
+        L.decode_tokens      += 1;
+        mc.t_route_decode_us += moecache_time_us() - t0;
     }
 }
 
@@ -114,6 +120,9 @@ void moecache_hook_graph_begin(const llama_context * lctx) {
     if (it != g_ctx.end()) {
         g_building       = it->second.mc;
         it->second.dirty = false;
+        if (g_building) {
+            moecache_residency_graph_begin(*g_building);
+        }
     }
 }
 
@@ -175,6 +184,30 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
     return out;
 }
 
+ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggml_tensor * b, ggml_tensor * ids) {
+    moecache * mc = g_building;
+    ggml_tensor * res = mc ? moecache_residency_mul_mat_id(*mc, ctx, as, b, ids) : nullptr;
+    return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
+}
+
+// --- model loading ---------------------------------------------------------------------------
+
+static thread_local int g_load_residency = MOECACHE_RESIDENCY_NONE;
+
+extern "C" void moecache_set_load_residency(enum moecache_residency residency) {
+    g_load_residency = residency;
+}
+
+void moecache_hook_model_load(llama_model_params & params) {
+    if (g_load_residency != MOECACHE_RESIDENCY_NONE) {
+        params.use_extra_bufts = false; // experts keep the file's layout (no repacking)
+    }
+}
+
+bool moecache_hook_mmap_prefetch(void) {
+    return g_load_residency == MOECACHE_RESIDENCY_NONE; // experts are read when a token needs them
+}
+
 // --- attach / detach (API in moecache.cpp; the registry lives here) ---------------------------
 
 void moecache_hook_detach(moecache * mc) {
@@ -186,6 +219,9 @@ void moecache_hook_detach(moecache * mc) {
     if (it != g_ctx.end()) {
         it->second.mc    = nullptr;
         it->second.dirty = true;
+    }
+    if (mc->cparams.residency != MOECACHE_RESIDENCY_NONE) {
+        llama_set_abort_callback(mc->ctx, nullptr, nullptr);
     }
     mc->ctx = nullptr;
 }
@@ -211,6 +247,9 @@ extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * 
     e.mc    = mc;
     e.dirty = true;
     mc->ctx = ctx;
+    if (mc->cparams.residency != MOECACHE_RESIDENCY_NONE) {
+        llama_set_abort_callback(ctx, moecache_residency_abort, mc); // a failed expert read stops the decode
+    }
     return MOECACHE_OK;
 }
 

@@ -14,6 +14,12 @@
 struct ggml_context;
 struct ggml_tensor;
 struct llama_context;
+struct llama_model_params;
+
+// Model loading (llama_model_load): with moecache_set_load_residency(MMAP or STREAM) on this
+// thread, weights are not repacked (experts keep the file layout) and the mapping is not prefetched.
+void moecache_hook_model_load(llama_model_params & params);
+bool moecache_hook_mmap_prefetch(void);
 
 bool moecache_hook_graph_reusable(const llama_context * lctx);
 void moecache_hook_graph_begin   (const llama_context * lctx);
@@ -47,3 +53,13 @@ ggml_tensor * moecache_hook_weights(
         ggml_tensor  * selected,
         int            il,
         int            gating_op);
+
+// ggml_mul_mat_id for the expert matmuls (build_lora_mm_id). For an expert tensor of a moecache
+// with MMAP or STREAM residency, the ids first pass through the layer's residency op, and STREAM
+// decode graphs read the layer's slot arena with slot ids; otherwise the stock op.
+//   as: [ne0, ne1, N] expert weights; b: activations; ids: I32 [n_expert_used, n_tokens]
+ggml_tensor * moecache_hook_mul_mat_id(
+        ggml_context * ctx,
+        ggml_tensor  * as,
+        ggml_tensor  * b,
+        ggml_tensor  * ids);

@@ -4,14 +4,28 @@
 
 #include "moecache.h"
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
+struct ggml_context;
 struct ggml_tensor;
+struct ggml_backend_buffer;
+struct moecache_io;
 
 // largest K (experts per token) the graph op handles
 #define MOECACHE_MAX_USED 64
+
+// one routed-expert weight tensor of a layer, [ne0, ne1, N]: expert e is bytes [e * nb2, (e + 1) * nb2)
+struct moecache_expert_tensor {
+    ggml_tensor * model_t  = nullptr;  // the model's tensor; its data is the file mapping
+    ggml_tensor * slots_t  = nullptr;  // STREAM: same type and rows, ne[2] = n_slots, data in the arena
+    uint64_t      file_off = 0;        // file offset of expert 0
+    size_t        nb2      = 0;        // bytes of one expert
+};
 
 // One MoE layer: its LRU cache, running Delta and counters.
 struct moecache_layer {
@@ -48,7 +62,20 @@ struct moecache_layer {
     std::vector<int32_t> order;  // r': final ranking
     std::vector<float>   boosted;
     std::vector<uint8_t> chosen;
+
+    // residency (moecache-residency.cpp): empty for NONE and for layers without routed experts
+    std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
+    size_t  expert_bytes = 0;          // bytes of one expert over all of xt
+    int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
+    std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none
+    std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
+    std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
+    std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
+    ggml_tensor * ids_in  = nullptr;   // graph build: the ids the op below was built for
+    ggml_tensor * ids_out = nullptr;   //   its output: slot ids (STREAM decode) or the ids unchanged
+    int64_t decode_tokens = 0;         // single-token ubatches routed by this layer
 };
+
 
 struct moecache {
     // model identity (for state files) and shape
@@ -68,6 +95,26 @@ struct moecache {
     // trace ring buffer
     std::vector<moecache_trace_record> trace;
     int64_t trace_total = 0; // records ever written; the newest is at (trace_total - 1) % capacity
+
+    // residency (moecache-residency.cpp)
+    std::string   path;                       // the GGUF
+    int           fd        = -1;             // buffered reads, fadvise
+    int           fd_direct = -1;             // O_DIRECT reads, or -1
+    moecache_io * io        = nullptr;        // reader threads
+    char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
+    size_t        arena_size = 0;
+    bool          arena_locked = false;
+    ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)
+    ggml_backend_buffer * slots_buf = nullptr;//   wraps the arena for the CPU backend
+    std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
+    std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
+    struct moecache_residency_stats rst = {};  // counters (rss and the fixed fields filled on read)
+    int64_t t_route_decode_us = 0;
+    int64_t t_io_decode_us    = 0;
+    int64_t t_io_prompt_us    = 0;
+    std::atomic<bool> io_failed{false};       // a read failed: the abort callback stops the graph
+    std::mutex        io_error_mutex;
+    std::string       io_error;
 };
 
 // Delta_l the prior uses now: the calibrated value, else the running mean (0 before any token)
@@ -80,6 +127,19 @@ inline double moecache_layer_delta(const moecache_layer & L) {
 
 // moecache.cpp
 void moecache_set_error(const std::string & msg);
+
+// moecache-residency.cpp
+// Finds the expert tensors of every layer in the model and the file, and sets up the slot arena
+// (STREAM) or the page locks (MMAP). Returns MOECACHE_OK or an error (message set).
+int32_t moecache_residency_init(moecache & mc, const struct llama_model * model);
+void    moecache_residency_free(moecache & mc);
+// graph build: mul_mat_id over a routed-expert tensor, through the layer's residency op;
+// nullptr when `as` is not one of the moecache's expert tensors (the caller does the stock op)
+ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
+                                            ggml_tensor * b, ggml_tensor * ids);
+void moecache_residency_graph_begin(moecache & mc);
+bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
+int64_t moecache_time_us(void);
 
 // moecache-route.cpp
 // Routes one token of layer L and updates its cache and counters.

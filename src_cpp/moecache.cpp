@@ -53,6 +53,11 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.insertion          = MOECACHE_INSERTION_TOP_BOTTOM;
     p.update_on_prompt   = true;
     p.trace_capacity     = 0;
+    p.residency          = MOECACHE_RESIDENCY_NONE;
+    p.model_path         = nullptr;
+    p.io_threads         = 4;
+    p.direct_io          = true;
+    p.lock_memory        = true;
     return p;
 }
 
@@ -180,6 +185,7 @@ static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
     mc->n_expert_used = K;
     mc->cparams       = cp;
     mc->cparams.n_cached_per_layer = nullptr; // not kept: resolved into the layers
+    mc->cparams.model_path         = nullptr; // copied into mc->path by moecache_residency_init
     mc->rparams       = rp;
     mc->layers.resize(n_layer);
     for (int32_t il = 0; il < n_layer; il++) {
@@ -223,12 +229,25 @@ struct moecache * moecache_init(const struct llama_model * model,
     llama_model_desc(model, desc, sizeof(desc));
     mc->desc     = std::string(arch) + " | " + desc;
     mc->n_params = llama_model_n_params(model);
+    mc->cparams.model_path = cparams.model_path;
+    const int32_t rc = moecache_residency_init(*mc, model);
+    mc->cparams.model_path = nullptr;
+    if (rc != MOECACHE_OK) {
+        const std::string msg = moecache_last_error();
+        moecache_free(mc);
+        moecache_set_error(msg);
+        return nullptr;
+    }
     return mc;
 }
 
 struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int32_t n_expert_used,
                                           struct moecache_cache_params cparams,
                                           struct moecache_routing_params rparams) {
+    if (cparams.residency != MOECACHE_RESIDENCY_NONE) {
+        fail(MOECACHE_ERR_INVALID, "a synthetic moecache has no model: residency must be NONE");
+        return nullptr;
+    }
     moecache * mc = make_moecache(n_layer, n_expert, n_expert_used, cparams, rparams);
     if (mc) {
         mc->desc = "synthetic";
@@ -241,6 +260,7 @@ void moecache_free(struct moecache * mc) {
         return;
     }
     moecache_hook_detach(mc);
+    moecache_residency_free(*mc);
     delete mc;
 }
 
@@ -276,6 +296,16 @@ void moecache_reset_stats(struct moecache * mc) {
         }
     }
     mc->trace_total = 0;
+    const moecache_residency_stats keep = mc->rst;
+    mc->rst = {};
+    mc->rst.arena_bytes  = keep.arena_bytes;
+    mc->rst.expert_bytes = keep.expert_bytes;
+    mc->t_route_decode_us = 0;
+    mc->t_io_decode_us    = 0;
+    mc->t_io_prompt_us    = 0;
+    for (moecache_layer & L : mc->layers) {
+        L.decode_tokens = 0;
+    }
 }
 
 void moecache_clear(struct moecache * mc) {

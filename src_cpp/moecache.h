@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 2
+#define MOECACHE_ABI_VERSION 3
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -63,6 +63,7 @@ enum moecache_status {
     MOECACHE_ERR_IO          = -3, // a state file could not be read or written
     MOECACHE_ERR_MISMATCH    = -4, // a state file belongs to another model
     MOECACHE_ERR_STATE       = -5, // call not allowed now (e.g. attached to another context)
+    MOECACHE_ERR_RESIDENCY   = -6, // the model's experts cannot be streamed or locked (layout, backend, file)
 };
 
 enum moecache_policy {
@@ -85,6 +86,18 @@ enum moecache_insertion {
 enum moecache_scope {
     MOECACHE_SCOPE_ALL    = 0, // the policy routes every token (evaluation, perplexity)
     MOECACHE_SCOPE_DECODE = 1, // only ubatches of one token (generation); prompts use stock top-k
+};
+
+// Where the routed experts' weights live (moecache-residency.cpp). The hits and misses are the
+// same in every mode; what a miss costs is not.
+enum moecache_residency {
+    MOECACHE_RESIDENCY_NONE   = 0, // counters only: every expert stays where llama.cpp put it
+    MOECACHE_RESIDENCY_MMAP   = 1, // experts stay mmapped; cached ones are mlocked, evicted ones unlocked
+                                   //   and their pages dropped (the published deployment, a baseline)
+    MOECACHE_RESIDENCY_STREAM = 2, // cached experts live in a per-layer slot arena (mlocked); a decode miss
+                                   //   reads the expert's bytes from the GGUF into its slot (direct I/O,
+                                   //   parallel reads); prompts read experts through the mapping, one layer
+                                   //   at a time, and copy the ones that stay cached into their slots
 };
 
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
@@ -111,6 +124,13 @@ struct moecache_cache_params {
     enum moecache_insertion insertion; // default MOECACHE_INSERTION_TOP_BOTTOM
     bool    update_on_prompt;     // prompt ubatches (> 1 token) update the cache and counters; default true
     int32_t trace_capacity;       // per-token trace records kept, newest win (ring buffer); 0 = off; default 0
+    // residency (MMAP and STREAM need the model loaded after moecache_set_load_residency, see below)
+    enum moecache_residency residency; // default MOECACHE_RESIDENCY_NONE
+    const char * model_path;      // the single-file GGUF the model was loaded from (MMAP, STREAM); copied; default NULL
+    int32_t io_threads;           // reads (or page locks) in flight at once on a miss, >= 1; default 4
+    bool    direct_io;            // STREAM: O_DIRECT reads where the OS and file system allow; default true
+    bool    lock_memory;          // mlock the slot arena (STREAM) or the cached experts (MMAP); refused:
+                                  //   one warning on stderr and the run goes on unlocked; default true
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -134,6 +154,25 @@ struct moecache_stats {
     int32_t n_layer;              // layers of the model
     int32_t n_moe_layer;          // layers that routed at least one token through the moecache
     struct moecache_layer_stats total; // sums over MoE layers (n_expert, capacity: of the first one)
+};
+
+// What the residency costs, summed since init (or moecache_reset_stats). Times in milliseconds.
+struct moecache_residency_stats {
+    enum moecache_residency residency;
+    int32_t io_threads;           // reads in flight at most
+    bool    direct_io;            // STREAM reads bypass the page cache (O_DIRECT / F_NOCACHE)
+    bool    locked;               // the arena (STREAM) or the cached experts (MMAP) are mlocked
+    int64_t arena_bytes;          // STREAM: bytes of all slot arenas (n_slots x bytes of one expert, per layer)
+    int64_t locked_bytes;         // bytes mlocked now
+    int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer)
+    int64_t decode_tokens;        // single-token ubatches routed
+    int64_t decode_loads;         // experts read from storage during those
+    int64_t decode_bytes_read;    // bytes read from storage during those
+    double  decode_t_io_ms;       // time the decode graph waited for expert reads
+    double  decode_t_route_ms;    // time spent in the routing decision (decode)
+    int64_t prompt_bytes_read;    // bytes of experts read through the mapping by prompt ubatches
+    double  prompt_t_io_ms;       // time prompt ubatches spent filling slots / locking pages
+    int64_t rss_bytes;            // resident set size of the process now (0 where unknown)
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis
@@ -160,6 +199,11 @@ MOECACHE_API struct moecache * moecache_init(
         struct moecache_cache_params         cparams,
         struct moecache_routing_params       rparams);
 
+// Models loaded by this thread from now on are prepared for `residency`: MMAP and STREAM turn
+// off the mmap prefetch (experts are not read at load time) and weight repacking (experts keep
+// the file's layout, which the slots are read in). NONE (the default) restores stock loading.
+MOECACHE_API void moecache_set_load_residency(enum moecache_residency residency);
+
 // Detaches (if attached) and frees.
 MOECACHE_API void moecache_free(struct moecache * mc);
 
@@ -185,6 +229,13 @@ MOECACHE_API int32_t moecache_get_layer_stats(const struct moecache * mc, int32_
 
 // Experts cached in layer il, least recently used first. Returns how many (<= cap are written).
 MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
+
+MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out);
+
+// A failed or short expert read (file truncated, unreadable) stops the llama_decode that needed
+// it (it returns 2, "aborted", and its output is not used); the expert is read again next time.
+// Returns that error's message and clears it, or NULL if there was none.
+MOECACHE_API const char * moecache_take_io_error(struct moecache * mc);
 
 // Copies up to cap trace records, oldest first; returns how many. Records are not consumed.
 MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap);

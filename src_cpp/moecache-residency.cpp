@@ -1,0 +1,856 @@
+// moecache-residency.cpp - where the routed experts' bytes live (moecache.h, enum moecache_residency).
+//
+// STREAM: each MoE layer owns a slot arena per expert tensor, [ne0, ne1, n_slots], in one
+// anonymous mapping that is mlocked. The layer's mul_mat_id calls read the slots instead of the
+// model's tensors: during the graph build, moecache_residency_mul_mat_id puts one op in front of
+// them (op_experts) that turns expert ids into slot ids. At compute time, for a one-token ubatch,
+// that op reads every selected or cached expert that no slot holds yet from the GGUF, with direct
+// I/O and several reads in flight (moecache_io), then writes the slot ids. Prompt ubatches touch
+// almost every expert: they read the model's mmapped tensors as stock llama.cpp does, copy the
+// experts that stay cached into their slots, and drop each layer's pages once the next layer runs,
+// so at most one layer of experts is mapped in at a time.
+//
+// MMAP: the matmuls read the model's mapping; op_experts locks the pages of the cached experts
+// and unlocks and drops the pages of the evicted ones (and of experts run without being cached).
+//
+// The logical cache (moecache-route.cpp) decides hits and misses; this file only makes memory
+// follow it: after a layer's op, every cached expert is in a slot (or locked).
+
+#include "moecache-impl.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "gguf.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MOECACHE_IO_ALIGN 4096 // O_DIRECT: offset, length and buffer aligned to this
+
+int64_t moecache_time_us(void) {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static size_t page_size() {
+    static const size_t ps = (size_t) sysconf(_SC_PAGESIZE);
+    return ps;
+}
+
+static size_t round_up(size_t x, size_t a) {
+    return (x + a - 1) / a * a;
+}
+
+// --- reader threads --------------------------------------------------------------------------
+
+enum moecache_io_kind {
+    MOECACHE_IO_READ = 0, // pread the file range [off, off + len) into dst
+    MOECACHE_IO_COPY = 1, // memcpy len bytes from the mapping at src into dst
+    MOECACHE_IO_LOCK = 2, // mlock (or fault in) the mapping at src, len bytes
+};
+
+struct moecache_io_job {
+    moecache_io_kind kind;
+    char *       dst;
+    const char * src;
+    uint64_t     off;
+    size_t       len;
+    int32_t      il, e;     // for messages and bookkeeping
+    int          err;       // out: 0, an errno, or -1 for a short read
+    size_t       got;       // out: bytes read
+    size_t       bytes_io;  // out: bytes requested from storage (aligned window for O_DIRECT)
+};
+
+struct moecache_io {
+    std::vector<std::thread> workers;
+    std::mutex               mu;
+    std::condition_variable  cv_work;
+    std::condition_variable  cv_done;
+    moecache_io_job * jobs   = nullptr;
+    size_t            n_jobs = 0;
+    size_t            next   = 0;
+    size_t            n_done = 0;
+    bool              stop   = false;
+    int               fd        = -1;
+    int               fd_direct = -1;
+    bool              lock      = true;
+    std::atomic<bool> lock_failed{false};
+};
+
+static void io_read(moecache_io & io, moecache_io_job & j) {
+    j.err = 0;
+    j.got = 0;
+    const bool direct = io.fd_direct >= 0;
+    if (!direct || (j.off % MOECACHE_IO_ALIGN == 0 && j.len % MOECACHE_IO_ALIGN == 0 &&
+                    (uintptr_t) j.dst % MOECACHE_IO_ALIGN == 0)) {
+        const int fd = direct ? io.fd_direct : io.fd;
+        while (j.got < j.len) {
+            const ssize_t n = pread(fd, j.dst + j.got, j.len - j.got, (off_t) (j.off + j.got));
+            if (n < 0 && errno == EINTR) {
+                continue;
+            }
+            if (n <= 0) {
+                j.err = n < 0 ? errno : -1;
+                break;
+            }
+            j.got += (size_t) n;
+        }
+        j.bytes_io = j.len;
+#ifdef __linux__
+        if (!direct) {
+            posix_fadvise(io.fd, (off_t) j.off, (off_t) j.len, POSIX_FADV_DONTNEED); // the slot is the only copy
+        }
+#endif
+        return;
+    }
+    // unaligned expert: read the aligned window around it into a bounce buffer of this thread
+    static thread_local std::vector<char> bounce_mem;
+    const uint64_t a0   = j.off / MOECACHE_IO_ALIGN * MOECACHE_IO_ALIGN;
+    const size_t   head = (size_t) (j.off - a0);
+    const size_t   win  = round_up(head + j.len, MOECACHE_IO_ALIGN);
+    if (bounce_mem.size() < win + MOECACHE_IO_ALIGN) {
+        bounce_mem.resize(win + MOECACHE_IO_ALIGN);
+    }
+    char * bounce = (char *) round_up((uintptr_t) bounce_mem.data(), MOECACHE_IO_ALIGN);
+    size_t got = 0;
+    while (got < win) {
+        const ssize_t n = pread(io.fd_direct, bounce + got, win - got, (off_t) (a0 + got));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0) {
+            j.err = errno;
+            break;
+        }
+        if (n == 0) {
+            break; // end of file: fine if the expert ended before it
+        }
+        got += (size_t) n;
+    }
+    j.bytes_io = win;
+    if (j.err == 0 && got < head + j.len) {
+        j.err = -1;
+    }
+    if (j.err == 0) {
+        memcpy(j.dst, bounce + head, j.len);
+        j.got = j.len;
+    } else {
+        j.got = got > head ? std::min(got - head, j.len) : 0;
+    }
+}
+
+static void io_lock(moecache_io & io, moecache_io_job & j) {
+    j.err = 0;
+    j.bytes_io = j.len;
+    if (io.lock && !io.lock_failed.load(std::memory_order_relaxed)) {
+        if (mlock(j.src, j.len) == 0) {
+            return;
+        }
+        io.lock_failed.store(true); // warned once by the caller; the pages are faulted in below
+    }
+    // not locked: read every page once so the expert is in memory, as a locked one would be
+    const size_t ps = page_size();
+    volatile char sink = 0;
+    for (size_t i = 0; i < j.len; i += ps) {
+        sink = sink + j.src[i];
+    }
+    if (j.len > 0) {
+        sink = sink + j.src[j.len - 1];
+    }
+    (void) sink;
+}
+
+static void io_run_job(moecache_io & io, moecache_io_job & j) {
+    switch (j.kind) {
+        case MOECACHE_IO_READ: io_read(io, j); break;
+        case MOECACHE_IO_COPY: memcpy(j.dst, j.src, j.len); j.err = 0; j.got = j.len; j.bytes_io = j.len; break;
+        case MOECACHE_IO_LOCK: io_lock(io, j); break;
+    }
+}
+
+static void io_worker(moecache_io * io) {
+    std::unique_lock<std::mutex> lock(io->mu);
+    while (true) {
+        io->cv_work.wait(lock, [io] { return io->stop || io->next < io->n_jobs; });
+        if (io->stop) {
+            return;
+        }
+        moecache_io_job & j = io->jobs[io->next++];
+        lock.unlock();
+        io_run_job(*io, j);
+        lock.lock();
+        if (++io->n_done == io->n_jobs) {
+            io->cv_done.notify_all();
+        }
+    }
+}
+
+// runs the jobs on the reader threads and waits for all of them
+static void io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
+    if (jobs.empty()) {
+        return;
+    }
+    if (jobs.size() == 1 || io.workers.empty()) {
+        for (moecache_io_job & j : jobs) {
+            io_run_job(io, j);
+        }
+        return;
+    }
+    std::unique_lock<std::mutex> lock(io.mu);
+    io.jobs   = jobs.data();
+    io.n_jobs = jobs.size();
+    io.next   = 0;
+    io.n_done = 0;
+    io.cv_work.notify_all();
+    io.cv_done.wait(lock, [&io] { return io.n_done == io.n_jobs; });
+    io.jobs   = nullptr;
+    io.n_jobs = 0;
+    io.next   = 0;
+}
+
+// --- errors ----------------------------------------------------------------------------------
+
+static void warn_mlock_once(size_t bytes) {
+    static std::once_flag once;
+    std::call_once(once, [bytes] {
+        struct rlimit rl = {};
+        getrlimit(RLIMIT_MEMLOCK, &rl);
+        char lim[64];
+        if (rl.rlim_cur == RLIM_INFINITY) {
+            snprintf(lim, sizeof(lim), "unlimited");
+        } else {
+            snprintf(lim, sizeof(lim), "%.1f MiB", (double) rl.rlim_cur / (1 << 20));
+        }
+        fprintf(stderr,
+                "moecache: warning: mlock of the expert cache (%.1f MiB) was refused (%s; RLIMIT_MEMLOCK = %s). "
+                "The run goes on unlocked, so the OS may page the cache out. Fix: raise the limit "
+                "(`ulimit -l unlimited`, or memlock in /etc/security/limits.conf), or turn locking off "
+                "(lock_memory=False, --no-mlock) to silence this.\n",
+                (double) bytes / (1 << 20), strerror(errno), lim);
+    });
+}
+
+static void set_io_error(moecache & mc, const std::string & msg) {
+    std::lock_guard<std::mutex> lock(mc.io_error_mutex);
+    if (!mc.io_failed.load()) {
+        mc.io_error = msg;
+        mc.io_failed.store(true);
+    }
+}
+
+bool moecache_residency_abort(void * data) {
+    return ((moecache *) data)->io_failed.load(std::memory_order_relaxed);
+}
+
+// the mapping of a truncated file raises SIGBUS: check the file still covers `end` before touching it
+static bool file_covers(moecache & mc, uint64_t end) {
+    struct stat st;
+    if (fstat(mc.fd, &st) != 0) {
+        set_io_error(mc, "model file '" + mc.path + "' cannot be read any more: " + strerror(errno));
+        return false;
+    }
+    if ((uint64_t) st.st_size < end) {
+        set_io_error(mc, "model file '" + mc.path + "' was truncated to " + std::to_string((long long) st.st_size) +
+                         " bytes while in use (the experts need " + std::to_string((unsigned long long) end) + ")");
+        return false;
+    }
+    return true;
+}
+
+// --- page bookkeeping of the mapping ---------------------------------------------------------
+
+// pages that lie entirely inside expert e's bytes of tensor x (neighbours are never touched)
+static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, size_t * len) {
+    const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
+    const uintptr_t p0 = round_up(b0, page_size());
+    const uintptr_t p1 = (b0 + x.nb2) / page_size() * page_size();
+    if (p1 <= p0) {
+        return false;
+    }
+    *a   = (char *) p0;
+    *len = p1 - p0;
+    return true;
+}
+
+// drop expert e's pages from this process and from the page cache
+static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unlock) {
+    for (const moecache_expert_tensor & x : L.xt) {
+        char * a;
+        size_t len;
+        if (!inner_pages(x, e, &a, &len)) {
+            continue;
+        }
+        if (unlock) {
+            munlock(a, len);
+        }
+        madvise(a, len, MADV_DONTNEED);
+#ifdef __linux__
+        const uint64_t off = x.file_off + (uint64_t) ((uintptr_t) a - (uintptr_t) x.model_t->data);
+        posix_fadvise(mc.fd, (off_t) off, (off_t) len, POSIX_FADV_DONTNEED);
+#endif
+    }
+}
+
+static void drop_pending(moecache & mc) {
+    for (const auto & le : mc.drop_pending) {
+        moecache_layer & L = mc.layers[le.first];
+        const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.locked[le.second];
+        if (!keep) {
+            drop_expert(mc, L, le.second, false);
+        }
+    }
+    mc.drop_pending.clear();
+}
+
+// --- the op ----------------------------------------------------------------------------------
+
+// STREAM, one token: every expert that is cached or selected ends in a slot; dst = slot ids
+static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+    const int32_t N = mc.n_expert;
+    for (int32_t e = 0; e < N; e++) {
+        L.keep[e] = L.last_use[e] >= 0;
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        L.keep[ids[i]] = 1;
+    }
+    std::vector<moecache_io_job> jobs;
+    int32_t cursor = 0;
+    for (int32_t e = 0; e < N; e++) {
+        if (!L.keep[e]) {
+            continue;
+        }
+        const int32_t s0 = L.expert_slot[e];
+        if (s0 >= 0 && L.slot_expert[s0] == e) {
+            continue;
+        }
+        // a slot that holds nothing we keep; there is one, as |cached + selected| <= max(capacity, K)
+        int32_t s = -1;
+        for (; cursor < L.n_slots; cursor++) {
+            const int32_t held = L.slot_expert[cursor];
+            if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
+                s = cursor++;
+                break;
+            }
+        }
+        if (s < 0) {
+            set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
+            break;
+        }
+        L.slot_expert[s] = e;
+        L.expert_slot[e] = s;
+        for (const moecache_expert_tensor & x : L.xt) {
+            moecache_io_job j = {};
+            j.kind = MOECACHE_IO_READ;
+            j.dst  = (char *) x.slots_t->data + (size_t) s * x.nb2;
+            j.off  = x.file_off + (uint64_t) e * x.nb2;
+            j.len  = x.nb2;
+            j.il   = L.il;
+            j.e    = e;
+            jobs.push_back(j);
+        }
+    }
+    io_run(*mc.io, jobs);
+    int64_t loads = 0;
+    int32_t last_e = -1;
+    for (const moecache_io_job & j : jobs) {
+        mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
+        if (j.e != last_e) {
+            loads++;
+            last_e = j.e;
+        }
+        if (j.err != 0) {
+            L.slot_expert[L.expert_slot[j.e]] = -1; // a bad read is never used as weights
+            char buf[512];
+            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
+                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
+                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
+            set_io_error(mc, buf);
+        }
+    }
+    mc.rst.decode_loads += loads;
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int32_t s = L.expert_slot[ids[i]];
+        out[i] = s >= 0 && s < L.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
+    }
+}
+
+// STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
+static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
+    const int32_t N = mc.n_expert;
+    std::fill(L.keep.begin(), L.keep.end(), 0);
+    for (int64_t i = 0; i < n_ids; i++) {
+        L.keep[ids[i]] = 1; // run by this ubatch: read through the mapping
+    }
+    std::vector<moecache_io_job> jobs;
+    int32_t cursor = 0;
+    for (int32_t e = 0; e < N; e++) {
+        if (L.last_use[e] < 0) {
+            continue;
+        }
+        const int32_t s0 = L.expert_slot[e];
+        if (s0 >= 0 && L.slot_expert[s0] == e) {
+            continue;
+        }
+        int32_t s = -1;
+        for (; cursor < L.n_slots; cursor++) {
+            const int32_t held = L.slot_expert[cursor];
+            if (held < 0 || L.last_use[held] < 0 || L.expert_slot[held] != cursor) {
+                s = cursor++;
+                break;
+            }
+        }
+        if (s < 0) {
+            break;
+        }
+        L.slot_expert[s] = e;
+        L.expert_slot[e] = s;
+        for (const moecache_expert_tensor & x : L.xt) {
+            moecache_io_job j = {};
+            j.kind = MOECACHE_IO_COPY;
+            j.dst  = (char *) x.slots_t->data + (size_t) s * x.nb2;
+            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+            j.len  = x.nb2;
+            j.il   = L.il;
+            j.e    = e;
+            jobs.push_back(j);
+        }
+        L.keep[e] = 1;
+    }
+    io_run(*mc.io, jobs);
+    for (int32_t e = 0; e < N; e++) {
+        if (L.keep[e]) {
+            mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
+            mc.drop_pending.emplace_back(L.il, e);
+        }
+    }
+}
+
+// MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
+static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
+    const int32_t N = mc.n_expert;
+    std::vector<moecache_io_job> jobs;
+    for (int32_t e = 0; e < N; e++) {
+        const bool want = L.last_use[e] >= 0;
+        if (want && !L.locked[e]) {
+            for (const moecache_expert_tensor & x : L.xt) {
+                moecache_io_job j = {};
+                j.kind = MOECACHE_IO_LOCK;
+                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+                j.len  = x.nb2;
+                j.il   = L.il;
+                j.e    = e;
+                jobs.push_back(j);
+            }
+            L.locked[e] = 1;
+        } else if (!want && L.locked[e]) {
+            drop_expert(mc, L, e, true);
+            L.locked[e] = 0;
+        }
+    }
+    io_run(*mc.io, jobs);
+    int64_t bytes = 0;
+    for (const moecache_io_job & j : jobs) {
+        bytes += (int64_t) j.bytes_io;
+    }
+    std::fill(L.keep.begin(), L.keep.end(), 0);
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int32_t e = ids[i];
+        if (!L.locked[e] && !L.keep[e]) {
+            L.keep[e] = 1;
+            bytes += (int64_t) L.expert_bytes; // faulted in by the matmul
+            mc.drop_pending.emplace_back(L.il, e);
+        }
+    }
+    if (decode) {
+        mc.rst.decode_bytes_read += bytes;
+        mc.rst.decode_loads      += (int64_t) (jobs.size() / std::max<size_t>(1, L.xt.size()));
+    } else {
+        mc.rst.prompt_bytes_read += bytes;
+    }
+}
+
+// dst: I32 [K, n_tokens]; src[0]: the selected expert ids of the same shape
+static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    moecache_layer & L  = *(moecache_layer *) userdata;
+    moecache       & mc = *L.mc;
+    const ggml_tensor * src = dst->src[0];
+    const int64_t n_ids = ggml_nelements(dst);
+    const int32_t * ids = (const int32_t *) src->data;
+    int32_t * out = (int32_t *) dst->data;
+    memcpy(out, ids, n_ids * sizeof(int32_t));
+    if (mc.io_failed.load()) {
+        return; // the graph is being stopped
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        if (ids[i] < 0 || ids[i] >= mc.n_expert) {
+            set_io_error(mc, "internal error: expert id out of range in layer " + std::to_string(L.il));
+            return;
+        }
+    }
+    const int64_t t0 = moecache_time_us();
+    drop_pending(mc);
+    const bool decode = dst->ne[1] == 1;
+    const bool stream = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
+    if (stream && decode) {
+        stream_decode(mc, L, ids, out, n_ids);
+    } else {
+        uint64_t end = 0;
+        for (const moecache_expert_tensor & x : L.xt) {
+            end = std::max<uint64_t>(end, x.file_off + (uint64_t) x.nb2 * mc.n_expert);
+        }
+        if (file_covers(mc, end)) {
+            if (stream) {
+                stream_prompt(mc, L, ids, n_ids);
+            } else {
+                mmap_sync(mc, L, ids, n_ids, decode);
+            }
+        }
+    }
+    if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
+        warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size());
+    }
+    (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
+}
+
+// --- graph build -----------------------------------------------------------------------------
+
+void moecache_residency_graph_begin(moecache & mc) {
+    for (moecache_layer & L : mc.layers) {
+        L.ids_in  = nullptr;
+        L.ids_out = nullptr;
+    }
+}
+
+ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
+                                            ggml_tensor * b, ggml_tensor * ids) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_NONE) {
+        return nullptr;
+    }
+    auto it = mc.xt_layer.find(as);
+    if (it == mc.xt_layer.end() || ids->type != GGML_TYPE_I32) {
+        return nullptr;
+    }
+    moecache_layer & L = mc.layers[it->second];
+    if (L.ids_in != ids) {
+        L.ids_in  = ids;
+        L.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
+        ggml_format_name(L.ids_out, "moecache_experts-%d", L.il);
+    }
+    ggml_tensor * w = as;
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && ids->ne[1] == 1) {
+        for (const moecache_expert_tensor & x : L.xt) {
+            if (x.model_t == as) {
+                w = x.slots_t;
+            }
+        }
+    }
+    return ggml_mul_mat_id(ctx, w, b, L.ids_out);
+}
+
+// --- setup -----------------------------------------------------------------------------------
+
+static int32_t fail_residency(const std::string & msg) {
+    moecache_set_error(msg);
+    return MOECACHE_ERR_RESIDENCY;
+}
+
+// "blk.12.ffn_up_exps.weight" -> 12 (the routed-expert weight tensors of llama.cpp's archs)
+static int32_t expert_tensor_layer(const std::string & name) {
+    static const char * kinds[] = { "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+                                    "ffn_gate_up_exps.weight" };
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) != 1 || n <= 0) {
+        return -1;
+    }
+    const std::string rest = name.substr(n);
+    for (const char * k : kinds) {
+        if (rest == k) {
+            return il;
+        }
+    }
+    return -1;
+}
+
+int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
+    const moecache_cache_params & cp = mc.cparams;
+    const char * names[] = { "none", "mmap", "stream" };
+    if (cp.residency == MOECACHE_RESIDENCY_NONE) {
+        return MOECACHE_OK;
+    }
+    if (cp.residency != MOECACHE_RESIDENCY_MMAP && cp.residency != MOECACHE_RESIDENCY_STREAM) {
+        return fail_residency("unknown residency " + std::to_string((int) cp.residency));
+    }
+    if (cp.io_threads < 1 || cp.io_threads > 64) {
+        return fail_residency("io_threads = " + std::to_string(cp.io_threads) + " must be in [1, 64]");
+    }
+    const std::string mode = names[cp.residency];
+    if (!cp.model_path || !cp.model_path[0]) {
+        return fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
+    }
+    mc.path = cp.model_path;
+    mc.fd = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (mc.fd < 0) {
+        return fail_residency("cannot open '" + mc.path + "': " + strerror(errno));
+    }
+    struct gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * gg = gguf_init_from_file(mc.path.c_str(), gp);
+    if (!gg) {
+        return fail_residency("'" + mc.path + "' is not a readable GGUF file");
+    }
+    struct stat st;
+    fstat(mc.fd, &st);
+    const size_t data_off = gguf_get_data_offset(gg);
+    std::string err;
+    for (const auto & nt : llama_internal_get_tensor_map(model)) {
+        const int32_t il = expert_tensor_layer(nt.first);
+        if (il < 0) {
+            continue;
+        }
+        ggml_tensor * t = nt.second;
+        char where[512];
+        if (il >= mc.n_layer || t->ne[2] != mc.n_expert || ggml_n_dims(t) != 3) {
+            snprintf(where, sizeof(where), "tensor %s has %lld experts, the model routes over %d", nt.first.c_str(),
+                     (long long) t->ne[2], mc.n_expert);
+            err = where;
+            break;
+        }
+        const int64_t id = gguf_find_tensor(gg, nt.first.c_str());
+        if (id < 0) {
+            err = "tensor " + nt.first + " is not in '" + mc.path + "' (a split GGUF, or another file?): " + mode +
+                  " residency needs the single GGUF file the model was loaded from";
+            break;
+        }
+        if (gguf_get_tensor_type(gg, id) != t->type || !ggml_is_contiguous(t)) {
+            err = "tensor " + nt.first + " is not stored as in the file (type or layout differs)";
+            break;
+        }
+        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr ||
+            strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") != 0) {
+            err = "the experts of layer " + std::to_string(il) + " are not memory-mapped from the file in its layout (" +
+                  (t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "no buffer") +
+                  "): " + mode + " residency needs the model loaded with mmap, on the CPU (n_gpu_layers = 0), "
+                  "after moecache_set_load_residency (pymoecache.Llama does this)";
+            break;
+        }
+        moecache_expert_tensor x;
+        x.model_t  = t;
+        x.file_off = data_off + gguf_get_tensor_offset(gg, id);
+        x.nb2      = t->nb[2];
+        if (x.file_off + (uint64_t) x.nb2 * mc.n_expert > (uint64_t) st.st_size) {
+            err = "'" + mc.path + "' is truncated: tensor " + nt.first + " ends past the end of the file";
+            break;
+        }
+        moecache_layer & L = mc.layers[il];
+        L.xt.push_back(x);
+        L.expert_bytes += x.nb2;
+        mc.xt_layer[t] = il;
+    }
+    gguf_free(gg);
+    if (!err.empty()) {
+        return fail_residency(err);
+    }
+    if (mc.xt_layer.empty()) {
+        return fail_residency("no routed-expert tensors (blk.N.ffn_{gate,up,down,gate_up}_exps) found in the model");
+    }
+
+    mc.io = new moecache_io();
+    mc.io->fd   = mc.fd;
+    mc.io->lock = cp.lock_memory;
+    if (cp.residency == MOECACHE_RESIDENCY_STREAM && cp.direct_io) {
+#if defined(O_DIRECT)
+        mc.fd_direct = open(mc.path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+#elif defined(__APPLE__)
+        mc.fd_direct = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (mc.fd_direct >= 0) {
+            fcntl(mc.fd_direct, F_NOCACHE, 1); // no alignment rules on macOS
+        }
+#endif
+        // (a file system without O_DIRECT, e.g. tmpfs: buffered reads, then the pages are dropped)
+    }
+    mc.io->fd_direct = mc.fd_direct;
+    for (int32_t i = 0; i < cp.io_threads; i++) {
+        mc.io->workers.emplace_back(io_worker, mc.io);
+    }
+
+    for (moecache_layer & L : mc.layers) {
+        if (L.xt.empty()) {
+            continue;
+        }
+        L.keep.assign(mc.n_expert, 0);
+        L.locked.assign(mc.n_expert, 0);
+        if (mc.rst.expert_bytes == 0) {
+            mc.rst.expert_bytes = (int64_t) L.expert_bytes;
+        }
+    }
+    if (cp.residency == MOECACHE_RESIDENCY_MMAP) {
+        return MOECACHE_OK;
+    }
+
+    // STREAM: one anonymous mapping for all slots, every tensor's region page-aligned
+    size_t total = 0;
+    int32_t n_xt = 0;
+    for (moecache_layer & L : mc.layers) {
+        if (L.xt.empty()) {
+            continue;
+        }
+        L.n_slots = std::max(L.capacity, mc.n_expert_used);
+        for (const moecache_expert_tensor & x : L.xt) {
+            total += round_up((size_t) L.n_slots * x.nb2, page_size());
+            n_xt++;
+        }
+        L.slot_expert.assign(L.n_slots, -1);
+        L.expert_slot.assign(mc.n_expert, -1);
+    }
+    void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (arena == MAP_FAILED) {
+        char buf[128];
+        snprintf(buf, sizeof(buf), "cannot reserve %.1f MiB for the expert slots: ", (double) total / (1 << 20));
+        return fail_residency(buf + std::string(strerror(errno)));
+    }
+    mc.arena      = (char *) arena;
+    mc.arena_size = total;
+    if (cp.lock_memory) {
+        if (mlock(mc.arena, total) == 0) {
+            mc.arena_locked = true;
+        } else {
+            warn_mlock_once(total);
+        }
+    }
+    struct ggml_init_params ip = { (size_t) (n_xt + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
+    mc.slots_ctx = ggml_init(ip);
+    mc.slots_buf = ggml_backend_cpu_buffer_from_ptr(mc.arena, total);
+    ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * p = mc.arena;
+    for (moecache_layer & L : mc.layers) {
+        for (moecache_expert_tensor & x : L.xt) {
+            const ggml_tensor * t = x.model_t;
+            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.n_slots);
+            ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
+            if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
+                return fail_residency(std::string("cannot place the slots of ") + t->name);
+            }
+            p += round_up((size_t) L.n_slots * x.nb2, page_size());
+        }
+    }
+    mc.rst.arena_bytes = (int64_t) total;
+    return MOECACHE_OK;
+}
+
+void moecache_residency_free(moecache & mc) {
+    if (mc.io) {
+        {
+            std::lock_guard<std::mutex> lock(mc.io->mu);
+            mc.io->stop = true;
+        }
+        mc.io->cv_work.notify_all();
+        for (std::thread & t : mc.io->workers) {
+            t.join();
+        }
+    }
+    if (mc.fd >= 0 && !mc.layers.empty()) {
+        drop_pending(mc);
+        for (moecache_layer & L : mc.layers) {
+            for (int32_t e = 0; e < (int32_t) L.locked.size(); e++) {
+                if (L.locked[e]) {
+                    drop_expert(mc, L, e, true);
+                }
+            }
+        }
+    }
+    delete mc.io;
+    mc.io = nullptr;
+    if (mc.slots_buf) {
+        ggml_backend_buffer_free(mc.slots_buf);
+        mc.slots_buf = nullptr;
+    }
+    if (mc.slots_ctx) {
+        ggml_free(mc.slots_ctx);
+        mc.slots_ctx = nullptr;
+    }
+    if (mc.arena) {
+        munmap(mc.arena, mc.arena_size);
+        mc.arena = nullptr;
+    }
+    if (mc.fd_direct >= 0) {
+        close(mc.fd_direct);
+        mc.fd_direct = -1;
+    }
+    if (mc.fd >= 0) {
+        close(mc.fd);
+        mc.fd = -1;
+    }
+}
+
+static int64_t rss_bytes() {
+#ifdef __linux__
+    FILE * f = fopen("/proc/self/statm", "r");
+    if (!f) {
+        return 0;
+    }
+    long long pages_total = 0, pages_rss = 0;
+    const int n = fscanf(f, "%lld %lld", &pages_total, &pages_rss);
+    fclose(f);
+    return n == 2 ? (int64_t) pages_rss * (int64_t) page_size() : 0;
+#else
+    return 0;
+#endif
+}
+
+extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out) {
+    if (!mc || !out) {
+        moecache_set_error("moecache_get_residency_stats: NULL argument");
+        return MOECACHE_ERR_INVALID;
+    }
+    *out = mc->rst;
+    out->residency  = mc->cparams.residency;
+    out->io_threads = mc->io ? (int32_t) mc->io->workers.size() : 0;
+    out->direct_io  = mc->fd_direct >= 0;
+    out->locked     = mc->cparams.lock_memory &&
+                      (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc->arena_locked
+                                                                          : (mc->io && !mc->io->lock_failed.load()));
+    out->decode_t_io_ms    = (double) mc->t_io_decode_us / 1000.0;
+    out->decode_t_route_ms = (double) mc->t_route_decode_us / 1000.0;
+    out->prompt_t_io_ms    = (double) mc->t_io_prompt_us / 1000.0;
+    int64_t decode_tokens = 0;
+    int64_t locked = 0;
+    for (const moecache_layer & L : mc->layers) {
+        decode_tokens = std::max(decode_tokens, L.decode_tokens);
+        for (uint8_t l : L.locked) {
+            locked += l ? (int64_t) L.expert_bytes : 0;
+        }
+    }
+    out->decode_tokens = decode_tokens;
+    out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
+    out->rss_bytes     = rss_bytes();
+    return MOECACHE_OK;
+}
+
+extern "C" const char * moecache_take_io_error(struct moecache * mc) {
+    static thread_local std::string msg;
+    if (!mc || !mc->io_failed.load()) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mc->io_error_mutex);
+    msg = mc->io_error;
+    mc->io_error.clear();
+    mc->io_failed.store(false);
+    return msg.c_str();
+}
