@@ -12,7 +12,7 @@ Prior(strength=0.5, top_j=1)
 from . import _moecache_cpp as _C  # loads our libllama through llama_cpp (raises ImportError if it can't)
 from .config import (CacheConfig, ConfigError, CumsumThreshold, DropRank, MaxRank, Prior, Prune, SwapRank, TopK,
                      parse_cache_size, parse_routing)
-from .llama import Llama, MoECache, MoECacheError, MoEStats
+from .llama import Llama, MoECache, MoECacheError, MoECacheIOError, MoEStats, ResidencyStats, auto_cache_size
 from .model_info import ModelFileError, ModelInfo, model_info
 from .models import default_model_path
 
@@ -26,6 +26,6 @@ def native_version() -> str:
 
 __all__ = [
     "CacheConfig", "ConfigError", "CumsumThreshold", "DropRank", "Llama", "MaxRank", "MoECache", "MoECacheError",
-    "MoEStats", "ModelFileError", "ModelInfo", "Prior", "Prune", "SwapRank", "TopK", "default_model_path",
+    "MoECacheIOError", "MoEStats", "ResidencyStats", "auto_cache_size", "ModelFileError", "ModelInfo", "Prior", "Prune", "SwapRank", "TopK", "default_model_path",
     "model_info", "native_version", "parse_cache_size", "parse_routing",
 ]

@@ -45,8 +45,9 @@ def _add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fa
 
 def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
     c = p.add_argument_group("cache")
-    what = ("experts cached per MoE layer: a count (30), a share of the routed experts (0.5) "
-            "or a memory budget for all layers (4GiB); default 0.5")
+    what = ("experts cached per MoE layer, default 0.5: a count (30), a share of the routed experts (0.5), "
+            "a memory budget for all layers (4GiB), or auto (free memory less the non-expert weights, "
+            "the KV cache and a margin)")
     if multi:
         c.add_argument("--cache-size", nargs="+", default=["0.5"], metavar="N|F|BYTES",
                        help=what + "; several values sweep several sizes")
@@ -54,6 +55,19 @@ def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
         c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES", help=what)
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
+    if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
+        return
+    c.add_argument("--residency", choices=["auto", "stream", "mmap", "none"], default="auto",
+                   help="where expert weights live: stream (cached experts in an mlocked slot arena, misses read "
+                        "from the GGUF with direct I/O), mmap (experts mmapped, cached ones mlocked, evicted ones "
+                        "dropped), none (all resident, the cache only counts); auto = stream when the cache is "
+                        "smaller than all experts, else none (default auto)")
+    c.add_argument("--io-threads", type=int, default=4, metavar="T",
+                   help="expert reads in flight at once on a miss (default 4)")
+    c.add_argument("--no-mlock", action="store_true",
+                   help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
+    c.add_argument("--no-direct-io", action="store_true",
+                   help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
 
 
 def _add_runtime_options(p: argparse.ArgumentParser) -> None:
@@ -92,7 +106,10 @@ def _routing_from_args(args):
 def _cache_from_args(args):
     from .config import CacheConfig, parse_cache_size
 
-    return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion)
+    return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
+                       residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 4),
+                       lock_memory=not getattr(args, "no_mlock", False),
+                       direct_io=not getattr(args, "no_direct_io", False))
 
 
 def _resolve_model(path: Optional[str], args=None) -> str:
@@ -181,7 +198,8 @@ def cmd_run(args) -> int:
         print(f"[{res['routing']}, cache {res['cache_size']}/{res['n_expert']} experts per layer] "
               f"prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} tok {res['decode_tok_s']:.1f} tok/s | "
               f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f} | "
-              f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%",
+              f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
+              + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else ""),
               file=sys.stderr if args.stats_stderr else sys.stdout)
     llm.close()
     return 0
@@ -223,7 +241,8 @@ def cmd_bench(args) -> int:
     for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
         llm.reset()
         llm(prompt, max_tokens=2, temperature=0.0)
-    acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, layer_tokens=0, lifetime=[], loaded=0) for r in routings}
+    acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, layer_tokens=0, lifetime=[], loaded=0,
+                          dec=0, read=0, io=0.0, route=0.0, rss=0) for r in routings}
     total = args.reps * len(routings)
     done = 0
     for rep in range(args.reps):
@@ -248,6 +267,12 @@ def cmd_bench(args) -> int:
             a["layer_tokens"] += int(st.tokens_per_layer.sum())  # miss rate: misses / (K x tokens), all layers
             a["lifetime"].append(st.lifetime)
             a["loaded"] += st.bytes_loaded
+            rs = st.residency
+            a["dec"] += rs.decode_tokens
+            a["read"] += rs.decode_bytes_read
+            a["io"] += rs.decode_t_io_ms
+            a["route"] += rs.decode_t_route_ms
+            a["rss"] = max(a["rss"], rs.rss_bytes)
             done += 1
             print(f"\r[{done}/{total}] {routing.spec():<24}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
@@ -265,14 +290,24 @@ def cmd_bench(args) -> int:
             "misses_per_token": a["misses"] / a["routed"] if a["routed"] else 0.0,
             "lifetime": sum(a["lifetime"]) / len(a["lifetime"]),
             "mib_loaded_per_run": a["loaded"] / args.reps / 2**20,
+            "residency": llm.moe_stats().residency.residency,
+            "mib_read_per_token": a["read"] / a["dec"] / 2**20 if a["dec"] else 0.0,
+            "io_ms_per_token": a["io"] / a["dec"] if a["dec"] else 0.0,
+            "route_ms_per_token": a["route"] / a["dec"] if a["dec"] else 0.0,
+            "compute_ms_per_token": max(0.0, 1e3 * a["ds"] / a["dt"] - (a["io"] + a["route"]) / a["dec"])
+            if a["dt"] and a["dec"] else 0.0,
+            "rss_mib": a["rss"] / 2**20,
         })
     llm.close()
     _write_rows(rows, args.csv, args.json)
-    hdr = f"{'routing':<16} {'cache':>7} {'prompt tok/s':>12} {'decode tok/s':>12} {'miss %':>7} {'miss/tok':>8} {'lifetime':>8} {'MiB loaded':>10}"
+    hdr = (f"{'routing':<16} {'cache':>7} {'prompt tok/s':>12} {'decode tok/s':>12} {'miss %':>7} {'miss/tok':>8} "
+           f"{'lifetime':>8} {'MiB loaded':>10} {'MiB read/tok':>12} {'compute ms':>10} {'I/O ms':>7} {'route ms':>8} {'RSS MiB':>8}")
     print(hdr)
     for r in rows:
         print(f"{r['routing']:<16} {r['cache_size']:>3}/{r['n_expert']:<3} {r['prompt_tok_s']:>12.1f} {r['decode_tok_s']:>12.1f} "
-              f"{100 * r['miss_rate']:>7.1f} {r['misses_per_token']:>8.2f} {r['lifetime']:>8.1f} {r['mib_loaded_per_run']:>10.2f}")
+              f"{100 * r['miss_rate']:>7.1f} {r['misses_per_token']:>8.2f} {r['lifetime']:>8.1f} {r['mib_loaded_per_run']:>10.2f} "
+              f"{r['mib_read_per_token']:>12.3f} {r['compute_ms_per_token']:>10.2f} {r['io_ms_per_token']:>7.2f} "
+              f"{r['route_ms_per_token']:>8.3f} {r['rss_mib']:>8.0f}")
     return 0
 
 

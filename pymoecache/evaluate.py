@@ -272,8 +272,9 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
                   insertion: str = "top-bottom"):
-    """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token)."""
-    llm = load_llama(model_path, cache=CacheConfig(size=cache_size, insertion=insertion), routing=TopK(),
+    """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
+    perplexity and miss rates do not depend on where the experts live, and all weights stay resident."""
+    llm = load_llama(model_path, cache=CacheConfig(size=cache_size, insertion=insertion, residency="none"), routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
     return llm

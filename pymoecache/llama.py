@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +61,10 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
     ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
-    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20))
-    >>> auto_cache_size(info, n_ctx=512, available=3 << 30)
-    24
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
+    ...                  n_embd=1024)
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30)   # (3 GiB - 256 MiB - 16 MiB KV) * 0.9 / (8 x 8 MiB)
+    39
     """
     free = _available_memory() if available is None else available
     kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
@@ -549,17 +551,16 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope)
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
-        self._t_eval_ms0 = self._perf_eval()[0]
 
-    def _perf_eval(self) -> Tuple[float, int]:
-        """llama.cpp's (t_eval_ms, n_eval) of this context since it was made."""
-        pd = llama_cpp.llama_perf_context(self._ctx.ctx)
-        return float(pd.t_eval_ms), int(pd.n_eval)
+    _t_decode_ms = 0.0  # wall time of single-token evals since the last reset_moe_stats
 
     def eval(self, tokens) -> None:
         """``llama_cpp.Llama.eval``; a failed expert read raises :class:`MoECacheIOError` with the reason."""
+        t0 = time.perf_counter()
         try:
             super().eval(tokens)
+            if len(tokens) == 1:
+                self._t_decode_ms += (time.perf_counter() - t0) * 1e3
         except RuntimeError as e:
             msg = self.moecache.take_io_error() if self.moecache is not None else None
             if msg:
@@ -580,12 +581,12 @@ class Llama(llama_cpp.Llama):
         residency's bytes read, time split per token and resident memory in ``.residency``."""
         st = self._require_cache().stats()
         if st.residency is not None:
-            st.residency.decode_t_eval_ms = self._perf_eval()[0] - self._t_eval_ms0
+            st.residency.decode_t_eval_ms = self._t_decode_ms
         return st
 
     def reset_moe_stats(self) -> None:
         self._require_cache().reset_stats()
-        self._t_eval_ms0 = self._perf_eval()[0]
+        self._t_decode_ms = 0.0
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:
         """Change the policy; takes effect on the next token, no reload.

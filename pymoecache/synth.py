@@ -477,13 +477,16 @@ def _tensor_nbytes(t: TensorPlan) -> int:
     return math.prod(gguf.quant_shape_to_byte_shape(np_shape, t.dtype))
 
 
-def _write_gguf(spec: ModelSpec, path: Path, seed: int, progress: bool = False) -> None:
+def _write_gguf(spec: ModelSpec, path: Path, seed: int, progress: bool = False, experts_last: bool = False) -> None:
     """Write ``spec`` to ``path`` tensor by tensor (never holds the whole model).
 
     The file is written under a temporary name and renamed at the end, so an
-    interrupted build never leaves a truncated ``.gguf`` behind.
+    interrupted build never leaves a truncated ``.gguf`` behind. ``experts_last`` puts the
+    routed-expert tensors after all others (same data: each tensor has its own seed).
     """
     plan = tensor_plan(spec)
+    if experts_last:
+        plan = sorted(plan, key=lambda t: "_exps." in t.name)
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, spec.arch)
     _add_hparams(writer, spec)
@@ -784,6 +787,19 @@ def bench_spec(target_mb: float = 320) -> ModelSpec:
     fixed = sum(_tensor_nbytes(t) for t in plan if not t.name.startswith("blk."))
     n_layer = math.ceil((target_mb * 1e6 - fixed) / per_layer)
     return dataclasses.replace(BENCH_SPEC, n_layer=max(BENCH_SPEC.n_layer, n_layer))
+
+
+def build_model(spec: ModelSpec, out_path: str | os.PathLike, seed: int = 0, force: bool = False,
+                experts_last: bool = False) -> Path:
+    """Write any ``spec`` to ``out_path`` with a progress bar (skipped if up to date)."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    variant = "experts-last" if experts_last else "base"
+    if not force and _is_up_to_date(out_path, spec, seed, variant):
+        return out_path
+    _write_gguf(spec, out_path, seed, progress=True, experts_last=experts_last)
+    _write_card(_make_card(spec, out_path, seed, variant), out_path)
+    return out_path
 
 
 def build_bench_model(out_path: str | os.PathLike, target_mb: float = 320, seed: int = 0,

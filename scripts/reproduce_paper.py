@@ -211,7 +211,8 @@ def run_model(run: ModelRun, text: str, out: Path, ctx: int, max_chunks: Optiona
     res["timeline"] = {}
     for routing in (TopK(), Prior(0.5, top_j=run.top_j)):
         n_moe = len(info.moe_layers)
-        llm = E.load_llama(path, cache=CacheConfig(size=0.25, trace=TIMELINE_TOKENS * n_moe), routing=routing,
+        llm = E.load_llama(path, cache=CacheConfig(size=0.25, trace=TIMELINE_TOKENS * n_moe, residency="none"),
+                           routing=routing,
                            routing_scope="all", n_ctx=TIMELINE_TOKENS, n_batch=TIMELINE_TOKENS, n_threads=threads)
         try:
             tl_tokens = tl_tokens or E.tokenize_text(llm, text)[:TIMELINE_TOKENS]

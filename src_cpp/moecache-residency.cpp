@@ -638,7 +638,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
                   " residency needs the single GGUF file the model was loaded from";
             break;
         }
-        if (gguf_get_tensor_type(gg, id) != t->type || !ggml_is_contiguous(t)) {
+        if (gguf_get_tensor_type(gg, id) != t->type || gguf_get_tensor_size(gg, id) != ggml_nbytes(t) ||
+            !ggml_is_contiguous(t)) {
             err = "tensor " + nt.first + " is not stored as in the file (type or layout differs)";
             break;
         }

@@ -1,0 +1,196 @@
+"""Expert residency (src_cpp/moecache-residency.cpp): where the experts' bytes live must not
+change a single logit. With the same routing, stream (experts read from the file into slots) and
+mmap (cached experts locked in the mapping) give bit-identical logits to the fully resident model
+(residency "none") for every fixture architecture, both trained models and several cache sizes;
+every decode miss is one expert read; a truncated file is a clear error, not a crash."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pymoecache
+from pymoecache import CacheConfig, synth
+from conftest import MOE_FIXTURES, ROOT, model_path
+
+KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)
+PROMPT = list(range(300, 340))        # 40 tokens: prompt ubatches of 32 and 8, read through the mapping
+DECODES = list(range(1000, 1032))     # 32 one-token decodes, read from the slots
+TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "models" / "tiny-shakespeare-mixtral-8x2.gguf"]
+SETTINGS = [("lru", 0.25), ("prior:0.5", 0.5), ("max-rank:8", 3)]
+
+
+def run(path, residency: str, routing: str, size):
+    """Logits of PROMPT then DECODES, and the stats of the decodes alone."""
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency), routing=routing, **KW)
+    llm.reset()
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    logits = np.array(llm.scores[: len(PROMPT) + len(DECODES)])
+    st = llm.moe_stats()
+    llm.close()
+    return logits, st
+
+
+def model_paths(fixture_dir):
+    return [model_path(fixture_dir, name) for name in MOE_FIXTURES] + [p for p in TRAINED if p.exists()]
+
+
+@pytest.fixture(scope="module")
+def paths(fixture_dir):
+    return {p.stem: p for p in model_paths(fixture_dir)}
+
+
+@pytest.mark.parametrize("routing,size", SETTINGS)
+@pytest.mark.parametrize("name", MOE_FIXTURES + [p.stem for p in TRAINED])
+def test_stream_and_mmap_are_bit_identical_to_resident(paths, name, routing, size):
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    path = paths[name]
+    ref, st_ref = run(path, "none", routing, size)
+    assert np.isfinite(ref).all()
+    K = st_ref.n_expert_used
+    for residency in ("stream", "mmap"):
+        got, st = run(path, residency, routing, size)
+        assert np.array_equal(got, ref), f"{residency}: max |diff| = {np.abs(got - ref).max()}"
+        # same routing, so the same hits and misses
+        assert st.misses == st_ref.misses and st.hits == st_ref.hits
+        rs = st.residency
+        assert rs.residency == residency and rs.decode_tokens == len(DECODES)
+        assert st.misses > 0, "the setting should miss, or nothing was streamed"
+        if st.capacity_per_layer.min() >= K:
+            # memory follows the cache exactly: one expert read (or locked in) per decode miss
+            assert rs.decode_loads == st.misses
+            assert rs.decode_bytes_read >= st.misses * rs.expert_bytes
+            assert rs.decode_bytes_read <= st.misses * (rs.expert_bytes + 3 * 2 * 4096)  # O_DIRECT windows
+        if residency == "stream":
+            n_slots = np.maximum(st.capacity_per_layer, K)
+            assert rs.arena_bytes >= int((n_slots * rs.expert_bytes).sum())
+            assert rs.arena_bytes <= int((n_slots * rs.expert_bytes).sum()) + len(n_slots) * 4 * 4096
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_quantized_stream_matches_mmap(fixture_dir, name):
+    """Q4_K_M: stream and mmap read the same (unrepacked) bytes, so the logits agree bit for bit."""
+    path = model_path(fixture_dir, name, ".Q4_K_M")
+    a, st_a = run(path, "stream", "prior:0.5", 0.5)
+    b, st_b = run(path, "mmap", "prior:0.5", 0.5)
+    assert np.isfinite(a).all()
+    assert np.array_equal(a, b), f"max |diff| = {np.abs(a - b).max()}"
+    assert st_a.misses == st_b.misses > 0
+
+
+def test_auto_residency_and_sizes(fixture_dir):
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0), **KW)
+    assert llm.moe_stats().residency.residency == "none"  # everything fits: nothing to stream
+    llm.close()
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5), **KW)
+    assert llm.moe_stats().residency.residency == "stream"
+    llm.close()
+    # auto size: a count from the free memory, at most N
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size="auto"), **KW)
+    llm.eval(PROMPT)
+    assert llm.moe_stats().capacity_per_layer.tolist() == [60] * 4  # a 15 MB model fits in any free memory
+    llm.close()
+
+
+def test_budget_too_small_to_stream_is_an_error(fixture_dir):
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    info = pymoecache.model_info(path)
+    budget = int(2 * info.expert_bytes * info.n_moe_layer)  # 2 experts per layer, K = 4
+    with pytest.raises(pymoecache.ConfigError, match="streaming needs at least K = 4"):
+        pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
+    with pytest.raises(pymoecache.ConfigError, match="residency must be one of"):
+        CacheConfig(residency="disk")
+
+
+def test_streaming_needs_the_model_file(fixture_dir, tmp_path):
+    """A moecache asked to stream from a file that is not the model's is refused with a reason."""
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    other = model_path(fixture_dir, "olmoe-64x8")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="none"), **KW)
+    wrong = dataclasses.replace(pymoecache.model_info(path), path=str(other))
+    with pytest.raises((pymoecache.ConfigError, pymoecache.MoECacheError), match="not stored as in the file"):
+        pymoecache.MoECache.for_model(llm._model.model, wrong, cache=CacheConfig(size=0.5, residency="stream"),
+                                      routing="lru")
+    llm.close()
+
+
+FAULT_SCRIPT = r"""
+import os, sys
+import pymoecache
+from pymoecache import CacheConfig, Llama
+path, cut, residency = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = Llama(path, cache=CacheConfig(size=4, residency=residency), routing="lru", n_ctx=256, verbose=False, seed=1)
+llm.eval(list(range(300, 310)))
+for t in range(4):
+    llm.eval([1000 + t])
+os.truncate(path, cut)  # the experts of the last layers are gone; every other tensor is intact
+try:
+    for t in range(200):
+        llm.eval([400 + t])
+except pymoecache.MoECacheIOError as e:
+    print("IOERROR:", e)
+    sys.exit(3)
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("residency", ["stream", "mmap"])
+def test_truncated_model_file_is_a_clear_error(tmp_path, residency):
+    path = tmp_path / "experts-last.gguf"
+    synth.build_model(synth.FIXTURES["qwen2moe-60x4"], path, experts_last=True)
+    info = pymoecache.model_info(path)
+    # cut in the middle of the expert bytes: the last layers' experts can no longer be read
+    cut = info.file_bytes - info.expert_bytes_total // 4
+    r = subprocess.run([sys.executable, "-c", FAULT_SCRIPT, str(path), str(cut), residency], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 3, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert "truncated" in r.stdout or "ends early" in r.stdout, r.stdout
+    assert str(path) in r.stdout
+
+
+def test_mlock_refused_warns_once_and_runs_unlocked(fixture_dir):
+    """With RLIMIT_MEMLOCK at 64 KiB and no CAP_IPC_LOCK, mlock fails: one warning with the fix."""
+    if not (shutil.which("prlimit") and shutil.which("setpriv")):
+        pytest.skip("needs prlimit and setpriv (util-linux)")
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    code = ("import pymoecache; llm = pymoecache.Llama(%r, cache=pymoecache.CacheConfig(size=0.5, residency='stream'), "
+            "routing='lru', n_ctx=128, verbose=False); llm.eval(list(range(300, 310))); "
+            "[llm.eval([t]) for t in range(500, 520)]; rs = llm.moe_stats().residency; "
+            "print('locked', rs.locked, 'tokens', rs.decode_tokens)" % str(path))
+    cmd = ["prlimit", "--memlock=65536:65536", "setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--",
+           sys.executable, "-c", code]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if r.returncode != 0 and "setpriv" in r.stderr:
+        pytest.skip(f"cannot drop CAP_IPC_LOCK here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "locked False tokens" in r.stdout and int(r.stdout.split()[-1]) >= 20
+    assert r.stderr.count("mlock of the expert cache") == 1
+    assert "ulimit -l unlimited" in r.stderr
+
+
+def test_cli_run_stream_stats_line(fixture_dir):
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(model_path(fixture_dir, "qwen2moe-60x4")),
+                        "-n", "16", "--prior", "0.5", "--cache-size", "0.25", "--residency", "stream", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    res = json.loads(r.stdout)
+    assert res["residency"] == "stream"
+    assert res["bytes_read_per_token"] > 0 and res["rss_bytes"] > 0 and res["arena_bytes"] > 0
+    assert res["t_io_ms_per_token"] >= 0 and res["t_compute_ms_per_token"] > 0
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(model_path(fixture_dir, "qwen2moe-60x4")),
+                        "-n", "4", "--cache-size", "100KiB", "--residency", "stream"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "streaming needs at least K" in r.stderr
