@@ -62,8 +62,8 @@ def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
                         "from the GGUF with direct I/O), mmap (experts mmapped, cached ones mlocked, evicted ones "
                         "dropped), none (all resident, the cache only counts); auto = stream when the cache is "
                         "smaller than all experts, else none (default auto)")
-    c.add_argument("--io-threads", type=int, default=4, metavar="T",
-                   help="expert reads in flight at once on a miss (default 4)")
+    c.add_argument("--io-threads", type=int, default=8, metavar="T",
+                   help="expert reads in flight at once on a miss (default 8)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
     c.add_argument("--no-direct-io", action="store_true",
@@ -107,7 +107,7 @@ def _cache_from_args(args):
     from .config import CacheConfig, parse_cache_size
 
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
-                       residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 4),
+                       residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
                        lock_memory=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
 

@@ -315,7 +315,7 @@ class CacheConfig:
     trace: int = 0
     per_layer: Optional[Sequence[int]] = field(default=None)
     residency: str = "auto"
-    io_threads: int = 4
+    io_threads: int = 8
     direct_io: bool = True
     lock_memory: bool = True
 

@@ -779,14 +779,15 @@ def export_trained(spec: ModelSpec, tensors: dict, vocab: dict, path: str | os.P
     return path
 
 
-def bench_spec(target_mb: float = 320) -> ModelSpec:
-    """BENCH_SPEC with enough layers (at least 8) for the file to reach target_mb."""
-    base = dataclasses.replace(BENCH_SPEC, n_layer=1)
+def bench_spec(target_mb: float = 320, base_spec: "ModelSpec | None" = None) -> ModelSpec:
+    """``base_spec`` (default BENCH_SPEC) with enough layers (at least its own) for the file to reach target_mb."""
+    base_spec = base_spec or BENCH_SPEC
+    base = dataclasses.replace(base_spec, n_layer=1)
     plan = tensor_plan(base)
     per_layer = sum(_tensor_nbytes(t) for t in plan if t.name.startswith("blk."))
     fixed = sum(_tensor_nbytes(t) for t in plan if not t.name.startswith("blk."))
     n_layer = math.ceil((target_mb * 1e6 - fixed) / per_layer)
-    return dataclasses.replace(BENCH_SPEC, n_layer=max(BENCH_SPEC.n_layer, n_layer))
+    return dataclasses.replace(base_spec, n_layer=max(base_spec.n_layer, n_layer))
 
 
 def build_model(spec: ModelSpec, out_path: str | os.PathLike, seed: int = 0, force: bool = False,

@@ -38,7 +38,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MOECACHE_IO_ALIGN 4096 // O_DIRECT: offset, length and buffer aligned to this
+#define MOECACHE_IO_ALIGN 4096          // O_DIRECT: offset, length and buffer aligned to this
+#define MOECACHE_IO_CHUNK (256 * 1024)  // largest single read; experts are read in pieces in parallel
 
 int64_t moecache_time_us(void) {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -155,6 +156,10 @@ static void io_read(moecache_io & io, moecache_io_job & j) {
 static void io_lock(moecache_io & io, moecache_io_job & j) {
     j.err = 0;
     j.bytes_io = j.len;
+    {
+        const uintptr_t p0 = (uintptr_t) j.src / page_size() * page_size();
+        madvise((void *) p0, round_up((uintptr_t) j.src + j.len - p0, page_size()), MADV_WILLNEED);
+    }
     if (io.lock && !io.lock_failed.load(std::memory_order_relaxed)) {
         if (mlock(j.src, j.len) == 0) {
             return;
@@ -285,6 +290,16 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
     return true;
 }
 
+// ask the kernel to read expert e's pages now, in large requests (the expert regions are
+// MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
+static void willneed_expert(const moecache_layer & L, int32_t e) {
+    for (const moecache_expert_tensor & x : L.xt) {
+        const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
+        const uintptr_t p0 = b0 / page_size() * page_size();
+        madvise((void *) p0, round_up(b0 + x.nb2 - p0, page_size()), MADV_WILLNEED);
+    }
+}
+
 // drop expert e's pages from this process and from the page cache
 static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unlock) {
     for (const moecache_expert_tensor & x : L.xt) {
@@ -352,14 +367,22 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
         L.slot_expert[s] = e;
         L.expert_slot[e] = s;
         for (const moecache_expert_tensor & x : L.xt) {
-            moecache_io_job j = {};
-            j.kind = MOECACHE_IO_READ;
-            j.dst  = (char *) x.slots_t->data + (size_t) s * x.nb2;
-            j.off  = x.file_off + (uint64_t) e * x.nb2;
-            j.len  = x.nb2;
-            j.il   = L.il;
-            j.e    = e;
-            jobs.push_back(j);
+            // pieces that end on MOECACHE_IO_CHUNK boundaries of the file: one expert is several
+            // reads in flight, so a token with a single miss still keeps the device busy
+            const uint64_t off = x.file_off + (uint64_t) e * x.nb2;
+            char * dst = (char *) x.slots_t->data + (size_t) s * x.nb2;
+            for (uint64_t o = off; o < off + x.nb2;) {
+                const uint64_t end = std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK);
+                moecache_io_job j = {};
+                j.kind = MOECACHE_IO_READ;
+                j.dst  = dst + (o - off);
+                j.off  = o;
+                j.len  = (size_t) (end - o);
+                j.il   = L.il;
+                j.e    = e;
+                jobs.push_back(j);
+                o = end;
+            }
         }
     }
     io_run(*mc.io, jobs);
@@ -392,7 +415,10 @@ static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids
     const int32_t N = mc.n_expert;
     std::fill(L.keep.begin(), L.keep.end(), 0);
     for (int64_t i = 0; i < n_ids; i++) {
-        L.keep[ids[i]] = 1; // run by this ubatch: read through the mapping
+        if (!L.keep[ids[i]]) {
+            L.keep[ids[i]] = 1; // run by this ubatch: read through the mapping
+            willneed_expert(L, ids[i]);
+        }
     }
     std::vector<moecache_io_job> jobs;
     int32_t cursor = 0;
@@ -470,6 +496,7 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
         const int32_t e = ids[i];
         if (!L.locked[e] && !L.keep[e]) {
             L.keep[e] = 1;
+            willneed_expert(L, e);
             bytes += (int64_t) L.expert_bytes; // faulted in by the matmul
             mc.drop_pending.emplace_back(L.il, e);
         }
@@ -694,6 +721,15 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     for (moecache_layer & L : mc.layers) {
         if (L.xt.empty()) {
             continue;
+        }
+        for (const moecache_expert_tensor & x : L.xt) {
+            char * a;
+            size_t len;
+            moecache_expert_tensor all = x;
+            all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
+            if (inner_pages(all, 0, &a, &len)) {
+                madvise(a, len, MADV_RANDOM);
+            }
         }
         L.keep.assign(mc.n_expert, 0);
         L.locked.assign(mc.n_expert, 0);

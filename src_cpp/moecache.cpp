@@ -55,7 +55,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.trace_capacity     = 0;
     p.residency          = MOECACHE_RESIDENCY_NONE;
     p.model_path         = nullptr;
-    p.io_threads         = 4;
+    p.io_threads         = 8;
     p.direct_io          = true;
     p.lock_memory        = true;
     return p;

@@ -127,7 +127,7 @@ struct moecache_cache_params {
     // residency (MMAP and STREAM need the model loaded after moecache_set_load_residency, see below)
     enum moecache_residency residency; // default MOECACHE_RESIDENCY_NONE
     const char * model_path;      // the single-file GGUF the model was loaded from (MMAP, STREAM); copied; default NULL
-    int32_t io_threads;           // reads (or page locks) in flight at once on a miss, >= 1; default 4
+    int32_t io_threads;           // reads (or page locks) in flight at once on a miss, in [1, 64]; default 8
     bool    direct_io;            // STREAM: O_DIRECT reads where the OS and file system allow; default true
     bool    lock_memory;          // mlock the slot arena (STREAM) or the cached experts (MMAP); refused:
                                   //   one warning on stderr and the run goes on unlocked; default true

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Expert residency benchmark: stream vs mmap vs fully resident, top-k vs prior, on a >= 2 GB MoE.
+
+    python scripts/bench_residency.py                      # 2.2 GB model, 3 reps, table on stdout
+    python scripts/bench_residency.py --size-mb 2200 --reps 3 --tokens 64 --csv residency.csv
+
+The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
+built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
+its own) after the page cache was dropped (as root: /proc/sys/vm/drop_caches; otherwise
+posix_fadvise(DONTNEED) on the file), so every expert a run needs really comes from storage.
+Each process decodes --warmup tokens (not timed: cold cache, non-expert weights paged in), then
+--tokens timed decodes. The decoded tokens are WikiText-2 text fed one token at a time (teacher
+forcing: every step is a real one-token decode), because greedy decoding of a random-weight model
+soon repeats itself and would make any cache look good. Settings alternate within each repetition, and the tok/s ratio of
+prior:0.5 to top-k at the same cache size is taken per repetition (side by side), then the median.
+
+Columns: decode tok/s, miss rate, MiB read from storage per token, the time of one token split
+into compute / I/O wait / routing, the resident set (RSS) after decoding and at its peak, and the
+part of the RSS that is neither the slot arena nor the non-expert weights ("other").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MiB = 2.0 ** 20
+TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+
+
+def bench_model(size_mb: float) -> Path:
+    from pymoecache import synth
+
+    base = dataclasses.replace(synth.BENCH_SPEC, name="bench-residency", n_ff_exp=512, n_layer=4)
+    spec = synth.bench_spec(size_mb, base)
+    return synth.build_model(spec, ROOT / "models" / "_bench" / f"bench-residency-{int(size_mb)}mb.gguf")
+
+
+def drop_page_cache(path: Path) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return "fadvise"
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(args) -> None:
+    """One measurement, in its own process: prints one JSON line."""
+    import numpy as np
+    import pymoecache
+
+    how = drop_page_cache(Path(args.model))
+    cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads)
+    t0 = time.perf_counter()
+    llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.warmup + args.tokens + 64,
+                           n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
+    t_load = time.perf_counter() - t0
+    text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
+    if text:
+        stream = llm.tokenize(text.encode(), add_bos=False)[: 16 + args.warmup + args.tokens]
+    else:  # no corpus next to the checkout: a fixed pseudo-random token stream
+        stream = np.random.default_rng(0).integers(300, 30000, 16 + args.warmup + args.tokens).tolist()
+    llm.eval(stream[:16])  # a 16-token prompt
+    pos = 16
+
+    def decode(n):
+        nonlocal pos
+        for _ in range(n):
+            llm.eval([stream[pos]])
+            pos += 1
+
+    decode(args.warmup)
+    llm.reset_moe_stats()
+    t0 = time.perf_counter()
+    decode(args.tokens)
+    dt = time.perf_counter() - t0
+    st = llm.moe_stats()
+    rs = st.residency
+    info = llm.model_info
+    print(json.dumps({
+        "residency": rs.residency, "routing": args.routing, "cache": args.cache,
+        "cache_size": int(st.capacity_per_layer[0]), "n_expert": st.n_expert, "page_cache": how,
+        "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": st.miss_rate,
+        "mib_read_per_token": rs.bytes_read_per_token / MiB,
+        "compute_ms": rs.t_compute_ms_per_token, "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
+        "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
+        "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
+        "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if text else "random",
+    }))
+
+
+def run_one(model: Path, args, residency: str, routing: str, cache: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
+           "--cache", cache, "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--io-threads", str(args.io_threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"bench_residency: {residency} {routing} {cache} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=2200, help="model file size in MB (default %(default)s)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of every setting (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64, help="timed decode tokens per run (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=32, help="untimed decode tokens first (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+    ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
+    ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
+    ap.add_argument("--csv", help="write every run to this CSV file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--residency", help=argparse.SUPPRESS)
+    ap.add_argument("--routing", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.cache = float(args.cache)
+        worker(args)
+        return
+
+    model = bench_model(args.size_mb)
+    print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
+    settings = [("stream", "lru", "0.5"), ("stream", "prior:0.5", "0.5"),
+                ("stream", "lru", "0.25"), ("stream", "prior:0.5", "0.25"),
+                ("mmap", "lru", "0.5"), ("mmap", "prior:0.5", "0.5")]
+    if not args.no_resident:
+        settings.append(("none", "lru", "1.0"))
+    runs = []
+    for rep in range(args.reps):
+        order = settings[rep % len(settings):] + settings[:rep % len(settings)]
+        for residency, routing, cache in order:
+            r = run_one(model, args, residency, routing, cache)
+            r["rep"] = rep
+            runs.append(r)
+            print(f"[rep {rep + 1}/{args.reps}] {residency:<6} {routing:<10} cache {cache:<4} {r['tok_s']:7.2f} tok/s  "
+                  f"miss {100 * r['miss_rate']:5.1f}%  read {r['mib_read_per_token']:6.2f} MiB/tok  "
+                  f"rss {r['rss_mib']:6.0f} MiB", file=sys.stderr, flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(runs[0]))
+            w.writeheader()
+            w.writerows(runs)
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
+          f"medians of {args.reps} runs, {args.tokens} decode tokens each, page cache dropped before every run\n")
+    print("| residency | routing | cache | decode tok/s | miss rate | MiB read/token | compute ms | I/O wait ms | "
+          "routing ms | RSS MiB | peak RSS MiB | slots MiB | other MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in settings:
+        rows = [r for r in runs if (r["residency"], r["routing"], str(r["cache"])) == (s[0], s[1], str(float(s[2])))]
+        other = med(rows, "rss_mib") - med(rows, "arena_mib") - rows[0]["non_expert_mib"]
+        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {med(rows, 'tok_s'):.2f} | "
+              f"{100 * med(rows, 'miss_rate'):.1f}% | {med(rows, 'mib_read_per_token'):.2f} | {med(rows, 'compute_ms'):.2f} | "
+              f"{med(rows, 'io_ms'):.2f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | "
+              f"{med(rows, 'peak_rss_mib'):.0f} | {med(rows, 'arena_mib'):.0f} | {other:.0f} |")
+    print()
+    for residency, cache in (("stream", "0.5"), ("stream", "0.25"), ("mmap", "0.5")):
+        ratios = []
+        for rep in range(args.reps):
+            pick = {r["routing"]: r for r in runs
+                    if r["rep"] == rep and r["residency"] == residency and str(r["cache"]) == str(float(cache))}
+            ratios.append(pick["prior:0.5"]["tok_s"] / pick["lru"]["tok_s"])
+        print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {statistics.median(ratios):.2f}x "
+              f"(per repetition: {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
