@@ -9,7 +9,8 @@ built once into models/_bench/. Each measurement runs in a fresh process (so its
 its own) after the page cache was dropped (as root: /proc/sys/vm/drop_caches; otherwise
 posix_fadvise(DONTNEED) on the file), so every expert a run needs really comes from storage.
 Each process decodes --warmup tokens (not timed: cold cache, non-expert weights paged in), then
---tokens timed decodes. The decoded tokens are WikiText-2 text fed one token at a time (teacher
+--tokens timed decodes, after a --prompt-tokens prompt (read through the mapping one layer at a
+time: the peak RSS column shows it stays bounded). The decoded tokens are WikiText-2 text fed one token at a time (teacher
 forcing: every step is a real one-token decode), because greedy decoding of a random-weight model
 soon repeats itself and would make any cache look good. Settings alternate within each repetition, and the tok/s ratio of
 prior:0.5 to top-k at the same cache size is taken per repetition (side by side), then the median.
@@ -78,16 +79,16 @@ def worker(args) -> None:
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads)
     t0 = time.perf_counter()
-    llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.warmup + args.tokens + 64,
+    llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
     t_load = time.perf_counter() - t0
     text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
     if text:
-        stream = llm.tokenize(text.encode(), add_bos=False)[: 16 + args.warmup + args.tokens]
+        stream = llm.tokenize(text.encode(), add_bos=False)[: args.prompt_tokens + args.warmup + args.tokens]
     else:  # no corpus next to the checkout: a fixed pseudo-random token stream
-        stream = np.random.default_rng(0).integers(300, 30000, 16 + args.warmup + args.tokens).tolist()
-    llm.eval(stream[:16])  # a 16-token prompt
-    pos = 16
+        stream = np.random.default_rng(0).integers(300, 30000, args.prompt_tokens + args.warmup + args.tokens).tolist()
+    llm.eval(stream[: args.prompt_tokens])
+    pos = args.prompt_tokens
 
     def decode(n):
         nonlocal pos
@@ -117,8 +118,8 @@ def worker(args) -> None:
 
 def run_one(model: Path, args, residency: str, routing: str, cache: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
-           "--cache", cache, "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--io-threads", str(args.io_threads)]
+           "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"bench_residency: {residency} {routing} {cache} failed:\n{r.stderr[-3000:]}")
@@ -129,7 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=2200, help="model file size in MB (default %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every setting (default %(default)s)")
-    ap.add_argument("--tokens", type=int, default=64, help="timed decode tokens per run (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens per run (default %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=32, help="untimed decode tokens first (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
     ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
@@ -148,14 +150,17 @@ def main() -> None:
 
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
-    settings = [("stream", "lru", "0.5"), ("stream", "prior:0.5", "0.5"),
-                ("stream", "lru", "0.25"), ("stream", "prior:0.5", "0.25"),
-                ("mmap", "lru", "0.5"), ("mmap", "prior:0.5", "0.5")]
+    pairs = [("stream", "0.5"), ("stream", "0.25"), ("mmap", "0.5")]
+    settings = [(res, routing, cache) for res, cache in pairs for routing in ("lru", "prior:0.5")]
     if not args.no_resident:
         settings.append(("none", "lru", "1.0"))
     runs = []
     for rep in range(args.reps):
-        order = settings[rep % len(settings):] + settings[:rep % len(settings)]
+        order = []
+        for res, cache in pairs:  # each pair back to back, its first member alternating
+            routings = ("lru", "prior:0.5") if rep % 2 == 0 else ("prior:0.5", "lru")
+            order += [(res, routing, cache) for routing in routings]
+        order += settings[len(pairs) * 2:]
         for residency, routing, cache in order:
             r = run_one(model, args, residency, routing, cache)
             r["rep"] = rep
@@ -185,7 +190,7 @@ def main() -> None:
               f"{med(rows, 'io_ms'):.2f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | "
               f"{med(rows, 'peak_rss_mib'):.0f} | {med(rows, 'arena_mib'):.0f} | {other:.0f} |")
     print()
-    for residency, cache in (("stream", "0.5"), ("stream", "0.25"), ("mmap", "0.5")):
+    for residency, cache in pairs:
         ratios = []
         for rep in range(args.reps):
             pick = {r["routing"]: r for r in runs

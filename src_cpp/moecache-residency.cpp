@@ -89,6 +89,7 @@ struct moecache_io {
     int               fd_direct = -1;
     bool              lock      = true;
     std::atomic<bool> lock_failed{false};
+    std::atomic<int>  lock_errno{0};
 };
 
 static void io_read(moecache_io & io, moecache_io_job & j) {
@@ -164,6 +165,7 @@ static void io_lock(moecache_io & io, moecache_io_job & j) {
         if (mlock(j.src, j.len) == 0) {
             return;
         }
+        io.lock_errno.store(errno);
         io.lock_failed.store(true); // warned once by the caller; the pages are faulted in below
     }
     // not locked: read every page once so the expert is in memory, as a locked one would be
@@ -228,9 +230,9 @@ static void io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
 
 // --- errors ----------------------------------------------------------------------------------
 
-static void warn_mlock_once(size_t bytes) {
+static void warn_mlock_once(size_t bytes, int err) {
     static std::once_flag once;
-    std::call_once(once, [bytes] {
+    std::call_once(once, [bytes, err] {
         struct rlimit rl = {};
         getrlimit(RLIMIT_MEMLOCK, &rl);
         char lim[64];
@@ -244,7 +246,7 @@ static void warn_mlock_once(size_t bytes) {
                 "The run goes on unlocked, so the OS may page the cache out. Fix: raise the limit "
                 "(`ulimit -l unlimited`, or memlock in /etc/security/limits.conf), or turn locking off "
                 "(lock_memory=False, --no-mlock) to silence this.\n",
-                (double) bytes / (1 << 20), strerror(errno), lim);
+                (double) bytes / (1 << 20), strerror(err), lim);
     });
 }
 
@@ -521,20 +523,24 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_ids = ggml_nelements(dst);
     const int32_t * ids = (const int32_t *) src->data;
     int32_t * out = (int32_t *) dst->data;
+    const bool decode = dst->ne[1] == 1;
+    const bool stream = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     memcpy(out, ids, n_ids * sizeof(int32_t));
     if (mc.io_failed.load()) {
-        return; // the graph is being stopped
+        if (stream && decode) {
+            memset(out, 0, n_ids * sizeof(int32_t)); // valid slot ids; the graph is being stopped anyway
+        }
+        return;
     }
     for (int64_t i = 0; i < n_ids; i++) {
         if (ids[i] < 0 || ids[i] >= mc.n_expert) {
             set_io_error(mc, "internal error: expert id out of range in layer " + std::to_string(L.il));
+            memset(out, 0, n_ids * sizeof(int32_t));
             return;
         }
     }
     const int64_t t0 = moecache_time_us();
     drop_pending(mc);
-    const bool decode = dst->ne[1] == 1;
-    const bool stream = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     if (stream && decode) {
         stream_decode(mc, L, ids, out, n_ids);
     } else {
@@ -551,7 +557,7 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
     }
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size());
+        warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
 }
@@ -768,7 +774,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         if (mlock(mc.arena, total) == 0) {
             mc.arena_locked = true;
         } else {
-            warn_mlock_once(total);
+            warn_mlock_once(total, errno);
         }
     }
     struct ggml_init_params ip = { (size_t) (n_xt + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };

@@ -18,7 +18,9 @@
 //
 // How a token gets here: llama_decode -> build_moe_ffn (patched, patches/0001-*.patch) ->
 // moecache_hook_select inserts one ggml custom op per MoE layer -> at compute time the op
-// calls moecache_route_tokens (moecache-route.cpp) for the tokens of the ubatch, in order.
+// calls moecache_route_token (moecache-route.cpp) for the tokens of the ubatch, in order. With
+// MMAP or STREAM residency the layer's expert matmuls (patches/0002-*.patch) first pass through
+// a second op that brings the selected experts in (moecache-residency.cpp).
 //
 // Determinism: the router's ranking r sorts by the selection score, descending, ties by lower
 // expert id (in the graph, r starts with the model's own top-K, so ties break as the model
@@ -208,7 +210,8 @@ MOECACHE_API void moecache_set_load_residency(enum moecache_residency residency)
 MOECACHE_API void moecache_free(struct moecache * mc);
 
 // Route ctx's MoE layers through mc from its next llama_decode on (the graph is rebuilt once).
-// One context per moecache and one moecache per context.
+// One context per moecache and one moecache per context. With MMAP or STREAM residency this
+// sets ctx's abort callback (llama_set_abort_callback): a failed expert read stops the decode.
 MOECACHE_API int32_t moecache_attach(struct moecache * mc, struct llama_context * ctx);
 MOECACHE_API void    moecache_detach(struct moecache * mc);
 

@@ -52,6 +52,9 @@ void usage(FILE * f) {
         "                         optional :j=J (default topk)\n"
         "  --scope all|decode     decode: prompts use stock top-k routing (default all)\n"
         "  --no-prompt-update     prompt ubatches do not update the cache and counters\n"
+        "  --residency MODE       none (every expert resident), mmap (cached experts mlocked in the\n"
+        "                         mapping, evicted ones dropped) or stream (cached experts in an mlocked\n"
+        "                         slot arena, misses read from the file) (default none)\n"
         "  --trace                print the selected experts of every layer and token\n"
         "  -fa, --flash-attn      flash attention (default off, as in llama-cpp-python, so the two\n"
         "                         runs agree bit for bit)\n"
@@ -187,6 +190,7 @@ int main(int argc, char ** argv) {
     std::string routing     = "topk";
     std::string cache       = "0.5";
     std::string scope       = "all";
+    std::string residency   = "none";
     long n_predict = 16, n_ctx = 512, n_threads = 2, n_gpu_layers = 0;
     bool trace = false, flash_attn = false, mlock = false, no_mmap = false, stop_at_eog = false, prompt_update = true;
 
@@ -211,6 +215,7 @@ int main(int argc, char ** argv) {
         else if (a == "--cache") cache = value();
         else if (a == "--routing") routing = value();
         else if (a == "--scope") scope = value();
+        else if (a == "--residency") residency = value();
         else if (a == "--no-prompt-update") prompt_update = false;
         else if (a == "--trace") trace = true;
         else if (a == "-fa" || a == "--flash-attn") flash_attn = true;
@@ -246,6 +251,11 @@ int main(int argc, char ** argv) {
         }
     }
     cp.update_on_prompt = prompt_update;
+    if (residency == "none") cp.residency = MOECACHE_RESIDENCY_NONE;
+    else if (residency == "mmap") cp.residency = MOECACHE_RESIDENCY_MMAP;
+    else if (residency == "stream") cp.residency = MOECACHE_RESIDENCY_STREAM;
+    else die("bad --residency %s (none, mmap, stream)", residency.c_str());
+    cp.model_path = model_path.c_str();
 
     llama_log_set(log_cb, nullptr);
     llama_backend_init();
@@ -256,7 +266,9 @@ int main(int argc, char ** argv) {
     mparams.load_mode    = no_mmap ? (mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE)
                                    : (mlock ? LLAMA_LOAD_MODE_MMAP_MLOCK : LLAMA_LOAD_MODE_MMAP);
     const auto t_load = std::chrono::steady_clock::now();
+    moecache_set_load_residency(cp.residency); // mmap/stream: experts in file layout, not prefetched
     llama_model * model = llama_model_load_from_file(model_path.c_str(), mparams);
+    moecache_set_load_residency(MOECACHE_RESIDENCY_NONE);
     if (!model) die("cannot load %s", model_path.c_str());
     const llama_vocab * vocab = llama_model_get_vocab(model);
 
@@ -300,7 +312,10 @@ int main(int argc, char ** argv) {
     llama_token next = 0;
     bool pending = true; // `batch` has not been decoded yet
     for (long i = 0; i < n_predict; i++) {
-        if (llama_decode(ctx, batch) != 0) die("llama_decode failed");
+        if (llama_decode(ctx, batch) != 0) {
+            const char * err = moecache_take_io_error(mc);
+            die("llama_decode failed: %s", err ? err : "see the log above");
+        }
         pending = false;
         const float * logits = llama_get_logits_ith(ctx, -1);
         next = (llama_token) (std::max_element(logits, logits + n_vocab) - logits); // first maximum
@@ -315,7 +330,10 @@ int main(int argc, char ** argv) {
     // the last generated token is routed too (and the prompt with -n 0), so that every token
     // printed has its selections
     if (pending) {
-        if (llama_decode(ctx, batch) != 0) die("llama_decode failed");
+        if (llama_decode(ctx, batch) != 0) {
+            const char * err = moecache_take_io_error(mc);
+            die("llama_decode failed: %s", err ? err : "see the log above");
+        }
     }
     const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
@@ -364,6 +382,18 @@ int main(int argc, char ** argv) {
     fprintf(stderr, "load %.2f s | %d prompt + %zu generated tokens in %.2f s (%.1f tok/s) | hit rate %.1f%%\n",
             load_s, n_prompt, generated.size(), gen_s, gen_s > 0 ? (double) (n_prompt + generated.size()) / gen_s : 0.0,
             100.0 * rate(T.hits, T.selections));
+    moecache_residency_stats rs{};
+    moecache_get_residency_stats(mc, &rs);
+    if (rs.residency != MOECACHE_RESIDENCY_NONE) {
+        const double n = rs.decode_tokens > 0 ? (double) rs.decode_tokens : 1.0;
+        fprintf(stderr, "%s: read %.2f MiB/token | I/O wait %.2f ms/token | routing %.3f ms/token | slots %.1f MiB%s | rss %.1f MiB\n",
+                residency.c_str(), (double) rs.decode_bytes_read / n / 1048576.0, rs.decode_t_io_ms / n,
+                rs.decode_t_route_ms / n, (double) rs.arena_bytes / 1048576.0, rs.locked ? "" : " (unlocked)",
+                (double) rs.rss_bytes / 1048576.0);
+    }
+    if (const char * err = moecache_take_io_error(mc)) {
+        fprintf(stderr, "moecache-run: %s\n", err);
+    }
 
     moecache_free(mc);
     llama_free(ctx);
