@@ -55,7 +55,9 @@ def main() -> int:
     llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0), routing=TopK(), n_ctx=args.tokens + 64,
                            n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     full = llm.moecache
-    half = MoECache.for_model(llm._model.model, info, cache=CacheConfig(size=0.5), routing=Prior(0.5))
+    # residency "none": this measures the routing hook alone (bench_residency.py measures the I/O)
+    half = MoECache.for_model(llm._model.model, info, cache=CacheConfig(size=0.5, residency="none"),
+                              routing=Prior(0.5))
     ctx = llm._ctx.ctx
 
     def use(mc):
