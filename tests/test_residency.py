@@ -7,6 +7,7 @@ every decode miss is one expert read; a truncated file is a clear error, not a c
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,26 @@ def test_cli_run_stream_stats_line(fixture_dir):
                         "-n", "4", "--cache-size", "100KiB", "--residency", "stream"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "streaming needs at least K" in r.stderr
+
+
+def test_buffered_reads_where_direct_io_is_off_or_unsupported(fixture_dir, tmp_path):
+    """direct_io=False, and a file system without O_DIRECT (tmpfs): buffered reads, same logits."""
+    path = model_path(fixture_dir, "mixtral-8x2")
+    ref, st_ref = run(path, "none", "prior:0.5", 3)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=3, residency="stream", direct_io=False, io_threads=1),
+                           routing="prior:0.5", **KW)
+    llm.eval(PROMPT)
+    for t in DECODES:
+        llm.eval([t])
+    assert np.array_equal(np.array(llm.scores[: len(PROMPT) + len(DECODES)]), ref)
+    assert not llm.moe_stats().residency.direct_io
+    llm.close()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        copy = shm / f"pymoecache-test-{os.getpid()}.gguf"
+        shutil.copy(path, copy)
+        try:
+            got, st = run(copy, "stream", "prior:0.5", 3)
+            assert np.array_equal(got, ref) and st.residency.decode_loads == st.misses > 0
+        finally:
+            copy.unlink()
