@@ -334,6 +334,25 @@ static void drop_pending(moecache & mc) {
 
 // --- the op ----------------------------------------------------------------------------------
 
+static bool slot_holds(const moecache_layer & L, int32_t e) {
+    const int32_t s = L.expert_slot[e];
+    return s >= 0 && L.slot_expert[s] == e;
+}
+
+// gives e the first slot from `cursor` on that holds no expert of L.keep; -1 if there is none,
+// which cannot happen: |L.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
+static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
+    for (; cursor < L.n_slots; cursor++) {
+        const int32_t held = L.slot_expert[cursor];
+        if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
+            L.slot_expert[cursor] = e;
+            L.expert_slot[e]      = cursor;
+            return cursor++;
+        }
+    }
+    return -1;
+}
+
 // STREAM, one token: every expert that is cached or selected ends in a slot; dst = slot ids
 static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
     const int32_t N = mc.n_expert;
@@ -346,28 +365,14 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
     std::vector<moecache_io_job> jobs;
     int32_t cursor = 0;
     for (int32_t e = 0; e < N; e++) {
-        if (!L.keep[e]) {
+        if (!L.keep[e] || slot_holds(L, e)) {
             continue;
         }
-        const int32_t s0 = L.expert_slot[e];
-        if (s0 >= 0 && L.slot_expert[s0] == e) {
-            continue;
-        }
-        // a slot that holds nothing we keep; there is one, as |cached + selected| <= max(capacity, K)
-        int32_t s = -1;
-        for (; cursor < L.n_slots; cursor++) {
-            const int32_t held = L.slot_expert[cursor];
-            if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
-                s = cursor++;
-                break;
-            }
-        }
+        const int32_t s = take_slot(L, e, cursor);
         if (s < 0) {
             set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
             break;
         }
-        L.slot_expert[s] = e;
-        L.expert_slot[e] = s;
         for (const moecache_expert_tensor & x : L.xt) {
             // pieces that end on MOECACHE_IO_CHUNK boundaries of the file: one expert is several
             // reads in flight, so a token with a single miss still keeps the device busy
@@ -415,36 +420,30 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
 static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
     const int32_t N = mc.n_expert;
-    std::fill(L.keep.begin(), L.keep.end(), 0);
+    std::vector<uint8_t> touched(N, 0); // run by this ubatch: read through the mapping
     for (int64_t i = 0; i < n_ids; i++) {
-        if (!L.keep[ids[i]]) {
-            L.keep[ids[i]] = 1; // run by this ubatch: read through the mapping
+        if (!touched[ids[i]]) {
+            touched[ids[i]] = 1;
             willneed_expert(L, ids[i]);
         }
+    }
+    for (int32_t e = 0; e < N; e++) {
+        L.keep[e] = L.last_use[e] >= 0;
     }
     std::vector<moecache_io_job> jobs;
     int32_t cursor = 0;
     for (int32_t e = 0; e < N; e++) {
-        if (L.last_use[e] < 0) {
+        if (!L.keep[e] || slot_holds(L, e)) {
             continue;
         }
-        const int32_t s0 = L.expert_slot[e];
-        if (s0 >= 0 && L.slot_expert[s0] == e) {
-            continue;
-        }
-        int32_t s = -1;
-        for (; cursor < L.n_slots; cursor++) {
-            const int32_t held = L.slot_expert[cursor];
-            if (held < 0 || L.last_use[held] < 0 || L.expert_slot[held] != cursor) {
-                s = cursor++;
-                break;
-            }
-        }
+        const int32_t s = take_slot(L, e, cursor);
         if (s < 0) {
             break;
         }
-        L.slot_expert[s] = e;
-        L.expert_slot[e] = s;
+        if (!touched[e]) {
+            touched[e] = 1; // (a cached expert this ubatch does not run, e.g. after a state load)
+            willneed_expert(L, e);
+        }
         for (const moecache_expert_tensor & x : L.xt) {
             moecache_io_job j = {};
             j.kind = MOECACHE_IO_COPY;
@@ -455,11 +454,10 @@ static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids
             j.e    = e;
             jobs.push_back(j);
         }
-        L.keep[e] = 1;
     }
     io_run(*mc.io, jobs);
     for (int32_t e = 0; e < N; e++) {
-        if (L.keep[e]) {
+        if (touched[e]) {
             mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
             mc.drop_pending.emplace_back(L.il, e);
         }

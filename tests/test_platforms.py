@@ -50,17 +50,20 @@ def parse_report(text: str) -> dict:
     return {"gen": gen, "sel": sel, "layers": layers}
 
 
-@pytest.mark.parametrize("name,routing,cache", [
-    ("qwen2moe-60x4", "prior:0.5", 0.5),
-    ("mixtral-8x2", "max-rank:3", 0.5),
-    ("deepseek2-sigmoid-64x6", "lru", 0.25),
+@pytest.mark.parametrize("name,routing,cache,residency", [
+    ("qwen2moe-60x4", "prior:0.5", 0.5, "stream"),
+    ("mixtral-8x2", "max-rank:3", 0.5, "mmap"),
+    ("deepseek2-sigmoid-64x6", "lru", 0.25, "none"),
 ])
-def test_moecache_run_matches_the_python_package(fixture_dir, moecache_run, name, routing, cache):
+def test_moecache_run_matches_the_python_package(fixture_dir, moecache_run, name, routing, cache, residency):
+    """The same tokens, selections and counters, whatever the residency of either side (the
+    Python package streams: its default for a cache smaller than all experts)."""
     path = model_path(fixture_dir, name, ".Q8_0")
     r = subprocess.run([str(moecache_run), "-m", str(path), "-p", PROMPT, "-n", str(N_GEN), "-t", "2",
-                        "--cache", str(cache), "--routing", routing, "--trace"],
+                        "--cache", str(cache), "--routing", routing, "--trace", "--residency", residency],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert (f"{residency}: read" in r.stderr) == (residency != "none"), r.stderr
     cpp = parse_report(r.stdout)
     assert len(cpp["gen"]) == N_GEN and cpp["sel"]
 
