@@ -499,17 +499,24 @@ class Llama(llama_cpp.Llama):
 
     Args:
         model_path: a GGUF file.
-        cache: :class:`CacheConfig` (default: half of the routed experts per layer).
+        cache: :class:`CacheConfig` (default: half of the routed experts per layer, streamed:
+            the cached experts live in an mlocked slot arena and a miss reads the expert from
+            ``model_path``; ``CacheConfig(residency="none")`` keeps every expert resident).
         routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
             as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
             generated tokens (prompts use stock routing), as in the on-device deployment.
         **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, ...).
 
-    A dense model (no MoE layers) loads and runs with a warning, without a cache.
+    A dense model (no MoE layers) loads and runs with a warning, without a cache. If the model
+    file becomes unreadable during a run, the token that needed the expert raises
+    :class:`MoECacheIOError` (its output is discarded; the expert is read again next time).
 
     >>> llm = Llama("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.25))  # doctest: +SKIP
     >>> llm.set_routing("max-rank:4")                                               # doctest: +SKIP
+    >>> big = Llama("big-moe.gguf", cache=CacheConfig(size="3GiB"), routing="prior:0.5")  # doctest: +SKIP
+    >>> big.moe_stats().residency.summary()                                         # doctest: +SKIP
+    'stream: read 2.54 MiB/tok | per token: compute 20.39 ms, I/O wait 3.69 ms, routing 0.160 ms | rss 1244 MiB ...'
     """
 
     def __init__(self, model_path: str, *, cache: Optional[CacheConfig] = None,

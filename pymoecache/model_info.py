@@ -87,6 +87,11 @@ class ModelInfo:
             if ram_budget is not None:
                 n = self.cache_size_for_budget(ram_budget)
                 rows.append((f"cache size for {_fmt_bytes(ram_budget)}", f"{n} of {self.n_expert} experts per layer"))
+                slots = max(n, self.n_expert_used) * self.expert_bytes * self.n_moe_layer
+                rows.append(("streamed, in memory", f"{_fmt_bytes(slots)} of slots + {_fmt_bytes(self.non_expert_bytes)} "
+                             f"of other weights (+ KV cache and buffers)"
+                             + (f"; streaming needs at least K = {self.n_expert_used} slots per layer"
+                                if n < self.n_expert_used else "")))
         else:
             rows.append(("experts", "none: dense model, no MoE layers to cache"))
         w = max(len(k) for k, _ in rows)
