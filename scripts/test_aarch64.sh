@@ -72,7 +72,7 @@ M=tests/fixtures/models
 T=models
 build/x86_64/moecache-run --quantize $T/tiny-shakespeare-qwen2moe-60x4.gguf "$OUT/A.Q4_K_M.gguf" Q4_K_M 2>/dev/null
 build/x86_64/moecache-run --quantize $T/tiny-shakespeare-mixtral-8x2.gguf "$OUT/B.Q8_0.gguf" Q8_0 2>/dev/null
-# exact | model | routing | cache | prompt
+# exact | model | routing | cache | prompt [| residency of the aarch64 run: stream or mmap; x86-64 keeps every expert resident]
 # exact=1 (F16 weights): the reports must be byte-identical. exact=0: reported only (Q8_0, Q4_K,
 # and the random-weight olmoe, whose router has near-ties in its top-8 even at F16).
 # The quantized dot products of ggml sum in a different order with AVX2 than with NEON, so a
@@ -86,6 +86,9 @@ CASES=(
     "1|$M/qwen2moe-60x4.gguf|prior:0.5|0.5|It was a bright cold day"
     "1|$M/mixtral-8x2.gguf|prior:0.5:j=1|4|It was a bright cold day"
     "1|$M/deepseek2-sigmoid-64x6.gguf|topk|0.25|It was a bright cold day"
+    "1|$T/tiny-shakespeare-qwen2moe-60x4.gguf|prior:0.5|0.25|ROMEO:|stream"
+    "1|$M/deepseek2-sigmoid-64x6.gguf|prior:0.5|4|It was a bright cold day|stream"
+    "1|$M/mixtral-8x2.gguf|topk|0.5|It was a bright cold day|mmap"
     "0|$M/olmoe-64x8.gguf|cumsum:0.9|32|It was a bright cold day"
     "0|$OUT/A.Q4_K_M.gguf|max-rank:8:j=2|15|KING HENRY:"
     "0|$OUT/B.Q8_0.gguf|prior:0.5:j=1|4|KING HENRY:"
@@ -93,11 +96,13 @@ CASES=(
 )
 fail=0
 for c in "${CASES[@]}"; do
-    IFS='|' read -r exact model routing cache prompt <<<"$c"
-    name=$(basename "$model" .gguf)_${routing//:/-}
+    IFS='|' read -r exact model routing cache prompt residency <<<"$c"
+    residency=${residency:-none}
+    name=$(basename "$model" .gguf)_${routing//:/-}_${residency}
     args=(-m "$model" -p "$prompt" -n 24 -t 2 --cache "$cache" --routing "$routing" --trace)
     build/x86_64/moecache-run "${args[@]}" >"$OUT/$name.x86_64.txt" 2>"$OUT/$name.x86_64.log"
-    "$QEMU" build/aarch64/bin/moecache-run "${args[@]}" >"$OUT/$name.aarch64.txt" 2>"$OUT/$name.aarch64.log"
+    "$QEMU" build/aarch64/bin/moecache-run "${args[@]}" --residency "$residency" \
+        >"$OUT/$name.aarch64.txt" 2>"$OUT/$name.aarch64.log"
     n_sel=$(grep -c '^sel ' "$OUT/$name.x86_64.txt" || true)
     total=$(grep '^total ' "$OUT/$name.aarch64.txt" | sed 's/^total //')
     if [ "$n_sel" -gt 0 ] && cmp -s "$OUT/$name.x86_64.txt" "$OUT/$name.aarch64.txt"; then
