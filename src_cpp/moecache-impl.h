@@ -1,5 +1,6 @@
 // moecache-impl.h - internal state shared by moecache.cpp (API), moecache-route.cpp (policies,
-// LRU) and moecache-hook.cpp (ggml ops called from llama.cpp). Not installed.
+// LRU), moecache-hook.cpp (ggml ops called from llama.cpp) and moecache-residency.cpp (where the
+// experts' bytes live: slots, reads, page locks). Not installed.
 #pragma once
 
 #include "moecache.h"
