@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
 RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE_RESIDENCY_MMAP,
                "stream": C.MOECACHE_RESIDENCY_STREAM}
+RESIDENCY_NAMES = {code: name for name, code in RESIDENCIES.items()}  # enum value -> name
 
 
 def _with_j(spec: str, top_j: int) -> str:
@@ -347,9 +348,6 @@ class CacheConfig:
         if self.residency != "auto":
             return self.residency
         return "stream" if any(c < n_expert for c in capacities) else "none"
-
-    def residency_code(self, capacities: Sequence[int], n_expert: int) -> int:
-        return RESIDENCIES[self.residency_for(capacities, n_expert)]
 
     def n_cached_for(self, n_expert: int, expert_bytes_per_layer: Optional[float], n_moe_layer: int) -> int:
         """Experts per layer this config asks for, given the model's N and the bytes of one expert."""

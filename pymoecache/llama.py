@@ -24,18 +24,14 @@ import numpy as np
 import llama_cpp
 
 from . import _moecache_cpp as C
-from .config import RESIDENCIES, CacheConfig, ConfigError, Routing, TopK, parse_routing
-from .model_info import ModelInfo, model_info
+from .config import RESIDENCIES, RESIDENCY_NAMES, CacheConfig, ConfigError, Routing, TopK, parse_routing
+from .model_info import ModelInfo, _fmt_bytes, model_info
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
 
 
 class MoECacheError(RuntimeError):
     """The native moecache refused a call; the message says why."""
-
-
-def _fmt_mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _available_memory() -> int:
@@ -296,7 +292,7 @@ class MoECache:
                     and cp.n_cached < n_expert_used):
                 raise ConfigError(
                     f"cache budget {cache.size} holds {cp.n_cached} experts per layer, but streaming needs at least "
-                    f"K = {n_expert_used} slots per layer ({_fmt_mib(n_expert_used * expert_bytes * n_moe_layer)}): "
+                    f"K = {n_expert_used} slots per layer ({_fmt_bytes(n_expert_used * expert_bytes * n_moe_layer)}): "
                     "raise the budget or use residency='mmap'")
             cp.residency = RESIDENCIES[residency]
             cp.model_path = os.fsencode(model_path)
@@ -421,8 +417,7 @@ class MoECache:
         """I/O, time and memory of the expert residency (all zero but rss for ``"none"``)."""
         rs = C.moecache_residency_stats()
         _check(C.moecache_get_residency_stats(self._h, ctypes.byref(rs)))
-        names = {v: k for k, v in RESIDENCIES.items()}
-        return ResidencyStats(residency=names.get(rs.residency, "?"), io_threads=rs.io_threads,
+        return ResidencyStats(residency=RESIDENCY_NAMES.get(rs.residency, "?"), io_threads=rs.io_threads,
                               direct_io=rs.direct_io, locked=rs.locked, arena_bytes=rs.arena_bytes,
                               locked_bytes=rs.locked_bytes, expert_bytes=rs.expert_bytes,
                               decode_tokens=rs.decode_tokens, decode_loads=rs.decode_loads,
@@ -532,7 +527,7 @@ class Llama(llama_cpp.Llama):
             cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
-            residency = {v: k for k, v in RESIDENCIES.items()}[cp.residency]
+            residency = RESIDENCY_NAMES[cp.residency]
             top_j = getattr(routing, "top_j", 0)
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")

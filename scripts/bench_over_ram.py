@@ -25,15 +25,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_residency import MiB, ROOT, TEXT, drop_page_cache, vm_hwm  # noqa: E402
+from bench_residency import MiB, ROOT, add_decode_options, decode_text, drop_page_cache, proc_kib_field,  # noqa: E402
+                             vm_hwm)
 
 
 def mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_kib_field("/proc/meminfo", "MemTotal")
 
 
 def over_ram_model(size_gb: float) -> Path:
@@ -46,7 +43,6 @@ def over_ram_model(size_gb: float) -> Path:
 
 
 def worker(args) -> None:
-    import numpy as np
     import pymoecache
     import llama_cpp
 
@@ -60,17 +56,7 @@ def worker(args) -> None:
         llm = pymoecache.Llama(args.model, cache=pymoecache.CacheConfig(size=args.cache, residency="stream"),
                                routing="prior:0.5", **kw)
     t_load = time.perf_counter() - t0
-    text = TEXT.read_text(encoding="utf-8")[:50_000] if TEXT.exists() else None
-    n = args.prompt_tokens + args.warmup + args.tokens
-    stream = (llm.tokenize(text.encode(), add_bos=False)[:n] if text
-              else np.random.default_rng(0).integers(300, 30000, n).tolist())
-    llm.eval(stream[: args.prompt_tokens])
-    for t in stream[args.prompt_tokens: args.prompt_tokens + args.warmup]:
-        llm.eval([t])
-    t0 = time.perf_counter()
-    for t in stream[args.prompt_tokens + args.warmup:]:
-        llm.eval([t])
-    dt = time.perf_counter() - t0
+    dt = decode_text(llm, args)
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * 4096
     out = {"mode": args.mode, "load_s": t_load, "tok_s": args.tokens / dt, "rss_mib": rss / MiB,
@@ -86,10 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=0.0, help="model size in GB (default: 1.15 x RAM)")
     ap.add_argument("--cache", type=float, default=0.25, help="stream: share of experts cached (default %(default)s)")
-    ap.add_argument("--tokens", type=int, default=16, help="timed decode tokens (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed decode tokens first (default %(default)s)")
-    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+    add_decode_options(ap, tokens=16, warmup=8, prompt_tokens=16)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -63,17 +63,50 @@ def drop_page_cache(path: Path) -> str:
         return "fadvise"
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
+def proc_kib_field(path: str, key: str) -> int:
+    """A "Key:   123 kB" line of a /proc file, in bytes (0 if absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
+def vm_hwm() -> int:
+    return proc_kib_field("/proc/self/status", "VmHWM")  # peak resident set of this process
+
+
+def add_decode_options(ap: argparse.ArgumentParser, tokens: int, warmup: int, prompt_tokens: int) -> None:
+    """The options of one measured run, shared with bench_over_ram.py."""
+    ap.add_argument("--tokens", type=int, default=tokens, help="timed decode tokens per run (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=warmup, help="untimed decode tokens first (default %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=prompt_tokens, help="prompt length (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+
+
+def decode_text(llm, args) -> float:
+    """Evaluate a --prompt-tokens prompt, --warmup untimed and --tokens timed one-token decodes of
+    WikiText-2 (teacher-forced); returns the seconds of the timed ones. Statistics are reset after
+    the warm-up when ``llm`` is a pymoecache.Llama."""
+    import numpy as np
+
+    n = args.prompt_tokens + args.warmup + args.tokens
+    text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
+    stream = (llm.tokenize(text.encode(), add_bos=False)[:n] if text
+              else np.random.default_rng(0).integers(300, 30000, n).tolist())  # no corpus: fixed pseudo-random tokens
+    llm.eval(stream[: args.prompt_tokens])
+    for t in stream[args.prompt_tokens: args.prompt_tokens + args.warmup]:
+        llm.eval([t])
+    if hasattr(llm, "reset_moe_stats"):
+        llm.reset_moe_stats()
+    t0 = time.perf_counter()
+    for t in stream[args.prompt_tokens + args.warmup:]:
+        llm.eval([t])
+    return time.perf_counter() - t0
+
+
 def worker(args) -> None:
     """One measurement, in its own process: prints one JSON line."""
-    import numpy as np
     import pymoecache
 
     how = drop_page_cache(Path(args.model))
@@ -82,25 +115,7 @@ def worker(args) -> None:
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
     t_load = time.perf_counter() - t0
-    text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
-    if text:
-        stream = llm.tokenize(text.encode(), add_bos=False)[: args.prompt_tokens + args.warmup + args.tokens]
-    else:  # no corpus next to the checkout: a fixed pseudo-random token stream
-        stream = np.random.default_rng(0).integers(300, 30000, args.prompt_tokens + args.warmup + args.tokens).tolist()
-    llm.eval(stream[: args.prompt_tokens])
-    pos = args.prompt_tokens
-
-    def decode(n):
-        nonlocal pos
-        for _ in range(n):
-            llm.eval([stream[pos]])
-            pos += 1
-
-    decode(args.warmup)
-    llm.reset_moe_stats()
-    t0 = time.perf_counter()
-    decode(args.tokens)
-    dt = time.perf_counter() - t0
+    dt = decode_text(llm, args)
     st = llm.moe_stats()
     rs = st.residency
     info = llm.model_info
@@ -112,7 +127,7 @@ def worker(args) -> None:
         "compute_ms": rs.t_compute_ms_per_token, "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
         "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
         "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
-        "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if text else "random",
+        "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if TEXT.exists() else "random",
     }))
 
 
@@ -130,10 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=2200, help="model file size in MB (default %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every setting (default %(default)s)")
-    ap.add_argument("--tokens", type=int, default=96, help="timed decode tokens per run (default %(default)s)")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=32, help="untimed decode tokens first (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+    add_decode_options(ap, tokens=96, warmup=32, prompt_tokens=128)
     ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--csv", help="write every run to this CSV file")

@@ -76,6 +76,7 @@ struct moecache_io_job {
 };
 
 struct moecache_io {
+    std::vector<moecache_io_job> scratch; // the op's job list, reused token after token (no allocation)
     std::vector<std::thread> workers;
     std::mutex               mu;
     std::condition_variable  cv_work;
@@ -353,36 +354,30 @@ static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
     return -1;
 }
 
-// STREAM, one token: every expert that is cached or selected ends in a slot; dst = slot ids
-static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
-    const int32_t N = mc.n_expert;
-    for (int32_t e = 0; e < N; e++) {
-        L.keep[e] = L.last_use[e] >= 0;
-    }
-    for (int64_t i = 0; i < n_ids; i++) {
-        L.keep[ids[i]] = 1;
-    }
-    std::vector<moecache_io_job> jobs;
+// Gives every expert of L.keep that no slot holds a slot, and queues the jobs that fill it:
+// reads from the file in MOECACHE_IO_CHUNK pieces (so even a single miss keeps several reads in
+// flight), or copies from the mapping. Returns false if a slot was missing, which cannot happen.
+static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vector<moecache_io_job> & jobs) {
     int32_t cursor = 0;
-    for (int32_t e = 0; e < N; e++) {
+    for (int32_t e = 0; e < (int32_t) L.keep.size(); e++) {
         if (!L.keep[e] || slot_holds(L, e)) {
             continue;
         }
         const int32_t s = take_slot(L, e, cursor);
         if (s < 0) {
-            set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
-            break;
+            return false;
         }
         for (const moecache_expert_tensor & x : L.xt) {
-            // pieces that end on MOECACHE_IO_CHUNK boundaries of the file: one expert is several
-            // reads in flight, so a token with a single miss still keeps the device busy
-            const uint64_t off = x.file_off + (uint64_t) e * x.nb2;
-            char * dst = (char *) x.slots_t->data + (size_t) s * x.nb2;
+            const uint64_t off   = x.file_off + (uint64_t) e * x.nb2;
+            char *         dst   = (char *) x.slots_t->data + (size_t) s * x.nb2;
             for (uint64_t o = off; o < off + x.nb2;) {
-                const uint64_t end = std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK);
+                const uint64_t end = kind == MOECACHE_IO_READ
+                    ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
+                    : off + x.nb2;
                 moecache_io_job j = {};
-                j.kind = MOECACHE_IO_READ;
+                j.kind = kind;
                 j.dst  = dst + (o - off);
+                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
                 j.off  = o;
                 j.len  = (size_t) (end - o);
                 j.il   = L.il;
@@ -392,13 +387,28 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
             }
         }
     }
+    return true;
+}
+
+// STREAM, one token: every expert that is cached or selected ends in a slot; out = slot ids
+static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+    for (size_t e = 0; e < L.keep.size(); e++) {
+        L.keep[e] = L.last_use[e] >= 0;
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        L.keep[ids[i]] = 1;
+    }
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
+    if (!plan_slot_fills(L, MOECACHE_IO_READ, jobs)) {
+        set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
+    }
     io_run(*mc.io, jobs);
-    int64_t loads = 0;
     int32_t last_e = -1;
     for (const moecache_io_job & j : jobs) {
         mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
         if (j.e != last_e) {
-            loads++;
+            mc.rst.decode_loads += 1; // an expert's pieces are queued together
             last_e = j.e;
         }
         if (j.err != 0) {
@@ -410,7 +420,6 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
             set_io_error(mc, buf);
         }
     }
-    mc.rst.decode_loads += loads;
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.expert_slot[ids[i]];
         out[i] = s >= 0 && s < L.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
@@ -419,55 +428,34 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
 
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
 static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
-    const int32_t N = mc.n_expert;
-    std::vector<uint8_t> touched(N, 0); // run by this ubatch: read through the mapping
+    std::vector<uint8_t> touched(L.keep.size(), 0); // read through the mapping by this ubatch: dropped later
     for (int64_t i = 0; i < n_ids; i++) {
-        if (!touched[ids[i]]) {
-            touched[ids[i]] = 1;
-            willneed_expert(L, ids[i]);
-        }
+        touched[ids[i]] = 1;
     }
-    for (int32_t e = 0; e < N; e++) {
+    for (size_t e = 0; e < L.keep.size(); e++) {
         L.keep[e] = L.last_use[e] >= 0;
     }
-    std::vector<moecache_io_job> jobs;
-    int32_t cursor = 0;
-    for (int32_t e = 0; e < N; e++) {
-        if (!L.keep[e] || slot_holds(L, e)) {
-            continue;
-        }
-        const int32_t s = take_slot(L, e, cursor);
-        if (s < 0) {
-            break;
-        }
-        if (!touched[e]) {
-            touched[e] = 1; // (a cached expert this ubatch does not run, e.g. after a state load)
-            willneed_expert(L, e);
-        }
-        for (const moecache_expert_tensor & x : L.xt) {
-            moecache_io_job j = {};
-            j.kind = MOECACHE_IO_COPY;
-            j.dst  = (char *) x.slots_t->data + (size_t) s * x.nb2;
-            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
-            j.len  = x.nb2;
-            j.il   = L.il;
-            j.e    = e;
-            jobs.push_back(j);
-        }
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
+    plan_slot_fills(L, MOECACHE_IO_COPY, jobs);
+    for (const moecache_io_job & j : jobs) {
+        touched[j.e] = 1; // (also a cached expert this ubatch does not run, e.g. after a state load)
     }
-    io_run(*mc.io, jobs);
-    for (int32_t e = 0; e < N; e++) {
+    for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
         if (touched[e]) {
+            willneed_expert(L, e); // one large read request before the matmul or the copy faults it in
             mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
             mc.drop_pending.emplace_back(L.il, e);
         }
     }
+    io_run(*mc.io, jobs);
 }
 
 // MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
 static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
     const int32_t N = mc.n_expert;
-    std::vector<moecache_io_job> jobs;
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
     for (int32_t e = 0; e < N; e++) {
         const bool want = L.last_use[e] >= 0;
         if (want && !L.locked[e]) {
@@ -737,9 +725,6 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         }
         L.keep.assign(mc.n_expert, 0);
         L.locked.assign(mc.n_expert, 0);
-        if (mc.rst.expert_bytes == 0) {
-            mc.rst.expert_bytes = (int64_t) L.expert_bytes;
-        }
     }
     if (cp.residency == MOECACHE_RESIDENCY_MMAP) {
         return MOECACHE_OK;
@@ -791,7 +776,6 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             p += round_up((size_t) L.n_slots * x.nb2, page_size());
         }
     }
-    mc.rst.arena_bytes = (int64_t) total;
     return MOECACHE_OK;
 }
 
@@ -861,7 +845,14 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         return MOECACHE_ERR_INVALID;
     }
     *out = mc->rst;
-    out->residency  = mc->cparams.residency;
+    out->residency   = mc->cparams.residency;
+    out->arena_bytes = (int64_t) mc->arena_size;
+    for (const moecache_layer & L : mc->layers) {
+        if (!L.xt.empty()) {
+            out->expert_bytes = (int64_t) L.expert_bytes; // the first MoE layer's
+            break;
+        }
+    }
     out->io_threads = mc->io ? (int32_t) mc->io->workers.size() : 0;
     out->direct_io  = mc->fd_direct >= 0;
     out->locked     = mc->cparams.lock_memory &&

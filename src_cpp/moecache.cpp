@@ -296,10 +296,7 @@ void moecache_reset_stats(struct moecache * mc) {
         }
     }
     mc->trace_total = 0;
-    const moecache_residency_stats keep = mc->rst;
     mc->rst = {};
-    mc->rst.arena_bytes  = keep.arena_bytes;
-    mc->rst.expert_bytes = keep.expert_bytes;
     mc->t_route_decode_us = 0;
     mc->t_io_decode_us    = 0;
     mc->t_io_prompt_us    = 0;
