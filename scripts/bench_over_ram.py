@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_residency import MiB, ROOT, add_decode_options, decode_text, drop_page_cache, proc_kib_field,  # noqa: E402
-                             vm_hwm)
+from bench_residency import (MiB, ROOT, add_decode_options, decode_text, drop_page_cache,  # noqa: E402
+                             proc_kib_field, vm_hwm)
 
 
 def mem_total() -> int:
