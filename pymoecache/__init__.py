@@ -10,10 +10,12 @@ Prior(strength=0.5, top_j=1)
 """
 
 from . import _moecache_cpp as _C  # loads our libllama through llama_cpp (raises ImportError if it can't)
-from .config import (CacheConfig, ConfigError, CumsumThreshold, DropRank, MaxRank, Prior, Prune, SwapRank, TopK,
+from .errors import (ConcurrentUseError, ConfigError, Error, ModelFileError, ModelLoadError, ModelNotFoundError,
+                     MoECacheError, MoECacheIOError, StateFileError)
+from .config import (CacheConfig, CumsumThreshold, DropRank, MaxRank, Prior, Prune, SwapRank, TopK,
                      parse_cache_size, parse_routing)
-from .llama import Llama, MoECache, MoECacheError, MoECacheIOError, MoEStats, ResidencyStats, auto_cache_size
-from .model_info import ModelFileError, ModelInfo, model_info
+from .llama import Llama, MoECache, MoEStats, ResidencyStats, auto_cache_size
+from .model_info import ModelInfo, model_info
 from .models import default_model_path
 
 __version__ = "0.1.0"
@@ -25,7 +27,8 @@ def native_version() -> str:
 
 
 __all__ = [
-    "CacheConfig", "ConfigError", "CumsumThreshold", "DropRank", "Llama", "MaxRank", "MoECache", "MoECacheError",
-    "MoECacheIOError", "MoEStats", "ResidencyStats", "auto_cache_size", "ModelFileError", "ModelInfo", "Prior", "Prune", "SwapRank", "TopK", "default_model_path",
-    "model_info", "native_version", "parse_cache_size", "parse_routing",
+    "CacheConfig", "ConcurrentUseError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "Llama", "MaxRank",
+    "MoECache", "MoECacheError", "MoECacheIOError", "MoEStats", "ModelFileError", "ModelInfo", "ModelLoadError",
+    "ModelNotFoundError", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",
+    "auto_cache_size", "default_model_path", "model_info", "native_version", "parse_cache_size", "parse_routing",
 ]

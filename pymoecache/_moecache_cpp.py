@@ -10,7 +10,7 @@ from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32
 
 from ._lib import load_llama_cpp
 
-MOECACHE_ABI_VERSION = 3
+MOECACHE_ABI_VERSION = 4
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -21,6 +21,11 @@ MOECACHE_ERR_IO = -3
 MOECACHE_ERR_MISMATCH = -4
 MOECACHE_ERR_STATE = -5
 MOECACHE_ERR_RESIDENCY = -6
+MOECACHE_ERR_CORRUPT = -7
+MOECACHE_ERR_NO_MEMORY = -8
+MOECACHE_MAX_EXPERTS = 4096
+MOECACHE_MAX_LAYERS = 4096
+MOECACHE_MAX_TRACE = 1 << 24
 
 # enum moecache_residency
 MOECACHE_RESIDENCY_NONE = 0

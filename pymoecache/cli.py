@@ -7,23 +7,36 @@
     pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
     pymoecache serve MODEL --prior 0.5 --port 8000
 
-User errors print one line and exit with code 2; no tracebacks.
+User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
+internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
+Never a traceback otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
 from . import cli_eval, server
 
+from .errors import Error
+
 EXIT_USAGE = 2
+EXIT_INTERNAL = 1
 
 
-class UserError(Exception):
+class UserError(Error):
     """An error caused by the command's input: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage stays in --help); subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False) -> None:
@@ -94,7 +107,7 @@ def _routing_from_args(args):
         return CumsumThreshold(args.cumsum, top_j=j)
     if args.prune is not None:
         return Prune(args.prune, top_j=j)
-    if args.routing:
+    if args.routing is not None:  # "" is refused by the parser, not taken for lru
         routing = parse_routing(args.routing, top_j=args.top_j)
     else:
         routing = TopK()
@@ -164,8 +177,20 @@ def cmd_run(args) -> int:
     out = sys.stdout
     _perf_reset(llm)
     text = []
+    if not args.chat:
+        n_prompt_tokens = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=False))
+        if n_prompt_tokens + max(args.n, 1) > llm.n_ctx():
+            raise UserError(f"the prompt ({n_prompt_tokens} tokens) and -n {args.n} do not fit in the context of "
+                            f"{llm.n_ctx()} tokens: raise --ctx or shorten them")
+    # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
     kw = dict(max_tokens=args.n, temperature=args.temp, seed=args.seed, stream=True)
-    if args.chat:
+    if args.n == 0:
+        import llama_cpp
+
+        llm.eval(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True))
+        llama_cpp.llama_synchronize(llm._ctx.ctx)  # llama.cpp counts a prompt's time when it syncs
+        pieces = iter(())
+    elif args.chat:
         stream = llm.create_chat_completion(messages=[{"role": "user", "content": args.prompt}], **kw)
         pieces = (c["choices"][0]["delta"].get("content", "") for c in stream)
     else:
@@ -173,11 +198,14 @@ def cmd_run(args) -> int:
         pieces = (c["choices"][0]["text"] for c in stream)
     if not args.json:
         out.write(args.prompt if not args.chat else "")
-    for piece in pieces:
-        text.append(piece)
-        if not args.json:
-            out.write(piece)
-            out.flush()
+    try:
+        for piece in pieces:
+            text.append(piece)
+            if not args.json:
+                out.write(piece)
+                out.flush()
+    except ValueError as e:  # llama-cpp-python: "Requested tokens (...) exceed context window of ..."
+        raise UserError(str(e)) from None
     n_prompt, t_prompt, n_decoded, t_gen = _perf(llm)
     n_gen = n_decoded + 1 if text else 0  # the last sampled token is never decoded
     st = llm.moe_stats()
@@ -346,7 +374,7 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="pymoecache",
         description="Run Mixture-of-Experts GGUF models with a per-layer expert cache and cache-aware routing.",
         epilog="Run `pymoecache COMMAND --help` for the options of each command.")
@@ -399,10 +427,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    if getattr(args, "n", 1) is not None and getattr(args, "n", 1) < 0:
-        raise UserError("-n must be >= 0")
-    if getattr(args, "top_j", None) is not None and args.top_j < 0:
-        raise UserError("--top-j must be >= 0")
+    """Integer options are checked here, before anything reaches ctypes (no wrap-around)."""
+    from .config import INT32_MAX
+
+    n = getattr(args, "n", None)
+    if n is not None and not 0 <= n <= INT32_MAX:
+        raise UserError(f"-n must be in [0, {INT32_MAX}], got {n}")
+    top_j = getattr(args, "top_j", None)
+    if top_j is not None and not 0 <= top_j <= INT32_MAX:
+        raise UserError(f"--top-j must be in [0, {INT32_MAX}], got {top_j}")
+    if getattr(args, "routing", None) is not None and not args.routing.strip():
+        raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
+    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "port"):
+        v = getattr(args, name, None)
+        if v is not None and not -INT32_MAX <= v <= INT32_MAX:
+            raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -411,20 +454,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "command", None):
         ap.print_help()
         return EXIT_USAGE
+    where = f"pymoecache {args.command}"
     try:
         _validate(args)
-        from .config import ConfigError
-        from .model_info import ModelFileError
-
-        try:
-            return args.func(args)
-        except (ConfigError, ModelFileError, FileNotFoundError) as e:
-            raise UserError(str(e))
-    except UserError as e:
-        print(f"pymoecache {args.command}: error: {e}", file=sys.stderr)
+        return args.func(args)
+    except Error as e:  # every user error of the package: files, parameters, state, I/O
+        print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a file the user named cannot be read or written
+        print(f"{where}: error: {e.strerror or _one_line(e)}" + (f": {e.filename}" if e.filename else ""),
+              file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug of ours: one line, the traceback on request
+        if os.environ.get("PYMOECACHE_DEBUG"):
+            raise
+        print(f"{where}: internal error: {type(e).__name__}: {_one_line(e)[:500]} "
+              "(PYMOECACHE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from . import _moecache_cpp as C
-
-
-class ConfigError(ValueError):
-    """A routing or cache parameter is out of range or cannot be parsed."""
+from .errors import ConfigError
 
 
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
@@ -35,9 +32,16 @@ def _with_j(spec: str, top_j: int) -> str:
     return spec if top_j == 1 else f"{spec}:j={top_j}"
 
 
+INT32_MAX = 2**31 - 1  # integer parameters reach the C library as int32: larger ones are refused, never wrapped
+
+
+def _check_int(what: str, v, lo: int, hi: int = INT32_MAX) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
 def _check_top_j(top_j: int) -> None:
-    if not isinstance(top_j, int) or top_j < 0:
-        raise ConfigError(f"top_j must be an integer >= 0, got {top_j!r}")
+    _check_int("top_j", top_j, 0, C.MOECACHE_MAX_EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,7 @@ class Prune:
     top_j: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"prune rank R must be an integer >= 1, got {self.rank!r}")
+        _check_int("prune rank R", self.rank, 1)
         _check_top_j(self.top_j)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
@@ -88,8 +91,7 @@ class MaxRank:
     top_j: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.m, int) or self.m < 0:
-            raise ConfigError(f"max-rank m must be an integer >= 0, got {self.m!r}")
+        _check_int("max-rank m", self.m, 0)
         _check_top_j(self.top_j)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
@@ -112,7 +114,7 @@ class CumsumThreshold:
     top_j: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.tau, (int, float)) or not (0.0 <= self.tau <= 1.0):
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not (0.0 <= self.tau <= 1.0):
             raise ConfigError(f"cumsum tau must be a number in [0, 1], got {self.tau!r}")
         _check_top_j(self.top_j)
 
@@ -137,7 +139,8 @@ class Prior:
     top_j: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.strength, (int, float)) or not math.isfinite(self.strength) or self.strength < 0:
+        if (isinstance(self.strength, bool) or not isinstance(self.strength, (int, float))
+                or not math.isfinite(self.strength) or self.strength < 0):
             raise ConfigError(f"prior strength (lambda) must be a finite number >= 0, got {self.strength!r}")
         _check_top_j(self.top_j)
 
@@ -160,8 +163,7 @@ class DropRank:
     rank: int
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ConfigError(f"drop-rank i must be an integer >= 0, got {self.rank!r}")
+        _check_int("drop-rank i", self.rank, 0)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.top_j = C.MOECACHE_POLICY_DROP_RANK, self.rank, 0
@@ -184,10 +186,8 @@ class SwapRank:
     seed: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ConfigError(f"swap-rank i must be an integer >= 0, got {self.rank!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ConfigError(f"swap-rank seed must be an integer in [0, 2**32), got {self.seed!r}")
+        _check_int("swap-rank i", self.rank, 0)
+        _check_int("swap-rank seed", self.seed, 0, 2**32 - 1)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.analysis_seed, p.top_j = C.MOECACHE_POLICY_SWAP_RANK, self.rank, self.seed, 0
@@ -197,6 +197,7 @@ class SwapRank:
 
 
 Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank]
+ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)
 
 _SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?\s*$")
 ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2); "
@@ -211,6 +212,8 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     >>> parse_routing("cumsum:0.7", top_j=0)
     CumsumThreshold(tau=0.7, top_j=0)
     """
+    if not isinstance(spec, str):
+        raise ConfigError(f"a routing spec is a string such as 'prior:0.5', got {spec!r}")
     m = _SPEC_RE.match(spec.lower())
     if not m:
         raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")
@@ -324,8 +327,7 @@ class CacheConfig:
         if isinstance(self.size, bool):
             raise ConfigError("cache size must be a count, a fraction or a byte budget, not a bool")
         if isinstance(self.size, int):
-            if self.size < 0:
-                raise ConfigError(f"cache size {self.size} must be >= 0")
+            _check_int("cache size", self.size, 0, C.MOECACHE_MAX_EXPERTS)
         elif isinstance(self.size, float):
             if not 0.0 <= self.size <= 1.0:
                 raise ConfigError(f"cache fraction {self.size} must be in [0, 1]")
@@ -336,12 +338,17 @@ class CacheConfig:
             raise ConfigError(f"cache size must be int, float or str, got {type(self.size).__name__}")
         if self.insertion not in ("top-bottom", "bottom-top"):
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {self.insertion!r}")
-        if not isinstance(self.trace, int) or self.trace < 0:
-            raise ConfigError(f"trace must be a number of records >= 0, got {self.trace!r}")
+        _check_int("trace (records kept)", self.trace, 0, C.MOECACHE_MAX_TRACE)
+        if self.per_layer is not None:
+            if isinstance(self.per_layer, (str, bytes)) or not hasattr(self.per_layer, "__len__"):
+                raise ConfigError(f"per_layer must be a list of cache sizes, got {self.per_layer!r}")
+            if len(self.per_layer) > C.MOECACHE_MAX_LAYERS:
+                raise ConfigError(f"per_layer has {len(self.per_layer)} entries, more than any model's layers")
+            for x in self.per_layer:
+                _check_int("a per-layer cache size (-1 = the default)", x, -1, C.MOECACHE_MAX_EXPERTS)
         if self.residency not in RESIDENCIES:
             raise ConfigError(f"residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}")
-        if not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
-            raise ConfigError(f"io_threads must be an integer in [1, 64], got {self.io_threads!r}")
+        _check_int("io_threads", self.io_threads, 1, 64)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""
@@ -363,7 +370,8 @@ class CacheConfig:
             budget = parse_bytes(self.size)
             if not expert_bytes_per_layer or n_moe_layer <= 0:
                 raise ConfigError("a memory budget needs the model's expert sizes, which are unknown")
-            n = int(budget // (expert_bytes_per_layer * n_moe_layer))
+            # a budget above all experts keeps all of them (as `info --ram` says)
+            n = min(n_expert, int(budget // (expert_bytes_per_layer * n_moe_layer)))
         if n > n_expert:
             raise ConfigError(f"cache size {n} is larger than the model's {n_expert} routed experts per layer")
         return n

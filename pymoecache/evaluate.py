@@ -29,12 +29,13 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK
+from .errors import Error
 from .llama import MoEStats
 
 TRACE_FORMAT = "pymoecache-trace"
 
 
-class EvalError(ValueError):
+class EvalError(Error, ValueError):
     """An evaluation cannot run as asked (missing text, context too small, bad sweep spec, ...)."""
 
 

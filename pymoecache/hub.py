@@ -17,10 +17,12 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from .errors import Error
+
 PIP_HUB = 'pip install "huggingface-hub>=0.23"'
 
 
-class HubError(RuntimeError):
+class HubError(Error, RuntimeError):
     """A model could not be found or downloaded; the one-line message says why and what to do."""
 
 

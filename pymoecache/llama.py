@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import json
+import math
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,14 +27,96 @@ import numpy as np
 import llama_cpp
 
 from . import _moecache_cpp as C
-from .config import RESIDENCIES, RESIDENCY_NAMES, CacheConfig, ConfigError, Routing, TopK, parse_routing
+from .config import (RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing, TopK,
+                     parse_routing)
+from .errors import (ConcurrentUseError, MoECacheError, MoECacheIOError, ModelFileError, ModelLoadError,
+                     StateFileError)
 from .model_info import ModelInfo, _fmt_bytes, model_info
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
+CALIBRATION_FORMAT = "pymoecache-prior-calibration"
+_MAX_JSON_BYTES = 64 << 20
+_MAX_THREADS = 512    # GGML_MAX_N_THREADS
+_INT31 = 2**31 - 1
 
 
-class MoECacheError(RuntimeError):
-    """The native moecache refused a call; the message says why."""
+# --- llama.cpp's log, kept even when verbose=False -------------------------------------------------
+# llama-cpp-python silences llama.cpp while a model loads with verbose=False, so its reason for
+# refusing a file would be lost. Every line also goes to llama-cpp-python's own callback (which
+# prints or not, as before); warnings and errors stay in a small ring buffer for our messages.
+_LOG_TAIL: "collections.deque[str]" = collections.deque(maxlen=12)
+_LOG_LEVEL_WARN, _LOG_LEVEL_CONT = 3, 5   # enum ggml_log_level (ggml.h)
+_log_last_level = 0
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data) -> None:
+    global _log_last_level
+    from llama_cpp import _logger
+
+    keep = level >= _LOG_LEVEL_WARN if level != _LOG_LEVEL_CONT else _log_last_level >= _LOG_LEVEL_WARN
+    if level != _LOG_LEVEL_CONT:
+        _log_last_level = level
+    if keep and text:
+        line = text.decode("utf-8", "replace").strip()
+        if line:
+            _LOG_TAIL.append(line)
+    _logger.llama_log_callback(level, text, user_data)
+
+
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def _log_reason(n: int = 3) -> str:
+    """llama.cpp's last warning/error lines since the last call (cleared), or ''."""
+    lines = list(_LOG_TAIL)[-n:]
+    _LOG_TAIL.clear()
+    return " | ".join(lines)
+
+
+# one model load at a time: llama-cpp-python's verbose=False swaps the process's stdout/stderr
+# file descriptors while it loads, and moecache_set_load_residency is process-wide
+_LOAD_LOCK = threading.Lock()
+
+
+def _check_int(name: str, v, lo: int, hi: int, *, none_ok: bool = False) -> None:
+    """ConfigError unless ``v`` is an int in [lo, hi] (integers reach ctypes unchecked otherwise)."""
+    if v is None and none_ok:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def _check_llama_kwargs(kw: dict) -> None:
+    """Range checks for the llama_cpp.Llama options that reach ctypes as fixed-width integers."""
+    for name in ("n_ctx", "n_batch", "n_ubatch"):
+        if name in kw:
+            _check_int(name, kw[name], 0 if name == "n_ctx" else 1, _INT31)
+    if 0 < kw.get("n_ctx", 0) < 8:
+        raise ConfigError(f"n_ctx = {kw['n_ctx']} is too small: use 0 (the model's training context) or at least 8")
+    for name in ("n_threads", "n_threads_batch"):
+        if kw.get(name) is not None and kw[name] != -1:
+            _check_int(name, kw[name], 1, _MAX_THREADS)
+    if "seed" in kw:
+        _check_int("seed", kw["seed"], -1, 2**32 - 1)
+    if "n_gpu_layers" in kw:
+        _check_int("n_gpu_layers", kw["n_gpu_layers"], -1, _INT31)
+
+
+def _file_signature(path: str) -> Tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _checked_path(path: "os.PathLike[str] | str", what: str) -> bytes:
+    """``path`` as bytes for the C API; StateFileError for a path ctypes would cut at a NUL."""
+    try:
+        b = os.fsencode(path)
+    except TypeError:
+        raise StateFileError(f"{what} path must be a string or os.PathLike, got {type(path).__name__}") from None
+    if b"\0" in b or not b:
+        raise StateFileError(f"{what} path {path!r} is empty or contains a NUL byte")
+    return b
 
 
 def _available_memory() -> int:
@@ -69,19 +154,66 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     return max(0, info.cache_size_for_budget(max(0, budget)))
 
 
+def write_atomic(path: "os.PathLike[str] | str", data: bytes, what: str) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it and rename it over ``path``:
+    a failed write (disk full, no permission) leaves the old file and raises StateFileError."""
+    target = os.fsdecode(_checked_path(path, what))
+    tmp = f"{target}.tmp.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise StateFileError(f"cannot write {what} {target}: {e.strerror or e}") from None
+
+
+def read_json_file(path: "os.PathLike[str] | str", what: str):
+    """Parse a small JSON file; StateFileError for anything but a readable regular file of valid JSON."""
+    import stat
+
+    p = os.fsdecode(_checked_path(path, what))
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO never blocks us
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StateFileError(f"{what} {p} is not a regular file")
+            if st.st_size > _MAX_JSON_BYTES:
+                raise StateFileError(f"{what} {p} is too large ({st.st_size} bytes)")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(_MAX_JSON_BYTES + 1)
+        finally:
+            os.close(fd)
+        return json.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise StateFileError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON (json.JSONDecodeError is a ValueError)
+        raise StateFileError(f"{what} {p} is not valid JSON: {str(e)[:200]}") from None
+
+
 def _as_routing(routing: Union[Routing, str]) -> Routing:
-    return parse_routing(routing) if isinstance(routing, str) else routing
+    if isinstance(routing, str):
+        return parse_routing(routing)
+    if not isinstance(routing, ROUTING_TYPES):
+        raise ConfigError(f"routing must be a spec string such as 'prior:0.5' or a policy object "
+                          f"(Prior(0.5), MaxRank(4), ...), got {routing!r}")
+    return routing
 
 
-def _check(rc: int) -> None:
+def _check(rc: int, error: type = MoECacheError) -> None:
     if rc != C.MOECACHE_OK:
         msg = C.last_error()
-        raise (ConfigError if rc == C.MOECACHE_ERR_INVALID else MoECacheError)(msg)
-
-
-class MoECacheIOError(MoECacheError):
-    """An expert could not be read from the model file (truncated, unreadable) during a decode;
-    that decode's output was discarded and the expert will be read again next time."""
+        raise (ConfigError if rc == C.MOECACHE_ERR_INVALID else error)(msg)
 
 
 @dataclass
@@ -457,33 +589,45 @@ class MoECache:
 
     def save_prior_calibration(self, path: "os.PathLike[str] | str", model: str = "") -> None:
         """Write the per-layer Delta_l measured so far (running means) as JSON, to be loaded with
-        :meth:`load_prior_calibration` instead of starting the running mean from scratch."""
+        :meth:`load_prior_calibration` instead of starting the running mean from scratch.
+        Written atomically (temporary file, fsync, rename); StateFileError on any write error."""
         st = self.stats()
         delta = np.zeros(self.n_layer, dtype=np.float64)
         delta[st.moe_layers] = st.delta_per_layer
         if not st.tokens:
             raise MoECacheError("no tokens routed yet: run some text through the model before calibrating")
-        Path(path).write_text(json.dumps({"format": "pymoecache-prior-calibration", "version": 1, "model": model,
-                                          "n_layer": self.n_layer, "n_expert": self.n_expert,
-                                          "tokens": st.tokens, "delta": delta.tolist()}, indent=1))
+        text = json.dumps({"format": CALIBRATION_FORMAT, "version": 1, "model": str(model),
+                           "n_layer": self.n_layer, "n_expert": self.n_expert,
+                           "tokens": st.tokens, "delta": delta.tolist()}, indent=1)
+        write_atomic(path, text.encode(), "prior calibration")
 
     def load_prior_calibration(self, path: "os.PathLike[str] | str") -> None:
-        """Use fixed per-layer Delta_l from a file written by :meth:`save_prior_calibration`."""
-        try:
-            d = json.loads(Path(path).read_text())
-            ok = d.get("format") == "pymoecache-prior-calibration"
-        except (OSError, ValueError) as e:
-            raise MoECacheError(f"cannot read prior calibration {path}: {e}") from None
-        if not ok or d.get("n_layer") != self.n_layer or d.get("n_expert") != self.n_expert:
-            raise MoECacheError(f"{path} is not a prior calibration for this model "
-                                f"({self.n_layer} layers, {self.n_expert} experts)")
-        self.set_prior_delta(np.asarray(d["delta"], dtype=np.float32))
+        """Use fixed per-layer Delta_l from a file written by :meth:`save_prior_calibration`.
+        Every field is checked (format, this model's layer and expert counts, one finite
+        Delta >= 0 per layer); StateFileError otherwise, and nothing changes."""
+        d = read_json_file(path, "prior calibration")
+        if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
+            raise StateFileError(f"{path} is not a pymoecache prior calibration file")
+        if d.get("version") != 1:
+            raise StateFileError(f"{path}: unsupported prior calibration version {d.get('version')!r}")
+        if d.get("n_layer") != self.n_layer or d.get("n_expert") != self.n_expert:
+            raise StateFileError(f"{path} is not a prior calibration for this model "
+                                 f"({self.n_layer} layers, {self.n_expert} experts)")
+        delta = d.get("delta")
+        if (not isinstance(delta, list) or len(delta) != self.n_layer
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                           and 0 <= x < 3.4e38 for x in delta)):
+            raise StateFileError(f"{path}: 'delta' must hold {self.n_layer} finite numbers >= 0, one per layer")
+        self.set_prior_delta(np.asarray(delta, dtype=np.float32))
 
     def save(self, path: "os.PathLike[str] | str") -> None:
-        _check(C.moecache_state_save(self._h, os.fsencode(path)))
+        """Write the cache state atomically (temporary file, fsync, rename); StateFileError on any error."""
+        _check(C.moecache_state_save(self._h, _checked_path(path, "cache state")), StateFileError)
 
     def load(self, path: "os.PathLike[str] | str") -> None:
-        _check(C.moecache_state_load(self._h, os.fsencode(path)))
+        """Load a state saved by :meth:`save` for the same model; a damaged file (checksum, any field
+        out of range) or another model's raises StateFileError and leaves the cache as it was."""
+        _check(C.moecache_state_load(self._h, _checked_path(path, "cache state")), StateFileError)
 
 
 class Llama(llama_cpp.Llama):
@@ -516,9 +660,12 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, cache: Optional[CacheConfig] = None,
                  routing: Union[Routing, str, None] = None, routing_scope: str = "all", **kwargs):
-        info = model_info(model_path)  # clear errors for missing, non-GGUF and truncated files
+        info = model_info(model_path)  # clear errors for missing, non-GGUF, truncated and impossible files
         cache = cache if cache is not None else CacheConfig()
-        routing = parse_routing(routing) if isinstance(routing, str) else (routing or TopK())
+        if not isinstance(cache, CacheConfig):
+            raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
+        routing = TopK() if routing is None else _as_routing(routing)
+        _check_llama_kwargs(kwargs)
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
@@ -537,12 +684,25 @@ class Llama(llama_cpp.Llama):
             if residency != "none" and kwargs.get("use_mmap", True) is False:
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
                                   "use_mmap must stay True")
-        # stream and mmap: the experts keep the file's layout and are not read at load time
-        C.moecache_set_load_residency(RESIDENCIES[residency])
-        try:
-            super().__init__(model_path=str(model_path), **kwargs)
-        finally:
-            C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
+        self._busy = threading.Lock()  # held while a token is decoded or sampled (see eval)
+        # the file as loaded: eval() refuses to run on a model file truncated or replaced since
+        # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
+        self._file_sig = (_file_signature(str(model_path))
+                          if residency != "none" or kwargs.get("use_mmap", True) else None)
+        with _LOAD_LOCK:
+            _log_reason()  # drop older lines: only this load's reason goes into the message
+            # stream and mmap: the experts keep the file's layout and are not read at load time
+            C.moecache_set_load_residency(RESIDENCIES[residency])
+            try:
+                super().__init__(model_path=str(model_path), **kwargs)
+            except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
+                why = _log_reason() or "no reason logged"
+                if "context" in str(e):
+                    raise ConfigError(f"llama.cpp could not create a context for {model_path} "
+                                      f"(n_ctx={kwargs.get('n_ctx', 512)}): {why}") from None
+                raise ModelLoadError(f"llama.cpp could not load {model_path}: {why}") from None
+            finally:
+                C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
         self.model_info = info
         self.cache_config = cache
         self.moecache: Optional[MoECache] = None
@@ -556,18 +716,58 @@ class Llama(llama_cpp.Llama):
 
     _t_decode_ms = 0.0  # wall time of single-token evals since the last reset_moe_stats
 
-    def eval(self, tokens) -> None:
-        """``llama_cpp.Llama.eval``; a failed expert read raises :class:`MoECacheIOError` with the reason."""
-        t0 = time.perf_counter()
+    def _enter(self) -> None:
+        """Take the decode lock without waiting: a second thread gets a clear error, not a crash."""
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUseError(
+                "this Llama is decoding in another thread: a Llama (one llama.cpp context) serves one thread "
+                "at a time; use one Llama per thread, or a lock around calls")
+
+    def _check_file(self) -> None:
+        if self._file_sig is None:
+            return
+        path = self.model_path
         try:
+            now = _file_signature(path)
+        except OSError as e:
+            now, what = None, f"is gone ({e.strerror})"
+        if now == self._file_sig:
+            return
+        if now is not None:
+            (dev0, ino0, size0, _), (dev1, ino1, size1, _) = self._file_sig, now
+            what = ("was replaced by another file" if (dev0, ino0) != (dev1, ino1) else
+                    f"changed size from {size0} to {size1} bytes" if size0 != size1 else "was modified")
+        raise MoECacheIOError(f"the model file {path} {what} since it was loaded: its weights can no longer be "
+                              "trusted; load the model again")
+
+    def eval(self, tokens) -> None:
+        """``llama_cpp.Llama.eval``; a failed expert read, or a model file changed since it was
+        loaded, raises :class:`MoECacheIOError`; a call while another thread decodes,
+        :class:`ConcurrentUseError`."""
+        self._enter()
+        try:
+            self._check_file()
+            t0 = time.perf_counter()
             super().eval(tokens)
             if len(tokens) == 1:
                 self._t_decode_ms += (time.perf_counter() - t0) * 1e3
         except RuntimeError as e:
+            if isinstance(e, MoECacheError):
+                raise
             msg = self.moecache.take_io_error() if self.moecache is not None else None
             if msg:
                 raise MoECacheIOError(msg) from None
             raise e
+        finally:
+            self._busy.release()
+
+    def sample(self, *args, **kwargs):
+        """``llama_cpp.Llama.sample`` under the same one-thread guard as :meth:`eval`."""
+        self._enter()
+        try:
+            return super().sample(*args, **kwargs)
+        finally:
+            self._busy.release()
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # __init__ may have failed before llama_cpp.Llama set it up
@@ -581,26 +781,37 @@ class Llama(llama_cpp.Llama):
     def moe_stats(self) -> MoEStats:
         """Hit/miss counters since load (or the last :meth:`reset_moe_stats`), with the
         residency's bytes read, time split per token and resident memory in ``.residency``."""
-        st = self._require_cache().stats()
+        cache = self._require_cache()
+        with self._busy:  # between tokens: a consistent snapshot, even while another thread generates
+            st = cache.stats()
         if st.residency is not None:
             st.residency.decode_t_eval_ms = self._t_decode_ms
         return st
 
     def reset_moe_stats(self) -> None:
-        self._require_cache().reset_stats()
-        self._t_decode_ms = 0.0
+        cache = self._require_cache()
+        with self._busy:
+            cache.reset_stats()
+            self._t_decode_ms = 0.0
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:
         """Change the policy; takes effect on the next token, no reload.
 
         >>> llm.set_routing(Prior(1.0))        # doctest: +SKIP
         """
-        self._require_cache().set_routing(routing, scope)
+        cache = self._require_cache()
+        with self._busy:
+            cache.set_routing(routing, scope)
 
     def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
-        """Write the cache contents (per layer, in recency order) to ``path``."""
-        self._require_cache().save(path)
+        """Write the cache contents (per layer, in recency order) to ``path``, atomically."""
+        cache = self._require_cache()
+        with self._busy:
+            cache.save(path)
 
     def load_cache_state(self, path: "os.PathLike[str] | str") -> None:
-        """Start warm: load contents saved by :meth:`save_cache_state` for the same model."""
-        self._require_cache().load(path)
+        """Start warm: load contents saved by :meth:`save_cache_state` for the same model
+        (:class:`StateFileError` for a damaged file or another model's; nothing is changed then)."""
+        cache = self._require_cache()
+        with self._busy:
+            cache.load(path)

@@ -14,13 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .errors import ModelFileError, ModelNotFoundError
+
 GGUF_MAGIC = b"GGUF"
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.")
 _GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax-weight", 4: "sqrt-softplus"}
 
-
-class ModelFileError(ValueError):
-    """The file is missing, not a GGUF file, truncated or otherwise unusable."""
+# llama.cpp's limits: beyond them it aborts (GGML_ASSERT) instead of failing the load
+MAX_LAYERS = 512         # LLAMA_MAX_LAYERS (src/llama-hparams.h)
+MAX_EXPERTS = 1024       # LLAMA_MAX_EXPERTS
+MAX_DIMS = 4             # GGML_MAX_DIMS
+MAX_NAME = 64            # GGML_MAX_NAME, with its terminating NUL
+TENSOR_ALIGNMENT = 32    # ggml's CPU buffers: a tensor's bytes must start 32-byte aligned in the mapping
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -107,17 +113,41 @@ def _fmt_bytes(n: float) -> str:
 
 
 def check_gguf_file(path: "os.PathLike[str] | str") -> Path:
-    """Raise ModelFileError (or FileNotFoundError) unless ``path`` looks like a GGUF file."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model file not found: {p}")
-    if p.is_dir():
+    """Raise ModelFileError (ModelNotFoundError for a missing path) unless ``path`` is a regular
+    file that starts like a GGUF file. FIFOs, devices and directories are refused without opening
+    them, so a bad path never blocks."""
+    import stat
+
+    try:
+        p = Path(os.fspath(path))
+        if "\0" in str(p):
+            raise ModelFileError(f"model path {str(p)!r} contains a NUL byte")
+        st = p.stat()
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"model file not found: {path}") from None
+    except (OSError, TypeError, ValueError) as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"cannot open model file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(st.st_mode):
         raise ModelFileError(f"{p} is a directory, not a GGUF model file")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFileError(f"{p} is not a regular file (a FIFO, device or socket): give a GGUF model file")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"cannot read model file {p}: {e.strerror or e}") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     return p
+
+
+class _Array:
+    """A GGUF array value, skipped: its element type and count only."""
+
+    def __init__(self, etype: int, count: int):
+        self.etype, self.count = etype, count
 
 
 class _Header:
@@ -125,7 +155,8 @@ class _Header:
 
     A small reader of the GGUF v2/v3 layout (magic, version, counts, key/values, tensor infos,
     aligned data). Arrays (the tokenizer's 30k+ strings) are skipped, not decoded, which makes
-    this ~50x faster than gguf.GGUFReader on a model with a vocabulary.
+    this ~50x faster than gguf.GGUFReader on a model with a vocabulary. Every read is bounds-
+    checked; anything malformed raises ModelFileError.
     """
 
     _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -138,30 +169,56 @@ class _Header:
         self.path, self.size = path, path.stat().st_size
         self.unpack_from = struct.unpack_from
         self.calcsize = struct.calcsize
+        if self.size < 24:
+            raise ModelFileError(f"{path} is truncated inside its header ({self.size} bytes)")
         with open(path, "rb") as f:
             self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._parse()
+        finally:
+            self.buf.close()
+
+    def _bad(self, what: str) -> ModelFileError:
+        return ModelFileError(f"{self.path}: damaged GGUF header: {what}")
+
+    def _parse(self) -> None:
         self.pos = 4
         version, n_tensors, n_kv = self._read("<I"), self._read("<Q"), self._read("<Q")
         if version not in (2, 3) or n_tensors > self.size or n_kv > self.size:
-            raise ModelFileError(f"{path} has an unsupported or damaged GGUF header (version {version}, "
+            raise ModelFileError(f"{self.path} has an unsupported or damaged GGUF header (version {version}, "
                                  f"{n_tensors} tensors, {n_kv} keys)")
         self.kv: Dict[str, object] = {}
         for _ in range(n_kv):
             key = self._string()
+            if not key or key in self.kv:
+                raise self._bad(f"empty or repeated key {key!r}")
             self.kv[key] = self._value(self._read("<I"))
-        self.tensors = []  # (name, ggml type, n_elements, offset from the data start)
+        align = self.kv.get("general.alignment", 32)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise self._bad(f"general.alignment = {align!r} is not a power of two")
+        self.tensors = []  # (name, ggml type, shape, offset from the data start)
+        names = set()
         for _ in range(n_tensors):
             name = self._string()
+            if not name or len(name.encode()) >= MAX_NAME or name in names:
+                raise self._bad(f"tensor name {name[:80]!r} is empty, too long or repeated")
+            names.add(name)
             n_dims = self._read("<I")
-            if n_dims > 8:
-                raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dimensions: damaged header")
-            n = 1
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise self._bad(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
+            shape, n = [], 1
             for _ in range(n_dims):
-                n *= self._read("<Q")
-            self.tensors.append((name, self._read("<I"), n, self._read("<Q")))
-        align = int(self.kv.get("general.alignment", 32) or 32)
+                d = self._read("<Q")
+                if d < 1 or n * d > _INT64_MAX:
+                    raise self._bad(f"tensor {name!r} has an impossible shape (dimension {d})")
+                shape.append(d)
+                n *= d
+            ggml_type, offset = self._read("<I"), self._read("<Q")
+            if offset % align:
+                raise self._bad(f"tensor {name!r} starts at offset {offset}, not a multiple of the alignment {align}")
+            self.tensors.append((name, ggml_type, shape, offset))
+        self.alignment = align
         self.data_start = (self.pos + align - 1) // align * align
-        self.buf.close()
 
     def _read(self, fmt: str):
         n = self.calcsize(fmt)
@@ -191,78 +248,132 @@ class _Header:
             elif etype == self._STRING:
                 for _ in range(count):
                     self.pos += 8 + self._read("<Q")
-            else:
-                for _ in range(count):
-                    self._value(etype)
+                    if self.pos > self.size:
+                        break
+            else:  # llama.cpp reads no arrays of arrays
+                raise self._bad(f"array of GGUF type {etype} (nested arrays are not supported)")
             if self.pos > self.size:
                 raise ModelFileError(f"{self.path} is truncated inside its header")
-            return None
-        raise ModelFileError(f"{self.path}: unknown GGUF value type {vtype}: damaged header")
+            return _Array(etype, count)
+        raise self._bad(f"unknown GGUF value type {vtype}")
 
 
 def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     """Read a GGUF header and describe the model; raise ModelFileError for a bad file.
 
+    Besides the GGUF layout, the expert layout is checked against llama.cpp's own limits (it
+    aborts the process on some of them instead of failing the load): layers, expert counts,
+    groups, tensor offsets, sizes and alignment, expert tensor shapes.
+
     >>> model_info("missing.gguf")
     Traceback (most recent call last):
     ...
-    FileNotFoundError: model file not found: missing.gguf
+    pymoecache.errors.ModelNotFoundError: model file not found: missing.gguf
     """
     import gguf  # type sizes only; imported here: reading a header must not need the native library
 
     p = check_gguf_file(path)
     h = _Header(p)
 
-    def kv(key: str, default=None):
+    def kv_int(key: str, default: int, lo: int = 0, hi: int = 2**32 - 1) -> int:
         v = h.kv.get(key)
-        return default if v is None else v
+        if v is None:
+            return default
+        if isinstance(v, _Array):
+            raise ModelFileError(f"{p}: {key} is an array (per-layer values); pymoecache supports one value "
+                                 "for all layers")
+        if type(v) is not int:
+            raise ModelFileError(f"{p}: {key} = {v!r} is not an integer")
+        if not lo <= v <= hi:
+            raise ModelFileError(f"{p}: {key} = {v} is out of range ({lo} to {hi})")
+        return v
 
-    def n_bytes(ggml_type: int, n_elements: int) -> int:
+    def kv_str(key: str) -> str:
+        v = h.kv.get(key)
+        return v if isinstance(v, str) else ""
+
+    def n_bytes(name: str, ggml_type: int, shape: List[int]) -> int:
         try:
             block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
         except (ValueError, KeyError):
-            raise ModelFileError(f"{p}: unknown ggml tensor type {ggml_type}") from None
-        return n_elements // block * size
+            raise ModelFileError(f"{p}: tensor {name!r} has an unknown ggml type {ggml_type}") from None
+        if shape[0] % block:
+            raise ModelFileError(f"{p}: tensor {name!r} has rows of {shape[0]} elements, not a multiple of its "
+                                 f"type's block of {block}")
+        n = 1
+        for d in shape:
+            n *= d
+        return n // block * size
 
-    tensors = [(name, t, h.data_start + off, n_bytes(t, n)) for name, t, n, off in h.tensors]
-    arch = kv("general.architecture")
+    arch = kv_str("general.architecture")
     if not arch:
         raise ModelFileError(f"{p} has no general.architecture key: not a llama.cpp model")
     file_bytes = p.stat().st_size
-    end = max((start + size for _, _, start, size in tensors), default=0)
+    tensors = []
+    for name, t, shape, off in h.tensors:
+        start, size = h.data_start + off, n_bytes(name, t, shape)
+        if start % TENSOR_ALIGNMENT:
+            raise ModelFileError(f"{p}: tensor {name!r} starts at byte {start}, not {TENSOR_ALIGNMENT}-byte aligned "
+                                 f"(general.alignment {h.alignment}): llama.cpp cannot map it")
+        tensors.append((name, t, shape, start, size))
+    end = max((start + size for *_, start, size in tensors), default=0)
     if end > file_bytes:
         raise ModelFileError(f"{p} is truncated: its tensors need {end} bytes, the file has {file_bytes}")
 
-    n_expert = int(kv(f"{arch}.expert_count", 0) or 0)
+    # the hyperparameters llama.cpp asserts on (llama_model::load_hparams)
+    n_layer = kv_int(f"{arch}.block_count", 0, 0, MAX_LAYERS)
+    if n_layer < 1:
+        known = any(k.startswith(f"{arch}.") for k in h.kv)
+        raise ModelFileError(f"{p}: {arch}.block_count is missing or 0: a model needs 1 to {MAX_LAYERS} layers"
+                             + ("" if known else f" (no '{arch}.*' keys at all: unknown or damaged architecture)"))
+    kv_int(f"{arch}.nextn_predict_layers", 0, 0, n_layer)
+    n_expert = kv_int(f"{arch}.expert_count", 0, 0, MAX_EXPERTS)
+    n_used = kv_int(f"{arch}.expert_used_count", 0, 0, MAX_EXPERTS)
+    n_groups = kv_int(f"{arch}.expert_group_count", 0, 0, MAX_EXPERTS)
+    n_group_used = kv_int(f"{arch}.expert_group_used_count", 0, 0, MAX_EXPERTS)
+    if n_used > n_expert:
+        raise ModelFileError(f"{p}: {arch}.expert_used_count = {n_used} is larger than expert_count = {n_expert}")
+    if n_expert > 0 and n_used < 1:
+        raise ModelFileError(f"{p}: {n_expert} experts but expert_used_count = 0")
+    if n_expert > 0 and n_groups >= n_expert:
+        raise ModelFileError(f"{p}: expert_group_count = {n_groups} must be smaller than expert_count = {n_expert}")
+    if n_expert > 0 and n_groups > 1 and (n_expert % n_groups or not 0 < n_group_used < n_groups):
+        raise ModelFileError(f"{p}: {n_expert} experts cannot form {n_groups} groups with {n_group_used} used")
+    if n_expert == 0 and n_groups:
+        raise ModelFileError(f"{p}: expert_group_count = {n_groups} without experts")
+
     per_layer: Dict[int, int] = {}
     types = set()
-    for name, ggml_type, _, size in tensors:
+    for name, ggml_type, shape, _, size in tensors:
         m = _EXPS_RE.match(name)
         if m:
             il = int(m.group(1))
+            if len(shape) != 3 or shape[2] != n_expert or n_expert < 2 or il >= n_layer:
+                raise ModelFileError(f"{p}: expert tensor {name!r} of shape {shape} does not fit the model's "
+                                     f"{n_expert} experts in {n_layer} layers ({arch}.expert_count)")
             per_layer[il] = per_layer.get(il, 0) + size
             types.add(gguf.GGMLQuantizationType(ggml_type).name)
     moe_layers = sorted(per_layer)
-    n_shared = int(kv(f"{arch}.expert_shared_count", 0) or 0)
-    if n_shared == 0 and any("_shexp." in name for name, *_ in tensors):
+    n_shared = kv_int(f"{arch}.expert_shared_count", 0, 0, MAX_EXPERTS)
+    if n_shared == 0 and any("_shexp." in t[0] for t in tensors):
         n_shared = 1  # qwen2moe stores one shared expert without a count key
     total = sum(per_layer.values())
     expert_bytes = total / (len(moe_layers) * n_expert) if moe_layers and n_expert else 0.0
     return ModelInfo(
         path=str(p),
         arch=arch,
-        name=kv("general.name", "") or "",
+        name=kv_str("general.name"),
         file_bytes=file_bytes,
-        n_layer=int(kv(f"{arch}.block_count", 0) or 0),
+        n_layer=n_layer,
         moe_layers=moe_layers,
         n_expert=n_expert,
-        n_expert_used=int(kv(f"{arch}.expert_used_count", 0) or 0),
+        n_expert_used=n_used,
         n_expert_shared=n_shared,
-        gating=_GATING.get(int(kv(f"{arch}.expert_gating_func", 1 if n_expert else 0) or 0), "?"),
-        n_expert_groups=int(kv(f"{arch}.expert_group_count", 1) or 1),
+        gating=_GATING.get(kv_int(f"{arch}.expert_gating_func", 1 if n_expert else 0), "?"),
+        n_expert_groups=max(1, n_groups),
         expert_bytes=expert_bytes,
         expert_bytes_total=total,
         expert_types=sorted(types),
-        n_embd=int(kv(f"{arch}.embedding_length", 0) or 0),
-        n_ctx_train=int(kv(f"{arch}.context_length", 0) or 0),
+        n_embd=kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1),
+        n_ctx_train=kv_int(f"{arch}.context_length", 0, 0, 2**31 - 1),
     )

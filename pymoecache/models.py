@@ -33,6 +33,8 @@ def default_model_path() -> Path:
     for p in places:
         if p.is_file():
             return p
-    raise FileNotFoundError(
+    from .errors import ModelNotFoundError
+
+    raise ModelNotFoundError(
         f"the default model {name} is missing (looked in {', '.join(str(p.parent) for p in places)}); "
         "reinstall pymoecache, or rebuild it with `python scripts/train_tiny_moe.py --preset A`")

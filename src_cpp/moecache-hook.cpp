@@ -239,7 +239,16 @@ extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * 
         moecache_set_error("this moecache is attached to another context; detach it first");
         return MOECACHE_ERR_STATE;
     }
-    ctx_entry & e = g_ctx[ctx];
+    auto it = g_ctx.find(ctx);
+    if (it == g_ctx.end()) {
+        try {
+            it = g_ctx.emplace(ctx, ctx_entry()).first;
+        } catch (const std::exception &) {
+            moecache_set_error("moecache_attach: out of memory");
+            return MOECACHE_ERR_NO_MEMORY;
+        }
+    }
+    ctx_entry & e = it->second;
     if (e.mc) {
         moecache_set_error("another moecache is attached to this context; detach it first");
         return MOECACHE_ERR_STATE;

@@ -167,7 +167,9 @@ static void prior_order(moecache_layer & L, const float * u, const float * s, in
     const int32_t N = (int32_t) L.rank.size();
     for (int32_t e = 0; e < N; e++) {
         const bool mask = L.last_use[e] >= 0 || L.pos[e] < J;
-        L.boosted[e] = !is_allowed(s[e]) ? -INFINITY : (mask ? u[e] + boost : u[e]);
+        const float b = mask ? u[e] + boost : u[e];
+        // NaN (a NaN logit) ranks last like a masked expert: the comparator below needs a total order
+        L.boosted[e] = !is_allowed(s[e]) || std::isnan(b) ? -INFINITY : b;
     }
     for (int32_t i = 0; i < N; i++) {
         L.order[i] = L.rank[i];

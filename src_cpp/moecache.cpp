@@ -10,6 +10,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #ifndef MOECACHE_VERSION_STR
 #define MOECACHE_VERSION_STR "dev"
@@ -146,13 +151,15 @@ static int32_t resolve_capacity(const moecache_cache_params & p, int32_t il, int
 static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
                                 moecache_cache_params cp, moecache_routing_params rp) {
     char buf[256];
-    if (N < 1 || K < 1 || K > N || K > MOECACHE_MAX_USED) {
-        snprintf(buf, sizeof(buf), "invalid expert counts: N = %d routed experts, K = %d used per token", N, K);
+    if (N < 1 || N > MOECACHE_MAX_EXPERTS || K < 1 || K > N || K > MOECACHE_MAX_USED) {
+        snprintf(buf, sizeof(buf), "invalid expert counts: N = %d routed experts (at most %d), K = %d used per token "
+                 "(1 <= K <= min(N, %d))", N, MOECACHE_MAX_EXPERTS, K, MOECACHE_MAX_USED);
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
-    if (n_layer < 1) {
-        fail(MOECACHE_ERR_INVALID, "the model has no layers");
+    if (n_layer < 1 || n_layer > MOECACHE_MAX_LAYERS) {
+        snprintf(buf, sizeof(buf), "invalid layer count %d (1 to %d)", n_layer, MOECACHE_MAX_LAYERS);
+        fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
     if (check_routing(rp, K) != MOECACHE_OK) {
@@ -162,8 +169,9 @@ static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
         fail(MOECACHE_ERR_INVALID, "unknown insertion order");
         return nullptr;
     }
-    if (cp.trace_capacity < 0) {
-        fail(MOECACHE_ERR_INVALID, "trace_capacity must be >= 0");
+    if (cp.trace_capacity < 0 || cp.trace_capacity > MOECACHE_MAX_TRACE) {
+        snprintf(buf, sizeof(buf), "trace_capacity = %d must be in [0, %d]", cp.trace_capacity, MOECACHE_MAX_TRACE);
+        fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
     if (cp.n_layer_sizes < 0 || cp.n_layer_sizes > n_layer || (cp.n_layer_sizes > 0 && !cp.n_cached_per_layer)) {
@@ -179,7 +187,8 @@ static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
         }
     }
 
-    moecache * mc = new moecache();
+    std::unique_ptr<moecache> owner(new moecache()); // freed if an allocation below throws
+    moecache * mc = owner.get();
     mc->n_layer       = n_layer;
     mc->n_expert      = N;
     mc->n_expert_used = K;
@@ -192,7 +201,7 @@ static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
         moecache_layer_init(*mc, mc->layers[il], il, caps[il]);
     }
     mc->trace.resize(cp.trace_capacity);
-    return mc;
+    return owner.release();
 }
 
 static int32_t meta_int(const llama_model * model, const std::string & key) {
@@ -203,11 +212,8 @@ static int32_t meta_int(const llama_model * model, const std::string & key) {
     return (int32_t) std::strtol(buf, nullptr, 10);
 }
 
-extern "C" {
-
-struct moecache * moecache_init(const struct llama_model * model,
-                                struct moecache_cache_params cparams,
-                                struct moecache_routing_params rparams) {
+static moecache * init_impl(const llama_model * model, moecache_cache_params cparams,
+                            moecache_routing_params rparams) {
     if (!model) {
         fail(MOECACHE_ERR_INVALID, "model is NULL");
         return nullptr;
@@ -221,7 +227,10 @@ struct moecache * moecache_init(const struct llama_model * model,
                                    "' without routed experts in its GGUF metadata); moecache needs a Mixture-of-Experts model");
         return nullptr;
     }
-    moecache * mc = make_moecache(llama_model_n_layer(model), N, K, cparams, rparams);
+    // freed with moecache_free if anything below fails or throws
+    std::unique_ptr<moecache, void (*)(moecache *)> owner(
+        make_moecache(llama_model_n_layer(model), N, K, cparams, rparams), moecache_free);
+    moecache * mc = owner.get();
     if (!mc) {
         return nullptr;
     }
@@ -234,11 +243,24 @@ struct moecache * moecache_init(const struct llama_model * model,
     mc->cparams.model_path = nullptr;
     if (rc != MOECACHE_OK) {
         const std::string msg = moecache_last_error();
-        moecache_free(mc);
+        owner.reset();
         moecache_set_error(msg);
         return nullptr;
     }
-    return mc;
+    return owner.release();
+}
+
+extern "C" {
+
+struct moecache * moecache_init(const struct llama_model * model,
+                                struct moecache_cache_params cparams,
+                                struct moecache_routing_params rparams) {
+    try {
+        return init_impl(model, cparams, rparams);
+    } catch (const std::exception & e) { // std::bad_alloc above all: an error, never an abort
+        fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_init: ") + e.what());
+        return nullptr;
+    }
 }
 
 struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int32_t n_expert_used,
@@ -248,11 +270,16 @@ struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int
         fail(MOECACHE_ERR_INVALID, "a synthetic moecache has no model: residency must be NONE");
         return nullptr;
     }
-    moecache * mc = make_moecache(n_layer, n_expert, n_expert_used, cparams, rparams);
-    if (mc) {
-        mc->desc = "synthetic";
+    try {
+        moecache * mc = make_moecache(n_layer, n_expert, n_expert_used, cparams, rparams);
+        if (mc) {
+            mc->desc = "synthetic";
+        }
+        return mc;
+    } catch (const std::exception & e) {
+        fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_init_synthetic: ") + e.what());
+        return nullptr;
     }
-    return mc;
 }
 
 void moecache_free(struct moecache * mc) {
@@ -422,11 +449,11 @@ int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, c
     }
     moecache_layer & L = mc->layers[il];
     L.rank_on_logits = rank_on_logits;
-    std::vector<int8_t> hit_tmp(n_expert_used);
+    int8_t hit_tmp[MOECACHE_MAX_USED];
     const moecache_routing_params rp = mc->rparams;
     for (int32_t t = 0; t < n_tokens; t++) {
         const size_t row = (size_t) t * n_expert;
-        int8_t * h = hits ? hits + (size_t) t * n_expert_used : hit_tmp.data();
+        int8_t * h = hits ? hits + (size_t) t * n_expert_used : hit_tmp;
         moecache_route_token(*mc, L, rp, logits + row, probs + row, (scores ? scores : probs) + row,
                              nullptr, true, true, selected + (size_t) t * n_expert_used, h);
     }
@@ -436,79 +463,207 @@ int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, c
 } // extern "C"
 
 // ---------------------------------------------------------------------------------------------
-// state files: a tiny binary format, native endianness
-//   "MOECACH1" | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K
+// state files: a tiny binary format, native endianness, written atomically, checked on load
+//   "MOECACH2" | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K
 //   per layer: i32 n_cached, i32 ids[n_cached] (least recently used first), f64 delta_sum, i64 delta_n
+//   u64 FNV-1a hash of every byte before it
 
-static const char STATE_MAGIC[8] = {'M', 'O', 'E', 'C', 'A', 'C', 'H', '1'};
+static const char     STATE_MAGIC[8]   = {'M', 'O', 'E', 'C', 'A', 'C', 'H', '2'};
+static const size_t   STATE_MAX_BYTES  = 256u << 20; // far above any real model's state
+static const uint32_t STATE_MAX_DESC   = 4096;
 
-struct file_closer {
-    FILE * f;
-    ~file_closer() { if (f) fclose(f); }
+static uint64_t fnv1a64(const uint8_t * p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+template <typename T> static void put(std::vector<uint8_t> & b, const T & v) {
+    const uint8_t * p = (const uint8_t *) &v;
+    b.insert(b.end(), p, p + sizeof(T));
+}
+
+// bounds-checked reader over the file's bytes
+struct state_reader {
+    const uint8_t * p;
+    size_t n;
+    size_t pos = 0;
+    bool get_bytes(void * out, size_t k) {
+        if (k > n - pos) {
+            return false;
+        }
+        memcpy(out, p + pos, k);
+        pos += k;
+        return true;
+    }
+    template <typename T> bool get(T & v) { return get_bytes(&v, sizeof(T)); }
 };
 
-template <typename T> static bool put(FILE * f, const T & v) { return fwrite(&v, sizeof(T), 1, f) == 1; }
-template <typename T> static bool get(FILE * f, T & v)       { return fread(&v, sizeof(T), 1, f) == 1; }
+static std::string quoted(const char * path) {
+    return std::string("'") + path + "'";
+}
 
-extern "C" int32_t moecache_state_save(const struct moecache * mc, const char * path) {
-    file_closer fc = { fopen(path, "wb") };
-    if (!fc.f) {
-        return fail(MOECACHE_ERR_IO, std::string("cannot write cache state to '") + path + "': " + strerror(errno));
-    }
-    bool ok = fwrite(STATE_MAGIC, 1, 8, fc.f) == 8 && put(fc.f, (uint32_t) MOECACHE_ABI_VERSION) &&
-              put(fc.f, (uint32_t) mc->desc.size()) && fwrite(mc->desc.data(), 1, mc->desc.size(), fc.f) == mc->desc.size() &&
-              put(fc.f, mc->n_params) && put(fc.f, mc->n_layer) && put(fc.f, mc->n_expert) && put(fc.f, mc->n_expert_used);
+static int32_t state_save_impl(const moecache * mc, const char * path) {
+    std::vector<uint8_t> b;
+    b.insert(b.end(), STATE_MAGIC, STATE_MAGIC + 8);
+    put(b, (uint32_t) MOECACHE_ABI_VERSION);
+    put(b, (uint32_t) mc->desc.size());
+    b.insert(b.end(), mc->desc.begin(), mc->desc.end());
+    put(b, mc->n_params);
+    put(b, mc->n_layer);
+    put(b, mc->n_expert);
+    put(b, mc->n_expert_used);
     std::vector<int32_t> ids(mc->n_expert);
-    for (int32_t il = 0; ok && il < mc->n_layer; il++) {
+    for (int32_t il = 0; il < mc->n_layer; il++) {
         const int32_t n = moecache_get_cached(mc, il, ids.data(), (int32_t) ids.size());
-        ok = put(fc.f, n) && fwrite(ids.data(), sizeof(int32_t), n, fc.f) == (size_t) n &&
-             put(fc.f, mc->layers[il].delta_sum) && put(fc.f, mc->layers[il].delta_n);
+        put(b, n);
+        for (int32_t i = 0; i < n; i++) {
+            put(b, ids[i]);
+        }
+        put(b, mc->layers[il].delta_sum);
+        put(b, mc->layers[il].delta_n);
     }
-    if (!ok) {
-        return fail(MOECACHE_ERR_IO, std::string("write error on '") + path + "'");
+    put(b, fnv1a64(b.data(), b.size()));
+
+    // a temporary file beside the target, synced, then renamed over it: a failed save leaves the
+    // old file as it was, never a half-written one
+    const std::string tmp = std::string(path) + ".tmp." + std::to_string((long) getpid());
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(errno));
+    }
+    size_t done = 0;
+    int err = 0;
+    while (done < b.size()) {
+        const ssize_t k = write(fd, b.data() + done, b.size() - done);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            err = k < 0 ? errno : ENOSPC;
+            break;
+        }
+        done += (size_t) k;
+    }
+    if (!err && fsync(fd) != 0) {
+        err = errno;
+    }
+    if (close(fd) != 0 && !err) {
+        err = errno;
+    }
+    if (!err && rename(tmp.c_str(), path) != 0) {
+        err = errno;
+    }
+    if (err) {
+        unlink(tmp.c_str());
+        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(err));
     }
     return MOECACHE_OK;
 }
 
-extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) {
-    file_closer fc = { fopen(path, "rb") };
-    if (!fc.f) {
-        return fail(MOECACHE_ERR_IO, std::string("cannot read cache state '") + path + "': " + strerror(errno));
+// the whole file, if it is a regular file of a sane size (a FIFO or device never blocks us)
+static int32_t read_state_file(const char * path, std::vector<uint8_t> & out) {
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " + strerror(errno));
     }
-    char magic[8];
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return fail(MOECACHE_ERR_IO, quoted(path) + " is not a regular file");
+    }
+    if ((uint64_t) st.st_size > STATE_MAX_BYTES) {
+        close(fd);
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is too large to be a pymoecache cache state file");
+    }
+    out.resize((size_t) st.st_size);
+    size_t done = 0;
+    while (done < out.size()) {
+        const ssize_t k = read(fd, out.data() + done, out.size() - done);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            const int err = k < 0 ? errno : 0;
+            close(fd);
+            return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " +
+                                         (err ? strerror(err) : "the file shrank while being read"));
+        }
+        done += (size_t) k;
+    }
+    close(fd);
+    return MOECACHE_OK;
+}
+
+static int32_t state_load_impl(moecache * mc, const char * path) {
+    std::vector<uint8_t> buf;
+    int32_t rc = read_state_file(path, buf);
+    if (rc != MOECACHE_OK) {
+        return rc;
+    }
+    const std::string corrupt = quoted(path) + " is corrupt: ";
+    if (buf.size() < 8 + 8 || memcmp(buf.data(), STATE_MAGIC, 8) != 0) {
+        if (buf.size() >= 8 && memcmp(buf.data(), STATE_MAGIC, 7) == 0) {
+            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a cache state file of another pymoecache version: save it again");
+        }
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache cache state file");
+    }
+    uint64_t sum = 0;
+    memcpy(&sum, buf.data() + buf.size() - 8, 8);
+    if (sum != fnv1a64(buf.data(), buf.size() - 8)) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "checksum mismatch (damaged or truncated)");
+    }
+    state_reader r = { buf.data(), buf.size() - 8 };
+    r.pos = 8;
     uint32_t abi = 0, len = 0;
-    if (fread(magic, 1, 8, fc.f) != 8 || memcmp(magic, STATE_MAGIC, 8) != 0 || !get(fc.f, abi) || !get(fc.f, len) || len > 4096) {
-        return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is not a pymoecache cache state file");
+    if (!r.get(abi) || !r.get(len) || len > STATE_MAX_DESC) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
     }
     std::string desc(len, '\0');
     uint64_t n_params = 0;
     int32_t n_layer = 0, N = 0, K = 0;
-    if (fread(&desc[0], 1, len, fc.f) != len || !get(fc.f, n_params) || !get(fc.f, n_layer) || !get(fc.f, N) || !get(fc.f, K)) {
-        return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is truncated");
+    if (!r.get_bytes(&desc[0], len) || !r.get(n_params) || !r.get(n_layer) || !r.get(N) || !r.get(K)) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
     }
     if (abi != MOECACHE_ABI_VERSION || desc != mc->desc || n_params != mc->n_params ||
         n_layer != mc->n_layer || N != mc->n_expert || K != mc->n_expert_used) {
-        return fail(MOECACHE_ERR_MISMATCH, std::string("cache state '") + path + "' was saved for another model (" + desc +
-                                               ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
+        return fail(MOECACHE_ERR_MISMATCH, "cache state " + quoted(path) + " was saved for another model (" + desc +
+                                           ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
     }
-    // read everything first: a bad file leaves the cache untouched
+    // read and check everything first: a bad file leaves the cache untouched
     std::vector<std::vector<int32_t>> ids(n_layer);
     std::vector<double>  dsum(n_layer);
     std::vector<int64_t> dn(n_layer);
+    std::vector<uint8_t> seen(N);
     for (int32_t il = 0; il < n_layer; il++) {
+        const std::string where = corrupt + "layer " + std::to_string(il) + ": ";
         int32_t n = 0;
-        if (!get(fc.f, n) || n < 0 || n > N) {
-            return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is corrupt");
+        if (!r.get(n) || n < 0 || n > N) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "bad number of cached experts");
         }
         ids[il].resize(n);
-        if (fread(ids[il].data(), sizeof(int32_t), n, fc.f) != (size_t) n || !get(fc.f, dsum[il]) || !get(fc.f, dn[il])) {
-            return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is truncated");
-        }
-        for (int32_t e : ids[il]) {
-            if (e < 0 || e >= N) {
-                return fail(MOECACHE_ERR_IO, std::string("'") + path + "' is corrupt");
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int32_t i = 0; i < n; i++) {
+            int32_t e = -1;
+            if (!r.get(e) || e < 0 || e >= N || seen[e]) {
+                return fail(MOECACHE_ERR_CORRUPT, where + "expert ids out of range or repeated");
             }
+            seen[e] = 1;
+            ids[il][i] = e;
         }
+        if (!r.get(dsum[il]) || !r.get(dn[il])) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "truncated");
+        }
+        // Delta is a running mean of logit ranges: a finite sum >= 0 over n >= 0 tokens (sum 0 if n is 0)
+        if (!std::isfinite(dsum[il]) || dsum[il] < 0.0 || dn[il] < 0 || (dn[il] == 0 && dsum[il] != 0.0) ||
+            (dn[il] > 0 && !std::isfinite(dsum[il] / (double) dn[il]))) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "Delta out of range");
+        }
+    }
+    if (r.pos != r.n) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "trailing bytes");
     }
     for (int32_t il = 0; il < n_layer; il++) {
         moecache_layer & L = mc->layers[il];
@@ -518,8 +673,30 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
         for (size_t i = skip; i < ids[il].size(); i++) {
             moecache_layer_insert(L, ids[il][i], nullptr);
         }
-        L.delta_sum    = dsum[il];
-        L.delta_n      = dn[il];
+        L.delta_sum = dsum[il];
+        L.delta_n   = dn[il];
     }
     return MOECACHE_OK;
+}
+
+extern "C" int32_t moecache_state_save(const struct moecache * mc, const char * path) {
+    if (!mc || !path) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_state_save: NULL argument");
+    }
+    try {
+        return state_save_impl(mc, path);
+    } catch (const std::exception & e) {
+        return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_state_save: ") + e.what());
+    }
+}
+
+extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) {
+    if (!mc || !path) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_state_load: NULL argument");
+    }
+    try {
+        return state_load_impl(mc, path);
+    } catch (const std::exception & e) {
+        return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_state_load: ") + e.what());
+    }
 }

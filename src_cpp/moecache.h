@@ -47,10 +47,15 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 3
+#define MOECACHE_ABI_VERSION 4
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
+
+// upper bounds of the parameters below (larger values are refused with MOECACHE_ERR_INVALID)
+#define MOECACHE_MAX_EXPERTS   4096       // routed experts N per layer
+#define MOECACHE_MAX_LAYERS    4096       // layers of a model
+#define MOECACHE_MAX_TRACE     (1 << 24)  // trace_capacity (152 bytes per record: 2.4 GiB at the bound)
 
 struct llama_model;
 struct llama_context;
@@ -66,6 +71,8 @@ enum moecache_status {
     MOECACHE_ERR_MISMATCH    = -4, // a state file belongs to another model
     MOECACHE_ERR_STATE       = -5, // call not allowed now (e.g. attached to another context)
     MOECACHE_ERR_RESIDENCY   = -6, // the model's experts cannot be streamed or locked (layout, backend, file)
+    MOECACHE_ERR_CORRUPT     = -7, // a state file is damaged (checksum, a field out of range); nothing was loaded
+    MOECACHE_ERR_NO_MEMORY   = -8, // an allocation failed; nothing was changed
 };
 
 enum moecache_policy {
@@ -125,7 +132,8 @@ struct moecache_cache_params {
     int32_t n_layer_sizes;        // length of n_cached_per_layer; default 0
     enum moecache_insertion insertion; // default MOECACHE_INSERTION_TOP_BOTTOM
     bool    update_on_prompt;     // prompt ubatches (> 1 token) update the cache and counters; default true
-    int32_t trace_capacity;       // per-token trace records kept, newest win (ring buffer); 0 = off; default 0
+    int32_t trace_capacity;       // per-token trace records kept, newest win (ring buffer); 0 = off;
+                                  //   at most MOECACHE_MAX_TRACE; default 0
     // residency (MMAP and STREAM need the model loaded after moecache_set_load_residency, see below)
     enum moecache_residency residency; // default MOECACHE_RESIDENCY_NONE
     const char * model_path;      // the single-file GGUF the model was loaded from (MMAP, STREAM); copied; default NULL
@@ -245,6 +253,10 @@ MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moeca
 
 // Cache contents (with recency order) and Delta per layer, tied to the model's identity
 // (description, parameter count, layer and expert counts). Load into a moecache of the same model.
+// Save writes a temporary file beside `path`, syncs it and renames it over `path` (a failed save
+// leaves the old file); any write error is MOECACHE_ERR_IO. Load reads regular files only, checks
+// a checksum and every field (ids in range and unique, Delta finite and >= 0) before it changes
+// anything: a damaged file is MOECACHE_ERR_CORRUPT, another model's MOECACHE_ERR_MISMATCH.
 MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
 
