@@ -697,7 +697,7 @@ class Llama(llama_cpp.Llama):
                 super().__init__(model_path=str(model_path), **kwargs)
             except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
                 why = _log_reason() or "no reason logged"
-                if "context" in str(e):
+                if str(e).startswith("Failed to create llama_context"):
                     raise ConfigError(f"llama.cpp could not create a context for {model_path} "
                                       f"(n_ctx={kwargs.get('n_ctx', 512)}): {why}") from None
                 raise ModelLoadError(f"llama.cpp could not load {model_path}: {why}") from None

@@ -184,9 +184,11 @@ class _Header:
     def _parse(self) -> None:
         self.pos = 4
         version, n_tensors, n_kv = self._read("<I"), self._read("<Q"), self._read("<Q")
-        if version not in (2, 3) or n_tensors > self.size or n_kv > self.size:
-            raise ModelFileError(f"{self.path} has an unsupported or damaged GGUF header (version {version}, "
-                                 f"{n_tensors} tensors, {n_kv} keys)")
+        if version not in (2, 3):
+            raise ModelFileError(f"{self.path}: unsupported GGUF version {version} (llama.cpp reads versions 2 and 3)")
+        if n_tensors > self.size or n_kv > self.size:
+            raise ModelFileError(f"{self.path} has a damaged or truncated GGUF header ({n_tensors} tensors and "
+                                 f"{n_kv} keys in a file of {self.size} bytes)")
         self.kv: Dict[str, object] = {}
         for _ in range(n_kv):
             key = self._string()

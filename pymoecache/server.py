@@ -6,9 +6,14 @@
     curl http://127.0.0.1:8000/moecache/stats
 
 Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat/completions,
-/v1/embeddings, /v1/models, /extras/tokenize, /docs), with two additions:
+/v1/models, /extras/tokenize, /docs), with these additions:
 
 * ``GET /moecache/stats``: the cache counters since the server started (see :func:`stats_json`).
+* request bodies are checked before the model sees them: malformed JSON, wrong types, bad roles,
+  ``max_tokens`` outside [1, n_ctx], a prompt longer than the context, a grammar (or JSON schema)
+  llama.cpp cannot parse all get 400/422 with an OpenAI-style JSON error, never a 500 or a crash;
+  an internal error is a 500 without details (the traceback goes to the server's log).
+  /v1/embeddings answers 400: the server runs a generation model.
 * a ``"moecache"`` object in every completion and chat completion response, and in the last
   chunk of a streamed completion: the counters of that request alone (tokens, hits, misses,
   rates, bytes loaded). Streamed chats have none: llama_cpp.server runs them through
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional, Union
@@ -32,7 +39,129 @@ from .llama import Llama, MoEStats
 PIP_SERVER = ('pip install "fastapi>=0.100" "uvicorn>=0.22" "sse-starlette>=1.6.1" '
               '"starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1"')
 _EXTRAS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
-_COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
+_MAX_BODY = 8 << 20          # bytes of one request body
+_MAX_GRAMMAR = 128 << 10     # characters of a grammar
+_MAX_GRAMMAR_DEPTH = 200     # nested parentheses (llama.cpp's grammar parser recurses per level)
+_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
+_log = logging.getLogger("pymoecache.serve")
+
+
+class RequestError(Exception):
+    """A client error in a request body: status 400 or 422 and an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def response(self):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                                       "code": None}}, status_code=self.status)
+
+
+def _grammar_depth(text: str) -> int:
+    depth = deepest = 0
+    for ch in text:
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def check_grammar(llm, text, param: str = "grammar") -> None:
+    """RequestError unless llama.cpp parses ``text`` as a GBNF grammar with a ``root`` rule.
+    The check is llama.cpp's own parser (the sampler llama-cpp-python would build), so a grammar
+    that passes here cannot fail later; one that does not would crash llama-cpp-python."""
+    import llama_cpp
+
+    from .llama import _log_reason
+
+    if not isinstance(text, str) or not text.strip():
+        raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 422, param)
+    if len(text) > _MAX_GRAMMAR or _grammar_depth(text) > _MAX_GRAMMAR_DEPTH:
+        raise RequestError(f"'{param}' is too large or too deeply nested (at most {_MAX_GRAMMAR} characters and "
+                           f"{_MAX_GRAMMAR_DEPTH} levels of parentheses)", 400, param)
+    if "\0" in text:
+        raise RequestError(f"'{param}' contains a NUL character", 400, param)
+    _log_reason()
+    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, text.encode("utf-8"), b"root")
+    if not sampler:
+        why = _log_reason(2)
+        raise RequestError(f"'{param}' is not a valid GBNF grammar with a 'root' rule" + (f": {why}" if why else ""),
+                           400, param)
+    llama_cpp.llama_sampler_free(sampler)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", 422, "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise RequestError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(_ROLES)}", 422,
+                               "messages")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise RequestError(f"messages[{i}].content must be a string, a list of parts or null", 422, "messages")
+
+
+def validate_request(llm, path: str, raw: bytes):
+    """The stock request model for ``path`` built from ``raw``, after every check this server makes;
+    RequestError (400/422) otherwise. Nothing here runs the model."""
+    from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+    from pydantic import ValidationError
+
+    if not raw.strip():
+        raise RequestError("the request body is empty: send a JSON object")
+    if len(raw) > _MAX_BODY:
+        raise RequestError(f"the request body is larger than {_MAX_BODY} bytes", 413)
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise RequestError("the request body must be a JSON object", 422)
+    chat = path.endswith("/chat/completions")
+    if chat:
+        _check_messages(d.get("messages"))
+    elif "prompt" in d and not isinstance(d["prompt"], str) and not (
+            isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
+        raise RequestError("'prompt' must be a string (or a list of at most one string)", 422, "prompt")
+    n_ctx = llm.n_ctx()
+    mt = d.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
+        raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",
+                           422, "max_tokens")
+    try:
+        body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        raise RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where) from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
+    if body.grammar is not None:
+        check_grammar(llm, body.grammar)
+    rf = d.get("response_format") if chat else None
+    if isinstance(rf, dict) and rf.get("schema") is not None:
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(rf["schema"]))
+        except Exception as e:  # the converter raises anything from KeyError to RecursionError
+            raise RequestError(f"'response_format.schema' cannot be turned into a grammar: {str(e)[:200]}", 400,
+                               "response_format") from None
+        check_grammar(llm, gbnf, "response_format.schema")
+    if not chat:
+        prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
+        n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
+        if n_prompt + (body.max_tokens or 1) > n_ctx:
+            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({body.max_tokens}) exceed the "
+                               f"context of {n_ctx} tokens", 400, "prompt")
+    return body
 
 
 def _server_module():
@@ -78,6 +207,10 @@ def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
         "expert_bytes": st.expert_bytes,
         "moe_layers": st.moe_layers.tolist(),
         "cache_size_per_layer": st.capacity_per_layer.tolist(),
+        "tokens_per_layer": st.tokens_per_layer.tolist(),
+        "hits_per_layer": st.hits_per_layer.tolist(),
+        "misses_per_layer": st.misses_per_layer.tolist(),
+        "evictions_per_layer": st.evictions_per_layer.tolist(),
         "hit_rate_per_layer": st.hit_rate_per_layer.tolist(),
     }
 
@@ -123,10 +256,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
     app_mod = _server_module()
-    from fastapi import APIRouter, Depends, FastAPI, HTTPException
+    from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.middleware import Middleware
     from fastapi.middleware.cors import CORSMiddleware
-    from llama_cpp.server.errors import RouteErrorHandler
+    from fastapi.responses import JSONResponse
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from starlette_context.middleware import RawContextMiddleware
@@ -157,26 +291,71 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     app = FastAPI(title="pymoecache", version=__version__,
                   middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc):
+        _log.error("request to %s failed: %r", request.url.path, exc)
+        return JSONResponse({"error": {"message": "internal server error", "type": "server_error", "param": None,
+                                       "code": None}}, status_code=500)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
-    # The stock completion endpoints again, without their response models, which would drop the
-    # "moecache" field from the results; registered first, so they answer these two paths.
-    ours = APIRouter(route_class=RouteErrorHandler)
-    for path, endpoint in zip(_COMPLETION_PATHS, (app_mod.create_completion, app_mod.create_chat_completion)):
-        ours.add_api_route(path, endpoint, methods=["POST"], response_model=None, include_in_schema=False,
+    # The stock completion endpoints again, behind validate_request and without their response
+    # models (which would drop the "moecache" field); registered first, so they answer these paths.
+    ours = APIRouter()
+
+    def checked(endpoint):
+        async def handler(request: Request):
+            try:
+                body = validate_request(proxy(), request.url.path, await request.body())
+                return await endpoint(request=request, body=body)
+            except RequestError as e:
+                return e.response()
+            except HTTPException:
+                raise
+            except ValueError as e:  # llama-cpp-python's own checks of a request (context window, ...)
+                return RequestError(" ".join(str(e).split())[:300]).response()
+            except Exception:  # ours or upstream's bug: logged here, no details to the client
+                _log.exception("request to %s failed", request.url.path)
+                return JSONResponse({"error": {"message": "internal server error", "type": "server_error",
+                                               "param": None, "code": None}}, status_code=500)
+        handler.__annotations__ = {"request": Request}  # a real class: this module's annotations are strings
+        return handler
+
+    endpoints = (app_mod.create_completion, app_mod.create_chat_completion, app_mod.create_completion)
+    for path, endpoint in zip(_COMPLETION_PATHS, endpoints):
+        ours.add_api_route(path, checked(endpoint), methods=["POST"], response_model=None, include_in_schema=False,
                            dependencies=[Depends(app_mod.authenticate)])
+
+    @ours.post("/v1/embeddings", include_in_schema=False)
+    def embeddings_refused():
+        return RequestError("this server runs a generation model without embeddings: /v1/embeddings is not "
+                            "available", 400).response()
 
     @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"])
     def moecache_stats() -> dict:
-        # a snapshot read without the server's model lock: it neither waits for nor interrupts a
-        # running request (taking that lock would stop a running stream)
+        # Llama.moe_stats() reads the counters under the lock that guards each decoded token: a
+        # consistent snapshot between two tokens, without waiting for (or interrupting) a whole
+        # request as the server's request lock would
         llm = proxy()
         if llm.moecache is None:
             raise HTTPException(status_code=404, detail=f"{model_path} has no MoE layers: there is no expert cache")
         return stats_json(llm, routing, routing_scope)
 
+    # The other stock endpoints (/v1/models, /extras/tokenize, ...) on plain routes: upstream's route
+    # class turns any error, a malformed body included, into a 500 carrying its traceback.
+    for r in app_mod.router.routes:
+        if r.path in _COMPLETION_PATHS or r.path == "/v1/embeddings":
+            continue
+        ours.add_api_route(r.path, r.endpoint, methods=sorted(r.methods), response_model=r.response_model,
+                           dependencies=r.dependencies, summary=r.summary, tags=r.tags,
+                           include_in_schema=r.include_in_schema, name=r.name)
     app.include_router(ours)
-    app.include_router(app_mod.router)
     return app
 
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -656,9 +657,10 @@ static int32_t state_load_impl(moecache * mc, const char * path) {
         if (!r.get(dsum[il]) || !r.get(dn[il])) {
             return fail(MOECACHE_ERR_CORRUPT, where + "truncated");
         }
-        // Delta is a running mean of logit ranges: a finite sum >= 0 over n >= 0 tokens (sum 0 if n is 0)
+        // Delta is a running mean of logit ranges: a finite sum >= 0 over n >= 0 tokens (sum 0 if n is
+        // 0) whose mean is a finite float, as routing uses it
         if (!std::isfinite(dsum[il]) || dsum[il] < 0.0 || dn[il] < 0 || (dn[il] == 0 && dsum[il] != 0.0) ||
-            (dn[il] > 0 && !std::isfinite(dsum[il] / (double) dn[il]))) {
+            (dn[il] > 0 && !(dsum[il] / (double) dn[il] <= (double) FLT_MAX))) {
             return fail(MOECACHE_ERR_CORRUPT, where + "Delta out of range");
         }
     }

@@ -3,8 +3,15 @@ tests/fixtures/models by pymoecache.synth and reused across runs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,3 +40,51 @@ def fixture_dir() -> Path:
 
 def model_path(fixture_dir: Path, name: str, variant: str = "") -> Path:
     return fixture_dir / f"{name}{variant}.gguf"
+
+
+# --- `pymoecache serve` as a real process on 127.0.0.1 ------------------------------------------
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight there, whatever HTTP_PROXY says
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_request(url: str, body=None, timeout: float = 120, raw: bytes = None, method: str = None):
+    """(status, text) of one request; a JSON ``body`` or ``raw`` bytes. HTTP errors raise."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
+    with _opener.open(req, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+@contextlib.contextmanager
+def running_server(model, log: Path, *args):
+    """Start `pymoecache serve MODEL ARGS` on a free port, yield its base URL, stop it after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pymoecache", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                http_request(base + "/v1/models", timeout=5)
+                break
+            except (OSError, urllib.error.URLError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server did not answer within 60 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.25)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -71,8 +71,12 @@ def test_memory_budget_becomes_a_per_layer_size(fixture_dir):
     assert m.moe_stats().capacity_per_layer.tolist() == [expect] * info.n_moe_layer
     assert expect == info.cache_size_for_budget(512 * 1024)
     m.close()
-    with pytest.raises(pymoecache.ConfigError, match="larger than"):
-        pymoecache.Llama(path, cache=CacheConfig(size="1GiB"), n_ctx=64, verbose=False)
+    # a budget above all experts keeps all of them (as `info --ram` says), resident
+    m = pymoecache.Llama(path, cache=CacheConfig(size="1GiB"), n_ctx=64, verbose=False)
+    m("Hi", max_tokens=2)
+    assert m.moe_stats().capacity_per_layer.tolist() == [info.n_expert] * info.n_moe_layer
+    assert m.moe_stats().residency.residency == "none"
+    m.close()
 
 
 def test_config_objects_validate_and_parse():

@@ -5,37 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from pymoecache import server
-from conftest import ROOT, model_path
+from conftest import ROOT, http_request, model_path, running_server
 
 MISSING = [m for m in server._EXTRAS if importlib.util.find_spec(m) is None]
 needs_extras = pytest.mark.skipif(bool(MISSING), reason=f"server extras not installed ({', '.join(MISSING)}): "
                                                         f"{server.PIP_SERVER}")
-# straight to 127.0.0.1, whatever HTTP_PROXY says
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _request(url: str, body=None, timeout: float = 120):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with _opener.open(req, timeout=timeout) as r:
-        return r.status, r.read().decode()
+_request = http_request
 
 
 def _post(url: str, body):
@@ -51,33 +33,9 @@ def _cli(*args, timeout=120):
 
 @pytest.fixture(scope="module")
 def url(fixture_dir, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "pymoecache", "serve", str(model_path(fixture_dir, "qwen2moe-60x4")),
-           "--host", "127.0.0.1", "--port", str(port), "--prior", "0.5"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                _request(base + "/v1/models", timeout=5)
-                break
-            except (OSError, urllib.error.URLError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server did not answer within 60 s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.25)
+    with running_server(model_path(fixture_dir, "qwen2moe-60x4"), log, "--prior", "0.5") as (base, _):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _check_request_stats(res) -> None:
@@ -135,6 +93,10 @@ def test_stats(url):
     assert st["lifetime"] > 0
     assert len(st["moe_layers"]) == len(st["hit_rate_per_layer"]) == len(st["cache_size_per_layer"]) > 0
     assert all(0.0 <= h <= 1.0 for h in st["hit_rate_per_layer"])
+    # the per-layer counters are there, so the miss rate can be recomputed from them
+    assert len(st["tokens_per_layer"]) == len(st["misses_per_layer"]) == len(st["moe_layers"])
+    assert sum(st["misses_per_layer"]) == st["misses"]
+    assert st["miss_rate"] == pytest.approx(sum(st["misses_per_layer"]) / (4 * sum(st["tokens_per_layer"])))
 
 
 @needs_extras

@@ -230,7 +230,7 @@ static void test_state_round_trip() {
     moecache_clear(b);
     route1(b, {0, 0, 3, 0, 0, 0}, 2);
     const std::vector<int32_t> before = cached(b);
-    CHECK(moecache_state_load(b, path.c_str()) == MOECACHE_ERR_IO);
+    CHECK(moecache_state_load(b, path.c_str()) == MOECACHE_ERR_CORRUPT);
     CHECK(std::strstr(moecache_last_error(), "truncated") != nullptr);
     CHECK(cached(b) == before);
     CHECK(moecache_state_load(b, "/nonexistent/dir/x.state") == MOECACHE_ERR_IO);
