@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
 _FMT = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32: "<i", FLOAT32: "<f", BOOL: "<?",
@@ -61,7 +61,8 @@ class Gguf:
     raw: bytes = b""
     extra_kv_count: int = 0                   # added to the stored key count (a lie, for the corpus)
     extra_tensor_count: int = 0
-    force_alignment: Optional[int] = field(default=None)  # pad the data start to this instead
+    spans: List[Tuple[int, int]] = field(default_factory=list)  # parse(): byte ranges of counts, scalar
+                                                                 # key/values, array heads, tensor infos
 
     @classmethod
     def parse(cls, raw: bytes) -> "Gguf":
@@ -85,13 +86,17 @@ class Gguf:
             return p + struct.calcsize(_FMT[vtype])
 
         kv = []
+        spans = [(0, 24)]  # the bytes that describe the model (the vocabulary's strings are left out)
         for _ in range(n_kv):
+            start = pos
             key, pos = read_str(pos)
             (vtype,) = struct.unpack_from("<I", raw, pos)
             pos += 4
             end = skip_value(vtype, pos)
             kv.append((key, vtype, raw[pos:end]))
+            spans.append((start, pos + 12 if vtype == ARRAY else end))
             pos = end
+        tensor_start = pos
         tensors = []
         for _ in range(n_tensors):
             name, pos = read_str(pos)
@@ -101,7 +106,8 @@ class Gguf:
             ggml_type, offset = struct.unpack_from("<IQ", raw, pos)
             pos += 12
             tensors.append(Tensor(name, shape, ggml_type, offset))
-        g = cls(version, kv, tensors, b"", raw)
+        spans.append((tensor_start, pos))
+        g = cls(version, kv, tensors, b"", raw, spans=spans)
         align = g.get("general.alignment", 32)
         start = (pos + align - 1) // align * align if tensors else pos
         g.data = raw[start:]
@@ -136,7 +142,7 @@ class Gguf:
                                      len(self.kv) + self.extra_kv_count)
         head += b"".join(_str(k) + struct.pack("<I", t) + b for k, t, b in self.kv)
         head += b"".join(t.to_bytes() for t in self.tensors)
-        align = self.force_alignment or self.get("general.alignment", 32)
+        align = self.get("general.alignment", 32)
         if not isinstance(align, int) or align <= 0:
             align = 32
         if self.tensors:
