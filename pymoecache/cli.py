@@ -438,10 +438,13 @@ def _validate(args) -> None:
         raise UserError(f"--top-j must be in [0, {INT32_MAX}], got {top_j}")
     if getattr(args, "routing", None) is not None and not args.routing.strip():
         raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
-    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "port"):
+    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads"):
         v = getattr(args, name, None)
         if v is not None and not -INT32_MAX <= v <= INT32_MAX:
             raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
 
 
 def _one_line(e: BaseException) -> str:

@@ -649,7 +649,15 @@ class Llama(llama_cpp.Llama):
 
     A dense model (no MoE layers) loads and runs with a warning, without a cache. If the model
     file becomes unreadable during a run, the token that needed the expert raises
-    :class:`MoECacheIOError` (its output is discarded; the expert is read again next time).
+    :class:`MoECacheIOError` (its output is discarded; the expert is read again next time); so
+    does any decode after the file was truncated, overwritten, replaced or removed.
+
+    Errors: a bad file raises :class:`ModelFileError` (:class:`ModelLoadError` with llama.cpp's
+    reason when llama.cpp refuses it), a bad parameter :class:`ConfigError`; all derive from
+    :class:`pymoecache.Error`. Threads: one ``Llama`` serves one thread at a time; a call from a
+    second thread while the first decodes raises :class:`ConcurrentUseError` (use one ``Llama``
+    per thread, or a lock). :meth:`moe_stats` may be called from any thread: it waits for the
+    token being decoded and reads the counters between two tokens.
 
     >>> llm = Llama("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.25))  # doctest: +SKIP
     >>> llm.set_routing("max-rank:4")                                               # doctest: +SKIP

@@ -244,7 +244,7 @@ def test_load_failure_carries_llama_cpp_reason(hostile_files):
 PARAM_CLI_CASES = [
     ("ctx-2", ["--ctx", "2"], "n_ctx"),
     ("ctx-negative", ["--ctx", "-1"], "n_ctx"),
-    ("ctx-wraps", ["--ctx", "4294967297"], "n_ctx"),
+    ("ctx-wraps", ["--ctx", "4294967297"], "ctx"),
     ("threads-100000", ["--threads", "100000"], "n_threads"),
     ("threads-0", ["--threads", "0"], "n_threads"),
     ("threads-negative", ["--threads", "-7"], "n_threads"),
@@ -285,13 +285,46 @@ PARAM_CLI_CASES = [
 ]
 
 
+# the other commands: (id, argv with MODEL for the fixture model, a word of the one line)
+OTHER_CLI_CASES = [
+    ("bench-ctx-negative", ["bench", "MODEL", "--ctx", "-1", "-n", "2"], "n_ctx"),
+    ("bench-reps-0", ["bench", "MODEL", "--reps", "0"], "reps"),
+    ("bench-routing-only-commas", ["bench", "MODEL", "--routing", ",,"], "routing"),
+    ("bench-prompts-missing", ["bench", "MODEL", "--prompts", "/nonexistent/prompts.txt"], "prompts"),
+    ("bench-threads-huge", ["bench", "MODEL", "--threads", "100000", "-n", "2"], "threads"),
+    ("info-ram-abc", ["info", "MODEL", "--ram", "abc"], "ram"),
+    ("info-missing", ["info", "/nonexistent/model.gguf"], "not found"),
+    ("serve-port-huge", ["serve", "MODEL", "--port", "99999"], "port"),
+    ("serve-ctx-negative", ["serve", "MODEL", "--ctx", "-1", "--port", "0"], "n_ctx"),
+    ("serve-bad-host", ["serve", "MODEL", "--host", "no.such.host.invalid", "--port", "0"], "listen"),
+    ("ppl-text-missing", ["ppl", "MODEL", "--text", "/nonexistent/valid.txt"], "valid.txt"),
+    ("ppl-ctx-1", ["ppl", "MODEL", "--text", str(ROOT / "README.md"), "--ctx", "1"], "ctx"),
+    ("ppl-bad-sweep", ["ppl", "MODEL", "--text", str(ROOT / "README.md"), "--sweep", "warp=1"], "sweep"),
+    ("trace-tokens-0", ["trace", "MODEL", "--text", str(ROOT / "README.md"), "--out", "/tmp/x.npz", "--tokens", "0"],
+     "tokens"),
+    ("trace-out-missing-dir", ["trace", "MODEL", "--text", str(ROOT / "README.md"), "--out", "/nonexistent/d/x.npz"],
+     "nonexistent"),
+    ("plot-timeline-missing", ["plot-timeline", "/nonexistent/trace.npz", "/tmp/x.png"], "trace.npz"),
+    ("plot-timeline-not-npz", ["plot-timeline", str(ROOT / "README.md"), "/tmp/x.png"], "README"),
+    ("no-such-command", ["frobnicate"], "invalid choice"),
+]
+
+
 @pytest.fixture(scope="module")
 def param_results(fixture_dir):
     m = str(model_path(fixture_dir, BASE))
+    jobs = {name: ["run", *([] if name == "hf-repo-without-file" else [m]), "-n", "2", *args]
+            for name, args, _ in PARAM_CLI_CASES}
+    jobs.update({name: [m if a == "MODEL" else a for a in argv] for name, argv, _ in OTHER_CLI_CASES})
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futs = {name: pool.submit(_run_cli, ["run", *([] if name == "hf-repo-without-file" else [m]), "-n", "2", *args])
-                for name, args, _ in PARAM_CLI_CASES}
+        futs = {name: pool.submit(_run_cli, argv) for name, argv in jobs.items()}
         return {name: f.result() for name, f in futs.items()}
+
+
+@pytest.mark.parametrize("name,argv,needle", OTHER_CLI_CASES, ids=[c[0] for c in OTHER_CLI_CASES])
+def test_other_commands_cli(name, argv, needle, param_results):
+    rc, _, err = param_results[name]
+    _assert_user_error(rc, err, name, needle)
 
 
 @pytest.mark.parametrize("name,args,needle", PARAM_CLI_CASES, ids=[c[0] for c in PARAM_CLI_CASES])
