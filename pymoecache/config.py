@@ -35,13 +35,14 @@ def _with_j(spec: str, top_j: int) -> str:
 INT32_MAX = 2**31 - 1  # integer parameters reach the C library as int32: larger ones are refused, never wrapped
 
 
-def _check_int(what: str, v, lo: int, hi: int = INT32_MAX) -> None:
+def check_int(what: str, v, lo: int, hi: int = INT32_MAX) -> None:
+    """ConfigError unless ``v`` is an int (not a bool) in [lo, hi]."""
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ConfigError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
 
 
 def _check_top_j(top_j: int) -> None:
-    _check_int("top_j", top_j, 0, C.MOECACHE_MAX_EXPERTS)
+    check_int("top_j", top_j, 0, C.MOECACHE_MAX_EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Prune:
     top_j: int = 1
 
     def __post_init__(self):
-        _check_int("prune rank R", self.rank, 1)
+        check_int("prune rank R", self.rank, 1)
         _check_top_j(self.top_j)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
@@ -91,7 +92,7 @@ class MaxRank:
     top_j: int = 1
 
     def __post_init__(self):
-        _check_int("max-rank m", self.m, 0)
+        check_int("max-rank m", self.m, 0)
         _check_top_j(self.top_j)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
@@ -163,7 +164,7 @@ class DropRank:
     rank: int
 
     def __post_init__(self):
-        _check_int("drop-rank i", self.rank, 0)
+        check_int("drop-rank i", self.rank, 0)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.top_j = C.MOECACHE_POLICY_DROP_RANK, self.rank, 0
@@ -186,8 +187,8 @@ class SwapRank:
     seed: int = 0
 
     def __post_init__(self):
-        _check_int("swap-rank i", self.rank, 0)
-        _check_int("swap-rank seed", self.seed, 0, 2**32 - 1)
+        check_int("swap-rank i", self.rank, 0)
+        check_int("swap-rank seed", self.seed, 0, 2**32 - 1)
 
     def _apply(self, p: C.moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.analysis_seed, p.top_j = C.MOECACHE_POLICY_SWAP_RANK, self.rank, self.seed, 0
@@ -327,7 +328,7 @@ class CacheConfig:
         if isinstance(self.size, bool):
             raise ConfigError("cache size must be a count, a fraction or a byte budget, not a bool")
         if isinstance(self.size, int):
-            _check_int("cache size", self.size, 0, C.MOECACHE_MAX_EXPERTS)
+            check_int("cache size", self.size, 0, C.MOECACHE_MAX_EXPERTS)
         elif isinstance(self.size, float):
             if not 0.0 <= self.size <= 1.0:
                 raise ConfigError(f"cache fraction {self.size} must be in [0, 1]")
@@ -338,17 +339,17 @@ class CacheConfig:
             raise ConfigError(f"cache size must be int, float or str, got {type(self.size).__name__}")
         if self.insertion not in ("top-bottom", "bottom-top"):
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {self.insertion!r}")
-        _check_int("trace (records kept)", self.trace, 0, C.MOECACHE_MAX_TRACE)
+        check_int("trace (records kept)", self.trace, 0, C.MOECACHE_MAX_TRACE)
         if self.per_layer is not None:
             if isinstance(self.per_layer, (str, bytes)) or not hasattr(self.per_layer, "__len__"):
                 raise ConfigError(f"per_layer must be a list of cache sizes, got {self.per_layer!r}")
             if len(self.per_layer) > C.MOECACHE_MAX_LAYERS:
                 raise ConfigError(f"per_layer has {len(self.per_layer)} entries, more than any model's layers")
             for x in self.per_layer:
-                _check_int("a per-layer cache size (-1 = the default)", x, -1, C.MOECACHE_MAX_EXPERTS)
+                check_int("a per-layer cache size (-1 = the default)", x, -1, C.MOECACHE_MAX_EXPERTS)
         if self.residency not in RESIDENCIES:
             raise ConfigError(f"residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}")
-        _check_int("io_threads", self.io_threads, 1, 64)
+        check_int("io_threads", self.io_threads, 1, 64)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

@@ -20,24 +20,21 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Tuple, Union
 
 import numpy as np
 import llama_cpp
 
 from . import _moecache_cpp as C
-from .config import (RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing, TopK,
-                     parse_routing)
-from .errors import (ConcurrentUseError, MoECacheError, MoECacheIOError, ModelFileError, ModelLoadError,
-                     StateFileError)
+from .config import (INT32_MAX, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing,
+                     TopK, check_int, parse_routing)
+from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
 CALIBRATION_FORMAT = "pymoecache-prior-calibration"
 _MAX_JSON_BYTES = 64 << 20
 _MAX_THREADS = 512    # GGML_MAX_N_THREADS
-_INT31 = 2**31 - 1
 
 
 # --- llama.cpp's log, kept even when verbose=False -------------------------------------------------
@@ -79,28 +76,20 @@ def _log_reason(n: int = 3) -> str:
 _LOAD_LOCK = threading.Lock()
 
 
-def _check_int(name: str, v, lo: int, hi: int, *, none_ok: bool = False) -> None:
-    """ConfigError unless ``v`` is an int in [lo, hi] (integers reach ctypes unchecked otherwise)."""
-    if v is None and none_ok:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-
-
 def _check_llama_kwargs(kw: dict) -> None:
     """Range checks for the llama_cpp.Llama options that reach ctypes as fixed-width integers."""
     for name in ("n_ctx", "n_batch", "n_ubatch"):
         if name in kw:
-            _check_int(name, kw[name], 0 if name == "n_ctx" else 1, _INT31)
+            check_int(name, kw[name], 0 if name == "n_ctx" else 1, INT32_MAX)
     if 0 < kw.get("n_ctx", 0) < 8:
         raise ConfigError(f"n_ctx = {kw['n_ctx']} is too small: use 0 (the model's training context) or at least 8")
     for name in ("n_threads", "n_threads_batch"):
         if kw.get(name) is not None and kw[name] != -1:
-            _check_int(name, kw[name], 1, _MAX_THREADS)
+            check_int(name, kw[name], 1, _MAX_THREADS)
     if "seed" in kw:
-        _check_int("seed", kw["seed"], -1, 2**32 - 1)
+        check_int("seed", kw["seed"], -1, 2**32 - 1)
     if "n_gpu_layers" in kw:
-        _check_int("n_gpu_layers", kw["n_gpu_layers"], -1, _INT31)
+        check_int("n_gpu_layers", kw["n_gpu_layers"], -1, INT32_MAX)
 
 
 def _file_signature(path: str) -> Tuple[int, int, int, int]:

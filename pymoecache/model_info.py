@@ -27,6 +27,15 @@ MAX_DIMS = 4             # GGML_MAX_DIMS
 MAX_NAME = 64            # GGML_MAX_NAME, with its terminating NUL
 TENSOR_ALIGNMENT = 32    # ggml's CPU buffers: a tensor's bytes must start 32-byte aligned in the mapping
 _INT64_MAX = 2**63 - 1
+_ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # llama_rope_scaling_type_from_string
+# architectures whose llama.cpp graph asserts rope.dimension_count == the attention head size
+# (GGML_ASSERT(n_embd_head == n_rot) in vendor/llama.cpp/src/models/*.cpp, llama-cpp-python 0.3.36)
+_FULL_ROPE_ARCHS = frozenset(
+    "apertus arcee arctic baichuan chameleon codeshell cogvlm cohere2moe dbrx deci deepseek dots1 dream ernie4_5 "
+    "ernie4_5-moe exaone exaone-moe exaone4 falcon granite granite_swa graniteswitch grok grovemoe hunyuan-moe "
+    "hunyuan_vl hy_v3 internlm2 jais2 llada llada-moe llama llama4 maincoder mellum minimax-01 minimax-m2 mistral3 "
+    "nemotron olmo olmo2 olmoe orion paddleocr pangu-embedded plamo pockettts qwen2 qwen2moe qwen2vl qwen3 qwen3moe "
+    "qwen3vl qwen3vlmoe rnd1 seed_oss smallthinker smollm3 starcoder2 talkie xverse".split())
 
 
 @dataclass
@@ -260,6 +269,32 @@ class _Header:
         raise self._bad(f"unknown GGUF value type {vtype}")
 
 
+def _check_attention(p: Path, kv: Dict[str, object], arch: str, kv_int) -> None:
+    """The attention geometry llama.cpp's graph builders assert on (when the model has heads and
+    they are one value for all layers): KV heads dividing the heads, the rope dimensions even and
+    at most the head size (equal to it where the architecture's graph requires), a known rope scaling."""
+    scaling = kv.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling not in _ROPE_SCALINGS:
+        raise ModelFileError(f"{p}: {arch}.rope.scaling.type = {scaling!r} is not one of {', '.join(_ROPE_SCALINGS)}")
+    if isinstance(kv.get(f"{arch}.attention.head_count"), _Array) or isinstance(
+            kv.get(f"{arch}.attention.head_count_kv"), _Array):
+        return  # per-layer head counts: llama.cpp's own per-layer checks apply
+    n_head = kv_int(f"{arch}.attention.head_count", 0, 0, 1 << 20)
+    if n_head == 0:
+        return
+    n_head_kv = kv_int(f"{arch}.attention.head_count_kv", n_head, 0, n_head)
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ModelFileError(f"{p}: {n_head} attention heads cannot share {n_head_kv} KV heads")
+    n_embd = kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1)
+    head = kv_int(f"{arch}.attention.key_length", n_embd // n_head, 0, 2**31 - 1)
+    if head == 0:
+        return  # no embedding length: a required key llama.cpp reports missing itself
+    n_rot = kv_int(f"{arch}.rope.dimension_count", head, 0, 2**31 - 1)
+    if n_rot % 2 or n_rot > head or (arch in _FULL_ROPE_ARCHS and n_rot != head):
+        raise ModelFileError(f"{p}: {arch}.rope.dimension_count = {n_rot} does not fit attention heads of size {head}"
+                             + (f" ({arch} rotates whole heads)" if arch in _FULL_ROPE_ARCHS else ""))
+
+
 def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     """Read a GGUF header and describe the model; raise ModelFileError for a bad file.
 
@@ -343,6 +378,8 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         raise ModelFileError(f"{p}: {n_expert} experts cannot form {n_groups} groups with {n_group_used} used")
     if n_expert == 0 and n_groups:
         raise ModelFileError(f"{p}: expert_group_count = {n_groups} without experts")
+
+    _check_attention(p, h.kv, arch, kv_int)
 
     per_layer: Dict[int, int] = {}
     types = set()

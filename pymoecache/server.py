@@ -61,10 +61,29 @@ class RequestError(Exception):
                                        "code": None}}, status_code=self.status)
 
 
+def _field_error(errors: list) -> RequestError:
+    """422 naming the first invalid field of a pydantic error list (the input is not echoed)."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+    return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where)
+
+
 def _grammar_depth(text: str) -> int:
+    """Deepest nesting of parentheses in a GBNF grammar, outside string literals and [...] classes."""
     depth = deepest = 0
+    quote = None  # '"' inside a literal, "]" inside a character class
+    escaped = False
     for ch in text:
-        if ch == "(":
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in '"[':
+            quote = '"' if ch == '"' else "]"
+        elif ch == "(":
             depth += 1
             deepest = max(deepest, depth)
         elif ch == ")":
@@ -138,9 +157,7 @@ def validate_request(llm, path: str, raw: bytes):
     try:
         body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        raise RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where) from None
+        raise _field_error(e.errors()) from None
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
     if body.grammar is not None:
@@ -294,9 +311,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where).response()
+        return _field_error(exc.errors()).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc):

@@ -96,7 +96,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 return "hang"
             if r.returncode < 0:
-                return f"signal {-r.returncode}"
+                keep = Path(tempfile.gettempdir()) / f"pymoecache-fuzz-{path.name}"
+                keep.write_bytes(path.read_bytes())
+                why = [ln for ln in r.stderr.splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()][-1:]
+                return f"signal {-r.returncode} ({keep}: {why[0].strip() if why else 'no message'})"
             if r.returncode != 0:
                 return "traceback: " + (r.stderr.strip().splitlines() or ["?"])[-1]
             return r.stdout.strip().split(":")[0]
@@ -105,7 +108,7 @@ def main() -> int:
             with ThreadPoolExecutor(2) as pool:
                 for path, outcome in zip(accepted, tqdm(pool.map(load, accepted), total=len(accepted),
                                                         desc="llama.cpp loads", unit="file")):
-                    counts[f"load {outcome}"] += 1
+                    counts[f"load {outcome.split(' (')[0]}"] += 1
                     if outcome not in ("loaded", "refused"):
                         findings.append(("load", path.name, outcome))
 

@@ -25,7 +25,9 @@ _VALUES = ([(ge.UINT32, v) for v in _INTS if v < 2**32] + [(ge.UINT64, v) for v 
            + [(ge.FLOAT64, v) for v in (math.nan, 1e308, 4.0)] + [(ge.BOOL, True), (ge.STRING, ""), (ge.STRING, "x" * 300)]
            + [(ge.ARRAY, (ge.UINT32, [4, 4])), (ge.ARRAY, (ge.STRING, ["a"])), (ge.ARRAY, (ge.FLOAT32, []))])
 _KEYS = ["expert_count", "expert_used_count", "block_count", "expert_group_count", "expert_group_used_count",
-         "embedding_length", "context_length", "expert_shared_count", "expert_gating_func", "nextn_predict_layers"]
+         "embedding_length", "context_length", "expert_shared_count", "expert_gating_func", "nextn_predict_layers",
+         "rope.dimension_count", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+         "rope.scaling.type", "expert_feed_forward_length", "feed_forward_length"]
 
 
 class HeaderFuzz:
@@ -94,7 +96,8 @@ def check_header(path: Path) -> str:
         return "refused"
 
 
-def _resum(raw: bytes) -> bytes:
+def resum_state(raw: bytes) -> bytes:
+    """``raw`` with its trailing FNV-1a checksum recomputed (so a mutant reaches the field checks)."""
     h = 0xcbf29ce484222325
     for b in raw[:-8]:
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
@@ -119,7 +122,7 @@ def state_mutant(rng: np.random.Generator, raw: bytes) -> bytes:
         i = int(rng.integers(len(b) + 1))
         b[i:i] = bytes(rng.integers(0, 256, int(rng.integers(1, 16)), dtype=np.uint8))
     out = bytes(b)
-    return _resum(out) if len(out) >= 16 and rng.random() < 0.5 else out
+    return resum_state(out) if len(out) >= 16 and rng.random() < 0.5 else out
 
 
 def check_state(mc: "pymoecache.MoECache", path: Path) -> str:

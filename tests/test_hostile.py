@@ -32,6 +32,7 @@ import pymoecache.server
 from pymoecache import CacheConfig, ConfigError, MoECache, StateFileError, cli
 from conftest import ROOT, model_path
 import gguf_edit as ge
+from fuzz_inputs import resum_state
 
 BASE = "qwen2moe-60x4"   # N = 60, K = 4, 4 layers
 ARCH = "qwen2moe"
@@ -120,6 +121,14 @@ FILE_CASES = [
     ("block-count-too-small-for-tensors", _kv(A + "block_count", ge.UINT32, 2), 2, "expert tensor"),
     ("nextn-above-layers", _kv(A + "nextn_predict_layers", ge.UINT32, 9), 2, "nextn"),
     ("block-count-missing", _edit(lambda g: g.drop(A + "block_count")), 2, "block_count"),
+    # attention geometry llama.cpp's graph asserts on
+    ("rope-dims-7", _kv(A + "rope.dimension_count", ge.UINT32, 7), 2, "rope.dimension_count"),
+    ("rope-dims-0", _kv(A + "rope.dimension_count", ge.UINT32, 0), 2, "rope.dimension_count"),
+    ("rope-dims-above-head", _kv(A + "rope.dimension_count", ge.UINT32, 64), 2, "rope.dimension_count"),
+    ("rope-scaling-bogus", _kv(A + "rope.scaling.type", ge.STRING, "warp"), 2, "rope.scaling.type"),
+    ("kv-heads-not-dividing", _kv(A + "attention.head_count_kv", ge.UINT32, 3), 2, "KV heads"),
+    ("kv-heads-0", _kv(A + "attention.head_count_kv", ge.UINT32, 0), 2, "KV heads"),
+    ("kv-heads-above-heads", _kv(A + "attention.head_count_kv", ge.UINT32, 1000), 2, "head_count_kv"),
     # alignment
     ("alignment-1", _kv("general.alignment", ge.UINT32, 1), 2, "aligned"),
     ("alignment-0", _kv("general.alignment", ge.UINT32, 0), 2, "alignment"),
@@ -413,18 +422,12 @@ def _state_layout(raw: bytes):
     return layers
 
 
-def _resum(raw: bytes) -> bytes:
-    h = 0xcbf29ce484222325
-    for b in raw[:-8]:
-        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-    return raw[:-8] + struct.pack("<Q", h)
-
-
-def _patch(offset_fn, fmt, value, resum=True):
+def _patch(offset_fn, fmt, value):
+    """Overwrite one field, then repair the checksum: the field check itself must refuse it."""
     def make(raw: bytes) -> bytes:
         b = bytearray(raw)
         struct.pack_into(fmt, b, offset_fn(raw), value)
-        return _resum(bytes(b)) if resum else bytes(b)
+        return resum_state(bytes(b))
     return make
 
 
@@ -445,17 +448,17 @@ STATE_CASES = [
     ("delta-n-negative", _patch(lambda r: _delta_sum_off(r) + 8, "<q", -1), "Delta"),
     ("delta-n-zero-with-sum", _patch(lambda r: _delta_sum_off(r) + 8, "<q", 0), "Delta"),
     ("delta-mean-overflow", _patch(_delta_sum_off, "<d", 1e308), "Delta"),  # a mean above the float range
-    ("duplicate-ids", lambda raw: _resum(_dup_ids(raw)), "repeated"),
+    ("duplicate-ids", lambda raw: resum_state(_dup_ids(raw)), "repeated"),
     ("id-equal-n", _patch(lambda r: _layer_with_entries(r)[0] + 4, "<i", 60), "out of range"),
     ("id-negative", _patch(lambda r: _layer_with_entries(r)[0] + 4, "<i", -1), "out of range"),
     ("n-cached-above-n", _patch(lambda r: _layer_with_entries(r)[0], "<i", 61), "number of cached"),
     ("n-cached-negative", _patch(lambda r: _layer_with_entries(r)[0], "<i", -1), "number of cached"),
-    ("n-cached-off-by-one", lambda raw: _resum(_n_cached_minus_one(raw)), "corrupt"),
+    ("n-cached-off-by-one", lambda raw: resum_state(_n_cached_minus_one(raw)), "corrupt"),
     ("desc-length-huge", _patch(lambda r: 12, "<I", 10**6), "header"),
     ("abi-other", _patch(lambda r: 8, "<I", 1), "another model"),
     ("n-layer-other", _patch(lambda r: 16 + struct.unpack_from("<I", r, 12)[0] + 8, "<i", 3), "another model"),
     ("n-expert-other", _patch(lambda r: 16 + struct.unpack_from("<I", r, 12)[0] + 12, "<i", 64), "another model"),
-    ("trailing-bytes", lambda raw: _resum(raw[:-8] + b"\0\0\0\0" + raw[-8:]), "trailing"),
+    ("trailing-bytes", lambda raw: resum_state(raw[:-8] + b"\0\0\0\0" + raw[-8:]), "trailing"),
     ("flip-magic", lambda raw: b"X" + raw[1:], "not a pymoecache"),
     ("old-format", lambda raw: raw[:7] + b"1" + raw[8:], "another pymoecache version"),
     ("flip-byte-header", lambda raw: _flip(raw, 20), "checksum"),
@@ -906,3 +909,12 @@ def http_get(url):
     from conftest import http_request
 
     return http_request(url)[1]
+
+
+@needs_server_extras
+def test_http_grammar_with_parentheses_in_literals_is_served(hostile_server):
+    base, proc, log = hostile_server
+    grammar = 'root ::= "' + "(" * 300 + '" | [()] | "b"'  # deep only inside a literal: not refused
+    code, text = _http(base, C, {"prompt": "x", "max_tokens": 2, "grammar": grammar, "temperature": 0})
+    assert code == 200, text[:300]
+    assert set(json.loads(text)["choices"][0]["text"]) <= set("()b")  # the grammar held
