@@ -55,10 +55,7 @@ def test_model_file_matches_its_card(name):
     info = pymoecache.model_info(path)
     assert info.is_moe and (info.n_expert, info.n_expert_used) == (n_expert, n_used)
     assert (c["preset"]["n_ff_shexp"] > 0) == shared
-    # the card's own numbers: trained on the training slice only, and held-out ppl far below unigram
-    assert c["data"]["held_out_tokens"] > 40_000
-    assert c["held_out_llama_cpp"]["ppl"] < 0.5 * c["held_out"]["unigram_ppl"]
-    assert c["export_check"]["tokenization_equal_on_held_out"]
+    # the card's quality numbers are measured again, not read back: test_held_out_perplexity_*
 
 
 def _words(text: str) -> list:
