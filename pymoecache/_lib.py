@@ -19,16 +19,18 @@ import platform
 import sys
 from pathlib import Path
 
+from .errors import MissingDependencyError
+
 _PKG_DIR = Path(__file__).resolve().parent
 _LIB_NAME = {"darwin": "libllama.dylib", "win32": "llama.dll"}.get(sys.platform, "libllama.so")
 
 
 def find_lib_dir() -> Path:
-    """Directory holding our libllama (and libggml*); raises ImportError if there is none."""
+    """Directory holding our libllama (and libggml*); MissingDependencyError (an ImportError) if none."""
     env = os.environ.get("PYMOECACHE_LIB_DIR")
     if env:
         if not (Path(env) / _LIB_NAME).exists():
-            raise ImportError(f"PYMOECACHE_LIB_DIR={env} has no {_LIB_NAME}")
+            raise MissingDependencyError(f"PYMOECACHE_LIB_DIR={env} has no {_LIB_NAME}")
         return Path(env)
     candidates = [_PKG_DIR / "lib"]
     machine = platform.machine().lower()  # x86_64, aarch64, arm64, amd64
@@ -39,7 +41,7 @@ def find_lib_dir() -> Path:
     for d in candidates:
         if (d / _LIB_NAME).exists():
             return d
-    raise ImportError(
+    raise MissingDependencyError(
         f"pymoecache: no {_LIB_NAME} found (looked in {', '.join(str(c) for c in candidates)}). "
         "Build it with `bash scripts/setup.sh` (or `pip install .`), or set PYMOECACHE_LIB_DIR.")
 
@@ -53,7 +55,7 @@ def load_llama_cpp():
 
     lib = llama_cpp_capi._lib
     if not hasattr(lib, "moecache_abi_version"):
-        raise ImportError(
+        raise MissingDependencyError(
             f"llama_cpp loaded a libllama without the moecache API ({getattr(lib, '_name', '?')}). "
             "Import pymoecache before llama_cpp, or set LLAMA_CPP_LIB_PATH to "
             f"{lib_dir}.")

@@ -1,4 +1,5 @@
 """ctypes mirror of src_cpp/moecache.h, one-to-one. See the header for the meaning of each field.
+Importing it loads the native library; the header's constants are in pymoecache.constants.
 
 Pythonic wrappers live in pymoecache.llama and pymoecache.config; this module only declares.
 """
@@ -9,45 +10,8 @@ import ctypes
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32, c_int64, c_uint32, c_void_p
 
 from ._lib import load_llama_cpp
-
-MOECACHE_ABI_VERSION = 4
-MOECACHE_TRACE_MAX_USED = 32
-
-# enum moecache_status
-MOECACHE_OK = 0
-MOECACHE_ERR_INVALID = -1
-MOECACHE_ERR_NOT_MOE = -2
-MOECACHE_ERR_IO = -3
-MOECACHE_ERR_MISMATCH = -4
-MOECACHE_ERR_STATE = -5
-MOECACHE_ERR_RESIDENCY = -6
-MOECACHE_ERR_CORRUPT = -7
-MOECACHE_ERR_NO_MEMORY = -8
-MOECACHE_MAX_EXPERTS = 4096
-MOECACHE_MAX_LAYERS = 4096
-MOECACHE_MAX_TRACE = 1 << 24
-
-# enum moecache_residency
-MOECACHE_RESIDENCY_NONE = 0
-MOECACHE_RESIDENCY_MMAP = 1
-MOECACHE_RESIDENCY_STREAM = 2
-
-# enum moecache_policy
-MOECACHE_POLICY_TOPK = 0
-MOECACHE_POLICY_PRUNE = 1
-MOECACHE_POLICY_MAX_RANK = 2
-MOECACHE_POLICY_CUMSUM = 3
-MOECACHE_POLICY_PRIOR = 4
-MOECACHE_POLICY_DROP_RANK = 5
-MOECACHE_POLICY_SWAP_RANK = 6
-
-# enum moecache_insertion
-MOECACHE_INSERTION_TOP_BOTTOM = 0
-MOECACHE_INSERTION_BOTTOM_TOP = 1
-
-# enum moecache_scope
-MOECACHE_SCOPE_ALL = 0
-MOECACHE_SCOPE_DECODE = 1
+from .constants import *  # noqa: F401,F403  (the enums and limits of moecache.h, pure Python)
+from .constants import MOECACHE_ABI_VERSION, MOECACHE_TRACE_MAX_USED
 
 
 class moecache_routing_params(ctypes.Structure):

@@ -15,10 +15,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from . import _moecache_cpp as C
+from . import constants as C
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # the ctypes struct each policy fills; importing it would load the native library
+    from ._moecache_cpp import moecache_routing_params
 
 
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
@@ -51,7 +54,7 @@ class TopK:
 
     spec_name = "lru"
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy = C.MOECACHE_POLICY_TOPK
 
     def spec(self) -> str:
@@ -73,7 +76,7 @@ class Prune:
         check_int("prune rank R", self.rank, 1)
         _check_top_j(self.top_j)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.prune_rank, p.top_j = C.MOECACHE_POLICY_PRUNE, self.rank, self.top_j
 
     def spec(self) -> str:
@@ -95,7 +98,7 @@ class MaxRank:
         check_int("max-rank m", self.m, 0)
         _check_top_j(self.top_j)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.max_rank, p.top_j = C.MOECACHE_POLICY_MAX_RANK, self.m, self.top_j
 
     def spec(self) -> str:
@@ -119,7 +122,7 @@ class CumsumThreshold:
             raise ConfigError(f"cumsum tau must be a number in [0, 1], got {self.tau!r}")
         _check_top_j(self.top_j)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.cumsum_tau, p.top_j = C.MOECACHE_POLICY_CUMSUM, float(self.tau), self.top_j
 
     def spec(self) -> str:
@@ -145,7 +148,7 @@ class Prior:
             raise ConfigError(f"prior strength (lambda) must be a finite number >= 0, got {self.strength!r}")
         _check_top_j(self.top_j)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), self.top_j
 
     def spec(self) -> str:
@@ -166,7 +169,7 @@ class DropRank:
     def __post_init__(self):
         check_int("drop-rank i", self.rank, 0)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.top_j = C.MOECACHE_POLICY_DROP_RANK, self.rank, 0
 
     def spec(self) -> str:
@@ -190,7 +193,7 @@ class SwapRank:
         check_int("swap-rank i", self.rank, 0)
         check_int("swap-rank seed", self.seed, 0, 2**32 - 1)
 
-    def _apply(self, p: C.moecache_routing_params) -> None:
+    def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.analysis_rank, p.analysis_seed, p.top_j = C.MOECACHE_POLICY_SWAP_RANK, self.rank, self.seed, 0
 
     def spec(self) -> str:

@@ -5,11 +5,13 @@
     ├── ModelFileError       the model file is missing, not a GGUF file, damaged or impossible
     │   ├── ModelNotFoundError   (also a FileNotFoundError)
     │   └── ModelLoadError       llama.cpp refused the file; the message carries its reason
+    ├── MissingDependencyError  an optional extra (server, hub, plot) is not installed
     ├── MoECacheError        the native cache refused a call
     │   ├── StateFileError       a cache state or calibration file is unreadable, damaged or for another model
     │   ├── MoECacheIOError      an expert could not be read, or the model file changed during a run
     │   └── ConcurrentUseError   one Llama used from two threads at once
-    └── (hub.HubError, evaluate.EvalError)
+    ├── EvalError            an evaluation cannot run as asked (text, context, sweep spec)
+    └── (hub.HubError)
 
 The CLI prints any of them as one line and exits with code 2. This module imports nothing else
 of the package, so it never needs the native library.
@@ -40,6 +42,14 @@ class ModelNotFoundError(ModelFileError, FileNotFoundError):
 class ModelLoadError(ModelFileError):
     """llama.cpp could not load a file that passed the header check; the message ends with
     llama.cpp's own last log lines (kept even when ``verbose=False``)."""
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional dependency is not installed; the message says what to pip install."""
+
+
+class EvalError(Error, ValueError):
+    """An evaluation cannot run as asked (missing text, context too small, bad sweep spec, ...)."""
 
 
 class MoECacheError(Error, RuntimeError):

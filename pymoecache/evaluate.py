@@ -29,14 +29,10 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK
-from .errors import Error
-from .llama import MoEStats
+from .errors import EvalError  # noqa: F401  (raised here, defined with the other errors)
+from .stats import MoEStats
 
 TRACE_FORMAT = "pymoecache-trace"
-
-
-class EvalError(Error, ValueError):
-    """An evaluation cannot run as asked (missing text, context too small, bad sweep spec, ...)."""
 
 
 # --- text ------------------------------------------------------------------------------------
@@ -47,7 +43,7 @@ def load_text(path: "str | Path") -> str:
     >>> load_text("no-such-file.txt")
     Traceback (most recent call last):
     ...
-    pymoecache.evaluate.EvalError: text file not found: no-such-file.txt
+    pymoecache.errors.EvalError: text file not found: no-such-file.txt
     """
     p = Path(path)
     if not p.is_file():

@@ -19,17 +19,17 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import numpy as np
-import llama_cpp
 
-from . import _moecache_cpp as C
+from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
+import llama_cpp  # noqa: E402
 from .config import (INT32_MAX, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing,
                      TopK, check_int, parse_routing)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
+from .stats import MoEStats, ResidencyStats
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
 CALIBRATION_FORMAT = "pymoecache-prior-calibration"
@@ -203,178 +203,6 @@ def _check(rc: int, error: type = MoECacheError) -> None:
     if rc != C.MOECACHE_OK:
         msg = C.last_error()
         raise (ConfigError if rc == C.MOECACHE_ERR_INVALID else error)(msg)
-
-
-@dataclass
-class ResidencyStats:
-    """What the expert residency costs (``struct moecache_residency_stats``), with per-token rates.
-
-    Decode times: ``t_io_ms`` waiting for expert reads, ``t_route_ms`` in the routing decision;
-    ``Llama.moe_stats()`` adds ``t_compute_ms`` (llama.cpp's eval time less the two).
-    """
-
-    residency: str                   # "none", "mmap" or "stream"
-    io_threads: int
-    direct_io: bool
-    locked: bool                     # the cache is mlocked
-    arena_bytes: int                 # stream: bytes of all slot arenas
-    locked_bytes: int
-    expert_bytes: int                # one expert of one layer, all its tensors
-    decode_tokens: int
-    decode_loads: int                # experts read from storage while decoding
-    decode_bytes_read: int
-    decode_t_io_ms: float
-    decode_t_route_ms: float
-    prompt_bytes_read: int           # experts read through the mapping by prompts
-    prompt_t_io_ms: float
-    rss_bytes: int                   # resident set size of the process now
-    decode_t_eval_ms: float = 0.0    # llama.cpp's decode time over the same tokens (0 if unknown)
-
-    @property
-    def bytes_read_per_token(self) -> float:
-        return self.decode_bytes_read / self.decode_tokens if self.decode_tokens else 0.0
-
-    @property
-    def t_io_ms_per_token(self) -> float:
-        return self.decode_t_io_ms / self.decode_tokens if self.decode_tokens else 0.0
-
-    @property
-    def t_route_ms_per_token(self) -> float:
-        return self.decode_t_route_ms / self.decode_tokens if self.decode_tokens else 0.0
-
-    @property
-    def t_compute_ms_per_token(self) -> float:
-        """Decode time that is neither waiting for reads nor routing (0 if the eval time is unknown)."""
-        if not self.decode_tokens or self.decode_t_eval_ms <= 0:
-            return 0.0
-        return max(0.0, self.decode_t_eval_ms - self.decode_t_io_ms - self.decode_t_route_ms) / self.decode_tokens
-
-    def summary_dict(self) -> dict:
-        return {"residency": self.residency, "bytes_read_per_token": self.bytes_read_per_token,
-                "decode_bytes_read": self.decode_bytes_read, "decode_loads": self.decode_loads,
-                "t_io_ms_per_token": self.t_io_ms_per_token, "t_route_ms_per_token": self.t_route_ms_per_token,
-                "t_compute_ms_per_token": self.t_compute_ms_per_token, "arena_bytes": self.arena_bytes,
-                "locked": self.locked, "direct_io": self.direct_io, "rss_bytes": self.rss_bytes,
-                "prompt_bytes_read": self.prompt_bytes_read}
-
-    def summary(self) -> str:
-        mib = 2.0 ** 20
-        return (f"{self.residency}: read {self.bytes_read_per_token / mib:.2f} MiB/tok | "
-                f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
-                f"routing {self.t_route_ms_per_token:.3f} ms | rss {self.rss_bytes / mib:.0f} MiB"
-                + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
-                   if self.residency == "stream" else ""))
-
-
-@dataclass
-class MoEStats:
-    """Counters of the expert cache, in total and per layer (numpy arrays indexed by MoE layer).
-
-    miss_rate = misses / (K * tokens), as in the published work; hit_rate = 1 - miss_rate.
-    """
-
-    n_expert: int
-    n_expert_used: int
-    moe_layers: np.ndarray           # layer index of each row below
-    capacity_per_layer: np.ndarray
-    occupancy_per_layer: np.ndarray
-    tokens_per_layer: np.ndarray
-    selections_per_layer: np.ndarray
-    hits_per_layer: np.ndarray
-    misses_per_layer: np.ndarray
-    evictions_per_layer: np.ndarray
-    lifetime_per_layer: np.ndarray   # mean tokens an entry stays cached (evicted + current entries)
-    delta_per_layer: np.ndarray      # Delta_l used by the prior
-    expert_bytes: float              # bytes of one routed expert (0 if unknown)
-    lifetime: float                  # mean tokens an entry stays cached, over all layers
-    residency: Optional[ResidencyStats] = None  # I/O, time split, memory (None for a synthetic cache)
-
-    # columns of a layer row for from_rows(): what struct moecache_layer_stats reports
-    ROW = ("layer", "capacity", "occupancy", "tokens", "selections", "hits", "misses", "evictions",
-           "lifetime_count", "lifetime_sum", "delta")
-
-    @classmethod
-    def from_rows(cls, rows, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0, **extra) -> "MoEStats":
-        """Build from one row per MoE layer with the columns of ``MoEStats.ROW``."""
-        a = np.array(rows, dtype=np.float64).reshape(-1, len(cls.ROW))
-        count, total = a[:, 8], a[:, 9]
-        as_int = lambda j, t=np.int64: a[:, j].astype(t)  # noqa: E731
-        return cls(
-            n_expert=n_expert, n_expert_used=n_expert_used, moe_layers=as_int(0, np.int32),
-            capacity_per_layer=as_int(1, np.int32), occupancy_per_layer=as_int(2, np.int32),
-            tokens_per_layer=as_int(3), selections_per_layer=as_int(4), hits_per_layer=as_int(5),
-            misses_per_layer=as_int(6), evictions_per_layer=as_int(7),
-            lifetime_per_layer=np.where(count > 0, total / np.maximum(count, 1), 0.0),
-            delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=expert_bytes,
-            lifetime=float(total.sum() / count.sum()) if count.sum() > 0 else 0.0, **extra)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens routed (through the first MoE layer)."""
-        return int(self.tokens_per_layer.max()) if self.tokens_per_layer.size else 0
-
-    @property
-    def hits(self) -> int:
-        return int(self.hits_per_layer.sum())
-
-    @property
-    def misses(self) -> int:
-        return int(self.misses_per_layer.sum())
-
-    @property
-    def evictions(self) -> int:
-        return int(self.evictions_per_layer.sum())
-
-    @property
-    def miss_rate(self) -> float:
-        denom = self.n_expert_used * int(self.tokens_per_layer.sum())
-        return self.misses / denom if denom else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return 1.0 - self.miss_rate if self.tokens_per_layer.sum() else 0.0
-
-    @property
-    def miss_rate_per_layer(self) -> np.ndarray:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.tokens_per_layer > 0,
-                            self.misses_per_layer / np.maximum(1, self.n_expert_used * self.tokens_per_layer), 0.0)
-
-    @property
-    def hit_rate_per_layer(self) -> np.ndarray:
-        return np.where(self.tokens_per_layer > 0, 1.0 - self.miss_rate_per_layer, 0.0)
-
-    @property
-    def misses_per_token(self) -> float:
-        return self.misses / self.tokens if self.tokens else 0.0
-
-    @property
-    def bytes_loaded(self) -> int:
-        """Bytes the misses had to bring in (misses x bytes of one expert)."""
-        return int(self.misses * self.expert_bytes)
-
-    def summary_dict(self) -> dict:
-        """The headline numbers as plain JSON-ready values (used by ``run --json`` and ``serve``)."""
-        hr = self.hit_rate_per_layer
-        return {
-            "n_expert": self.n_expert,
-            "n_expert_used": self.n_expert_used,
-            "cache_size": int(self.capacity_per_layer[0]) if self.capacity_per_layer.size else 0,
-            "tokens": self.tokens, "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-            "hit_rate": self.hit_rate, "miss_rate": self.miss_rate, "misses_per_token": self.misses_per_token,
-            "layer_hit_rate_min": float(hr.min()) if hr.size else 0.0,
-            "layer_hit_rate_max": float(hr.max()) if hr.size else 0.0,
-            "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
-            **(self.residency.summary_dict() if self.residency else {}),
-        }
-
-    def summary(self) -> str:
-        hr = self.hit_rate_per_layer
-        return (f"hit rate {100 * self.hit_rate:.1f}% | misses/token {self.misses_per_token:.2f} | "
-                f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
-                f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
-                + (f" | {self.residency.summary()}" if self.residency and self.residency.residency != "none" else "")
-                if self.tokens else "no tokens routed yet")
 
 
 class MoECache:

@@ -29,12 +29,13 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Optional, Union
 
 from .config import CacheConfig, Routing, TopK, parse_routing
-from .llama import Llama, MoEStats
+from .errors import MissingDependencyError
+from .llama import Llama
+from .stats import MoEStats
 
 PIP_SERVER = ('pip install "fastapi>=0.100" "uvicorn>=0.22" "sse-starlette>=1.6.1" '
               '"starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1"')
@@ -181,13 +182,11 @@ def validate_request(llm, path: str, raw: bytes):
     return body
 
 
-def _server_module():
-    """``llama_cpp.server.app``, or a UserError saying how to install what it needs."""
-    from .cli import UserError
-
+def server_module():
+    """``llama_cpp.server.app``, or a MissingDependencyError saying how to install what it needs."""
     missing = [m for m in _EXTRAS if importlib.util.find_spec(m) is None]
     if missing:
-        raise UserError(f"the server needs packages that are not installed ({', '.join(missing)}): {PIP_SERVER}")
+        raise MissingDependencyError(f"the server needs packages that are not installed ({', '.join(missing)}): {PIP_SERVER}")
     import llama_cpp.server.app as app_mod
 
     return app_mod
@@ -272,7 +271,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
-    app_mod = _server_module()
+    app_mod = server_module()
     from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.middleware import Middleware
@@ -372,64 +371,3 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                            include_in_schema=r.include_in_schema, name=r.name)
     app.include_router(ours)
     return app
-
-
-def _check_port(host: str, port: int) -> None:
-    """Fail before loading the model if the address cannot be listened on (in use, bad host)."""
-    import socket
-
-    from .cli import UserError
-
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        socket.create_server((host, port), family=family).close()
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-def cmd_serve(args) -> int:
-    from .cli import UserError, _cache_from_args, _resolve_model, _routing_from_args
-    from .model_info import model_info
-
-    _server_module()
-    import uvicorn
-
-    routing = _routing_from_args(args)
-    cache = _cache_from_args(args)
-    _check_port(args.host, args.port)
-    model = _resolve_model(args.model, args)
-    if not model_info(model).is_moe:
-        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
-    app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                     n_threads=args.threads)
-    url = f"http://{args.host}:{args.port}"
-    print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"cache statistics at {url}/moecache/stats", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
-
-
-def add_command(subparsers) -> None:
-    """Register ``serve`` on the ``pymoecache`` command line (called from cli.build_parser)."""
-    from .cli import _add_hub_options, _add_routing_options
-
-    s = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server with the expert cache and its statistics",
-        description="Serve a GGUF model over llama-cpp-python's OpenAI-compatible API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /docs) with the expert cache and routing below. "
-                    "GET /moecache/stats returns the cache statistics as JSON, and every completion carries "
-                    "a 'moecache' object with its own. Needs the server extras: fastapi, uvicorn, sse-starlette, "
-                    "starlette-context and pydantic-settings.")
-    s.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default %(default)s, this machine only; 0.0.0.0 for every interface)")
-    s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default %(default)s)")
-    s.add_argument("--ctx", type=int, default=2048, metavar="N",
-                   help="context length shared by a request's prompt and answer (default %(default)s; "
-                        "0: the model's training context)")
-    s.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level; info logs one line per request (default %(default)s)")
-    _add_hub_options(s)
-    _add_routing_options(s)
-    s.set_defaults(func=cmd_serve)

@@ -38,7 +38,7 @@ from typing import List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .config import CacheConfig, ConfigError, Routing, parse_routing
-from .llama import MoECache, MoEStats
+from .stats import MoEStats
 from .reference import ReferenceCache, softmax_f32, update_order
 
 CacheSize = Union[int, float, Sequence[int]]
@@ -165,6 +165,8 @@ def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     caps = capacities(cache_size, tr.n_layer, tr.n_expert)
     if engine == "native":
+        from .llama import MoECache  # the native engine: the library loads on first use
+
         cache = MoECache.synthetic(tr.n_layer, tr.n_expert, tr.n_expert_used, routing=routing,
                                    cache=CacheConfig(size=0, per_layer=caps, insertion=insertion))
     elif engine == "reference":

@@ -33,10 +33,10 @@ def test_native_version_names_the_pin():
 def test_library_not_found_is_a_clear_import_error(tmp_path):
     env = dict(os.environ, PYMOECACHE_LIB_DIR=str(tmp_path))
     env.pop("LLAMA_CPP_LIB_PATH", None)
-    r = subprocess.run([sys.executable, "-c", "import pymoecache"], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    assert r.returncode != 0
-    assert "ImportError" in r.stderr and "PYMOECACHE_LIB_DIR" in r.stderr
+    code = "import pymoecache\ntry:\n    pymoecache.Llama\nexcept ImportError as e:\n    print('ImportError:', e)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "ImportError:" in r.stdout and "PYMOECACHE_LIB_DIR" in r.stdout
 
 
 def test_default_params_match_the_header():
@@ -45,3 +45,85 @@ def test_default_params_match_the_header():
     assert (cp.n_cached, cp.fraction, cp.insertion, cp.update_on_prompt, cp.trace_capacity) == (-1, 0.5, 0, True, 0)
     assert (rp.policy, rp.top_j, rp.max_rank, rp.prune_rank, rp.scope) == (C.MOECACHE_POLICY_TOPK, 1, 8, 2, 0)
     assert abs(rp.prior_lambda - 0.5) < 1e-7 and abs(rp.cumsum_tau - 0.9) < 1e-7
+
+
+def test_works_without_the_native_library(tmp_path, fixture_dir):
+    """import, model_info, config, the simulator, --help and info need no built library."""
+    env = dict(os.environ, PYMOECACHE_LIB_DIR=str(tmp_path))  # an empty directory: no libllama anywhere
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    model = str(fixture_dir / "qwen2moe-60x4.gguf")
+    code = f"""
+import sys
+import numpy as np
+import pymoecache
+from pymoecache import reference, simulate
+info = pymoecache.model_info({model!r})
+assert (info.n_expert, info.n_expert_used) == (60, 4)
+assert pymoecache.parse_routing("prior:0.5") == pymoecache.Prior(0.5)
+pymoecache.CacheConfig(size=0.5)
+logits = np.random.default_rng(0).normal(size=(16, 2, 8)).astype(np.float32)
+res = simulate.replay(simulate.Trace(logits, n_expert_used=2), "prior:0.5", cache_size=0.5, engine="reference")
+assert res.tokens == 16
+assert "llama_cpp" not in sys.modules and "pymoecache._moecache_cpp" not in sys.modules, sorted(sys.modules)
+try:
+    pymoecache.Llama
+except ImportError as e:
+    print("Llama:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Llama:" in r.stdout and "PYMOECACHE_LIB_DIR" in r.stdout
+    for args in (["--help"], ["run", "--help"], ["info", model]):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", *args], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, (args, r.stderr)
+        assert ("usage:" in r.stdout) if "--help" in args else ("routed experts N" in r.stdout), r.stdout
+    # the library is needed, and said to be, only when a model is run
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", model, "-n", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "PYMOECACHE_LIB_DIR" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _package_imports() -> dict:
+    """module -> the package modules it imports, at the top or inside functions (from its source)."""
+    import ast
+
+    pkg = ROOT / "pymoecache"
+    graph = {}
+    for f in pkg.rglob("*.py"):
+        rel = f.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        base = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = base.split(".")
+                target = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                mods = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+                deps.update(mods)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("pymoecache"))
+        graph[name] = {d for d in deps if d != name}
+    return graph
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = _package_imports()
+    assert "pymoecache.cli.options" in graph and "pymoecache.llama" in graph["pymoecache.server"]
+    known = set(graph)
+    cycles = []
+
+    def visit(node, path):
+        for d in sorted(graph.get(node, ())):
+            d = d if d in known else d.rsplit(".", 1)[0]  # "from .x import name": the module x
+            if d in path:
+                cycles.append(path[path.index(d):] + [d])
+            elif d in known and d not in done:
+                visit(d, path + [d])
+        done.add(node)
+
+    done: set = set()
+    for m in sorted(graph):
+        if m not in done:
+            visit(m, [m])
+    assert not cycles, cycles

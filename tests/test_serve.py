@@ -110,8 +110,8 @@ def test_port_in_use_is_a_user_error(fixture_dir):
 
 
 def test_missing_extras_say_what_to_install(monkeypatch):
-    from pymoecache.cli import UserError
+    from pymoecache import Error
 
     monkeypatch.setattr(server, "_EXTRAS", ("fastapi", "no_such_module_for_pymoecache"))
-    with pytest.raises(UserError, match=r"no_such_module_for_pymoecache.*pip install .*fastapi"):
+    with pytest.raises(Error, match=r"no_such_module_for_pymoecache.*pip install .*fastapi"):
         server.create_app("model.gguf")

@@ -1,152 +1,18 @@
-"""``pymoecache`` command line (also ``python -m pymoecache``).
+"""``pymoecache run``, ``bench`` and ``info``: generate text with the expert cache, compare routing
+policies on the same prompts, describe a GGUF from its header.
 
     pymoecache run [MODEL] -p "Once upon a time" -n 64 --prior 0.5 --cache-size 0.5
-    pymoecache info MODEL [--ram 4GiB]
     pymoecache bench MODEL --routing lru,prior:0.5,max-rank:8 [--csv out.csv]
-    pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
-    pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
-    pymoecache serve MODEL --prior 0.5 --port 8000
-
-User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
-internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
-Never a traceback otherwise.
+    pymoecache info MODEL [--ram 4GiB]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-from typing import List, Optional
 
-from . import cli_eval, server
-
-from .errors import Error
-
-EXIT_USAGE = 2
-EXIT_INTERNAL = 1
-
-
-class UserError(Error):
-    """An error caused by the command's input: one line on stderr, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (usage stays in --help); subcommands inherit it."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False) -> None:
-    g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
-    x = g.add_mutually_exclusive_group()
-    x.add_argument("--prior", type=float, metavar="L",
-                   help="logit prior: rank cached experts up by L x the layer's logit range (typical 0.1-1.0; 0.5 is the usual "
-                        "point; default: off)")
-    x.add_argument("--max-rank", type=int, metavar="M", help="cached experts among the router's top M jump ahead (default: off)")
-    x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
-    x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
-    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
-    g.add_argument("--top-j", type=int, default=None, metavar="J",
-                   help="the router's top J experts are always used, cached or not (default 1)")
-    g.add_argument("--scope", choices=["all", "decode"], default="all",
-                   help="route every token through the policy (all, default) or generated tokens only (decode)")
-    _add_cache_options(p, multi_cache_size)
-
-
-def _add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
-    c = p.add_argument_group("cache")
-    what = ("experts cached per MoE layer, default 0.5: a count (30), a share of the routed experts (0.5), "
-            "a memory budget for all layers (4GiB), or auto (free memory less the non-expert weights, "
-            "the KV cache and a margin)")
-    if multi:
-        c.add_argument("--cache-size", nargs="+", default=["0.5"], metavar="N|F|BYTES",
-                       help=what + "; several values sweep several sizes")
-    else:
-        c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES", help=what)
-    c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
-                   help="order in which one token's new experts enter the cache (default top-bottom)")
-    if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
-        return
-    c.add_argument("--residency", choices=["auto", "stream", "mmap", "none"], default="auto",
-                   help="where expert weights live: stream (cached experts in an mlocked slot arena, misses read "
-                        "from the GGUF with direct I/O), mmap (experts mmapped, cached ones mlocked, evicted ones "
-                        "dropped), none (all resident, the cache only counts); auto = stream when the cache is "
-                        "smaller than all experts, else none (default auto)")
-    c.add_argument("--io-threads", type=int, default=8, metavar="T",
-                   help="expert reads in flight at once on a miss (default 8)")
-    c.add_argument("--no-mlock", action="store_true",
-                   help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
-    c.add_argument("--no-direct-io", action="store_true",
-                   help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
-
-
-def _add_runtime_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    p.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
-
-
-def _add_hub_options(p: argparse.ArgumentParser) -> None:
-    h = p.add_argument_group("download (instead of MODEL)")
-    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from (default: none, use MODEL)")
-    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
-
-
-def _routing_from_args(args):
-    from .config import CumsumThreshold, MaxRank, Prior, Prune, TopK, parse_routing
-
-    j = 1 if args.top_j is None else args.top_j
-    if args.prior is not None:
-        return Prior(args.prior, top_j=j)
-    if args.max_rank is not None:
-        return MaxRank(args.max_rank, top_j=j)
-    if args.cumsum is not None:
-        return CumsumThreshold(args.cumsum, top_j=j)
-    if args.prune is not None:
-        return Prune(args.prune, top_j=j)
-    if args.routing is not None:  # "" is refused by the parser, not taken for lru
-        routing = parse_routing(args.routing, top_j=args.top_j)
-    else:
-        routing = TopK()
-    if isinstance(routing, TopK) and args.top_j is not None:
-        raise UserError("--top-j needs a policy that changes the ranking (--prior, --max-rank, --cumsum, --prune)")
-    return routing
-
-
-def _cache_from_args(args):
-    from .config import CacheConfig, parse_cache_size
-
-    return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
-                       residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
-                       lock_memory=not getattr(args, "no_mlock", False),
-                       direct_io=not getattr(args, "no_direct_io", False))
-
-
-def _resolve_model(path: Optional[str], args=None) -> str:
-    """MODEL argument, a Hugging Face download (--hf-repo/--hf-file), or the default model."""
-    from .models import default_model_path
-
-    repo, file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
-    if repo or file:
-        if path:
-            raise UserError("give either MODEL or --hf-repo/--hf-file, not both")
-        if not (repo and file):
-            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo OWNER/SOME-MOE-GGUF "
-                            "--hf-file some-moe-q4_k_m.gguf)")
-        from .hub import HubError, download
-
-        try:
-            return str(download(repo, file))
-        except HubError as e:
-            raise UserError(str(e))
-    if path:
-        return path
-    p = default_model_path()
-    print(f"using the embedded default model: {p}", file=sys.stderr)
-    return str(p)
+from .options import (UserError, add_cache_options, add_hub_options, add_routing_options, add_runtime_options,
+                      cache_from_args, resolve_model, routing_from_args)
 
 
 def _perf(llm):
@@ -164,12 +30,12 @@ def _perf_reset(llm) -> None:
 
 
 def cmd_run(args) -> int:
-    import pymoecache
+    from ..llama import Llama
 
-    routing = _routing_from_args(args)
-    cache = _cache_from_args(args)
-    model = _resolve_model(args.model, args)
-    llm = pymoecache.Llama(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
+    routing = routing_from_args(args)
+    cache = cache_from_args(args)
+    model = resolve_model(args.model, args)
+    llm = Llama(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
                            n_threads=args.threads, seed=args.seed, verbose=False)
     if llm.moecache is None:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
@@ -242,8 +108,8 @@ DEFAULT_BENCH_PROMPTS = [
 
 
 def cmd_bench(args) -> int:
-    import pymoecache
-    from .config import parse_routing
+    from ..llama import Llama
+    from ..config import parse_routing
 
     routings = [parse_routing(spec, top_j=args.top_j) for spec in args.routing.split(",") if spec.strip()]
     if not routings:
@@ -260,8 +126,8 @@ def cmd_bench(args) -> int:
         prompts = DEFAULT_BENCH_PROMPTS
     if args.reps < 1:
         raise UserError("--reps must be >= 1")
-    model = _resolve_model(args.model, args)
-    llm = pymoecache.Llama(model, cache=_cache_from_args(args), routing=routings[0], routing_scope=args.scope,
+    model = resolve_model(args.model, args)
+    llm = Llama(model, cache=cache_from_args(args), routing=routings[0], routing_scope=args.scope,
                            n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     if llm.moecache is None:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
@@ -327,7 +193,11 @@ def cmd_bench(args) -> int:
             "rss_mib": a["rss"] / 2**20,
         })
     llm.close()
-    _write_rows(rows, args.csv, args.json)
+    from ..evaluate import write_rows
+
+    for path, fmt in ((args.csv, "csv"), (args.json, "json")):
+        if path:
+            write_rows(rows, path, fmt)
     hdr = (f"{'routing':<16} {'cache':>7} {'prompt tok/s':>12} {'decode tok/s':>12} {'miss %':>7} {'miss/tok':>8} "
            f"{'lifetime':>8} {'MiB loaded':>10} {'MiB read/tok':>12} {'compute ms':>10} {'I/O ms':>7} {'route ms':>8} {'RSS MiB':>8}")
     print(hdr)
@@ -339,24 +209,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _write_rows(rows, csv_path: Optional[str], json_path: Optional[str]) -> None:
-    if csv_path:
-        import csv
-
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=2)
-
-
 def cmd_info(args) -> int:
-    from .config import parse_bytes
-    from .model_info import model_info
+    from ..config import parse_bytes
+    from ..model_info import model_info
 
-    info = model_info(_resolve_model(args.model, args))
+    info = model_info(resolve_model(args.model, args))
     budget = None
     if args.ram:
         budget = parse_bytes(args.ram)
@@ -373,13 +230,8 @@ def cmd_info(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(
-        prog="pymoecache",
-        description="Run Mixture-of-Experts GGUF models with a per-layer expert cache and cache-aware routing.",
-        epilog="Run `pymoecache COMMAND --help` for the options of each command.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-
+def add_commands(sub) -> None:
+    """Register ``run``, ``bench`` and ``info`` on the CLI's subparsers."""
     r = sub.add_parser("run", help="generate text and print cache statistics",
                        description="Generate text from a prompt, then print one line of speed and cache statistics.")
     r.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
@@ -387,11 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-n", type=int, default=64, metavar="N", help="tokens to generate (default %(default)s)")
     r.add_argument("--chat", action="store_true", help="treat the prompt as a user message with the model's chat template")
     r.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default %(default)s)")
-    _add_runtime_options(r)
+    add_runtime_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
-    _add_hub_options(r)
-    _add_routing_options(r)
+    add_hub_options(r)
+    add_routing_options(r)
     r.set_defaults(func=cmd_run)
 
     b = sub.add_parser("bench", help="compare routing policies on the same prompts (tok/s, miss rate, lifetime)",
@@ -407,11 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: four built-in prompts)")
     b.add_argument("-n", type=int, default=64, metavar="N", help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
-    _add_runtime_options(b)
+    add_runtime_options(b)
     b.add_argument("--csv", metavar="FILE", help="also write the table as CSV (default: no file)")
     b.add_argument("--json", metavar="FILE", help="also write the table as JSON (default: no file)")
-    _add_hub_options(b)
-    _add_cache_options(b)
+    add_hub_options(b)
+    add_cache_options(b)
     b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("info", help="describe a GGUF model from its header (experts, sizes)",
@@ -420,63 +272,3 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget, e.g. 4GiB (default: none)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)
-
-    cli_eval.add_commands(sub)  # ppl, trace, plot-timeline
-    server.add_command(sub)     # serve
-    return ap
-
-
-def _validate(args) -> None:
-    """Integer options are checked here, before anything reaches ctypes (no wrap-around)."""
-    from .config import INT32_MAX
-
-    n = getattr(args, "n", None)
-    if n is not None and not 0 <= n <= INT32_MAX:
-        raise UserError(f"-n must be in [0, {INT32_MAX}], got {n}")
-    top_j = getattr(args, "top_j", None)
-    if top_j is not None and not 0 <= top_j <= INT32_MAX:
-        raise UserError(f"--top-j must be in [0, {INT32_MAX}], got {top_j}")
-    if getattr(args, "routing", None) is not None and not args.routing.strip():
-        raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
-    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads"):
-        v = getattr(args, name, None)
-        if v is not None and not -INT32_MAX <= v <= INT32_MAX:
-            raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
-    port = getattr(args, "port", None)
-    if port is not None and not 0 <= port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {port}")
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if not getattr(args, "command", None):
-        ap.print_help()
-        return EXIT_USAGE
-    where = f"pymoecache {args.command}"
-    try:
-        _validate(args)
-        return args.func(args)
-    except Error as e:  # every user error of the package: files, parameters, state, I/O
-        print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as e:  # a file the user named cannot be read or written
-        print(f"{where}: error: {e.strerror or _one_line(e)}" + (f": {e.filename}" if e.filename else ""),
-              file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a bug of ours: one line, the traceback on request
-        if os.environ.get("PYMOECACHE_DEBUG"):
-            raise
-        print(f"{where}: internal error: {type(e).__name__}: {_one_line(e)[:500]} "
-              "(PYMOECACHE_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return EXIT_INTERNAL
-
-
-if __name__ == "__main__":
-    sys.exit(main())

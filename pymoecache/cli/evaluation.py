@@ -4,64 +4,50 @@
     pymoecache trace MODEL --text valid.txt --out trace.npz --tokens 256 --prior 0.5
     pymoecache plot-timeline trace.npz --layer 1 timeline.png
 
-``cli.build_parser()`` calls :func:`add_commands`. Errors raise ``cli.UserError`` (one line, exit 2).
-Options shared with ``run`` (routing, cache) come from ``cli._add_routing_options``.
+``cli.build_parser()`` calls :func:`add_commands`. Errors raise ``UserError`` (one line, exit 2).
+Options shared with ``run`` (routing, cache) come from ``add_routing_options``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
-from . import cli  # the module, not its names: cli.py may import this module while it is being set up
-from .evaluate import EvalError
-
-
-def _user_errors(func):
-    """Turn EvalError from the evaluation and plotting code into cli.UserError (one line, exit 2)."""
-    @functools.wraps(func)
-    def wrapper(args):
-        try:
-            return func(args)
-        except EvalError as e:
-            raise cli.UserError(str(e)) from None
-    return wrapper
+from .options import UserError, add_routing_options, cache_from_args, resolve_model, routing_from_args
 
 
 def _check_out_path(path) -> None:
     if path and not Path(path).resolve().parent.is_dir():
-        raise cli.UserError(f"cannot write {path}: the directory {Path(path).parent} does not exist")
+        raise UserError(f"cannot write {path}: the directory {Path(path).parent} does not exist")
 
 
 def _routing_option_given(args) -> bool:
     return any(getattr(args, k) is not None for k in ("prior", "max_rank", "cumsum", "prune", "routing"))
 
 
-@_user_errors
 def cmd_ppl(args) -> int:
-    from .config import parse_cache_size
-    from .evaluate import format_table, load_text, parse_sweep, sweep, write_rows
+    from ..config import parse_cache_size
+    from ..evaluate import format_table, load_text, parse_sweep, sweep, write_rows
 
     if args.ctx < 2:
-        raise cli.UserError(f"--ctx must be >= 2, got {args.ctx}")
+        raise UserError(f"--ctx must be >= 2, got {args.ctx}")
     if args.chunks is not None and args.chunks < 1:
-        raise cli.UserError(f"--chunks must be >= 1, got {args.chunks}")
+        raise UserError(f"--chunks must be >= 1, got {args.chunks}")
     if args.scope != "all":
-        raise cli.UserError("ppl routes every token through the policy: --scope decode would leave the text unrouted")
+        raise UserError("ppl routes every token through the policy: --scope decode would leave the text unrouted")
     for path in (args.csv, args.json, args.plot):
         _check_out_path(path)
     if args.plot:
-        from .plots import require_matplotlib
+        from ..plots import require_matplotlib
 
         require_matplotlib()  # fail now, not after the sweep
     routings = parse_sweep(args.sweep, top_j=args.top_j) if args.sweep else []
     if _routing_option_given(args) or not args.sweep:
-        routings.append(cli._routing_from_args(args))
+        routings.append(routing_from_args(args))
     sizes = [parse_cache_size(s) for s in args.cache_size]
     load_text(args.text)  # a missing text file is reported before the model is loaded
-    rows = sweep(cli._resolve_model(args.model), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
+    rows = sweep(resolve_model(args.model), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
                  n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion)
     print(format_table(rows))
     if args.csv:
@@ -71,7 +57,7 @@ def cmd_ppl(args) -> int:
         write_rows(rows, args.json, "json")
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        from .plots import plot_pareto
+        from ..plots import plot_pareto
 
         plot_pareto(rows, args.plot, title=f"{rows[0]['model']}: perplexity vs miss rate "
                                            f"(ctx {args.ctx}, {rows[0]['tokens']} tokens scored)")
@@ -79,21 +65,20 @@ def cmd_ppl(args) -> int:
     return 0
 
 
-@_user_errors
 def cmd_trace(args) -> int:
-    from .evaluate import check_loaded_model, load_llama, load_text, record_trace, save_trace_npz, tokenize_text
-    from .model_info import model_info
+    from ..evaluate import check_loaded_model, load_llama, load_text, record_trace, save_trace_npz, tokenize_text
+    from ..model_info import model_info
 
     if args.tokens < 1:
-        raise cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
+        raise UserError(f"--tokens must be >= 1, got {args.tokens}")
     _check_out_path(args.out)
     text = load_text(args.text)
-    model = cli._resolve_model(args.model)
+    model = resolve_model(args.model)
     info = model_info(model)
     if not info.is_moe:
-        raise cli.UserError(f"{model} has no MoE layers (a dense model): there are no experts to trace")
-    cache = dataclasses.replace(cli._cache_from_args(args), trace=args.tokens * info.n_moe_layer)
-    llm = load_llama(model, cache=cache, routing=cli._routing_from_args(args), routing_scope=args.scope,
+        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to trace")
+    cache = dataclasses.replace(cache_from_args(args), trace=args.tokens * info.n_moe_layer)
+    llm = load_llama(model, cache=cache, routing=routing_from_args(args), routing_scope=args.scope,
                      n_ctx=args.tokens, n_threads=args.threads)
     check_loaded_model(llm, args.tokens, what="--tokens")
     try:
@@ -109,13 +94,12 @@ def cmd_trace(args) -> int:
     return 0
 
 
-@_user_errors
 def cmd_plot_timeline(args) -> int:
-    from .evaluate import load_trace_npz
-    from .plots import plot_timeline
+    from ..evaluate import load_trace_npz
+    from ..plots import plot_timeline
 
     if args.tokens is not None and args.tokens < 1:
-        raise cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
+        raise UserError(f"--tokens must be >= 1, got {args.tokens}")
     _check_out_path(args.out)
     d = load_trace_npz(args.trace)
     layer = int(d["moe_layers"][0]) if args.layer is None else args.layer
@@ -146,7 +130,7 @@ def add_commands(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="also draw the perplexity / miss rate plot, needs matplotlib (default: no plot)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    cli._add_routing_options(p, multi_cache_size=True)
+    add_routing_options(p, multi_cache_size=True)
     p.set_defaults(func=cmd_ppl)
 
     t = sub.add_parser(
@@ -160,7 +144,7 @@ def add_commands(sub) -> None:
     t.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens to trace, BOS included (default %(default)s)")
     t.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    cli._add_routing_options(t)
+    add_routing_options(t)
     t.set_defaults(func=cmd_trace)
 
     v = sub.add_parser(

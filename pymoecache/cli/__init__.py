@@ -1,0 +1,94 @@
+"""``pymoecache`` command line (also ``python -m pymoecache``).
+
+    pymoecache run [MODEL] -p "Once upon a time" -n 64 --prior 0.5 --cache-size 0.5
+    pymoecache info MODEL [--ram 4GiB]
+    pymoecache bench MODEL --routing lru,prior:0.5,max-rank:8 [--csv out.csv]
+    pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
+    pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
+    pymoecache serve MODEL --prior 0.5 --port 8000
+
+User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
+internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
+Never a traceback otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+
+from ..errors import Error
+from . import evaluation, generate, serve
+from .options import EXIT_INTERNAL, EXIT_USAGE, Parser, UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(
+        prog="pymoecache",
+        description="Run Mixture-of-Experts GGUF models with a per-layer expert cache and cache-aware routing.",
+        epilog="Run `pymoecache COMMAND --help` for the options of each command.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    generate.add_commands(sub)    # run, bench, info
+    evaluation.add_commands(sub)  # ppl, trace, plot-timeline
+    serve.add_command(sub)        # serve
+    return ap
+
+
+def _validate(args) -> None:
+    """Integer options are checked here, before anything reaches ctypes (no wrap-around)."""
+    from ..config import INT32_MAX
+
+    n = getattr(args, "n", None)
+    if n is not None and not 0 <= n <= INT32_MAX:
+        raise UserError(f"-n must be in [0, {INT32_MAX}], got {n}")
+    top_j = getattr(args, "top_j", None)
+    if top_j is not None and not 0 <= top_j <= INT32_MAX:
+        raise UserError(f"--top-j must be in [0, {INT32_MAX}], got {top_j}")
+    if getattr(args, "routing", None) is not None and not args.routing.strip():
+        raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
+    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads"):
+        v = getattr(args, name, None)
+        if v is not None and not -INT32_MAX <= v <= INT32_MAX:
+            raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {port}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "command", None):
+        ap.print_help()
+        return EXIT_USAGE
+    where = f"pymoecache {args.command}"
+    try:
+        _validate(args)
+        return args.func(args)
+    except Error as e:  # every user error of the package: files, parameters, state, I/O
+        print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a file the user named cannot be read or written
+        print(f"{where}: error: {e.strerror or _one_line(e)}" + (f": {e.filename}" if e.filename else ""),
+              file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug of ours: one line, the traceback on request
+        if os.environ.get("PYMOECACHE_DEBUG"):
+            raise
+        print(f"{where}: internal error: {type(e).__name__}: {_one_line(e)[:500]} "
+              "(PYMOECACHE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Options shared by the commands of the ``pymoecache`` CLI (routing, cache, runtime, download) and
+the error type for the user's mistakes. A leaf module: it imports no other command module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from ..errors import Error
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+
+
+class UserError(Error):
+    """An error caused by the command's input: one line on stderr, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage stays in --help); subcommands inherit it."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False) -> None:
+    g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--prior", type=float, metavar="L",
+                   help="logit prior: rank cached experts up by L x the layer's logit range (typical 0.1-1.0; 0.5 is the usual "
+                        "point; default: off)")
+    x.add_argument("--max-rank", type=int, metavar="M", help="cached experts among the router's top M jump ahead (default: off)")
+    x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
+    x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
+    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
+    g.add_argument("--top-j", type=int, default=None, metavar="J",
+                   help="the router's top J experts are always used, cached or not (default 1)")
+    g.add_argument("--scope", choices=["all", "decode"], default="all",
+                   help="route every token through the policy (all, default) or generated tokens only (decode)")
+    add_cache_options(p, multi_cache_size)
+
+
+def add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    c = p.add_argument_group("cache")
+    what = ("experts cached per MoE layer, default 0.5: a count (30), a share of the routed experts (0.5), "
+            "a memory budget for all layers (4GiB), or auto (free memory less the non-expert weights, "
+            "the KV cache and a margin)")
+    if multi:
+        c.add_argument("--cache-size", nargs="+", default=["0.5"], metavar="N|F|BYTES",
+                       help=what + "; several values sweep several sizes")
+    else:
+        c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES", help=what)
+    c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
+                   help="order in which one token's new experts enter the cache (default top-bottom)")
+    if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
+        return
+    c.add_argument("--residency", choices=["auto", "stream", "mmap", "none"], default="auto",
+                   help="where expert weights live: stream (cached experts in an mlocked slot arena, misses read "
+                        "from the GGUF with direct I/O), mmap (experts mmapped, cached ones mlocked, evicted ones "
+                        "dropped), none (all resident, the cache only counts); auto = stream when the cache is "
+                        "smaller than all experts, else none (default auto)")
+    c.add_argument("--io-threads", type=int, default=8, metavar="T",
+                   help="expert reads in flight at once on a miss (default 8)")
+    c.add_argument("--no-mlock", action="store_true",
+                   help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
+    c.add_argument("--no-direct-io", action="store_true",
+                   help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
+
+
+def add_runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+
+
+def add_hub_options(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("download (instead of MODEL)")
+    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from (default: none, use MODEL)")
+    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
+
+
+def routing_from_args(args):
+    from ..config import CumsumThreshold, MaxRank, Prior, Prune, TopK, parse_routing
+
+    j = 1 if args.top_j is None else args.top_j
+    if args.prior is not None:
+        return Prior(args.prior, top_j=j)
+    if args.max_rank is not None:
+        return MaxRank(args.max_rank, top_j=j)
+    if args.cumsum is not None:
+        return CumsumThreshold(args.cumsum, top_j=j)
+    if args.prune is not None:
+        return Prune(args.prune, top_j=j)
+    if args.routing is not None:  # "" is refused by the parser, not taken for lru
+        routing = parse_routing(args.routing, top_j=args.top_j)
+    else:
+        routing = TopK()
+    if isinstance(routing, TopK) and args.top_j is not None:
+        raise UserError("--top-j needs a policy that changes the ranking (--prior, --max-rank, --cumsum, --prune)")
+    return routing
+
+
+def cache_from_args(args):
+    from ..config import CacheConfig, parse_cache_size
+
+    return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
+                       residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
+                       lock_memory=not getattr(args, "no_mlock", False),
+                       direct_io=not getattr(args, "no_direct_io", False))
+
+
+def resolve_model(path: Optional[str], args=None) -> str:
+    """MODEL argument, a Hugging Face download (--hf-repo/--hf-file), or the default model."""
+    from ..models import default_model_path
+
+    repo, file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
+    if repo or file:
+        if path:
+            raise UserError("give either MODEL or --hf-repo/--hf-file, not both")
+        if not (repo and file):
+            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo OWNER/SOME-MOE-GGUF "
+                            "--hf-file some-moe-q4_k_m.gguf)")
+        from ..hub import HubError, download
+
+        try:
+            return str(download(repo, file))
+        except HubError as e:
+            raise UserError(str(e))
+    if path:
+        return path
+    p = default_model_path()
+    print(f"using the embedded default model: {p}", file=sys.stderr)
+    return str(p)
