@@ -22,20 +22,18 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
 
 step "build tools and Python dependencies"
-"$VPY" -m pip install -q "scikit-build-core>=0.10" "numpy>=1.24" "gguf>=0.10" "tqdm>=4.60" \
-    "pytest>=7" "hypothesis>=6" "matplotlib>=3.6" "huggingface-hub>=0.23" \
-    "uvicorn>=0.22.0" "fastapi>=0.100.0" "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" \
-    "starlette-context>=0.3.6,<0.4" "PyYAML>=5.1"
+"$VPY" -m pip install -q "scikit-build-core>=0.10"
+PIN=$("$VPY" scripts/vendor_llama_cpp.py --print-pin)   # pyproject.toml is the one place it is written
 if ! "$VPY" -c "import llama_cpp" 2>/dev/null; then
-    step "llama-cpp-python 0.3.36, Python part only (it runs on our libllama, not a second build)"
-    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$VPY" -m pip install -q "llama-cpp-python==0.3.36"
+    step "llama-cpp-python $PIN, Python part only (it runs on our libllama, not a second build)"
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$VPY" -m pip install -q "llama-cpp-python==$PIN"
 fi
 
 step "vendor/llama.cpp: pinned sdist + patches/"
 "$VPY" scripts/vendor_llama_cpp.py
 
-step "building pymoecache (patched llama.cpp + src_cpp; several minutes the first time)"
-"$VPY" -m pip install --no-build-isolation --no-deps -q . 
+step "building pymoecache (patched llama.cpp + src_cpp; several minutes the first time) with its extras"
+"$VPY" -m pip install --no-build-isolation -q ".[test,plot,hub,server]"
 
 if [ "$RUN" = 1 ]; then
     step "pymoecache run --prior 0.5 (embedded default model)"

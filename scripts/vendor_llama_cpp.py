@@ -15,16 +15,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-PIN_VERSION = "0.3.36"
-PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def read_pin() -> str:
+    """The llama-cpp-python version pyproject.toml pins (the one place it is written)."""
+    m = re.search(r'"llama-cpp-python==([0-9][0-9.]*)"', (ROOT / "pyproject.toml").read_text())
+    if not m:
+        sys.exit("[vendor] error: pyproject.toml pins no llama-cpp-python==X.Y.Z")
+    return m.group(1)
+
+
+PIN_VERSION = read_pin()
+PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # of that version's sdist
 VENDOR = ROOT / "vendor" / "llama.cpp"
 PATCHES = ROOT / "patches"
 CACHE = ROOT / ".cache"
@@ -134,7 +144,11 @@ def tree_is_dirty() -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--force", action="store_true", help="discard vendor/llama.cpp (and any edits in it) and redo")
+    ap.add_argument("--print-pin", action="store_true", help="print the pinned llama-cpp-python version and exit")
     args = ap.parse_args()
+    if args.print_pin:
+        print(PIN_VERSION)
+        return
 
     stamp = wanted_stamp()
     if VENDOR.exists() and STAMP.exists() and STAMP.read_text() == stamp and not args.force:

@@ -20,7 +20,9 @@
 #ifndef MOECACHE_VERSION_STR
 #define MOECACHE_VERSION_STR "dev"
 #endif
-#define MOECACHE_LLAMA_PIN "0.3.36"
+#ifndef MOECACHE_LLAMA_PIN
+#define MOECACHE_LLAMA_PIN "?" // set by CMakeLists.txt from pyproject.toml
+#endif
 
 static thread_local std::string g_last_error;
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def test_llama_cpp_runs_on_our_library():
 
 def test_native_version_names_the_pin():
     v = pymoecache.native_version()
-    assert v.startswith("pymoecache ") and "llama-cpp-python 0.3.36" in v
+    pin = re.search(r'"llama-cpp-python==([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert v.startswith("pymoecache ") and f"llama-cpp-python {pin}" in v
 
 
 def test_library_not_found_is_a_clear_import_error(tmp_path):
