@@ -1,6 +1,6 @@
 """Perplexity and miss rate of routing policies on a text, and per-token traces of the cache.
 
-The protocol is the one of ``shared/docs/method.md`` ("Evaluation protocol"): the text is cut
+The protocol is the one of ``docs/method.md`` ("Evaluation protocol"): the text is cut
 into chunks of ``ctx`` tokens; each chunk is evaluated from an empty KV cache and every
 predicted position of it is scored; the policy routes every token; the expert cache is carried
 from one chunk to the next (never cleared between chunks).

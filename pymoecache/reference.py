@@ -1,7 +1,7 @@
 """The routing policies and the per-layer LRU expert cache in plain Python/numpy.
 
 This is a readable twin of ``src_cpp/moecache-route.cpp`` (the code that runs inside llama.cpp),
-written to be checked line by line against ``shared/docs/method.md``.
+written to be checked line by line against ``docs/method.md``.
 ``tests/test_route_property.py`` feeds random router outputs to both and requires identical
 selections, hit masks, counters and cache contents. It is slow (pure Python per token) and meant
 for tests and for small offline experiments (``pymoecache.simulate``).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reproduce the published evaluation (shared/docs/method.md) on our two trained MoE models.
+"""Reproduce the published evaluation (docs/method.md) on our two trained MoE models.
 
 For each model (models/*.gguf, trained by scripts/train_tiny_moe.py) on its held-out text (the
 last 10% of Tiny Shakespeare, never trained on), with method.md's protocol (chunks of ``--ctx``
@@ -284,7 +284,7 @@ def write_md(results: List[dict], out_dir: Path, md: Path, cmd: str, wall_s: flo
          "Produced by one command, on this machine "
          f"({platform.machine()}, {platform.system()}), in {wall_s / 60:.1f} min:", "",
          f"    {cmd}", "",
-         "Protocol (shared/docs/method.md): held-out text = the last 10% of Tiny Shakespeare (never trained on); "
+         "Protocol ([method.md](method.md)): held-out text = the last 10% of Tiny Shakespeare (never trained on); "
          f"chunks of {ctx} tokens, each from an empty KV cache with BOS first; every token routed by the policy; "
          "the expert cache carried across chunks and emptied before each setting. Miss rate = misses / (K x tokens). "
          "Lifetime = mean tokens an expert stays in a layer's cache. Models and their training: `models/*.md`.", ""]

@@ -1,6 +1,6 @@
 // moecache-route.cpp - the routing decision for one token of one layer, and the LRU cache.
 //
-// Specification: shared/docs/method.md. pymoecache/reference.py is the same algorithm in numpy;
+// Specification: docs/method.md. pymoecache/reference.py is the same algorithm in numpy;
 // tests/test_route_property.py checks that both choose the same experts. Change them together.
 //
 // Determinism: the router's ranking r sorts by the selection score s, descending, ties by

@@ -1,7 +1,7 @@
 // moecache.h - per-layer expert cache and cache-conditional routing for llama.cpp MoE models.
 //
 // The whole public C API of pymoecache. Specification of the routing policies:
-// shared/docs/method.md (notation used below: N routed experts per layer, K = experts used
+// docs/method.md (notation used below: N routed experts per layer, K = experts used
 // per token, r = the router's ranking, C = the layer's cache, J = Top-J).
 //
 // Usage:

@@ -129,3 +129,17 @@ def test_no_import_cycle_inside_the_package():
         if m not in done:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_readme_and_docs_links_resolve_inside_the_repository():
+    """Every relative markdown link of README.md and docs/ names a file of this repository."""
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    checked = 0
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in link.findall(md.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = (md.parent / target).resolve()
+            assert path.is_relative_to(ROOT) and path.exists(), (md.name, target)
+            checked += 1
+    assert checked >= 10
