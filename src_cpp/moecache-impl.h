@@ -6,6 +6,7 @@
 #include "moecache.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -139,8 +140,21 @@ void    moecache_residency_free(moecache & mc);
 ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
                                             ggml_tensor * b, ggml_tensor * ids);
 void moecache_residency_graph_begin(moecache & mc);
+// makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids
+// for a STREAM decode, the ids otherwise
+void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode);
+// moecache-state.cpp: cache state files (status codes and messages as moecache_state_save/_load)
+int32_t moecache_state_write(const moecache & mc, const char * path);
+int32_t moecache_state_read(moecache & mc, const char * path);
+// moecache-graph.cpp: the context registry behind moecache_attach / moecache_detach
+int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
+void    moecache_hook_detach(moecache * mc);
+void    moecache_graph_set_load_residency(enum moecache_residency residency);
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
-int64_t moecache_time_us(void);
+inline int64_t moecache_time_us(void) { // a monotonic clock in microseconds (telemetry)
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // moecache-route.cpp
 // Routes one token of layer L and updates its cache and counters.

@@ -17,6 +17,7 @@
 // follow it: after a layer's op, every cached expert is in a slot (or locked).
 
 #include "moecache-impl.h"
+#include "moecache-io.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -37,197 +38,6 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#define MOECACHE_IO_ALIGN 4096          // O_DIRECT: offset, length and buffer aligned to this
-#define MOECACHE_IO_CHUNK (256 * 1024)  // largest single read; experts are read in pieces in parallel
-
-int64_t moecache_time_us(void) {
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-static size_t page_size() {
-    static const size_t ps = (size_t) sysconf(_SC_PAGESIZE);
-    return ps;
-}
-
-static size_t round_up(size_t x, size_t a) {
-    return (x + a - 1) / a * a;
-}
-
-// --- reader threads --------------------------------------------------------------------------
-
-enum moecache_io_kind {
-    MOECACHE_IO_READ = 0, // pread the file range [off, off + len) into dst
-    MOECACHE_IO_COPY = 1, // memcpy len bytes from the mapping at src into dst
-    MOECACHE_IO_LOCK = 2, // mlock (or fault in) the mapping at src, len bytes
-};
-
-struct moecache_io_job {
-    moecache_io_kind kind;
-    char *       dst;
-    const char * src;
-    uint64_t     off;
-    size_t       len;
-    int32_t      il, e;     // for messages and bookkeeping
-    int          err;       // out: 0, an errno, or -1 for a short read
-    size_t       got;       // out: bytes read
-    size_t       bytes_io;  // out: bytes requested from storage (aligned window for O_DIRECT)
-};
-
-struct moecache_io {
-    std::vector<moecache_io_job> scratch; // the op's job list, reused token after token (no allocation)
-    std::vector<std::thread> workers;
-    std::mutex               mu;
-    std::condition_variable  cv_work;
-    std::condition_variable  cv_done;
-    moecache_io_job * jobs   = nullptr;
-    size_t            n_jobs = 0;
-    size_t            next   = 0;
-    size_t            n_done = 0;
-    bool              stop   = false;
-    int               fd        = -1;
-    int               fd_direct = -1;
-    bool              lock      = true;
-    std::atomic<bool> lock_failed{false};
-    std::atomic<int>  lock_errno{0};
-};
-
-static void io_read(moecache_io & io, moecache_io_job & j) {
-    j.err = 0;
-    j.got = 0;
-    const bool direct = io.fd_direct >= 0;
-    if (!direct || (j.off % MOECACHE_IO_ALIGN == 0 && j.len % MOECACHE_IO_ALIGN == 0 &&
-                    (uintptr_t) j.dst % MOECACHE_IO_ALIGN == 0)) {
-        const int fd = direct ? io.fd_direct : io.fd;
-        while (j.got < j.len) {
-            const ssize_t n = pread(fd, j.dst + j.got, j.len - j.got, (off_t) (j.off + j.got));
-            if (n < 0 && errno == EINTR) {
-                continue;
-            }
-            if (n <= 0) {
-                j.err = n < 0 ? errno : -1;
-                break;
-            }
-            j.got += (size_t) n;
-        }
-        j.bytes_io = j.len;
-#ifdef __linux__
-        if (!direct) {
-            posix_fadvise(io.fd, (off_t) j.off, (off_t) j.len, POSIX_FADV_DONTNEED); // the slot is the only copy
-        }
-#endif
-        return;
-    }
-    // unaligned expert: read the aligned window around it into a bounce buffer of this thread
-    static thread_local std::vector<char> bounce_mem;
-    const uint64_t a0   = j.off / MOECACHE_IO_ALIGN * MOECACHE_IO_ALIGN;
-    const size_t   head = (size_t) (j.off - a0);
-    const size_t   win  = round_up(head + j.len, MOECACHE_IO_ALIGN);
-    if (bounce_mem.size() < win + MOECACHE_IO_ALIGN) {
-        bounce_mem.resize(win + MOECACHE_IO_ALIGN);
-    }
-    char * bounce = (char *) round_up((uintptr_t) bounce_mem.data(), MOECACHE_IO_ALIGN);
-    size_t got = 0;
-    while (got < win) {
-        const ssize_t n = pread(io.fd_direct, bounce + got, win - got, (off_t) (a0 + got));
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-        if (n < 0) {
-            j.err = errno;
-            break;
-        }
-        if (n == 0) {
-            break; // end of file: fine if the expert ended before it
-        }
-        got += (size_t) n;
-    }
-    j.bytes_io = win;
-    if (j.err == 0 && got < head + j.len) {
-        j.err = -1;
-    }
-    if (j.err == 0) {
-        memcpy(j.dst, bounce + head, j.len);
-        j.got = j.len;
-    } else {
-        j.got = got > head ? std::min(got - head, j.len) : 0;
-    }
-}
-
-static void io_lock(moecache_io & io, moecache_io_job & j) {
-    j.err = 0;
-    j.bytes_io = j.len;
-    {
-        const uintptr_t p0 = (uintptr_t) j.src / page_size() * page_size();
-        madvise((void *) p0, round_up((uintptr_t) j.src + j.len - p0, page_size()), MADV_WILLNEED);
-    }
-    if (io.lock && !io.lock_failed.load(std::memory_order_relaxed)) {
-        if (mlock(j.src, j.len) == 0) {
-            return;
-        }
-        io.lock_errno.store(errno);
-        io.lock_failed.store(true); // warned once by the caller; the pages are faulted in below
-    }
-    // not locked: read every page once so the expert is in memory, as a locked one would be
-    const size_t ps = page_size();
-    volatile char sink = 0;
-    for (size_t i = 0; i < j.len; i += ps) {
-        sink = sink + j.src[i];
-    }
-    if (j.len > 0) {
-        sink = sink + j.src[j.len - 1];
-    }
-    (void) sink;
-}
-
-static void io_run_job(moecache_io & io, moecache_io_job & j) {
-    switch (j.kind) {
-        case MOECACHE_IO_READ: io_read(io, j); break;
-        case MOECACHE_IO_COPY: memcpy(j.dst, j.src, j.len); j.err = 0; j.got = j.len; j.bytes_io = j.len; break;
-        case MOECACHE_IO_LOCK: io_lock(io, j); break;
-    }
-}
-
-static void io_worker(moecache_io * io) {
-    std::unique_lock<std::mutex> lock(io->mu);
-    while (true) {
-        io->cv_work.wait(lock, [io] { return io->stop || io->next < io->n_jobs; });
-        if (io->stop) {
-            return;
-        }
-        moecache_io_job & j = io->jobs[io->next++];
-        lock.unlock();
-        io_run_job(*io, j);
-        lock.lock();
-        if (++io->n_done == io->n_jobs) {
-            io->cv_done.notify_all();
-        }
-    }
-}
-
-// runs the jobs on the reader threads and waits for all of them
-static void io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
-    if (jobs.empty()) {
-        return;
-    }
-    if (jobs.size() == 1 || io.workers.empty()) {
-        for (moecache_io_job & j : jobs) {
-            io_run_job(io, j);
-        }
-        return;
-    }
-    std::unique_lock<std::mutex> lock(io.mu);
-    io.jobs   = jobs.data();
-    io.n_jobs = jobs.size();
-    io.next   = 0;
-    io.n_done = 0;
-    io.cv_work.notify_all();
-    io.cv_done.wait(lock, [&io] { return io.n_done == io.n_jobs; });
-    io.jobs   = nullptr;
-    io.n_jobs = 0;
-    io.next   = 0;
-}
 
 // --- errors ----------------------------------------------------------------------------------
 
@@ -283,8 +93,8 @@ static bool file_covers(moecache & mc, uint64_t end) {
 // pages that lie entirely inside expert e's bytes of tensor x (neighbours are never touched)
 static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, size_t * len) {
     const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
-    const uintptr_t p0 = round_up(b0, page_size());
-    const uintptr_t p1 = (b0 + x.nb2) / page_size() * page_size();
+    const uintptr_t p0 = moecache_round_up(b0, moecache_page_size());
+    const uintptr_t p1 = (b0 + x.nb2) / moecache_page_size() * moecache_page_size();
     if (p1 <= p0) {
         return false;
     }
@@ -298,8 +108,8 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
 static void willneed_expert(const moecache_layer & L, int32_t e) {
     for (const moecache_expert_tensor & x : L.xt) {
         const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
-        const uintptr_t p0 = b0 / page_size() * page_size();
-        madvise((void *) p0, round_up(b0 + x.nb2 - p0, page_size()), MADV_WILLNEED);
+        const uintptr_t p0 = b0 / moecache_page_size() * moecache_page_size();
+        madvise((void *) p0, moecache_round_up(b0 + x.nb2 - p0, moecache_page_size()), MADV_WILLNEED);
     }
 }
 
@@ -333,7 +143,7 @@ static void drop_pending(moecache & mc) {
     mc.drop_pending.clear();
 }
 
-// --- the op ----------------------------------------------------------------------------------
+// --- making memory follow the cache (called by the graph op, moecache-graph.cpp) ----------------------------------------------------------------------------------
 
 static bool slot_holds(const moecache_layer & L, int32_t e) {
     const int32_t s = L.expert_slot[e];
@@ -403,7 +213,7 @@ static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids
     if (!plan_slot_fills(L, MOECACHE_IO_READ, jobs)) {
         set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
     }
-    io_run(*mc.io, jobs);
+    moecache_io_run(*mc.io, jobs);
     int32_t last_e = -1;
     for (const moecache_io_job & j : jobs) {
         mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
@@ -448,7 +258,7 @@ static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids
             mc.drop_pending.emplace_back(L.il, e);
         }
     }
-    io_run(*mc.io, jobs);
+    moecache_io_run(*mc.io, jobs);
 }
 
 // MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
@@ -474,7 +284,7 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
             L.locked[e] = 0;
         }
     }
-    io_run(*mc.io, jobs);
+    moecache_io_run(*mc.io, jobs);
     int64_t bytes = 0;
     for (const moecache_io_job & j : jobs) {
         bytes += (int64_t) j.bytes_io;
@@ -498,18 +308,8 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
 }
 
 // dst: I32 [K, n_tokens]; src[0]: the selected expert ids of the same shape
-static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    moecache_layer & L  = *(moecache_layer *) userdata;
-    moecache       & mc = *L.mc;
-    const ggml_tensor * src = dst->src[0];
-    const int64_t n_ids = ggml_nelements(dst);
-    const int32_t * ids = (const int32_t *) src->data;
-    int32_t * out = (int32_t *) dst->data;
-    const bool decode = dst->ne[1] == 1;
+void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode) {
+    moecache & mc = *L.mc;
     const bool stream = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     memcpy(out, ids, n_ids * sizeof(int32_t));
     if (mc.io_failed.load()) {
@@ -548,64 +348,11 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
 }
 
-// --- graph build -----------------------------------------------------------------------------
-
-void moecache_residency_graph_begin(moecache & mc) {
-    for (moecache_layer & L : mc.layers) {
-        L.ids_in  = nullptr;
-        L.ids_out = nullptr;
-    }
-}
-
-ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
-                                            ggml_tensor * b, ggml_tensor * ids) {
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_NONE) {
-        return nullptr;
-    }
-    auto it = mc.xt_layer.find(as);
-    if (it == mc.xt_layer.end() || ids->type != GGML_TYPE_I32) {
-        return nullptr;
-    }
-    moecache_layer & L = mc.layers[it->second];
-    if (L.ids_in != ids) {
-        L.ids_in  = ids;
-        L.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
-        ggml_format_name(L.ids_out, "moecache_experts-%d", L.il);
-    }
-    ggml_tensor * w = as;
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && ids->ne[1] == 1) {
-        for (const moecache_expert_tensor & x : L.xt) {
-            if (x.model_t == as) {
-                w = x.slots_t;
-            }
-        }
-    }
-    return ggml_mul_mat_id(ctx, w, b, L.ids_out);
-}
-
 // --- setup -----------------------------------------------------------------------------------
 
 static int32_t fail_residency(const std::string & msg) {
     moecache_set_error(msg);
     return MOECACHE_ERR_RESIDENCY;
-}
-
-// "blk.12.ffn_up_exps.weight" -> 12 (the routed-expert weight tensors of llama.cpp's archs)
-static int32_t expert_tensor_layer(const std::string & name) {
-    static const char * kinds[] = { "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
-                                    "ffn_gate_up_exps.weight" };
-    int il = -1;
-    int n  = 0;
-    if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) != 1 || n <= 0) {
-        return -1;
-    }
-    const std::string rest = name.substr(n);
-    for (const char * k : kinds) {
-        if (rest == k) {
-            return il;
-        }
-    }
-    return -1;
 }
 
 int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
@@ -638,50 +385,54 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     fstat(mc.fd, &st);
     const size_t data_off = gguf_get_data_offset(gg);
     std::string err;
-    for (const auto & nt : llama_internal_get_tensor_map(model)) {
-        const int32_t il = expert_tensor_layer(nt.first);
-        if (il < 0) {
-            continue;
+    // the routed-expert weights of each layer, from the model's own layer struct
+    for (int32_t il = 0; il < mc.n_layer && il < (int32_t) model->layers.size() && err.empty(); il++) {
+        const llama_layer & ly = model->layers[il];
+        for (ggml_tensor * t : { ly.ffn_gate_exps, ly.ffn_up_exps, ly.ffn_down_exps, ly.ffn_gate_up_exps }) {
+            if (!t) {
+                continue;
+            }
+            const std::string name = ggml_get_name(t);
+            char where[512];
+            if (t->ne[2] != mc.n_expert || ggml_n_dims(t) != 3) {
+                snprintf(where, sizeof(where), "tensor %s has %lld experts, the model routes over %d", name.c_str(),
+                         (long long) t->ne[2], mc.n_expert);
+                err = where;
+                break;
+            }
+            const int64_t id = gguf_find_tensor(gg, name.c_str());
+            if (id < 0) {
+                err = "tensor " + name + " is not in '" + mc.path + "' (a split GGUF, or another file?): " + mode +
+                      " residency needs the single GGUF file the model was loaded from";
+                break;
+            }
+            if (gguf_get_tensor_type(gg, id) != t->type || gguf_get_tensor_size(gg, id) != ggml_nbytes(t) ||
+                !ggml_is_contiguous(t)) {
+                err = "tensor " + name + " is not stored as in the file (type or layout differs)";
+                break;
+            }
+            // ggml's buffer type for a mapped file has no public handle: its name is the test
+            if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr ||
+                strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") != 0) {
+                err = "the experts of layer " + std::to_string(il) + " are not memory-mapped from the file in its layout (" +
+                      (t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "no buffer") +
+                      "): " + mode + " residency needs the model loaded with mmap, on the CPU (n_gpu_layers = 0), "
+                      "after moecache_set_load_residency (pymoecache.Llama does this)";
+                break;
+            }
+            moecache_expert_tensor x;
+            x.model_t  = t;
+            x.file_off = data_off + gguf_get_tensor_offset(gg, id);
+            x.nb2      = t->nb[2];
+            if (x.file_off + (uint64_t) x.nb2 * mc.n_expert > (uint64_t) st.st_size) {
+                err = "'" + mc.path + "' is truncated: tensor " + name + " ends past the end of the file";
+                break;
+            }
+            moecache_layer & L = mc.layers[il];
+            L.xt.push_back(x);
+            L.expert_bytes += x.nb2;
+            mc.xt_layer[t] = il;
         }
-        ggml_tensor * t = nt.second;
-        char where[512];
-        if (il >= mc.n_layer || t->ne[2] != mc.n_expert || ggml_n_dims(t) != 3) {
-            snprintf(where, sizeof(where), "tensor %s has %lld experts, the model routes over %d", nt.first.c_str(),
-                     (long long) t->ne[2], mc.n_expert);
-            err = where;
-            break;
-        }
-        const int64_t id = gguf_find_tensor(gg, nt.first.c_str());
-        if (id < 0) {
-            err = "tensor " + nt.first + " is not in '" + mc.path + "' (a split GGUF, or another file?): " + mode +
-                  " residency needs the single GGUF file the model was loaded from";
-            break;
-        }
-        if (gguf_get_tensor_type(gg, id) != t->type || gguf_get_tensor_size(gg, id) != ggml_nbytes(t) ||
-            !ggml_is_contiguous(t)) {
-            err = "tensor " + nt.first + " is not stored as in the file (type or layout differs)";
-            break;
-        }
-        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr ||
-            strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") != 0) {
-            err = "the experts of layer " + std::to_string(il) + " are not memory-mapped from the file in its layout (" +
-                  (t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "no buffer") +
-                  "): " + mode + " residency needs the model loaded with mmap, on the CPU (n_gpu_layers = 0), "
-                  "after moecache_set_load_residency (pymoecache.Llama does this)";
-            break;
-        }
-        moecache_expert_tensor x;
-        x.model_t  = t;
-        x.file_off = data_off + gguf_get_tensor_offset(gg, id);
-        x.nb2      = t->nb[2];
-        if (x.file_off + (uint64_t) x.nb2 * mc.n_expert > (uint64_t) st.st_size) {
-            err = "'" + mc.path + "' is truncated: tensor " + nt.first + " ends past the end of the file";
-            break;
-        }
-        moecache_layer & L = mc.layers[il];
-        L.xt.push_back(x);
-        L.expert_bytes += x.nb2;
-        mc.xt_layer[t] = il;
     }
     gguf_free(gg);
     if (!err.empty()) {
@@ -706,9 +457,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         // (a file system without O_DIRECT, e.g. tmpfs: buffered reads, then the pages are dropped)
     }
     mc.io->fd_direct = mc.fd_direct;
-    for (int32_t i = 0; i < cp.io_threads; i++) {
-        mc.io->workers.emplace_back(io_worker, mc.io);
-    }
+    moecache_io_start(*mc.io, cp.io_threads);
 
     for (moecache_layer & L : mc.layers) {
         if (L.xt.empty()) {
@@ -739,7 +488,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         }
         L.n_slots = std::max(L.capacity, mc.n_expert_used);
         for (const moecache_expert_tensor & x : L.xt) {
-            total += round_up((size_t) L.n_slots * x.nb2, page_size());
+            total += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
             n_xt++;
         }
         L.slot_expert.assign(L.n_slots, -1);
@@ -773,7 +522,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
                 return fail_residency(std::string("cannot place the slots of ") + t->name);
             }
-            p += round_up((size_t) L.n_slots * x.nb2, page_size());
+            p += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
         }
     }
     return MOECACHE_OK;
@@ -781,14 +530,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
 
 void moecache_residency_free(moecache & mc) {
     if (mc.io) {
-        {
-            std::lock_guard<std::mutex> lock(mc.io->mu);
-            mc.io->stop = true;
-        }
-        mc.io->cv_work.notify_all();
-        for (std::thread & t : mc.io->workers) {
-            t.join();
-        }
+        moecache_io_stop(*mc.io);
     }
     if (mc.fd >= 0 && !mc.layers.empty()) {
         drop_pending(mc);
@@ -822,67 +564,4 @@ void moecache_residency_free(moecache & mc) {
         close(mc.fd);
         mc.fd = -1;
     }
-}
-
-static int64_t rss_bytes() {
-#ifdef __linux__
-    FILE * f = fopen("/proc/self/statm", "r");
-    if (!f) {
-        return 0;
-    }
-    long long pages_total = 0, pages_rss = 0;
-    const int n = fscanf(f, "%lld %lld", &pages_total, &pages_rss);
-    fclose(f);
-    return n == 2 ? (int64_t) pages_rss * (int64_t) page_size() : 0;
-#else
-    return 0;
-#endif
-}
-
-extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out) {
-    if (!mc || !out) {
-        moecache_set_error("moecache_get_residency_stats: NULL argument");
-        return MOECACHE_ERR_INVALID;
-    }
-    *out = mc->rst;
-    out->residency   = mc->cparams.residency;
-    out->arena_bytes = (int64_t) mc->arena_size;
-    for (const moecache_layer & L : mc->layers) {
-        if (!L.xt.empty()) {
-            out->expert_bytes = (int64_t) L.expert_bytes; // the first MoE layer's
-            break;
-        }
-    }
-    out->io_threads = mc->io ? (int32_t) mc->io->workers.size() : 0;
-    out->direct_io  = mc->fd_direct >= 0;
-    out->locked     = mc->cparams.lock_memory &&
-                      (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc->arena_locked
-                                                                          : (mc->io && !mc->io->lock_failed.load()));
-    out->decode_t_io_ms    = (double) mc->t_io_decode_us / 1000.0;
-    out->decode_t_route_ms = (double) mc->t_route_decode_us / 1000.0;
-    out->prompt_t_io_ms    = (double) mc->t_io_prompt_us / 1000.0;
-    int64_t decode_tokens = 0;
-    int64_t locked = 0;
-    for (const moecache_layer & L : mc->layers) {
-        decode_tokens = std::max(decode_tokens, L.decode_tokens);
-        for (uint8_t l : L.locked) {
-            locked += l ? (int64_t) L.expert_bytes : 0;
-        }
-    }
-    out->decode_tokens = decode_tokens;
-    out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
-    out->rss_bytes     = rss_bytes();
-    return MOECACHE_OK;
-}
-
-extern "C" const char * moecache_take_io_error(struct moecache * mc) {
-    static thread_local std::string msg;
-    if (!mc || !mc->io_failed.load()) {
-        return nullptr;
-    }
-    std::lock_guard<std::mutex> lock(mc->io_error_mutex);
-    msg = mc->io_error;
-    mc->io_error.clear();
-    mc->io_failed.store(false);
-    return msg.c_str();
 }

@@ -1,5 +1,6 @@
-// moecache-hook.cpp - what patched llama.cpp calls (moecache-hook.h): which moecache belongs
-// to which llama_context, and the two ggml custom ops that route a MoE layer.
+// moecache-graph.cpp - what patched llama.cpp calls (moecache-hook.h): which moecache belongs
+// to which llama_context, the two ggml custom ops that route a MoE layer, and the op in front of
+// a layer's expert matmuls that makes the residency follow the cache.
 //
 // Graph reuse: llama.cpp reuses a built graph for later ubatches of the same shape. The ops
 // keep only a pointer to their moecache_layer and read the routing parameters when they run,
@@ -190,11 +191,58 @@ ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggm
     return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
 }
 
+// dst: I32 [K, n_tokens] = slot ids (STREAM decode) or the expert ids; src[0]: the expert ids.
+// Reads or locks what the layer's experts need first (moecache-residency.cpp).
+static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    moecache_layer & L = *(moecache_layer *) userdata;
+    moecache_residency_sync(L, (const int32_t *) dst->src[0]->data, (int32_t *) dst->data, ggml_nelements(dst),
+                            dst->ne[1] == 1);
+}
+
+// --- residency: the op in front of a layer's expert matmuls ---------------------------------
+
+void moecache_residency_graph_begin(moecache & mc) {
+    for (moecache_layer & L : mc.layers) {
+        L.ids_in  = nullptr;
+        L.ids_out = nullptr;
+    }
+}
+
+ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
+                                            ggml_tensor * b, ggml_tensor * ids) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_NONE) {
+        return nullptr;
+    }
+    auto it = mc.xt_layer.find(as);
+    if (it == mc.xt_layer.end() || ids->type != GGML_TYPE_I32) {
+        return nullptr;
+    }
+    moecache_layer & L = mc.layers[it->second];
+    if (L.ids_in != ids) {
+        L.ids_in  = ids;
+        L.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
+        ggml_format_name(L.ids_out, "moecache_experts-%d", L.il);
+    }
+    ggml_tensor * w = as;
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && ids->ne[1] == 1) {
+        for (const moecache_expert_tensor & x : L.xt) {
+            if (x.model_t == as) {
+                w = x.slots_t;
+            }
+        }
+    }
+    return ggml_mul_mat_id(ctx, w, b, L.ids_out);
+}
+
 // --- model loading ---------------------------------------------------------------------------
 
 static thread_local int g_load_residency = MOECACHE_RESIDENCY_NONE;
 
-extern "C" void moecache_set_load_residency(enum moecache_residency residency) {
+void moecache_graph_set_load_residency(enum moecache_residency residency) {
     g_load_residency = residency;
 }
 
@@ -208,7 +256,7 @@ bool moecache_hook_mmap_prefetch(void) {
     return g_load_residency == MOECACHE_RESIDENCY_NONE; // experts are read when a token needs them
 }
 
-// --- attach / detach (API in moecache.cpp; the registry lives here) ---------------------------
+// --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------
 
 void moecache_hook_detach(moecache * mc) {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -226,11 +274,7 @@ void moecache_hook_detach(moecache * mc) {
     mc->ctx = nullptr;
 }
 
-extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * ctx) {
-    if (!mc || !ctx) {
-        moecache_set_error("moecache_attach: NULL argument");
-        return MOECACHE_ERR_INVALID;
-    }
+int32_t moecache_graph_attach(moecache * mc, llama_context * ctx) {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (mc->ctx == ctx) {
         return MOECACHE_OK;
@@ -260,10 +304,4 @@ extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * 
         llama_set_abort_callback(ctx, moecache_residency_abort, mc); // a failed expert read stops the decode
     }
     return MOECACHE_OK;
-}
-
-extern "C" void moecache_detach(struct moecache * mc) {
-    if (mc) {
-        moecache_hook_detach(mc);
-    }
 }

@@ -1,0 +1,238 @@
+// moecache-state.cpp - cache state files: the format, an atomic write, and a read that checks
+// everything before it changes anything (moecache.h: moecache_state_save / moecache_state_load).
+
+#include "moecache-impl.h"
+
+#include <cerrno>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static int32_t fail(int32_t status, const std::string & msg) {
+    moecache_set_error(msg);
+    return status;
+}
+
+// state files: a tiny binary format, native endianness, written atomically, checked on load
+//   "MOECACH2" | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K
+//   per layer: i32 n_cached, i32 ids[n_cached] (least recently used first), f64 delta_sum, i64 delta_n
+//   u64 FNV-1a hash of every byte before it
+
+static const char     STATE_MAGIC[8]   = {'M', 'O', 'E', 'C', 'A', 'C', 'H', '2'};
+static const size_t   STATE_MAX_BYTES  = 256u << 20; // far above any real model's state
+static const uint32_t STATE_MAX_DESC   = 4096;
+
+static uint64_t fnv1a64(const uint8_t * p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+template <typename T> static void put(std::vector<uint8_t> & b, const T & v) {
+    const uint8_t * p = (const uint8_t *) &v;
+    b.insert(b.end(), p, p + sizeof(T));
+}
+
+// bounds-checked reader over the file's bytes
+struct state_reader {
+    const uint8_t * p;
+    size_t n;
+    size_t pos = 0;
+    bool get_bytes(void * out, size_t k) {
+        if (k > n - pos) {
+            return false;
+        }
+        memcpy(out, p + pos, k);
+        pos += k;
+        return true;
+    }
+    template <typename T> bool get(T & v) { return get_bytes(&v, sizeof(T)); }
+};
+
+static std::string quoted(const char * path) {
+    return std::string("'") + path + "'";
+}
+
+int32_t moecache_state_write(const moecache & mc, const char * path) {
+    std::vector<uint8_t> b;
+    b.insert(b.end(), STATE_MAGIC, STATE_MAGIC + 8);
+    put(b, (uint32_t) MOECACHE_ABI_VERSION);
+    put(b, (uint32_t) mc.desc.size());
+    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
+    put(b, mc.n_params);
+    put(b, mc.n_layer);
+    put(b, mc.n_expert);
+    put(b, mc.n_expert_used);
+    std::vector<int32_t> ids(mc.n_expert);
+    for (int32_t il = 0; il < mc.n_layer; il++) {
+        const int32_t n = moecache_get_cached(&mc, il, ids.data(), (int32_t) ids.size());
+        put(b, n);
+        for (int32_t i = 0; i < n; i++) {
+            put(b, ids[i]);
+        }
+        put(b, mc.layers[il].delta_sum);
+        put(b, mc.layers[il].delta_n);
+    }
+    put(b, fnv1a64(b.data(), b.size()));
+
+    // a temporary file beside the target, synced, then renamed over it: a failed save leaves the
+    // old file as it was, never a half-written one
+    const std::string tmp = std::string(path) + ".tmp." + std::to_string((long) getpid());
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(errno));
+    }
+    size_t done = 0;
+    int err = 0;
+    while (done < b.size()) {
+        const ssize_t k = write(fd, b.data() + done, b.size() - done);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            err = k < 0 ? errno : ENOSPC;
+            break;
+        }
+        done += (size_t) k;
+    }
+    if (!err && fsync(fd) != 0) {
+        err = errno;
+    }
+    if (close(fd) != 0 && !err) {
+        err = errno;
+    }
+    if (!err && rename(tmp.c_str(), path) != 0) {
+        err = errno;
+    }
+    if (err) {
+        unlink(tmp.c_str());
+        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(err));
+    }
+    return MOECACHE_OK;
+}
+
+// the whole file, if it is a regular file of a sane size (a FIFO or device never blocks us)
+static int32_t read_state_file(const char * path, std::vector<uint8_t> & out) {
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " + strerror(errno));
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return fail(MOECACHE_ERR_IO, quoted(path) + " is not a regular file");
+    }
+    if ((uint64_t) st.st_size > STATE_MAX_BYTES) {
+        close(fd);
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is too large to be a pymoecache cache state file");
+    }
+    out.resize((size_t) st.st_size);
+    size_t done = 0;
+    while (done < out.size()) {
+        const ssize_t k = read(fd, out.data() + done, out.size() - done);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
+        if (k <= 0) {
+            const int err = k < 0 ? errno : 0;
+            close(fd);
+            return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " +
+                                         (err ? strerror(err) : "the file shrank while being read"));
+        }
+        done += (size_t) k;
+    }
+    close(fd);
+    return MOECACHE_OK;
+}
+
+int32_t moecache_state_read(moecache & mc, const char * path) {
+    std::vector<uint8_t> buf;
+    int32_t rc = read_state_file(path, buf);
+    if (rc != MOECACHE_OK) {
+        return rc;
+    }
+    const std::string corrupt = quoted(path) + " is corrupt: ";
+    if (buf.size() < 8 + 8 || memcmp(buf.data(), STATE_MAGIC, 8) != 0) {
+        if (buf.size() >= 8 && memcmp(buf.data(), STATE_MAGIC, 7) == 0) {
+            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a cache state file of another pymoecache version: save it again");
+        }
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache cache state file");
+    }
+    uint64_t sum = 0;
+    memcpy(&sum, buf.data() + buf.size() - 8, 8);
+    if (sum != fnv1a64(buf.data(), buf.size() - 8)) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "checksum mismatch (damaged or truncated)");
+    }
+    state_reader r = { buf.data(), buf.size() - 8 };
+    r.pos = 8;
+    uint32_t abi = 0, len = 0;
+    if (!r.get(abi) || !r.get(len) || len > STATE_MAX_DESC) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
+    }
+    std::string desc(len, '\0');
+    uint64_t n_params = 0;
+    int32_t n_layer = 0, N = 0, K = 0;
+    if (!r.get_bytes(&desc[0], len) || !r.get(n_params) || !r.get(n_layer) || !r.get(N) || !r.get(K)) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
+    }
+    if (abi != MOECACHE_ABI_VERSION || desc != mc.desc || n_params != mc.n_params ||
+        n_layer != mc.n_layer || N != mc.n_expert || K != mc.n_expert_used) {
+        return fail(MOECACHE_ERR_MISMATCH, "cache state " + quoted(path) + " was saved for another model (" + desc +
+                                           ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
+    }
+    // read and check everything first: a bad file leaves the cache untouched
+    std::vector<std::vector<int32_t>> ids(n_layer);
+    std::vector<double>  dsum(n_layer);
+    std::vector<int64_t> dn(n_layer);
+    std::vector<uint8_t> seen(N);
+    for (int32_t il = 0; il < n_layer; il++) {
+        const std::string where = corrupt + "layer " + std::to_string(il) + ": ";
+        int32_t n = 0;
+        if (!r.get(n) || n < 0 || n > N) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "bad number of cached experts");
+        }
+        ids[il].resize(n);
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int32_t i = 0; i < n; i++) {
+            int32_t e = -1;
+            if (!r.get(e) || e < 0 || e >= N || seen[e]) {
+                return fail(MOECACHE_ERR_CORRUPT, where + "expert ids out of range or repeated");
+            }
+            seen[e] = 1;
+            ids[il][i] = e;
+        }
+        if (!r.get(dsum[il]) || !r.get(dn[il])) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "truncated");
+        }
+        // Delta is a running mean of logit ranges: a finite sum >= 0 over n >= 0 tokens (sum 0 if n is
+        // 0) whose mean is a finite float, as routing uses it
+        if (!std::isfinite(dsum[il]) || dsum[il] < 0.0 || dn[il] < 0 || (dn[il] == 0 && dsum[il] != 0.0) ||
+            (dn[il] > 0 && !(dsum[il] / (double) dn[il] <= (double) FLT_MAX))) {
+            return fail(MOECACHE_ERR_CORRUPT, where + "Delta out of range");
+        }
+    }
+    if (r.pos != r.n) {
+        return fail(MOECACHE_ERR_CORRUPT, corrupt + "trailing bytes");
+    }
+    for (int32_t il = 0; il < n_layer; il++) {
+        moecache_layer & L = mc.layers[il];
+        moecache_layer_clear(L);
+        // a smaller cache keeps the most recently used entries
+        const size_t skip = ids[il].size() > (size_t) L.capacity ? ids[il].size() - L.capacity : 0;
+        for (size_t i = skip; i < ids[il].size(); i++) {
+            moecache_layer_insert(L, ids[il][i], nullptr);
+        }
+        L.delta_sum = dsum[il];
+        L.delta_n   = dn[il];
+    }
+    return MOECACHE_OK;
+}
+
