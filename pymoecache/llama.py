@@ -14,6 +14,7 @@ import collections
 import ctypes
 import dataclasses
 import json
+import logging
 import math
 import os
 import threading
@@ -41,7 +42,10 @@ _MAX_THREADS = 512    # GGML_MAX_N_THREADS
 # llama-cpp-python silences llama.cpp while a model loads with verbose=False, so its reason for
 # refusing a file would be lost. Every line also goes to llama-cpp-python's own callback (which
 # prints or not, as before); warnings and errors stay in a small ring buffer for our messages.
+# Lines of our C++ ("moecache: ...") go to the "pymoecache" logger instead.
 _LOG_TAIL: "collections.deque[str]" = collections.deque(maxlen=12)
+_log = logging.getLogger("pymoecache")  # the library's warnings (mlock refused, ...): no handler of ours,
+                                        # so they reach stderr through logging's last resort unless configured
 _LOG_LEVEL_WARN, _LOG_LEVEL_CONT = 3, 5   # enum ggml_log_level (ggml.h)
 _log_last_level = 0
 
@@ -54,10 +58,12 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
     keep = level >= _LOG_LEVEL_WARN if level != _LOG_LEVEL_CONT else _log_last_level >= _LOG_LEVEL_WARN
     if level != _LOG_LEVEL_CONT:
         _log_last_level = level
-    if keep and text:
-        line = text.decode("utf-8", "replace").strip()
-        if line:
-            _LOG_TAIL.append(line)
+    line = text.decode("utf-8", "replace").strip() if keep and text else ""
+    if line.startswith("moecache: "):  # our own warnings: Python's logging, whatever llama.cpp's verbosity
+        _log.warning("%s", line[len("moecache: "):].removeprefix("warning: "))
+        return
+    if line:
+        _LOG_TAIL.append(line)
     _logger.llama_log_callback(level, text, user_data)
 
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 [ -f vendor/llama.cpp/include/llama.h ] || { echo "check_warnings: vendor/llama.cpp missing" >&2; exit 2; }
 
 INC=(-Isrc_cpp -Ivendor/llama.cpp/include -Ivendor/llama.cpp/ggml/include -Ivendor/llama.cpp/src)
-FILES=(src_cpp/moecache.cpp src_cpp/moecache-route.cpp src_cpp/moecache-hook.cpp src_cpp/moecache-residency.cpp tools/moecache-run.cpp
+FILES=(src_cpp/*.cpp tools/moecache-run.cpp
        tests/cpp/test-moecache.cpp)
 # name | compiler and target flags
 COMPILERS=(

@@ -12,9 +12,10 @@
 
 #include "ggml.h"
 #include "llama.h"
+#include "llama-hparams.h" // llama_expert_gating_func_type
+#include "llama-impl.h"    // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
 
 #include <cmath>
-#include <cstdio>
 #include <mutex>
 #include <unordered_map>
 
@@ -28,10 +29,6 @@ struct ctx_entry {
 std::mutex                                               g_mutex;
 std::unordered_map<const llama_context *, ctx_entry>     g_ctx;
 thread_local moecache *                                  g_building = nullptr; // set between graph_begin/end
-
-// llama_expert_gating_func_type (src/llama-hparams.h)
-constexpr int GATING_SOFTMAX        = 1;
-constexpr int GATING_SOFTMAX_WEIGHT = 3;
 
 const float * row_f32(const ggml_tensor * t, int64_t i1) {
     return (const float *) ((const char *) t->data + i1 * t->nb[1]);
@@ -155,12 +152,12 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     if (N != mc->n_expert || K != mc->n_expert_used || K > MOECACHE_MAX_USED ||
         logits->type != GGML_TYPE_F32 || probs->type != GGML_TYPE_F32 || selection->type != GGML_TYPE_F32 ||
         probs->ne[0] != N || selection->ne[0] != N) {
-        fprintf(stderr, "moecache: layer %d (N = %lld, K = %lld) does not match the model's N = %d, K = %d; "
+        LLAMA_LOG_WARN("moecache: warning: layer %d (N = %lld, K = %lld) does not match the model's N = %d, K = %d; "
                         "routed without the cache\n", il, (long long) N, (long long) K, mc->n_expert, mc->n_expert_used);
         return selected;
     }
     moecache_layer & L = mc->layers[il];
-    L.rank_on_logits = gating_op == GATING_SOFTMAX && !has_bias; // softmax keeps the logits' order
+    L.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
     ggml_tensor * args[4] = { selected, logits, probs, selection };
     L.select_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
@@ -175,7 +172,7 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
         return weights;
     }
     moecache_layer & L = mc->layers[il];
-    L.dropped_weight = gating_op == GATING_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
+    L.dropped_weight = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
     // `selected` orders this op after op_select; weights = get_rows(probs, selected): src[0] is probs
     ggml_tensor * args[3] = { weights, selected, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,

@@ -1,6 +1,7 @@
-// moecache-impl.h - internal state shared by moecache.cpp (API), moecache-route.cpp (policies,
-// LRU), moecache-hook.cpp (ggml ops called from llama.cpp) and moecache-residency.cpp (where the
-// experts' bytes live: slots, reads, page locks). Not installed.
+// moecache-impl.h - internal state shared by the files of src_cpp/: moecache.cpp (the C API),
+// moecache-init.cpp (parameters, construction), moecache-route.cpp (policies, LRU),
+// moecache-graph.cpp (ggml ops called from llama.cpp), moecache-residency.cpp (slots, page
+// locks), moecache-io.{h,cpp} (reader threads), moecache-state.cpp (state files). Not installed.
 #pragma once
 
 #include "moecache.h"
@@ -143,6 +144,20 @@ void moecache_residency_graph_begin(moecache & mc);
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids
 // for a STREAM decode, the ids otherwise
 void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode);
+// moecache-residency.cpp: helpers shared with moecache-slots.cpp
+int32_t moecache_fail_residency(const std::string & msg);           // sets the error, MOECACHE_ERR_RESIDENCY
+void    moecache_set_io_error(moecache & mc, const std::string & msg); // the first failed read stops the decode
+void    moecache_warn_mlock_once(size_t bytes, int err);
+void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
+// moecache-slots.cpp: STREAM's slot arena
+int32_t moecache_slots_init(moecache & mc);
+void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids);
+void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
+// moecache-init.cpp: the checks of moecache.h's parameters and the constructors
+int32_t    moecache_check_routing(const moecache_routing_params & p, int32_t K);
+moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_cache_params cp,
+                              moecache_routing_params rp);
+moecache * moecache_new(const llama_model * model, moecache_cache_params cparams, moecache_routing_params rparams);
 // moecache-state.cpp: cache state files (status codes and messages as moecache_state_save/_load)
 int32_t moecache_state_write(const moecache & mc, const char * path);
 int32_t moecache_state_read(moecache & mc, const char * path);

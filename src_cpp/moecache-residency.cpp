@@ -22,6 +22,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "gguf.h"
+#include "llama-impl.h"  // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
 #include "llama-model.h"
 
 #include <algorithm>
@@ -41,7 +42,7 @@
 
 // --- errors ----------------------------------------------------------------------------------
 
-static void warn_mlock_once(size_t bytes, int err) {
+void moecache_warn_mlock_once(size_t bytes, int err) {
     static std::once_flag once;
     std::call_once(once, [bytes, err] {
         struct rlimit rl = {};
@@ -52,7 +53,7 @@ static void warn_mlock_once(size_t bytes, int err) {
         } else {
             snprintf(lim, sizeof(lim), "%.1f MiB", (double) rl.rlim_cur / (1 << 20));
         }
-        fprintf(stderr,
+        LLAMA_LOG_WARN(
                 "moecache: warning: mlock of the expert cache (%.1f MiB) was refused (%s; RLIMIT_MEMLOCK = %s). "
                 "The run goes on unlocked, so the OS may page the cache out. Fix: raise the limit "
                 "(`ulimit -l unlimited`, or memlock in /etc/security/limits.conf), or turn locking off "
@@ -61,7 +62,7 @@ static void warn_mlock_once(size_t bytes, int err) {
     });
 }
 
-static void set_io_error(moecache & mc, const std::string & msg) {
+void moecache_set_io_error(moecache & mc, const std::string & msg) {
     std::lock_guard<std::mutex> lock(mc.io_error_mutex);
     if (!mc.io_failed.load()) {
         mc.io_error = msg;
@@ -77,11 +78,11 @@ bool moecache_residency_abort(void * data) {
 static bool file_covers(moecache & mc, uint64_t end) {
     struct stat st;
     if (fstat(mc.fd, &st) != 0) {
-        set_io_error(mc, "model file '" + mc.path + "' cannot be read any more: " + strerror(errno));
+        moecache_set_io_error(mc, "model file '" + mc.path + "' cannot be read any more: " + strerror(errno));
         return false;
     }
     if ((uint64_t) st.st_size < end) {
-        set_io_error(mc, "model file '" + mc.path + "' was truncated to " + std::to_string((long long) st.st_size) +
+        moecache_set_io_error(mc, "model file '" + mc.path + "' was truncated to " + std::to_string((long long) st.st_size) +
                          " bytes while in use (the experts need " + std::to_string((unsigned long long) end) + ")");
         return false;
     }
@@ -105,7 +106,7 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
 
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
 // MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
-static void willneed_expert(const moecache_layer & L, int32_t e) {
+void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
     for (const moecache_expert_tensor & x : L.xt) {
         const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
         const uintptr_t p0 = b0 / moecache_page_size() * moecache_page_size();
@@ -143,123 +144,7 @@ static void drop_pending(moecache & mc) {
     mc.drop_pending.clear();
 }
 
-// --- making memory follow the cache (called by the graph op, moecache-graph.cpp) ----------------------------------------------------------------------------------
-
-static bool slot_holds(const moecache_layer & L, int32_t e) {
-    const int32_t s = L.expert_slot[e];
-    return s >= 0 && L.slot_expert[s] == e;
-}
-
-// gives e the first slot from `cursor` on that holds no expert of L.keep; -1 if there is none,
-// which cannot happen: |L.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
-static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
-    for (; cursor < L.n_slots; cursor++) {
-        const int32_t held = L.slot_expert[cursor];
-        if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
-            L.slot_expert[cursor] = e;
-            L.expert_slot[e]      = cursor;
-            return cursor++;
-        }
-    }
-    return -1;
-}
-
-// Gives every expert of L.keep that no slot holds a slot, and queues the jobs that fill it:
-// reads from the file in MOECACHE_IO_CHUNK pieces (so even a single miss keeps several reads in
-// flight), or copies from the mapping. Returns false if a slot was missing, which cannot happen.
-static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vector<moecache_io_job> & jobs) {
-    int32_t cursor = 0;
-    for (int32_t e = 0; e < (int32_t) L.keep.size(); e++) {
-        if (!L.keep[e] || slot_holds(L, e)) {
-            continue;
-        }
-        const int32_t s = take_slot(L, e, cursor);
-        if (s < 0) {
-            return false;
-        }
-        for (const moecache_expert_tensor & x : L.xt) {
-            const uint64_t off   = x.file_off + (uint64_t) e * x.nb2;
-            char *         dst   = (char *) x.slots_t->data + (size_t) s * x.nb2;
-            for (uint64_t o = off; o < off + x.nb2;) {
-                const uint64_t end = kind == MOECACHE_IO_READ
-                    ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
-                    : off + x.nb2;
-                moecache_io_job j = {};
-                j.kind = kind;
-                j.dst  = dst + (o - off);
-                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
-                j.off  = o;
-                j.len  = (size_t) (end - o);
-                j.il   = L.il;
-                j.e    = e;
-                jobs.push_back(j);
-                o = end;
-            }
-        }
-    }
-    return true;
-}
-
-// STREAM, one token: every expert that is cached or selected ends in a slot; out = slot ids
-static void stream_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
-    for (size_t e = 0; e < L.keep.size(); e++) {
-        L.keep[e] = L.last_use[e] >= 0;
-    }
-    for (int64_t i = 0; i < n_ids; i++) {
-        L.keep[ids[i]] = 1;
-    }
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
-    jobs.clear();
-    if (!plan_slot_fills(L, MOECACHE_IO_READ, jobs)) {
-        set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
-    }
-    moecache_io_run(*mc.io, jobs);
-    int32_t last_e = -1;
-    for (const moecache_io_job & j : jobs) {
-        mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
-        if (j.e != last_e) {
-            mc.rst.decode_loads += 1; // an expert's pieces are queued together
-            last_e = j.e;
-        }
-        if (j.err != 0) {
-            L.slot_expert[L.expert_slot[j.e]] = -1; // a bad read is never used as weights
-            char buf[512];
-            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
-                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
-            set_io_error(mc, buf);
-        }
-    }
-    for (int64_t i = 0; i < n_ids; i++) {
-        const int32_t s = L.expert_slot[ids[i]];
-        out[i] = s >= 0 && s < L.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
-    }
-}
-
-// STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
-static void stream_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
-    std::vector<uint8_t> touched(L.keep.size(), 0); // read through the mapping by this ubatch: dropped later
-    for (int64_t i = 0; i < n_ids; i++) {
-        touched[ids[i]] = 1;
-    }
-    for (size_t e = 0; e < L.keep.size(); e++) {
-        L.keep[e] = L.last_use[e] >= 0;
-    }
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
-    jobs.clear();
-    plan_slot_fills(L, MOECACHE_IO_COPY, jobs);
-    for (const moecache_io_job & j : jobs) {
-        touched[j.e] = 1; // (also a cached expert this ubatch does not run, e.g. after a state load)
-    }
-    for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
-        if (touched[e]) {
-            willneed_expert(L, e); // one large read request before the matmul or the copy faults it in
-            mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
-            mc.drop_pending.emplace_back(L.il, e);
-        }
-    }
-    moecache_io_run(*mc.io, jobs);
-}
+// --- making memory follow the cache (called by the graph op, moecache-graph.cpp) --------------
 
 // MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
 static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
@@ -294,7 +179,7 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
         const int32_t e = ids[i];
         if (!L.locked[e] && !L.keep[e]) {
             L.keep[e] = 1;
-            willneed_expert(L, e);
+            moecache_willneed_expert(L, e);
             bytes += (int64_t) L.expert_bytes; // faulted in by the matmul
             mc.drop_pending.emplace_back(L.il, e);
         }
@@ -320,7 +205,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     }
     for (int64_t i = 0; i < n_ids; i++) {
         if (ids[i] < 0 || ids[i] >= mc.n_expert) {
-            set_io_error(mc, "internal error: expert id out of range in layer " + std::to_string(L.il));
+            moecache_set_io_error(mc, "internal error: expert id out of range in layer " + std::to_string(L.il));
             memset(out, 0, n_ids * sizeof(int32_t));
             return;
         }
@@ -328,7 +213,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     const int64_t t0 = moecache_time_us();
     drop_pending(mc);
     if (stream && decode) {
-        stream_decode(mc, L, ids, out, n_ids);
+        moecache_slots_decode(mc, L, ids, out, n_ids);
     } else {
         uint64_t end = 0;
         for (const moecache_expert_tensor & x : L.xt) {
@@ -336,21 +221,21 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         }
         if (file_covers(mc, end)) {
             if (stream) {
-                stream_prompt(mc, L, ids, n_ids);
+                moecache_slots_prompt(mc, L, ids, n_ids);
             } else {
                 mmap_sync(mc, L, ids, n_ids, decode);
             }
         }
     }
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
+        moecache_warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
 }
 
 // --- setup -----------------------------------------------------------------------------------
 
-static int32_t fail_residency(const std::string & msg) {
+int32_t moecache_fail_residency(const std::string & msg) {
     moecache_set_error(msg);
     return MOECACHE_ERR_RESIDENCY;
 }
@@ -362,24 +247,24 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
     if (cp.residency != MOECACHE_RESIDENCY_MMAP && cp.residency != MOECACHE_RESIDENCY_STREAM) {
-        return fail_residency("unknown residency " + std::to_string((int) cp.residency));
+        return moecache_fail_residency("unknown residency " + std::to_string((int) cp.residency));
     }
     if (cp.io_threads < 1 || cp.io_threads > 64) {
-        return fail_residency("io_threads = " + std::to_string(cp.io_threads) + " must be in [1, 64]");
+        return moecache_fail_residency("io_threads = " + std::to_string(cp.io_threads) + " must be in [1, 64]");
     }
     const std::string mode = names[cp.residency];
     if (!cp.model_path || !cp.model_path[0]) {
-        return fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
+        return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
     }
     mc.path = cp.model_path;
     mc.fd = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (mc.fd < 0) {
-        return fail_residency("cannot open '" + mc.path + "': " + strerror(errno));
+        return moecache_fail_residency("cannot open '" + mc.path + "': " + strerror(errno));
     }
     struct gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context * gg = gguf_init_from_file(mc.path.c_str(), gp);
     if (!gg) {
-        return fail_residency("'" + mc.path + "' is not a readable GGUF file");
+        return moecache_fail_residency("'" + mc.path + "' is not a readable GGUF file");
     }
     struct stat st;
     fstat(mc.fd, &st);
@@ -436,10 +321,10 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     }
     gguf_free(gg);
     if (!err.empty()) {
-        return fail_residency(err);
+        return moecache_fail_residency(err);
     }
     if (mc.xt_layer.empty()) {
-        return fail_residency("no routed-expert tensors (blk.N.ffn_{gate,up,down,gate_up}_exps) found in the model");
+        return moecache_fail_residency("no routed-expert tensors (blk.N.ffn_{gate,up,down,gate_up}_exps) found in the model");
     }
 
     mc.io = new moecache_io();
@@ -479,53 +364,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
 
-    // STREAM: one anonymous mapping for all slots, every tensor's region page-aligned
-    size_t total = 0;
-    int32_t n_xt = 0;
-    for (moecache_layer & L : mc.layers) {
-        if (L.xt.empty()) {
-            continue;
-        }
-        L.n_slots = std::max(L.capacity, mc.n_expert_used);
-        for (const moecache_expert_tensor & x : L.xt) {
-            total += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
-            n_xt++;
-        }
-        L.slot_expert.assign(L.n_slots, -1);
-        L.expert_slot.assign(mc.n_expert, -1);
-    }
-    void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (arena == MAP_FAILED) {
-        char buf[128];
-        snprintf(buf, sizeof(buf), "cannot reserve %.1f MiB for the expert slots: ", (double) total / (1 << 20));
-        return fail_residency(buf + std::string(strerror(errno)));
-    }
-    mc.arena      = (char *) arena;
-    mc.arena_size = total;
-    if (cp.lock_memory) {
-        if (mlock(mc.arena, total) == 0) {
-            mc.arena_locked = true;
-        } else {
-            warn_mlock_once(total, errno);
-        }
-    }
-    struct ggml_init_params ip = { (size_t) (n_xt + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
-    mc.slots_ctx = ggml_init(ip);
-    mc.slots_buf = ggml_backend_cpu_buffer_from_ptr(mc.arena, total);
-    ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    char * p = mc.arena;
-    for (moecache_layer & L : mc.layers) {
-        for (moecache_expert_tensor & x : L.xt) {
-            const ggml_tensor * t = x.model_t;
-            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.n_slots);
-            ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
-            if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
-                return fail_residency(std::string("cannot place the slots of ") + t->name);
-            }
-            p += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
-        }
-    }
-    return MOECACHE_OK;
+    return moecache_slots_init(mc);
 }
 
 void moecache_residency_free(moecache & mc) {

@@ -1,5 +1,7 @@
-// moecache.cpp - the C API of moecache.h: parameters, life cycle, stats, trace, state files.
-// The per-token work is in moecache-route.cpp; the graph hooks in moecache-hook.cpp.
+// moecache.cpp - every extern "C" function of moecache.h: defaults, life cycle, routing changes,
+// stats, trace, state files, attach/detach, residency telemetry. Each checks its arguments and
+// calls the file of its concept: moecache-init.cpp (parameters, construction), moecache-route.cpp
+// (the per-token decision), moecache-state.cpp, moecache-graph.cpp, moecache-residency.cpp.
 
 #include "moecache-impl.h"
 #include "moecache-io.h"
@@ -12,7 +14,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <memory>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -82,183 +83,13 @@ struct moecache_routing_params moecache_routing_default_params(void) {
 
 } // extern "C"
 
-static int32_t check_routing(const moecache_routing_params & p, int32_t K) {
-    char buf[256];
-    if (p.policy < MOECACHE_POLICY_TOPK || p.policy > MOECACHE_POLICY_SWAP_RANK) {
-        snprintf(buf, sizeof(buf), "unknown routing policy %d", (int) p.policy);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (p.top_j < 0 || p.top_j > K) {
-        snprintf(buf, sizeof(buf), "top_j = %d is out of range: the model uses K = %d experts per token (0 <= top_j <= K)", p.top_j, K);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (!(p.prior_lambda >= 0.0f) || std::isinf(p.prior_lambda)) {
-        snprintf(buf, sizeof(buf), "prior lambda = %g must be a finite number >= 0", (double) p.prior_lambda);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (p.max_rank < 0) {
-        snprintf(buf, sizeof(buf), "max-rank m = %d must be >= 0", p.max_rank);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (!(p.cumsum_tau >= 0.0f && p.cumsum_tau <= 1.0f)) {
-        snprintf(buf, sizeof(buf), "cumsum tau = %g must be in [0, 1]", (double) p.cumsum_tau);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (p.prune_rank < 1) {
-        snprintf(buf, sizeof(buf), "prune rank R = %d must be >= 1", p.prune_rank);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (p.scope != MOECACHE_SCOPE_ALL && p.scope != MOECACHE_SCOPE_DECODE) {
-        snprintf(buf, sizeof(buf), "unknown routing scope %d", (int) p.scope);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if ((p.policy == MOECACHE_POLICY_DROP_RANK || p.policy == MOECACHE_POLICY_SWAP_RANK) &&
-        (p.analysis_rank < 0 || p.analysis_rank >= K)) {
-        snprintf(buf, sizeof(buf), "analysis rank i = %d is out of range: the model uses K = %d experts per token (0 <= i < K)",
-                 p.analysis_rank, K);
-        return fail(MOECACHE_ERR_INVALID, buf);
-    }
-    if (p.policy == MOECACHE_POLICY_DROP_RANK && K < 2) {
-        return fail(MOECACHE_ERR_INVALID, "drop-rank needs a model with at least 2 experts per token");
-    }
-    return MOECACHE_OK;
-}
-
-// the cache size of layer il, or -2 when the parameters are invalid (error set)
-static int32_t resolve_capacity(const moecache_cache_params & p, int32_t il, int32_t N) {
-    char buf[256];
-    int32_t n = p.n_cached;
-    if (p.n_cached_per_layer && il < p.n_layer_sizes && p.n_cached_per_layer[il] >= 0) {
-        n = p.n_cached_per_layer[il];
-    }
-    if (n < 0) {
-        if (!(p.fraction >= 0.0f && p.fraction <= 1.0f)) {
-            snprintf(buf, sizeof(buf), "cache fraction = %g must be in [0, 1]", (double) p.fraction);
-            fail(MOECACHE_ERR_INVALID, buf);
-            return -2;
-        }
-        n = (int32_t) std::lround((double) p.fraction * N);
-        if (p.fraction > 0.0f && n < 1) {
-            n = 1;
-        }
-    }
-    if (n > N) {
-        snprintf(buf, sizeof(buf), "cache size %d (layer %d) is larger than the %d routed experts of the model", n, il, N);
-        fail(MOECACHE_ERR_INVALID, buf);
-        return -2;
-    }
-    return n;
-}
-
-static moecache * make_moecache(int32_t n_layer, int32_t N, int32_t K,
-                                moecache_cache_params cp, moecache_routing_params rp) {
-    char buf[256];
-    if (N < 1 || N > MOECACHE_MAX_EXPERTS || K < 1 || K > N || K > MOECACHE_MAX_USED) {
-        snprintf(buf, sizeof(buf), "invalid expert counts: N = %d routed experts (at most %d), K = %d used per token "
-                 "(1 <= K <= min(N, %d))", N, MOECACHE_MAX_EXPERTS, K, MOECACHE_MAX_USED);
-        fail(MOECACHE_ERR_INVALID, buf);
-        return nullptr;
-    }
-    if (n_layer < 1 || n_layer > MOECACHE_MAX_LAYERS) {
-        snprintf(buf, sizeof(buf), "invalid layer count %d (1 to %d)", n_layer, MOECACHE_MAX_LAYERS);
-        fail(MOECACHE_ERR_INVALID, buf);
-        return nullptr;
-    }
-    if (check_routing(rp, K) != MOECACHE_OK) {
-        return nullptr;
-    }
-    if (cp.insertion != MOECACHE_INSERTION_TOP_BOTTOM && cp.insertion != MOECACHE_INSERTION_BOTTOM_TOP) {
-        fail(MOECACHE_ERR_INVALID, "unknown insertion order");
-        return nullptr;
-    }
-    if (cp.trace_capacity < 0 || cp.trace_capacity > MOECACHE_MAX_TRACE) {
-        snprintf(buf, sizeof(buf), "trace_capacity = %d must be in [0, %d]", cp.trace_capacity, MOECACHE_MAX_TRACE);
-        fail(MOECACHE_ERR_INVALID, buf);
-        return nullptr;
-    }
-    if (cp.n_layer_sizes < 0 || cp.n_layer_sizes > n_layer || (cp.n_layer_sizes > 0 && !cp.n_cached_per_layer)) {
-        snprintf(buf, sizeof(buf), "per-layer cache sizes: got %d entries for a model of %d layers", cp.n_layer_sizes, n_layer);
-        fail(MOECACHE_ERR_INVALID, buf);
-        return nullptr;
-    }
-    std::vector<int32_t> caps(n_layer);
-    for (int32_t il = 0; il < n_layer; il++) {
-        caps[il] = resolve_capacity(cp, il, N);
-        if (caps[il] < 0) {
-            return nullptr;
-        }
-    }
-
-    std::unique_ptr<moecache> owner(new moecache()); // freed if an allocation below throws
-    moecache * mc = owner.get();
-    mc->n_layer       = n_layer;
-    mc->n_expert      = N;
-    mc->n_expert_used = K;
-    mc->cparams       = cp;
-    mc->cparams.n_cached_per_layer = nullptr; // not kept: resolved into the layers
-    mc->cparams.model_path         = nullptr; // copied into mc->path by moecache_residency_init
-    mc->rparams       = rp;
-    mc->layers.resize(n_layer);
-    for (int32_t il = 0; il < n_layer; il++) {
-        moecache_layer_init(*mc, mc->layers[il], il, caps[il]);
-    }
-    mc->trace.resize(cp.trace_capacity);
-    return owner.release();
-}
-
-static int32_t meta_int(const llama_model * model, const std::string & key) {
-    char buf[64];
-    if (llama_model_meta_val_str(model, key.c_str(), buf, sizeof(buf)) < 0) {
-        return -1;
-    }
-    return (int32_t) std::strtol(buf, nullptr, 10);
-}
-
-static moecache * init_impl(const llama_model * model, moecache_cache_params cparams,
-                            moecache_routing_params rparams) {
-    if (!model) {
-        fail(MOECACHE_ERR_INVALID, "model is NULL");
-        return nullptr;
-    }
-    char arch[64] = {0};
-    llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
-    const int32_t N = meta_int(model, std::string(arch) + ".expert_count");
-    const int32_t K = meta_int(model, std::string(arch) + ".expert_used_count");
-    if (N <= 1 || K <= 0) {
-        fail(MOECACHE_ERR_NOT_MOE, std::string("the model has no MoE layers (architecture '") + arch +
-                                   "' without routed experts in its GGUF metadata); moecache needs a Mixture-of-Experts model");
-        return nullptr;
-    }
-    // freed with moecache_free if anything below fails or throws
-    std::unique_ptr<moecache, void (*)(moecache *)> owner(
-        make_moecache(llama_model_n_layer(model), N, K, cparams, rparams), moecache_free);
-    moecache * mc = owner.get();
-    if (!mc) {
-        return nullptr;
-    }
-    char desc[256] = {0};
-    llama_model_desc(model, desc, sizeof(desc));
-    mc->desc     = std::string(arch) + " | " + desc;
-    mc->n_params = llama_model_n_params(model);
-    mc->cparams.model_path = cparams.model_path;
-    const int32_t rc = moecache_residency_init(*mc, model);
-    mc->cparams.model_path = nullptr;
-    if (rc != MOECACHE_OK) {
-        const std::string msg = moecache_last_error();
-        owner.reset();
-        moecache_set_error(msg);
-        return nullptr;
-    }
-    return owner.release();
-}
-
 extern "C" {
 
 struct moecache * moecache_init(const struct llama_model * model,
                                 struct moecache_cache_params cparams,
                                 struct moecache_routing_params rparams) {
     try {
-        return init_impl(model, cparams, rparams);
+        return moecache_new(model, cparams, rparams);
     } catch (const std::exception & e) { // std::bad_alloc above all: an error, never an abort
         fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_init: ") + e.what());
         return nullptr;
@@ -273,7 +104,7 @@ struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int
         return nullptr;
     }
     try {
-        moecache * mc = make_moecache(n_layer, n_expert, n_expert_used, cparams, rparams);
+        moecache * mc = moecache_new_shape(n_layer, n_expert, n_expert_used, cparams, rparams);
         if (mc) {
             mc->desc = "synthetic";
         }
@@ -294,7 +125,7 @@ void moecache_free(struct moecache * mc) {
 }
 
 int32_t moecache_set_routing(struct moecache * mc, struct moecache_routing_params rparams) {
-    const int32_t rc = check_routing(rparams, mc->n_expert_used);
+    const int32_t rc = moecache_check_routing(rparams, mc->n_expert_used);
     if (rc == MOECACHE_OK) {
         mc->rparams = rparams;
     }

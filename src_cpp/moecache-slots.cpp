@@ -1,0 +1,187 @@
+// moecache-slots.cpp - STREAM residency's slot arena: each MoE layer owns max(M, K) slots per
+// expert tensor, [ne0, ne1, n_slots], in one mlocked anonymous mapping, and the layer's matmuls
+// run on the slots. A decode fills the slots of the experts that are cached or selected and
+// held by none (reads from the file, on the reader threads); a prompt copies the experts that
+// stay cached out of the model's mapping. The logical cache (moecache-route.cpp) decides.
+
+#include "moecache-impl.h"
+#include "moecache-io.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <sys/mman.h>
+
+// the slots of every MoE layer in one anonymous mapping, each tensor's region page-aligned
+int32_t moecache_slots_init(moecache & mc) {
+    const moecache_cache_params & cp = mc.cparams;
+    size_t total = 0;
+    int32_t n_xt = 0;
+    for (moecache_layer & L : mc.layers) {
+        if (L.xt.empty()) {
+            continue;
+        }
+        L.n_slots = std::max(L.capacity, mc.n_expert_used);
+        for (const moecache_expert_tensor & x : L.xt) {
+            total += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
+            n_xt++;
+        }
+        L.slot_expert.assign(L.n_slots, -1);
+        L.expert_slot.assign(mc.n_expert, -1);
+    }
+    void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (arena == MAP_FAILED) {
+        char buf[128];
+        snprintf(buf, sizeof(buf), "cannot reserve %.1f MiB for the expert slots: ", (double) total / (1 << 20));
+        return moecache_fail_residency(buf + std::string(strerror(errno)));
+    }
+    mc.arena      = (char *) arena;
+    mc.arena_size = total;
+    if (cp.lock_memory) {
+        if (mlock(mc.arena, total) == 0) {
+            mc.arena_locked = true;
+        } else {
+            moecache_warn_mlock_once(total, errno);
+        }
+    }
+    struct ggml_init_params ip = { (size_t) (n_xt + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
+    mc.slots_ctx = ggml_init(ip);
+    mc.slots_buf = ggml_backend_cpu_buffer_from_ptr(mc.arena, total);
+    ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * p = mc.arena;
+    for (moecache_layer & L : mc.layers) {
+        for (moecache_expert_tensor & x : L.xt) {
+            const ggml_tensor * t = x.model_t;
+            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.n_slots);
+            ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
+            if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
+                return moecache_fail_residency(std::string("cannot place the slots of ") + t->name);
+            }
+            p += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
+        }
+    }
+    return MOECACHE_OK;
+}
+
+static bool slot_holds(const moecache_layer & L, int32_t e) {
+    const int32_t s = L.expert_slot[e];
+    return s >= 0 && L.slot_expert[s] == e;
+}
+
+// gives e the first slot from `cursor` on that holds no expert of L.keep; -1 if there is none,
+// which cannot happen: |L.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
+static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
+    for (; cursor < L.n_slots; cursor++) {
+        const int32_t held = L.slot_expert[cursor];
+        if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
+            L.slot_expert[cursor] = e;
+            L.expert_slot[e]      = cursor;
+            return cursor++;
+        }
+    }
+    return -1;
+}
+
+// Gives every expert of L.keep that no slot holds a slot, and queues the jobs that fill it:
+// reads from the file in MOECACHE_IO_CHUNK pieces (so even a single miss keeps several reads in
+// flight), or copies from the mapping. Returns false if a slot was missing, which cannot happen.
+static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vector<moecache_io_job> & jobs) {
+    int32_t cursor = 0;
+    for (int32_t e = 0; e < (int32_t) L.keep.size(); e++) {
+        if (!L.keep[e] || slot_holds(L, e)) {
+            continue;
+        }
+        const int32_t s = take_slot(L, e, cursor);
+        if (s < 0) {
+            return false;
+        }
+        for (const moecache_expert_tensor & x : L.xt) {
+            const uint64_t off   = x.file_off + (uint64_t) e * x.nb2;
+            char *         dst   = (char *) x.slots_t->data + (size_t) s * x.nb2;
+            for (uint64_t o = off; o < off + x.nb2;) {
+                const uint64_t end = kind == MOECACHE_IO_READ
+                    ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
+                    : off + x.nb2;
+                moecache_io_job j = {};
+                j.kind = kind;
+                j.dst  = dst + (o - off);
+                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
+                j.off  = o;
+                j.len  = (size_t) (end - o);
+                j.il   = L.il;
+                j.e    = e;
+                jobs.push_back(j);
+                o = end;
+            }
+        }
+    }
+    return true;
+}
+
+// STREAM, one token: every expert that is cached or selected ends in a slot; out = slot ids
+void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+    for (size_t e = 0; e < L.keep.size(); e++) {
+        L.keep[e] = L.last_use[e] >= 0;
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        L.keep[ids[i]] = 1;
+    }
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
+    if (!plan_slot_fills(L, MOECACHE_IO_READ, jobs)) {
+        moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
+    }
+    moecache_io_run(*mc.io, jobs);
+    int32_t last_e = -1;
+    for (const moecache_io_job & j : jobs) {
+        mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
+        if (j.e != last_e) {
+            mc.rst.decode_loads += 1; // an expert's pieces are queued together
+            last_e = j.e;
+        }
+        if (j.err != 0) {
+            L.slot_expert[L.expert_slot[j.e]] = -1; // a bad read is never used as weights
+            char buf[512];
+            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
+                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
+                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
+            moecache_set_io_error(mc, buf);
+        }
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int32_t s = L.expert_slot[ids[i]];
+        out[i] = s >= 0 && s < L.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
+    }
+}
+
+// STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
+void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
+    std::vector<uint8_t> touched(L.keep.size(), 0); // read through the mapping by this ubatch: dropped later
+    for (int64_t i = 0; i < n_ids; i++) {
+        touched[ids[i]] = 1;
+    }
+    for (size_t e = 0; e < L.keep.size(); e++) {
+        L.keep[e] = L.last_use[e] >= 0;
+    }
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
+    plan_slot_fills(L, MOECACHE_IO_COPY, jobs);
+    for (const moecache_io_job & j : jobs) {
+        touched[j.e] = 1; // (also a cached expert this ubatch does not run, e.g. after a state load)
+    }
+    for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
+        if (touched[e]) {
+            moecache_willneed_expert(L, e); // one large read request before the matmul or the copy faults it in
+            mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
+            mc.drop_pending.emplace_back(L.il, e);
+        }
+    }
+    moecache_io_run(*mc.io, jobs);
+}
