@@ -30,6 +30,7 @@ from .config import (INT32_MAX, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, Cac
                      TopK, check_int, parse_routing)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
+from .reference import softmax_f32
 from .stats import MoEStats, ResidencyStats
 
 _SCOPES = {"all": C.MOECACHE_SCOPE_ALL, "decode": C.MOECACHE_SCOPE_DECODE}
@@ -338,10 +339,7 @@ class MoECache:
         ``(selected, hits)``, both ``[n_tokens, K]``; dropped slots are -1.
         """
         z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
-        if probs is None:
-            e = np.exp(z - z.max(axis=1, keepdims=True))
-            probs = e / e.sum(axis=1, keepdims=True)
-        p = np.ascontiguousarray(probs, dtype=np.float32)
+        p = np.ascontiguousarray(softmax_f32(z) if probs is None else probs, dtype=np.float32)
         s = None if scores is None else np.ascontiguousarray(scores, dtype=np.float32)
         n_tokens, n_expert = z.shape
         if p.shape != z.shape or (s is not None and s.shape != z.shape):

@@ -269,7 +269,10 @@ class ReferenceLayerStats:
         return self.lifetime_sum / self.lifetime_count if self.lifetime_count else 0.0
 
 
-class _Layer:
+class LayerCache:
+    """One layer's LRU cache with its counters and running Delta (the C++ moecache_layer).
+    The simulator's lru_misses replays recorded selections through it."""
+
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.lru: List[int] = []        # cached experts, least recently used first
@@ -314,9 +317,13 @@ class _Layer:
         when the token was routed. Then the selected experts are touched in update_order: a hit
         refreshes its recency, a miss is inserted (never evicting an expert this token uses,
         unless all cached experts are in use). Only misses insert."""
+        return self.touch(selected, update_order(selected, p, insertion))
+
+    def touch(self, selected: Sequence[int], order: Sequence[int]) -> List[int]:
+        """:meth:`access` with the order of the updates given (a permutation of ``selected``)."""
         was_cached = {e for e in selected if e in self.lru}
         in_use = set(selected)
-        for e in update_order(selected, p, insertion):
+        for e in order:
             if e not in was_cached:
                 self.insert(e, in_use)
             elif e in self.lru:  # a hit not already evicted by this token's own misses (cache < K)
@@ -363,7 +370,7 @@ class ReferenceCache:
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {insertion!r}")
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.insertion = insertion
-        self.layers = [_Layer(int(c)) for c in caps]
+        self.layers = [LayerCache(int(c)) for c in caps]
         self.set_routing(routing if routing is not None else TopK())
 
     def set_routing(self, routing: Union[Routing, str]) -> None:

@@ -31,7 +31,6 @@ import bisect
 import math
 
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence, Union
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from .config import CacheConfig, ConfigError, Routing, parse_routing
 from .stats import MoEStats
-from .reference import ReferenceCache, softmax_f32, update_order
+from .reference import LayerCache, ReferenceCache, softmax_f32, update_order
 
 CacheSize = Union[int, float, Sequence[int]]
 
@@ -231,22 +230,11 @@ def lru_misses(selections_per_layer, capacity: Union[int, Sequence[int]]) -> np.
     caps = _per_layer(capacity, len(selections_per_layer))
     out = []
     for sel, cap in zip(selections_per_layer, caps):
-        cache, misses = OrderedDict(), 0
+        layer = LayerCache(cap)  # the reference's LRU: the same rule as the C++ cache
         for token in sel:
             row = [int(e) for e in np.atleast_1d(token) if e >= 0]
-            was_cached = {e for e in row if e in cache}
-            for e in row:
-                if e in was_cached:
-                    if e in cache:
-                        cache.move_to_end(e)
-                    continue
-                misses += 1
-                if cap > 0:
-                    if len(cache) >= cap:
-                        victim = next((x for x in cache if x not in row), next(iter(cache)))
-                        del cache[victim]
-                    cache[e] = True
-        out.append(misses)
+            layer.touch(row, row)
+        out.append(layer.misses)
     return np.array(out, dtype=np.int64)
 
 
