@@ -9,7 +9,8 @@
 
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
-Never a traceback otherwise.
+Never a traceback otherwise. One module per group of commands (generate: run, bench, info;
+evaluation: ppl, trace, plot-timeline; serve), their shared options in ``options``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import os
 import sys
 from typing import List, Optional
 
-
 from ..errors import Error
 from . import evaluation, generate, serve
-from .options import EXIT_INTERNAL, EXIT_USAGE, Parser, UserError
+from .options import EXIT_INTERNAL, EXIT_USAGE, Parser, UserError  # noqa: F401  (UserError: for callers)
 
 
 def build_parser() -> argparse.ArgumentParser:
