@@ -34,7 +34,7 @@ def mem_total() -> int:
 
 
 def over_ram_model(size_gb: float) -> Path:
-    from pymoecache import synth
+    import synth  # tools/
 
     base = dataclasses.replace(synth.BENCH_SPEC, name="bench-over-ram", n_layer=4, n_embd=2048, n_head=16, n_head_kv=16,
                                n_ff=4096, n_ff_exp=1024, n_ff_shexp=1024, embd_type="F16", weight_type="F16")

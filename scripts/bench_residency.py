@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth.py
 
 MiB = 2.0 ** 20
 TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 
 
 def bench_model(size_mb: float) -> Path:
-    from pymoecache import synth
+    import synth  # tools/
 
     base = dataclasses.replace(synth.BENCH_SPEC, name="bench-residency", n_ff_exp=512, n_layer=4)
     spec = synth.bench_spec(size_mb, base)

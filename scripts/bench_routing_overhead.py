@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth.py
 
 import pymoecache  # noqa: E402
 import llama_cpp  # noqa: E402  (after pymoecache, which points it at our library)
-from pymoecache import CacheConfig, MoECache, Prior, TopK, synth  # noqa: E402
+from pymoecache import CacheConfig, MoECache, Prior, TopK  # noqa: E402
+import synth  # noqa: E402  (tools/)
 from pymoecache.models import home_dir  # noqa: E402
 
 

@@ -23,13 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import fuzz_inputs as fz  # noqa: E402
-from pymoecache import synth  # noqa: E402
+import synth  # noqa: E402  (tools/)
 
 LOAD = """
 import sys

@@ -6,7 +6,7 @@ Run from the repository root:
     python scripts/make_test_models.py                 # fixtures into tests/fixtures/models
     python scripts/make_test_models.py --bench /tmp/bench.gguf
 
-See pymoecache/synth.py for the model specs.
+See tools/synth.py for the model specs.
 """
 
 from __future__ import annotations
@@ -19,27 +19,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Make `import pymoecache` work from a source checkout (synth.quantize() uses it to
-# point llama-cpp-python at this project's libllama).
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# `import pymoecache` from this checkout (synth.quantize() uses it to point llama-cpp-python at
+# this project's libllama), and tools/synth.py, the model builder
+for _p in (REPO_ROOT, REPO_ROOT / "tools"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-
-def import_synth():
-    """Load pymoecache/synth.py without importing the pymoecache package.
-
-    The package __init__ loads the native library, which writing the F32
-    fixtures does not need (only quantization does).
-    """
-    path = REPO_ROOT / "pymoecache" / "synth.py"
-    spec = importlib.util.spec_from_file_location("pymoecache_synth", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses looks the module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-synth = import_synth()
+import synth  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

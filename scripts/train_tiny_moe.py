@@ -16,7 +16,7 @@ Presets (``--preset``):
 * ``B``: Mixtral layout (llama arch with experts): 8 experts, top-2, top-k weights renormalised,
   normal RoPE, no shared expert.
 
-Both are written through pymoecache.synth's GGUF writer (``export_trained``) with the
+Both are written through tools/synth.py's GGUF writer (``export_trained``) with the
 sentencepiece vocabulary as a llama-style SPM tokenizer, then checked: llama.cpp must tokenize
 the held-out text exactly as sentencepiece does, and its logits must match PyTorch's.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tools")]  # the package, and tools/synth.py
 
 DATA = (REPO / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt").resolve()
 HELDOUT_FRACTION = 0.10
@@ -307,7 +307,7 @@ def gguf_tensors(model, P: Preset) -> dict:
 
 
 def model_spec(P: Preset):
-    from pymoecache.synth import ModelSpec
+    from synth import ModelSpec
 
     return ModelSpec(
         name=P.name, arch=P.arch, n_layer=P.n_layer, n_embd=P.n_embd, n_head=P.n_head, n_head_kv=P.n_head,
@@ -475,7 +475,7 @@ def active_params(P: Preset) -> int:
 
 def export(P: Preset, model, out_dir: Path, tok_model: Path, weight_type: str = "F16",
            path: Path | None = None) -> Path:
-    from pymoecache.synth import export_trained
+    from synth import export_trained
 
     spec = replace(model_spec(P), weight_type=weight_type, embd_type=weight_type)
     path = path or out_dir / f"{P.name}.gguf"
@@ -614,7 +614,7 @@ def main(argv=None) -> int:
     card["export_check"] = check_export(P, model, sp, path, held_text)
     card["held_out_llama_cpp"] = llama_cpp_heldout(path, P, held_ids)
     card["sample"] = sample(path)
-    from pymoecache.synth import _sha256
+    from synth import _sha256
 
     card["weight_type"] = "F16 matrices, F32 norms/router/biases"
     card["file_size"] = path.stat().st_size

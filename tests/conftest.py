@@ -1,5 +1,5 @@
 """Shared fixtures: the project's own GGUF test models, built once (seconds) into
-tests/fixtures/models by pymoecache.synth and reused across runs."""
+tests/fixtures/models by tools/synth.py and reused across runs."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ SHARED = ROOT.parent / "shared"
 
 # run against the source tree (its build/*/bin library) even when pytest is started elsewhere
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # synth: the fixture model builder (a dev tool, not in the wheel)
 os.environ.setdefault("PYMOECACHE_HOME", str(ROOT / "tests" / "fixtures" / "home"))
 
 import pymoecache  # noqa: E402  (loads our libllama before anything imports llama_cpp)
-from pymoecache import synth  # noqa: E402
+import synth  # noqa: E402
 
 MOE_FIXTURES = [name for name, spec in synth.FIXTURES.items() if spec.n_expert > 0]
 DENSE_FIXTURES = [name for name, spec in synth.FIXTURES.items() if spec.n_expert == 0]

@@ -7,7 +7,7 @@ import pytest
 
 from pymoecache import model_info
 from conftest import MOE_FIXTURES, VARIANTS, model_path
-from pymoecache import synth
+import synth
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

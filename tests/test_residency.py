@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import pymoecache
-from pymoecache import CacheConfig, synth
+import synth
+from pymoecache import CacheConfig
 from conftest import MOE_FIXTURES, ROOT, model_path
 
 KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)

@@ -9,7 +9,7 @@ import pytest
 import pymoecache
 from pymoecache import CacheConfig, MaxRank, Prior, Prune, TopK
 from pymoecache.config import DropRank, SwapRank
-from pymoecache import synth
+import synth
 from conftest import MOE_FIXTURES, model_path
 
 KW = dict(n_ctx=128, n_batch=16, n_ubatch=16, logits_all=True, verbose=False, n_threads=2, seed=1)

@@ -17,7 +17,8 @@ import pytest
 
 import pymoecache
 import llama_cpp
-from pymoecache import CacheConfig, synth
+import synth
+from pymoecache import CacheConfig
 from pymoecache.evaluate import load_for_eval, perplexity
 from conftest import ROOT, SHARED
 
