@@ -34,7 +34,10 @@ const float * row_f32(const ggml_tensor * t, int64_t i1) {
     return (const float *) ((const char *) t->data + i1 * t->nb[1]);
 }
 
-// dst: I32 [K, n_tokens]; src: stock top-K, logits, probs, selection score
+// dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run
+// (n_active) and SWAP_RANK's replaced expert whose weight the last slot takes (or -1); the
+// graph hands the first K rows to llama.cpp and the whole tensor to op_weights.
+// src: stock top-K, logits, probs, selection score
 void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -46,7 +49,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * z     = dst->src[1];
     const ggml_tensor * p     = dst->src[2];
     const ggml_tensor * s     = dst->src[3];
-    const int64_t K        = dst->ne[0];
+    const int64_t K        = dst->ne[0] - 2;
     const int64_t n_tokens = dst->ne[1];
 
     const moecache_routing_params rp = mc.rparams; // one consistent set for the whole ubatch
@@ -55,8 +58,6 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool update = decode || mc.cparams.update_on_prompt;
 
     const int64_t t0 = decode ? moecache_time_us() : 0;
-    L.n_active.resize(n_tokens);
-    L.weight_from.resize(n_tokens);
     int8_t hit[MOECACHE_MAX_USED];
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
@@ -67,8 +68,8 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int64_t i = n; i < K; i++) {
             out[i] = out[0];
         }
-        L.n_active[t]    = n;
-        L.weight_from[t] = L.swapped_from; // the replacement is the last slot: it is outside r[0:K]
+        out[K]     = n;
+        out[K + 1] = L.swapped_from; // the replacement is the last slot: it is outside r[0:K]
     }
     if (decode) {
         L.decode_tokens      += 1;
@@ -78,27 +79,31 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 // dst: F32 [1, K, n_tokens] = weights, with the slots a policy dropped set to 0
 // (-inf for SOFTMAX_WEIGHT gating, whose weights are softmaxed afterwards), and SWAP_RANK's
-// replacement given the weight of the expert it replaced (src[2]: probs [1, n_expert, n_tokens])
+// replacement given the weight of the expert it replaced. src[1]: op_select's [K + 2, n_tokens],
+// src[2]: probs [1, n_expert, n_tokens]
 void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
         return;
     }
     const moecache_layer & L = *(const moecache_layer *) userdata;
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * p = dst->src[2];
+    const ggml_tensor * w     = dst->src[0];
+    const ggml_tensor * route = dst->src[1];
+    const ggml_tensor * p     = dst->src[2];
     const int64_t K        = dst->ne[1];
     const int64_t n_tokens = dst->ne[2];
     const float dropped = L.dropped_weight;
     for (int64_t t = 0; t < n_tokens; t++) {
+        const int32_t * r = (const int32_t *) ((const char *) route->data + t * route->nb[1]);
+        const int32_t n_active = r[K], weight_from = r[K + 1];
         for (int64_t i = 0; i < K; i++) {
             const float v = *(const float *) ((const char *) w->data + i * w->nb[1] + t * w->nb[2]);
             float * o = (float *) ((char *) dst->data + i * dst->nb[1] + t * dst->nb[2]);
-            *o = i < L.n_active[t] ? v : dropped;
+            *o = i < n_active ? v : dropped;
         }
-        if (L.weight_from[t] >= 0) {
+        if (weight_from >= 0) {
             *(float *) ((char *) dst->data + (K - 1) * dst->nb[1] + t * dst->nb[2]) =
-                *(const float *) ((const char *) p->data + L.weight_from[t] * p->nb[1] + t * p->nb[2]);
+                *(const float *) ((const char *) p->data + weight_from * p->nb[1] + t * p->nb[2]);
         }
     }
 }
@@ -160,8 +165,11 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     L.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
     ggml_tensor * args[4] = { selected, logits, probs, selection };
-    L.select_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
-    ggml_format_name(L.select_out, "moecache_select-%d", il);
+    L.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
+    ggml_format_name(L.route_out, "moecache_select-%d", il);
+    // llama.cpp gets the K selected experts per token, contiguous as its own top-K
+    L.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.route_out, K, selected->ne[1], L.route_out->nb[1], 0));
+    ggml_format_name(L.select_out, "moecache_selected-%d", il);
     return L.select_out;
 }
 
@@ -173,12 +181,13 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
     }
     moecache_layer & L = mc->layers[il];
     L.dropped_weight = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
-    // `selected` orders this op after op_select; weights = get_rows(probs, selected): src[0] is probs
-    ggml_tensor * args[3] = { weights, selected, weights->src[0] };
+    // weights = get_rows(probs, selected): its src[0] is probs
+    ggml_tensor * args[3] = { weights, L.route_out, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
                                        args, 3, op_weights, 1, &L);
     ggml_format_name(out, "moecache_weights-%d", il);
     L.select_out = nullptr;
+    L.route_out  = nullptr;
     return out;
 }
 

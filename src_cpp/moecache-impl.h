@@ -53,10 +53,9 @@ struct moecache_layer {
 
     // set while the graph is built (graph-build thread), read by the ops at compute time
     bool          rank_on_logits = false; // PRIOR boosts logits z (softmax without bias)
-    ggml_tensor * select_out     = nullptr;
+    ggml_tensor * route_out      = nullptr;  // op_select's [K + 2, n_tokens]: selected, n_active, weight_from
+    ggml_tensor * select_out     = nullptr;  // its first K rows, what llama.cpp uses
     float         dropped_weight = 0.0f;  // weight of a dropped slot: 0, or -inf before a softmax
-    std::vector<int32_t> n_active;        // [n_tokens] experts run per token of the current ubatch
-    std::vector<int32_t> weight_from;     // [n_tokens] SWAP_RANK: expert whose weight the last slot takes, or -1
     int32_t swapped_from = -1;            // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
 
     // scratch for one token, sized n_expert at init, so routing never allocates
