@@ -69,7 +69,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             out[i] = out[0];
         }
         out[K]     = n;
-        out[K + 1] = L.swapped_from; // the replacement is the last slot: it is outside r[0:K]
+        out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
     }
     if (decode) {
         L.decode_tokens      += 1;
@@ -92,7 +92,7 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * p     = dst->src[2];
     const int64_t K        = dst->ne[1];
     const int64_t n_tokens = dst->ne[2];
-    const float dropped = L.dropped_weight;
+    const float dropped = L.graph.dropped_weight;
     for (int64_t t = 0; t < n_tokens; t++) {
         const int32_t * r = (const int32_t *) ((const char *) route->data + t * route->nb[1]);
         const int32_t n_active = r[K], weight_from = r[K + 1];
@@ -162,32 +162,32 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
         return selected;
     }
     moecache_layer & L = mc->layers[il];
-    L.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
+    L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
     ggml_tensor * args[4] = { selected, logits, probs, selection };
-    L.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
-    ggml_format_name(L.route_out, "moecache_select-%d", il);
+    L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
+    ggml_format_name(L.graph.route_out, "moecache_select-%d", il);
     // llama.cpp gets the K selected experts per token, contiguous as its own top-K
-    L.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.route_out, K, selected->ne[1], L.route_out->nb[1], 0));
-    ggml_format_name(L.select_out, "moecache_selected-%d", il);
-    return L.select_out;
+    L.graph.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.graph.route_out, K, selected->ne[1], L.graph.route_out->nb[1], 0));
+    ggml_format_name(L.graph.select_out, "moecache_selected-%d", il);
+    return L.graph.select_out;
 }
 
 ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, ggml_tensor * selected,
                                     int il, int gating_op) {
     moecache * mc = g_building;
-    if (!mc || il < 0 || il >= mc->n_layer || mc->layers[il].select_out != selected) {
+    if (!mc || il < 0 || il >= mc->n_layer || mc->layers[il].graph.select_out != selected) {
         return weights;
     }
     moecache_layer & L = mc->layers[il];
-    L.dropped_weight = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
+    L.graph.dropped_weight = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ? -INFINITY : 0.0f;
     // weights = get_rows(probs, selected): its src[0] is probs
-    ggml_tensor * args[3] = { weights, L.route_out, weights->src[0] };
+    ggml_tensor * args[3] = { weights, L.graph.route_out, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
                                        args, 3, op_weights, 1, &L);
     ggml_format_name(out, "moecache_weights-%d", il);
-    L.select_out = nullptr;
-    L.route_out  = nullptr;
+    L.graph.select_out = nullptr;
+    L.graph.route_out  = nullptr;
     return out;
 }
 
@@ -213,8 +213,8 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 void moecache_residency_graph_begin(moecache & mc) {
     for (moecache_layer & L : mc.layers) {
-        L.ids_in  = nullptr;
-        L.ids_out = nullptr;
+        L.graph.ids_in  = nullptr;
+        L.graph.ids_out = nullptr;
     }
 }
 
@@ -228,20 +228,20 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         return nullptr;
     }
     moecache_layer & L = mc.layers[it->second];
-    if (L.ids_in != ids) {
-        L.ids_in  = ids;
-        L.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
-        ggml_format_name(L.ids_out, "moecache_experts-%d", L.il);
+    if (L.graph.ids_in != ids) {
+        L.graph.ids_in  = ids;
+        L.graph.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
+        ggml_format_name(L.graph.ids_out, "moecache_experts-%d", L.il);
     }
     ggml_tensor * w = as;
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && ids->ne[1] == 1) {
-        for (const moecache_expert_tensor & x : L.xt) {
+        for (const moecache_expert_tensor & x : L.res.xt) {
             if (x.model_t == as) {
                 w = x.slots_t;
             }
         }
     }
-    return ggml_mul_mat_id(ctx, w, b, L.ids_out);
+    return ggml_mul_mat_id(ctx, w, b, L.graph.ids_out);
 }
 
 // --- model loading ---------------------------------------------------------------------------

@@ -30,14 +30,48 @@ struct moecache_expert_tensor {
     size_t        nb2      = 0;        // bytes of one expert
 };
 
-// One MoE layer: its LRU cache, running Delta and counters.
+// One MoE layer, in named parts: the cache itself (LRU, Delta, counters), the scratch of one
+// routing decision, what the graph build leaves for the ops, and where the experts' bytes live.
+
+// scratch for one token, sized n_expert at init, so routing never allocates (moecache-route.cpp)
+struct moecache_layer_scratch {
+    std::vector<int32_t> rank;   // r: expert ids by router rank
+    std::vector<int32_t> pos;    // pos[e] = index of e in r
+    std::vector<int32_t> order;  // r': final ranking
+    std::vector<float>   boosted;
+    std::vector<uint8_t> chosen;
+    int32_t swapped_from = -1;   // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
+};
+
+// set while the graph is built (graph-build thread), for the ops (moecache-graph.cpp)
+struct moecache_layer_graph {
+    bool          rank_on_logits = false;   // PRIOR boosts logits z (softmax without bias)
+    ggml_tensor * route_out      = nullptr; // op_select's [K + 2, n_tokens]: selected, n_active, weight_from
+    ggml_tensor * select_out     = nullptr; // its first K rows, what llama.cpp uses
+    float         dropped_weight = 0.0f;    // weight of a dropped slot: 0, or -inf before a softmax
+    ggml_tensor * ids_in         = nullptr; // residency: the ids the op below was built for
+    ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
+};
+
+// where the layer's experts live (moecache-residency.cpp, moecache-slots.cpp): empty for NONE and
+// for layers without routed experts
+struct moecache_layer_residency {
+    std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
+    size_t  expert_bytes = 0;          // bytes of one expert over all of xt
+    int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
+    std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none
+    std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
+    std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
+    std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
+};
+
 struct moecache_layer {
     struct moecache * mc = nullptr; // owner (the graph op only gets a pointer to its layer)
     int32_t il       = 0;
     int32_t capacity = 0;           // M_l
     bool    seen     = false;       // routed at least one token
 
-    // LRU over expert ids; last_use[e] < 0 means "not cached"
+    // the cache: LRU over expert ids; last_use[e] < 0 means "not cached"
     std::vector<int64_t> last_use;    // [n_expert] recency stamp (larger = more recent)
     std::vector<int64_t> inserted_at; // [n_expert] value of stats.tokens when e was inserted
     int64_t clock     = 0;            // last stamp handed out
@@ -50,32 +84,11 @@ struct moecache_layer {
 
     // counters only; moecache_get_layer_stats derives the shape, occupancy and Delta fields
     struct moecache_layer_stats st = {};
+    int64_t decode_tokens = 0;        // single-token ubatches routed by this layer
 
-    // set while the graph is built (graph-build thread), read by the ops at compute time
-    bool          rank_on_logits = false; // PRIOR boosts logits z (softmax without bias)
-    ggml_tensor * route_out      = nullptr;  // op_select's [K + 2, n_tokens]: selected, n_active, weight_from
-    ggml_tensor * select_out     = nullptr;  // its first K rows, what llama.cpp uses
-    float         dropped_weight = 0.0f;  // weight of a dropped slot: 0, or -inf before a softmax
-    int32_t swapped_from = -1;            // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
-
-    // scratch for one token, sized n_expert at init, so routing never allocates
-    std::vector<int32_t> rank;   // r: expert ids by router rank
-    std::vector<int32_t> pos;    // pos[e] = index of e in r
-    std::vector<int32_t> order;  // r': final ranking
-    std::vector<float>   boosted;
-    std::vector<uint8_t> chosen;
-
-    // residency (moecache-residency.cpp): empty for NONE and for layers without routed experts
-    std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
-    size_t  expert_bytes = 0;          // bytes of one expert over all of xt
-    int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
-    std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none
-    std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
-    std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
-    std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
-    ggml_tensor * ids_in  = nullptr;   // graph build: the ids the op below was built for
-    ggml_tensor * ids_out = nullptr;   //   its output: slot ids (STREAM decode) or the ids unchanged
-    int64_t decode_tokens = 0;         // single-token ubatches routed by this layer
+    moecache_layer_scratch   scratch;
+    moecache_layer_graph     graph;
+    moecache_layer_residency res;
 };
 
 

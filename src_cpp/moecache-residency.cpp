@@ -107,7 +107,7 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
 // MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
 void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
-    for (const moecache_expert_tensor & x : L.xt) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
         const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
         const uintptr_t p0 = b0 / moecache_page_size() * moecache_page_size();
         madvise((void *) p0, moecache_round_up(b0 + x.nb2 - p0, moecache_page_size()), MADV_WILLNEED);
@@ -116,7 +116,7 @@ void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
 
 // drop expert e's pages from this process and from the page cache
 static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unlock) {
-    for (const moecache_expert_tensor & x : L.xt) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
         char * a;
         size_t len;
         if (!inner_pages(x, e, &a, &len)) {
@@ -136,7 +136,7 @@ static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unloc
 static void drop_pending(moecache & mc) {
     for (const auto & le : mc.drop_pending) {
         moecache_layer & L = mc.layers[le.first];
-        const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.locked[le.second];
+        const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.res.locked[le.second];
         if (!keep) {
             drop_expert(mc, L, le.second, false);
         }
@@ -153,8 +153,8 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
     jobs.clear();
     for (int32_t e = 0; e < N; e++) {
         const bool want = L.last_use[e] >= 0;
-        if (want && !L.locked[e]) {
-            for (const moecache_expert_tensor & x : L.xt) {
+        if (want && !L.res.locked[e]) {
+            for (const moecache_expert_tensor & x : L.res.xt) {
                 moecache_io_job j = {};
                 j.kind = MOECACHE_IO_LOCK;
                 j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
@@ -163,10 +163,10 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
                 j.e    = e;
                 jobs.push_back(j);
             }
-            L.locked[e] = 1;
-        } else if (!want && L.locked[e]) {
+            L.res.locked[e] = 1;
+        } else if (!want && L.res.locked[e]) {
             drop_expert(mc, L, e, true);
-            L.locked[e] = 0;
+            L.res.locked[e] = 0;
         }
     }
     moecache_io_run(*mc.io, jobs);
@@ -174,19 +174,19 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
     for (const moecache_io_job & j : jobs) {
         bytes += (int64_t) j.bytes_io;
     }
-    std::fill(L.keep.begin(), L.keep.end(), 0);
+    std::fill(L.res.keep.begin(), L.res.keep.end(), 0);
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t e = ids[i];
-        if (!L.locked[e] && !L.keep[e]) {
-            L.keep[e] = 1;
+        if (!L.res.locked[e] && !L.res.keep[e]) {
+            L.res.keep[e] = 1;
             moecache_willneed_expert(L, e);
-            bytes += (int64_t) L.expert_bytes; // faulted in by the matmul
+            bytes += (int64_t) L.res.expert_bytes; // faulted in by the matmul
             mc.drop_pending.emplace_back(L.il, e);
         }
     }
     if (decode) {
         mc.rst.decode_bytes_read += bytes;
-        mc.rst.decode_loads      += (int64_t) (jobs.size() / std::max<size_t>(1, L.xt.size()));
+        mc.rst.decode_loads      += (int64_t) (jobs.size() / std::max<size_t>(1, L.res.xt.size()));
     } else {
         mc.rst.prompt_bytes_read += bytes;
     }
@@ -216,7 +216,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         moecache_slots_decode(mc, L, ids, out, n_ids);
     } else {
         uint64_t end = 0;
-        for (const moecache_expert_tensor & x : L.xt) {
+        for (const moecache_expert_tensor & x : L.res.xt) {
             end = std::max<uint64_t>(end, x.file_off + (uint64_t) x.nb2 * mc.n_expert);
         }
         if (file_covers(mc, end)) {
@@ -228,7 +228,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         }
     }
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        moecache_warn_mlock_once(L.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
+        moecache_warn_mlock_once(L.res.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
 }
@@ -314,8 +314,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
                 break;
             }
             moecache_layer & L = mc.layers[il];
-            L.xt.push_back(x);
-            L.expert_bytes += x.nb2;
+            L.res.xt.push_back(x);
+            L.res.expert_bytes += x.nb2;
             mc.xt_layer[t] = il;
         }
     }
@@ -345,10 +345,10 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     moecache_io_start(*mc.io, cp.io_threads);
 
     for (moecache_layer & L : mc.layers) {
-        if (L.xt.empty()) {
+        if (L.res.xt.empty()) {
             continue;
         }
-        for (const moecache_expert_tensor & x : L.xt) {
+        for (const moecache_expert_tensor & x : L.res.xt) {
             char * a;
             size_t len;
             moecache_expert_tensor all = x;
@@ -357,8 +357,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
                 madvise(a, len, MADV_RANDOM);
             }
         }
-        L.keep.assign(mc.n_expert, 0);
-        L.locked.assign(mc.n_expert, 0);
+        L.res.keep.assign(mc.n_expert, 0);
+        L.res.locked.assign(mc.n_expert, 0);
     }
     if (cp.residency == MOECACHE_RESIDENCY_MMAP) {
         return MOECACHE_OK;
@@ -374,8 +374,8 @@ void moecache_residency_free(moecache & mc) {
     if (mc.fd >= 0 && !mc.layers.empty()) {
         drop_pending(mc);
         for (moecache_layer & L : mc.layers) {
-            for (int32_t e = 0; e < (int32_t) L.locked.size(); e++) {
-                if (L.locked[e]) {
+            for (int32_t e = 0; e < (int32_t) L.res.locked.size(); e++) {
+                if (L.res.locked[e]) {
                     drop_expert(mc, L, e, true);
                 }
             }

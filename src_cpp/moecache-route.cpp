@@ -21,11 +21,11 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.capacity = capacity;
     L.last_use.assign(n, -1);
     L.inserted_at.assign(n, 0);
-    L.rank.assign(n, 0);
-    L.pos.assign(n, 0);
-    L.order.assign(n, 0);
-    L.boosted.assign(n, 0.0f);
-    L.chosen.assign(n, 0);
+    L.scratch.rank.assign(n, 0);
+    L.scratch.pos.assign(n, 0);
+    L.scratch.order.assign(n, 0);
+    L.scratch.boosted.assign(n, 0.0f);
+    L.scratch.chosen.assign(n, 0);
 }
 
 void moecache_layer_clear(moecache_layer & L) {
@@ -67,25 +67,25 @@ static bool is_allowed(float s) {
     return s > -INFINITY && !std::isnan(s);
 }
 
-// r: the router's ranking (L.rank) and its inverse (L.pos). Masked experts (s = -inf) go last.
+// r: the router's ranking (L.scratch.rank) and its inverse (L.scratch.pos). Masked experts (s = -inf) go last.
 static void rank_experts(moecache_layer & L, const float * s, const int32_t * stock, int32_t K) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     int32_t n = 0;
-    std::fill(L.chosen.begin(), L.chosen.end(), 0); // marks the stock experts here
+    std::fill(L.scratch.chosen.begin(), L.scratch.chosen.end(), 0); // marks the stock experts here
     if (stock) {
         for (int32_t i = 0; i < K; i++) {
-            L.rank[n++]         = stock[i];
-            L.chosen[stock[i]] = 1;
+            L.scratch.rank[n++]         = stock[i];
+            L.scratch.chosen[stock[i]] = 1;
         }
     }
     const int32_t n_stock = n;
     for (int32_t e = 0; e < N; e++) {
-        if (!L.chosen[e]) {
-            L.rank[n++] = e;
+        if (!L.scratch.chosen[e]) {
+            L.scratch.rank[n++] = e;
         }
     }
     // allowed first, then score descending, then lower id: a total order, so std::sort is deterministic
-    std::sort(L.rank.begin() + n_stock, L.rank.end(), [s](int32_t a, int32_t b) {
+    std::sort(L.scratch.rank.begin() + n_stock, L.scratch.rank.end(), [s](int32_t a, int32_t b) {
         const bool aa = is_allowed(s[a]);
         const bool ab = is_allowed(s[b]);
         if (aa != ab) {
@@ -97,37 +97,37 @@ static void rank_experts(moecache_layer & L, const float * s, const int32_t * st
         return a < b;
     });
     for (int32_t i = 0; i < N; i++) {
-        L.pos[L.rank[i]] = i;
+        L.scratch.pos[L.scratch.rank[i]] = i;
     }
 }
 
 // moves the members of r[0:m] that are cached (and not masked) to the front, in r order
 static void promote_cached(moecache_layer & L, const float * s, int32_t m) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     m = std::min(m, N);
     int32_t n = 0;
     for (int32_t i = 0; i < N; i++) {
-        const int32_t e = L.rank[i];
+        const int32_t e = L.scratch.rank[i];
         if (i < m && L.last_use[e] >= 0 && is_allowed(s[e])) {
-            L.order[n++] = e;
+            L.scratch.order[n++] = e;
         }
     }
     for (int32_t i = 0; i < N; i++) {
-        const int32_t e = L.rank[i];
+        const int32_t e = L.scratch.rank[i];
         if (!(i < m && L.last_use[e] >= 0 && is_allowed(s[e]))) {
-            L.order[n++] = e;
+            L.scratch.order[n++] = e;
         }
     }
 }
 
 // cumsum(tau): the smallest m with p[r0] + ... + p[r(m-1)] >= tau * sum(p over allowed experts)
 static int32_t cumsum_rank(const moecache_layer & L, const float * p, const float * s, float tau) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     double total = 0.0;
     int32_t n_allowed = 0;
     for (int32_t i = 0; i < N; i++) {
-        if (is_allowed(s[L.rank[i]])) {
-            total += (double) p[L.rank[i]];
+        if (is_allowed(s[L.scratch.rank[i]])) {
+            total += (double) p[L.scratch.rank[i]];
             n_allowed++;
         }
     }
@@ -137,7 +137,7 @@ static int32_t cumsum_rank(const moecache_layer & L, const float * p, const floa
     const double target = (double) tau * total;
     double acc = 0.0;
     for (int32_t i = 0; i < n_allowed; i++) {
-        acc += (double) p[L.rank[i]];
+        acc += (double) p[L.scratch.rank[i]];
         if (acc >= target) {
             return i + 1;
         }
@@ -147,7 +147,7 @@ static int32_t cumsum_rank(const moecache_layer & L, const float * p, const floa
 
 // Delta_l: running mean over tokens of max(u) - min(u) (allowed experts, finite values only)
 static void update_delta(moecache_layer & L, const float * u, const float * s) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     float lo = INFINITY;
     float hi = -INFINITY;
     for (int32_t e = 0; e < N; e++) {
@@ -164,21 +164,21 @@ static void update_delta(moecache_layer & L, const float * u, const float * s) {
 
 // prior(lambda): r' = argsort(u + lambda * Delta * mask), stable w.r.t. r
 static void prior_order(moecache_layer & L, const float * u, const float * s, int32_t J, float boost) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     for (int32_t e = 0; e < N; e++) {
-        const bool mask = L.last_use[e] >= 0 || L.pos[e] < J;
+        const bool mask = L.last_use[e] >= 0 || L.scratch.pos[e] < J;
         const float b = mask ? u[e] + boost : u[e];
         // NaN (a NaN logit) ranks last like a masked expert: the comparator below needs a total order
-        L.boosted[e] = !is_allowed(s[e]) || std::isnan(b) ? -INFINITY : b;
+        L.scratch.boosted[e] = !is_allowed(s[e]) || std::isnan(b) ? -INFINITY : b;
     }
     for (int32_t i = 0; i < N; i++) {
-        L.order[i] = L.rank[i];
+        L.scratch.order[i] = L.scratch.rank[i];
     }
-    std::sort(L.order.begin(), L.order.end(), [&L](int32_t a, int32_t b) {
-        if (L.boosted[a] != L.boosted[b]) {
-            return L.boosted[a] > L.boosted[b];
+    std::sort(L.scratch.order.begin(), L.scratch.order.end(), [&L](int32_t a, int32_t b) {
+        if (L.scratch.boosted[a] != L.scratch.boosted[b]) {
+            return L.scratch.boosted[a] > L.scratch.boosted[b];
         }
-        return L.pos[a] < L.pos[b];
+        return L.scratch.pos[a] < L.scratch.pos[b];
     });
 }
 
@@ -194,28 +194,28 @@ static uint64_t mix64(uint64_t x) {
 // replacement (a hashed pick among the allowed experts outside r[0:K]) moved to rank i
 static void analysis_order(moecache_layer & L, const float * s, const moecache_routing_params & rp, int32_t K,
                            bool swap) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     const int32_t i_drop = rp.analysis_rank;
     int32_t n_allowed = 0;
     for (int32_t i = 0; i < N; i++) {
-        n_allowed += is_allowed(s[L.rank[i]]) ? 1 : 0; // masked experts are last in r
+        n_allowed += is_allowed(s[L.scratch.rank[i]]) ? 1 : 0; // masked experts are last in r
     }
     int32_t repl = -1;
     if (swap && n_allowed > K) {
         const uint64_t h = mix64(mix64(((uint64_t) rp.analysis_seed << 32) ^ (uint64_t) L.il) ^ (uint64_t) L.st.tokens);
-        repl = L.rank[K + (int32_t) (h % (uint64_t) (n_allowed - K))];
+        repl = L.scratch.rank[K + (int32_t) (h % (uint64_t) (n_allowed - K))];
     }
     int32_t n = 0;
     for (int32_t i = 0; i < N; i++) {
         if (i == i_drop && repl >= 0) {
-            L.order[n++] = repl;
+            L.scratch.order[n++] = repl;
         }
-        if (i != i_drop && L.rank[i] != repl) {
-            L.order[n++] = L.rank[i];
+        if (i != i_drop && L.scratch.rank[i] != repl) {
+            L.scratch.order[n++] = L.scratch.rank[i];
         }
     }
-    L.order[n++] = L.rank[i_drop];
-    L.swapped_from = repl >= 0 ? L.rank[i_drop] : -1;
+    L.scratch.order[n++] = L.scratch.rank[i_drop];
+    L.scratch.swapped_from = repl >= 0 ? L.scratch.rank[i_drop] : -1;
 }
 
 int32_t moecache_route_token(
@@ -230,18 +230,18 @@ int32_t moecache_route_token(
         bool                                   update,
         int32_t                              * sel,
         int8_t                               * hit) {
-    const int32_t N = (int32_t) L.rank.size();
+    const int32_t N = (int32_t) L.scratch.rank.size();
     const int32_t K = mc.n_expert_used;
     const bool analysis = apply && (rp.policy == MOECACHE_POLICY_DROP_RANK || rp.policy == MOECACHE_POLICY_SWAP_RANK);
     const int32_t J = analysis ? 0 : std::min(rp.top_j, K);
-    const float * u = L.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
+    const float * u = L.graph.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
 
     rank_experts(L, s, stock, K);
     update_delta(L, u, s);
 
-    // 1. the final ranking r' (L.order) and how many experts run
+    // 1. the final ranking r' (L.scratch.order) and how many experts run
     int32_t n_keep = K;
-    L.swapped_from = -1;
+    L.scratch.swapped_from = -1;
     const enum moecache_policy policy = apply ? rp.policy : MOECACHE_POLICY_TOPK;
     switch (policy) {
         case MOECACHE_POLICY_PRUNE:
@@ -267,7 +267,7 @@ int32_t moecache_route_token(
             break;
         case MOECACHE_POLICY_SWAP_RANK:
             analysis_order(L, s, rp, K, true);
-            n_keep = L.swapped_from >= 0 ? K : std::max(K - 1, 1); // nothing to swap in: a drop
+            n_keep = L.scratch.swapped_from >= 0 ? K : std::max(K - 1, 1); // nothing to swap in: a drop
             break;
         case MOECACHE_POLICY_TOPK:
         default:
@@ -276,23 +276,23 @@ int32_t moecache_route_token(
     }
 
     // 2. selected = r[0:J] + the first (n_keep - J) others of r'
-    std::fill(L.chosen.begin(), L.chosen.end(), 0);
+    std::fill(L.scratch.chosen.begin(), L.scratch.chosen.end(), 0);
     int32_t n_sel = 0;
     for (int32_t i = 0; i < J && n_sel < n_keep; i++) {
-        L.chosen[L.rank[i]] = 1;
+        L.scratch.chosen[L.scratch.rank[i]] = 1;
         n_sel++;
     }
     for (int32_t i = 0; i < N && n_sel < n_keep; i++) {
-        if (!L.chosen[L.order[i]]) {
-            L.chosen[L.order[i]] = 1;
+        if (!L.scratch.chosen[L.scratch.order[i]]) {
+            L.scratch.chosen[L.scratch.order[i]] = 1;
             n_sel++;
         }
     }
     // output in r order
     int32_t n_out = 0;
     for (int32_t i = 0; i < N && n_out < n_sel; i++) {
-        if (L.chosen[L.rank[i]]) {
-            sel[n_out] = L.rank[i];
+        if (L.scratch.chosen[L.scratch.rank[i]]) {
+            sel[n_out] = L.scratch.rank[i];
             hit[n_out] = -1;
             n_out++;
         }
@@ -310,10 +310,10 @@ int32_t moecache_route_token(
     //    Then the selected experts are touched one at a time by router weight p, highest first
     //    (top-bottom: the lowest-weight new expert ends most recent) or exactly the reverse:
     //    a hit refreshes its recency, a miss is inserted, evicting the least recently used
-    //    expert that this token does not use (L.chosen marks the ones it uses). Only misses
+    //    expert that this token does not use (L.scratch.chosen marks the ones it uses). Only misses
     //    insert, so evictions <= misses even when the cache is smaller than K.
     //    slots are sorted by p descending, ties in r order; an insertion sort over <= K slots.
-    int32_t * slot = L.order.data(); // r' is not needed any more
+    int32_t * slot = L.scratch.order.data(); // r' is not needed any more
     for (int32_t i = 0; i < n_sel; i++) {
         int32_t j = i;
         while (j > 0 && p[sel[slot[j - 1]]] < p[sel[i]]) {
@@ -328,7 +328,7 @@ int32_t moecache_route_token(
         const int32_t i = slot[top_bottom ? k : n_sel - 1 - k];
         const int32_t e = sel[i];
         if (!hit[i]) {
-            moecache_layer_insert(L, e, L.chosen.data());
+            moecache_layer_insert(L, e, L.scratch.chosen.data());
         } else if (L.last_use[e] >= 0) { // (not evicted by this token's own misses: cache < K)
             L.last_use[e] = ++L.clock;
         }
@@ -348,7 +348,7 @@ int32_t moecache_route_token(
         for (int32_t i = 0; i < rec.n_selected; i++) {
             rec.experts[i] = sel[i];
             rec.hit_mask   |= (uint32_t) (hit[i] == 1) << i;
-            rec.top_k_mask |= (uint32_t) (L.pos[sel[i]] < K) << i;
+            rec.top_k_mask |= (uint32_t) (L.scratch.pos[sel[i]] < K) << i;
         }
         mc.trace_total++;
     }

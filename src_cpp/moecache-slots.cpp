@@ -25,16 +25,16 @@ int32_t moecache_slots_init(moecache & mc) {
     size_t total = 0;
     int32_t n_xt = 0;
     for (moecache_layer & L : mc.layers) {
-        if (L.xt.empty()) {
+        if (L.res.xt.empty()) {
             continue;
         }
-        L.n_slots = std::max(L.capacity, mc.n_expert_used);
-        for (const moecache_expert_tensor & x : L.xt) {
-            total += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
+        L.res.n_slots = std::max(L.capacity, mc.n_expert_used);
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            total += moecache_round_up((size_t) L.res.n_slots * x.nb2, moecache_page_size());
             n_xt++;
         }
-        L.slot_expert.assign(L.n_slots, -1);
-        L.expert_slot.assign(mc.n_expert, -1);
+        L.res.slot_expert.assign(L.res.n_slots, -1);
+        L.res.expert_slot.assign(mc.n_expert, -1);
     }
     void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (arena == MAP_FAILED) {
@@ -57,52 +57,52 @@ int32_t moecache_slots_init(moecache & mc) {
     ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     char * p = mc.arena;
     for (moecache_layer & L : mc.layers) {
-        for (moecache_expert_tensor & x : L.xt) {
+        for (moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.n_slots);
+            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.res.n_slots);
             ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
             if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
                 return moecache_fail_residency(std::string("cannot place the slots of ") + t->name);
             }
-            p += moecache_round_up((size_t) L.n_slots * x.nb2, moecache_page_size());
+            p += moecache_round_up((size_t) L.res.n_slots * x.nb2, moecache_page_size());
         }
     }
     return MOECACHE_OK;
 }
 
 static bool slot_holds(const moecache_layer & L, int32_t e) {
-    const int32_t s = L.expert_slot[e];
-    return s >= 0 && L.slot_expert[s] == e;
+    const int32_t s = L.res.expert_slot[e];
+    return s >= 0 && L.res.slot_expert[s] == e;
 }
 
-// gives e the first slot from `cursor` on that holds no expert of L.keep; -1 if there is none,
-// which cannot happen: |L.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
+// gives e the first slot from `cursor` on that holds no expert of L.res.keep; -1 if there is none,
+// which cannot happen: |L.res.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
 static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
-    for (; cursor < L.n_slots; cursor++) {
-        const int32_t held = L.slot_expert[cursor];
-        if (held < 0 || !L.keep[held] || L.expert_slot[held] != cursor) {
-            L.slot_expert[cursor] = e;
-            L.expert_slot[e]      = cursor;
+    for (; cursor < L.res.n_slots; cursor++) {
+        const int32_t held = L.res.slot_expert[cursor];
+        if (held < 0 || !L.res.keep[held] || L.res.expert_slot[held] != cursor) {
+            L.res.slot_expert[cursor] = e;
+            L.res.expert_slot[e]      = cursor;
             return cursor++;
         }
     }
     return -1;
 }
 
-// Gives every expert of L.keep that no slot holds a slot, and queues the jobs that fill it:
+// Gives every expert of L.res.keep that no slot holds a slot, and queues the jobs that fill it:
 // reads from the file in MOECACHE_IO_CHUNK pieces (so even a single miss keeps several reads in
 // flight), or copies from the mapping. Returns false if a slot was missing, which cannot happen.
 static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vector<moecache_io_job> & jobs) {
     int32_t cursor = 0;
-    for (int32_t e = 0; e < (int32_t) L.keep.size(); e++) {
-        if (!L.keep[e] || slot_holds(L, e)) {
+    for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
+        if (!L.res.keep[e] || slot_holds(L, e)) {
             continue;
         }
         const int32_t s = take_slot(L, e, cursor);
         if (s < 0) {
             return false;
         }
-        for (const moecache_expert_tensor & x : L.xt) {
+        for (const moecache_expert_tensor & x : L.res.xt) {
             const uint64_t off   = x.file_off + (uint64_t) e * x.nb2;
             char *         dst   = (char *) x.slots_t->data + (size_t) s * x.nb2;
             for (uint64_t o = off; o < off + x.nb2;) {
@@ -127,11 +127,11 @@ static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vect
 
 // STREAM, one token: every expert that is cached or selected ends in a slot; out = slot ids
 void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
-    for (size_t e = 0; e < L.keep.size(); e++) {
-        L.keep[e] = L.last_use[e] >= 0;
+    for (size_t e = 0; e < L.res.keep.size(); e++) {
+        L.res.keep[e] = L.last_use[e] >= 0;
     }
     for (int64_t i = 0; i < n_ids; i++) {
-        L.keep[ids[i]] = 1;
+        L.res.keep[ids[i]] = 1;
     }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     jobs.clear();
@@ -147,7 +147,7 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
             last_e = j.e;
         }
         if (j.err != 0) {
-            L.slot_expert[L.expert_slot[j.e]] = -1; // a bad read is never used as weights
+            L.res.slot_expert[L.res.expert_slot[j.e]] = -1; // a bad read is never used as weights
             char buf[512];
             snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
                      j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
@@ -156,19 +156,19 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         }
     }
     for (int64_t i = 0; i < n_ids; i++) {
-        const int32_t s = L.expert_slot[ids[i]];
-        out[i] = s >= 0 && s < L.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
+        const int32_t s = L.res.expert_slot[ids[i]];
+        out[i] = s >= 0 && s < L.res.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
     }
 }
 
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
 void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
-    std::vector<uint8_t> touched(L.keep.size(), 0); // read through the mapping by this ubatch: dropped later
+    std::vector<uint8_t> touched(L.res.keep.size(), 0); // read through the mapping by this ubatch: dropped later
     for (int64_t i = 0; i < n_ids; i++) {
         touched[ids[i]] = 1;
     }
-    for (size_t e = 0; e < L.keep.size(); e++) {
-        L.keep[e] = L.last_use[e] >= 0;
+    for (size_t e = 0; e < L.res.keep.size(); e++) {
+        L.res.keep[e] = L.last_use[e] >= 0;
     }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     jobs.clear();
@@ -179,7 +179,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
     for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
         if (touched[e]) {
             moecache_willneed_expert(L, e); // one large read request before the matmul or the copy faults it in
-            mc.rst.prompt_bytes_read += (int64_t) L.expert_bytes;
+            mc.rst.prompt_bytes_read += (int64_t) L.res.expert_bytes;
             mc.drop_pending.emplace_back(L.il, e);
         }
     }

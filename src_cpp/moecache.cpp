@@ -281,7 +281,7 @@ int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, c
         return fail(MOECACHE_ERR_INVALID, "moecache_route: bad arguments");
     }
     moecache_layer & L = mc->layers[il];
-    L.rank_on_logits = rank_on_logits;
+    L.graph.rank_on_logits = rank_on_logits;
     int8_t hit_tmp[MOECACHE_MAX_USED];
     const moecache_routing_params rp = mc->rparams;
     for (int32_t t = 0; t < n_tokens; t++) {
@@ -367,8 +367,8 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->residency   = mc->cparams.residency;
     out->arena_bytes = (int64_t) mc->arena_size;
     for (const moecache_layer & L : mc->layers) {
-        if (!L.xt.empty()) {
-            out->expert_bytes = (int64_t) L.expert_bytes; // the first MoE layer's
+        if (!L.res.xt.empty()) {
+            out->expert_bytes = (int64_t) L.res.expert_bytes; // the first MoE layer's
             break;
         }
     }
@@ -384,8 +384,8 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {
         decode_tokens = std::max(decode_tokens, L.decode_tokens);
-        for (uint8_t l : L.locked) {
-            locked += l ? (int64_t) L.expert_bytes : 0;
+        for (uint8_t l : L.res.locked) {
+            locked += l ? (int64_t) L.res.expert_bytes : 0;
         }
     }
     out->decode_tokens = decode_tokens;
