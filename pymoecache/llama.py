@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import threading
-import time
 import warnings
 from typing import Optional, Tuple, Union
 
@@ -543,8 +542,6 @@ class Llama(llama_cpp.Llama):
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
 
-    _t_decode_ms = 0.0  # wall time of single-token evals since the last reset_moe_stats
-
     def _enter(self) -> None:
         """Take the decode lock without waiting: a second thread gets a clear error, not a crash."""
         if not self._busy.acquire(blocking=False):
@@ -576,10 +573,7 @@ class Llama(llama_cpp.Llama):
         self._enter()
         try:
             self._check_file()
-            t0 = time.perf_counter()
             super().eval(tokens)
-            if len(tokens) == 1:
-                self._t_decode_ms += (time.perf_counter() - t0) * 1e3
         except RuntimeError as e:
             if isinstance(e, MoECacheError):
                 raise
@@ -613,15 +607,15 @@ class Llama(llama_cpp.Llama):
         cache = self._require_cache()
         with self._busy:  # between tokens: a consistent snapshot, even while another thread generates
             st = cache.stats()
-        if st.residency is not None:
-            st.residency.decode_t_eval_ms = self._t_decode_ms
+        if st.residency is not None:  # compute time, as bench counts it: llama.cpp's own decode timer
+            st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
         return st
 
     def reset_moe_stats(self) -> None:
         cache = self._require_cache()
         with self._busy:
             cache.reset_stats()
-            self._t_decode_ms = 0.0
+            llama_cpp.llama_perf_context_reset(self._ctx.ctx)  # the decode timer moe_stats() reads
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:
         """Change the policy; takes effect on the next token, no reload.

@@ -19,7 +19,9 @@ class ResidencyStats:
     """What the expert residency costs (``struct moecache_residency_stats``), with per-token rates.
 
     Decode times: ``t_io_ms`` waiting for expert reads, ``t_route_ms`` in the routing decision;
-    ``Llama.moe_stats()`` adds ``t_compute_ms`` (llama.cpp's eval time less the two).
+    ``Llama.moe_stats()`` adds ``decode_t_eval_ms``, llama.cpp's own decode timer (its perf
+    counters, the one definition of decode time that ``bench`` uses too), from which
+    ``t_compute_ms_per_token`` is that time less the two.
     """
 
     residency: str                   # "none", "mmap" or "stream"
