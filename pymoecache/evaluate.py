@@ -32,7 +32,8 @@ from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing
 from .errors import EvalError  # noqa: F401  (raised here, defined with the other errors)
 from .stats import MoEStats
 
-TRACE_FORMAT = "pymoecache-trace"
+TRACE_FORMAT = "pymoecache-trace"  # `pymoecache trace`: the cache timeline (selected, hits, contents per token);
+                                  # the simulator reads another file, a router trace (pymoecache.simulate)
 
 
 # --- text ------------------------------------------------------------------------------------

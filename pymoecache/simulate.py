@@ -5,7 +5,9 @@ any policy and cache size in seconds. Layers are independent (each has its own c
 replay routes all tokens of layer 0, then of layer 1, ... which gives the same result as the
 model's token-by-token order.
 
-Trace format: a file written with ``np.savez`` / ``np.savez_compressed`` (or any mapping) with
+Router trace format (the simulator's input; not the cache timeline that ``pymoecache trace`` writes,
+see pymoecache.evaluate): a file written with ``np.savez`` / ``np.savez_compressed`` (or any
+mapping) with
 
     logits          float32 [n_tokens, n_layer, n_expert]  router logits z, tokens in order
     probs           optional, same shape: gating probabilities p (default: softmax(logits))
@@ -13,10 +15,10 @@ Trace format: a file written with ``np.savez`` / ``np.savez_compressed`` (or any
     n_expert_used   int: K, experts used per token
     rank_on_logits  optional bool (default True): Prior boosts z (softmax routers) rather than s
 
-Only MoE layers belong in a trace (index them 0..n_layer-1).
+Only MoE layers belong in a router trace (index them 0..n_layer-1).
 
 >>> rng = np.random.default_rng(0)
->>> tr = Trace(rng.normal(size=(50, 2, 8)).astype(np.float32), n_expert_used=2)
+>>> tr = RouterTrace(rng.normal(size=(50, 2, 8)).astype(np.float32), n_expert_used=2)
 >>> lru = replay(tr, "lru", cache_size=4)
 >>> prior = replay(tr, "prior:1.0", cache_size=4)
 >>> bool(prior.miss_rate < lru.miss_rate)
@@ -44,11 +46,11 @@ CacheSize = Union[int, float, Sequence[int]]
 
 
 # --------------------------------------------------------------------------------------------
-# traces
+# router traces
 
 
 @dataclass
-class Trace:
+class RouterTrace:
     """Recorded router outputs, ``[n_tokens, n_layer, n_expert]`` each (see the module doc)."""
 
     logits: np.ndarray
@@ -84,27 +86,27 @@ class Trace:
         return z, p, s
 
 
-def load_trace(src: Union[str, "os.PathLike[str]", Mapping]) -> Trace:
-    """A Trace from an ``.npz`` path or a mapping with the keys of the module doc."""
-    if isinstance(src, Trace):
+def load_router_trace(src: Union[str, "os.PathLike[str]", Mapping]) -> RouterTrace:
+    """A RouterTrace from an ``.npz`` path or a mapping with the keys of the module doc."""
+    if isinstance(src, RouterTrace):
         return src
     data = np.load(src) if isinstance(src, (str, os.PathLike)) else src
     keys = set(data.keys())
     if not {"logits", "n_expert_used"} <= keys:
-        raise ValueError(f"a trace needs 'logits' and 'n_expert_used'; got {sorted(keys)}")
-    return Trace(logits=data["logits"], n_expert_used=int(np.asarray(data["n_expert_used"])),
+        raise ValueError(f"a router trace needs 'logits' and 'n_expert_used'; got {sorted(keys)}")
+    return RouterTrace(logits=data["logits"], n_expert_used=int(np.asarray(data["n_expert_used"])),
                  probs=data["probs"] if "probs" in keys else None,
                  scores=data["scores"] if "scores" in keys else None,
                  rank_on_logits=bool(np.asarray(data["rank_on_logits"])) if "rank_on_logits" in keys else True)
 
 
-def save_trace(path: Union[str, "os.PathLike[str]"], trace: Trace) -> None:
+def save_router_trace(path: Union[str, "os.PathLike[str]"], trace: RouterTrace) -> None:
     """Writes ``trace`` in the format of the module doc (np.savez_compressed).
 
     >>> import tempfile, pathlib
-    >>> tr = Trace(np.zeros((3, 1, 4), np.float32), n_expert_used=2)
+    >>> tr = RouterTrace(np.zeros((3, 1, 4), np.float32), n_expert_used=2)
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.npz"
-    >>> save_trace(path, tr); load_trace(path).logits.shape
+    >>> save_router_trace(path, tr); load_router_trace(path).logits.shape
     (3, 1, 4)
     """
     extra = {k: getattr(trace, k) for k in ("probs", "scores") if getattr(trace, k) is not None}
@@ -146,7 +148,7 @@ def capacities(cache_size: CacheSize, n_layer: int, n_expert: int) -> List[int]:
     return caps
 
 
-def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union[Routing, str] = "lru",
+def replay(trace: Union[RouterTrace, Mapping, str, "os.PathLike[str]"], routing: Union[Routing, str] = "lru",
            cache_size: CacheSize = 0.5, insertion: str = "top-bottom", engine: str = "native") -> ReplayResult:
     """Routes every token of ``trace`` through fresh caches under ``routing`` and counts.
 
@@ -154,13 +156,13 @@ def replay(trace: Union[Trace, Mapping, str, "os.PathLike[str]"], routing: Union
     twin, slow). Both give identical results.
 
     >>> z = np.array([[[2., 1, 0]], [[0., 1, 2]], [[2., 1, 0]]], np.float32)   # 3 tokens, 1 layer, N=3
-    >>> r = replay(Trace(z, n_expert_used=1), "lru", cache_size=1)
+    >>> r = replay(RouterTrace(z, n_expert_used=1), "lru", cache_size=1)
     >>> r.selected[0].ravel().tolist(), int(r.misses_per_layer[0]), r.miss_rate
     ([0, 2, 0], 3, 1.0)
-    >>> replay(Trace(z, n_expert_used=1), "lru", cache_size=2).misses
+    >>> replay(RouterTrace(z, n_expert_used=1), "lru", cache_size=2).misses
     2
     """
-    tr = load_trace(trace)
+    tr = load_router_trace(trace)
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     caps = capacities(cache_size, tr.n_layer, tr.n_expert)
     if engine == "native":

@@ -64,7 +64,7 @@ assert (info.n_expert, info.n_expert_used) == (60, 4)
 assert pymoecache.parse_routing("prior:0.5") == pymoecache.Prior(0.5)
 pymoecache.CacheConfig(size=0.5)
 logits = np.random.default_rng(0).normal(size=(16, 2, 8)).astype(np.float32)
-res = simulate.replay(simulate.Trace(logits, n_expert_used=2), "prior:0.5", cache_size=0.5, engine="reference")
+res = simulate.replay(simulate.RouterTrace(logits, n_expert_used=2), "prior:0.5", cache_size=0.5, engine="reference")
 assert res.tokens == 16
 assert "llama_cpp" not in sys.modules and "pymoecache._moecache_cpp" not in sys.modules, sorted(sys.modules)
 try:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from pymoecache.config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, TopK  # noqa: E402
 from pymoecache.llama import MoECache  # noqa: E402
-from pymoecache.simulate import (Trace, belady_opt, load_trace, lru_misses, replay, save_trace,  # noqa: E402
+from pymoecache.simulate import (RouterTrace, belady_opt, load_router_trace, lru_misses, replay, save_router_trace,  # noqa: E402
                                  served_order)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,7 +130,7 @@ def test_hand_made_lru_and_opt_differ_by_a_known_amount():
     # the same through a real replay: a K = 1 router that prefers 0, 1, 2, 0, ...
     z = np.full((12, 1, 3), -5.0, dtype=np.float32)
     z[np.arange(12), 0, np.arange(12) % 3] = 5.0
-    res = replay(Trace(z, n_expert_used=1), TopK(), cache_size=2)
+    res = replay(RouterTrace(z, n_expert_used=1), TopK(), cache_size=2)
     assert res.misses == 12 and res.evictions == 10
     assert belady_opt(res.requests, 2).tolist() == [7]
 
@@ -151,17 +151,17 @@ def test_two_experts_per_token_opt_keeps_the_returning_expert():
 # replay
 
 
-def random_trace(seed: int, n_tokens=40, n_layer=2, n_expert=12, k=3, kind="softmax") -> Trace:
+def random_trace(seed: int, n_tokens=40, n_layer=2, n_expert=12, k=3, kind="softmax") -> RouterTrace:
     rng = np.random.default_rng(seed)
     z = (rng.normal(size=(n_tokens, n_layer, n_expert)) * 2).astype(np.float32)
     z[:, :, : n_expert // 3] += 1.5  # some experts are more popular: caching pays
     if kind == "softmax":
-        return Trace(z, n_expert_used=k)
+        return RouterTrace(z, n_expert_used=k)
     p = (1 / (1 + np.exp(-z))).astype(np.float32)
     s = p + (rng.normal(size=n_expert) * 0.05).astype(np.float32)
     s[rng.random(size=s.shape) < 0.1] = -np.inf  # a few masked experts (>= k stay allowed here)
     s[:, :, :k] = np.maximum(s[:, :, :k], 0.0)
-    return Trace(z, n_expert_used=k, probs=p, scores=s.astype(np.float32), rank_on_logits=False)
+    return RouterTrace(z, n_expert_used=k, probs=p, scores=s.astype(np.float32), rank_on_logits=False)
 
 
 ROUTINGS = [TopK(), Prune(2, top_j=1), MaxRank(5, top_j=1), CumsumThreshold(0.8, top_j=1), Prior(0.5, top_j=1),
@@ -235,17 +235,17 @@ def test_replay_of_prior_beats_lru_on_a_skewed_trace():
 
 def test_trace_file_round_trip(tmp_path):
     tr = random_trace(seed=1, kind="biased-sigmoid")
-    save_trace(tmp_path / "t.npz", tr)
-    back = load_trace(tmp_path / "t.npz")
+    save_router_trace(tmp_path / "t.npz", tr)
+    back = load_router_trace(tmp_path / "t.npz")
     assert back.n_expert_used == tr.n_expert_used and back.rank_on_logits is False
     np.testing.assert_array_equal(back.scores, tr.scores)
     a, b = replay(tr, "prior:0.5", 4), replay(str(tmp_path / "t.npz"), "prior:0.5", 4)
     assert a.misses_per_layer.tolist() == b.misses_per_layer.tolist()
     # a plain np.savez with only the required keys works too
     np.savez(tmp_path / "min.npz", logits=tr.logits, n_expert_used=3)
-    assert load_trace(tmp_path / "min.npz").rank_on_logits is True
+    assert load_router_trace(tmp_path / "min.npz").rank_on_logits is True
     with pytest.raises(ValueError, match="n_expert_used"):
-        load_trace({"logits": tr.logits})
+        load_router_trace({"logits": tr.logits})
 
 
 def test_served_order_is_by_router_weight():
