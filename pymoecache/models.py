@@ -4,7 +4,7 @@ The default model is ``tiny-shakespeare-qwen2moe-60x4``: a small MoE (qwen2moe l
 experts, top-4, one shared expert) whose router and experts were really trained, on Tiny
 Shakespeare, by ``scripts/train_tiny_moe.py --preset A``. Its GGUF and model card live in
 ``models/`` of the repository and are installed into the wheel as ``pymoecache/data/``.
-Random-weight models for tests are built by tools/synth.py in a source checkout (not installed).
+Random-weight models for tests are built by tools/synth/ in a source checkout (not installed).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth.py
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth/
 
 MiB = 2.0 ** 20
 TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth.py
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth/
 
 import pymoecache  # noqa: E402
 import llama_cpp  # noqa: E402  (after pymoecache, which points it at our library)

@@ -6,7 +6,7 @@ Run from the repository root:
     python scripts/make_test_models.py                 # fixtures into tests/fixtures/models
     python scripts/make_test_models.py --bench /tmp/bench.gguf
 
-See tools/synth.py for the model specs.
+See tools/synth/spec.py for the model specs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # `import pymoecache` from this checkout (synth.quantize() uses it to point llama-cpp-python at
-# this project's libllama), and tools/synth.py, the model builder
+# this project's libllama), and tools/synth/, the model builder
 for _p in (REPO_ROOT, REPO_ROOT / "tools"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))

@@ -16,7 +16,7 @@ Presets (``--preset``):
 * ``B``: Mixtral layout (llama arch with experts): 8 experts, top-2, top-k weights renormalised,
   normal RoPE, no shared expert.
 
-Both are written through tools/synth.py's GGUF writer (``export_trained``) with the
+Both are written through tools/synth's GGUF writer (``export_trained``) with the
 sentencepiece vocabulary as a llama-style SPM tokenizer, then checked: llama.cpp must tokenize
 the held-out text exactly as sentencepiece does, and its logits must match PyTorch's.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tools")]  # the package, and tools/synth.py
+sys.path[:0] = [str(REPO), str(REPO / "tools")]  # the package, and tools/synth/
 
 DATA = (REPO / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt").resolve()
 HELDOUT_FRACTION = 0.10

@@ -1,5 +1,5 @@
 """Shared fixtures: the project's own GGUF test models, built once (seconds) into
-tests/fixtures/models by tools/synth.py and reused across runs."""
+tests/fixtures/models by tools/synth/ and reused across runs."""
 
 from __future__ import annotations
 
