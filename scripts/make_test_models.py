@@ -12,7 +12,6 @@ See tools/synth/spec.py for the model specs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
