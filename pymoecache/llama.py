@@ -70,7 +70,7 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
-def _log_reason(n: int = 3) -> str:
+def take_log_lines(n: int = 3) -> str:
     """llama.cpp's last warning/error lines since the last call (cleared), or ''."""
     lines = list(_LOG_TAIL)[-n:]
     _LOG_TAIL.clear()
@@ -179,16 +179,13 @@ def read_json_file(path: "os.PathLike[str] | str", what: str):
     p = os.fsdecode(_checked_path(path, what))
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO never blocks us
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StateFileError(f"{what} {p} is not a regular file")
-            if st.st_size > _MAX_JSON_BYTES:
-                raise StateFileError(f"{what} {p} is too large ({st.st_size} bytes)")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read(_MAX_JSON_BYTES + 1)
-        finally:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_BYTES:
             os.close(fd)
+            raise StateFileError(f"{what} {p} is not a regular file" if not stat.S_ISREG(st.st_mode)
+                                 else f"{what} {p} is too large ({st.st_size} bytes)")
+        with os.fdopen(fd, "rb") as f:  # closes fd
+            raw = f.read(_MAX_JSON_BYTES + 1)
         return json.loads(raw.decode("utf-8"))
     except OSError as e:
         raise StateFileError(f"cannot read {what} {p}: {e.strerror or e}") from None
@@ -518,13 +515,13 @@ class Llama(llama_cpp.Llama):
         self._file_sig = (_file_signature(str(model_path))
                           if residency != "none" or kwargs.get("use_mmap", True) else None)
         with _LOAD_LOCK:
-            _log_reason()  # drop older lines: only this load's reason goes into the message
+            take_log_lines()  # drop older lines: only this load's reason goes into the message
             # stream and mmap: the experts keep the file's layout and are not read at load time
             C.moecache_set_load_residency(RESIDENCIES[residency])
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
-                why = _log_reason() or "no reason logged"
+                why = take_log_lines() or "no reason logged"
                 if str(e).startswith("Failed to create llama_context"):
                     raise ConfigError(f"llama.cpp could not create a context for {model_path} "
                                       f"(n_ctx={kwargs.get('n_ctx', 512)}): {why}") from None

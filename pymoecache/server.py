@@ -98,7 +98,7 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
     that passes here cannot fail later; one that does not would crash llama-cpp-python."""
     import llama_cpp
 
-    from .llama import _log_reason
+    from .llama import take_log_lines
 
     if not isinstance(text, str) or not text.strip():
         raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 422, param)
@@ -107,10 +107,10 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
                            f"{_MAX_GRAMMAR_DEPTH} levels of parentheses)", 400, param)
     if "\0" in text:
         raise RequestError(f"'{param}' contains a NUL character", 400, param)
-    _log_reason()
+    take_log_lines()
     sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, text.encode("utf-8"), b"root")
     if not sampler:
-        why = _log_reason(2)
+        why = take_log_lines(2)
         raise RequestError(f"'{param}' is not a valid GBNF grammar with a 'root' rule" + (f": {why}" if why else ""),
                            400, param)
     llama_cpp.llama_sampler_free(sampler)
