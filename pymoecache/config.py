@@ -299,9 +299,11 @@ class CacheConfig:
 
     size: ``int`` experts per MoE layer, ``float`` in [0, 1] share of the routed experts, a
     memory budget string such as ``"4GiB"`` for all layers' cached experts together (turned into
-    a per-layer count from the model's real expert sizes, never more than asked), or ``"auto"``:
-    the budget is what the machine has free, less the non-expert weights, the KV cache and a
-    margin (see ``Llama``). ``per_layer`` overrides single layers.
+    a per-layer count from the model's real expert sizes, never more than asked), or ``"auto"``
+    (the default): the budget is what the machine has free (MemAvailable, capped by a cgroup
+    limit), less the non-expert weights, the KV cache and a margin; ``Llama.cache_choice`` says
+    what it chose and why. A model that fits keeps every expert resident, as plain llama.cpp
+    would. ``per_layer`` overrides single layers.
 
     residency: where the experts' bytes live (src_cpp/moecache.h, ``enum moecache_residency``):
     ``"stream"`` (cached experts in an mlocked per-layer slot arena, misses read from the GGUF
@@ -317,7 +319,7 @@ class CacheConfig:
     ('stream', 'none')
     """
 
-    size: Union[int, float, str] = 0.5
+    size: Union[int, float, str] = "auto"
     insertion: str = "top-bottom"
     update_on_prompt: bool = True
     trace: int = 0

@@ -114,22 +114,74 @@ def _checked_path(path: "os.PathLike[str] | str", what: str) -> bytes:
     return b
 
 
+def _cgroup_available() -> Optional[int]:
+    """Bytes a cgroup v2 memory limit still leaves this process (containers, systemd slices), or None."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            current = int(f.read().strip())
+        return max(0, int(limit) - current)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _available_memory() -> int:
-    """Bytes the OS can give this process now (MemAvailable on Linux; free pages elsewhere)."""
+    """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v2 limit),
+    free pages elsewhere; 0 when unknown."""
+    free = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    if not free:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = 0
+    cg = _cgroup_available()
+    return min(free, cg) if cg is not None and free else (cg or free)
 
 
-def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class AutoCacheSize:
+    """What ``CacheConfig(size="auto")`` chose for one model and why (``Llama.cache_choice``)."""
+
+    n_cached: int          # experts per MoE layer chosen
+    n_expert: int          # routed experts per MoE layer
+    n_expert_used: int     # K: a streamed token needs K slots per layer even when n_cached < K
+    available: int         # bytes free when the model was loaded
+    dense: int             # bytes of the non-expert weights (always resident)
+    kv: int                # bytes of the KV cache, an upper bound (F16 K and V, n_embd wide)
+    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 256 MiB
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        head = (f"auto: {self.n_cached} of {self.n_expert} experts per layer fit in {self.available / gib:.1f} GiB free "
+                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
+        if self.n_cached >= self.n_expert:
+            return head + ": all resident, nothing streamed"
+        if self.n_cached < self.n_expert_used:
+            return head + f": too little memory, the run still needs K = {self.n_expert_used} slots per layer"
+        return head
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
     margin of 10% (at least 256 MiB), spent on cached experts; at most N, at least 0.
@@ -139,14 +191,17 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
     ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
     ...                  n_embd=1024)
-    >>> auto_cache_size(info, n_ctx=512, available=3 << 30)   # (3 GiB - 256 MiB - 16 MiB KV) * 0.9 / (8 x 8 MiB)
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB - 16 MiB KV) * 0.9 / (8 x 8 MiB)
     39
     """
     free = _available_memory() if available is None else available
+    dense = max(0, info.non_expert_bytes)
     kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
-    budget = free - info.non_expert_bytes - kv
-    budget -= max(256 << 20, budget // 10)
-    return max(0, info.cache_size_for_budget(max(0, budget)))
+    budget = free - dense - kv
+    margin = max(256 << 20, budget // 10)
+    n = max(0, info.cache_size_for_budget(max(0, budget - margin)))
+    return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
+                         dense=dense, kv=kv, margin=margin)
 
 
 def write_atomic(path: "os.PathLike[str] | str", data: bytes, what: str) -> None:
@@ -279,7 +334,7 @@ class MoECache:
                   routing: Union[Routing, str, None] = None, scope: str = "all") -> "MoECache":
         """A moecache without a model, driven by :meth:`route`."""
         routing = _as_routing(routing or TopK())
-        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(), routing, scope)
+        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(size=0.5), routing, scope)
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
@@ -486,6 +541,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, cache: Optional[CacheConfig] = None,
                  routing: Union[Routing, str, None] = None, routing_scope: str = "all", **kwargs):
         info = model_info(model_path)  # clear errors for missing, non-GGUF, truncated and impossible files
+        choice: Optional[AutoCacheSize] = None
         cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
@@ -494,8 +550,8 @@ class Llama(llama_cpp.Llama):
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
-                n = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
-                cache = dataclasses.replace(cache, size=n)
+                choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
+                cache = dataclasses.replace(cache, size=choice.n_cached)
             cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
@@ -504,8 +560,12 @@ class Llama(llama_cpp.Llama):
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
             if residency != "none" and kwargs.get("n_gpu_layers", 0) not in (0, None):
-                raise ConfigError(f"residency '{residency}' keeps the experts on the CPU: use n_gpu_layers=0, "
-                                  "or residency='none' to offload")
+                raise ConfigError(
+                    f"n_gpu_layers={kwargs['n_gpu_layers']} with residency '{residency}': streamed and mmapped experts "
+                    "live in CPU memory, and moving them to a GPU is not built yet. On a machine with a GPU today: "
+                    "if the model fits in GPU plus CPU memory, use residency='none' (--residency none) with "
+                    "n_gpu_layers as in llama.cpp (the cache then only counts); if it does not, run on the CPU "
+                    "with n_gpu_layers=0 (-ngl 0)")
             if residency != "none" and kwargs.get("use_mmap", True) is False:
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
                                   "use_mmap must stay True")
@@ -530,6 +590,7 @@ class Llama(llama_cpp.Llama):
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
         self.model_info = info
         self.cache_config = cache
+        self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
         self.moecache: Optional[MoECache] = None
         if not info.is_moe:
             warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",

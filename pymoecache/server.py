@@ -25,7 +25,6 @@ starlette-context and pydantic-settings (see ``PIP_SERVER``).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -200,13 +199,7 @@ def request_stats(before: MoEStats, after: MoEStats) -> dict:
     0
     """
 
-    def since(field):  # a layer that has routed no token yet is not in a snapshot: count it from 0
-        a, b = getattr(after, field), getattr(before, field)
-        return a - b if b.shape == a.shape else a
-
-    d = dataclasses.replace(after, **{f: since(f) for f in ("tokens_per_layer", "selections_per_layer",
-                                                            "hits_per_layer", "misses_per_layer",
-                                                            "evictions_per_layer")}).summary_dict()
+    d = after.since(before).summary_dict()
     return {k: d[k] for k in ("tokens", "hits", "misses", "hit_rate", "miss_rate", "misses_per_token",
                               "bytes_loaded")}
 
@@ -223,6 +216,7 @@ def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
         "expert_bytes": st.expert_bytes,
         "moe_layers": st.moe_layers.tolist(),
         "cache_size_per_layer": st.capacity_per_layer.tolist(),
+        "cache_choice": str(llm.cache_choice) if getattr(llm, "cache_choice", None) is not None else None,
         "tokens_per_layer": st.tokens_per_layer.tolist(),
         "hits_per_layer": st.hits_per_layer.tolist(),
         "misses_per_layer": st.misses_per_layer.tolist(),
@@ -307,6 +301,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     app = FastAPI(title="pymoecache", version=__version__,
                   middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
+    choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
+    app.state.cache_choice = str(choice) if choice is not None else None
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed

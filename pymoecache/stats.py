@@ -8,6 +8,7 @@ and :class:`ResidencyStats` (bytes read, time split, memory). Plain numpy: no na
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -178,6 +179,18 @@ class MoEStats:
             "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
             **(self.residency.summary_dict() if self.residency else {}),
         }
+
+    def since(self, before: "MoEStats") -> "MoEStats":
+        """The counters between ``before`` and this later snapshot of the same cache (one request,
+        one answer); lifetimes and residency are this snapshot's."""
+
+        def delta(field):  # a layer that had routed no token yet is not in ``before``: count it from 0
+            a, b = getattr(self, field), getattr(before, field)
+            return a - b if b.shape == a.shape else a
+
+        return dataclasses.replace(self, **{f: delta(f) for f in ("tokens_per_layer", "selections_per_layer",
+                                                                  "hits_per_layer", "misses_per_layer",
+                                                                  "evictions_per_layer")})
 
     def summary(self) -> str:
         hr = self.hit_rate_per_layer

@@ -285,7 +285,7 @@ PARAM_CLI_CASES = [
     ("cache-size-tiny-budget", ["--cache-size", "1KiB"], "streaming needs"),
     ("io-threads-0", ["--io-threads", "0"], "io_threads"),
     ("io-threads-1000", ["--io-threads", "1000"], "io_threads"),
-    ("n-negative", ["-n", "-1"], "-n"),
+    ("n-negative", ["-n", "-2"], "-n"),
     ("n-not-a-number", ["-n", "abc"], "invalid int"),
     ("n-wraps", ["-n", "4294967297"], "-n"),
     ("prompt-longer-than-context", ["-p", "word " * 400, "--ctx", "64"], "context"),

@@ -1,6 +1,7 @@
 """``pymoecache`` command line (also ``python -m pymoecache``).
 
     pymoecache run [MODEL] -p "Once upon a time" -n 64 --prior 0.5 --cache-size 0.5
+    pymoecache chat [MODEL] --prior 0.5
     pymoecache info MODEL [--ram 4GiB]
     pymoecache bench MODEL --routing lru,prior:0.5,max-rank:8 [--csv out.csv]
     pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
@@ -9,7 +10,7 @@
 
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
-Never a traceback otherwise. One module per group of commands (generate: run, bench, info;
+Never a traceback otherwise. One module per group of commands (generate: run, bench, info; chat;
 evaluation: ppl, trace, plot-timeline; serve), their shared options in ``options``.
 """
 
@@ -21,7 +22,7 @@ import sys
 from typing import List, Optional
 
 from ..errors import Error
-from . import evaluation, generate, serve
+from . import chat, evaluation, generate, serve
 from .options import EXIT_INTERNAL, EXIT_USAGE, Parser, UserError  # noqa: F401  (UserError: for callers)
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     generate.add_commands(sub)    # run, bench, info
+    chat.add_command(sub)         # chat
     evaluation.add_commands(sub)  # ppl, trace, plot-timeline
     serve.add_command(sub)        # serve
     return ap
@@ -43,17 +45,26 @@ def _validate(args) -> None:
     from ..config import INT32_MAX
 
     n = getattr(args, "n", None)
-    if n is not None and not 0 <= n <= INT32_MAX:
-        raise UserError(f"-n must be in [0, {INT32_MAX}], got {n}")
+    if n is not None and not -1 <= n <= INT32_MAX:
+        raise UserError(f"-n must be in [-1, {INT32_MAX}] (-1: until the context is full), got {n}")
     top_j = getattr(args, "top_j", None)
     if top_j is not None and not 0 <= top_j <= INT32_MAX:
         raise UserError(f"--top-j must be in [0, {INT32_MAX}], got {top_j}")
     if getattr(args, "routing", None) is not None and not args.routing.strip():
         raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
-    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads"):
+    for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads",
+                 "top_k", "n_gpu_layers"):
         v = getattr(args, name, None)
         if v is not None and not -INT32_MAX <= v <= INT32_MAX:
             raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
+    if getattr(args, "n_gpu_layers", None) is not None and args.n_gpu_layers < -1:
+        raise UserError(f"-ngl must be >= -1 (-1: all layers), got {args.n_gpu_layers}")
+    if getattr(args, "top_k", None) is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
+    for name, lo, hi in (("temp", 0.0, 1e6), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0), ("repeat_penalty", 1e-6, 1e6)):
+        v = getattr(args, name, None)
+        if v is not None and not lo <= v <= hi:  # also refuses nan
+            raise UserError(f"--{name.replace('_', '-')} must be in [{lo:g}, {hi:g}], got {v}")
     port = getattr(args, "port", None)
     if port is not None and not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")

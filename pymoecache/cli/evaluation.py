@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from .options import UserError, add_routing_options, cache_from_args, resolve_model, routing_from_args
+from .options import UserError, add_model_argument, add_routing_options, cache_from_args, resolve_model, routing_from_args
 
 
 def _check_out_path(path) -> None:
@@ -47,7 +47,7 @@ def cmd_ppl(args) -> int:
         routings.append(routing_from_args(args))
     sizes = [parse_cache_size(s) for s in args.cache_size]
     load_text(args.text)  # a missing text file is reported before the model is loaded
-    rows = sweep(resolve_model(args.model), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
+    rows = sweep(resolve_model(args.model, args), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
                  n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion)
     print(format_table(rows))
     if args.csv:
@@ -73,7 +73,7 @@ def cmd_trace(args) -> int:
         raise UserError(f"--tokens must be >= 1, got {args.tokens}")
     _check_out_path(args.out)
     text = load_text(args.text)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args)
     info = model_info(model)
     if not info.is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to trace")
@@ -118,9 +118,10 @@ def add_commands(sub) -> None:
                     "evaluated as the reference. Prints one table row per (cache size, routing).",
         epilog="Example: pymoecache ppl model.gguf --text valid.txt --sweep prior=0,0.25,0.5,1 max-rank=2,4 "
                "--cache-size 0.5 0.25 --csv pareto.csv --plot pareto.png")
-    p.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    add_model_argument(p)
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file, e.g. WikiText-2 valid.txt (required)")
-    p.add_argument("--ctx", type=int, default=256, metavar="N", help="chunk length in tokens (default %(default)s)")
+    p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=256, metavar="N",
+                   help="chunk length in tokens (default %(default)s)")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="evaluate only the first N chunks (default: all)")
     p.add_argument("--sweep", nargs="+", action="extend", metavar="POLICY=V1,V2",
                    help="policy knob values to sweep: prior=L1,L2 | max-rank=M1,M2 | cumsum=T1,T2 | prune=R1,R2 | lru; "
@@ -128,9 +129,9 @@ def add_commands(sub) -> None:
     p.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (default: no file)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON (default: no file)")
     p.add_argument("--plot", metavar="PNG", help="also draw the perplexity / miss rate plot, needs matplotlib (default: no plot)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_routing_options(p, multi_cache_size=True)
+    add_routing_options(p, multi_cache_size=True, cache_default="0.5")
     p.set_defaults(func=cmd_ppl)
 
     t = sub.add_parser(
@@ -138,13 +139,13 @@ def add_commands(sub) -> None:
         description="Evaluate the first --tokens tokens of a text one at a time, from an empty cache, and record per "
                     "token and MoE layer: the selected experts, which were hits, and the cache contents after the "
                     "token. The .npz is read by `pymoecache plot-timeline`.")
-    t.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    add_model_argument(t)
     t.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file (required)")
     t.add_argument("--out", required=True, metavar="NPZ", help="output .npz file (required)")
     t.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens to trace, BOS included (default %(default)s)")
-    t.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    t.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_routing_options(t)
+    add_routing_options(t, cache_default="0.5")
     t.set_defaults(func=cmd_trace)
 
     v = sub.add_parser(

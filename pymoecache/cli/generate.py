@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import (UserError, add_cache_options, add_hub_options, add_routing_options, add_runtime_options,
-                      cache_from_args, resolve_model, routing_from_args)
+from .options import (UserError, add_cache_options, add_hub_options, add_model_argument, add_routing_options,
+                      add_runtime_options, add_sampling_options, cache_from_args, read_text_file, resolve_model,
+                      routing_from_args, sampling_kwargs)
 
 
 def _perf(llm):
@@ -29,16 +30,41 @@ def _perf_reset(llm) -> None:
     llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
 
 
-def cmd_run(args) -> int:
+def cache_line(llm, routing_spec: str) -> str:
+    """``[prior:0.5, cache 30/60 experts per layer]``, with what ``auto`` chose and why."""
+    n = llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1]  # capacity, known before any token
+    why = f"; {llm.cache_choice}" if llm.cache_choice is not None else ""
+    return f"[{routing_spec}, cache {n}/{llm.moecache.n_expert} experts per layer{why}]"
+
+
+def prompt_from_args(args) -> str:
+    """-p TEXT or -f FILE (as llama.cpp); the default prompt when neither is given."""
+    if args.file is not None:
+        if args.prompt is not None:
+            raise UserError("give either -p/--prompt or -f/--file, not both")
+        return read_text_file(args.file, "prompt file")
+    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+
+
+def load_llama(args, routing, model: str, **kw):
+    """``pymoecache.Llama`` for a generating command (run, chat, bench); refuses a dense model."""
     from ..llama import Llama
 
-    routing = routing_from_args(args)
-    cache = cache_from_args(args)
-    model = resolve_model(args.model, args)
-    llm = Llama(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                           n_threads=args.threads, seed=args.seed, verbose=False)
+    llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
+                n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
+                seed=args.seed, verbose=False, **kw)
     if llm.moecache is None:
+        llm.close()
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
+    return llm
+
+
+def cmd_run(args) -> int:
+    routing = routing_from_args(args)
+    prompt = prompt_from_args(args)
+    model = resolve_model(args.model, args)
+    llm = load_llama(args, routing, model)
+    args.prompt = prompt
 
     out = sys.stdout
     _perf_reset(llm)
@@ -49,7 +75,7 @@ def cmd_run(args) -> int:
             raise UserError(f"the prompt ({n_prompt_tokens} tokens) and -n {args.n} do not fit in the context of "
                             f"{llm.n_ctx()} tokens: raise --ctx or shorten them")
     # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
-    kw = dict(max_tokens=args.n, temperature=args.temp, seed=args.seed, stream=True)
+    kw = dict(max_tokens=args.n, stream=True, **sampling_kwargs(args, llm))
     if args.n == 0:
         import llama_cpp
 
@@ -83,13 +109,14 @@ def cmd_run(args) -> int:
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
         "decode_tok_s": n_decoded / t_gen if t_gen > 0 else 0.0,
         **st.summary_dict(),
+        "cache_choice": str(llm.cache_choice) if llm.cache_choice is not None else None,
         "text": "".join(text),
     }
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         print()
-        print(f"[{res['routing']}, cache {res['cache_size']}/{res['n_expert']} experts per layer] "
+        print(f"{cache_line(llm, res['routing'])} "
               f"prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} tok {res['decode_tok_s']:.1f} tok/s | "
               f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f} | "
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
@@ -99,6 +126,7 @@ def cmd_run(args) -> int:
     return 0
 
 
+DEFAULT_PROMPT = "Once upon a time"
 DEFAULT_BENCH_PROMPTS = [
     "Once upon a time",
     "The history of the city begins in",
@@ -108,7 +136,6 @@ DEFAULT_BENCH_PROMPTS = [
 
 
 def cmd_bench(args) -> int:
-    from ..llama import Llama
     from ..config import parse_routing
 
     routings = [parse_routing(spec, top_j=args.top_j) for spec in args.routing.split(",") if spec.strip()]
@@ -127,10 +154,9 @@ def cmd_bench(args) -> int:
     if args.reps < 1:
         raise UserError("--reps must be >= 1")
     model = resolve_model(args.model, args)
-    llm = Llama(model, cache=cache_from_args(args), routing=routings[0], routing_scope=args.scope,
-                           n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    if llm.moecache is None:
-        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
+    llm = load_llama(args, routings[0], model)
+    if llm.cache_choice is not None:
+        print(f"cache size {llm.cache_choice}", file=sys.stderr)
 
     for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
         llm.reset()
@@ -149,7 +175,7 @@ def cmd_bench(args) -> int:
             for prompt in prompts:
                 llm.reset()
                 _perf_reset(llm)
-                llm(prompt, max_tokens=args.n, temperature=0.0, seed=args.seed)
+                llm(prompt, max_tokens=args.n, **sampling_kwargs(args, llm))
                 pt, ps, dt, ds = _perf(llm)
                 a["pt"] += pt
                 a["ps"] += ps
@@ -233,13 +259,19 @@ def cmd_info(args) -> int:
 def add_commands(sub) -> None:
     """Register ``run``, ``bench`` and ``info`` on the CLI's subparsers."""
     r = sub.add_parser("run", help="generate text and print cache statistics",
-                       description="Generate text from a prompt, then print one line of speed and cache statistics.")
-    r.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
-    r.add_argument("-p", "--prompt", default="Once upon a time", help="prompt text (default: %(default)r)")
-    r.add_argument("-n", type=int, default=64, metavar="N", help="tokens to generate (default %(default)s)")
-    r.add_argument("--chat", action="store_true", help="treat the prompt as a user message with the model's chat template")
-    r.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default %(default)s)")
+                       description="Generate text from a prompt, then print one line of speed and cache statistics.",
+                       epilog="Coming from llama.cpp: -m, -p, -f, -n, -c, -t, -ngl, -s and the sampling options "
+                              "mean what they mean in llama-cli.")
+    add_model_argument(r)
+    r.add_argument("-p", "--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    r.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from a UTF-8 text file (default: none)")
+    r.add_argument("-n", "--n-predict", dest="n", type=int, default=64, metavar="N",
+                   help="tokens to generate; 0 = evaluate the prompt only (default %(default)s)")
+    r.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message with the model's chat template (for a conversation: "
+                        "pymoecache chat)")
     add_runtime_options(r)
+    add_sampling_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
     add_hub_options(r)
@@ -250,16 +282,19 @@ def add_commands(sub) -> None:
                        description="Run the same prompts under each routing setting (settings rotate between "
                                    "repetitions, the cache starts empty for each) and print one row per setting. "
                                    "Timings are llama.cpp's own prompt and decode counters.")
-    b.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    add_model_argument(b)
     b.add_argument("--routing", default="lru,prior:0.5,max-rank:8,cumsum:0.9", metavar="SPECS",
                    help="comma-separated routing specs (default %(default)s)")
     b.add_argument("--top-j", type=int, default=None, metavar="J", help="Top-J for every spec (default 1)")
     b.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token (all, default) or generated tokens only (decode)")
-    b.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: four built-in prompts)")
-    b.add_argument("-n", type=int, default=64, metavar="N", help="tokens generated per prompt (default %(default)s)")
+    b.add_argument("-f", "--file", "--prompts", dest="prompts", metavar="FILE",
+                   help="prompts, one per line (default: four built-in prompts)")
+    b.add_argument("-n", "--n-predict", dest="n", type=int, default=64, metavar="N",
+                   help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
     add_runtime_options(b)
+    add_sampling_options(b)
     b.add_argument("--csv", metavar="FILE", help="also write the table as CSV (default: no file)")
     b.add_argument("--json", metavar="FILE", help="also write the table as JSON (default: no file)")
     add_hub_options(b)
@@ -268,7 +303,7 @@ def add_commands(sub) -> None:
 
     i = sub.add_parser("info", help="describe a GGUF model from its header (experts, sizes)",
                        description="Architecture, layers, experts and bytes per expert, read from the GGUF header only.")
-    i.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    add_model_argument(i)
     i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget, e.g. 4GiB (default: none)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)

@@ -25,7 +25,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False) -> None:
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """MODEL as a positional argument or, as in llama.cpp, ``-m/--model`` (read with :func:`model_arg`)."""
+    p.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="FILE",
+                   help="GGUF model file, as llama.cpp's -m (same as MODEL; default: the embedded default model)")
+
+
+def model_arg(args) -> Optional[str]:
+    pos, opt = getattr(args, "model", None), getattr(args, "model_opt", None)
+    if pos and opt and pos != opt:
+        raise UserError(f"two models given: {pos} and -m {opt}")
+    return pos or opt
+
+
+def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False,
+                        cache_default: str = "auto") -> None:
     g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--prior", type=float, metavar="L",
@@ -39,19 +54,19 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
                    help="the router's top J experts are always used, cached or not (default 1)")
     g.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token through the policy (all, default) or generated tokens only (decode)")
-    add_cache_options(p, multi_cache_size)
+    add_cache_options(p, multi_cache_size, cache_default)
 
 
-def add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
+def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: str = "auto") -> None:
     c = p.add_argument_group("cache")
-    what = ("experts cached per MoE layer, default 0.5: a count (30), a share of the routed experts (0.5), "
-            "a memory budget for all layers (4GiB), or auto (free memory less the non-expert weights, "
-            "the KV cache and a margin)")
+    what = (f"experts cached per MoE layer, default {default}: a count (30), a share of the routed experts (0.5), "
+            "a memory budget for all layers (4GiB), or auto (as many as fit in the free memory less the non-expert "
+            "weights, the KV cache and a margin; all of them when the model fits, as plain llama.cpp)")
     if multi:
-        c.add_argument("--cache-size", nargs="+", default=["0.5"], metavar="N|F|BYTES",
+        c.add_argument("--cache-size", nargs="+", default=[default], metavar="N|F|BYTES",
                        help=what + "; several values sweep several sizes")
     else:
-        c.add_argument("--cache-size", default="0.5", metavar="N|F|BYTES", help=what)
+        c.add_argument("--cache-size", default=default, metavar="N|F|BYTES|auto", help=what)
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
     if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
@@ -69,10 +84,58 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
 
 
-def add_runtime_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
-    p.add_argument("--ctx", type=int, default=0, help="context length (default 0: the model's training context)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: bool = True) -> None:
+    """Context, threads, GPU layers and seed, with llama.cpp's short and long names beside ours."""
+    if seed:
+        p.add_argument("-s", "--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=ctx_default, metavar="N",
+                   help=f"context length in tokens (default {ctx_default}"
+                        + (": the model's training context)" if ctx_default == 0 else "; 0: the model's training context)"))
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
+                   help="layers to offload to a GPU, as in llama.cpp (default 0). Only with --residency none: streamed "
+                        "experts live in CPU memory, and moving them to a GPU is not built yet")
+
+
+def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) -> None:
+    """llama.cpp's sampling options (same names, same defaults except where said)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temp", type=float, default=temp_default, metavar="T",
+                   help=f"temperature; 0 = greedy, always the most likely token (default {temp_default:g})")
+    g.add_argument("--top-k", type=int, default=40, metavar="K",
+                   help="sample among the K most likely tokens; 0 = all (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, metavar="P",
+                   help="sample among the most likely tokens whose probabilities sum to P; 1.0 = off (default %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.05, metavar="P",
+                   help="drop tokens less likely than P x the most likely one; 0.0 = off (default %(default)s)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
+                   help="penalize tokens of the last 64; 1.0 = off (default %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never stop at an end-of-text token, generate until -n or the context is full (default: stop)")
+
+
+def sampling_kwargs(args, llm) -> dict:
+    """Keyword arguments of ``Llama.__call__`` / ``create_completion`` for the sampling options."""
+    kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repeat_penalty=args.repeat_penalty, seed=args.seed)
+    if args.ignore_eos:
+        import llama_cpp
+
+        eog = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)]
+        kw["logit_bias"] = {t: float("-inf") for t in eog}
+    return kw
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file the user named (a prompt), as one string; UserError when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8 text") from None
 
 
 def add_hub_options(p: argparse.ArgumentParser) -> None:
@@ -112,9 +175,11 @@ def cache_from_args(args):
 
 
 def resolve_model(path: Optional[str], args=None) -> str:
-    """MODEL argument, a Hugging Face download (--hf-repo/--hf-file), or the default model."""
+    """MODEL argument (or -m), a Hugging Face download (--hf-repo/--hf-file), or the default model."""
     from ..models import default_model_path
 
+    if args is not None:
+        path = model_arg(args)
     repo, file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
     if repo or file:
         if path:

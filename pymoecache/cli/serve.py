@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .options import UserError, add_hub_options, add_routing_options, cache_from_args, resolve_model, routing_from_args
+from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
+                      cache_from_args, resolve_model, routing_from_args)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -37,10 +38,12 @@ def cmd_serve(args) -> int:
     if not model_info(model).is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                     n_threads=args.threads)
+                     n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers)
     url = f"http://{args.host}:{args.port}"
+    choice = getattr(app.state, "cache_choice", None)
     print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"cache statistics at {url}/moecache/stats", file=sys.stderr, flush=True)
+          f"cache statistics at {url}/moecache/stats" + (f"; cache size {choice}" if choice else ""),
+          file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -54,14 +57,11 @@ def add_command(subparsers) -> None:
                     "GET /moecache/stats returns the cache statistics as JSON, and every completion carries "
                     "a 'moecache' object with its own. Needs the server extras: fastapi, uvicorn, sse-starlette, "
                     "starlette-context and pydantic-settings.")
-    s.add_argument("model", nargs="?", help="GGUF model file (default: the embedded default model)")
+    add_model_argument(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s, this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default %(default)s)")
-    s.add_argument("--ctx", type=int, default=2048, metavar="N",
-                   help="context length shared by a request's prompt and answer (default %(default)s; "
-                        "0: the model's training context)")
-    s.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    add_runtime_options(s, ctx_default=2048, seed=False)  # sampling and seed: per request, as in the OpenAI API
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
     add_hub_options(s)

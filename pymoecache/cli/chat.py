@@ -1,0 +1,257 @@
+"""``pymoecache chat``: an interactive conversation with the expert cache, as ``llama-cli -cnv``.
+
+    pymoecache chat [MODEL] --prior 0.5 -sys "You are a helpful assistant."
+
+The turns are rendered with the model's chat template by llama.cpp itself
+(``llama_chat_apply_template``, ChatML when the model has none), answers stream token by token,
+and the KV cache of earlier turns is reused. Commands: /stats, /routing SPEC, /reset, /help,
+/quit. Ctrl-C stops the current answer, Ctrl-D leaves. When the conversation outgrows the
+context, the oldest turns are dropped, with a notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
+                      add_sampling_options, read_text_file, resolve_model, routing_from_args, sampling_kwargs)
+
+HELP = """commands:
+  /stats          cache statistics so far, and since the last /stats
+  /routing [SPEC] show or switch the routing policy (lru, prior:0.5, max-rank:4, ...) from the next token on
+  /reset          forget the conversation (the expert cache keeps its contents)
+  /help           this text
+  /quit           leave (or Ctrl-D); Ctrl-C stops an answer
+  end a line with \\ to continue the message on the next line"""
+
+
+class Conversation:
+    """The messages of one conversation, rendered by the model's chat template and kept within
+    the context: :meth:`fit` drops the oldest turns (never the system prompt) when needed."""
+
+    def __init__(self, llm, system: Optional[str] = None):
+        import llama_cpp
+
+        self.llm = llm
+        self.system = system
+        self.messages: List[dict] = []
+        tmpl = llama_cpp.llama_model_chat_template(llm._model.model, None)
+        self.template: Optional[bytes] = tmpl or None  # None: llama.cpp uses ChatML
+        if self.template is not None and self._apply([{"role": "user", "content": "x"}], self.template) is None:
+            print("pymoecache chat: llama.cpp does not know this model's chat template; using ChatML",
+                  file=sys.stderr)
+            self.template = None
+
+    def all_messages(self) -> List[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    @staticmethod
+    def _apply(messages: List[dict], template: Optional[bytes]) -> Optional[str]:
+        import llama_cpp
+
+        keep = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]  # alive during the call
+        chat = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(r, c) for r, c in keep])
+        size = 2 * sum(len(r) + len(c) for r, c in keep) + 1024
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
+            if n < 0:
+                return None
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        return None
+
+    def prompt(self) -> str:
+        """The whole conversation so far, ending where the assistant's answer begins."""
+        text = self._apply(self.all_messages(), self.template)
+        if text is None:
+            raise UserError("llama.cpp could not apply the chat template")
+        return text
+
+    def n_tokens(self) -> int:
+        return len(self.llm.tokenize(self.prompt().encode("utf-8"), add_bos=True, special=True))
+
+    def fit(self, reserve: int) -> int:
+        """Drop the oldest turns until the prompt plus ``reserve`` tokens fit the context; the number
+        dropped. UserError when the last message alone (with the system prompt) does not fit."""
+        n_ctx = self.llm.n_ctx()
+        dropped = 0
+        while self.n_tokens() + reserve > n_ctx:
+            if len(self.messages) <= 1:
+                n = self.n_tokens()
+                self.messages.clear()
+                raise UserError(f"the message ({n} tokens with the template) does not leave room for an answer in "
+                                f"the context of {n_ctx} tokens: shorten it or raise -c")
+            del self.messages[:2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1]
+            dropped += 1
+        return dropped
+
+
+def _read_message(prompt: str) -> str:
+    """One message from the user; a line ending in a backslash continues on the next line."""
+    lines = []
+    while True:
+        line = input(prompt if not lines else "")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+class _Interrupt:
+    """Ctrl-C while an answer streams sets a flag (checked after each token) instead of raising
+    inside llama.cpp's decode loop; the previous handler comes back afterwards."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+def answer(llm, conv: Conversation, args, out) -> str:
+    """Stream the assistant's answer to the conversation so far; the text (partial if stopped)."""
+    n_ctx = llm.n_ctx()
+    reserve = args.n if args.n > 0 else min(128, n_ctx // 4)
+    dropped = conv.fit(reserve)
+    if dropped:
+        print(f"[context of {n_ctx} tokens full: dropped the oldest {dropped} turn{'s' * (dropped > 1)}]",
+              file=sys.stderr, flush=True)
+    text, finish = [], None
+    with _Interrupt() as stop:
+        stream = llm.create_completion(conv.prompt(), max_tokens=args.n if args.n > 0 else None, stream=True,
+                                       **sampling_kwargs(args, llm))
+        try:
+            for chunk in stream:
+                piece = chunk["choices"][0]["text"]
+                finish = chunk["choices"][0].get("finish_reason") or finish
+                text.append(piece)
+                out.write(piece)
+                out.flush()
+                if stop.hit:
+                    break
+        finally:
+            stream.close()
+    out.write("\n")
+    if stop.hit:
+        print("[stopped]", file=sys.stderr, flush=True)
+    elif finish == "length" and args.n <= 0:
+        print(f"[the answer filled the context of {n_ctx} tokens; older turns are dropped next]", file=sys.stderr,
+              flush=True)
+    return "".join(text)
+
+
+def cmd_chat(args) -> int:
+    from ..config import parse_routing
+    from ..errors import Error
+    from .generate import cache_line, load_llama
+
+    routing = routing_from_args(args)
+    if args.system_file is not None:
+        if args.system is not None:
+            raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
+        args.system = read_text_file(args.system_file, "system prompt file")
+    model = resolve_model(args.model, args)
+    llm = load_llama(args, routing, model)
+    conv = Conversation(llm, args.system or None)
+    out = sys.stdout
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print(f"pymoecache chat: {model} {cache_line(llm, routing.spec())}\n"
+          "/help for commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr, flush=True)
+    last = llm.moe_stats()
+    while True:
+        try:
+            line = _read_message("> ")
+        except EOFError:
+            out.write("\n")
+            break
+        except KeyboardInterrupt:
+            out.write("\n")
+            print("(Ctrl-D or /quit leaves)", file=sys.stderr, flush=True)
+            continue
+        cmd, _, rest = line.strip().partition(" ")
+        if not line.strip():
+            continue
+        if cmd in ("/quit", "/exit", "/bye"):
+            break
+        if cmd == "/help":
+            print(HELP, file=sys.stderr, flush=True)
+        elif cmd == "/stats":
+            st = llm.moe_stats()
+            d = st.since(last)
+            print(f"{cache_line(llm, routing.spec())} {st.summary()}\n"
+                  f"since the last /stats: {d.tokens} tokens, hit rate {100 * d.hit_rate:.1f}%, "
+                  f"misses/token {d.misses_per_token:.2f}", file=sys.stderr, flush=True)
+            last = st
+        elif cmd == "/routing":
+            if rest.strip():
+                try:
+                    new = parse_routing(rest.strip())
+                    llm.set_routing(new)
+                except Error as e:
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    continue
+                routing = new
+            print(f"routing: {routing.spec()}", file=sys.stderr, flush=True)
+        elif cmd == "/reset":
+            conv.messages.clear()
+            print("conversation cleared (the expert cache keeps its contents)", file=sys.stderr, flush=True)
+        elif cmd.startswith("/") and " " not in cmd and cmd[1:].isalpha():
+            print(f"unknown command {cmd}; /help lists them", file=sys.stderr, flush=True)
+        else:
+            conv.messages.append({"role": "user", "content": line})
+            try:
+                reply = answer(llm, conv, args, out)
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                continue
+            conv.messages.append({"role": "assistant", "content": reply})
+    print(f"{cache_line(llm, routing.spec())} {llm.moe_stats().summary()}", file=sys.stderr, flush=True)
+    llm.close()
+    return 0
+
+
+def add_command(sub) -> None:
+    """Register ``chat`` on the CLI's subparsers."""
+    c = sub.add_parser(
+        "chat", help="interactive conversation with the model's chat template (like llama-cli -cnv)",
+        description="Talk with the model: each line you type is a user message, the answer streams back. The "
+                    "conversation is rendered with the model's chat template (ChatML if it has none) and kept "
+                    "within the context: the oldest turns are dropped, with a notice.\n\n" + HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(c)
+    c.add_argument("-sys", "--system-prompt", "-p", "--prompt", dest="system", default=None, metavar="TEXT",
+                   help="system prompt, as llama-cli's -sys (and -p in its conversation mode) (default: none)")
+    c.add_argument("-sysf", "--system-prompt-file", "-f", "--file", dest="system_file", default=None, metavar="FILE",
+                   help="read the system prompt from a UTF-8 text file (default: none)")
+    c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1, metavar="N",
+                   help="most tokens per answer; -1 = until the model ends its turn or the context is full "
+                        "(default %(default)s)")
+    add_runtime_options(c)
+    add_sampling_options(c, temp_default=0.8)
+    add_hub_options(c)
+    add_routing_options(c)
+    c.set_defaults(func=cmd_chat)

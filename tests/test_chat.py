@@ -1,0 +1,193 @@
+"""`pymoecache chat` driven through a pseudo-terminal, as a person would: typed lines, Ctrl-C (the
+terminal's SIGINT) in the middle of an answer, Ctrl-D to leave; and through a pipe."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class Terminal:
+    """A child process on a pseudo-terminal: what it prints is read back, keys are written to it."""
+
+    def __init__(self, *args: str):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: its stdin, stdout and stderr are the terminal
+            os.chdir(ROOT)
+            os.execv(sys.executable, [sys.executable, "-m", "pymoecache", *args])
+        self.out = ""
+
+    def expect(self, pattern: str, timeout: float = 120.0) -> re.Match:
+        """Read until ``pattern`` (a regex) appears in what the child printed since the last match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.out)
+            if m:
+                self.out = self.out[m.end():]
+                return m
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(left):
+                raise AssertionError(f"no {pattern!r} in the chat's output:\n{self.out[-3000:]}")
+
+    def _read(self, timeout: float) -> bool:
+        r, _, _ = select.select([self.fd], [], [], min(timeout, 5.0))
+        if not r:
+            return True
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            return False
+        if not data:
+            return False
+        self.out += ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r\n", "\n")
+        return True
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._read(0.2)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError(f"chat did not exit:\n{self.out[-3000:]}")
+
+    def close(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)
+
+
+HIT = r"since the last /stats: (\d+) tokens, hit rate ([\d.]+)%"
+
+
+@pytest.fixture
+def term():
+    made = []
+
+    def start(*args):
+        t = Terminal("chat", *args)
+        made.append(t)
+        t.banner = t.expect(r"pymoecache chat: .*\n.*Ctrl-D leaves\n").group(0)
+        t.expect(r"> ")
+        return t
+
+    yield start
+    for t in made:
+        t.close()
+
+
+def ask(t: Terminal, message: str) -> str:
+    """Type a message, wait for the answer and the next prompt; the answer (without the echo)."""
+    t.send(message + "\r")
+    text = t.expect(r"(?s)(.*?)\n> ").group(1)
+    echo, _, answer = text.partition("\n")
+    assert echo.strip() == message
+    return answer
+
+
+def command(t: Terminal, line: str, pattern: str) -> re.Match:
+    t.send(line + "\r")
+    m = t.expect(pattern)
+    t.expect(r"> ")
+    return m
+
+
+def test_two_turns_stats_routing_ctrl_d(term):
+    """Greedy answers on the embedded model with a small cache (8 of 60 experts)."""
+    t = term("--cache-size", "8", "-n", "24", "--temp", "0")
+    assert "[lru, cache 8/60 experts per layer]" in t.banner
+    first = ask(t, "Good morrow, my lord.")
+    assert first.strip()
+    m = command(t, "/stats", HIT)
+    lru_tokens, lru_hit = int(m.group(1)), float(m.group(2))
+    assert lru_tokens > 24  # the templated message and the answer went through the cache
+    assert ask(t, "What news from the court?").strip()  # second turn, on top of the first
+    assert int(command(t, "/stats", HIT).group(1)) > lru_tokens  # the whole history is the prompt now
+
+    # the same question again from a fresh conversation: under lru the answer does not depend on
+    # the cache, so it repeats; then under prior:0.5, switched between two tokens
+    command(t, "/reset", r"conversation cleared")
+    assert ask(t, "Good morrow, my lord.") == first
+    command(t, "/stats", HIT)
+    command(t, "/routing prior:0.5", r"routing: prior:0\.5")
+    command(t, "/reset", r"conversation cleared")
+    prior_answer = ask(t, "Good morrow, my lord.")
+    m = command(t, "/stats", r"\[prior:0\.5, cache 8/60 experts per layer\].*\n" + HIT)
+    prior_hit = float(m.group(2))
+    assert prior_hit > lru_hit + 10, (prior_hit, lru_hit)  # the prior steered the very next tokens to the cache
+    assert prior_answer != first
+    t.send("\x04")  # Ctrl-D at an empty prompt leaves
+    t.expect(r"\[prior:0\.5, cache 8/60 experts per layer\] hit rate")  # the closing stats line
+    assert t.wait() == 0
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(term):
+    # an answer that would run for thousands of tokens (no end-of-text, a long context)
+    t = term("--cache-size", "8", "-n", "-1", "--ignore-eos", "-c", "4096", "--temp", "0")
+    t.send("Tell me a very long tale.\r")
+    t.expect(r"tale\.\n.")  # the echo, then the answer has begun
+    t.send("\x03")
+    t.expect(r"\[stopped\]")
+    t.expect(r"> ")
+    tokens = int(command(t, "/stats", HIT).group(1))
+    assert 10 < tokens < 3000  # stopped well before the context was full
+    t.send("And then?\r")  # the conversation goes on after a stopped answer
+    t.expect(r"then\?\n.")
+    t.send("\x03")
+    t.expect(r"\[stopped\]")
+    t.expect(r"> ")
+    t.send("\x04")
+    assert t.wait() == 0
+
+
+def test_ctrl_c_at_the_prompt_does_not_leave(term):
+    t = term("--cache-size", "8", "-n", "4", "--temp", "0")
+    t.send("\x03")
+    t.expect(r"Ctrl-D or /quit leaves")
+    t.send("/quit\r")
+    assert t.wait() == 0
+
+
+def test_long_conversation_drops_the_oldest_turns_with_a_notice():
+    """The embedded model's context is 256 tokens: a few turns fill it; the chat keeps answering."""
+    lines = ["Now is the winter of our discontent made glorious summer. " * 3] * 6
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "--cache-size", "0.5", "-n", "40", "--temp", "0",
+                        "--ignore-eos"], cwd=ROOT, input="\n".join(lines) + "\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "full: dropped the oldest" in r.stderr
+    assert r.stdout.count("> ") >= 6 and "error" not in r.stderr
+
+
+def test_system_prompt_file_and_errors(tmp_path):
+    sysf = tmp_path / "sys.txt"
+    sysf.write_text("You are a player in a play.")
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-sysf", str(sysf), "-n", "4", "--temp", "0"],
+                       cwd=ROOT, input="Hello\n/routing nonsense\n/nope\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "unknown routing policy 'nonsense'" in r.stderr and "unknown command /nope" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-sysf", str(tmp_path / "missing.txt")],
+                       cwd=ROOT, input="", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot read system prompt file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-sys", "a", "-sysf", str(sysf)],
+                       cwd=ROOT, input="", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not both" in r.stderr
