@@ -19,7 +19,7 @@ import math
 import os
 import threading
 import warnings
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -284,6 +284,7 @@ class MoECache:
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.expert_bytes = expert_bytes
         self.trace_capacity = trace_capacity
+        self.moe_layers: Sequence[int] = ()  # the model's MoE layers: in stats() before their first token too
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -348,7 +349,7 @@ class MoECache:
                                     model_path=info.path, n_expert_used=info.n_expert_used)
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
-        mc.routing, mc.scope = routing, scope
+        mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
         return mc
 
     # --- life cycle --------------------------------------------------------------------------
@@ -413,7 +414,8 @@ class MoECache:
                 ls.lifetime_count, ls.lifetime_sum, ls.delta), ls.n_expert > 0
 
     def stats(self) -> MoEStats:
-        rows = [row for row, routed in map(self.layer_row, range(self.n_layer)) if routed]
+        rows = [row for il, (row, routed) in enumerate(map(self.layer_row, range(self.n_layer)))
+                if routed or il in self.moe_layers]
         return MoEStats.from_rows(rows, self.n_expert, self.n_expert_used, self.expert_bytes,
                                   residency=self.residency_stats())
 

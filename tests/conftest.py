@@ -63,9 +63,10 @@ def http_request(url: str, body=None, timeout: float = 120, raw: bytes = None, m
 
 @contextlib.contextmanager
 def running_server(model, log: Path, *args):
-    """Start `pymoecache serve MODEL ARGS` on a free port, yield its base URL, stop it after."""
+    """Start `pymoecache serve -m MODEL ARGS` on a free port, yield its base URL, stop it after."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pymoecache", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "pymoecache", "serve", "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

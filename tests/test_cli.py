@@ -80,7 +80,7 @@ def test_bench_table_csv_json(fixture_dir, tmp_path):
 def test_every_command_has_help_with_defaults():
     r = cli("--help")
     assert r.returncode == 0
-    for cmd in ("run", "info", "bench"):
+    for cmd in ("run", "info", "bench", "chat", "serve"):
         assert cmd in r.stdout
         h = cli(cmd, "--help")
         assert h.returncode == 0, h.stderr
@@ -124,5 +124,174 @@ def test_run_without_a_model_uses_the_embedded_trained_model():
     assert r.returncode == 0, r.stderr
     assert "using the embedded default model" in r.stderr and "tiny-shakespeare-qwen2moe-60x4.gguf" in r.stderr
     text, last = r.stdout.strip().rsplit("\n", 1)
-    assert last.startswith("[prior:0.5, cache 30/60 experts per layer]")
+    # cache size auto (the default): the 21 MB model fits this machine, so every expert stays resident
+    assert last.startswith("[prior:0.5, cache 60/60 experts per layer; auto: 60 of 60 experts per layer fit in ")
+    assert "all resident, nothing streamed" in last and "stream:" not in last
     assert text.startswith("ROMEO:") and len(text.split()) >= 6
+
+
+# --- first contact: cache size auto, llama.cpp's flags and sampling options ---------------------
+
+LLAMA_CPP_FLAGS = {  # command -> options a llama.cpp user types, each must be in --help with a default
+    "run": ["-m", "-p", "-f", "-n", "-c", "--ctx-size", "-t", "--threads", "-ngl", "--n-gpu-layers", "-s", "--temp",
+            "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--ignore-eos", "--cache-size"],
+    "chat": ["-m", "-sys", "-sysf", "-n", "-c", "--ctx-size", "-t", "--threads", "-ngl", "-s", "--temp", "--top-k",
+             "--top-p", "--min-p", "--repeat-penalty", "--ignore-eos", "--cache-size"],
+    "bench": ["-m", "-f", "-n", "-c", "-t", "-ngl", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty",
+              "--cache-size"],
+    "serve": ["-m", "-c", "--ctx-size", "-t", "--threads", "-ngl", "--cache-size"],
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(LLAMA_CPP_FLAGS))
+def test_llama_cpp_flags_have_help_with_defaults(cmd):
+    from pymoecache.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[cmd]
+    by_flag = {f: a for a in sub._actions for f in a.option_strings}
+    for flag in LLAMA_CPP_FLAGS[cmd]:
+        assert flag in by_flag, f"{cmd} has no {flag}"
+        assert "default" in by_flag[flag].help, f"{cmd} {flag}: the help does not say the default"
+    assert "default auto" in by_flag["--cache-size"].help
+    text = cli(cmd, "--help").stdout
+    assert all(f in text for f in LLAMA_CPP_FLAGS[cmd])
+
+
+def _auto_run(monkeypatch, capsys, available, *args):
+    """`pymoecache run` in this process, with the free-memory reading replaced by ``available``."""
+    import pymoecache.llama
+    from pymoecache.cli import main
+
+    monkeypatch.setattr(pymoecache.llama, "_available_memory", lambda: available)
+    rc = main(["run", "-n", "8", "--prior", "0.5", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out.strip().splitlines()[-1]
+
+
+def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
+    from pymoecache import auto_cache_size, default_model_path, model_info
+
+    info = model_info(default_model_path())
+    per_expert = info.expert_bytes * info.n_moe_layer  # one more cached expert per layer, all layers
+    for want in (20, 45):
+        # what 'want' experts per layer need beside the dense weights, the KV cache and the 256 MiB margin
+        kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
+        available = info.non_expert_bytes + kv + (256 << 20) + int((want + 0.5) * per_expert)
+        assert auto_cache_size(info, info.n_ctx_train, available=available).n_cached == want
+        last = _auto_run(monkeypatch, capsys, available)
+        assert last.startswith(f"[prior:0.5, cache {want}/60 experts per layer; auto: {want} of 60 experts per layer "
+                               f"fit in {available / 2**30:.1f} GiB free"), last
+        assert "stream: read" in last  # what does not fit is streamed from the file
+
+    # less memory than the model's file: no expert fits; the run still works, on K streamed slots, and says so
+    last = _auto_run(monkeypatch, capsys, info.file_bytes // 2)
+    assert last.startswith("[prior:0.5, cache 0/60 experts per layer; auto: 0 of 60 experts per layer fit")
+    assert "too little memory, the run still needs K = 4 slots per layer" in last and "stream: read" in last
+
+    # an explicit size is taken as given, whatever the memory
+    last = _auto_run(monkeypatch, capsys, info.file_bytes // 2, "--cache-size", "30")
+    assert last.startswith("[prior:0.5, cache 30/60 experts per layer]")
+
+
+def test_cache_size_auto_reads_a_cgroup_limit(monkeypatch, tmp_path):
+    """In a container the cgroup's limit, not the host's MemAvailable, is what the process can have."""
+    import pymoecache.llama as L
+
+    assert L._available_memory() > 0
+    monkeypatch.setattr(L, "_cgroup_available", lambda: 123 << 20)
+    assert L._available_memory() == 123 << 20
+
+
+def test_model_option_prompt_file_threads_ctx(fixture_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("ROMEO: What light")
+    r = cli("run", "-m", model_path(fixture_dir, QWEN), "-f", prompt, "-n", "4", "-t", "1", "-c", "512", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"].endswith(f"{QWEN}.gguf") and d["n_threads"] == 1 and d["n_ctx"] == 512
+    assert d["generated_tokens"] == 4
+    r = cli("run", "--model", model_path(fixture_dir, QWEN), "--file", prompt, "-n", "2", "--threads", "2",
+            "--ctx-size", "256", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["n_threads"] == 2
+    r = cli("run", model_path(fixture_dir, QWEN), "-m", model_path(fixture_dir, "mixtral-8x2"), "-n", "1")
+    assert r.returncode == 2 and "two models given" in r.stderr
+    r = cli("run", model_path(fixture_dir, QWEN), "-f", prompt, "-p", "x", "-n", "1")
+    assert r.returncode == 2 and "either -p/--prompt or -f/--file" in r.stderr
+    r = cli("run", model_path(fixture_dir, QWEN), "-f", tmp_path / "missing.txt", "-n", "1")
+    assert r.returncode == 2 and "cannot read prompt file" in r.stderr
+    prompt.write_text("word " * 300)  # longer than -c: refused up front
+    r = cli("run", model_path(fixture_dir, QWEN), "-f", prompt, "-n", "1", "-c", "256")
+    assert r.returncode == 2 and "do not fit in the context of 256 tokens" in r.stderr
+
+
+def _text(*args):
+    r = cli("run", *args, "-p", "ROMEO:", "-n", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["text"]
+
+
+def test_sampling_options_take_effect():
+    greedy = _text("--temp", "0")
+    hot = ("--temp", "1.5", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0")
+    assert _text(*hot, "-s", "1") != _text(*hot, "-s", "2")  # really sampling: the seed matters
+    assert _text(*hot, "-s", "1") == _text(*hot, "--seed", "1")  # ... and only the seed
+    # each filter alone, at its strictest, leaves only the most likely token: greedy again
+    assert _text("--temp", "1.5", "--top-k", "1", "--top-p", "1.0", "--min-p", "0.0", "-s", "1") == greedy
+    assert _text("--temp", "1.5", "--top-k", "0", "--top-p", "0.0", "--min-p", "0.0", "-s", "1") == greedy
+    assert _text("--temp", "1.5", "--top-k", "0", "--top-p", "1.0", "--min-p", "1.0", "-s", "1") == greedy
+    assert _text("--temp", "0", "--repeat-penalty", "3.0") != greedy  # the tiny model repeats itself
+
+
+def test_ignore_eos_bans_every_end_of_generation_token():
+    import argparse
+
+    import llama_cpp
+    import pymoecache
+    from pymoecache.cli.options import sampling_kwargs
+
+    llm = pymoecache.Llama(str(pymoecache.default_model_path()), n_ctx=64, verbose=False)
+    args = argparse.Namespace(temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=0, ignore_eos=True)
+    bias = sampling_kwargs(args, llm)["logit_bias"]
+    assert llm.token_eos() in bias and all(v == float("-inf") for v in bias.values())
+    assert all(llama_cpp.llama_vocab_is_eog(llm._model.vocab, t) for t in bias)
+    args.ignore_eos = False
+    assert "logit_bias" not in sampling_kwargs(args, llm)
+    llm.close()
+    r = cli("run", "-p", "ROMEO:", "-n", "40", "--ignore-eos", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["generated_tokens"] == 40
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in [0, 1]"),
+    (["--min-p", "nan"], "--min-p must be in [0, 1]"),
+    (["--temp", "-1"], "--temp must be in"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be in"),
+    (["-ngl", "-2"], "-ngl must be >= -1"),
+    (["-n", "-2"], "-n must be in [-1"),
+])
+def test_bad_sampling_and_runtime_options(args, msg):
+    r = cli("run", "-n", "1", *args) if args[0] != "-n" else cli("run", *args)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_layers_with_streaming_say_what_to_do():
+    r = cli("run", "-ngl", "99", "--cache-size", "0.5", "-n", "1")
+    assert r.returncode == 2
+    for what in ("not built yet", "--residency none", "-ngl 0"):
+        assert what in r.stderr, r.stderr
+    # all resident: -ngl goes to llama.cpp as usual (this CPU build has no GPU to offload to)
+    r = cli("run", "-ngl", "99", "--residency", "none", "--cache-size", "0.5", "-n", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["generated_tokens"] == 4
+
+
+def test_bench_prompt_file_and_sampling(fixture_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe king said\n")
+    r = cli("bench", "-m", model_path(fixture_dir, QWEN), "-f", prompts, "--routing", "lru", "-n", "4", "-t", "1",
+            "--temp", "0.7", "--top-k", "10", "--cache-size", "0.5", "--json", tmp_path / "b.json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "b.json").read_text())[0]["routing"] == "lru"

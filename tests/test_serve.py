@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import urllib.error
 
 import pytest
 
@@ -34,8 +35,21 @@ def _cli(*args, timeout=120):
 @pytest.fixture(scope="module")
 def url(fixture_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with running_server(model_path(fixture_dir, "qwen2moe-60x4"), log, "--prior", "0.5") as (base, _):
+    with running_server(model_path(fixture_dir, "qwen2moe-60x4"), log, "--prior", "0.5", "--cache-size", "30") as (base, _):
         yield base
+
+
+@needs_extras
+def test_defaults_auto_cache_and_llama_cpp_flags(fixture_dir, tmp_path):
+    """No --cache-size: auto, which keeps all experts of this small model; -c, -t, -ngl as in llama-server."""
+    with running_server(model_path(fixture_dir, "qwen2moe-60x4"), tmp_path / "log", "-c", "256", "-t", "1",
+                        "-ngl", "0") as (base, _):
+        st = json.loads(_request(base + "/moecache/stats")[1])
+        assert st["cache_size"] == 60 and st["cache_choice"].startswith("auto: 60 of 60 experts per layer fit in")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _request(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 300})
+        status, text = e.value.code, e.value.read().decode()
+        assert status == 422 and "max_tokens" in text and "256" in text  # -c 256 is the context
 
 
 def _check_request_stats(res) -> None:

@@ -104,6 +104,8 @@ def cmd_run(args) -> int:
     res = {
         "model": model,
         "routing": routing.spec(),
+        "n_ctx": llm.n_ctx(),
+        "n_threads": llm.context_params.n_threads,
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
