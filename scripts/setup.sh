@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up pymoecache on a fresh Linux or macOS machine (Python >= 3.10, a C++17 compiler, cmake),
-# then run the main job: `pymoecache run --prior 0.5` on the embedded default model.
+# then run the main job: `pymoecache run --prior 0.5 --cache-size 0.5` on the embedded default model.
 #
 #   bash scripts/setup.sh            # set up (idempotent) + run
 #   bash scripts/setup.sh --no-run   # set up only (used by scripts/test.sh)
@@ -36,6 +36,6 @@ step "building pymoecache (patched llama.cpp + src_cpp; several minutes the firs
 "$VPY" -m pip install --no-build-isolation -q ".[test,plot,hub,server]"
 
 if [ "$RUN" = 1 ]; then
-    step "pymoecache run --prior 0.5 (embedded default model)"
-    .venv/bin/pymoecache run --prior 0.5
+    step "pymoecache run --prior 0.5 --cache-size 0.5 (embedded default model, half of its experts cached)"
+    .venv/bin/pymoecache run --prior 0.5 --cache-size 0.5
 fi

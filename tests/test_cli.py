@@ -295,3 +295,28 @@ def test_bench_prompt_file_and_sampling(fixture_dir, tmp_path):
             "--temp", "0.7", "--top-k", "10", "--cache-size", "0.5", "--json", tmp_path / "b.json")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "b.json").read_text())[0]["routing"] == "lru"
+
+
+def test_n_minus_one_generates_until_the_context_is_full():
+    r = cli("run", "-p", "ROMEO:", "-n", "-1", "--ignore-eos", "-c", "256", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["prompt_tokens"] + d["generated_tokens"] == 256
+
+
+def test_readme_llama_cpp_table_names_real_options():
+    """Every option the README's "Coming from llama.cpp" table promises exists on our CLI."""
+    import re
+
+    from pymoecache.cli import build_parser
+
+    ours = set()
+    for sub in next(a for a in build_parser()._actions if a.dest == "command").choices.values():
+        ours.update(f for a in sub._actions for f in a.option_strings)
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Coming from llama.cpp", 1)[1].split("\n## ", 1)[0]
+    rows = [ln.split("|")[2] for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| llama.cpp")]
+    assert len(rows) >= 10
+    flags = {f for row in rows for code in re.findall(r"`([^`]*)`", row) for f in re.findall(r"(?<![\w-])(-{1,2}[a-z][\w-]*)", code)}
+    assert {"-m", "-c", "-t", "-ngl", "-sys", "-f", "--top-k", "--ignore-eos"} <= flags, flags
+    assert flags <= ours, flags - ours
