@@ -512,9 +512,10 @@ class Llama(llama_cpp.Llama):
 
     Args:
         model_path: a GGUF file.
-        cache: :class:`CacheConfig` (default: half of the routed experts per layer, streamed:
-            the cached experts live in an mlocked slot arena and a miss reads the expert from
-            ``model_path``; ``CacheConfig(residency="none")`` keeps every expert resident).
+        cache: :class:`CacheConfig` (default ``size="auto"``: as many experts per layer as fit in
+            the free memory, all of them when the model fits; what does not fit is streamed: the
+            cached experts live in an mlocked slot arena and a miss reads the expert from
+            ``model_path``). ``cache_choice`` then says what auto chose and why.
         routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
             as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
