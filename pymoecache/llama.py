@@ -167,8 +167,8 @@ class AutoCacheSize:
     margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 256 MiB
 
     def __str__(self) -> str:
-        gib = 1 << 30
-        head = (f"auto: {self.n_cached} of {self.n_expert} experts per layer fit in {self.available / gib:.1f} GiB free "
+        free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
+        head = (f"auto: {self.n_cached} of {self.n_expert} experts per layer fit in {free} free "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
         if self.n_cached >= self.n_expert:
             return head + ": all resident, nothing streamed"

@@ -181,7 +181,7 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
         assert auto_cache_size(info, info.n_ctx_train, available=available).n_cached == want
         last = _auto_run(monkeypatch, capsys, available)
         assert last.startswith(f"[prior:0.5, cache {want}/60 experts per layer; auto: {want} of 60 experts per layer "
-                               f"fit in {available / 2**30:.1f} GiB free"), last
+                               f"fit in {available / 2**20:.0f} MiB free (less "), last
         assert "stream: read" in last  # what does not fit is streamed from the file
 
     # less memory than the model's file: no expert fits; the run still works, on K streamed slots, and says so
