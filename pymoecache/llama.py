@@ -82,6 +82,30 @@ def take_log_lines(n: int = 3) -> str:
 _LOAD_LOCK = threading.Lock()
 
 
+class _TolerantChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
+    """llama-cpp-python compiles every chat template of a GGUF while it loads the model, and a
+    template its Jinja cannot parse would abort the load. Installed for the duration of a load
+    (under _LOAD_LOCK): such a template loads, warns once, and fails only when used."""
+
+    def __init__(self, template: str, *args, **kwargs):
+        import jinja2
+
+        try:
+            super().__init__(template, *args, **kwargs)
+            self.error = None
+        except jinja2.TemplateError as e:
+            self.template, self.error = template, f"{type(e).__name__}: {e}"
+            _log.warning("the model's chat template is not valid Jinja (%s): create_chat_completion needs "
+                         "chat_format= or a chat_handler; `pymoecache chat` uses llama.cpp's own templates",
+                         self.error)
+
+    def __call__(self, *args, **kwargs):
+        if self.error is not None:
+            raise ConfigError(f"the model's chat template cannot be used ({self.error}): pass chat_format= "
+                              "(e.g. 'chatml') or a chat_handler to pymoecache.Llama")
+        return super().__call__(*args, **kwargs)
+
+
 def _check_llama_kwargs(kw: dict) -> None:
     """Range checks for the llama_cpp.Llama options that reach ctypes as fixed-width integers."""
     for name in ("n_ctx", "n_batch", "n_ubatch"):
@@ -581,6 +605,8 @@ class Llama(llama_cpp.Llama):
             take_log_lines()  # drop older lines: only this load's reason goes into the message
             # stream and mmap: the experts keep the file's layout and are not read at load time
             C.moecache_set_load_residency(RESIDENCIES[residency])
+            formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter
+            llama_cpp.llama_chat_format.Jinja2ChatFormatter = _TolerantChatFormatter
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
@@ -591,6 +617,7 @@ class Llama(llama_cpp.Llama):
                 raise ModelLoadError(f"llama.cpp could not load {model_path}: {why}") from None
             finally:
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
+                llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size

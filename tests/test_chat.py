@@ -191,3 +191,60 @@ def test_system_prompt_file_and_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-sys", "a", "-sysf", str(sysf)],
                        cwd=ROOT, input="", capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not both" in r.stderr
+
+
+def _with_template(tmp_path, template):
+    """The embedded model with ``tokenizer.chat_template`` set (a header edit, the weights unchanged)."""
+    import gguf_edit as ge
+    import pymoecache
+
+    g = ge.Gguf.parse(pymoecache.default_model_path().read_bytes())
+    path = tmp_path / "templated.gguf"
+    path.write_bytes(g.set("tokenizer.chat_template", ge.STRING, template).to_bytes())
+    return path
+
+
+def _chat_prompt(*args, stdin="Hello\n"):
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", *map(str, args), "-n", "2", "--temp", "0",
+                        "--verbose-prompt"], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stderr.split("[prompt]\n", 1)[1].split("\n[/prompt]", 1)[0], r.stderr
+
+
+LLAMA3 = ("{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+          "{{ message['content'] }}<|eot_id|>{% endfor %}")
+
+
+def test_the_model_chat_template_is_used(tmp_path):
+    # no template in the file: ChatML, as llama-cli; the system prompt comes first
+    prompt, _ = _chat_prompt("-sys", "Be brief.")
+    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    # a template llama.cpp recognizes (Llama 3's): rendered by llama.cpp with it
+    prompt, _ = _chat_prompt("-m", _with_template(tmp_path, LLAMA3))
+    assert prompt.startswith("<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>")
+    assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    # one it does not know: a notice, then ChatML
+    prompt, err = _chat_prompt("-m", _with_template(tmp_path, "{{ something only jinja knows }}"))
+    assert "does not know this model's chat template; using ChatML" in err
+    assert prompt.startswith("<|im_start|>user\nHello<|im_end|>")
+
+
+def test_a_chat_template_jinja_cannot_parse_does_not_stop_the_load(tmp_path, caplog):
+    """llama-cpp-python compiles the GGUF's template at load; a broken one used to abort it."""
+    import pymoecache
+
+    path = _with_template(tmp_path, "{% for m in messages %}{{ m.content }")  # unterminated
+    with caplog.at_level("WARNING", logger="pymoecache"):
+        llm = pymoecache.Llama(str(path), n_ctx=256, verbose=False)
+    assert "chat template is not valid Jinja" in caplog.text
+    assert llm("ROMEO:", max_tokens=2)["choices"][0]["text"] is not None  # plain completion works
+    with pytest.raises(pymoecache.ConfigError, match="chat template cannot be used"):
+        llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    llm.close()
+    llm = pymoecache.Llama(str(path), n_ctx=256, chat_format="chatml", verbose=False)
+    assert llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)["choices"]
+    llm.close()
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "--chat", "-p", "Hi", "-n", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "chat template cannot be used" in r.stderr and "Traceback" not in r.stderr

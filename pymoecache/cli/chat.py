@@ -135,9 +135,12 @@ def answer(llm, conv: Conversation, args, out) -> str:
     if dropped:
         print(f"[context of {n_ctx} tokens full: dropped the oldest {dropped} turn{'s' * (dropped > 1)}]",
               file=sys.stderr, flush=True)
+    prompt = conv.prompt()
+    if args.verbose_prompt:
+        print(f"[prompt]\n{prompt}\n[/prompt]", file=sys.stderr, flush=True)
     text, finish = [], None
     with _Interrupt() as stop:
-        stream = llm.create_completion(conv.prompt(), max_tokens=args.n if args.n > 0 else None, stream=True,
+        stream = llm.create_completion(prompt, max_tokens=args.n if args.n > 0 else None, stream=True,
                                        **sampling_kwargs(args, llm))
         try:
             for chunk in stream:
@@ -250,6 +253,8 @@ def add_command(sub) -> None:
     c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1, metavar="N",
                    help="most tokens per answer; -1 = until the model ends its turn or the context is full "
                         "(default %(default)s)")
+    c.add_argument("--verbose-prompt", action="store_true",
+                   help="print each turn's whole prompt, as the chat template renders it, on stderr (default: off)")
     add_runtime_options(c)
     add_sampling_options(c, temp_default=0.8)
     add_hub_options(c)
