@@ -42,6 +42,8 @@ class moecache_cache_params(ctypes.Structure):
         ("io_threads", c_int32),
         ("direct_io", c_bool),
         ("lock_memory", c_bool),
+        ("prefetch", c_int32),
+        ("prefetch_distance", c_int32),
     ]
 
 
@@ -87,6 +89,13 @@ class moecache_residency_stats(ctypes.Structure):
         ("prompt_bytes_read", c_int64),
         ("prompt_t_io_ms", c_double),
         ("rss_bytes", c_int64),
+        ("demand_bytes_read", c_int64),
+        ("prefetch_bytes_read", c_int64),
+        ("prefetch_issued", c_int64),
+        ("prefetch_used", c_int64),
+        ("prefetch_wasted", c_int64),
+        ("predicted_selected", c_int64),
+        ("predicted_total", c_int64),
     ]
 
 

@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # the ctypes struct each policy fills; importing it would loa
     from ._moecache_cpp import moecache_routing_params
 
 
+# CacheConfig.prefetch -> enum moecache_prefetch
+PREFETCHES = {"off": C.MOECACHE_PREFETCH_OFF, "gate": C.MOECACHE_PREFETCH_GATE,
+              "previous": C.MOECACHE_PREFETCH_PREVIOUS}
+
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
 RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE_RESIDENCY_MMAP,
                "stream": C.MOECACHE_RESIDENCY_STREAM}
@@ -313,6 +317,13 @@ class CacheConfig:
     io_threads: reads in flight on a miss. direct_io: ``O_DIRECT`` reads for ``stream``.
     lock_memory: mlock the cache; if the OS refuses, one warning and the run goes on unlocked.
 
+    prefetch: ``"off"`` (the default), ``"gate"`` (while layer l decodes a token, layer l + d's
+    router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
+    ``"previous"`` (what layer l + d selected for the previous token). The predicted experts are
+    inserted into layer l + d's cache (evicting its least recently used ones) and, with
+    ``stream``, read in the background while the layers in between compute; with the other
+    residencies only the cache's contents (and the counters) change. prefetch_distance: d (1..8).
+
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
     >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
@@ -328,6 +339,8 @@ class CacheConfig:
     io_threads: int = 8
     direct_io: bool = True
     lock_memory: bool = True
+    prefetch: str = "off"
+    prefetch_distance: int = 1
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -355,6 +368,9 @@ class CacheConfig:
         if self.residency not in RESIDENCIES:
             raise ConfigError(f"residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}")
         check_int("io_threads", self.io_threads, 1, 64)
+        if self.prefetch not in PREFETCHES:
+            raise ConfigError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {self.prefetch!r}")
+        check_int("prefetch_distance", self.prefetch_distance, 1, C.MOECACHE_MAX_PREFETCH_DISTANCE)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

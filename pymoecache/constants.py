@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 4
+MOECACHE_ABI_VERSION = 5
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -23,11 +23,17 @@ MOECACHE_ERR_NO_MEMORY = -8
 MOECACHE_MAX_EXPERTS = 4096
 MOECACHE_MAX_LAYERS = 4096
 MOECACHE_MAX_TRACE = 1 << 24
+MOECACHE_MAX_PREFETCH_DISTANCE = 8
 
 # enum moecache_residency
 MOECACHE_RESIDENCY_NONE = 0
 MOECACHE_RESIDENCY_MMAP = 1
 MOECACHE_RESIDENCY_STREAM = 2
+
+# enum moecache_prefetch
+MOECACHE_PREFETCH_OFF = 0
+MOECACHE_PREFETCH_GATE = 1
+MOECACHE_PREFETCH_PREVIOUS = 2
 
 # enum moecache_policy
 MOECACHE_POLICY_TOPK = 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
-from .config import (INT32_MAX, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing,
+from .config import (INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing,
                      TopK, check_int, parse_routing)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
@@ -309,6 +309,7 @@ class MoECache:
         self.expert_bytes = expert_bytes
         self.trace_capacity = trace_capacity
         self.moe_layers: Sequence[int] = ()  # the model's MoE layers: in stats() before their first token too
+        self.prefetch = "off"  # CacheConfig.prefetch (set by the constructors)
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -335,6 +336,8 @@ class MoECache:
                         else C.MOECACHE_INSERTION_BOTTOM_TOP)
         cp.update_on_prompt = bool(cache.update_on_prompt)
         cp.trace_capacity = int(cache.trace)
+        cp.prefetch = PREFETCHES[cache.prefetch]
+        cp.prefetch_distance = int(cache.prefetch_distance)
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -363,6 +366,7 @@ class MoECache:
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
+        mc.prefetch = (cache or CacheConfig(size=0.5)).prefetch
         return mc
 
     @classmethod
@@ -374,6 +378,7 @@ class MoECache:
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
+        mc.prefetch = cache.prefetch
         return mc
 
     # --- life cycle --------------------------------------------------------------------------
@@ -453,7 +458,11 @@ class MoECache:
                               decode_tokens=rs.decode_tokens, decode_loads=rs.decode_loads,
                               decode_bytes_read=rs.decode_bytes_read, decode_t_io_ms=rs.decode_t_io_ms,
                               decode_t_route_ms=rs.decode_t_route_ms, prompt_bytes_read=rs.prompt_bytes_read,
-                              prompt_t_io_ms=rs.prompt_t_io_ms, rss_bytes=rs.rss_bytes)
+                              prompt_t_io_ms=rs.prompt_t_io_ms, rss_bytes=rs.rss_bytes,
+                              demand_bytes_read=rs.demand_bytes_read, prefetch_bytes_read=rs.prefetch_bytes_read,
+                              prefetch_issued=rs.prefetch_issued, prefetch_used=rs.prefetch_used,
+                              prefetch_wasted=rs.prefetch_wasted, predicted_selected=rs.predicted_selected,
+                              predicted_total=rs.predicted_total, prefetch=self.prefetch)
 
     def take_io_error(self) -> Optional[str]:
         """The message of a failed expert read since the last call, or None."""

@@ -41,6 +41,26 @@ class ResidencyStats:
     prompt_t_io_ms: float
     rss_bytes: int                   # resident set size of the process now
     decode_t_eval_ms: float = 0.0    # llama.cpp's decode time over the same tokens (0 if unknown)
+    # prefetch (CacheConfig.prefetch): bytes read on demand and ahead (stream), experts prefetched,
+    # used (selected before eviction), wasted (evicted unselected), and the prediction's recall
+    prefetch: str = "off"
+    demand_bytes_read: int = 0
+    prefetch_bytes_read: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    predicted_selected: int = 0
+    predicted_total: int = 0
+
+    @property
+    def recall(self) -> float:
+        """Share of the selected experts (of layers a prediction was made for) that it named."""
+        return self.predicted_selected / self.predicted_total if self.predicted_total else 0.0
+
+    @property
+    def wasted_bytes(self) -> int:
+        """Bytes of prefetched experts evicted before any token selected them (one expert each)."""
+        return self.prefetch_wasted * self.expert_bytes
 
     @property
     def bytes_read_per_token(self) -> float:
@@ -67,7 +87,10 @@ class ResidencyStats:
                 "t_io_ms_per_token": self.t_io_ms_per_token, "t_route_ms_per_token": self.t_route_ms_per_token,
                 "t_compute_ms_per_token": self.t_compute_ms_per_token, "arena_bytes": self.arena_bytes,
                 "locked": self.locked, "direct_io": self.direct_io, "rss_bytes": self.rss_bytes,
-                "prompt_bytes_read": self.prompt_bytes_read}
+                "prompt_bytes_read": self.prompt_bytes_read, "prefetch": self.prefetch,
+                "demand_bytes_read": self.demand_bytes_read, "prefetch_bytes_read": self.prefetch_bytes_read,
+                "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+                "prefetch_wasted": self.prefetch_wasted, "prefetch_recall": self.recall}
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -75,7 +98,12 @@ class ResidencyStats:
                 f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
                 f"routing {self.t_route_ms_per_token:.3f} ms | rss {self.rss_bytes / mib:.0f} MiB"
                 + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
-                   if self.residency == "stream" else ""))
+                   if self.residency == "stream" else "")
+                + (f" | prefetch {self.prefetch}: recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "
+                   f"{self.prefetch_used} used, {self.prefetch_wasted} wasted"
+                   + (f", read ahead {self.prefetch_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok"
+                      if self.residency == "stream" else "")
+                   if self.prefetch != "off" else ""))
 
 
 @dataclass

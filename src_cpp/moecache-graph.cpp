@@ -14,6 +14,9 @@
 #include "llama.h"
 #include "llama-hparams.h" // llama_expert_gating_func_type
 #include "llama-impl.h"    // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
+#include "llama-model.h"   // llama_layer: the router of layer il + d (prefetch)
+
+#include <algorithm>
 
 #include <cmath>
 #include <mutex>
@@ -32,6 +35,64 @@ thread_local moecache *                                  g_building = nullptr; /
 
 const float * row_f32(const ggml_tensor * t, int64_t i1) {
     return (const float *) ((const char *) t->data + i1 * t->nb[1]);
+}
+
+// During layer L's decode: predict what layer L + d will select and prefetch it (GATE: the top K
+// of pred, that layer's router logits for this layer's FFN input, [n_expert, 1]; PREVIOUS: what
+// it selected for the previous token)
+void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred) {
+    const int32_t target = L.il + mc.cparams.prefetch_distance;
+    if (target >= mc.n_layer) {
+        return;
+    }
+    moecache_layer & T = mc.layers[target];
+    const int32_t K = mc.n_expert_used;
+    int32_t ids[MOECACHE_MAX_USED];
+    float   score[MOECACHE_MAX_USED];
+    int32_t n = 0;
+    if (mc.cparams.prefetch == MOECACHE_PREFETCH_GATE) {
+        if (!pred || !L.graph.predicts) {
+            return;
+        }
+        const float * z = row_f32(pred, 0);
+        std::vector<int32_t> & r = L.scratch.order; // [n_expert] scratch, free after routing
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            r[e] = e;
+        }
+        n = K;
+        std::partial_sort(r.begin(), r.begin() + n, r.end(), [z](int32_t a, int32_t b) {
+            return z[a] > z[b] || (z[a] == z[b] && a < b) || (std::isnan(z[b]) && !std::isnan(z[a]));
+        });
+        double sum = 0.0; // softmax over the top n: the prefetch queue's order
+        for (int32_t i = 0; i < n; i++) {
+            sum += std::exp((double) z[r[i]] - (double) z[r[0]]);
+        }
+        for (int32_t i = 0; i < n; i++) {
+            ids[i]   = r[i];
+            score[i] = std::isfinite(sum) && sum > 0.0 ? (float) (std::exp((double) z[r[i]] - (double) z[r[0]]) / sum)
+                                                       : 1.0f;
+        }
+    } else {
+        n = T.pf.n_last_sel;
+        for (int32_t i = 0; i < n; i++) {
+            ids[i]   = T.pf.last_sel[i];
+            score[i] = 1.0f;
+        }
+    }
+    if (n == 0) {
+        return;
+    }
+    int32_t inserted[MOECACHE_MAX_USED];
+    float   ins_score[MOECACHE_MAX_USED];
+    const int32_t n_ins = moecache_layer_prefetch(T, ids, n, inserted);
+    for (int32_t i = 0, j = 0; i < n && j < n_ins; i++) {
+        if (ids[i] == inserted[j]) {
+            ins_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
+        }
+    }
+    if (n_ins > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
+        moecache_slots_prefetch(mc, T, inserted, ins_score, n_ins);
+    }
 }
 
 // dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run
@@ -74,6 +135,11 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     if (decode) {
         L.decode_tokens      += 1;
         mc.t_route_decode_us += moecache_time_us() - t0;
+        if (update && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
+            const int32_t * out = (const int32_t *) dst->data;
+            moecache_layer_prefetch_outcome(L, out, out[K]);
+            prefetch_ahead(mc, L, dst->src[4]);
+        }
     }
 }
 
@@ -109,6 +175,31 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 } // namespace
+
+// GATE prefetch, decode graphs: layer il + d's router applied to layer il's FFN input (the input
+// of this layer's router matmul), [n_expert, 1]; nullptr when there is nothing to predict
+static ggml_tensor * predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il, int64_t n_tokens) {
+    if (mc.cparams.prefetch != MOECACHE_PREFETCH_GATE || !mc.model || n_tokens != 1) {
+        return nullptr;
+    }
+    const int target = il + mc.cparams.prefetch_distance;
+    if (target >= mc.n_layer || target >= (int) mc.model->layers.size()) {
+        return nullptr;
+    }
+    const llama_layer & here = mc.model->layers[il];
+    const llama_layer & next = mc.model->layers[target];
+    ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
+    if (mm->op != GGML_OP_MUL_MAT || mm->src[0] != here.ffn_gate_inp || !next.ffn_gate_inp ||
+        next.ffn_gate_inp->ne[0] != mm->src[1]->ne[0] || next.ffn_gate_inp->ne[1] != mc.n_expert) {
+        return nullptr; // a router of another shape (or none: a dense layer), or an input we do not recognize
+    }
+    ggml_tensor * pred = ggml_mul_mat(ctx, next.ffn_gate_inp, mm->src[1]);
+    if (next.ffn_gate_inp_b) {
+        pred = ggml_add(ctx, pred, next.ffn_gate_inp_b);
+    }
+    ggml_format_name(pred, "moecache_predict-%d", target);
+    return pred;
+}
 
 bool moecache_hook_graph_reusable(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -164,8 +255,11 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     moecache_layer & L = mc->layers[il];
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
-    ggml_tensor * args[4] = { selected, logits, probs, selection };
-    L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, 4, op_select, 1, &L);
+    ggml_tensor * pred = predict_router(*mc, ctx, logits, il, selected->ne[1]);
+    L.graph.predicts = pred != nullptr;
+    ggml_tensor * args[5] = { selected, logits, probs, selection, pred };
+    L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, pred ? 5 : 4,
+                                       op_select, 1, &L);
     ggml_format_name(L.graph.route_out, "moecache_select-%d", il);
     // llama.cpp gets the K selected experts per token, contiguous as its own top-K
     L.graph.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.graph.route_out, K, selected->ne[1], L.graph.route_out->nb[1], 0));

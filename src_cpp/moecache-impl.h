@@ -5,10 +5,12 @@
 #pragma once
 
 #include "moecache.h"
+#include "moecache-io.h"
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -17,7 +19,6 @@
 struct ggml_context;
 struct ggml_tensor;
 struct ggml_backend_buffer;
-struct moecache_io;
 
 // largest K (experts per token) the graph op handles
 #define MOECACHE_MAX_USED 64
@@ -51,6 +52,7 @@ struct moecache_layer_graph {
     float         dropped_weight = 0.0f;    // weight of a dropped slot: 0, or -inf before a softmax
     ggml_tensor * ids_in         = nullptr; // residency: the ids the op below was built for
     ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
+    bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
 };
 
 // where the layer's experts live (moecache-residency.cpp, moecache-slots.cpp): empty for NONE and
@@ -63,6 +65,16 @@ struct moecache_layer_residency {
     std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
     std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
     std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
+    std::unique_ptr<moecache_io_req[]> slot_req; // STREAM: [n_slots] the reads filling each slot (moecache-io.h)
+};
+
+// prefetch bookkeeping of one layer (moecache-slots.cpp, moecache-route.cpp)
+struct moecache_layer_prefetch {
+    std::vector<uint8_t> predicted;  // [n_expert] named by the last prediction for this layer, until it routes
+    bool    has_prediction = false;  // a prediction was made for the token this layer routes next
+    std::vector<uint8_t> fetched;    // [n_expert] inserted by a prefetch and not selected since (used or wasted)
+    std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)
+    int32_t n_last_sel = 0;
 };
 
 struct moecache_layer {
@@ -89,6 +101,7 @@ struct moecache_layer {
     moecache_layer_scratch   scratch;
     moecache_layer_graph     graph;
     moecache_layer_residency res;
+    moecache_layer_prefetch  pf;
 };
 
 
@@ -106,6 +119,7 @@ struct moecache {
     std::vector<moecache_layer> layers; // [n_layer], never resized after init (ops keep pointers)
 
     struct llama_context * ctx = nullptr; // attached context
+    const struct llama_model * model = nullptr; // the model (nullptr for a synthetic moecache)
 
     // trace ring buffer
     std::vector<moecache_trace_record> trace;
@@ -163,6 +177,10 @@ void    moecache_warn_mlock_once(size_t bytes, int err);
 void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
 // moecache-slots.cpp: STREAM's slot arena
 int32_t moecache_slots_init(moecache & mc);
+// STREAM decode: layer `target` will probably select experts pred[0:n] (most likely first, score in
+// (0, 1]): insert those it does not cache into its cache and start reading them
+void    moecache_slots_prefetch(moecache & mc, moecache_layer & target, const int32_t * pred, const float * score,
+                                int32_t n);
 void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids);
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // moecache-init.cpp: the checks of moecache.h's parameters and the constructors
@@ -210,3 +228,9 @@ void moecache_layer_clear(moecache_layer & L);
 // inserts e as the most recent entry; when full, evicts the least recently used expert whose
 // in_use[] entry is 0 (in_use may be NULL). Returns false if the capacity is 0.
 bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use);
+// a prediction for the next token of layer T: pred[0:n] (most likely first) are inserted into its
+// cache unless cached already, each evicting the LRU expert that is not predicted (an evicted
+// prefetch never selected counts as wasted). inserted: out, the experts to read. Returns their count.
+int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted);
+// after layer L routed a decoded token: recall of the prediction, prefetches used, last selection
+void    moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel);

@@ -112,6 +112,17 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
+    if (cp.prefetch < MOECACHE_PREFETCH_OFF || cp.prefetch > MOECACHE_PREFETCH_PREVIOUS) {
+        snprintf(buf, sizeof(buf), "unknown prefetch mode %d", (int) cp.prefetch);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
+    if (cp.prefetch_distance < 1 || cp.prefetch_distance > MOECACHE_MAX_PREFETCH_DISTANCE) {
+        snprintf(buf, sizeof(buf), "prefetch_distance = %d must be in [1, %d]", cp.prefetch_distance,
+                 MOECACHE_MAX_PREFETCH_DISTANCE);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
     if (cp.n_layer_sizes < 0 || cp.n_layer_sizes > n_layer || (cp.n_layer_sizes > 0 && !cp.n_cached_per_layer)) {
         snprintf(buf, sizeof(buf), "per-layer cache sizes: got %d entries for a model of %d layers", cp.n_layer_sizes, n_layer);
         fail(MOECACHE_ERR_INVALID, buf);
@@ -175,6 +186,7 @@ moecache * moecache_new(const llama_model * model, moecache_cache_params cparams
     llama_model_desc(model, desc, sizeof(desc));
     mc->desc     = std::string(arch) + " | " + desc;
     mc->n_params = llama_model_n_params(model);
+    mc->model    = model;
     mc->cparams.model_path = cparams.model_path;
     const int32_t rc = moecache_residency_init(*mc, model);
     mc->cparams.model_path = nullptr;

@@ -1,4 +1,4 @@
-// moecache-io.cpp - the reader threads (moecache-io.h).
+// moecache-io.cpp - the reader threads and their queue (moecache-io.h).
 
 #include "moecache-io.h"
 
@@ -8,9 +8,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-
-#define MOECACHE_IO_ALIGN 4096          // O_DIRECT: offset, length and buffer aligned to this
-#define MOECACHE_IO_CHUNK (256 * 1024)  // largest single read; experts are read in pieces in parallel
 
 static void io_read(moecache_io & io, moecache_io_job & j) {
     j.err = 0;
@@ -108,43 +105,203 @@ static void io_run_job(moecache_io & io, moecache_io_job & j) {
     }
 }
 
+// the next job: on demand first (oldest first), then the prefetch with the best score (oldest of equals)
+static bool io_pop(moecache_io & io, moecache_io_item & it) {
+    if (!io.demand.empty()) {
+        it = io.demand.front();
+        io.demand.pop_front();
+        return true;
+    }
+    if (io.prefetch.empty()) {
+        return false;
+    }
+    size_t best = 0;
+    for (size_t i = 1; i < io.prefetch.size(); i++) {
+        if (io.prefetch[i].score > io.prefetch[best].score) {
+            best = i;
+        }
+    }
+    it = io.prefetch[best];
+    io.prefetch.erase(io.prefetch.begin() + (std::ptrdiff_t) best);
+    return true;
+}
+
+// (io.mu held) a job ran: its request learns the outcome, waiters are woken
+static void io_finish(moecache_io & io, const moecache_io_item & it) {
+    moecache_io_req & r = *it.req;
+    r.pending -= 1;
+    if (it.job.err != 0 && r.err == 0) {
+        r.err     = it.job.err;
+        r.err_off = it.job.off;
+        r.err_len = it.job.len;
+    }
+    if (it.job.kind == MOECACHE_IO_READ) {
+        (r.prefetch ? io.bytes_prefetch : io.bytes_demand) += (int64_t) it.job.bytes_io;
+    }
+    if (it.out) {
+        *it.out = it.job;
+    }
+    io.n_run += 1;
+    io.cv_done.notify_all();
+}
+
 static void io_worker(moecache_io * io) {
     std::unique_lock<std::mutex> lock(io->mu);
     while (true) {
-        io->cv_work.wait(lock, [io] { return io->stop || io->next < io->n_jobs; });
+        io->cv_work.wait(lock, [io] { return io->stop || !io->demand.empty() || !io->prefetch.empty(); });
         if (io->stop) {
             return;
         }
-        moecache_io_job & j = io->jobs[io->next++];
+        moecache_io_item it;
+        io_pop(*io, it);
+        if (io->seq_log) {
+            io->seq_log->push_back(it.job.off);
+        }
         lock.unlock();
-        io_run_job(*io, j);
+        io_run_job(*io, it.job);
         lock.lock();
-        if (++io->n_done == io->n_jobs) {
-            io->cv_done.notify_all();
+        io_finish(*io, it);
+    }
+}
+
+// (io.mu held) no reader threads: the caller runs req's queued jobs itself
+static void io_run_inline(moecache_io & io, std::unique_lock<std::mutex> & lock, moecache_io_req & req) {
+    std::vector<moecache_io_item> mine;
+    for (auto it = io.demand.begin(); it != io.demand.end();) {
+        if (it->req == &req) {
+            mine.push_back(*it);
+            it = io.demand.erase(it);
+        } else {
+            ++it;
         }
     }
+    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
+        if (it->req == &req) {
+            mine.push_back(*it);
+            it = io.prefetch.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    for (moecache_io_item & it : mine) {
+        if (io.seq_log) {
+            io.seq_log->push_back(it.job.off);
+        }
+        lock.unlock();
+        io_run_job(io, it.job);
+        lock.lock();
+        io_finish(io, it);
+    }
+}
+
+// (io.mu held) req's queued prefetch jobs move to the end of the on-demand queue, in their order
+static void io_promote(moecache_io & io, moecache_io_req & req) {
+    bool moved = false;
+    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
+        if (it->req == &req) {
+            io.demand.push_back(*it);
+            it = io.prefetch.erase(it);
+            moved = true;
+        } else {
+            ++it;
+        }
+    }
+    if (moved) {
+        io.cv_work.notify_all();
+    }
+}
+
+void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score) {
+    std::lock_guard<std::mutex> lock(io.mu);
+    req.pending += 1;
+    moecache_io_item it = { job, &req, nullptr, score };
+    if (score < 0.0f) {
+        io.demand.push_back(it);
+    } else {
+        io.prefetch.push_back(it);
+    }
+    io.cv_work.notify_one();
+}
+
+int moecache_io_wait(moecache_io & io, moecache_io_req & req) {
+    std::unique_lock<std::mutex> lock(io.mu);
+    if (req.pending == 0) {
+        return req.err;
+    }
+    if (io.workers.empty()) {
+        io_run_inline(io, lock, req);
+        return req.err;
+    }
+    io_promote(io, req);
+    io.cv_done.wait(lock, [&req] { return req.pending == 0; });
+    return req.err;
+}
+
+void moecache_io_promote(moecache_io & io, moecache_io_req & req) {
+    std::lock_guard<std::mutex> lock(io.mu);
+    io_promote(io, req);
+}
+
+int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req) {
+    std::unique_lock<std::mutex> lock(io.mu);
+    int32_t dropped = 0;
+    for (auto it = io.demand.begin(); it != io.demand.end();) {
+        if (it->req == &req) {
+            it = io.demand.erase(it);
+            dropped++;
+        } else {
+            ++it;
+        }
+    }
+    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
+        if (it->req == &req) {
+            it = io.prefetch.erase(it);
+            dropped++;
+        } else {
+            ++it;
+        }
+    }
+    req.pending -= dropped;
+    io.cv_done.wait(lock, [&req] { return req.pending == 0; }); // the chunks being read now
+    return dropped;
+}
+
+bool moecache_io_idle(moecache_io & io, const moecache_io_req & req) {
+    std::lock_guard<std::mutex> lock(io.mu);
+    return req.pending == 0;
+}
+
+void moecache_io_counters(moecache_io & io, int64_t * bytes_demand, int64_t * bytes_prefetch) {
+    std::lock_guard<std::mutex> lock(io.mu);
+    *bytes_demand   = io.bytes_demand;
+    *bytes_prefetch = io.bytes_prefetch;
 }
 
 void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
     if (jobs.empty()) {
         return;
     }
-    if (jobs.size() == 1 || io.workers.empty()) {
+    moecache_io_req req;
+    if (jobs.size() == 1 || io.workers.empty()) { // not worth a hand-over
+        int64_t bytes = 0;
         for (moecache_io_job & j : jobs) {
             io_run_job(io, j);
+            bytes += j.kind == MOECACHE_IO_READ ? (int64_t) j.bytes_io : 0;
         }
+        std::lock_guard<std::mutex> lock(io.mu);
+        io.bytes_demand += bytes;
         return;
     }
+    {
+        std::lock_guard<std::mutex> lock(io.mu);
+        for (moecache_io_job & j : jobs) {
+            io.demand.push_back({ j, &req, &j, -1.0f });
+            req.pending += 1;
+        }
+        io.cv_work.notify_all();
+    }
     std::unique_lock<std::mutex> lock(io.mu);
-    io.jobs   = jobs.data();
-    io.n_jobs = jobs.size();
-    io.next   = 0;
-    io.n_done = 0;
-    io.cv_work.notify_all();
-    io.cv_done.wait(lock, [&io] { return io.n_done == io.n_jobs; });
-    io.jobs   = nullptr;
-    io.n_jobs = 0;
-    io.next   = 0;
+    io.cv_done.wait(lock, [&req] { return req.pending == 0; });
 }
 
 void moecache_io_start(moecache_io & io, int32_t n_threads) {
@@ -163,4 +320,6 @@ void moecache_io_stop(moecache_io & io) {
         t.join();
     }
     io.workers.clear();
+    io.demand.clear();
+    io.prefetch.clear();
 }

@@ -1,12 +1,18 @@
-// moecache-io.h - the reader threads of a moecache: a job list run in parallel, each job a read
-// of a file range (direct I/O where the file allows, in aligned windows), a copy out of the
-// model's mapping, or a page lock. The asynchronous, prioritised queue of prefetches grows here.
+// moecache-io.h - the reader threads of a moecache and their queue. A job is a read of a file
+// range (direct I/O where the file allows, in aligned windows), a copy out of the model's
+// mapping, or a page lock. Jobs wait in two queues: on demand (a token needs the bytes now)
+// and prefetch (ordered by a score: predicted probability over layer distance). Workers take
+// on-demand jobs first, so an urgent read waits at most for the chunks already being read.
+// Jobs belong to a request (moecache_io_req: one slot's fill, or one synchronous batch); a
+// caller waits for a request, which first moves its queued jobs to the on-demand queue, or
+// cancels it, which drops its queued jobs and waits for those being read.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -34,31 +40,63 @@ struct moecache_io_job {
     size_t       bytes_io;  // out: bytes requested from storage (aligned window for O_DIRECT)
 };
 
+// A group of jobs a caller waits for or cancels together. Guarded by moecache_io::mu.
+struct moecache_io_req {
+    int32_t  pending  = 0;     // jobs queued or being run
+    int      err      = 0;     // first error of a job (see moecache_io_job::err)
+    uint64_t err_off  = 0;     //   its file offset and length, for the message
+    size_t   err_len  = 0;
+    bool     prefetch = false; // its reads count as speculative (moecache_io::bytes_prefetch)
+};
+
+struct moecache_io_item {
+    moecache_io_job   job;
+    moecache_io_req * req;
+    moecache_io_job * out;     // where the finished job is copied back (synchronous batches), or nullptr
+    float             score;   // prefetch queue: larger runs first
+};
+
 struct moecache_io {
-    std::vector<moecache_io_job> scratch; // the op's job list, reused token after token (no allocation)
+    std::vector<moecache_io_job> scratch; // a caller's job list, reused token after token
     std::vector<std::thread> workers;
     std::mutex               mu;
     std::condition_variable  cv_work;
     std::condition_variable  cv_done;
-    moecache_io_job * jobs   = nullptr;
-    size_t            n_jobs = 0;
-    size_t            next   = 0;
-    size_t            n_done = 0;
+    std::deque<moecache_io_item>  demand;   // FIFO
+    std::vector<moecache_io_item> prefetch; // by score
     bool              stop   = false;
     int               fd        = -1;
     int               fd_direct = -1;
     bool              lock      = true;
     std::atomic<bool> lock_failed{false};
     std::atomic<int>  lock_errno{0};
+    // bytes requested from storage by READ jobs, on demand and speculatively (guarded by mu)
+    int64_t bytes_demand   = 0;
+    int64_t bytes_prefetch = 0;
+    uint64_t n_run         = 0;  // jobs run so far; job k (from 1) got seq = k (tests: execution order)
+    std::vector<uint64_t> * seq_log = nullptr; // tests: the `off` of each job as it starts, if set
 };
 
-// starts n_threads reader threads / stops and joins them (before the fds close)
+// starts n_threads reader threads / stops and joins them (before the fds close); queued jobs are dropped
 void moecache_io_start(moecache_io & io, int32_t n_threads);
 void moecache_io_stop(moecache_io & io);
 
-// runs the jobs on the reader threads (in the caller's thread for one job or no threads) and
-// waits for all of them; each job's err, got and bytes_io are set
+// runs the jobs on the reader threads, ahead of every prefetch (in the caller's thread when
+// there are no threads) and waits for all of them; each job's err, got and bytes_io are set
 void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs);
+
+// queues one job of `req`, on demand (score < 0) or as a prefetch with this score (>= 0)
+void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score);
+// moves req's queued prefetch jobs to the on-demand queue and waits until none is pending;
+// returns req.err (0 if all its jobs succeeded)
+int  moecache_io_wait(moecache_io & io, moecache_io_req & req);
+// moves req's queued prefetch jobs to the end of the on-demand queue (what wait does first)
+void moecache_io_promote(moecache_io & io, moecache_io_req & req);
+// drops req's queued jobs, waits for those being run; returns how many were dropped
+int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req);
+// req has no job queued or running (no lock held by the caller)
+bool moecache_io_idle(moecache_io & io, const moecache_io_req & req);
+void moecache_io_counters(moecache_io & io, int64_t * bytes_demand, int64_t * bytes_prefetch);
 
 inline size_t moecache_page_size() {
     static const size_t ps = (size_t) sysconf(_SC_PAGESIZE);

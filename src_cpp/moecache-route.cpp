@@ -26,10 +26,14 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.scratch.order.assign(n, 0);
     L.scratch.boosted.assign(n, 0.0f);
     L.scratch.chosen.assign(n, 0);
+    L.pf.predicted.assign(n, 0);
+    L.pf.fetched.assign(n, 0);
+    L.pf.last_sel.assign(mc.n_expert_used, -1);
 }
 
 void moecache_layer_clear(moecache_layer & L) {
     std::fill(L.last_use.begin(), L.last_use.end(), -1);
+    std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
     L.occupancy    = 0;
     L.clock        = 0;
     L.delta_sum    = 0.0;
@@ -56,11 +60,57 @@ bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use
         L.st.evictions      += 1;
         L.last_use[victim]   = -1;
         L.occupancy         -= 1;
+        if (L.pf.fetched[victim]) { // prefetched, never selected: its read was for nothing
+            L.pf.fetched[victim] = 0;
+            L.mc->rst.prefetch_wasted += 1;
+        }
     }
     L.last_use[e]    = ++L.clock;
     L.inserted_at[e] = L.st.tokens;
     L.occupancy     += 1;
     return true;
+}
+
+int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted) {
+    std::fill(T.pf.predicted.begin(), T.pf.predicted.end(), 0);
+    for (int32_t i = 0; i < n; i++) {
+        T.pf.predicted[pred[i]] = 1;
+    }
+    T.pf.has_prediction = true;
+    int32_t n_ins = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = pred[i];
+        if (T.last_use[e] >= 0) {
+            continue; // cached already: nothing to read, and its recency is left alone
+        }
+        // evicts the least recently used expert that is not predicted itself
+        if (!moecache_layer_insert(T, e, T.pf.predicted.data())) {
+            break;
+        }
+        T.pf.fetched[e] = 1;
+        T.mc->rst.prefetch_issued += 1;
+        inserted[n_ins++] = e;
+    }
+    return n_ins;
+}
+
+void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel) {
+    moecache & mc = *L.mc;
+    if (L.pf.has_prediction) {
+        for (int32_t i = 0; i < n_sel; i++) {
+            mc.rst.predicted_selected += L.pf.predicted[sel[i]];
+        }
+        mc.rst.predicted_total += n_sel;
+        L.pf.has_prediction = false;
+    }
+    for (int32_t i = 0; i < n_sel; i++) {
+        if (L.pf.fetched[sel[i]]) {
+            L.pf.fetched[sel[i]] = 0;
+            mc.rst.prefetch_used += 1;
+        }
+    }
+    L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());
+    std::copy(sel, sel + L.pf.n_last_sel, L.pf.last_sel.begin());
 }
 
 static bool is_allowed(float s) {

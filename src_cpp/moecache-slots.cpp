@@ -1,8 +1,10 @@
 // moecache-slots.cpp - STREAM residency's slot arena: each MoE layer owns max(M, K) slots per
 // expert tensor, [ne0, ne1, n_slots], in one mlocked anonymous mapping, and the layer's matmuls
 // run on the slots. A decode fills the slots of the experts that are cached or selected and
-// held by none (reads from the file, on the reader threads); a prompt copies the experts that
-// stay cached out of the model's mapping. The logical cache (moecache-route.cpp) decides.
+// held by none (reads from the file, on the reader threads, waiting only for the selected ones);
+// a prefetch fills the slots of experts a later layer is predicted to select, in the background;
+// a prompt copies the experts that stay cached out of the model's mapping. The logical cache
+// (moecache-route.cpp) decides which experts are cached; this file makes the slots follow it.
 
 #include "moecache-impl.h"
 #include "moecache-io.h"
@@ -35,6 +37,7 @@ int32_t moecache_slots_init(moecache & mc) {
         }
         L.res.slot_expert.assign(L.res.n_slots, -1);
         L.res.expert_slot.assign(mc.n_expert, -1);
+        L.res.slot_req.reset(new moecache_io_req[L.res.n_slots]);
     }
     void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (arena == MAP_FAILED) {
@@ -76,11 +79,18 @@ static bool slot_holds(const moecache_layer & L, int32_t e) {
 }
 
 // gives e the first slot from `cursor` on that holds no expert of L.res.keep; -1 if there is none,
-// which cannot happen: |L.res.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection)
-static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
+// which cannot happen: |L.res.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection).
+// Reads still filling the slot for its previous expert are cancelled (or waited for, if running).
+static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t & cursor) {
     for (; cursor < L.res.n_slots; cursor++) {
         const int32_t held = L.res.slot_expert[cursor];
         if (held < 0 || !L.res.keep[held] || L.res.expert_slot[held] != cursor) {
+            moecache_io_req & req = L.res.slot_req[cursor];
+            if (!moecache_io_idle(*mc.io, req)) {
+                moecache_io_cancel(*mc.io, req);
+            }
+            req.err      = 0;
+            req.prefetch = false;
             L.res.slot_expert[cursor] = e;
             L.res.expert_slot[e]      = cursor;
             return cursor++;
@@ -89,75 +99,111 @@ static int32_t take_slot(moecache_layer & L, int32_t e, int32_t & cursor) {
     return -1;
 }
 
-// Gives every expert of L.res.keep that no slot holds a slot, and queues the jobs that fill it:
-// reads from the file in MOECACHE_IO_CHUNK pieces (so even a single miss keeps several reads in
-// flight), or copies from the mapping. Returns false if a slot was missing, which cannot happen.
-static bool plan_slot_fills(moecache_layer & L, moecache_io_kind kind, std::vector<moecache_io_job> & jobs) {
+// the jobs that fill slot s with expert e: reads from the file in MOECACHE_IO_CHUNK pieces (so
+// even a single miss keeps several reads in flight), or one copy per tensor from the mapping
+static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
+                           std::vector<moecache_io_job> & jobs) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        const uint64_t off = x.file_off + (uint64_t) e * x.nb2;
+        char *         dst = (char *) x.slots_t->data + (size_t) s * x.nb2;
+        for (uint64_t o = off; o < off + x.nb2;) {
+            const uint64_t end = kind == MOECACHE_IO_READ
+                ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
+                : off + x.nb2;
+            moecache_io_job j = {};
+            j.kind = kind;
+            j.dst  = dst + (o - off);
+            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
+            j.off  = o;
+            j.len  = (size_t) (end - o);
+            j.il   = L.il;
+            j.e    = e;
+            jobs.push_back(j);
+            o = end;
+        }
+    }
+}
+
+// L.res.keep = the experts L caches now
+static void keep_cached(moecache_layer & L) {
+    for (size_t e = 0; e < L.res.keep.size(); e++) {
+        L.res.keep[e] = L.last_use[e] >= 0;
+    }
+}
+
+static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e, const moecache_io_req & req) {
+    char buf[512];
+    snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
+             e, L.il, mc.path.c_str(), (unsigned long long) req.err_off, req.err_len,
+             req.err > 0 ? strerror(req.err) : "the file ends early (truncated?)");
+    moecache_set_io_error(mc, buf);
+}
+
+// STREAM, one token: every expert that is cached or selected gets a slot, whose reads start now
+// (ahead of every prefetch); the op waits only for the selected experts' reads. out = slot ids
+void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+    keep_cached(L);
+    for (int64_t i = 0; i < n_ids; i++) {
+        L.res.keep[ids[i]] = 1;
+    }
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
         if (!L.res.keep[e] || slot_holds(L, e)) {
             continue;
         }
-        const int32_t s = take_slot(L, e, cursor);
+        const int32_t s = take_slot(mc, L, e, cursor);
         if (s < 0) {
-            return false;
+            moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
+            break;
         }
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            const uint64_t off   = x.file_off + (uint64_t) e * x.nb2;
-            char *         dst   = (char *) x.slots_t->data + (size_t) s * x.nb2;
-            for (uint64_t o = off; o < off + x.nb2;) {
-                const uint64_t end = kind == MOECACHE_IO_READ
-                    ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
-                    : off + x.nb2;
-                moecache_io_job j = {};
-                j.kind = kind;
-                j.dst  = dst + (o - off);
-                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
-                j.off  = o;
-                j.len  = (size_t) (end - o);
-                j.il   = L.il;
-                j.e    = e;
-                jobs.push_back(j);
-                o = end;
-            }
+        jobs.clear();
+        slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
+        for (const moecache_io_job & j : jobs) {
+            moecache_io_submit(*mc.io, L.res.slot_req[s], j, -1.0f);
         }
-    }
-    return true;
-}
-
-// STREAM, one token: every expert that is cached or selected ends in a slot; out = slot ids
-void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
-    for (size_t e = 0; e < L.res.keep.size(); e++) {
-        L.res.keep[e] = L.last_use[e] >= 0;
+        mc.rst.decode_loads += 1;
     }
     for (int64_t i = 0; i < n_ids; i++) {
-        L.res.keep[ids[i]] = 1;
-    }
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
-    jobs.clear();
-    if (!plan_slot_fills(L, MOECACHE_IO_READ, jobs)) {
-        moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
-    }
-    moecache_io_run(*mc.io, jobs);
-    int32_t last_e = -1;
-    for (const moecache_io_job & j : jobs) {
-        mc.rst.decode_bytes_read += (int64_t) j.bytes_io;
-        if (j.e != last_e) {
-            mc.rst.decode_loads += 1; // an expert's pieces are queued together
-            last_e = j.e;
+        const int32_t s = L.res.expert_slot[ids[i]];
+        if (s < 0 || s >= L.res.n_slots || L.res.slot_expert[s] != ids[i]) {
+            continue; // (only after the error above)
         }
-        if (j.err != 0) {
-            L.res.slot_expert[L.res.expert_slot[j.e]] = -1; // a bad read is never used as weights
-            char buf[512];
-            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
-                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
-            moecache_set_io_error(mc, buf);
+        moecache_io_req & req = L.res.slot_req[s];
+        if (moecache_io_wait(*mc.io, req) != 0) {
+            slot_read_failed(mc, L, ids[i], req);
+            L.res.slot_expert[s] = -1; // a bad read is never used as weights; read again next time
         }
     }
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];
         out[i] = s >= 0 && s < L.res.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
+    }
+}
+
+void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n) {
+    if (T.res.xt.empty() || T.res.n_slots == 0) {
+        return;
+    }
+    keep_cached(T); // the experts just inserted by moecache_layer_prefetch are among them
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    int32_t cursor = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = ids[i];
+        if (slot_holds(T, e)) {
+            continue;
+        }
+        const int32_t s = take_slot(mc, T, e, cursor);
+        if (s < 0) {
+            return;
+        }
+        moecache_io_req & req = T.res.slot_req[s];
+        req.prefetch = true;
+        jobs.clear();
+        slot_fill_jobs(T, e, s, MOECACHE_IO_READ, jobs);
+        for (const moecache_io_job & j : jobs) {
+            moecache_io_submit(*mc.io, req, j, std::max(0.0f, score[i]));
+        }
     }
 }
 
@@ -172,7 +218,15 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
     }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     jobs.clear();
-    plan_slot_fills(L, MOECACHE_IO_COPY, jobs);
+    int32_t cursor = 0;
+    for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
+        if (L.res.keep[e] && !slot_holds(L, e)) {
+            const int32_t s = take_slot(mc, L, e, cursor);
+            if (s >= 0) {
+                slot_fill_jobs(L, e, s, MOECACHE_IO_COPY, jobs);
+            }
+        }
+    }
     for (const moecache_io_job & j : jobs) {
         touched[j.e] = 1; // (also a cached expert this ubatch does not run, e.g. after a state load)
     }

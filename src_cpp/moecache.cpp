@@ -66,6 +66,8 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.io_threads         = 8;
     p.direct_io          = true;
     p.lock_memory        = true;
+    p.prefetch           = MOECACHE_PREFETCH_OFF;
+    p.prefetch_distance  = 1;
     return p;
 }
 
@@ -157,6 +159,11 @@ void moecache_reset_stats(struct moecache * mc) {
     }
     mc->trace_total = 0;
     mc->rst = {};
+    if (mc->io) {
+        std::lock_guard<std::mutex> lock(mc->io->mu);
+        mc->io->bytes_demand   = 0;
+        mc->io->bytes_prefetch = 0;
+    }
     mc->t_route_decode_us = 0;
     mc->t_io_decode_us    = 0;
     mc->t_io_prompt_us    = 0;
@@ -389,6 +396,10 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         }
     }
     out->decode_tokens = decode_tokens;
+    if (mc->io && mc->cparams.residency == MOECACHE_RESIDENCY_STREAM) { // decode reads run on the reader threads
+        moecache_io_counters(*mc->io, &out->demand_bytes_read, &out->prefetch_bytes_read);
+        out->decode_bytes_read = out->demand_bytes_read + out->prefetch_bytes_read;
+    }
     out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;

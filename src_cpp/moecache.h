@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 4
+#define MOECACHE_ABI_VERSION 5
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -56,6 +56,7 @@ extern "C" {
 #define MOECACHE_MAX_EXPERTS   4096       // routed experts N per layer
 #define MOECACHE_MAX_LAYERS    4096       // layers of a model
 #define MOECACHE_MAX_TRACE     (1 << 24)  // trace_capacity (152 bytes per record: 2.4 GiB at the bound)
+#define MOECACHE_MAX_PREFETCH_DISTANCE 8  // prefetch_distance
 
 struct llama_model;
 struct llama_context;
@@ -109,6 +110,19 @@ enum moecache_residency {
                                    //   at a time, and copy the ones that stay cached into their slots
 };
 
+// Proactive reads (STREAM decode): while layer l routes a token, predict which experts layer
+// l + d will select and read them now, into slots of layer l + d chosen by its eviction policy
+// (a prefetch is an insertion into that layer's cache), so the reads overlap the compute in
+// between. An expert a token selects waits only for its own reads; reads for a token's
+// selection (on demand) go before prefetches, and a prefetch is cancelled when its slot is
+// given to another expert. With TOPK routing a prefetch changes what is resident, never the
+// output; with a cache-aware policy prefetched experts count as cached (they are).
+enum moecache_prefetch {
+    MOECACHE_PREFETCH_OFF      = 0, // reads start when the layer's own routing is known
+    MOECACHE_PREFETCH_GATE     = 1, // layer l + d's router applied to layer l's FFN input (ProMoE), its top K
+    MOECACHE_PREFETCH_PREVIOUS = 2, // the experts layer l + d selected for the previous token
+};
+
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
 // the change takes effect on the next token, no graph rebuild, no reload.
 struct moecache_routing_params {
@@ -141,6 +155,9 @@ struct moecache_cache_params {
     bool    direct_io;            // STREAM: O_DIRECT reads where the OS and file system allow; default true
     bool    lock_memory;          // mlock the slot arena (STREAM) or the cached experts (MMAP); refused:
                                   //   one warning on stderr and the run goes on unlocked; default true
+    enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
+    int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
+                                  //   default 1
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -183,6 +200,14 @@ struct moecache_residency_stats {
     int64_t prompt_bytes_read;    // bytes of experts read through the mapping by prompt ubatches
     double  prompt_t_io_ms;       // time prompt ubatches spent filling slots / locking pages
     int64_t rss_bytes;            // resident set size of the process now (0 where unknown)
+    // prefetch (decode): bytes read for a token's own selection vs ahead of it (both are in decode_bytes_read)
+    int64_t demand_bytes_read;    // bytes read because a token selected an expert no slot held
+    int64_t prefetch_bytes_read;  // bytes read by prefetches (including cancelled ones' finished chunks)
+    int64_t prefetch_issued;      // experts prefetched (inserted ahead of their layer's routing)
+    int64_t prefetch_used;        // prefetched experts selected before they were evicted
+    int64_t prefetch_wasted;      // prefetched experts evicted (or cancelled) before any token selected them
+    int64_t predicted_selected;   // selections of predicted layers that the prediction named
+    int64_t predicted_total;      // selections of layers a prediction was made for (recall = selected / total)
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis

@@ -1,0 +1,180 @@
+// Unit tests of the reader queue (src_cpp/moecache-io.{h,cpp}), compiled with it alone:
+// on-demand reads before prefetches, prefetches by score, promotion of a request a token waits
+// for, cancellation of stale prefetches, errors and the bytes counted on demand and ahead.
+// Jobs are queued while no reader thread runs, then one thread drains them, so the order in
+// which they start (io.seq_log, the file offsets) is exact.
+
+#include "moecache-io.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+static int g_failed = 0;
+static int g_checks = 0;
+
+#define CHECK(cond)                                                                     \
+    do {                                                                                \
+        g_checks++;                                                                     \
+        if (!(cond)) {                                                                  \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);    \
+            g_failed++;                                                                 \
+        }                                                                               \
+    } while (0)
+
+static const size_t FILE_BYTES = 64 * 1024;
+
+// a file whose byte at offset o is (o * 7 + 3) & 0xff
+static std::string make_file() {
+    char path[] = "/tmp/moecache-io-test-XXXXXX";
+    const int fd = mkstemp(path);
+    std::vector<unsigned char> b(FILE_BYTES);
+    for (size_t o = 0; o < b.size(); o++) {
+        b[o] = (unsigned char) ((o * 7 + 3) & 0xff);
+    }
+    if (fd < 0 || write(fd, b.data(), b.size()) != (ssize_t) b.size()) {
+        fprintf(stderr, "cannot write %s\n", path);
+        exit(1);
+    }
+    close(fd);
+    return path;
+}
+
+static bool holds_file_bytes(const char * buf, uint64_t off, size_t len) {
+    for (size_t i = 0; i < len; i++) {
+        if ((unsigned char) buf[i] != (unsigned char) (((off + i) * 7 + 3) & 0xff)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static moecache_io_job read_job(char * dst, uint64_t off, size_t len) {
+    moecache_io_job j = {};
+    j.kind = MOECACHE_IO_READ;
+    j.dst  = dst;
+    j.off  = off;
+    j.len  = len;
+    return j;
+}
+
+struct queue {
+    moecache_io io;
+    std::vector<uint64_t> order; // offsets, in the order the jobs started
+    explicit queue(const std::string & path) {
+        io.fd      = open(path.c_str(), O_RDONLY);
+        io.seq_log = &order;
+    }
+    ~queue() {
+        moecache_io_stop(io);
+        close(io.fd);
+    }
+};
+
+static void test_demand_before_prefetch_then_by_score(const std::string & path) {
+    queue q(path);
+    std::vector<char> buf(4 * 4096, 0);
+    moecache_io_req a, b, c;
+    a.prefetch = b.prefetch = true;
+    moecache_io_submit(q.io, a, read_job(&buf[0], 0, 4096), 0.2f);         // prefetch, low score
+    moecache_io_submit(q.io, b, read_job(&buf[4096], 4096, 4096), 0.9f);   // prefetch, high score
+    moecache_io_submit(q.io, c, read_job(&buf[8192], 8192, 4096), -1.0f);  // on demand
+    moecache_io_submit(q.io, c, read_job(&buf[12288], 12288, 4096), -1.0f);
+    CHECK(a.pending == 1 && b.pending == 1 && c.pending == 2);
+    moecache_io_start(q.io, 1);
+    // (waiting for a would promote it: watch the queue drain instead)
+    while (!moecache_io_idle(q.io, a) || !moecache_io_idle(q.io, b) || !moecache_io_idle(q.io, c)) {
+        usleep(1000);
+    }
+    CHECK(a.err == 0 && b.err == 0 && c.err == 0);
+    CHECK(q.order == (std::vector<uint64_t>{ 8192, 12288, 4096, 0 }));
+    CHECK(holds_file_bytes(buf.data(), 0, buf.size()));
+    int64_t bd = 0, bp = 0;
+    moecache_io_counters(q.io, &bd, &bp);
+    CHECK(bd == 2 * 4096 && bp == 2 * 4096);
+}
+
+static void test_waiting_promotes_a_prefetch(const std::string & path) {
+    queue q(path);
+    std::vector<char> buf(3 * 4096, 0);
+    moecache_io_req hi, lo, other;
+    hi.prefetch = lo.prefetch = true;
+    moecache_io_submit(q.io, hi, read_job(&buf[0], 0, 4096), 0.9f);
+    moecache_io_submit(q.io, lo, read_job(&buf[4096], 4096, 4096), 0.1f);
+    moecache_io_submit(q.io, other, read_job(&buf[8192], 8192, 4096), -1.0f);
+    moecache_io_promote(q.io, lo); // a token selected lo's expert: it goes before every prefetch
+    moecache_io_start(q.io, 1);
+    CHECK(moecache_io_wait(q.io, lo) == 0);
+    CHECK(moecache_io_wait(q.io, hi) == 0 && moecache_io_wait(q.io, other) == 0);
+    CHECK(q.order == (std::vector<uint64_t>{ 8192, 4096, 0 })); // on demand first, then lo (promoted), then hi
+    int64_t bd = 0, bp = 0;
+    moecache_io_counters(q.io, &bd, &bp);
+    CHECK(bd == 4096 && bp == 2 * 4096); // a promoted prefetch still counts as read ahead
+}
+
+static void test_cancel_drops_queued_jobs(const std::string & path) {
+    queue q(path);
+    std::vector<char> stale(3 * 4096, 0), fresh(4096, 0);
+    moecache_io_req s, f;
+    s.prefetch = true;
+    for (int i = 0; i < 3; i++) {
+        moecache_io_submit(q.io, s, read_job(&stale[i * 4096], (uint64_t) i * 4096, 4096), 0.5f);
+    }
+    moecache_io_submit(q.io, f, read_job(fresh.data(), 20480, 4096), -1.0f);
+    CHECK(moecache_io_cancel(q.io, s) == 3);
+    CHECK(s.pending == 0 && moecache_io_idle(q.io, s));
+    CHECK(moecache_io_cancel(q.io, s) == 0); // cancelling twice drops nothing
+    moecache_io_start(q.io, 1);
+    CHECK(moecache_io_wait(q.io, f) == 0);
+    CHECK(q.order == (std::vector<uint64_t>{ 20480 }));
+    CHECK(holds_file_bytes(fresh.data(), 20480, 4096));
+    bool untouched = true;
+    for (char ch : stale) {
+        untouched = untouched && ch == 0;
+    }
+    CHECK(untouched); // a cancelled read never writes its slot
+    int64_t bd = 0, bp = 0;
+    moecache_io_counters(q.io, &bd, &bp);
+    CHECK(bd == 4096 && bp == 0);
+}
+
+static void test_errors_and_many_threads(const std::string & path) {
+    queue q(path);
+    moecache_io_start(q.io, 4);
+    std::vector<char> buf(FILE_BYTES, 0);
+    moecache_io_req all;
+    for (size_t o = 0; o < FILE_BYTES; o += 1024) {
+        moecache_io_submit(q.io, all, read_job(&buf[o], o, 1024), o % 2048 ? 0.3f : -1.0f);
+    }
+    CHECK(moecache_io_wait(q.io, all) == 0 && all.pending == 0);
+    CHECK(holds_file_bytes(buf.data(), 0, FILE_BYTES));
+    CHECK(q.order.size() == FILE_BYTES / 1024);
+    std::vector<char> past(4096, 0);
+    moecache_io_req bad;
+    moecache_io_submit(q.io, bad, read_job(past.data(), FILE_BYTES - 1024, 4096), -1.0f); // runs past the end
+    CHECK(moecache_io_wait(q.io, bad) == -1);
+    CHECK(bad.err_off == FILE_BYTES - 1024 && bad.err_len == 4096);
+    // the synchronous batch (prompts, page locks) still works beside the queue
+    std::vector<moecache_io_job> jobs;
+    std::vector<char> b2(8192, 0);
+    jobs.push_back(read_job(&b2[0], 4096, 4096));
+    jobs.push_back(read_job(&b2[4096], 8192, 4096));
+    moecache_io_run(q.io, jobs);
+    CHECK(jobs[0].err == 0 && jobs[1].err == 0 && jobs[0].got == 4096 && holds_file_bytes(b2.data(), 4096, 8192));
+}
+
+int main() {
+    const std::string path = make_file();
+    test_demand_before_prefetch_then_by_score(path);
+    test_waiting_promotes_a_prefetch(path);
+    test_cancel_drops_queued_jobs(path);
+    test_errors_and_many_threads(path);
+    unlink(path.c_str());
+    printf("%d checks, %d failed\n", g_checks, g_failed);
+    return g_failed ? 1 : 0;
+}

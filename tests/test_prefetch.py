@@ -1,0 +1,112 @@
+"""Prefetch (CacheConfig.prefetch, src_cpp/moecache-graph.cpp prefetch_ahead, moecache-slots.cpp):
+predicted experts are inserted into a later layer's cache and read in the background. With the
+model's own routing that changes what is resident, never a logit; with any routing the streamed
+run equals the counters-only run with the same prefetch, so the slots always hold what the cache
+says, whatever is in flight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pymoecache
+from pymoecache import CacheConfig
+from conftest import MOE_FIXTURES, ROOT, model_path
+
+KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)
+PROMPT = list(range(300, 340))
+DECODES = list(range(1000, 1040))
+TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "models" / "tiny-shakespeare-mixtral-8x2.gguf"]
+
+
+def run(path, routing, size, prefetch="off", residency="stream", distance=1):
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, prefetch=prefetch,
+                                                         prefetch_distance=distance), routing=routing, **KW)
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    logits = np.array(llm.scores[: len(PROMPT) + len(DECODES)])
+    st = llm.moe_stats()
+    llm.close()
+    return logits, st
+
+
+@pytest.fixture(scope="module")
+def paths(fixture_dir):
+    found = {name: model_path(fixture_dir, name) for name in MOE_FIXTURES}
+    found.update({p.stem: p for p in TRAINED if p.exists()})
+    return found
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES + [p.stem for p in TRAINED])
+def test_prefetch_never_changes_top_k_logits(paths, name):
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    ref, st_ref = run(paths[name], "lru", 0.25)
+    assert np.isfinite(ref).all() and st_ref.misses > 0
+    for prefetch, distance in (("gate", 1), ("gate", 2), ("previous", 1)):
+        got, st = run(paths[name], "lru", 0.25, prefetch, distance=distance)
+        assert np.array_equal(got, ref), f"{prefetch}/{distance}: max |diff| = {np.abs(got - ref).max()}"
+        rs = st.residency
+        assert rs.prefetch == prefetch
+        # the bytes of a decode: on demand plus ahead, nothing else
+        assert rs.demand_bytes_read + rs.prefetch_bytes_read == rs.decode_bytes_read
+        assert rs.prefetch_used + rs.prefetch_wasted <= rs.prefetch_issued
+        assert rs.prefetch_bytes_read <= rs.prefetch_issued * (rs.expert_bytes + 3 * 2 * 4096)
+        assert 0 <= rs.predicted_selected <= rs.predicted_total
+        if prefetch == "gate" and st.capacity_per_layer.min() >= st.n_expert_used:
+            # every layer but the last d is predicted, every decoded token
+            assert rs.predicted_total > 0 and rs.prefetch_issued > 0
+            # a miss is a demand read of one expert: prefetched experts the token selects are hits
+            assert rs.decode_loads == st.misses
+            assert rs.demand_bytes_read >= st.misses * rs.expert_bytes
+        if prefetch == "previous":
+            # the experts of the previous token are still cached (the cache holds at least K): nothing to read
+            assert rs.prefetch_issued == 0 and rs.prefetch_bytes_read == 0
+
+
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5", "max-rank:8"])
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
+def test_streamed_prefetch_equals_counters_only(paths, name, routing):
+    """The cache's logic does not depend on the reads: the streamed run (reads in flight, cancelled,
+    promoted) gives the logits and counters of the run that only counts, for every routing."""
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    for size in (0.25, 0.5):
+        ref, st_ref = run(paths[name], routing, size, "gate", residency="none")
+        got, st = run(paths[name], routing, size, "gate", residency="stream")
+        assert np.array_equal(got, ref), f"max |diff| = {np.abs(got - ref).max()}"
+        assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
+        a, b = st.residency, st_ref.residency
+        assert (a.prefetch_issued, a.prefetch_used, a.prefetch_wasted, a.predicted_selected, a.predicted_total) == \
+               (b.prefetch_issued, b.prefetch_used, b.prefetch_wasted, b.predicted_selected, b.predicted_total)
+        assert b.decode_bytes_read == 0 and a.decode_bytes_read > 0
+
+
+def test_a_prefetch_is_an_insertion_that_counts(paths):
+    """Counters only, so the numbers are exact: every prefetched expert is inserted into its layer's
+    cache, and ends either selected (used), evicted unselected (wasted) or still cached."""
+    _, st_off = run(paths["tiny-shakespeare-qwen2moe-60x4"], "lru", 15, residency="none")
+    _, st = run(paths["tiny-shakespeare-qwen2moe-60x4"], "lru", 15, "gate", residency="none")
+    rs = st.residency
+    assert rs.prefetch_issued > 0 and rs.prefetch_used > 0 and rs.prefetch_wasted > 0
+    # the prompt filled every layer's cache, so each insertion (a token's miss or a prefetch) evicts one expert
+    assert (st.occupancy_per_layer == 15).all()
+    assert st.evictions == st.misses + rs.prefetch_issued
+    assert st_off.evictions == st_off.misses
+    assert st.selections_per_layer.sum() == st_off.selections_per_layer.sum()  # top-K: same selections
+    # the prefetched experts a token used were hits it would not have had: misses go down by at most that
+    assert st_off.misses - st.misses <= rs.prefetch_used
+    recall = rs.predicted_selected / rs.predicted_total
+    assert 0.0 < recall < 1.0 and rs.recall == pytest.approx(recall)
+    assert rs.wasted_bytes == rs.prefetch_wasted * rs.expert_bytes
+
+
+def test_prefetch_options_are_checked():
+    with pytest.raises(pymoecache.ConfigError, match="prefetch must be one of"):
+        CacheConfig(prefetch="always")
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_distance"):
+        CacheConfig(prefetch="gate", prefetch_distance=0)
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_distance"):
+        CacheConfig(prefetch="gate", prefetch_distance=9)
