@@ -3,6 +3,7 @@
 
     python scripts/bench_residency.py                      # 2.2 GB model, 3 reps, table on stdout
     python scripts/bench_residency.py --size-mb 2200 --reps 3 --tokens 64 --csv residency.csv
+    python scripts/bench_residency.py --prefetch off,previous,gate --prompt-tokens 512 --no-mmap
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
 built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
@@ -94,7 +95,9 @@ def decode_text(llm, args) -> float:
     text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
     stream = (llm.tokenize(text.encode(), add_bos=False)[:n] if text
               else np.random.default_rng(0).integers(300, 30000, n).tolist())  # no corpus: fixed pseudo-random tokens
+    t0 = time.perf_counter()
     llm.eval(stream[: args.prompt_tokens])
+    args.prefill_s = time.perf_counter() - t0
     for t in stream[args.prompt_tokens: args.prompt_tokens + args.warmup]:
         llm.eval([t])
     if hasattr(llm, "reset_moe_stats"):
@@ -110,7 +113,8 @@ def worker(args) -> None:
     import pymoecache
 
     how = drop_page_cache(Path(args.model))
-    cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads)
+    cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
+                                   prefetch=args.prefetch, prefetch_distance=args.prefetch_distance)
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
@@ -128,16 +132,22 @@ def worker(args) -> None:
         "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
         "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
         "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if TEXT.exists() else "random",
+        "prefetch": args.prefetch, "prefill_tok_s": args.prompt_tokens / args.prefill_s,
+        "demand_mib_per_token": rs.demand_bytes_read / max(1, rs.decode_tokens) / MiB,
+        "ahead_mib_per_token": rs.prefetch_bytes_read / max(1, rs.decode_tokens) / MiB,
+        "wasted_mib_per_token": rs.wasted_bytes / max(1, rs.decode_tokens) / MiB,
+        "recall": rs.recall, "prefetch_issued": rs.prefetch_issued, "prefetch_used": rs.prefetch_used,
     }))
 
 
-def run_one(model: Path, args, residency: str, routing: str, cache: str) -> dict:
+def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetch: str = "off") -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads)]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
+           "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"bench_residency: {residency} {routing} {cache} failed:\n{r.stderr[-3000:]}")
+        sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -147,6 +157,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every setting (default %(default)s)")
     add_decode_options(ap, tokens=96, warmup=32, prompt_tokens=128)
     ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
+    ap.add_argument("--prefetch", default="off",
+                    help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate "
+                         "(default %(default)s)")
+    ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
+    ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -160,26 +175,26 @@ def main() -> None:
         worker(args)
         return
 
+    prefetches = [p.strip() for p in args.prefetch.split(",") if p.strip()]
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
-    pairs = [("stream", "0.5"), ("stream", "0.25"), ("mmap", "0.5")]
-    settings = [(res, routing, cache) for res, cache in pairs for routing in ("lru", "prior:0.5")]
+    pairs = [("stream", "0.5"), ("stream", "0.25")] + ([] if args.no_mmap else [("mmap", "0.5")])
+    settings = [(res, routing, cache, pf) for res, cache in pairs for routing in ("lru", "prior:0.5")
+                for pf in (prefetches if res == "stream" else ["off"])]
     if not args.no_resident:
-        settings.append(("none", "lru", "1.0"))
+        settings.append(("none", "lru", "1.0", "off"))
     runs = []
     for rep in range(args.reps):
-        order = []
-        for res, cache in pairs:  # each pair back to back, its first member alternating
-            routings = ("lru", "prior:0.5") if rep % 2 == 0 else ("prior:0.5", "lru")
-            order += [(res, routing, cache) for routing in routings]
-        order += settings[len(pairs) * 2:]
-        for residency, routing, cache in order:
-            r = run_one(model, args, residency, routing, cache)
+        k = rep % len(settings)
+        order = settings[k:] + settings[:k]  # rotate: no setting always runs first
+        for residency, routing, cache, pf in order:
+            r = run_one(model, args, residency, routing, cache, pf)
             r["rep"] = rep
             runs.append(r)
-            print(f"[rep {rep + 1}/{args.reps}] {residency:<6} {routing:<10} cache {cache:<4} {r['tok_s']:7.2f} tok/s  "
-                  f"miss {100 * r['miss_rate']:5.1f}%  read {r['mib_read_per_token']:6.2f} MiB/tok  "
-                  f"rss {r['rss_mib']:6.0f} MiB", file=sys.stderr, flush=True)
+            print(f"[rep {rep + 1}/{args.reps}] {residency:<6} {routing:<10} cache {cache:<4} prefetch {pf:<8} "
+                  f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
+                  f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  rss {r['rss_mib']:6.0f} MiB",
+                  file=sys.stderr, flush=True)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
@@ -189,27 +204,49 @@ def main() -> None:
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
 
+    def rows_of(s):
+        return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"]) ==
+                (s[0], s[1], str(float(s[2])), s[3])]
+
+    resident = med(rows_of(("none", "lru", "1.0", "off")), "tok_s") if not args.no_resident else None
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
-          f"medians of {args.reps} runs, {args.tokens} decode tokens each, page cache dropped before every run\n")
-    print("| residency | routing | cache | decode tok/s | miss rate | MiB read/token | compute ms | I/O wait ms | "
-          "routing ms | RSS MiB | peak RSS MiB | slots MiB | other MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
+          f"page cache dropped before every run\n")
+    print("| residency | routing | cache | prefetch | decode tok/s | of resident | prefill tok/s | miss rate | "
+          "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | routing ms | "
+          "RSS MiB | peak RSS MiB | slots MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in settings:
-        rows = [r for r in runs if (r["residency"], r["routing"], str(r["cache"])) == (s[0], s[1], str(float(s[2])))]
-        other = med(rows, "rss_mib") - med(rows, "arena_mib") - rows[0]["non_expert_mib"]
-        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {med(rows, 'tok_s'):.2f} | "
-              f"{100 * med(rows, 'miss_rate'):.1f}% | {med(rows, 'mib_read_per_token'):.2f} | {med(rows, 'compute_ms'):.2f} | "
-              f"{med(rows, 'io_ms'):.2f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | "
-              f"{med(rows, 'peak_rss_mib'):.0f} | {med(rows, 'arena_mib'):.0f} | {other:.0f} |")
+        rows = rows_of(s)
+        share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
+        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {med(rows, 'tok_s'):.2f} | "
+              f"{share} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
+              f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "
+              f"{med(rows, 'ahead_mib_per_token'):.2f}) | {med(rows, 'wasted_mib_per_token'):.2f} | "
+              f"{100 * med(rows, 'recall'):.0f}% | {med(rows, 'compute_ms'):.2f} | {med(rows, 'io_ms'):.2f} | "
+              f"{med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
+              f"{med(rows, 'arena_mib'):.0f} |")
     print()
-    for residency, cache in pairs:
-        ratios = []
+
+    def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
+        per_rep = []
         for rep in range(args.reps):
-            pick = {r["routing"]: r for r in runs
-                    if r["rep"] == rep and r["residency"] == residency and str(r["cache"]) == str(float(cache))}
-            ratios.append(pick["prior:0.5"]["tok_s"] / pick["lru"]["tok_s"])
-        print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {statistics.median(ratios):.2f}x "
-              f"(per repetition: {', '.join(f'{x:.2f}' for x in ratios)})")
+            x = [r for r in rows_of(a) if r["rep"] == rep]
+            y = [r for r in rows_of(b) if r["rep"] == rep]
+            if x and y:
+                per_rep.append(x[0]["tok_s"] / y[0]["tok_s"])
+        return statistics.median(per_rep), per_rep
+
+    for residency, cache in pairs:
+        m, per = ratio((residency, "prior:0.5", cache, "off"), (residency, "lru", cache, "off"))
+        print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {m:.2f}x "
+              f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
+        for routing in ("lru", "prior:0.5"):
+            for pf in prefetches:
+                if pf != "off" and residency == "stream":
+                    m, per = ratio((residency, routing, cache, pf), (residency, routing, cache, "off"))
+                    print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {m:.2f}x "
+                          f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
 
 
 if __name__ == "__main__":

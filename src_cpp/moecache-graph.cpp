@@ -59,7 +59,10 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
         for (int32_t e = 0; e < mc.n_expert; e++) {
             r[e] = e;
         }
-        n = K;
+        // the stock router runs its top K; a cache-aware policy keeps the cached experts it can and
+        // must run only its top J (Top-J) whatever the cache holds: those are the reads to start early
+        const moecache_routing_params & rp = mc.rparams;
+        n = rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
         std::partial_sort(r.begin(), r.begin() + n, r.end(), [z](int32_t a, int32_t b) {
             return z[a] > z[b] || (z[a] == z[b] && a < b) || (std::isnan(z[b]) && !std::isnan(z[a]));
         });

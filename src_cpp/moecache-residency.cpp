@@ -142,6 +142,27 @@ static void drop_pending(moecache & mc) {
         }
     }
     mc.drop_pending.clear();
+    mc.drop_pending.swap(mc.drop_next); // the next layer's read-ahead: dropped once that layer ran
+}
+
+// A prompt ubatch that touches most experts of a layer will touch most of the next MoE layer's
+// too: ask the kernel for all of them now (MADV_WILLNEED starts the reads and returns), so the
+// next layer's experts come in while this layer computes. At most two layers are mapped in.
+static void read_ahead_next_layer(moecache & mc, const moecache_layer & L) {
+    for (int32_t il = L.il + 1; il < mc.n_layer; il++) {
+        const moecache_layer & next = mc.layers[il];
+        if (next.res.xt.empty()) {
+            continue;
+        }
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
+                continue;
+            }
+            moecache_willneed_expert(next, e);
+            mc.drop_next.emplace_back(next.il, e);
+        }
+        return;
+    }
 }
 
 // --- making memory follow the cache (called by the graph op, moecache-graph.cpp) --------------
@@ -224,6 +245,9 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
                 moecache_slots_prompt(mc, L, ids, n_ids);
             } else {
                 mmap_sync(mc, L, ids, n_ids, decode);
+            }
+            if (!decode && n_ids >= mc.n_expert) { // (n_ids = tokens x K)
+                read_ahead_next_layer(mc, L);
             }
         }
     }
@@ -373,6 +397,7 @@ void moecache_residency_free(moecache & mc) {
     }
     if (mc.fd >= 0 && !mc.layers.empty()) {
         drop_pending(mc);
+        drop_pending(mc); // and the read-ahead
         for (moecache_layer & L : mc.layers) {
             for (int32_t e = 0; e < (int32_t) L.res.locked.size(); e++) {
                 if (L.res.locked[e]) {

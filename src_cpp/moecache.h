@@ -119,7 +119,9 @@ enum moecache_residency {
 // output; with a cache-aware policy prefetched experts count as cached (they are).
 enum moecache_prefetch {
     MOECACHE_PREFETCH_OFF      = 0, // reads start when the layer's own routing is known
-    MOECACHE_PREFETCH_GATE     = 1, // layer l + d's router applied to layer l's FFN input (ProMoE), its top K
+    MOECACHE_PREFETCH_GATE     = 1, // layer l + d's router applied to layer l's FFN input (ProMoE): its top K
+                                    //   under TOPK routing, its top J under a cache-aware policy (the
+                                    //   experts that policy runs whether cached or not)
     MOECACHE_PREFETCH_PREVIOUS = 2, // the experts layer l + d selected for the previous token
 };
 

@@ -57,6 +57,13 @@ class Terminal:
     def send(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def key_at_prompt(self, key: str) -> None:
+        """Ctrl-C or Ctrl-D at the "> " prompt, as a person would press it: not in the microsecond
+        after the prompt appeared, before readline has set the terminal up (a signal that early
+        waits in readline until the next key)."""
+        time.sleep(0.5)
+        self.send(key)
+
     def wait(self, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -135,7 +142,7 @@ def test_two_turns_stats_routing_ctrl_d(term):
     prior_hit = float(m.group(2))
     assert prior_hit > lru_hit + 10, (prior_hit, lru_hit)  # the prior steered the very next tokens to the cache
     assert prior_answer != first
-    t.send("\x04")  # Ctrl-D at an empty prompt leaves
+    t.key_at_prompt("\x04")  # Ctrl-D at an empty prompt leaves
     t.expect(r"\[prior:0\.5, cache 8/60 experts per layer\] hit rate")  # the closing stats line
     assert t.wait() == 0
 
@@ -155,13 +162,13 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(term):
     t.send("\x03")
     t.expect(r"\[stopped\]")
     t.expect(r"> ")
-    t.send("\x04")
+    t.key_at_prompt("\x04")
     assert t.wait() == 0
 
 
 def test_ctrl_c_at_the_prompt_does_not_leave(term):
     t = term("--cache-size", "8", "-n", "4", "--temp", "0")
-    t.send("\x03")
+    t.key_at_prompt("\x03")
     t.expect(r"Ctrl-D or /quit leaves")
     t.send("/quit\r")
     assert t.wait() == 0

@@ -110,3 +110,18 @@ def test_prefetch_options_are_checked():
         CacheConfig(prefetch="gate", prefetch_distance=0)
     with pytest.raises(pymoecache.ConfigError, match="prefetch_distance"):
         CacheConfig(prefetch="gate", prefetch_distance=9)
+
+
+def test_cli_prefetch_stats_line():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-p", "ROMEO:", "-n", "16", "--cache-size", "15",
+                        "--prefetch", "gate", "--prefetch-distance", "2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert "| prefetch gate: recall " in last and " issued, " in last and "read ahead" in last
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-n", "1", "--prefetch", "sometimes"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "invalid choice: 'sometimes'" in r.stderr
