@@ -160,7 +160,7 @@ def _progress(iterable, enabled: bool, desc: str, unit: str = "chunk"):
 
 
 def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
-               limit_chunks: Optional[int] = None, desc: str = "perplexity") -> PerplexityResult:
+               limit_chunks: Optional[int] = None, desc: str = "perplexity", decode: bool = False) -> PerplexityResult:
     """Perplexity of ``tokens`` in chunks of ``ctx`` with the Llama's current routing and cache.
 
     Every chunk starts from an empty KV cache; its first token is replaced by BOS when the model's
@@ -168,6 +168,8 @@ def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
     cache is not cleared: it carries over from the previous chunk (and from before the call). The
     cache counters are reset at the start, so ``stats`` covers this run only. ``llm`` must be made
     with ``logits_all=True`` and ``n_ctx >= ctx``; route every token (``routing_scope="all"``).
+    ``decode=True`` evaluates each chunk one token at a time, as generation does (slower; what
+    happens only in decode, such as prefetch, then takes part).
     """
     _check_llm(llm, ctx)
     chunks = split_chunks(tokens, ctx, limit_chunks)
@@ -177,7 +179,11 @@ def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
     for chunk in _progress(chunks, progress, desc):
         chunk = bos + chunk[len(bos):]
         llm.reset()  # empty KV cache: eval() removes every position from n_tokens = 0 on
-        llm.eval(chunk)
+        if decode:
+            for t in chunk:
+                llm.eval([t])
+        else:
+            llm.eval(chunk)
         total += chunk_nll(llm.scores[:len(chunk) - 1], chunk[1:])
         n_scored += len(chunk) - 1
     nll = total / n_scored
@@ -250,6 +256,8 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
         "tokens": res.n_tokens,
         "chunks": res.n_chunks,
         "ctx": res.ctx,
+        "prefetch": st.residency.prefetch if st.residency else "off",
+        "prefetch_recall": st.residency.recall if st.residency else 0.0,
     }
 
 
@@ -269,10 +277,12 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 
 
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
-                  insertion: str = "top-bottom"):
+                  insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
     perplexity and miss rates do not depend on where the experts live, and all weights stay resident."""
-    llm = load_llama(model_path, cache=CacheConfig(size=cache_size, insertion=insertion, residency="none"), routing=TopK(),
+    cache = CacheConfig(size=cache_size, insertion=insertion, residency="none", prefetch=prefetch,
+                        prefetch_distance=prefetch_distance)
+    llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
     return llm
@@ -280,7 +290,8 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
 
 def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[Routing], cache_sizes: Sequence,
           *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
-          insertion: str = "top-bottom") -> List[dict]:
+          insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
+          prefetch_distance: int = 1) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
@@ -291,7 +302,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     rows: List[dict] = []
     tokens = None
     for size in cache_sizes:
-        llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion)
+        llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
+                            prefetch_distance=prefetch_distance)
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
@@ -299,7 +311,7 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                 llm.moecache.reset_stats()
                 llm.moecache.set_routing(routing, scope="all")
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
-                                 desc=f"{routing.spec()}, cache {size}")
+                                 desc=f"{routing.spec()}, cache {size}", decode=decode)
                 rows.append({"model": Path(model_path).name, **result_row(routing, res)})
         finally:
             llm.close()

@@ -4,6 +4,7 @@
     python scripts/bench_residency.py                      # 2.2 GB model, 3 reps, table on stdout
     python scripts/bench_residency.py --size-mb 2200 --reps 3 --tokens 64 --csv residency.csv
     python scripts/bench_residency.py --prefetch off,previous,gate --prompt-tokens 512 --no-mmap
+    python scripts/bench_residency.py --leave-gib 1.45 --stock --no-resident --no-mmap   # a smaller device
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
 built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
@@ -98,6 +99,12 @@ def decode_text(llm, args) -> float:
     t0 = time.perf_counter()
     llm.eval(stream[: args.prompt_tokens])
     args.prefill_s = time.perf_counter() - t0
+    args.prefill_warm_s = 0.0
+    if getattr(args, "residency", None) in ("none", "stock"):  # the reference: the prompt again, weights in memory
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(stream[: args.prompt_tokens])
+        args.prefill_warm_s = time.perf_counter() - t0
     for t in stream[args.prompt_tokens: args.prompt_tokens + args.warmup]:
         llm.eval([t])
     if hasattr(llm, "reset_moe_stats"):
@@ -108,10 +115,33 @@ def decode_text(llm, args) -> float:
     return time.perf_counter() - t0
 
 
+def hold_memory(leave_bytes: int):
+    """Make the memory the OS can give (MemAvailable) about ``leave_bytes``: the rest goes into
+    shared anonymous mappings touched page by page, which cannot be reclaimed on a machine without
+    swap. Returns the mappings (close them to give the memory back) and the bytes held."""
+    import mmap
+
+    import numpy as np
+
+    maps, held = [], 0
+    for _ in range(4):  # MemAvailable moves as the kernel settles: top up until it is within 16 MiB
+        hold = proc_kib_field("/proc/meminfo", "MemAvailable") - leave_bytes
+        if hold <= 16 << 20:
+            break
+        m = mmap.mmap(-1, hold, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        np.frombuffer(m, dtype=np.uint8)[::4096] = 1  # every page, now
+        maps.append(m)
+        held += hold
+    return maps, held
+
+
 def worker(args) -> None:
     """One measurement, in its own process: prints one JSON line."""
     import pymoecache
 
+    if args.residency == "stock":
+        stock_worker(args)
+        return
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
                                    prefetch=args.prefetch, prefetch_distance=args.prefetch_distance)
@@ -128,15 +158,44 @@ def worker(args) -> None:
         "cache_size": int(st.capacity_per_layer[0]), "n_expert": st.n_expert, "page_cache": how,
         "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": st.miss_rate,
         "mib_read_per_token": rs.bytes_read_per_token / MiB,
-        "compute_ms": rs.t_compute_ms_per_token, "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
+        # the wall time of a decoded token less its I/O wait and routing
+        "compute_ms": max(0.0, 1e3 * dt / args.tokens - rs.t_io_ms_per_token - rs.t_route_ms_per_token),
+        "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
         "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
         "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
         "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if TEXT.exists() else "random",
         "prefetch": args.prefetch, "prefill_tok_s": args.prompt_tokens / args.prefill_s,
+        "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "demand_mib_per_token": rs.demand_bytes_read / max(1, rs.decode_tokens) / MiB,
         "ahead_mib_per_token": rs.prefetch_bytes_read / max(1, rs.decode_tokens) / MiB,
         "wasted_mib_per_token": rs.wasted_bytes / max(1, rs.decode_tokens) / MiB,
         "recall": rs.recall, "prefetch_issued": rs.prefetch_issued, "prefetch_used": rs.prefetch_used,
+    }))
+
+
+def stock_worker(args) -> None:
+    """The same measurement with plain llama_cpp.Llama: llama.cpp's own mmap, no moecache."""
+    import llama_cpp
+
+    how = drop_page_cache(Path(args.model))
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(args.model, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
+                          n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
+    t_load = time.perf_counter() - t0
+    dt = decode_text(llm, args)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * 4096
+    size = Path(args.model).stat().st_size
+    print(json.dumps({
+        "residency": "stock", "routing": "lru", "cache": 1.0, "cache_size": 0, "n_expert": 0, "page_cache": how,
+        "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": 0.0, "mib_read_per_token": 0.0,
+        "compute_ms": 0.0, "io_ms": 0.0, "route_ms": 0.0, "rss_mib": rss / MiB, "peak_rss_mib": vm_hwm() / MiB,
+        "arena_mib": 0.0, "non_expert_mib": 0.0, "file_mib": size / MiB, "locked": False, "direct_io": False,
+        "tokens": "wikitext-2" if TEXT.exists() else "random", "prefetch": "off",
+        "prefill_tok_s": args.prompt_tokens / args.prefill_s, "demand_mib_per_token": 0.0,
+        "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
+        "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
+        "prefetch_used": 0,
     }))
 
 
@@ -163,6 +222,11 @@ def main() -> None:
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
+    ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
+    ap.add_argument("--cache-sizes", default="0.5,0.25", help="stream cache sizes, shares of N (default %(default)s)")
+    ap.add_argument("--leave-gib", type=float, default=None,
+                    help="a smaller device: hold all memory but this many GiB (MemAvailable) for the whole "
+                         "benchmark, in memory that cannot be reclaimed, released at the end (default: all memory)")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -178,11 +242,26 @@ def main() -> None:
     prefetches = [p.strip() for p in args.prefetch.split(",") if p.strip()]
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
-    pairs = [("stream", "0.5"), ("stream", "0.25")] + ([] if args.no_mmap else [("mmap", "0.5")])
+    pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
     settings = [(res, routing, cache, pf) for res, cache in pairs for routing in ("lru", "prior:0.5")
                 for pf in (prefetches if res == "stream" else ["off"])]
     if not args.no_resident:
         settings.append(("none", "lru", "1.0", "off"))
+    if args.stock:
+        settings.append(("stock", "lru", "1.0", "off"))
+    held, n_held = hold_memory(int(args.leave_gib * 2**30)) if args.leave_gib is not None else (None, 0)
+    if args.leave_gib is not None:
+        print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
+              f"left to the runs", file=sys.stderr)
+    try:
+        runs = measure(model, args, settings)
+    finally:
+        for m in held or []:
+            m.close()
+    report(model, args, settings, runs, pairs, prefetches, n_held)
+
+
+def measure(model: Path, args, settings) -> list:
     runs = []
     for rep in range(args.reps):
         k = rep % len(settings)
@@ -195,6 +274,10 @@ def main() -> None:
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
                   f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  rss {r['rss_mib']:6.0f} MiB",
                   file=sys.stderr, flush=True)
+    return runs
+
+
+def report(model: Path, args, settings, runs, pairs, prefetches, n_held) -> None:
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
@@ -209,9 +292,11 @@ def main() -> None:
                 (s[0], s[1], str(float(s[2])), s[3])]
 
     resident = med(rows_of(("none", "lru", "1.0", "off")), "tok_s") if not args.no_resident else None
+    left = f", {args.leave_gib:g} GiB of memory left to the runs ({n_held / 2**30:.1f} GiB held)" \
+        if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
           f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
-          f"page cache dropped before every run\n")
+          f"page cache dropped before every run{left}\n")
     print("| residency | routing | cache | prefetch | decode tok/s | of resident | prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | routing ms | "
           "RSS MiB | peak RSS MiB | slots MiB |")
@@ -227,6 +312,12 @@ def main() -> None:
               f"{med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
               f"{med(rows, 'arena_mib'):.0f} |")
     print()
+    if resident:
+        warm = med(rows_of(("none", "lru", "1.0", "off")), "prefill_warm_tok_s")
+        print(f"prefill of the {args.prompt_tokens}-token prompt, weights in memory (resident, second time): "
+              f"{warm:.1f} tok/s; streamed, share of it: " +
+              ", ".join(f"{s[1]} {s[2]} {s[3]} {100 * med(rows_of(s), 'prefill_tok_s') / warm:.0f}%"
+                        for s in settings if s[0] == "stream"))
 
     def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
         per_rep = []
@@ -237,6 +328,11 @@ def main() -> None:
                 per_rep.append(x[0]["tok_s"] / y[0]["tok_s"])
         return statistics.median(per_rep), per_rep
 
+    if args.stock:
+        for s in settings:
+            if s[0] != "stock":
+                m, per = ratio(s, ("stock", "lru", "1.0", "off"))
+                print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: decode tok/s / stock llama.cpp = {m:.2f}x")
     for residency, cache in pairs:
         m, per = ratio((residency, "prior:0.5", cache, "off"), (residency, "lru", cache, "off"))
         print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {m:.2f}x "

@@ -125,3 +125,37 @@ def test_cli_prefetch_stats_line():
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-n", "1", "--prefetch", "sometimes"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "invalid choice: 'sometimes'" in r.stderr
+
+
+def test_ppl_decode_measures_prefetch_under_a_policy(tmp_path):
+    """`ppl --decode` evaluates token by token, so prefetch takes part: under lru the perplexity is
+    exactly that without prefetch (logits do not change), under the prior it may move, and the
+    miss rate and recall are reported."""
+    import json
+    import subprocess
+    import sys
+
+    text = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+    if not text.exists():
+        text = tmp_path / "t.txt"
+        text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
+
+    def ppl(*args):
+        out = tmp_path / "rows.json"
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "ppl", "--text", str(text), "--ctx", "64", "--chunks",
+                            "3", "--cache-size", "15", "--no-progress", "--json", str(out), *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return {row["spec"]: row for row in json.loads(out.read_text())}
+
+    batch = ppl("--prior", "0.5")
+    off = ppl("--prior", "0.5", "--decode")
+    gate = ppl("--prior", "0.5", "--decode", "--prefetch", "gate")
+    assert gate["lru"]["ppl"] == off["lru"]["ppl"]                     # top-k: prefetch never changes a logit
+    assert gate["lru"]["miss_rate"] < off["lru"]["miss_rate"]          # prefetched experts the tokens used were hits
+    assert abs(off["lru"]["ppl"] / batch["lru"]["ppl"] - 1) < 1e-3     # one token at a time = the batch, to rounding
+    assert gate["prior:0.5"]["prefetch"] == "gate" and 0 < gate["prior:0.5"]["prefetch_recall"] < 1
+    assert off["prior:0.5"]["prefetch"] == "off"
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "ppl", "--text", str(text), "--prefetch", "gate"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "add --decode" in r.stderr

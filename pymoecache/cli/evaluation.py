@@ -47,8 +47,11 @@ def cmd_ppl(args) -> int:
         routings.append(routing_from_args(args))
     sizes = [parse_cache_size(s) for s in args.cache_size]
     load_text(args.text)  # a missing text file is reported before the model is loaded
+    if args.prefetch != "off" and not args.decode:
+        raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
     rows = sweep(resolve_model(args.model, args), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
-                 n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion)
+                 n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion, decode=args.decode,
+                 prefetch=args.prefetch, prefetch_distance=args.prefetch_distance)
     print(format_table(rows))
     if args.csv:
         write_rows(rows, args.csv, "csv")
@@ -123,6 +126,9 @@ def add_commands(sub) -> None:
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=256, metavar="N",
                    help="chunk length in tokens (default %(default)s)")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="evaluate only the first N chunks (default: all)")
+    p.add_argument("--decode", action="store_true",
+                   help="evaluate one token at a time, as generation does, so --prefetch takes part (slower; "
+                        "default: each chunk as one batch)")
     p.add_argument("--sweep", nargs="+", action="extend", metavar="POLICY=V1,V2",
                    help="policy knob values to sweep: prior=L1,L2 | max-rank=M1,M2 | cumsum=T1,T2 | prune=R1,R2 | lru; "
                         "several may be given (default: none, evaluate the routing options below)")
