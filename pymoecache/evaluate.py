@@ -258,6 +258,9 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
         "ctx": res.ctx,
         "prefetch": st.residency.prefetch if st.residency else "off",
         "prefetch_recall": st.residency.recall if st.residency else 0.0,
+        # experts brought in per token and layer: the tokens' misses plus the prefetches
+        "loads_per_token": (st.misses + (st.residency.prefetch_issued if st.residency else 0))
+        / max(1, int(st.tokens_per_layer.sum())),
     }
 
 
