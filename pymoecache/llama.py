@@ -157,21 +157,26 @@ def _cgroup_available() -> Optional[int]:
         return None
 
 
+_MEMINFO = "/proc/meminfo"
+
+
 def _available_memory() -> int:
     """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v2 limit),
-    free pages elsewhere; 0 when unknown."""
+    free pages elsewhere, half of the physical memory where neither is known (macOS); 0 if nothing is."""
     free = 0
     try:
-        with open("/proc/meminfo") as f:
+        with open(_MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     free = int(line.split()[1]) * 1024
                     break
     except OSError:
         pass
-    if not free:
+    for name, share in (("SC_AVPHYS_PAGES", 1), ("SC_PHYS_PAGES", 2)):  # macOS has only the second: half of it
+        if free:
+            break
         try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free = os.sysconf(name) * os.sysconf("SC_PAGE_SIZE") // share
         except (ValueError, OSError, AttributeError):
             free = 0
     cg = _cgroup_available()

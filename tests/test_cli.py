@@ -195,12 +195,27 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
 
 
 def test_cache_size_auto_reads_a_cgroup_limit(monkeypatch, tmp_path):
-    """In a container the cgroup's limit, not the host's MemAvailable, is what the process can have."""
+    """In a container the cgroup's limit, not the host's MemAvailable, is what the process can have;
+    where the OS tells neither (macOS), half of the physical memory."""
+    import os
+
     import pymoecache.llama as L
 
     assert L._available_memory() > 0
     monkeypatch.setattr(L, "_cgroup_available", lambda: 123 << 20)
     assert L._available_memory() == 123 << 20
+    # no /proc/meminfo and no free-page count (macOS): half of the physical memory
+    monkeypatch.setattr(L, "_cgroup_available", lambda: None)
+    monkeypatch.setattr(L, "_MEMINFO", str(tmp_path / "no-meminfo"))
+    real = os.sysconf
+
+    def sysconf(name):
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return real(name)
+
+    monkeypatch.setattr(os, "sysconf", sysconf)
+    assert L._available_memory() == real("SC_PHYS_PAGES") * real("SC_PAGE_SIZE") // 2
 
 
 def test_model_option_prompt_file_threads_ctx(fixture_dir, tmp_path):
