@@ -164,25 +164,29 @@ static void io_worker(moecache_io * io) {
     }
 }
 
+// (io.mu held) moves req's queued jobs out of `queue` into `out` (in order); returns how many
+template <typename Queue>
+static int32_t io_take(Queue & queue, const moecache_io_req & req, std::vector<moecache_io_item> * out) {
+    int32_t n = 0;
+    for (auto it = queue.begin(); it != queue.end();) {
+        if (it->req == &req) {
+            if (out) {
+                out->push_back(*it);
+            }
+            it = queue.erase(it);
+            n++;
+        } else {
+            ++it;
+        }
+    }
+    return n;
+}
+
 // (io.mu held) no reader threads: the caller runs req's queued jobs itself
 static void io_run_inline(moecache_io & io, std::unique_lock<std::mutex> & lock, moecache_io_req & req) {
     std::vector<moecache_io_item> mine;
-    for (auto it = io.demand.begin(); it != io.demand.end();) {
-        if (it->req == &req) {
-            mine.push_back(*it);
-            it = io.demand.erase(it);
-        } else {
-            ++it;
-        }
-    }
-    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
-        if (it->req == &req) {
-            mine.push_back(*it);
-            it = io.prefetch.erase(it);
-        } else {
-            ++it;
-        }
-    }
+    io_take(io.demand, req, &mine);
+    io_take(io.prefetch, req, &mine);
     for (moecache_io_item & it : mine) {
         if (io.seq_log) {
             io.seq_log->push_back(it.job.off);
@@ -196,17 +200,10 @@ static void io_run_inline(moecache_io & io, std::unique_lock<std::mutex> & lock,
 
 // (io.mu held) req's queued prefetch jobs move to the end of the on-demand queue, in their order
 static void io_promote(moecache_io & io, moecache_io_req & req) {
-    bool moved = false;
-    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
-        if (it->req == &req) {
-            io.demand.push_back(*it);
-            it = io.prefetch.erase(it);
-            moved = true;
-        } else {
-            ++it;
-        }
-    }
-    if (moved) {
+    std::vector<moecache_io_item> moved;
+    io_take(io.prefetch, req, &moved);
+    io.demand.insert(io.demand.end(), moved.begin(), moved.end());
+    if (!moved.empty()) {
         io.cv_work.notify_all();
     }
 }
@@ -244,23 +241,7 @@ void moecache_io_promote(moecache_io & io, moecache_io_req & req) {
 
 int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req) {
     std::unique_lock<std::mutex> lock(io.mu);
-    int32_t dropped = 0;
-    for (auto it = io.demand.begin(); it != io.demand.end();) {
-        if (it->req == &req) {
-            it = io.demand.erase(it);
-            dropped++;
-        } else {
-            ++it;
-        }
-    }
-    for (auto it = io.prefetch.begin(); it != io.prefetch.end();) {
-        if (it->req == &req) {
-            it = io.prefetch.erase(it);
-            dropped++;
-        } else {
-            ++it;
-        }
-    }
+    const int32_t dropped = io_take(io.demand, req, nullptr) + io_take(io.prefetch, req, nullptr);
     req.pending -= dropped;
     io.cv_done.wait(lock, [&req] { return req.pending == 0; }); // the chunks being read now
     return dropped;

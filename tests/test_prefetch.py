@@ -12,24 +12,14 @@ import pytest
 import pymoecache
 from pymoecache import CacheConfig
 from conftest import MOE_FIXTURES, ROOT, model_path
+from test_residency import run as run_residency
 
-KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)
-PROMPT = list(range(300, 340))
-DECODES = list(range(1000, 1040))
 TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "models" / "tiny-shakespeare-mixtral-8x2.gguf"]
 
 
 def run(path, routing, size, prefetch="off", residency="stream", distance=1):
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, prefetch=prefetch,
-                                                         prefetch_distance=distance), routing=routing, **KW)
-    llm.eval(PROMPT)
-    llm.reset_moe_stats()
-    for t in DECODES:
-        llm.eval([t])
-    logits = np.array(llm.scores[: len(PROMPT) + len(DECODES)])
-    st = llm.moe_stats()
-    llm.close()
-    return logits, st
+    """Logits of a prompt then one-token decodes, and the decodes' stats (test_residency.run)."""
+    return run_residency(path, residency, routing, size, prefetch=prefetch, prefetch_distance=distance)
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "mode
 SETTINGS = [("lru", 0.25), ("prior:0.5", 0.5), ("max-rank:8", 3)]
 
 
-def run(path, residency: str, routing: str, size):
-    """Logits of PROMPT then DECODES, and the stats of the decodes alone."""
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency), routing=routing, **KW)
+def run(path, residency: str, routing: str, size, **cache):
+    """Logits of PROMPT then DECODES, and the stats of the decodes alone (``cache``: more CacheConfig fields)."""
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, **cache), routing=routing, **KW)
     llm.reset()
     llm.eval(PROMPT)
     llm.reset_moe_stats()
