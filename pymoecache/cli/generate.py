@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
         n_prompt_tokens = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=False))
         if n_prompt_tokens + max(args.n, 1) > llm.n_ctx():
             raise UserError(f"the prompt ({n_prompt_tokens} tokens) and -n {args.n} do not fit in the context of "
-                            f"{llm.n_ctx()} tokens: raise --ctx or shorten them")
+                            f"{llm.n_ctx()} tokens: raise -c (--ctx-size) or shorten them")
     # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
     kw = dict(max_tokens=args.n, stream=True, **sampling_kwargs(args, llm))
     if args.n == 0:
