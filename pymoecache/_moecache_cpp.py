@@ -142,6 +142,8 @@ moecache_get_routing = _fn("moecache_get_routing", [moecache_p], moecache_routin
 moecache_set_prior_delta = _fn("moecache_set_prior_delta", [moecache_p, POINTER(c_float), c_int32], c_int32)
 moecache_reset_stats = _fn("moecache_reset_stats", [moecache_p], None)
 moecache_clear = _fn("moecache_clear", [moecache_p], None)
+# void moecache_begin_request(struct moecache * mc);
+moecache_begin_request = _fn("moecache_begin_request", [moecache_p], None)
 moecache_n_layer = _fn("moecache_n_layer", [moecache_p], c_int32)
 moecache_get_stats = _fn("moecache_get_stats", [moecache_p, POINTER(moecache_stats)], c_int32)
 moecache_get_layer_stats = _fn("moecache_get_layer_stats", [moecache_p, c_int32, POINTER(moecache_layer_stats)], c_int32)

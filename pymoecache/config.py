@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the ctypes struct each policy fills; importing it would loa
 
 # CacheConfig.prefetch -> enum moecache_prefetch
 PREFETCHES = {"off": C.MOECACHE_PREFETCH_OFF, "gate": C.MOECACHE_PREFETCH_GATE,
-              "previous": C.MOECACHE_PREFETCH_PREVIOUS}
+              "previous": C.MOECACHE_PREFETCH_PREVIOUS, "trace": C.MOECACHE_PREFETCH_TRACE}
 
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
 RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE_RESIDENCY_MMAP,
@@ -319,7 +319,9 @@ class CacheConfig:
 
     prefetch: ``"off"`` (the default), ``"gate"`` (while layer l decodes a token, layer l + d's
     router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
-    ``"previous"`` (what layer l + d selected for the previous token). The predicted experts are
+    ``"previous"`` (what layer l + d selected for the previous token) or ``"trace"`` (the
+    request's expert counts so far matched by cosine against past requests, MoE-Infinity's
+    activation matrices; a request starts at ``Llama.reset()``). The predicted experts are
     inserted into layer l + d's cache (evicting its least recently used ones) and, with
     ``stream``, read in the background while the layers in between compute; with the other
     residencies only the cache's contents (and the counters) change. prefetch_distance: d (1..8).

@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 5
+MOECACHE_ABI_VERSION = 6
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -34,6 +34,7 @@ MOECACHE_RESIDENCY_STREAM = 2
 MOECACHE_PREFETCH_OFF = 0
 MOECACHE_PREFETCH_GATE = 1
 MOECACHE_PREFETCH_PREVIOUS = 2
+MOECACHE_PREFETCH_TRACE = 3
 
 # enum moecache_policy
 MOECACHE_POLICY_TOPK = 0

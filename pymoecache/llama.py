@@ -480,6 +480,10 @@ class MoECache:
     def clear(self) -> None:
         C.moecache_clear(self._h)
 
+    def begin_request(self) -> None:
+        """A new request starts (prefetch="trace" files the last one's expert counts)."""
+        C.moecache_begin_request(self._h)
+
     def cached(self, il: int) -> list:
         """Experts cached in layer ``il``, least recently used first."""
         buf = (ctypes.c_int32 * self.n_expert)()
@@ -712,6 +716,13 @@ class Llama(llama_cpp.Llama):
         if st.residency is not None:  # compute time, as bench counts it: llama.cpp's own decode timer
             st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
         return st
+
+    def reset(self) -> None:
+        """llama_cpp.Llama.reset (a new prompt, not a continuation); for the expert cache a new
+        request begins (prefetch="trace" learns from the one that ended)."""
+        super().reset()
+        if getattr(self, "moecache", None) is not None:
+            self.moecache.begin_request()
 
     def reset_moe_stats(self) -> None:
         cache = self._require_cache()

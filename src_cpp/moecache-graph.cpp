@@ -75,6 +75,28 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
             score[i] = std::isfinite(sum) && sum > 0.0 ? (float) (std::exp((double) z[r[i]] - (double) z[r[0]]) / sum)
                                                        : 1.0f;
         }
+    } else if (mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
+        std::vector<float> & sc = L.scratch.boosted; // [n_expert] scratch, free after routing
+        if (!moecache_trace_predict(mc, L.il, target, sc.data())) {
+            return;
+        }
+        std::vector<int32_t> & r = L.scratch.order;
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            r[e] = e;
+        }
+        const moecache_routing_params & rp = mc.rparams;
+        const int32_t want = rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
+        std::partial_sort(r.begin(), r.begin() + want, r.end(), [&sc](int32_t a, int32_t b) {
+            return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
+        });
+        double sum = 0.0;
+        for (int32_t i = 0; i < want; i++) {
+            sum += sc[r[i]];
+        }
+        for (int32_t i = 0; i < want && sc[r[i]] > 0.0f; i++) {
+            ids[n]     = r[i];
+            score[n++] = (float) (sc[r[i]] / sum);
+        }
     } else {
         n = T.pf.n_last_sel;
         for (int32_t i = 0; i < n; i++) {
@@ -134,6 +156,9 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         out[K]     = n;
         out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
+        if (update && mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
+            moecache_trace_count(mc, L, out, n); // the request's trace: prompt and generated tokens
+        }
     }
     if (decode) {
         L.decode_tokens      += 1;

@@ -118,6 +118,13 @@ struct moecache {
 
     std::vector<moecache_layer> layers; // [n_layer], never resized after init (ops keep pointers)
 
+    // PREFETCH_TRACE (moecache-route.cpp): expert counts of the current request, [n_layer * N], and of
+    // past requests, each normalized per layer; the best match of the current token, -1 = none
+    std::vector<float>              req_counts;
+    std::vector<std::vector<float>> trace_store;
+    int32_t                         trace_best = -1;
+    int32_t                         trace_best_layer = -1; // the layer the match was made at
+
     struct llama_context * ctx = nullptr; // attached context
     const struct llama_model * model = nullptr; // the model (nullptr for a synthetic moecache)
 
@@ -235,3 +242,8 @@ bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use
 int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted);
 // after layer L routed a decoded token: recall of the prediction, prefetches used, last selection
 void    moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel);
+// PREFETCH_TRACE: count a token's selection of layer L in the current request
+void    moecache_trace_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel);
+// PREFETCH_TRACE: during layer il, scores of layer target's experts ([N], larger = likelier); false if none
+bool    moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score);
+void    moecache_trace_begin_request(moecache & mc);

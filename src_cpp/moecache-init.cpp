@@ -112,7 +112,7 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
-    if (cp.prefetch < MOECACHE_PREFETCH_OFF || cp.prefetch > MOECACHE_PREFETCH_PREVIOUS) {
+    if (cp.prefetch < MOECACHE_PREFETCH_OFF || cp.prefetch > MOECACHE_PREFETCH_TRACE) {
         snprintf(buf, sizeof(buf), "unknown prefetch mode %d", (int) cp.prefetch);
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;

@@ -113,6 +113,110 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
     std::copy(sel, sel + L.pf.n_last_sel, L.pf.last_sel.begin());
 }
 
+// --- PREFETCH_TRACE: request-level expert counts matched against past requests ---------------
+
+#define MOECACHE_TRACE_STORE 32      // past requests kept
+#define MOECACHE_TRACE_MERGE 0.95    // cosine above which a finished request is merged into a stored one
+#define MOECACHE_TRACE_MIN_TOKENS 8  // shorter requests are not stored
+
+void moecache_trace_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel) {
+    if (mc.req_counts.empty()) {
+        mc.req_counts.assign((size_t) mc.n_layer * mc.n_expert, 0.0f);
+    }
+    float * row = &mc.req_counts[(size_t) L.il * mc.n_expert];
+    for (int32_t i = 0; i < n_sel; i++) {
+        row[sel[i]] += 1.0f;
+    }
+}
+
+// each layer's row scaled to sum 1 (rows without counts stay 0)
+static std::vector<float> per_layer_share(const moecache & mc, const std::vector<float> & counts) {
+    std::vector<float> out(counts.size(), 0.0f);
+    for (int32_t il = 0; il < mc.n_layer; il++) {
+        double sum = 0.0;
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            sum += counts[(size_t) il * mc.n_expert + e];
+        }
+        for (int32_t e = 0; sum > 0.0 && e < mc.n_expert; e++) {
+            out[(size_t) il * mc.n_expert + e] = (float) (counts[(size_t) il * mc.n_expert + e] / sum);
+        }
+    }
+    return out;
+}
+
+// cosine of a and b over layers [0, n_rows)
+static double cosine_rows(const moecache & mc, const float * a, const float * b, int32_t n_rows) {
+    double ab = 0.0, aa = 0.0, bb = 0.0;
+    for (size_t i = 0; i < (size_t) n_rows * mc.n_expert; i++) {
+        ab += (double) a[i] * b[i];
+        aa += (double) a[i] * a[i];
+        bb += (double) b[i] * b[i];
+    }
+    return aa > 0.0 && bb > 0.0 ? ab / std::sqrt(aa * bb) : 0.0;
+}
+
+void moecache_trace_begin_request(moecache & mc) {
+    double total = 0.0; // tokens of the request: selections / (K x layers that routed)
+    int32_t rows = 0;
+    for (int32_t il = 0; il < mc.n_layer && !mc.req_counts.empty(); il++) {
+        double sum = 0.0;
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            sum += mc.req_counts[(size_t) il * mc.n_expert + e];
+        }
+        total += sum;
+        rows  += sum > 0.0;
+    }
+    const double tokens = rows > 0 ? total / ((double) mc.n_expert_used * rows) : 0.0;
+    if (tokens >= MOECACHE_TRACE_MIN_TOKENS) {
+        std::vector<float> share = per_layer_share(mc, mc.req_counts);
+        int32_t same = -1;
+        for (int32_t k = 0; k < (int32_t) mc.trace_store.size() && same < 0; k++) {
+            if (cosine_rows(mc, share.data(), mc.trace_store[k].data(), mc.n_layer) > MOECACHE_TRACE_MERGE) {
+                same = k;
+            }
+        }
+        if (same >= 0) { // deduplicated: the stored one moves halfway toward the new one
+            for (size_t i = 0; i < share.size(); i++) {
+                mc.trace_store[same][i] = 0.5f * (mc.trace_store[same][i] + share[i]);
+            }
+        } else {
+            if ((int32_t) mc.trace_store.size() >= MOECACHE_TRACE_STORE) {
+                mc.trace_store.erase(mc.trace_store.begin()); // the oldest goes
+            }
+            mc.trace_store.push_back(std::move(share));
+        }
+    }
+    std::fill(mc.req_counts.begin(), mc.req_counts.end(), 0.0f);
+    mc.trace_best       = -1;
+    mc.trace_best_layer = -1;
+}
+
+bool moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score) {
+    if (mc.req_counts.empty()) {
+        return false;
+    }
+    const size_t N = (size_t) mc.n_expert;
+    std::vector<float> now = per_layer_share(mc, mc.req_counts);
+    // the best match of the request so far, over layers 0..il (remade at each layer: the counts grow)
+    mc.trace_best = -1;
+    double best = 0.0;
+    for (int32_t k = 0; k < (int32_t) mc.trace_store.size(); k++) {
+        const double c = cosine_rows(mc, now.data(), mc.trace_store[k].data(), il + 1);
+        if (c > best) {
+            best          = c;
+            mc.trace_best = k;
+        }
+    }
+    mc.trace_best_layer = il;
+    bool any = false;
+    for (size_t e = 0; e < N; e++) {
+        const float past = mc.trace_best >= 0 ? mc.trace_store[mc.trace_best][target * N + e] : 0.0f;
+        score[e] = past + 0.5f * now[target * N + e]; // the past request, then this request's own habits
+        any = any || score[e] > 0.0f;
+    }
+    return any;
+}
+
 static bool is_allowed(float s) {
     return s > -INFINITY && !std::isnan(s);
 }

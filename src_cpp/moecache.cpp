@@ -172,6 +172,12 @@ void moecache_reset_stats(struct moecache * mc) {
     }
 }
 
+extern "C" void moecache_begin_request(struct moecache * mc) {
+    if (mc) {
+        moecache_trace_begin_request(*mc);
+    }
+}
+
 void moecache_clear(struct moecache * mc) {
     for (moecache_layer & L : mc->layers) {
         // the entries leaving now end their lifetimes here

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 5
+#define MOECACHE_ABI_VERSION 6
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -123,6 +123,10 @@ enum moecache_prefetch {
                                     //   under TOPK routing, its top J under a cache-aware policy (the
                                     //   experts that policy runs whether cached or not)
     MOECACHE_PREFETCH_PREVIOUS = 2, // the experts layer l + d selected for the previous token
+    MOECACHE_PREFETCH_TRACE    = 3, // request traces (MoE-Infinity): the request's expert counts so far,
+                                    //   layers 0..l, matched by cosine against past requests (a bounded,
+                                    //   deduplicated store filled by moecache_begin_request); layer l + d's
+                                    //   counts of the best match plus the request's own, its top K (J)
 };
 
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
@@ -259,6 +263,10 @@ MOECACHE_API struct moecache_routing_params moecache_get_routing(const struct mo
 MOECACHE_API int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int32_t n);
 
 MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and trace to zero; cache kept
+// A new request starts (a new prompt, not a continuation): PREFETCH_TRACE files the expert counts
+// of the request that ends into its store (at most 32 requests; one within cosine 0.95 of a stored
+// one is merged into it) and starts counting anew. Harmless with other prefetch modes.
+MOECACHE_API void    moecache_begin_request(struct moecache * mc);
 MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta)
 
 MOECACHE_API int32_t moecache_n_layer(const struct moecache * mc);

@@ -35,7 +35,7 @@ def test_prefetch_never_changes_top_k_logits(paths, name):
         pytest.skip(f"{name}.gguf is not in this checkout")
     ref, st_ref = run(paths[name], "lru", 0.25)
     assert np.isfinite(ref).all() and st_ref.misses > 0
-    for prefetch, distance in (("gate", 1), ("gate", 2), ("previous", 1)):
+    for prefetch, distance in (("gate", 1), ("gate", 2), ("previous", 1), ("trace", 1)):
         got, st = run(paths[name], "lru", 0.25, prefetch, distance=distance)
         assert np.array_equal(got, ref), f"{prefetch}/{distance}: max |diff| = {np.abs(got - ref).max()}"
         rs = st.residency
@@ -149,3 +149,24 @@ def test_ppl_decode_measures_prefetch_under_a_policy(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pymoecache", "ppl", "--text", str(text), "--prefetch", "gate"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "add --decode" in r.stderr
+
+
+def test_trace_prefetch_learns_from_past_requests(paths):
+    """prefetch="trace": the second time the same text is a request, the store holds the first
+    one's expert counts, so the prediction names more of the experts the tokens select."""
+    llm = pymoecache.Llama(str(paths["tiny-shakespeare-qwen2moe-60x4"]), verbose=False, n_ctx=256, n_threads=2,
+                           cache=CacheConfig(size=15, residency="none", prefetch="trace"))
+    text = (ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt")
+    text = text.read_text()[:4000] if text.exists() else "ROMEO: But soft, what light through yonder window breaks? " * 40
+    tokens = llm.tokenize(text.encode(), add_bos=True)[:160]
+    recall = []
+    for _ in range(2):
+        llm.reset()  # a new request: the previous one goes into the store
+        llm.reset_moe_stats()
+        for t in tokens:
+            llm.eval([t])
+        rs = llm.moe_stats().residency
+        assert rs.predicted_total > 0
+        recall.append(rs.recall)
+    llm.close()
+    assert 0.0 < recall[0] < recall[1] <= 1.0, recall

@@ -69,10 +69,11 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: 
         c.add_argument("--cache-size", default=default, metavar="N|F|BYTES|auto", help=what)
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
-    c.add_argument("--prefetch", choices=["off", "gate", "previous"], default="off",
+    c.add_argument("--prefetch", choices=["off", "gate", "previous", "trace"], default="off",
                    help="predict a later layer's experts while decoding and bring them in early: gate (that layer's "
-                        "router on this layer's input), previous (what it selected for the previous token); with "
-                        "stream residency they are read in the background (default off)")
+                        "router on this layer's input), previous (what it selected for the previous token), trace "
+                        "(this request's expert counts matched against past requests); with stream residency they "
+                        "are read in the background (default off)")
     c.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="predict layer l + D during layer l, 1..8 (default %(default)s)")
     if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
