@@ -37,66 +37,66 @@ const float * row_f32(const ggml_tensor * t, int64_t i1) {
     return (const float *) ((const char *) t->data + i1 * t->nb[1]);
 }
 
-// During layer L's decode: predict what layer L + d will select and prefetch it (GATE: the top K
-// of pred, that layer's router logits for this layer's FFN input, [n_expert, 1]; PREVIOUS: what
-// it selected for the previous token)
+// How many experts to predict: the stock router runs its top K; a cache-aware policy keeps the
+// cached experts it can and must run only its top J (Top-J) whatever the cache holds: those are
+// the reads to start early
+int32_t prefetch_width(const moecache & mc) {
+    const moecache_routing_params & rp = mc.rparams;
+    const int32_t K = mc.n_expert_used;
+    return rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
+}
+
+// ids/score = the n largest of v[0:N] (NaN last, ties by the lower id) with the prefetch queue's
+// score: from logits, their softmax over those n; otherwise shares of non-negative values, zeros
+// left out. order: [N] scratch. Returns how many.
+int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, std::vector<int32_t> & order,
+                      int32_t * ids, float * score) {
+    for (int32_t e = 0; e < N; e++) {
+        order[e] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + n, order.begin() + N, [v](int32_t a, int32_t b) {
+        return v[a] > v[b] || (v[a] == v[b] && a < b) || (std::isnan(v[b]) && !std::isnan(v[a]));
+    });
+    double sum = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        sum += logits ? std::exp((double) v[order[i]] - (double) v[order[0]]) : (double) v[order[i]];
+    }
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const double x = logits ? std::exp((double) v[order[i]] - (double) v[order[0]]) : (double) v[order[i]];
+        if (!logits && !(x > 0.0)) {
+            break;
+        }
+        ids[m]     = order[i];
+        score[m++] = std::isfinite(sum) && sum > 0.0 ? (float) (x / sum) : 1.0f;
+    }
+    return m;
+}
+
+// During layer L's decode: predict what layer L + d will select and prefetch it (GATE: from pred,
+// that layer's router logits for this layer's FFN input, [n_expert, 1]; TRACE: from the request's
+// expert counts against past requests; PREVIOUS: what it selected for the previous token)
 void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred) {
     const int32_t target = L.il + mc.cparams.prefetch_distance;
     if (target >= mc.n_layer) {
         return;
     }
     moecache_layer & T = mc.layers[target];
-    const int32_t K = mc.n_expert_used;
-    int32_t ids[MOECACHE_MAX_USED];
+    int32_t ids[MOECACHE_MAX_USED] = {}; // (zeroed: gcc cannot see that n <= K <= MOECACHE_MAX_USED)
     float   score[MOECACHE_MAX_USED];
     int32_t n = 0;
+    // (the scratch of layer L is free once L has routed its token)
     if (mc.cparams.prefetch == MOECACHE_PREFETCH_GATE) {
         if (!pred || !L.graph.predicts) {
             return;
         }
-        const float * z = row_f32(pred, 0);
-        std::vector<int32_t> & r = L.scratch.order; // [n_expert] scratch, free after routing
-        for (int32_t e = 0; e < mc.n_expert; e++) {
-            r[e] = e;
-        }
-        // the stock router runs its top K; a cache-aware policy keeps the cached experts it can and
-        // must run only its top J (Top-J) whatever the cache holds: those are the reads to start early
-        const moecache_routing_params & rp = mc.rparams;
-        n = rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
-        std::partial_sort(r.begin(), r.begin() + n, r.end(), [z](int32_t a, int32_t b) {
-            return z[a] > z[b] || (z[a] == z[b] && a < b) || (std::isnan(z[b]) && !std::isnan(z[a]));
-        });
-        double sum = 0.0; // softmax over the top n: the prefetch queue's order
-        for (int32_t i = 0; i < n; i++) {
-            sum += std::exp((double) z[r[i]] - (double) z[r[0]]);
-        }
-        for (int32_t i = 0; i < n; i++) {
-            ids[i]   = r[i];
-            score[i] = std::isfinite(sum) && sum > 0.0 ? (float) (std::exp((double) z[r[i]] - (double) z[r[0]]) / sum)
-                                                       : 1.0f;
-        }
+        n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, L.scratch.order, ids, score);
     } else if (mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
-        std::vector<float> & sc = L.scratch.boosted; // [n_expert] scratch, free after routing
-        if (!moecache_trace_predict(mc, L.il, target, sc.data())) {
+        float * sc = L.scratch.boosted.data();
+        if (!moecache_trace_predict(mc, L.il, target, sc)) {
             return;
         }
-        std::vector<int32_t> & r = L.scratch.order;
-        for (int32_t e = 0; e < mc.n_expert; e++) {
-            r[e] = e;
-        }
-        const moecache_routing_params & rp = mc.rparams;
-        const int32_t want = rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
-        std::partial_sort(r.begin(), r.begin() + want, r.end(), [&sc](int32_t a, int32_t b) {
-            return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
-        });
-        double sum = 0.0;
-        for (int32_t i = 0; i < want; i++) {
-            sum += sc[r[i]];
-        }
-        for (int32_t i = 0; i < want && sc[r[i]] > 0.0f; i++) {
-            ids[n]     = r[i];
-            score[n++] = (float) (sc[r[i]] / sum);
-        }
+        n = top_predicted(sc, mc.n_expert, prefetch_width(mc), false, L.scratch.order, ids, score);
     } else {
         n = T.pf.n_last_sel;
         for (int32_t i = 0; i < n; i++) {

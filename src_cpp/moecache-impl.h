@@ -121,6 +121,7 @@ struct moecache {
     // PREFETCH_TRACE (moecache-route.cpp): expert counts of the current request, [n_layer * N], and of
     // past requests, each normalized per layer; the best match of the current token, -1 = none
     std::vector<float>              req_counts;
+    std::vector<float>              req_share;  // req_counts, each row scaled to sum 1 (scratch)
     std::vector<std::vector<float>> trace_store;
     int32_t                         trace_best = -1;
     int32_t                         trace_best_layer = -1; // the layer the match was made at

@@ -129,19 +129,15 @@ void moecache_trace_count(moecache & mc, const moecache_layer & L, const int32_t
     }
 }
 
-// each layer's row scaled to sum 1 (rows without counts stay 0)
-static std::vector<float> per_layer_share(const moecache & mc, const std::vector<float> & counts) {
-    std::vector<float> out(counts.size(), 0.0f);
-    for (int32_t il = 0; il < mc.n_layer; il++) {
-        double sum = 0.0;
-        for (int32_t e = 0; e < mc.n_expert; e++) {
-            sum += counts[(size_t) il * mc.n_expert + e];
-        }
-        for (int32_t e = 0; sum > 0.0 && e < mc.n_expert; e++) {
-            out[(size_t) il * mc.n_expert + e] = (float) (counts[(size_t) il * mc.n_expert + e] / sum);
-        }
+// one layer's counts scaled to sum 1 (a row without counts stays 0)
+static void row_share(const float * counts, float * out, int32_t N) {
+    double sum = 0.0;
+    for (int32_t e = 0; e < N; e++) {
+        sum += counts[e];
     }
-    return out;
+    for (int32_t e = 0; e < N; e++) {
+        out[e] = sum > 0.0 ? (float) (counts[e] / sum) : 0.0f;
+    }
 }
 
 // cosine of a and b over layers [0, n_rows)
@@ -168,7 +164,10 @@ void moecache_trace_begin_request(moecache & mc) {
     }
     const double tokens = rows > 0 ? total / ((double) mc.n_expert_used * rows) : 0.0;
     if (tokens >= MOECACHE_TRACE_MIN_TOKENS) {
-        std::vector<float> share = per_layer_share(mc, mc.req_counts);
+        std::vector<float> share(mc.req_counts.size());
+        for (int32_t il = 0; il < mc.n_layer; il++) {
+            row_share(&mc.req_counts[(size_t) il * mc.n_expert], &share[(size_t) il * mc.n_expert], mc.n_expert);
+        }
         int32_t same = -1;
         for (int32_t k = 0; k < (int32_t) mc.trace_store.size() && same < 0; k++) {
             if (cosine_rows(mc, share.data(), mc.trace_store[k].data(), mc.n_layer) > MOECACHE_TRACE_MERGE) {
@@ -196,7 +195,13 @@ bool moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * s
         return false;
     }
     const size_t N = (size_t) mc.n_expert;
-    std::vector<float> now = per_layer_share(mc, mc.req_counts);
+    // the request's shares of layers 0..il and of the target (no other row is read)
+    std::vector<float> & now = mc.req_share;
+    now.resize(mc.req_counts.size());
+    for (int32_t l = 0; l <= il; l++) {
+        row_share(&mc.req_counts[(size_t) l * N], &now[(size_t) l * N], (int32_t) N);
+    }
+    row_share(&mc.req_counts[(size_t) target * N], &now[(size_t) target * N], (int32_t) N);
     // the best match of the request so far, over layers 0..il (remade at each layer: the counts grow)
     mc.trace_best = -1;
     double best = 0.0;

@@ -165,7 +165,7 @@ def answer(llm, conv: Conversation, args, out) -> str:
 def cmd_chat(args) -> int:
     from ..config import parse_routing
     from ..errors import Error
-    from .generate import cache_line, load_llama
+    from .generate import cache_line, llama_from_args
 
     routing = routing_from_args(args)
     if args.system_file is not None:
@@ -173,7 +173,7 @@ def cmd_chat(args) -> int:
             raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
         args.system = read_text_file(args.system_file, "system prompt file")
     model = resolve_model(args.model, args)
-    llm = load_llama(args, routing, model)
+    llm = llama_from_args(args, routing, model)
     conv = Conversation(llm, args.system or None)
     out = sys.stdout
     interactive = sys.stdin.isatty()

@@ -46,7 +46,7 @@ def prompt_from_args(args) -> str:
     return DEFAULT_PROMPT if args.prompt is None else args.prompt
 
 
-def load_llama(args, routing, model: str, **kw):
+def llama_from_args(args, routing, model: str, **kw):
     """``pymoecache.Llama`` for a generating command (run, chat, bench); refuses a dense model."""
     from ..llama import Llama
 
@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
     routing = routing_from_args(args)
     prompt = prompt_from_args(args)
     model = resolve_model(args.model, args)
-    llm = load_llama(args, routing, model)
+    llm = llama_from_args(args, routing, model)
     args.prompt = prompt
 
     out = sys.stdout
@@ -156,7 +156,7 @@ def cmd_bench(args) -> int:
     if args.reps < 1:
         raise UserError("--reps must be >= 1")
     model = resolve_model(args.model, args)
-    llm = load_llama(args, routings[0], model)
+    llm = llama_from_args(args, routings[0], model)
     if llm.cache_choice is not None:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
 
