@@ -44,6 +44,8 @@ class moecache_cache_params(ctypes.Structure):
         ("lock_memory", c_bool),
         ("prefetch", c_int32),
         ("prefetch_distance", c_int32),
+        ("eviction", c_int32),
+        ("eviction_decay", c_float),
     ]
 
 
@@ -61,6 +63,8 @@ class moecache_layer_stats(ctypes.Structure):
         ("lifetime_count", c_int64),
         ("lifetime_sum", c_double),
         ("delta", c_float),
+        ("pinned", c_int32),
+        ("pinned_hits", c_int64),
     ]
 
 
@@ -144,6 +148,18 @@ moecache_reset_stats = _fn("moecache_reset_stats", [moecache_p], None)
 moecache_clear = _fn("moecache_clear", [moecache_p], None)
 # void moecache_begin_request(struct moecache * mc);
 moecache_begin_request = _fn("moecache_begin_request", [moecache_p], None)
+# int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay);
+moecache_set_eviction = _fn("moecache_set_eviction", [moecache_p, c_int32, c_float], c_int32)
+# enum moecache_eviction moecache_get_eviction(const struct moecache * mc);
+moecache_get_eviction = _fn("moecache_get_eviction", [moecache_p], c_int32)
+# int32_t moecache_profile_save(const struct moecache * mc, const char * path);
+moecache_profile_save = _fn("moecache_profile_save", [moecache_p, c_char_p], c_int32)
+# int32_t moecache_profile_load(struct moecache * mc, const char * path);
+moecache_profile_load = _fn("moecache_profile_load", [moecache_p, c_char_p], c_int32)
+# int32_t moecache_profile_get(const struct moecache * mc, int32_t il, double * counts, int32_t n);
+moecache_profile_get = _fn("moecache_profile_get", [moecache_p, c_int32, POINTER(c_double), c_int32], c_int32)
+# int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
+moecache_profile_warm = _fn("moecache_profile_warm", [moecache_p, c_int32], c_int32)
 moecache_n_layer = _fn("moecache_n_layer", [moecache_p], c_int32)
 moecache_get_stats = _fn("moecache_get_stats", [moecache_p, POINTER(moecache_stats)], c_int32)
 moecache_get_layer_stats = _fn("moecache_get_layer_stats", [moecache_p, c_int32, POINTER(moecache_layer_stats)], c_int32)

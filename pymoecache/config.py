@@ -28,6 +28,20 @@ if TYPE_CHECKING:  # the ctypes struct each policy fills; importing it would loa
 PREFETCHES = {"off": C.MOECACHE_PREFETCH_OFF, "gate": C.MOECACHE_PREFETCH_GATE,
               "previous": C.MOECACHE_PREFETCH_PREVIOUS, "trace": C.MOECACHE_PREFETCH_TRACE}
 
+# CacheConfig.eviction -> enum moecache_eviction
+EVICTIONS = {"lru": C.MOECACHE_EVICTION_LRU, "lfu": C.MOECACHE_EVICTION_LFU,
+             "activation": C.MOECACHE_EVICTION_ACTIVATION, "freq-prob": C.MOECACHE_EVICTION_FREQ_PROB,
+             "router-mass": C.MOECACHE_EVICTION_ROUTER_MASS}
+
+
+def check_eviction(eviction: str, decay: float) -> None:
+    """ConfigError unless ``eviction`` is a policy name and ``decay`` in (0, 1]."""
+    if eviction not in EVICTIONS:
+        raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ConfigError(f"eviction decay must be a number in (0, 1], got {decay!r}")
+
+
 # CacheConfig.residency -> enum moecache_residency ("auto" is resolved by CacheConfig.residency_for)
 RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE_RESIDENCY_MMAP,
                "stream": C.MOECACHE_RESIDENCY_STREAM}
@@ -326,6 +340,15 @@ class CacheConfig:
     ``stream``, read in the background while the layers in between compute; with the other
     residencies only the cache's contents (and the counters) change. prefetch_distance: d (1..8).
 
+    eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
+    moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed
+    count of selections), ``"activation"`` (MoE-Infinity: lowest share of the layer's selections
+    in the current request, plus a tenth of its share in past requests), ``"freq-prob"`` (fMoE:
+    decayed count x the router probability of the layer's last token) or ``"router-mass"``
+    (lowest decayed sum of router probability). eviction_decay: the per-token decay of the
+    "decayed" values, in (0, 1] (default 0.95: a memory of about 20 tokens). Ties go to the least
+    recently used expert; a token's own experts and pinned ones are never evicted for it.
+
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
     >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
@@ -343,6 +366,8 @@ class CacheConfig:
     lock_memory: bool = True
     prefetch: str = "off"
     prefetch_distance: int = 1
+    eviction: str = "lru"
+    eviction_decay: float = 0.95
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -373,6 +398,7 @@ class CacheConfig:
         if self.prefetch not in PREFETCHES:
             raise ConfigError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {self.prefetch!r}")
         check_int("prefetch_distance", self.prefetch_distance, 1, C.MOECACHE_MAX_PREFETCH_DISTANCE)
+        check_eviction(self.eviction, self.eviction_decay)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

@@ -25,8 +25,8 @@ import numpy as np
 
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
-from .config import (INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig, ConfigError, Routing,
-                     TopK, check_int, parse_routing)
+from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
+                     ConfigError, Routing, TopK, check_eviction, check_int, parse_routing)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from .reference import softmax_f32
@@ -315,6 +315,7 @@ class MoECache:
         self.trace_capacity = trace_capacity
         self.moe_layers: Sequence[int] = ()  # the model's MoE layers: in stats() before their first token too
         self.prefetch = "off"  # CacheConfig.prefetch (set by the constructors)
+        self.eviction, self.eviction_decay = "lru", 0.95  # CacheConfig.eviction (set by the constructors)
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -343,6 +344,8 @@ class MoECache:
         cp.trace_capacity = int(cache.trace)
         cp.prefetch = PREFETCHES[cache.prefetch]
         cp.prefetch_distance = int(cache.prefetch_distance)
+        cp.eviction = EVICTIONS[cache.eviction]
+        cp.eviction_decay = float(cache.eviction_decay)
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -372,6 +375,8 @@ class MoECache:
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
         mc.prefetch = (cache or CacheConfig(size=0.5)).prefetch
+        mc.eviction = (cache or CacheConfig(size=0.5)).eviction
+        mc.eviction_decay = float((cache or CacheConfig(size=0.5)).eviction_decay)
         return mc
 
     @classmethod
@@ -384,6 +389,7 @@ class MoECache:
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
         mc.prefetch = cache.prefetch
+        mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
         return mc
 
     # --- life cycle --------------------------------------------------------------------------
@@ -445,7 +451,7 @@ class MoECache:
         ls = C.moecache_layer_stats()
         _check(C.moecache_get_layer_stats(self._h, il, ctypes.byref(ls)))
         return (il, ls.capacity, ls.occupancy, ls.tokens, ls.selections, ls.hits, ls.misses, ls.evictions,
-                ls.lifetime_count, ls.lifetime_sum, ls.delta), ls.n_expert > 0
+                ls.lifetime_count, ls.lifetime_sum, ls.delta, ls.pinned, ls.pinned_hits), ls.n_expert > 0
 
     def stats(self) -> MoEStats:
         rows = [row for il, (row, routed) in enumerate(map(self.layer_row, range(self.n_layer)))
@@ -481,8 +487,48 @@ class MoECache:
         C.moecache_clear(self._h)
 
     def begin_request(self) -> None:
-        """A new request starts (prefetch="trace" files the last one's expert counts)."""
+        """A new request starts: the one that ends goes into the usage profile (and, for
+        prefetch="trace", the store of past requests); eviction="activation" counts anew."""
         C.moecache_begin_request(self._h)
+
+    def set_eviction(self, eviction: str, decay: Optional[float] = None) -> None:
+        """Change the eviction policy (``CacheConfig.eviction``; decay: keep the current one if None).
+
+        >>> mc = MoECache.synthetic(n_layer=1, n_expert=8, n_expert_used=2, cache=CacheConfig(size=4))
+        >>> mc.set_eviction("router-mass"); mc.eviction
+        'router-mass'
+        """
+        decay = self.eviction_decay if decay is None else decay
+        check_eviction(eviction, decay)
+        _check(C.moecache_set_eviction(self._h, EVICTIONS[eviction], float(decay)))
+        self.eviction, self.eviction_decay = eviction, float(decay)
+
+    def save_profile(self, path: "os.PathLike[str] | str") -> None:
+        """Write the usage profile (past requests' expert counts, the current one's included, and the
+        trace store) atomically; StateFileError on any error."""
+        _check(C.moecache_profile_save(self._h, _checked_path(path, "usage profile")), StateFileError)
+
+    def load_profile(self, path: "os.PathLike[str] | str") -> None:
+        """Replace the usage profile with one saved by :meth:`save_profile` for the same model
+        (StateFileError for a damaged file or another model's; nothing changes then)."""
+        _check(C.moecache_profile_load(self._h, _checked_path(path, "usage profile")), StateFileError)
+
+    def profile_counts(self) -> np.ndarray:
+        """``[n_layer, n_expert]`` selections per expert in the profile (past requests)."""
+        out = np.zeros((self.n_layer, self.n_expert), dtype=np.float64)
+        for il in range(self.n_layer):
+            row = out[il]
+            _check(C.moecache_profile_get(self._h, il, row.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+                                          self.n_expert))
+        return out
+
+    def warm_start(self, pin_hot: int = 0) -> int:
+        """Refill every layer's cache with its most selected experts of the profile and pin the
+        ``pin_hot`` hottest per layer (at most capacity - K). Returns the experts pinned."""
+        check_int("pin_hot", pin_hot, 0, C.MOECACHE_MAX_EXPERTS)
+        n = C.moecache_profile_warm(self._h, pin_hot)
+        _check(min(n, 0))
+        return n
 
     def cached(self, il: int) -> list:
         """Experts cached in layer ``il``, least recently used first."""

@@ -1,6 +1,7 @@
-"""The routing policies and the per-layer LRU expert cache in plain Python/numpy.
+"""The routing policies and the per-layer expert cache in plain Python/numpy.
 
-This is a readable twin of ``src_cpp/moecache-route.cpp`` (the code that runs inside llama.cpp),
+This is a readable twin of ``src_cpp/moecache-route.cpp`` and ``src_cpp/moecache-cache.cpp`` (the
+code that runs inside llama.cpp),
 written to be checked line by line against ``docs/method.md``.
 ``tests/test_route_property.py`` feeds random router outputs to both and requires identical
 selections, hit masks, counters and cache contents. It is slow (pure Python per token) and meant
@@ -236,6 +237,14 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
     return [e for e in r if e in chosen_set]
 
 
+def _row_sum(row: np.ndarray) -> float:
+    """A row's sum in float64, one element at a time in order (as moecache-cache.cpp sums)."""
+    total = 0.0
+    for v in row:
+        total += float(v)
+    return total
+
+
 def update_order(selected: Sequence[int], p: Sequence[float], insertion: str) -> List[int]:
     """The order in which one token's selected experts go through the cache (method.md, "Cache
     update"): by router weight p, highest first ("top-bottom", so the lowest-weight expert ends
@@ -263,27 +272,51 @@ class ReferenceLayerStats:
     lifetime_count: int  # evicted entries + entries resident now
     lifetime_sum: float  # tokens each stayed: insertion to eviction, or insertion to now
     delta: float         # Delta_l (float32), as last used
+    pinned: int = 0      # experts pinned now
+    pinned_hits: int = 0  # hits on pinned experts
 
     @property
     def lifetime(self) -> float:
         return self.lifetime_sum / self.lifetime_count if self.lifetime_count else 0.0
 
 
-class LayerCache:
-    """One layer's LRU cache with its counters and running Delta (the C++ moecache_layer).
-    The simulator's lru_misses replays recorded selections through it."""
+EVICTIONS = ("lru", "lfu", "activation", "freq-prob", "router-mass")
+ACTIVATION_PAST = 0.1  # activation eviction: weight of the profile's share against the request's own
 
-    def __init__(self, capacity: int):
+
+class LayerCache:
+    """One layer's cache with its counters, running Delta and eviction usage (the C++
+    moecache_layer, src_cpp/moecache-cache.cpp). The simulator's lru_misses replays recorded
+    selections through it.
+
+    eviction: which cached expert a miss evicts (CacheConfig.eviction): the lowest score among the
+    experts the token does not use and that are not pinned, ties by least recent use (LRU's score
+    is 0 for all). n_expert is needed by every policy but LRU (the usage arrays are [n_expert]).
+    """
+
+    def __init__(self, capacity: int, n_expert: int = 0, eviction: str = "lru", decay: float = 0.95):
+        if eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}")
         self.capacity = capacity
+        self.eviction = eviction
+        self.decay = f32(decay)          # the C++ keeps it in a float field
         self.lru: List[int] = []        # cached experts, least recently used first
         self.inserted_at = {}           # expert -> value of `tokens` when it was inserted
         self.tokens = self.selections = self.hits = self.misses = self.evictions = 0
+        self.pinned_hits = 0
         self.lifetime_sum = 0.0         # of evicted entries
         self.lifetime_count = 0
         self.delta_sum = 0.0            # running Delta: float64 sum of per-token ranges
         self.delta_n = 0
         self.delta_fixed = 0.0          # > 0: a calibrated Delta used instead of the running mean
         self.delta_last = 0.0
+        # eviction usage (kept whatever the policy), float64 like the C++
+        self.freq = np.zeros(n_expert)   # decayed count of selections
+        self.mass = np.zeros(n_expert)   # decayed sum of router probability
+        self.last_p = np.zeros(n_expert, dtype=np.float32)  # the last token's router probabilities
+        self.request = np.zeros(n_expert)  # selections in the current request
+        self.profile = np.zeros(n_expert)  # selections in past requests
+        self.pinned: Set[int] = set()
 
     def update_delta(self, u: np.ndarray, s: np.ndarray) -> float:
         """Adds this token's range of u, then returns the Delta to use. The current token counts
@@ -296,16 +329,51 @@ class LayerCache:
         running = self.delta_sum / self.delta_n if self.delta_n > 0 else 0.0
         return self.delta_fixed if self.delta_fixed > 0.0 else running
 
+    def observe(self, p: np.ndarray, selected: Sequence[int]) -> None:
+        """A token routed: decay the usage, add its router probabilities (NaN, negative: 0) and its
+        selection, and count the selection in the current request. Before its insertions."""
+        p = np.asarray(p, dtype=np.float32)
+        pe = np.where(np.isfinite(p) & (p > 0), p, np.float32(0)).astype(np.float32)
+        self.freq = self.freq * self.decay
+        self.mass = self.mass * self.decay + pe.astype(np.float64)
+        self.last_p = pe
+        for e in selected:
+            self.freq[e] += 1.0
+            self.request[e] += 1.0
+
+    def score(self, e: int) -> float:
+        """What the eviction policy keeps: the lowest score goes first."""
+        if self.eviction == "lfu":
+            return float(self.freq[e])
+        if self.eviction == "router-mass":
+            return float(self.mass[e])
+        if self.eviction == "freq-prob":
+            return float(self.freq[e]) * float(self.last_p[e])
+        if self.eviction == "activation":
+            now_sum, past_sum = _row_sum(self.request), _row_sum(self.profile)
+            now = float(self.request[e]) / now_sum if now_sum > 0 else 0.0
+            past = float(self.profile[e]) / past_sum if past_sum > 0 else 0.0
+            return now + ACTIVATION_PAST * past
+        return 0.0
+
+    def victim(self, in_use: Set[int]) -> int:
+        """The entry to evict: not in use and not pinned if there is one, else not pinned, else any;
+        the lowest score, ties by least recent use (min() keeps the first of the LRU list)."""
+        candidates = ([x for x in self.lru if x not in in_use and x not in self.pinned]
+                      or [x for x in self.lru if x not in self.pinned] or self.lru)
+        return min(candidates, key=self.score)
+
     def insert(self, e: int, in_use: Set[int] = frozenset()) -> None:
-        """A miss: e becomes the most recent entry. When full, the least recently used entry
-        that the current token does not use is evicted (if all are in use, the LRU one).
+        """A miss: e becomes the most recent entry. When full, the eviction policy picks the victim
+        among the entries the current token does not use (see :meth:`victim`).
         Capacity 0 caches nothing. The evicted entry's lifetime ends at `tokens`, the count of
         tokens before the current one."""
         if self.capacity <= 0:
             return
         if len(self.lru) >= self.capacity:
-            victim = next((x for x in self.lru if x not in in_use), self.lru[0])
+            victim = self.victim(in_use)
             self.lru.remove(victim)
+            self.pinned.discard(victim)
             self.lifetime_sum += float(self.tokens - self.inserted_at.pop(victim))
             self.lifetime_count += 1
             self.evictions += 1
@@ -314,14 +382,19 @@ class LayerCache:
 
     def access(self, selected: Sequence[int], p: np.ndarray, insertion: str) -> List[int]:
         """Returns 1/0 (hit/miss) per entry of ``selected``: a hit is an expert that was cached
-        when the token was routed. Then the selected experts are touched in update_order: a hit
-        refreshes its recency, a miss is inserted (never evicting an expert this token uses,
-        unless all cached experts are in use). Only misses insert."""
-        return self.touch(selected, update_order(selected, p, insertion))
+        when the token was routed. Then the usage is updated (:meth:`observe`) and the selected
+        experts are touched in update_order: a hit refreshes its recency, a miss is inserted
+        (never evicting an expert this token uses, unless all cached experts are in use). Only
+        misses insert."""
+        return self.touch(selected, update_order(selected, p, insertion), p)
 
-    def touch(self, selected: Sequence[int], order: Sequence[int]) -> List[int]:
-        """:meth:`access` with the order of the updates given (a permutation of ``selected``)."""
+    def touch(self, selected: Sequence[int], order: Sequence[int], p: Optional[np.ndarray] = None) -> List[int]:
+        """:meth:`access` with the order of the updates given (a permutation of ``selected``);
+        without ``p`` the usage is not updated (enough for LRU)."""
         was_cached = {e for e in selected if e in self.lru}
+        self.pinned_hits += sum(1 for e in selected if e in self.pinned)
+        if p is not None:
+            self.observe(p, selected)
         in_use = set(selected)
         for e in order:
             if e not in was_cached:
@@ -335,6 +408,31 @@ class LayerCache:
         self.tokens += 1
         return [1 if e in was_cached else 0 for e in selected]
 
+    def empty(self) -> None:
+        """Every entry leaves (its lifetime ends now) and the pins go; usage and Delta stay."""
+        for e in self.lru:
+            self.lifetime_sum += float(self.tokens - self.inserted_at.pop(e))
+            self.lifetime_count += 1
+        self.lru = []
+        self.pinned = set()
+
+    def begin_request(self) -> None:
+        """The current request's counts go into the profile and start again."""
+        self.profile = self.profile + self.request
+        self.request = np.zeros_like(self.request)
+
+    def warm(self, n_pin: int, n_expert_used: int) -> int:
+        """Warm start from the profile: empty, then the most selected experts (ties: lower id), at most
+        the capacity, inserted coldest first; the n_pin hottest (at most capacity - K) pinned."""
+        self.empty()
+        hot = sorted((e for e in range(len(self.profile)) if self.profile[e] > 0),
+                     key=lambda e: (-self.profile[e], e))[:max(0, self.capacity)]
+        for e in reversed(hot):
+            self.insert(e)
+        n = min(n_pin, len(hot), max(0, self.capacity - n_expert_used))
+        self.pinned = set(hot[:n])
+        return n
+
     def stats(self) -> ReferenceLayerStats:
         """Counters now; entries resident now count in the lifetimes with their age so far."""
         ages = [self.tokens - self.inserted_at[e] for e in self.lru]
@@ -342,7 +440,7 @@ class LayerCache:
             capacity=self.capacity, occupancy=len(self.lru), tokens=self.tokens, selections=self.selections,
             hits=self.hits, misses=self.misses, evictions=self.evictions,
             lifetime_count=self.lifetime_count + len(ages), lifetime_sum=self.lifetime_sum + float(sum(ages)),
-            delta=float(np.float32(self.delta_last)))
+            delta=float(np.float32(self.delta_last)), pinned=len(self.pinned), pinned_hits=self.pinned_hits)
 
 
 class ReferenceCache:
@@ -355,7 +453,8 @@ class ReferenceCache:
     """
 
     def __init__(self, n_layer: int, n_expert: int, n_expert_used: int, capacity: Union[int, Sequence[int]],
-                 insertion: str = "top-bottom", routing: Union[Routing, str, None] = None):
+                 insertion: str = "top-bottom", routing: Union[Routing, str, None] = None,
+                 eviction: str = "lru", eviction_decay: float = 0.95):
         if not (1 <= n_expert_used <= n_expert) or n_layer < 1:
             raise ConfigError(f"invalid expert counts: N = {n_expert} routed experts, K = {n_expert_used} used "
                               f"per token, {n_layer} layers")
@@ -370,7 +469,7 @@ class ReferenceCache:
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {insertion!r}")
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.insertion = insertion
-        self.layers = [LayerCache(int(c)) for c in caps]
+        self.layers = [LayerCache(int(c), n_expert, eviction, eviction_decay) for c in caps]
         self.set_routing(routing if routing is not None else TopK())
 
     def set_routing(self, routing: Union[Routing, str]) -> None:
@@ -425,6 +524,25 @@ class ReferenceCache:
             sel[t, :len(chosen)] = chosen
             hits[t, :len(hit)] = hit
         return sel, hits
+
+    def set_eviction(self, eviction: str, decay: Optional[float] = None) -> None:
+        """Change the eviction policy of every layer (as MoECache.set_eviction)."""
+        if eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}")
+        for L in self.layers:
+            L.eviction = eviction
+            L.decay = L.decay if decay is None else f32(decay)
+
+    def begin_request(self) -> None:
+        for L in self.layers:
+            L.begin_request()
+
+    def warm_start(self, pin_hot: int = 0) -> int:
+        """As MoECache.warm_start: returns the experts pinned over all layers."""
+        return sum(L.warm(pin_hot, self.n_expert_used) for L in self.layers)
+
+    def profile_counts(self) -> np.ndarray:
+        return np.array([L.profile for L in self.layers])
 
     def cached(self, il: int) -> List[int]:
         """Experts cached in layer ``il``, least recently used first (as MoECache.cached)."""

@@ -149,8 +149,12 @@ def capacities(cache_size: CacheSize, n_layer: int, n_expert: int) -> List[int]:
 
 
 def replay(trace: Union[RouterTrace, Mapping, str, "os.PathLike[str]"], routing: Union[Routing, str] = "lru",
-           cache_size: CacheSize = 0.5, insertion: str = "top-bottom", engine: str = "native") -> ReplayResult:
+           cache_size: CacheSize = 0.5, insertion: str = "top-bottom", engine: str = "native",
+           eviction: str = "lru", eviction_decay: float = 0.95) -> ReplayResult:
     """Routes every token of ``trace`` through fresh caches under ``routing`` and counts.
+
+    eviction, eviction_decay: the cache's eviction policy (``CacheConfig.eviction``). The whole
+    trace is one request (``activation`` eviction counts from its first token, with no profile).
 
     engine: "native" (the C++ of the real hook, via MoECache.synthetic) or "reference" (the numpy
     twin, slow). Both give identical results.
@@ -169,9 +173,11 @@ def replay(trace: Union[RouterTrace, Mapping, str, "os.PathLike[str]"], routing:
         from .llama import MoECache  # the native engine: the library loads on first use
 
         cache = MoECache.synthetic(tr.n_layer, tr.n_expert, tr.n_expert_used, routing=routing,
-                                   cache=CacheConfig(size=0, per_layer=caps, insertion=insertion))
+                                   cache=CacheConfig(size=0, per_layer=caps, insertion=insertion, eviction=eviction,
+                                                     eviction_decay=eviction_decay))
     elif engine == "reference":
-        cache = ReferenceCache(tr.n_layer, tr.n_expert, tr.n_expert_used, caps, insertion=insertion, routing=routing)
+        cache = ReferenceCache(tr.n_layer, tr.n_expert, tr.n_expert_used, caps, insertion=insertion, routing=routing,
+                               eviction=eviction, eviction_decay=eviction_decay)
     else:
         raise ValueError(f"engine must be 'native' or 'reference', got {engine!r}")
     selected, requests = [], []
@@ -199,7 +205,7 @@ def _layer_row(cache, il: int) -> tuple:
     if isinstance(cache, ReferenceCache):
         r = cache.layer_stats(il)
         return (il, r.capacity, r.occupancy, r.tokens, r.selections, r.hits, r.misses, r.evictions,
-                r.lifetime_count, r.lifetime_sum, r.delta)
+                r.lifetime_count, r.lifetime_sum, r.delta, r.pinned, r.pinned_hits)
     return cache.layer_row(il)[0]
 
 

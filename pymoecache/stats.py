@@ -128,14 +128,18 @@ class MoEStats:
     expert_bytes: float              # bytes of one routed expert (0 if unknown)
     lifetime: float                  # mean tokens an entry stays cached, over all layers
     residency: Optional[ResidencyStats] = None  # I/O, time split, memory (None for a synthetic cache)
+    pinned_per_layer: Optional[np.ndarray] = None       # experts pinned now (a profile's warm start)
+    pinned_hits_per_layer: Optional[np.ndarray] = None  # hits on pinned experts (part of the hits)
 
-    # columns of a layer row for from_rows(): what struct moecache_layer_stats reports
+    # columns of a layer row for from_rows(): what struct moecache_layer_stats reports (rows without
+    # the last two, pinned and pinned_hits, count none)
     ROW = ("layer", "capacity", "occupancy", "tokens", "selections", "hits", "misses", "evictions",
-           "lifetime_count", "lifetime_sum", "delta")
+           "lifetime_count", "lifetime_sum", "delta", "pinned", "pinned_hits")
 
     @classmethod
     def from_rows(cls, rows, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0, **extra) -> "MoEStats":
         """Build from one row per MoE layer with the columns of ``MoEStats.ROW``."""
+        rows = [tuple(r) + (0,) * (len(cls.ROW) - len(r)) for r in rows]
         a = np.array(rows, dtype=np.float64).reshape(-1, len(cls.ROW))
         count, total = a[:, 8], a[:, 9]
         as_int = lambda j, t=np.int64: a[:, j].astype(t)  # noqa: E731
@@ -146,7 +150,8 @@ class MoEStats:
             misses_per_layer=as_int(6), evictions_per_layer=as_int(7),
             lifetime_per_layer=np.where(count > 0, total / np.maximum(count, 1), 0.0),
             delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=expert_bytes,
-            lifetime=float(total.sum() / count.sum()) if count.sum() > 0 else 0.0, **extra)
+            lifetime=float(total.sum() / count.sum()) if count.sum() > 0 else 0.0,
+            pinned_per_layer=as_int(11, np.int32), pinned_hits_per_layer=as_int(12), **extra)
 
     @property
     def tokens(self) -> int:
@@ -164,6 +169,15 @@ class MoEStats:
     @property
     def evictions(self) -> int:
         return int(self.evictions_per_layer.sum())
+
+    @property
+    def pinned(self) -> int:
+        """Experts pinned now, over all layers."""
+        return int(self.pinned_per_layer.sum()) if self.pinned_per_layer is not None else 0
+
+    @property
+    def pinned_hits(self) -> int:
+        return int(self.pinned_hits_per_layer.sum()) if self.pinned_hits_per_layer is not None else 0
 
     @property
     def miss_rate(self) -> float:
@@ -205,6 +219,7 @@ class MoEStats:
             "layer_hit_rate_min": float(hr.min()) if hr.size else 0.0,
             "layer_hit_rate_max": float(hr.max()) if hr.size else 0.0,
             "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
+            "pinned": self.pinned, "pinned_hits": self.pinned_hits,
             **(self.residency.summary_dict() if self.residency else {}),
         }
 
@@ -214,16 +229,20 @@ class MoEStats:
 
         def delta(field):  # a layer that had routed no token yet is not in ``before``: count it from 0
             a, b = getattr(self, field), getattr(before, field)
+            if a is None or b is None:
+                return a
             return a - b if b.shape == a.shape else a
 
         return dataclasses.replace(self, **{f: delta(f) for f in ("tokens_per_layer", "selections_per_layer",
                                                                   "hits_per_layer", "misses_per_layer",
-                                                                  "evictions_per_layer")})
+                                                                  "evictions_per_layer",
+                                                                  "pinned_hits_per_layer")})
 
     def summary(self) -> str:
         hr = self.hit_rate_per_layer
         return (f"hit rate {100 * self.hit_rate:.1f}% | misses/token {self.misses_per_token:.2f} | "
                 f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
                 f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
+                + (f" | pinned {self.pinned} experts, {self.pinned_hits} hits" if self.pinned else "")
                 + (f" | {self.residency.summary()}" if self.residency and self.residency.residency != "none" else "")
                 if self.tokens else "no tokens routed yet")

@@ -156,9 +156,6 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         out[K]     = n;
         out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
-        if (update && mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
-            moecache_trace_count(mc, L, out, n); // the request's trace: prompt and generated tokens
-        }
     }
     if (decode) {
         L.decode_tokens      += 1;

@@ -1,5 +1,7 @@
 // moecache-impl.h - internal state shared by the files of src_cpp/: moecache.cpp (the C API),
-// moecache-init.cpp (parameters, construction), moecache-route.cpp (policies, LRU),
+// moecache-init.cpp (parameters, construction), moecache-route.cpp (routing policies),
+// moecache-cache.cpp (one layer's cache: insertion, eviction policies, prefetch insertion),
+// moecache-profile.cpp (request counts, the usage profile and its files, the trace store),
 // moecache-graph.cpp (ggml ops called from llama.cpp), moecache-residency.cpp (slots, page
 // locks), moecache-io.{h,cpp} (reader threads), moecache-state.cpp (state files). Not installed.
 #pragma once
@@ -9,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -77,13 +80,22 @@ struct moecache_layer_prefetch {
     int32_t n_last_sel = 0;
 };
 
+// what the eviction policies score (moecache-cache.cpp), kept for every routed token
+struct moecache_layer_usage {
+    std::vector<double>  freq;     // [n_expert] decayed count of selections (LFU, FREQ_PROB)
+    std::vector<double>  mass;     // [n_expert] decayed sum of router probability (ROUTER_MASS)
+    std::vector<float>   last_p;   // [n_expert] router probability of the layer's last token (FREQ_PROB)
+    std::vector<uint8_t> pinned;   // [n_expert] cached and never evicted (moecache_profile_warm)
+    int32_t n_pinned = 0;
+};
+
 struct moecache_layer {
     struct moecache * mc = nullptr; // owner (the graph op only gets a pointer to its layer)
     int32_t il       = 0;
     int32_t capacity = 0;           // M_l
     bool    seen     = false;       // routed at least one token
 
-    // the cache: LRU over expert ids; last_use[e] < 0 means "not cached"
+    // the cache over expert ids; last_use[e] < 0 means "not cached"
     std::vector<int64_t> last_use;    // [n_expert] recency stamp (larger = more recent)
     std::vector<int64_t> inserted_at; // [n_expert] value of stats.tokens when e was inserted
     int64_t clock     = 0;            // last stamp handed out
@@ -102,6 +114,7 @@ struct moecache_layer {
     moecache_layer_graph     graph;
     moecache_layer_residency res;
     moecache_layer_prefetch  pf;
+    moecache_layer_usage     use;
 };
 
 
@@ -118,9 +131,11 @@ struct moecache {
 
     std::vector<moecache_layer> layers; // [n_layer], never resized after init (ops keep pointers)
 
-    // PREFETCH_TRACE (moecache-route.cpp): expert counts of the current request, [n_layer * N], and of
-    // past requests, each normalized per layer; the best match of the current token, -1 = none
+    // moecache-profile.cpp: expert counts of the current request, [n_layer * N] (ACTIVATION eviction,
+    // PREFETCH_TRACE), and of every past request (the usage profile); the trace store: past requests,
+    // each normalized per layer; the best match of the current token, -1 = none
     std::vector<float>              req_counts;
+    std::vector<double>             profile_counts;
     std::vector<float>              req_share;  // req_counts, each row scaled to sum 1 (scratch)
     std::vector<std::vector<float>> trace_store;
     int32_t                         trace_best = -1;
@@ -194,6 +209,7 @@ void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t *
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // moecache-init.cpp: the checks of moecache.h's parameters and the constructors
 int32_t    moecache_check_routing(const moecache_routing_params & p, int32_t K);
+int32_t    moecache_check_eviction(enum moecache_eviction eviction, float decay);
 moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_cache_params cp,
                               moecache_routing_params rp);
 moecache * moecache_new(const llama_model * model, moecache_cache_params cparams, moecache_routing_params rparams);
@@ -232,19 +248,58 @@ int32_t moecache_route_token(
         int32_t                              * sel,
         int8_t                               * hit);
 
+// moecache-cache.cpp
 void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);
-void moecache_layer_clear(moecache_layer & L);
-// inserts e as the most recent entry; when full, evicts the least recently used expert whose
-// in_use[] entry is 0 (in_use may be NULL). Returns false if the capacity is 0.
+void moecache_layer_clear(moecache_layer & L);   // empty, Delta, usage and pins to zero
+void moecache_layer_empty(moecache_layer & L);   // empty (lifetimes of the entries end now) and unpinned
+// a token of layer L routed: decays and adds its usage (router probabilities p [n_expert], the
+// selection sel[0:n_sel]) and counts the selection in the current request; before its insertions
+void moecache_layer_observe(moecache_layer & L, const float * p, const int32_t * sel, int32_t n_sel);
+// inserts e as the most recent entry; when full, evicts the expert the eviction policy picks among
+// those whose in_use[] entry is 0 (in_use may be NULL) and that are not pinned. Returns false if
+// the capacity is 0.
 bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use);
 // a prediction for the next token of layer T: pred[0:n] (most likely first) are inserted into its
-// cache unless cached already, each evicting the LRU expert that is not predicted (an evicted
-// prefetch never selected counts as wasted). inserted: out, the experts to read. Returns their count.
+// cache unless cached already, each evicting by the policy an expert that is not predicted (an
+// evicted prefetch never selected counts as wasted). inserted: out, the experts to read. Returns their count.
 int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted);
 // after layer L routed a decoded token: recall of the prediction, prefetches used, last selection
 void    moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel);
-// PREFETCH_TRACE: count a token's selection of layer L in the current request
-void    moecache_trace_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel);
+
+// moecache-profile.cpp
+// the current request's expert counts: a token's selection of layer L
+void    moecache_request_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel);
+// moecache_begin_request: the request that ends goes into the profile and the trace store
+void    moecache_profile_begin_request(moecache & mc);
 // PREFETCH_TRACE: during layer il, scores of layer target's experts ([N], larger = likelier); false if none
 bool    moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score);
-void    moecache_trace_begin_request(moecache & mc);
+int32_t moecache_profile_write(const moecache & mc, const char * path);
+int32_t moecache_profile_read(moecache & mc, const char * path);
+int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin);
+
+// moecache-state.cpp: file helpers shared with moecache-profile.cpp (native endianness)
+template <typename T> inline void moecache_put(std::vector<uint8_t> & b, const T & v) {
+    const uint8_t * p = (const uint8_t *) &v;
+    b.insert(b.end(), p, p + sizeof(T));
+}
+// bounds-checked reader over a file's bytes
+struct moecache_reader {
+    const uint8_t * p;
+    size_t n;
+    size_t pos = 0;
+    bool get_bytes(void * out, size_t k) {
+        if (k > n - pos) {
+            return false;
+        }
+        memcpy(out, p + pos, k);
+        pos += k;
+        return true;
+    }
+    template <typename T> bool get(T & v) { return get_bytes(&v, sizeof(T)); }
+};
+uint64_t moecache_fnv1a64(const uint8_t * p, size_t n);
+// writes b to a temporary file beside path, syncs it and renames it over path; MOECACHE_ERR_IO
+// with "cannot write <what> to '<path>': ..." on failure
+int32_t  moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * path, const char * what);
+// the whole regular file (never a FIFO or device), at most max_bytes; errors name `what`
+int32_t  moecache_read_file(const char * path, size_t max_bytes, const char * what, std::vector<uint8_t> & out);

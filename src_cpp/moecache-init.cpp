@@ -18,6 +18,19 @@ static int32_t fail(int32_t status, const std::string & msg) {
     return status;
 }
 
+int32_t moecache_check_eviction(enum moecache_eviction eviction, float decay) {
+    char buf[128];
+    if (eviction < MOECACHE_EVICTION_LRU || eviction > MOECACHE_EVICTION_ROUTER_MASS) {
+        snprintf(buf, sizeof(buf), "unknown eviction policy %d", (int) eviction);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    if (!(decay > 0.0f && decay <= 1.0f)) {
+        snprintf(buf, sizeof(buf), "eviction decay = %g must be in (0, 1]", (double) decay);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
+    return MOECACHE_OK;
+}
+
 int32_t moecache_check_routing(const moecache_routing_params & p, int32_t K) {
     char buf[256];
     if (p.policy < MOECACHE_POLICY_TOPK || p.policy > MOECACHE_POLICY_SWAP_RANK) {
@@ -121,6 +134,9 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         snprintf(buf, sizeof(buf), "prefetch_distance = %d must be in [1, %d]", cp.prefetch_distance,
                  MOECACHE_MAX_PREFETCH_DISTANCE);
         fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
+    if (moecache_check_eviction(cp.eviction, cp.eviction_decay) != MOECACHE_OK) {
         return nullptr;
     }
     if (cp.n_layer_sizes < 0 || cp.n_layer_sizes > n_layer || (cp.n_layer_sizes > 0 && !cp.n_cached_per_layer)) {

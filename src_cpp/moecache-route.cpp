@@ -1,4 +1,5 @@
-// moecache-route.cpp - the routing decision for one token of one layer, and the LRU cache.
+// moecache-route.cpp - the routing decision for one token of one layer (the cache it consults:
+// moecache-cache.cpp).
 //
 // Specification: docs/method.md. pymoecache/reference.py is the same algorithm in numpy;
 // tests/test_route_property.py checks that both choose the same experts. Change them together.
@@ -13,214 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-
-void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t capacity) {
-    const int32_t n = mc.n_expert;
-    L.mc       = &mc;
-    L.il       = il;
-    L.capacity = capacity;
-    L.last_use.assign(n, -1);
-    L.inserted_at.assign(n, 0);
-    L.scratch.rank.assign(n, 0);
-    L.scratch.pos.assign(n, 0);
-    L.scratch.order.assign(n, 0);
-    L.scratch.boosted.assign(n, 0.0f);
-    L.scratch.chosen.assign(n, 0);
-    L.pf.predicted.assign(n, 0);
-    L.pf.fetched.assign(n, 0);
-    L.pf.last_sel.assign(mc.n_expert_used, -1);
-}
-
-void moecache_layer_clear(moecache_layer & L) {
-    std::fill(L.last_use.begin(), L.last_use.end(), -1);
-    std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
-    L.occupancy    = 0;
-    L.clock        = 0;
-    L.delta_sum    = 0.0;
-    L.delta_n      = 0;
-}
-
-bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use) {
-    if (L.capacity <= 0) {
-        return false;
-    }
-    if (L.occupancy >= L.capacity) {
-        // evict the least recently used expert not in use; all in use (cache < K): the LRU one
-        int32_t victim = -1;
-        for (int32_t pass = 0; pass < 2 && victim < 0; pass++) {
-            for (int32_t i = 0; i < (int32_t) L.last_use.size(); i++) {
-                const bool usable = pass == 1 || !in_use || !in_use[i];
-                if (usable && L.last_use[i] >= 0 && (victim < 0 || L.last_use[i] < L.last_use[victim])) {
-                    victim = i;
-                }
-            }
-        }
-        L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[victim]);
-        L.st.lifetime_count += 1;
-        L.st.evictions      += 1;
-        L.last_use[victim]   = -1;
-        L.occupancy         -= 1;
-        if (L.pf.fetched[victim]) { // prefetched, never selected: its read was for nothing
-            L.pf.fetched[victim] = 0;
-            L.mc->rst.prefetch_wasted += 1;
-        }
-    }
-    L.last_use[e]    = ++L.clock;
-    L.inserted_at[e] = L.st.tokens;
-    L.occupancy     += 1;
-    return true;
-}
-
-int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted) {
-    std::fill(T.pf.predicted.begin(), T.pf.predicted.end(), 0);
-    for (int32_t i = 0; i < n; i++) {
-        T.pf.predicted[pred[i]] = 1;
-    }
-    T.pf.has_prediction = true;
-    int32_t n_ins = 0;
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t e = pred[i];
-        if (T.last_use[e] >= 0) {
-            continue; // cached already: nothing to read, and its recency is left alone
-        }
-        // evicts the least recently used expert that is not predicted itself
-        if (!moecache_layer_insert(T, e, T.pf.predicted.data())) {
-            break;
-        }
-        T.pf.fetched[e] = 1;
-        T.mc->rst.prefetch_issued += 1;
-        inserted[n_ins++] = e;
-    }
-    return n_ins;
-}
-
-void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel) {
-    moecache & mc = *L.mc;
-    if (L.pf.has_prediction) {
-        for (int32_t i = 0; i < n_sel; i++) {
-            mc.rst.predicted_selected += L.pf.predicted[sel[i]];
-        }
-        mc.rst.predicted_total += n_sel;
-        L.pf.has_prediction = false;
-    }
-    for (int32_t i = 0; i < n_sel; i++) {
-        if (L.pf.fetched[sel[i]]) {
-            L.pf.fetched[sel[i]] = 0;
-            mc.rst.prefetch_used += 1;
-        }
-    }
-    L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());
-    std::copy(sel, sel + L.pf.n_last_sel, L.pf.last_sel.begin());
-}
-
-// --- PREFETCH_TRACE: request-level expert counts matched against past requests ---------------
-
-#define MOECACHE_TRACE_STORE 32      // past requests kept
-#define MOECACHE_TRACE_MERGE 0.95    // cosine above which a finished request is merged into a stored one
-#define MOECACHE_TRACE_MIN_TOKENS 8  // shorter requests are not stored
-
-void moecache_trace_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel) {
-    if (mc.req_counts.empty()) {
-        mc.req_counts.assign((size_t) mc.n_layer * mc.n_expert, 0.0f);
-    }
-    float * row = &mc.req_counts[(size_t) L.il * mc.n_expert];
-    for (int32_t i = 0; i < n_sel; i++) {
-        row[sel[i]] += 1.0f;
-    }
-}
-
-// one layer's counts scaled to sum 1 (a row without counts stays 0)
-static void row_share(const float * counts, float * out, int32_t N) {
-    double sum = 0.0;
-    for (int32_t e = 0; e < N; e++) {
-        sum += counts[e];
-    }
-    for (int32_t e = 0; e < N; e++) {
-        out[e] = sum > 0.0 ? (float) (counts[e] / sum) : 0.0f;
-    }
-}
-
-// cosine of a and b over layers [0, n_rows)
-static double cosine_rows(const moecache & mc, const float * a, const float * b, int32_t n_rows) {
-    double ab = 0.0, aa = 0.0, bb = 0.0;
-    for (size_t i = 0; i < (size_t) n_rows * mc.n_expert; i++) {
-        ab += (double) a[i] * b[i];
-        aa += (double) a[i] * a[i];
-        bb += (double) b[i] * b[i];
-    }
-    return aa > 0.0 && bb > 0.0 ? ab / std::sqrt(aa * bb) : 0.0;
-}
-
-void moecache_trace_begin_request(moecache & mc) {
-    double total = 0.0; // tokens of the request: selections / (K x layers that routed)
-    int32_t rows = 0;
-    for (int32_t il = 0; il < mc.n_layer && !mc.req_counts.empty(); il++) {
-        double sum = 0.0;
-        for (int32_t e = 0; e < mc.n_expert; e++) {
-            sum += mc.req_counts[(size_t) il * mc.n_expert + e];
-        }
-        total += sum;
-        rows  += sum > 0.0;
-    }
-    const double tokens = rows > 0 ? total / ((double) mc.n_expert_used * rows) : 0.0;
-    if (tokens >= MOECACHE_TRACE_MIN_TOKENS) {
-        std::vector<float> share(mc.req_counts.size());
-        for (int32_t il = 0; il < mc.n_layer; il++) {
-            row_share(&mc.req_counts[(size_t) il * mc.n_expert], &share[(size_t) il * mc.n_expert], mc.n_expert);
-        }
-        int32_t same = -1;
-        for (int32_t k = 0; k < (int32_t) mc.trace_store.size() && same < 0; k++) {
-            if (cosine_rows(mc, share.data(), mc.trace_store[k].data(), mc.n_layer) > MOECACHE_TRACE_MERGE) {
-                same = k;
-            }
-        }
-        if (same >= 0) { // deduplicated: the stored one moves halfway toward the new one
-            for (size_t i = 0; i < share.size(); i++) {
-                mc.trace_store[same][i] = 0.5f * (mc.trace_store[same][i] + share[i]);
-            }
-        } else {
-            if ((int32_t) mc.trace_store.size() >= MOECACHE_TRACE_STORE) {
-                mc.trace_store.erase(mc.trace_store.begin()); // the oldest goes
-            }
-            mc.trace_store.push_back(std::move(share));
-        }
-    }
-    std::fill(mc.req_counts.begin(), mc.req_counts.end(), 0.0f);
-    mc.trace_best       = -1;
-    mc.trace_best_layer = -1;
-}
-
-bool moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score) {
-    if (mc.req_counts.empty()) {
-        return false;
-    }
-    const size_t N = (size_t) mc.n_expert;
-    // the request's shares of layers 0..il and of the target (no other row is read)
-    std::vector<float> & now = mc.req_share;
-    now.resize(mc.req_counts.size());
-    for (int32_t l = 0; l <= il; l++) {
-        row_share(&mc.req_counts[(size_t) l * N], &now[(size_t) l * N], (int32_t) N);
-    }
-    row_share(&mc.req_counts[(size_t) target * N], &now[(size_t) target * N], (int32_t) N);
-    // the best match of the request so far, over layers 0..il (remade at each layer: the counts grow)
-    mc.trace_best = -1;
-    double best = 0.0;
-    for (int32_t k = 0; k < (int32_t) mc.trace_store.size(); k++) {
-        const double c = cosine_rows(mc, now.data(), mc.trace_store[k].data(), il + 1);
-        if (c > best) {
-            best          = c;
-            mc.trace_best = k;
-        }
-    }
-    mc.trace_best_layer = il;
-    bool any = false;
-    for (size_t e = 0; e < N; e++) {
-        const float past = mc.trace_best >= 0 ? mc.trace_store[mc.trace_best][target * N + e] : 0.0f;
-        score[e] = past + 0.5f * now[target * N + e]; // the past request, then this request's own habits
-        any = any || score[e] > 0.0f;
-    }
-    return any;
-}
 
 static bool is_allowed(float s) {
     return s > -INFINITY && !std::isnan(s);
@@ -468,9 +261,10 @@ int32_t moecache_route_token(
     // 3. cache update. A selected expert is a hit if it was cached when the token was routed.
     //    Then the selected experts are touched one at a time by router weight p, highest first
     //    (top-bottom: the lowest-weight new expert ends most recent) or exactly the reverse:
-    //    a hit refreshes its recency, a miss is inserted, evicting the least recently used
-    //    expert that this token does not use (L.scratch.chosen marks the ones it uses). Only misses
-    //    insert, so evictions <= misses even when the cache is smaller than K.
+    //    a hit refreshes its recency, a miss is inserted, evicting the expert the eviction policy
+    //    picks among those this token does not use (L.scratch.chosen marks the ones it uses; LRU: the
+    //    least recently used). Only misses insert, so evictions <= misses even when the cache is
+    //    smaller than K.
     //    slots are sorted by p descending, ties in r order; an insertion sort over <= K slots.
     int32_t * slot = L.scratch.order.data(); // r' is not needed any more
     for (int32_t i = 0; i < n_sel; i++) {
@@ -481,7 +275,9 @@ int32_t moecache_route_token(
         }
         slot[j] = i;
         hit[i] = L.last_use[sel[i]] >= 0 ? 1 : 0;
+        L.st.pinned_hits += L.use.pinned[sel[i]]; // pinned experts are cached
     }
+    moecache_layer_observe(L, p, sel, n_sel); // the usage the eviction policy scores, before any eviction
     const bool top_bottom = mc.cparams.insertion == MOECACHE_INSERTION_TOP_BOTTOM;
     for (int32_t k = 0; k < n_sel; k++) {
         const int32_t i = slot[top_bottom ? k : n_sel - 1 - k];

@@ -28,7 +28,7 @@ static const char     STATE_MAGIC[8]   = {'M', 'O', 'E', 'C', 'A', 'C', 'H', '2'
 static const size_t   STATE_MAX_BYTES  = 256u << 20; // far above any real model's state
 static const uint32_t STATE_MAX_DESC   = 4096;
 
-static uint64_t fnv1a64(const uint8_t * p, size_t n) {
+uint64_t moecache_fnv1a64(const uint8_t * p, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++) {
         h = (h ^ p[i]) * 0x100000001b3ull;
@@ -36,59 +36,17 @@ static uint64_t fnv1a64(const uint8_t * p, size_t n) {
     return h;
 }
 
-template <typename T> static void put(std::vector<uint8_t> & b, const T & v) {
-    const uint8_t * p = (const uint8_t *) &v;
-    b.insert(b.end(), p, p + sizeof(T));
-}
-
-// bounds-checked reader over the file's bytes
-struct state_reader {
-    const uint8_t * p;
-    size_t n;
-    size_t pos = 0;
-    bool get_bytes(void * out, size_t k) {
-        if (k > n - pos) {
-            return false;
-        }
-        memcpy(out, p + pos, k);
-        pos += k;
-        return true;
-    }
-    template <typename T> bool get(T & v) { return get_bytes(&v, sizeof(T)); }
-};
-
 static std::string quoted(const char * path) {
     return std::string("'") + path + "'";
 }
 
-int32_t moecache_state_write(const moecache & mc, const char * path) {
-    std::vector<uint8_t> b;
-    b.insert(b.end(), STATE_MAGIC, STATE_MAGIC + 8);
-    put(b, (uint32_t) MOECACHE_ABI_VERSION);
-    put(b, (uint32_t) mc.desc.size());
-    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
-    put(b, mc.n_params);
-    put(b, mc.n_layer);
-    put(b, mc.n_expert);
-    put(b, mc.n_expert_used);
-    std::vector<int32_t> ids(mc.n_expert);
-    for (int32_t il = 0; il < mc.n_layer; il++) {
-        const int32_t n = moecache_get_cached(&mc, il, ids.data(), (int32_t) ids.size());
-        put(b, n);
-        for (int32_t i = 0; i < n; i++) {
-            put(b, ids[i]);
-        }
-        put(b, mc.layers[il].delta_sum);
-        put(b, mc.layers[il].delta_n);
-    }
-    put(b, fnv1a64(b.data(), b.size()));
-
+int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * path, const char * what) {
     // a temporary file beside the target, synced, then renamed over it: a failed save leaves the
     // old file as it was, never a half-written one
     const std::string tmp = std::string(path) + ".tmp." + std::to_string((long) getpid());
     const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
-        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(errno));
+        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + quoted(path) + ": " + strerror(errno));
     }
     size_t done = 0;
     int err = 0;
@@ -114,25 +72,50 @@ int32_t moecache_state_write(const moecache & mc, const char * path) {
     }
     if (err) {
         unlink(tmp.c_str());
-        return fail(MOECACHE_ERR_IO, "cannot write cache state to " + quoted(path) + ": " + strerror(err));
+        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + quoted(path) + ": " + strerror(err));
     }
     return MOECACHE_OK;
 }
 
+int32_t moecache_state_write(const moecache & mc, const char * path) {
+    std::vector<uint8_t> b;
+    b.insert(b.end(), STATE_MAGIC, STATE_MAGIC + 8);
+    moecache_put(b, (uint32_t) MOECACHE_ABI_VERSION);
+    moecache_put(b, (uint32_t) mc.desc.size());
+    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
+    moecache_put(b, mc.n_params);
+    moecache_put(b, mc.n_layer);
+    moecache_put(b, mc.n_expert);
+    moecache_put(b, mc.n_expert_used);
+    std::vector<int32_t> ids(mc.n_expert);
+    for (int32_t il = 0; il < mc.n_layer; il++) {
+        const int32_t n = moecache_get_cached(&mc, il, ids.data(), (int32_t) ids.size());
+        moecache_put(b, n);
+        for (int32_t i = 0; i < n; i++) {
+            moecache_put(b, ids[i]);
+        }
+        moecache_put(b, mc.layers[il].delta_sum);
+        moecache_put(b, mc.layers[il].delta_n);
+    }
+    moecache_put(b, moecache_fnv1a64(b.data(), b.size()));
+
+    return moecache_write_file_atomic(b, path, "cache state");
+}
+
 // the whole file, if it is a regular file of a sane size (a FIFO or device never blocks us)
-static int32_t read_state_file(const char * path, std::vector<uint8_t> & out) {
+int32_t moecache_read_file(const char * path, size_t max_bytes, const char * what, std::vector<uint8_t> & out) {
     const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) {
-        return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " + strerror(errno));
+        return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + quoted(path) + ": " + strerror(errno));
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
         return fail(MOECACHE_ERR_IO, quoted(path) + " is not a regular file");
     }
-    if ((uint64_t) st.st_size > STATE_MAX_BYTES) {
+    if ((uint64_t) st.st_size > max_bytes) {
         close(fd);
-        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is too large to be a pymoecache cache state file");
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is too large to be a pymoecache " + what + " file");
     }
     out.resize((size_t) st.st_size);
     size_t done = 0;
@@ -144,7 +127,7 @@ static int32_t read_state_file(const char * path, std::vector<uint8_t> & out) {
         if (k <= 0) {
             const int err = k < 0 ? errno : 0;
             close(fd);
-            return fail(MOECACHE_ERR_IO, "cannot read cache state " + quoted(path) + ": " +
+            return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + quoted(path) + ": " +
                                          (err ? strerror(err) : "the file shrank while being read"));
         }
         done += (size_t) k;
@@ -155,7 +138,7 @@ static int32_t read_state_file(const char * path, std::vector<uint8_t> & out) {
 
 int32_t moecache_state_read(moecache & mc, const char * path) {
     std::vector<uint8_t> buf;
-    int32_t rc = read_state_file(path, buf);
+    int32_t rc = moecache_read_file(path, STATE_MAX_BYTES, "cache state", buf);
     if (rc != MOECACHE_OK) {
         return rc;
     }
@@ -168,10 +151,10 @@ int32_t moecache_state_read(moecache & mc, const char * path) {
     }
     uint64_t sum = 0;
     memcpy(&sum, buf.data() + buf.size() - 8, 8);
-    if (sum != fnv1a64(buf.data(), buf.size() - 8)) {
+    if (sum != moecache_fnv1a64(buf.data(), buf.size() - 8)) {
         return fail(MOECACHE_ERR_CORRUPT, corrupt + "checksum mismatch (damaged or truncated)");
     }
-    state_reader r = { buf.data(), buf.size() - 8 };
+    moecache_reader r = { buf.data(), buf.size() - 8 };
     r.pos = 8;
     uint32_t abi = 0, len = 0;
     if (!r.get(abi) || !r.get(len) || len > STATE_MAX_DESC) {

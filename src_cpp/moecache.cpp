@@ -68,6 +68,8 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.lock_memory        = true;
     p.prefetch           = MOECACHE_PREFETCH_OFF;
     p.prefetch_distance  = 1;
+    p.eviction           = MOECACHE_EVICTION_LRU;
+    p.eviction_decay     = 0.95f;
     return p;
 }
 
@@ -174,21 +176,31 @@ void moecache_reset_stats(struct moecache * mc) {
 
 extern "C" void moecache_begin_request(struct moecache * mc) {
     if (mc) {
-        moecache_trace_begin_request(*mc);
+        moecache_profile_begin_request(*mc);
     }
 }
 
 void moecache_clear(struct moecache * mc) {
     for (moecache_layer & L : mc->layers) {
-        // the entries leaving now end their lifetimes here
-        for (size_t e = 0; e < L.last_use.size(); e++) {
-            if (L.last_use[e] >= 0) {
-                L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[e]);
-                L.st.lifetime_count += 1;
-            }
-        }
+        moecache_layer_empty(L); // the entries leaving now end their lifetimes here
         moecache_layer_clear(L);
     }
+}
+
+int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay) {
+    if (!mc) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_set_eviction: NULL moecache");
+    }
+    const int32_t rc = moecache_check_eviction(eviction, decay);
+    if (rc == MOECACHE_OK) {
+        mc->cparams.eviction       = eviction;
+        mc->cparams.eviction_decay = decay;
+    }
+    return rc;
+}
+
+enum moecache_eviction moecache_get_eviction(const struct moecache * mc) {
+    return mc->cparams.eviction;
 }
 
 int32_t moecache_n_layer(const struct moecache * mc) {
@@ -206,6 +218,7 @@ int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct 
     out->capacity      = L.capacity;
     out->occupancy     = L.occupancy;
     out->delta         = (float) moecache_layer_delta(L);
+    out->pinned        = L.use.n_pinned;
     // entries resident now count with their age so far
     for (size_t e = 0; e < L.last_use.size(); e++) {
         if (L.last_use[e] >= 0) {
@@ -242,6 +255,8 @@ int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * o
         t.evictions      += ls.evictions;
         t.lifetime_count += ls.lifetime_count;
         t.lifetime_sum   += ls.lifetime_sum;
+        t.pinned         += ls.pinned;
+        t.pinned_hits    += ls.pinned_hits;
         t.delta          += ls.delta;
     }
     if (out->n_moe_layer > 0) {
@@ -331,6 +346,45 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
     } catch (const std::exception & e) {
         return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_state_load: ") + e.what());
     }
+}
+
+extern "C" int32_t moecache_profile_save(const struct moecache * mc, const char * path) {
+    if (!mc || !path) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_profile_save: NULL argument");
+    }
+    try {
+        return moecache_profile_write(*mc, path);
+    } catch (const std::exception & e) {
+        return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_profile_save: ") + e.what());
+    }
+}
+
+extern "C" int32_t moecache_profile_load(struct moecache * mc, const char * path) {
+    if (!mc || !path) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_profile_load: NULL argument");
+    }
+    try {
+        return moecache_profile_read(*mc, path);
+    } catch (const std::exception & e) {
+        return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_profile_load: ") + e.what());
+    }
+}
+
+extern "C" int32_t moecache_profile_get(const struct moecache * mc, int32_t il, double * counts, int32_t n) {
+    if (!mc || !counts || il < 0 || il >= mc->n_layer || n < mc->n_expert) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_profile_get: layer out of range or counts shorter than N");
+    }
+    for (int32_t e = 0; e < mc->n_expert; e++) {
+        counts[e] = mc->profile_counts.empty() ? 0.0 : mc->profile_counts[(size_t) il * mc->n_expert + e];
+    }
+    return MOECACHE_OK;
+}
+
+extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
+    if (!mc) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_profile_warm: NULL moecache");
+    }
+    return moecache_profile_warm_start(*mc, n_pin);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 6
+#define MOECACHE_ABI_VERSION 7
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -129,6 +129,22 @@ enum moecache_prefetch {
                                     //   counts of the best match plus the request's own, its top K (J)
 };
 
+// Which cached expert leaves when a miss (or a prefetch) needs its place (moecache-cache.cpp).
+// Every policy skips the experts the current token uses and the pinned ones, and breaks ties by
+// least recent use. The usage each policy scores is kept for every routed token whatever the
+// policy, so a switch at run time (moecache_set_eviction) decides with full information.
+// "Decayed" values are updated per token of the layer as x = decay * x + v (decay: eviction_decay).
+enum moecache_eviction {
+    MOECACHE_EVICTION_LRU         = 0, // least recently used
+    MOECACHE_EVICTION_LFU         = 1, // lowest decayed count of selections
+    MOECACHE_EVICTION_ACTIVATION  = 2, // MoE-Infinity: lowest share of the layer's selections in the current
+                                       //   request (since moecache_begin_request) + 0.1 x its share in the
+                                       //   usage profile of past requests
+    MOECACHE_EVICTION_FREQ_PROB   = 3, // fMoE: lowest decayed count of selections x the router probability
+                                       //   of the layer's last token (its prediction for the next one)
+    MOECACHE_EVICTION_ROUTER_MASS = 4, // lowest decayed sum of router probability (every expert, every token)
+};
+
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
 // the change takes effect on the next token, no graph rebuild, no reload.
 struct moecache_routing_params {
@@ -164,6 +180,8 @@ struct moecache_cache_params {
     enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
     int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
                                   //   default 1
+    enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
+    float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -181,6 +199,8 @@ struct moecache_layer_stats {
     int64_t lifetime_count;       // cache entries measured (evicted ones + those resident now)
     double  lifetime_sum;         // tokens each entry stayed, insertion to eviction (or to now)
     float   delta;                // Delta_l used by PRIOR: running mean of max(score) - min(score)
+    int32_t pinned;               // cached experts kept out of eviction now (moecache_profile_warm)
+    int64_t pinned_hits;          // hits on pinned experts (included in hits)
 };
 
 struct moecache_stats {
@@ -267,7 +287,12 @@ MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and
 // of the request that ends into its store (at most 32 requests; one within cosine 0.95 of a stored
 // one is merged into it) and starts counting anew. Harmless with other prefetch modes.
 MOECACHE_API void    moecache_begin_request(struct moecache * mc);
-MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta)
+MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta,
+                                                                 //   the eviction usage and the pins)
+
+// Validated like moecache_init (decay in (0, 1]); the next eviction decides by the new policy.
+MOECACHE_API int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay);
+MOECACHE_API enum moecache_eviction moecache_get_eviction(const struct moecache * mc);
 
 MOECACHE_API int32_t moecache_n_layer(const struct moecache * mc);
 MOECACHE_API int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * out);
@@ -294,6 +319,23 @@ MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moeca
 // anything: a damaged file is MOECACHE_ERR_CORRUPT, another model's MOECACHE_ERR_MISMATCH.
 MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
+
+// Usage profile (moecache-profile.cpp): what past requests selected, kept across processes.
+// It holds, per layer, the count of every expert's selections over the requests filed by
+// moecache_begin_request (a request's tokens are filed when the next one begins), and the
+// PREFETCH_TRACE store of past requests. Saved atomically, tied to the model and checked on load
+// like the state files above (status codes and messages alike); a load replaces the profile.
+MOECACHE_API int32_t moecache_profile_save(const struct moecache * mc, const char * path);
+MOECACHE_API int32_t moecache_profile_load(struct moecache * mc, const char * path);
+// counts: out [N] selections of layer il's experts in the profile (past requests, not the current one)
+MOECACHE_API int32_t moecache_profile_get(const struct moecache * mc, int32_t il, double * counts, int32_t n);
+// Warm start: every layer's cache is emptied and refilled with its most selected experts of the
+// profile (at most its capacity; never-selected experts stay out; the hottest is the most recent),
+// and its n_pin hottest are pinned: never evicted until moecache_clear or the next warm start.
+// n_pin is capped per layer at capacity - K (a token's misses always find room). STREAM reads the
+// experts on the next decode (or copies them from the mapping on the next prompt). Returns the
+// number of experts pinned over all layers, or an error (n_pin < 0).
+MOECACHE_API int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 
 // Routes n_tokens tokens of layer il exactly as the graph op does and updates the cache and
 // counters (for tests and trace replay; the hook calls the same code).

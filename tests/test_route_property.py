@@ -55,6 +55,10 @@ class Scenario:
     bias: str                # rank_on_logits=False: bias added to sigmoid(z)
     seed: int
     fixed_delta: Optional[List[float]] = None  # set_prior_delta (<= 0: running mean for that layer)
+    eviction: str = "lru"
+    decay: float = 0.95
+    new_requests: bool = False  # begin_request after every batch (activation eviction, the profile)
+    pin: Optional[int] = None   # warm_start(pin) from the profile after the first batch
 
 
 def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = None):
@@ -80,7 +84,7 @@ VALUES = ("normal", "small-int", "binary", "near-int", "wide", "peaked")
 
 @st.composite
 def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2, max_n=96, values=VALUES,
-              biases=("none", "normal", "coarse")):
+              biases=("none", "normal", "coarse"), evictions=("lru",)):
     N = draw(st.integers(min_n, max_n))
     K = draw(st.integers(1, min(N, 8)))
     J = draw(st.integers(0, K))
@@ -100,7 +104,11 @@ def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2, max_n=96, values=VALU
         mask=mask, n_masked=n_masked,
         bias=draw(st.sampled_from(biases)),
         seed=draw(st.integers(0, 2**32 - 1)),
-        fixed_delta=draw(st.one_of(st.none(), st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.75]), max_size=3))))
+        fixed_delta=draw(st.one_of(st.none(), st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.75]), max_size=3))),
+        eviction=draw(st.sampled_from(evictions)),
+        decay=draw(st.sampled_from([1.0, 0.95, 0.5, 0.3])),
+        new_requests=draw(st.booleans()) if evictions != ("lru",) else False,
+        pin=draw(st.one_of(st.none(), st.integers(0, 6))) if evictions != ("lru",) else None)
 
 
 def router_outputs(rng: np.random.Generator, sc: Scenario, T: int, bias: np.ndarray):
@@ -145,12 +153,14 @@ def make_bias(rng, sc: Scenario) -> np.ndarray:
 def native(sc: Scenario, routing=None, capacity=None) -> MoECache:
     return MoECache.synthetic(sc.n_layer, sc.N, sc.K, routing=routing or sc.routing,
                               cache=CacheConfig(size=sc.capacity if capacity is None else capacity,
-                                                insertion=sc.insertion))
+                                                insertion=sc.insertion, eviction=sc.eviction,
+                                                eviction_decay=sc.decay))
 
 
 def reference(sc: Scenario, routing=None, capacity=None) -> ReferenceCache:
     return ReferenceCache(sc.n_layer, sc.N, sc.K, sc.capacity if capacity is None else capacity,
-                          insertion=sc.insertion, routing=routing or sc.routing)
+                          insertion=sc.insertion, routing=routing or sc.routing, eviction=sc.eviction,
+                          eviction_decay=sc.decay)
 
 
 ENGINES = ("native", "reference")
@@ -180,10 +190,17 @@ def n_keep(sc: Scenario) -> int:
 
 def drive(sc: Scenario, caches, per_batch=None):
     """Routes every batch of every layer through each cache in ``caches`` (same inputs); calls
-    per_batch(outputs, inputs) with outputs[i][il] = (sel, hits) of caches[i]."""
+    per_batch(outputs, inputs) with outputs[i][il] = (sel, hits) of caches[i]. Between batches,
+    a new request begins (sc.new_requests) and, after the first, the caches start warm from their
+    profile with sc.pin experts pinned per layer."""
     rng = np.random.default_rng(sc.seed)
     bias = [make_bias(rng, sc) for _ in range(sc.n_layer)]
-    for T in sc.batches:
+    for b, T in enumerate(sc.batches):
+        for c in caches:
+            if b > 0 and sc.new_requests:
+                c.begin_request()
+            if b == 1 and sc.pin is not None:
+                c.warm_start(sc.pin)
         inputs, outputs = [], [[] for _ in caches]
         for il in range(sc.n_layer):
             z, p, s = router_outputs(rng, sc, T, bias[il])
@@ -214,6 +231,8 @@ def assert_same_state(mc: MoECache, rc: ReferenceCache, n_layer: int) -> None:
         assert abs(ls.lifetime_sum - ref.lifetime_sum) <= 1e-9, f"layer {il}"
         assert np.float32(ls.delta) == np.float32(ref.delta), f"layer {il}: Delta"
         assert mc.cached(il) == rc.cached(il), f"layer {il}: LRU order"
+        assert (ls.pinned, ls.pinned_hits) == (ref.pinned, ref.pinned_hits), f"layer {il}: pins"
+    np.testing.assert_array_equal(mc.profile_counts(), rc.profile_counts())
 
 
 @settings(max_examples=800, **SETTINGS)
@@ -232,6 +251,17 @@ def test_cpp_matches_reference(sc: Scenario):
         assert_same_state(mc, rc, sc.n_layer)
 
     drive(sc, [mc, rc], check)
+
+
+@settings(max_examples=600, **SETTINGS)
+@given(sc=scenarios(kinds=POLICIES + ("drop-rank", "swap-rank"), max_n=40,
+                    evictions=("lfu", "activation", "freq-prob", "router-mass", "lru")))
+def test_cpp_matches_reference_every_eviction(sc: Scenario):
+    """Every eviction policy, composed with every routing policy (the analysis ones too), with new
+    requests and warm starts with pins between batches: same selections, hits, victims (the cache
+    contents in recency order), counters, lifetimes, pins and profile."""
+    assume(sc.K >= 2 or not isinstance(sc.routing, DropRank))
+    test_cpp_matches_reference.hypothesis.inner_test(sc)
 
 
 @settings(max_examples=300, **SETTINGS)
