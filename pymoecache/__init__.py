@@ -8,7 +8,7 @@ llama_cpp) without loading it.
 
 >>> import pymoecache
 >>> pymoecache.parse_routing("prior:0.5")
-Prior(strength=0.5, top_j=1)
+Prior(strength=0.5, top_j=None)
 """
 
 from __future__ import annotations

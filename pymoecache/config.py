@@ -1,9 +1,9 @@
 """Routing policies and cache configuration: small validated objects, also parsed from CLI strings.
 
 >>> parse_routing("prior:0.5")
-Prior(strength=0.5, top_j=1)
+Prior(strength=0.5, top_j=None)
 >>> parse_routing("max-rank:4")
-MaxRank(m=4, top_j=1)
+MaxRank(m=4, top_j=None)
 >>> parse_routing("lru")
 TopK()
 >>> CacheConfig(size=0.25).size
@@ -48,9 +48,32 @@ RESIDENCIES = {"auto": -1, "none": C.MOECACHE_RESIDENCY_NONE, "mmap": C.MOECACHE
 RESIDENCY_NAMES = {code: name for name, code in RESIDENCIES.items()}  # enum value -> name
 
 
-def _with_j(spec: str, top_j: int) -> str:
-    """``prior:0.5`` -> ``prior:0.5:j=2`` when J is not the default 1 (parse_routing reads both)."""
-    return spec if top_j == 1 else f"{spec}:j={top_j}"
+def _with_j(spec: str, top_j: Optional[int]) -> str:
+    """``prior:0.5`` -> ``prior:0.5:j=2`` when J is set, not the model's default (parse_routing reads both)."""
+    return spec if top_j is None else f"{spec}:j={top_j}"
+
+
+def _j(top_j: Optional[int]) -> int:
+    """J for the C struct; -1 (the model's default) is resolved by MoECache before the struct is used."""
+    return -1 if top_j is None else top_j
+
+
+def default_top_j(n_expert_used: int) -> int:
+    """J of a policy that does not set it: the published choice by K (docs/method.md), 1 for
+    top-1 to top-3 models, 2 for K >= 4.
+
+    >>> default_top_j(2), default_top_j(4), default_top_j(8)
+    (1, 2, 2)
+    """
+    return 1 if n_expert_used <= 3 else 2
+
+
+def resolved_top_j(routing, n_expert_used: int) -> int:
+    """The J a policy runs with on a model with K = n_expert_used (0 for the analysis policies)."""
+    if isinstance(routing, (DropRank, SwapRank)):
+        return 0
+    j = getattr(routing, "top_j", None)
+    return default_top_j(n_expert_used) if j is None else j
 
 
 INT32_MAX = 2**31 - 1  # integer parameters reach the C library as int32: larger ones are refused, never wrapped
@@ -62,8 +85,9 @@ def check_int(what: str, v, lo: int, hi: int = INT32_MAX) -> None:
         raise ConfigError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
 
 
-def _check_top_j(top_j: int) -> None:
-    check_int("top_j", top_j, 0, C.MOECACHE_MAX_EXPERTS)
+def _check_top_j(top_j: Optional[int]) -> None:
+    if top_j is not None:  # None: the model's default, default_top_j(K)
+        check_int("top_j", top_j, 0, C.MOECACHE_MAX_EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -88,14 +112,14 @@ class Prune:
     """
 
     rank: int
-    top_j: int = 1
+    top_j: Optional[int] = None
 
     def __post_init__(self):
         check_int("prune rank R", self.rank, 1)
         _check_top_j(self.top_j)
 
     def _apply(self, p: moecache_routing_params) -> None:
-        p.policy, p.prune_rank, p.top_j = C.MOECACHE_POLICY_PRUNE, self.rank, self.top_j
+        p.policy, p.prune_rank, p.top_j = C.MOECACHE_POLICY_PRUNE, self.rank, _j(self.top_j)
 
     def spec(self) -> str:
         return _with_j(f"prune:{self.rank}", self.top_j)
@@ -110,14 +134,14 @@ class MaxRank:
     """
 
     m: int
-    top_j: int = 1
+    top_j: Optional[int] = None
 
     def __post_init__(self):
         check_int("max-rank m", self.m, 0)
         _check_top_j(self.top_j)
 
     def _apply(self, p: moecache_routing_params) -> None:
-        p.policy, p.max_rank, p.top_j = C.MOECACHE_POLICY_MAX_RANK, self.m, self.top_j
+        p.policy, p.max_rank, p.top_j = C.MOECACHE_POLICY_MAX_RANK, self.m, _j(self.top_j)
 
     def spec(self) -> str:
         return _with_j(f"max-rank:{self.m}", self.top_j)
@@ -133,7 +157,7 @@ class CumsumThreshold:
     """
 
     tau: float
-    top_j: int = 1
+    top_j: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not (0.0 <= self.tau <= 1.0):
@@ -141,7 +165,7 @@ class CumsumThreshold:
         _check_top_j(self.top_j)
 
     def _apply(self, p: moecache_routing_params) -> None:
-        p.policy, p.cumsum_tau, p.top_j = C.MOECACHE_POLICY_CUMSUM, float(self.tau), self.top_j
+        p.policy, p.cumsum_tau, p.top_j = C.MOECACHE_POLICY_CUMSUM, float(self.tau), _j(self.top_j)
 
     def spec(self) -> str:
         return _with_j(f"cumsum:{self.tau:g}", self.top_j)
@@ -158,7 +182,7 @@ class Prior:
     """
 
     strength: float = 0.5
-    top_j: int = 1
+    top_j: Optional[int] = None
 
     def __post_init__(self):
         if (isinstance(self.strength, bool) or not isinstance(self.strength, (int, float))
@@ -167,7 +191,7 @@ class Prior:
         _check_top_j(self.top_j)
 
     def _apply(self, p: moecache_routing_params) -> None:
-        p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), self.top_j
+        p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), _j(self.top_j)
 
     def spec(self) -> str:
         return _with_j(f"prior:{self.strength:g}", self.top_j)
@@ -244,7 +268,7 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
         raise ConfigError(f"routing spec {spec!r}: only swap-rank takes ':seed=S'")
     if opt == "j" and name in ("drop-rank", "swap-rank"):
         raise ConfigError(f"routing spec {spec!r}: {name} is an analysis policy without Top-J")
-    j = int(opt_val) if opt == "j" else (top_j if top_j is not None else 1)
+    j = int(opt_val) if opt == "j" else top_j  # None: the model's default J
 
     def num(kind):
         if arg is None:

@@ -6,7 +6,7 @@ predicted position of it is scored; the policy routes every token; the expert ca
 from one chunk to the next (never cleared between chunks).
 
 >>> parse_sweep("prior=0,0.5")
-[Prior(strength=0.0, top_j=1), Prior(strength=0.5, top_j=1)]
+[Prior(strength=0.0, top_j=None), Prior(strength=0.5, top_j=None)]
 >>> knob(MaxRank(4)), knob(TopK())
 (4, None)
 
@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK
+from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK, resolved_top_j
 from .errors import EvalError  # noqa: F401  (raised here, defined with the other errors)
 from .stats import MoEStats
 
@@ -244,7 +244,7 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
     return {
         "policy": policy_name(routing),
         "knob": knob(routing),
-        "top_j": getattr(routing, "top_j", None),
+        "top_j": resolved_top_j(routing, st.n_expert_used) if hasattr(routing, "top_j") else None,
         "spec": routing.spec(),
         "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
         "n_expert": st.n_expert,
@@ -280,11 +280,12 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 
 
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
-                  insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1):
+                  insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
+                  eviction: str = "lru", eviction_decay: float = 0.95):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
     perplexity and miss rates do not depend on where the experts live, and all weights stay resident."""
     cache = CacheConfig(size=cache_size, insertion=insertion, residency="none", prefetch=prefetch,
-                        prefetch_distance=prefetch_distance)
+                        prefetch_distance=prefetch_distance, eviction=eviction, eviction_decay=eviction_decay)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
@@ -294,7 +295,7 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
 def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[Routing], cache_sizes: Sequence,
           *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
-          prefetch_distance: int = 1) -> List[dict]:
+          prefetch_distance: int = 1, eviction: str = "lru", eviction_decay: float = 0.95) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
@@ -306,7 +307,7 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     tokens = None
     for size in cache_sizes:
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
-                            prefetch_distance=prefetch_distance)
+                            prefetch_distance=prefetch_distance, eviction=eviction, eviction_decay=eviction_decay)
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
@@ -315,7 +316,7 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                 llm.moecache.set_routing(routing, scope="all")
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
-                rows.append({"model": Path(model_path).name, **result_row(routing, res)})
+                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": eviction})
         finally:
             llm.close()
     return rows

@@ -26,7 +26,8 @@ import numpy as np
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
-                     ConfigError, Routing, TopK, check_eviction, check_int, parse_routing)
+                     ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
+                     resolved_top_j)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from .reference import softmax_f32
@@ -351,17 +352,19 @@ class MoECache:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
             cp.n_cached_per_layer = keep
             cp.n_layer_sizes = len(cache.per_layer)
-        rp = MoECache._routing_params(routing, scope)
+        rp = MoECache._routing_params(routing, scope, n_expert_used)
         return cp, rp, keep
 
     @staticmethod
-    def _routing_params(routing: Union[Routing, str], scope: str) -> C.moecache_routing_params:
+    def _routing_params(routing: Union[Routing, str], scope: str, n_expert_used: int) -> C.moecache_routing_params:
         if isinstance(routing, str):
             routing = parse_routing(routing)
         if scope not in _SCOPES:
             raise ConfigError(f"routing scope must be one of {sorted(_SCOPES)}, got {scope!r}")
         rp = C.moecache_routing_default_params()
         routing._apply(rp)
+        if rp.top_j < 0:  # the policy leaves J to the model: the published choice by K
+            rp.top_j = default_top_j(n_expert_used)
         rp.scope = _SCOPES[scope]
         return rp
 
@@ -370,7 +373,8 @@ class MoECache:
                   routing: Union[Routing, str, None] = None, scope: str = "all") -> "MoECache":
         """A moecache without a model, driven by :meth:`route`."""
         routing = _as_routing(routing or TopK())
-        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(size=0.5), routing, scope)
+        cp, rp, _keep = cls._params(n_expert, cache or CacheConfig(size=0.5), routing, scope,
+                                    n_expert_used=n_expert_used)
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
@@ -412,7 +416,7 @@ class MoECache:
         """Change the policy (and optionally the scope); the next token uses it."""
         routing = _as_routing(routing)
         scope = self.scope if scope is None else scope
-        _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope)))
+        _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope, self.n_expert_used)))
         self.routing, self.scope = routing, scope
 
     def set_prior_delta(self, delta: Optional[np.ndarray]) -> None:
@@ -647,7 +651,7 @@ class Llama(llama_cpp.Llama):
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
             residency = RESIDENCY_NAMES[cp.residency]
-            top_j = getattr(routing, "top_j", 0)
+            top_j = resolved_top_j(routing, info.n_expert_used)
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
             if residency != "none" and kwargs.get("n_gpu_layers", 0) not in (0, None):
@@ -784,6 +788,37 @@ class Llama(llama_cpp.Llama):
         cache = self._require_cache()
         with self._busy:
             cache.set_routing(routing, scope)
+
+    def set_eviction(self, eviction: str, decay: Optional[float] = None) -> None:
+        """Change the eviction policy (``CacheConfig.eviction``); the next eviction uses it.
+
+        >>> llm.set_eviction("router-mass")   # doctest: +SKIP
+        """
+        cache = self._require_cache()
+        with self._busy:
+            cache.set_eviction(eviction, decay)
+
+    def save_profile(self, path: "os.PathLike[str] | str") -> None:
+        """Write the usage profile (which experts every request so far selected, this one included,
+        and the trace store of past requests) to ``path``, atomically."""
+        cache = self._require_cache()
+        with self._busy:
+            cache.save_profile(path)
+
+    def load_profile(self, path: "os.PathLike[str] | str", *, warm: bool = True, pin_hot: int = 0) -> int:
+        """Load a profile saved by :meth:`save_profile` for the same model (:class:`StateFileError`
+        for a damaged file or another model's; nothing changes then). ``warm``: every layer's cache
+        starts with its most used experts; ``pin_hot``: that many per layer are never evicted (at
+        most the cache size less K). Returns the experts pinned over all layers.
+
+        >>> llm.load_profile("chat.moeprofile", pin_hot=4)   # doctest: +SKIP
+        88
+        """
+        cache = self._require_cache()
+        check_int("pin_hot", pin_hot, 0, C.MOECACHE_MAX_EXPERTS)
+        with self._busy:
+            cache.load_profile(path)
+            return cache.warm_start(pin_hot) if warm else 0
 
     def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache contents (per layer, in recency order) to ``path``, atomically."""

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Set, Tuple, Union
 import numpy as np
 
 from .config import (ConfigError, CumsumThreshold, DropRank, MaxRank, Prior, Prune, Routing, SwapRank, TopK,
-                     parse_routing)
+                     parse_routing, resolved_top_j)
 
 INSERTIONS = ("top-bottom", "bottom-top")
 
@@ -60,9 +60,10 @@ def softmax_f32(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def top_j_of(routing: Routing) -> int:
-    """J of a policy. TopK has no knob; the C++ default (1) applies, and it changes nothing there."""
-    return getattr(routing, "top_j", 1)
+def top_j_of(routing: Routing, n_expert_used: int) -> int:
+    """J of a policy on a model with K = n_expert_used: its own, else the model's default
+    (config.default_top_j). TopK has no knob (J changes nothing there)."""
+    return resolved_top_j(routing, n_expert_used)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
     """
     K = n_expert_used
     analysis = isinstance(routing, (DropRank, SwapRank))
-    J = 0 if analysis else min(top_j_of(routing), K)
+    J = 0 if analysis else min(top_j_of(routing, K), K)
     r = rank_experts(s)
     n_keep = K
     if analysis:
@@ -483,8 +484,8 @@ class ReferenceCache:
                               f"{self.n_expert_used} experts per token (0 <= i < K)")
         if isinstance(routing, DropRank) and self.n_expert_used < 2:
             raise ConfigError("drop-rank needs a model with at least 2 experts per token")
-        if top_j_of(routing) > self.n_expert_used:
-            raise ConfigError(f"top_j = {top_j_of(routing)} is out of range: the model uses K = "
+        if top_j_of(routing, self.n_expert_used) > self.n_expert_used:
+            raise ConfigError(f"top_j = {top_j_of(routing, self.n_expert_used)} is out of range: the model uses K = "
                               f"{self.n_expert_used} experts per token (0 <= top_j <= K)")
         self.routing = routing
 

@@ -31,7 +31,7 @@ import logging
 from pathlib import Path
 from typing import Optional, Union
 
-from .config import CacheConfig, Routing, TopK, parse_routing
+from .config import CacheConfig, Routing, TopK, parse_routing, resolved_top_j
 from .errors import MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
@@ -210,7 +210,7 @@ def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
     return {
         "model": llm.model_path,
         "routing": routing.spec(),
-        "top_j": getattr(routing, "top_j", None),
+        "top_j": (resolved_top_j(routing, llm.model_info.n_expert_used) if hasattr(routing, "top_j") else None),
         "routing_scope": routing_scope,
         **st.summary_dict(),
         "expert_bytes": st.expert_bytes,
@@ -230,10 +230,16 @@ class _ServedLlama(Llama):
     (the stock server calls these two methods, under its lock, for every completion and chat)."""
 
     def create_completion(self, *args, **kwargs):
+        self._begin_request()
         return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs))
 
     def create_chat_completion(self, *args, **kwargs):
+        self._begin_request()
         return self._with_request_stats(self._stats(), super().create_chat_completion(*args, **kwargs))
+
+    def _begin_request(self) -> None:
+        if self.moecache is not None:  # each completion is a request (the profile, activation eviction)
+            self.moecache.begin_request()
 
     def _stats(self) -> Optional[MoEStats]:
         return self.moecache.stats() if self.moecache is not None else None
@@ -255,13 +261,18 @@ class _ServedLlama(Llama):
 
 def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
-               n_threads: Optional[int] = None, **llama_kwargs):
+               n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
+               **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
 
     ``llama_cpp.server`` keeps its model in a module global, so one app per process: a second call
     frees the first app's model. ``**llama_kwargs`` go to :class:`pymoecache.Llama`.
+
+    profile: a usage profile file (``Llama.load_profile``): loaded now if it exists (a warm start,
+    ``pin_hot`` experts pinned per layer) and saved when the server shuts down. Each completion is
+    one request of the profile.
 
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
@@ -303,6 +314,12 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                   middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
     choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
     app.state.cache_choice = str(choice) if choice is not None else None
+    app.state.profile_pinned = None
+    if profile is not None:
+        served = proxy()
+        if Path(profile).exists():
+            app.state.profile_pinned = served.load_profile(profile, pin_hot=pin_hot)
+        app.router.on_shutdown.append(lambda: served.save_profile(profile))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed

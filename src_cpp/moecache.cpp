@@ -185,6 +185,7 @@ void moecache_clear(struct moecache * mc) {
         moecache_layer_empty(L); // the entries leaving now end their lifetimes here
         moecache_layer_clear(L);
     }
+    std::fill(mc->req_counts.begin(), mc->req_counts.end(), 0.0f); // the profile of past requests stays
 }
 
 int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay) {

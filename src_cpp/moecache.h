@@ -288,7 +288,8 @@ MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and
 // one is merged into it) and starts counting anew. Harmless with other prefetch modes.
 MOECACHE_API void    moecache_begin_request(struct moecache * mc);
 MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta,
-                                                                 //   the eviction usage and the pins)
+                                                                 //   the eviction usage, the pins and the current
+                                                                 //   request's counts; the profile stays)
 
 // Validated like moecache_init (decay in (0, 1]); the next eviction decides by the new policy.
 MOECACHE_API int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay);

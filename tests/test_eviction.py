@@ -217,3 +217,103 @@ def test_profile_with_values_out_of_range_is_refused(tmp_path):
         np.testing.assert_array_equal(mc.profile_counts(), before)
     p.write_bytes(raw + struct.pack("<Q", _fnv1a64(raw)))
     mc.load_profile(p)  # the untouched bytes load
+
+
+# --------------------------------------------------------------------------------------------
+# the CLI: --eviction, --profile, --pin-hot, the default Top-J
+
+
+def cli(*args, timeout=300):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_json(*args):
+    import json
+
+    r = cli("run", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def test_profile_warm_start_and_pins_through_the_cli(fixture_dir, tmp_path):
+    from conftest import model_path
+
+    model = model_path(fixture_dir, "qwen2moe-60x4")
+    prof = tmp_path / "chat.moeprofile"
+    common = (model, "-p", "Once upon a time", "-n", "16", "--cache-size", "0.25", "--residency", "stream")
+    cold, err = run_json(*common, "--profile", prof)
+    assert "new, saved at the end" in err and prof.is_file()
+    warm, err = run_json(*common, "--profile", prof, "--pin-hot", "4")
+    assert "warm start, 16 experts pinned" in err  # 4 per layer, 4 MoE layers
+    assert warm["pinned"] == 16 and 0 < warm["pinned_hits"] <= warm["hits"]
+    # the same prompt again: the experts it needs are already cached, so fewer misses than cold
+    assert warm["misses"] < cold["misses"], (warm["misses"], cold["misses"])
+    assert warm["text"] == cold["text"]  # lru routing: where experts live never changes the output
+    # the profile grew by the second run
+    mc = MoECache.synthetic(1, 4, 1)  # (a shape check: another model's profile is refused)
+    with pytest.raises(StateFileError, match="another model"):
+        mc.load_profile(prof)
+
+
+def test_profile_cli_errors(fixture_dir, tmp_path):
+    from conftest import model_path
+
+    model = model_path(fixture_dir, "qwen2moe-60x4")
+    r = cli("run", model, "-n", "2", "--pin-hot", "2")
+    assert r.returncode != 0 and "--pin-hot needs --profile" in r.stderr
+    bad = tmp_path / "bad.moeprofile"
+    bad.write_bytes(b"MOEPROF1" + b"\0" * 40)
+    r = cli("run", model, "-n", "2", "--profile", bad)
+    assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", model, "-n", "2", "--profile", tmp_path / "no" / "such" / "dir" / "p")
+    assert r.returncode != 0 and "not a file in an existing directory" in r.stderr
+    r = cli("run", model, "-n", "2", "--eviction", "mru")
+    assert r.returncode != 0 and "invalid choice" in r.stderr
+    r = cli("run", model, "-n", "2", "--eviction-decay", "0")
+    assert r.returncode != 0 and "(0, 1]" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("eviction", EVICTIONS)
+def test_every_eviction_runs_end_to_end_and_keeps_lru_routing_output(fixture_dir, eviction):
+    """Under stock routing the eviction policy changes what is cached and read, never the text."""
+    from conftest import model_path
+
+    args = (model_path(fixture_dir, "qwen2moe-60x4"), "-p", "The king", "-n", "12", "--cache-size", "0.25",
+            "--residency", "stream")
+    base, _ = run_json(*args)
+    d, _ = run_json(*args, "--eviction", eviction)
+    assert d["eviction"] == eviction and d["text"] == base["text"]
+    assert d["evictions"] > 0
+
+
+def test_default_top_j_follows_k(fixture_dir):
+    from conftest import model_path
+
+    k4, _ = run_json(model_path(fixture_dir, "qwen2moe-60x4"), "-n", "2", "--prior", "0.5")
+    k2, _ = run_json(model_path(fixture_dir, "mixtral-8x2"), "-n", "2", "--prior", "0.5")
+    one, _ = run_json(model_path(fixture_dir, "qwen2moe-60x4"), "-n", "2", "--prior", "0.5", "--top-j", "1")
+    assert (k4["top_j"], k2["top_j"], one["top_j"]) == (2, 1, 1)
+    assert one["routing"] == "prior:0.5:j=1" and k4["routing"] == "prior:0.5"
+    assert "1 for K <= 3 experts per token, 2 for K >= 4" in cli("run", "--help").stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_policy_without_j_takes_the_model_default(engine):
+    """Prior(0.5) on a K = 4 model routes exactly as Prior(0.5, top_j=2); on K = 2 as top_j=1."""
+    from pymoecache.config import Prior
+
+    rng = np.random.default_rng(11)
+    z = rng.normal(size=(60, 16)).astype(np.float32)
+    for K, J in ((4, 2), (2, 1)):
+        a = make(engine, N=16, K=K, cap=6, routing=Prior(0.5))
+        b = make(engine, N=16, K=K, cap=6, routing=Prior(0.5, top_j=J))
+        c = make(engine, N=16, K=K, cap=6, routing=Prior(0.5, top_j=0))
+        sa, sb, sc_ = a.route(0, z)[0], b.route(0, z)[0], c.route(0, z)[0]
+        np.testing.assert_array_equal(sa, sb)
+        assert not np.array_equal(sa, sc_)  # J matters on this input: the test can tell them apart

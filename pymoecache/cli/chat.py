@@ -19,7 +19,8 @@ import threading
 from typing import List, Optional
 
 from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      add_sampling_options, read_text_file, resolve_model, routing_from_args, sampling_kwargs)
+                      add_sampling_options, check_profile_args, load_profile_from_args, read_text_file,
+                      resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args)
 
 HELP = """commands:
   /stats          cache statistics so far, and since the last /stats
@@ -172,8 +173,12 @@ def cmd_chat(args) -> int:
         if args.system is not None:
             raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
         args.system = read_text_file(args.system_file, "system prompt file")
+    check_profile_args(args)
     model = resolve_model(args.model, args)
     llm = llama_from_args(args, routing, model)
+    note = load_profile_from_args(args, llm)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     conv = Conversation(llm, args.system or None)
     out = sys.stdout
     interactive = sys.stdin.isatty()
@@ -226,6 +231,7 @@ def cmd_chat(args) -> int:
             print(f"unknown command {cmd}; /help lists them", file=sys.stderr, flush=True)
         else:
             conv.messages.append({"role": "user", "content": line})
+            llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
             try:
                 reply = answer(llm, conv, args, out)
             except UserError as e:
@@ -233,6 +239,7 @@ def cmd_chat(args) -> int:
                 continue
             conv.messages.append({"role": "assistant", "content": reply})
     print(f"{cache_line(llm, routing.spec())} {llm.moe_stats().summary()}", file=sys.stderr, flush=True)
+    save_profile_from_args(args, llm)
     llm.close()
     return 0
 
@@ -258,5 +265,5 @@ def add_command(sub) -> None:
     add_runtime_options(c)
     add_sampling_options(c, temp_default=0.8)
     add_hub_options(c)
-    add_routing_options(c)
+    add_routing_options(c, profile=True)
     c.set_defaults(func=cmd_chat)

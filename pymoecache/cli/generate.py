@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import sys
 
+from ..config import resolved_top_j
 from .options import (UserError, add_cache_options, add_hub_options, add_model_argument, add_routing_options,
                       add_runtime_options, add_sampling_options, cache_from_args, read_text_file, resolve_model,
-                      routing_from_args, sampling_kwargs)
+                      routing_from_args, sampling_kwargs, check_profile_args, load_profile_from_args,
+                      save_profile_from_args)
 
 
 def _perf(llm):
@@ -62,9 +64,13 @@ def llama_from_args(args, routing, model: str, **kw):
 def cmd_run(args) -> int:
     routing = routing_from_args(args)
     prompt = prompt_from_args(args)
+    check_profile_args(args)
     model = resolve_model(args.model, args)
     llm = llama_from_args(args, routing, model)
     args.prompt = prompt
+    note = load_profile_from_args(args, llm)
+    if note:
+        print(note, file=sys.stderr)
 
     out = sys.stdout
     _perf_reset(llm)
@@ -104,6 +110,8 @@ def cmd_run(args) -> int:
     res = {
         "model": model,
         "routing": routing.spec(),
+        "top_j": resolved_top_j(routing, llm.model_info.n_expert_used) if hasattr(routing, "top_j") else None,
+        "eviction": llm.cache_config.eviction,
         "n_ctx": llm.n_ctx(),
         "n_threads": llm.context_params.n_threads,
         "prompt_tokens": n_prompt,
@@ -124,6 +132,7 @@ def cmd_run(args) -> int:
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
               + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else ""),
               file=sys.stderr if args.stats_stderr else sys.stdout)
+    save_profile_from_args(args, llm)
     llm.close()
     return 0
 
@@ -277,7 +286,7 @@ def add_commands(sub) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
     add_hub_options(r)
-    add_routing_options(r)
+    add_routing_options(r, profile=True)
     r.set_defaults(func=cmd_run)
 
     b = sub.add_parser("bench", help="compare routing policies on the same prompts (tok/s, miss rate, lifetime)",
@@ -287,7 +296,7 @@ def add_commands(sub) -> None:
     add_model_argument(b)
     b.add_argument("--routing", default="lru,prior:0.5,max-rank:8,cumsum:0.9", metavar="SPECS",
                    help="comma-separated routing specs (default %(default)s)")
-    b.add_argument("--top-j", type=int, default=None, metavar="J", help="Top-J for every spec (default 1)")
+    b.add_argument("--top-j", type=int, default=None, metavar="J", help="Top-J for every spec (default: by the model's K, 1 for K <= 3, 2 for K >= 4)")
     b.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token (all, default) or generated tokens only (decode)")
     b.add_argument("-f", "--file", "--prompts", dest="prompts", metavar="FILE",

@@ -5,6 +5,7 @@ the error type for the user's mistakes. A leaf module: it imports no other comma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -40,7 +41,7 @@ def model_arg(args) -> Optional[str]:
 
 
 def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False,
-                        cache_default: str = "auto") -> None:
+                        cache_default: str = "auto", profile: bool = False) -> None:
     g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--prior", type=float, metavar="L",
@@ -51,13 +52,16 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
     x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
     x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
     g.add_argument("--top-j", type=int, default=None, metavar="J",
-                   help="the router's top J experts are always used, cached or not (default 1)")
+                   help="the router's top J experts are always used, cached or not (default: by the model's K, "
+                        "the published choice: 1 for K <= 3 experts per token, 2 for K >= 4)")
     g.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token through the policy (all, default) or generated tokens only (decode)")
-    add_cache_options(p, multi_cache_size, cache_default)
+    add_cache_options(p, multi_cache_size, cache_default, profile)
 
 
-def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: str = "auto") -> None:
+def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: str = "auto",
+                      profile: bool = False) -> None:
+    """The cache group; profile: --profile and --pin-hot too (the commands that save one: run, chat, serve)."""
     c = p.add_argument_group("cache")
     what = (f"experts cached per MoE layer, default {default}: a count (30), a share of the routed experts (0.5), "
             "a memory budget for all layers (4GiB), or auto (as many as fit in the free memory less the non-expert "
@@ -76,8 +80,29 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: 
                         "are read in the background (default off)")
     c.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="predict layer l + D during layer l, 1..8 (default %(default)s)")
+    c.add_argument("--eviction", choices=["lru", "lfu", "activation", "freq-prob", "router-mass"], default="lru",
+                   help="which cached expert leaves for a new one: lru (least recently used), lfu (fewest recent "
+                        "selections), activation (MoE-Infinity: lowest share of this request's selections), "
+                        "freq-prob (fMoE: recent selections x the router's probability), router-mass (lowest "
+                        "recent sum of router probability) (default lru)")
+    c.add_argument("--eviction-decay", type=float, default=0.95, metavar="G",
+                   help="per-token decay of what lfu, freq-prob and router-mass count, in (0, 1]; 0.95 remembers "
+                        "about 20 tokens (default %(default)s)")
     if multi:  # ppl: quality does not depend on where the experts live; evaluation keeps them resident
         return
+    _add_residency_options(c)
+    if not profile:
+        return
+    c.add_argument("--profile", metavar="FILE",
+                   help="usage profile: which experts past runs selected. Loaded at start if FILE exists (the cache "
+                        "starts with each layer's most used experts), saved back at the end with this run added "
+                        "(default: none)")
+    c.add_argument("--pin-hot", type=int, default=0, metavar="N",
+                   help="with --profile: keep each layer's N most used experts cached, never evicted (at most the "
+                        "cache size less K; default 0)")
+
+
+def _add_residency_options(c) -> None:
     c.add_argument("--residency", choices=["auto", "stream", "mmap", "none"], default="auto",
                    help="where expert weights live: stream (cached experts in an mlocked slot arena, misses read "
                         "from the GGUF with direct I/O), mmap (experts mmapped, cached ones mlocked, evicted ones "
@@ -154,7 +179,7 @@ def add_hub_options(p: argparse.ArgumentParser) -> None:
 def routing_from_args(args):
     from ..config import CumsumThreshold, MaxRank, Prior, Prune, TopK, parse_routing
 
-    j = 1 if args.top_j is None else args.top_j
+    j = args.top_j  # None: the model's default (1 for K <= 3, 2 for K >= 4)
     if args.prior is not None:
         return Prior(args.prior, top_j=j)
     if args.max_rank is not None:
@@ -177,9 +202,40 @@ def cache_from_args(args):
 
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
                        prefetch=getattr(args, "prefetch", "off"), prefetch_distance=getattr(args, "prefetch_distance", 1),
+                       eviction=getattr(args, "eviction", "lru"), eviction_decay=getattr(args, "eviction_decay", 0.95),
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
                        lock_memory=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
+
+
+def check_profile_args(args) -> None:
+    """--pin-hot needs --profile; a --profile path must be a file that can be written."""
+    profile, pin = getattr(args, "profile", None), getattr(args, "pin_hot", 0)
+    if pin < 0:
+        raise UserError(f"--pin-hot must be >= 0, got {pin}")
+    if pin and not profile:
+        raise UserError("--pin-hot needs --profile FILE: the hottest experts come from the usage profile")
+    if profile is not None:
+        d = os.path.dirname(os.path.abspath(profile))
+        if os.path.isdir(profile) or not os.path.isdir(d):
+            raise UserError(f"--profile {profile}: not a file in an existing directory")
+
+
+def load_profile_from_args(args, llm) -> Optional[str]:
+    """--profile FILE: loads it into llm if it exists and starts warm (pinning --pin-hot per layer).
+    Returns a line for the user, or None without --profile."""
+    profile = getattr(args, "profile", None)
+    if profile is None:
+        return None
+    if not os.path.exists(profile):
+        return f"[profile {profile}: new, saved at the end]"
+    pinned = llm.load_profile(profile, pin_hot=args.pin_hot)
+    return f"[profile {profile}: warm start" + (f", {pinned} experts pinned" if args.pin_hot else "") + "]"
+
+
+def save_profile_from_args(args, llm) -> None:
+    if getattr(args, "profile", None) is not None and llm.moecache is not None:
+        llm.save_profile(args.profile)
 
 
 def resolve_model(path: Optional[str], args=None) -> str:

@@ -33,16 +33,19 @@ def cmd_serve(args) -> int:
 
     routing = routing_from_args(args)
     cache = cache_from_args(args)
+    check_profile_args(args)
     _check_port(args.host, args.port)
     model = resolve_model(args.model, args)
     if not model_info(model).is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                     n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers)
+                     n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
+                     profile=args.profile, pin_hot=args.pin_hot)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
     print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"cache statistics at {url}/moecache/stats" + (f"; cache size {choice}" if choice else ""),
+          f"cache statistics at {url}/moecache/stats" + (f"; cache size {choice}" if choice else "")
+          + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else ""),
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -65,5 +68,5 @@ def add_command(subparsers) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
     add_hub_options(s)
-    add_routing_options(s)
+    add_routing_options(s, profile=True)
     s.set_defaults(func=cmd_serve)
