@@ -46,6 +46,7 @@ class moecache_cache_params(ctypes.Structure):
         ("prefetch_distance", c_int32),
         ("eviction", c_int32),
         ("eviction_decay", c_float),
+        ("router_record", c_int32),
     ]
 
 
@@ -160,6 +161,10 @@ moecache_profile_load = _fn("moecache_profile_load", [moecache_p, c_char_p], c_i
 moecache_profile_get = _fn("moecache_profile_get", [moecache_p, c_int32, POINTER(c_double), c_int32], c_int32)
 # int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 moecache_profile_warm = _fn("moecache_profile_warm", [moecache_p, c_int32], c_int32)
+# int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
+#                                    float * scores, int32_t cap, bool * rank_on_logits);
+moecache_get_router_record = _fn("moecache_get_router_record", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float),
+                                                                POINTER(c_float), c_int32, POINTER(c_bool)], c_int32)
 moecache_n_layer = _fn("moecache_n_layer", [moecache_p], c_int32)
 moecache_get_stats = _fn("moecache_get_stats", [moecache_p, POINTER(moecache_stats)], c_int32)
 moecache_get_layer_stats = _fn("moecache_get_layer_stats", [moecache_p, c_int32, POINTER(moecache_layer_stats)], c_int32)

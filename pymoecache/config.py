@@ -392,6 +392,7 @@ class CacheConfig:
     prefetch_distance: int = 1
     eviction: str = "lru"
     eviction_decay: float = 0.95
+    router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -423,6 +424,7 @@ class CacheConfig:
             raise ConfigError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {self.prefetch!r}")
         check_int("prefetch_distance", self.prefetch_distance, 1, C.MOECACHE_MAX_PREFETCH_DISTANCE)
         check_eviction(self.eviction, self.eviction_decay)
+        check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

@@ -347,6 +347,7 @@ class MoECache:
         cp.prefetch_distance = int(cache.prefetch_distance)
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
+        cp.router_record = int(cache.router_record)
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -506,6 +507,32 @@ class MoECache:
         check_eviction(eviction, decay)
         _check(C.moecache_set_eviction(self._h, EVICTIONS[eviction], float(decay)))
         self.eviction, self.eviction_decay = eviction, float(decay)
+
+    def router_trace(self, layers: Optional[Sequence[int]] = None):
+        """The router outputs recorded so far (``CacheConfig(router_record=T)``) as a
+        :class:`pymoecache.simulate.RouterTrace` over ``layers`` (default: the MoE layers), the
+        simulator's input. Every layer must have recorded the same tokens."""
+        from .simulate import RouterTrace
+
+        layers = list(self.moe_layers if layers is None else layers)
+        if not layers:
+            raise MoECacheError("no MoE layers to read router outputs from")
+        N = self.n_expert
+        n = [C.moecache_get_router_record(self._h, il, None, None, None, 0, None) for il in layers]
+        if min(n) <= 0 or len(set(n)) != 1:
+            raise MoECacheError(f"router outputs recorded per layer: {n}; create the cache with "
+                                "CacheConfig(router_record=T) and evaluate tokens first")
+        T = n[0]
+        z, p, s = (np.zeros((T, len(layers), N), dtype=np.float32) for _ in range(3))
+        rank_on_logits = ctypes.c_bool(True)
+        fp = ctypes.POINTER(ctypes.c_float)
+        for j, il in enumerate(layers):
+            bufs = [np.zeros((T, N), dtype=np.float32) for _ in range(3)]
+            C.moecache_get_router_record(self._h, il, *(b.ctypes.data_as(fp) for b in bufs), T,
+                                         ctypes.byref(rank_on_logits))
+            z[:, j], p[:, j], s[:, j] = bufs
+        return RouterTrace(z, n_expert_used=self.n_expert_used, probs=p,
+                           scores=None if np.array_equal(s, p) else s, rank_on_logits=bool(rank_on_logits.value))
 
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (past requests' expert counts, the current one's included, and the

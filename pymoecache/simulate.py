@@ -296,3 +296,86 @@ def _belady(selections, capacity: int) -> int:
                 cache.discard(victim)
             cache.add(e)
     return misses
+
+
+# --------------------------------------------------------------------------------------------
+# recording a real model's router, and eviction policies against LRU and Belady
+
+
+def record_router_trace(model_path: "str | os.PathLike[str]", text: str, *, tokens: int, ctx: int,
+                        n_threads: Optional[int] = None, progress: bool = False) -> RouterTrace:
+    """The router outputs of ``model_path`` on the first ``tokens`` tokens of ``text``, evaluated in
+    chunks of ``ctx`` tokens (each from an empty KV cache, as ``pymoecache ppl``) with stock routing
+    and every expert resident. Routing decisions change hidden states only under a cache-aware
+    policy; replaying its routing over these stock outputs is the usual offline approximation."""
+    from .evaluate import _progress, check_loaded_model, load_llama, tokenize_text
+
+    if tokens < 1 or ctx < 2:
+        raise ConfigError(f"need tokens >= 1 and ctx >= 2, got {tokens} and {ctx}")
+    llm = load_llama(model_path, cache=CacheConfig(size=1.0, residency="none", router_record=tokens),
+                     routing="lru", n_ctx=ctx, n_batch=ctx, n_threads=n_threads,
+                     logits_all=True)  # else llama.cpp runs the last layer for the last token only
+    check_loaded_model(llm, ctx)
+    try:
+        ids = tokenize_text(llm, text)[:tokens]
+        if not ids:
+            raise ConfigError("the text has no tokens")
+        starts = range(0, len(ids), ctx)
+        for i in _progress(starts, progress, "router trace"):
+            llm.reset()
+            llm.eval(ids[i:i + ctx])
+        return llm.moecache.router_trace()
+    finally:
+        llm.close()
+
+
+EVICTIONS = ("lru", "lfu", "activation", "freq-prob", "router-mass")
+
+
+def eviction_table(trace: Union[RouterTrace, Mapping, str, "os.PathLike[str]"], routings: Sequence[Union[Routing, str]],
+                   cache_sizes: Sequence[CacheSize], evictions: Sequence[str] = EVICTIONS,
+                   eviction_decay: float = 0.95) -> List[dict]:
+    """Miss rate of every (routing, cache size, eviction) replayed over ``trace``, next to LRU and
+    Belady's optimum for the same routing. Belady is computed on the selections the routing made
+    with LRU eviction (under stock routing they are the same for every policy; under a cache-aware
+    routing the selections follow the cache, so there it is a reference, not a strict bound).
+    ``gap_closed``: (LRU misses - misses) / (LRU misses - Belady misses), the share of the gap to
+    the optimum the policy closes (None when LRU is already optimal).
+
+    >>> rng = np.random.default_rng(0)
+    >>> tr = RouterTrace(rng.normal(size=(80, 1, 8)).astype(np.float32), n_expert_used=2)
+    >>> rows = eviction_table(tr, ["lru"], [4], evictions=["lru", "lfu"])
+    >>> [(r["eviction"], r["misses"] >= r["belady_misses"]) for r in rows]
+    [('lru', True), ('lfu', True)]
+    """
+    tr = load_router_trace(trace)
+    rows = []
+    for routing in routings:
+        routing = parse_routing(routing) if isinstance(routing, str) else routing
+        for size in cache_sizes:
+            caps = capacities(size, tr.n_layer, tr.n_expert)
+            lru = replay(tr, routing, caps, eviction="lru")
+            opt = int(belady_opt(lru.requests, caps).sum()) if min(caps) >= tr.n_expert_used else None
+            for ev in evictions:
+                res = lru if ev == "lru" else replay(tr, routing, caps, eviction=ev, eviction_decay=eviction_decay)
+                gap = (lru.misses - res.misses) / (lru.misses - opt) if opt is not None and lru.misses > opt else None
+                rows.append({"routing": routing.spec(), "cache_size": caps[0], "n_expert": tr.n_expert,
+                             "eviction": ev, "misses": res.misses, "miss_rate": res.miss_rate,
+                             "lru_misses": lru.misses, "lru_miss_rate": lru.miss_rate, "belady_misses": opt,
+                             "belady_miss_rate": (opt / (tr.n_expert_used * tr.n_tokens * tr.n_layer)
+                                                  if opt is not None else None),
+                             "gap_closed": gap, "tokens": tr.n_tokens})
+    return rows
+
+
+def format_eviction_table(rows: Sequence[dict]) -> str:
+    """The rows of :func:`eviction_table` as an aligned text table."""
+    head = f"{'routing':<16} {'cache':>7} {'eviction':<12} {'miss rate':>9} {'Belady':>7} {'LRU':>7} {'gap closed':>10}"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        out.append(f"{r['routing']:<16} {str(r['cache_size']) + '/' + str(r['n_expert']):>7} {r['eviction']:<12} "
+                   f"{100 * r['miss_rate']:>8.1f}% "
+                   + (f"{100 * r['belady_miss_rate']:>6.1f}% " if r["belady_miss_rate"] is not None else f"{'-':>7} ")
+                   + f"{100 * r['lru_miss_rate']:>6.1f}% "
+                   + (f"{100 * r['gap_closed']:>9.0f}%" if r["gap_closed"] is not None else f"{'-':>10}"))
+    return "\n".join(out)

@@ -148,6 +148,12 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
+        if (L.n_rec < mc.cparams.router_record) { // the router's outputs, for offline replay (pymoecache.simulate)
+            for (const ggml_tensor * x : { z, p, s }) {
+                L.router_rec.insert(L.router_rec.end(), row_f32(x, t), row_f32(x, t) + mc.n_expert);
+            }
+            L.n_rec += 1;
+        }
         const int32_t n = moecache_route_token(mc, L, rp, row_f32(z, t), row_f32(p, t), row_f32(s, t), st,
                                                apply, update, out, hit);
         // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)

@@ -115,6 +115,9 @@ struct moecache_layer {
     moecache_layer_residency res;
     moecache_layer_prefetch  pf;
     moecache_layer_usage     use;
+
+    std::vector<float> router_rec;    // cache params router_record: [n_rec][3][n_expert] z, p, s per token
+    int32_t            n_rec = 0;
 };
 
 

@@ -70,6 +70,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.prefetch_distance  = 1;
     p.eviction           = MOECACHE_EVICTION_LRU;
     p.eviction_decay     = 0.95f;
+    p.router_record      = 0;
     return p;
 }
 
@@ -282,6 +283,27 @@ int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * id
         ids[i] = v[i].second;
     }
     return (int32_t) v.size();
+}
+
+int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
+                                   float * scores, int32_t cap, bool * rank_on_logits) {
+    if (!mc || il < 0 || il >= mc->n_layer || cap < 0) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_get_router_record: layer out of range or cap < 0");
+    }
+    const moecache_layer & L = mc->layers[il];
+    const size_t N = (size_t) mc->n_expert;
+    float * out[3] = { logits, probs, scores };
+    for (int32_t t = 0; t < std::min(cap, L.n_rec); t++) {
+        for (int k = 0; k < 3; k++) {
+            if (out[k]) {
+                memcpy(out[k] + t * N, &L.router_rec[(t * 3 + k) * N], N * sizeof(float));
+            }
+        }
+    }
+    if (rank_on_logits) {
+        *rank_on_logits = L.graph.rank_on_logits;
+    }
+    return L.n_rec;
 }
 
 int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap) {

@@ -182,6 +182,9 @@ struct moecache_cache_params {
                                   //   default 1
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
+    int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay
+                                  //   (moecache_get_router_record), the first ones; 0 = off; at most
+                                  //   MOECACHE_MAX_TRACE; default 0
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -311,6 +314,12 @@ MOECACHE_API const char * moecache_take_io_error(struct moecache * mc);
 
 // Copies up to cap trace records, oldest first; returns how many. Records are not consumed.
 MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap);
+
+// The router outputs recorded for layer il (cache params: router_record), tokens in order:
+// logits, probs, scores: out [cap, N] each (any may be NULL); rank_on_logits: out (may be NULL), the
+// prior boosts z (softmax router) rather than s. Returns the tokens recorded (rows written: at most cap).
+MOECACHE_API int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
+                                                float * scores, int32_t cap, bool * rank_on_logits);
 
 // Cache contents (with recency order) and Delta per layer, tied to the model's identity
 // (description, parameter count, layer and expert counts). Load into a moecache of the same model.

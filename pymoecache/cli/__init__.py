@@ -11,7 +11,7 @@
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
 Never a traceback otherwise. One module per group of commands (generate: run, bench, info; chat;
-evaluation: ppl, trace, plot-timeline; serve), their shared options in ``options``.
+evaluation: ppl, trace, plot-timeline, simulate; serve), their shared options in ``options``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate.add_commands(sub)    # run, bench, info
     chat.add_command(sub)         # chat
-    evaluation.add_commands(sub)  # ppl, trace, plot-timeline
+    evaluation.add_commands(sub)  # ppl, trace, plot-timeline, simulate
     serve.add_command(sub)        # serve
     return ap
 

@@ -113,7 +113,7 @@ def cmd_plot_timeline(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """Register ``ppl``, ``trace`` and ``plot-timeline`` on the CLI's subparsers."""
+    """Register ``ppl``, ``trace``, ``plot-timeline`` and ``simulate`` on the CLI's subparsers."""
     p = sub.add_parser(
         "ppl", help="perplexity and cache miss rate of routing policies on a text (Pareto sweeps)",
         description="Perplexity and expert-cache miss rate on a text, as in the evaluation protocol: the text is "
@@ -165,3 +165,83 @@ def add_commands(sub) -> None:
                    help="model layer index, must be a MoE layer (default: the first MoE layer)")
     v.add_argument("--tokens", type=int, default=None, metavar="N", help="draw only the first N tokens (default: all)")
     v.set_defaults(func=cmd_plot_timeline)
+    add_simulate_command(sub)
+
+
+def cmd_simulate(args) -> int:
+    from ..config import parse_cache_size, parse_routing
+    from ..evaluate import load_text, write_rows
+    from ..simulate import (EVICTIONS, eviction_table, format_eviction_table, load_router_trace, record_router_trace,
+                            save_router_trace)
+
+    for path in (args.csv, args.json, args.save_trace):
+        if path:
+            _check_out_path(path)
+    routings = [parse_routing(s) for s in args.routing.split(",") if s.strip()]
+    if not routings:
+        raise UserError("--routing needs at least one spec, e.g. lru,prior:0.5")
+    evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
+    bad = [e for e in evictions if e not in EVICTIONS]
+    if bad or not evictions:
+        raise UserError(f"--eviction takes a comma-separated list of {', '.join(EVICTIONS)}; got {args.eviction!r}")
+    sizes = [parse_cache_size(s) for s in args.cache_size]
+    if args.router_trace:
+        if args.model or args.model_opt or args.text:
+            raise UserError("give either --router-trace FILE or MODEL with --text, not both")
+        try:
+            trace = load_router_trace(args.router_trace)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read router trace {args.router_trace}: {e}") from None
+    else:
+        if not args.text:
+            raise UserError("--text FILE is needed to record a router trace (or give --router-trace FILE)")
+        if args.tokens < 1 or args.ctx < 2:
+            raise UserError(f"--tokens must be >= 1 and --ctx >= 2, got {args.tokens} and {args.ctx}")
+        text = load_text(args.text)
+        trace = record_router_trace(resolve_model(args.model, args), text, tokens=args.tokens, ctx=args.ctx,
+                                    n_threads=args.threads, progress=not args.no_progress)
+        if args.save_trace:
+            save_router_trace(args.save_trace, trace)
+            print(f"wrote {args.save_trace}", file=sys.stderr)
+    rows = eviction_table(trace, routings, sizes, evictions, eviction_decay=args.eviction_decay)
+    print(f"{trace.n_tokens} tokens x {trace.n_layer} MoE layers, {trace.n_expert} experts, top-{trace.n_expert_used}")
+    print(format_eviction_table(rows))
+    if args.csv:
+        write_rows(rows, args.csv, "csv")
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.json:
+        write_rows(rows, args.json, "json")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def add_simulate_command(sub) -> None:
+    s = sub.add_parser(
+        "simulate", help="replay a model's router over a text: every eviction policy against LRU and Belady",
+        description="Record the router outputs of MODEL on the first --tokens tokens of --text (or read a saved "
+                    "router trace), then replay them through the expert cache under every (routing, cache size, "
+                    "eviction) and print the miss rates next to LRU and Belady's optimum (the best any eviction "
+                    "could do on the same selections), with the share of the LRU-Belady gap each policy closes. "
+                    "Seconds, no model run per setting.",
+        epilog="Example: pymoecache simulate model.gguf --text valid.txt --routing lru,prior:0.5 --cache-size 0.5 0.25")
+    add_model_argument(s)
+    s.add_argument("--text", metavar="FILE", help="UTF-8 text to record the router on (default: none; needs MODEL)")
+    s.add_argument("--router-trace", metavar="NPZ", help="replay this saved router trace instead of recording one "
+                                                          "(default: record)")
+    s.add_argument("--save-trace", metavar="NPZ", help="also save the recorded router trace (default: no file)")
+    s.add_argument("--tokens", type=int, default=4096, metavar="N", help="tokens to record (default %(default)s)")
+    s.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=256, metavar="N",
+                   help="chunk length in tokens, each from an empty KV cache (default %(default)s)")
+    s.add_argument("--routing", default="lru,prior:0.5", metavar="SPECS",
+                   help="comma-separated routing specs (default %(default)s)")
+    s.add_argument("--cache-size", nargs="+", default=["0.5", "0.25"], metavar="N|F",
+                   help="cache sizes: counts or shares of the experts (default 0.5 0.25)")
+    s.add_argument("--eviction", default="lru,lfu,activation,freq-prob,router-mass", metavar="LIST",
+                   help="comma-separated eviction policies (default: all of them)")
+    s.add_argument("--eviction-decay", type=float, default=0.95, metavar="G",
+                   help="decay of lfu, freq-prob and router-mass, in (0, 1] (default %(default)s)")
+    s.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (default: no file)")
+    s.add_argument("--json", metavar="FILE", help="also write the rows as JSON (default: no file)")
+    s.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s.set_defaults(func=cmd_simulate)
