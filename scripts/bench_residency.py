@@ -5,6 +5,7 @@
     python scripts/bench_residency.py --size-mb 2200 --reps 3 --tokens 64 --csv residency.csv
     python scripts/bench_residency.py --prefetch off,previous,gate --prompt-tokens 512 --no-mmap
     python scripts/bench_residency.py --leave-gib 1.45 --stock --no-resident --no-mmap   # a smaller device
+    python scripts/bench_residency.py --eviction lru,router-mass --cache-sizes 0.25 --no-mmap
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
 built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
@@ -144,7 +145,8 @@ def worker(args) -> None:
         return
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
-                                   prefetch=args.prefetch, prefetch_distance=args.prefetch_distance)
+                                   prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
+                                   eviction=args.eviction)
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
@@ -164,7 +166,7 @@ def worker(args) -> None:
         "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
         "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
         "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if TEXT.exists() else "random",
-        "prefetch": args.prefetch, "prefill_tok_s": args.prompt_tokens / args.prefill_s,
+        "prefetch": args.prefetch, "eviction": args.eviction, "prefill_tok_s": args.prompt_tokens / args.prefill_s,
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "demand_mib_per_token": rs.demand_bytes_read / max(1, rs.decode_tokens) / MiB,
         "ahead_mib_per_token": rs.prefetch_bytes_read / max(1, rs.decode_tokens) / MiB,
@@ -191,7 +193,7 @@ def stock_worker(args) -> None:
         "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": 0.0, "mib_read_per_token": 0.0,
         "compute_ms": 0.0, "io_ms": 0.0, "route_ms": 0.0, "rss_mib": rss / MiB, "peak_rss_mib": vm_hwm() / MiB,
         "arena_mib": 0.0, "non_expert_mib": 0.0, "file_mib": size / MiB, "locked": False, "direct_io": False,
-        "tokens": "wikitext-2" if TEXT.exists() else "random", "prefetch": "off",
+        "tokens": "wikitext-2" if TEXT.exists() else "random", "prefetch": "off", "eviction": "lru",
         "prefill_tok_s": args.prompt_tokens / args.prefill_s, "demand_mib_per_token": 0.0,
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
@@ -199,14 +201,15 @@ def stock_worker(args) -> None:
     }))
 
 
-def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetch: str = "off") -> dict:
+def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetch: str = "off",
+            eviction: str = "lru") -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
-           "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance)]
+           "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} failed:\n{r.stderr[-3000:]}")
+        sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} {eviction} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -220,6 +223,9 @@ def main() -> None:
                     help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate "
                          "(default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
+    ap.add_argument("--eviction", default="lru",
+                    help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass "
+                         "(default %(default)s)")
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
@@ -240,15 +246,18 @@ def main() -> None:
         return
 
     prefetches = [p.strip() for p in args.prefetch.split(",") if p.strip()]
+    evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
+    evictions = ["lru"] + [e for e in evictions if e != "lru"]  # the reference every ratio is taken against
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
     pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
-    settings = [(res, routing, cache, pf) for res, cache in pairs for routing in ("lru", "prior:0.5")
-                for pf in (prefetches if res == "stream" else ["off"])]
+    settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in ("lru", "prior:0.5")
+                for pf in (prefetches if res == "stream" else ["off"])
+                for ev in (evictions if res == "stream" else ["lru"])]
     if not args.no_resident:
-        settings.append(("none", "lru", "1.0", "off"))
+        settings.append(("none", "lru", "1.0", "off", "lru"))
     if args.stock:
-        settings.append(("stock", "lru", "1.0", "off"))
+        settings.append(("stock", "lru", "1.0", "off", "lru"))
     held, n_held = hold_memory(int(args.leave_gib * 2**30)) if args.leave_gib is not None else (None, 0)
     if args.leave_gib is not None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
@@ -258,7 +267,7 @@ def main() -> None:
     finally:
         for m in held or []:
             m.close()
-    report(model, args, settings, runs, pairs, prefetches, n_held)
+    report(model, args, settings, runs, pairs, prefetches, evictions, n_held)
 
 
 def measure(model: Path, args, settings) -> list:
@@ -266,18 +275,19 @@ def measure(model: Path, args, settings) -> list:
     for rep in range(args.reps):
         k = rep % len(settings)
         order = settings[k:] + settings[:k]  # rotate: no setting always runs first
-        for residency, routing, cache, pf in order:
-            r = run_one(model, args, residency, routing, cache, pf)
+        for residency, routing, cache, pf, ev in order:
+            r = run_one(model, args, residency, routing, cache, pf, ev)
             r["rep"] = rep
             runs.append(r)
             print(f"[rep {rep + 1}/{args.reps}] {residency:<6} {routing:<10} cache {cache:<4} prefetch {pf:<8} "
+                  f"eviction {ev:<11} "
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
                   f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  rss {r['rss_mib']:6.0f} MiB",
                   file=sys.stderr, flush=True)
     return runs
 
 
-def report(model: Path, args, settings, runs, pairs, prefetches, n_held) -> None:
+def report(model: Path, args, settings, runs, pairs, prefetches, evictions, n_held) -> None:
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
@@ -288,23 +298,24 @@ def report(model: Path, args, settings, runs, pairs, prefetches, n_held) -> None
         return statistics.median(r[key] for r in rows)
 
     def rows_of(s):
-        return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"]) ==
-                (s[0], s[1], str(float(s[2])), s[3])]
+        return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
+                (s[0], s[1], str(float(s[2])), s[3], s[4])]
 
-    resident = med(rows_of(("none", "lru", "1.0", "off")), "tok_s") if not args.no_resident else None
+    resident = med(rows_of(("none", "lru", "1.0", "off", "lru")), "tok_s") if not args.no_resident else None
     left = f", {args.leave_gib:g} GiB of memory left to the runs ({n_held / 2**30:.1f} GiB held)" \
         if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
           f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
           f"page cache dropped before every run{left}\n")
-    print("| residency | routing | cache | prefetch | decode tok/s | of resident | prefill tok/s | miss rate | "
+    print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | routing ms | "
           "RSS MiB | peak RSS MiB | slots MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
-        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {med(rows, 'tok_s'):.2f} | "
+        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
+              f"{med(rows, 'tok_s'):.2f} | "
               f"{share} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
               f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "
               f"{med(rows, 'ahead_mib_per_token'):.2f}) | {med(rows, 'wasted_mib_per_token'):.2f} | "
@@ -313,10 +324,10 @@ def report(model: Path, args, settings, runs, pairs, prefetches, n_held) -> None
               f"{med(rows, 'arena_mib'):.0f} |")
     print()
     if resident:
-        warm = med(rows_of(("none", "lru", "1.0", "off")), "prefill_warm_tok_s")
+        warm = med(rows_of(("none", "lru", "1.0", "off", "lru")), "prefill_warm_tok_s")
         print(f"prefill of the {args.prompt_tokens}-token prompt, weights in memory (resident, second time): "
               f"{warm:.1f} tok/s; streamed, share of it: " +
-              ", ".join(f"{s[1]} {s[2]} {s[3]} {100 * med(rows_of(s), 'prefill_tok_s') / warm:.0f}%"
+              ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {100 * med(rows_of(s), 'prefill_tok_s') / warm:.0f}%"
                         for s in settings if s[0] == "stream"))
 
     def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
@@ -331,18 +342,26 @@ def report(model: Path, args, settings, runs, pairs, prefetches, n_held) -> None
     if args.stock:
         for s in settings:
             if s[0] != "stock":
-                m, per = ratio(s, ("stock", "lru", "1.0", "off"))
-                print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: decode tok/s / stock llama.cpp = {m:.2f}x")
+                m, per = ratio(s, ("stock", "lru", "1.0", "off", "lru"))
+                print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
+                      f"= {m:.2f}x")
     for residency, cache in pairs:
-        m, per = ratio((residency, "prior:0.5", cache, "off"), (residency, "lru", cache, "off"))
+        m, per = ratio((residency, "prior:0.5", cache, "off", "lru"), (residency, "lru", cache, "off", "lru"))
         print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {m:.2f}x "
               f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
         for routing in ("lru", "prior:0.5"):
             for pf in prefetches:
                 if pf != "off" and residency == "stream":
-                    m, per = ratio((residency, routing, cache, pf), (residency, routing, cache, "off"))
+                    m, per = ratio((residency, routing, cache, pf, "lru"), (residency, routing, cache, "off", "lru"))
                     print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {m:.2f}x "
                           f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
+            for ev in evictions:
+                if ev != "lru" and residency == "stream":
+                    m, per = ratio((residency, routing, cache, "off", ev), (residency, routing, cache, "off", "lru"))
+                    a = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", ev)))
+                    b = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", "lru")))
+                    print(f"{residency} cache {cache} {routing}: decode tok/s eviction {ev} / lru = {m:.2f}x, "
+                          f"MiB read per token {a:.2f} vs {b:.2f} (per repetition: {', '.join(f'{x:.2f}' for x in per)})")
 
 
 if __name__ == "__main__":

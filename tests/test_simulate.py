@@ -253,3 +253,84 @@ def test_served_order_is_by_router_weight():
     p = np.array([[0.2, 0.5, 0.2, 0.1]], dtype=np.float32)
     assert served_order(sel, p, "top-bottom").tolist() == [[1, 0, 2, -1]]
     assert served_order(sel, p, "bottom-top").tolist() == [[2, 0, 1, -1]]
+
+
+# --------------------------------------------------------------------------------------------
+# a real model's router, and the eviction table
+
+
+def test_router_trace_of_a_real_model_replays_as_the_model_routes(fixture_dir, tmp_path):
+    """The recorded router outputs, replayed under LRU at the same cache size, give exactly the
+    selections and misses the model itself counted while evaluating the same tokens."""
+    from conftest import model_path
+
+    from pymoecache.evaluate import load_llama, tokenize_text
+    from pymoecache.simulate import record_router_trace
+
+    model = model_path(fixture_dir, "qwen2moe-60x4")
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    tr = record_router_trace(model, text, tokens=96, ctx=48)
+    assert (tr.n_tokens, tr.n_layer, tr.n_expert, tr.n_expert_used) == (96, 4, 60, 4)
+    llm = load_llama(model, cache=CacheConfig(size=20, residency="none"), routing="lru", n_ctx=48, n_batch=48,
+                     logits_all=True)
+    ids = tokenize_text(llm, text)[:96]
+    for i in range(0, 96, 48):
+        llm.reset()
+        llm.eval(ids[i:i + 48])
+    st = llm.moe_stats()
+    llm.close()
+    res = replay(tr, "lru", cache_size=20)
+    np.testing.assert_array_equal(res.misses_per_layer, st.misses_per_layer)
+    save_router_trace(tmp_path / "t.npz", tr)
+    again = load_router_trace(tmp_path / "t.npz")
+    np.testing.assert_array_equal(again.logits, tr.logits)
+
+
+def test_eviction_table_bounds_and_gap(tmp_path):
+    from pymoecache.simulate import eviction_table
+
+    rng = np.random.default_rng(5)
+    # a skewed router: some experts are popular, the rest rare, so what to keep matters
+    z = (rng.normal(size=(400, 2, 16)) + np.linspace(2, 0, 16)).astype(np.float32)
+    rows = eviction_table(RouterTrace(z, n_expert_used=2), ["lru", "prior:0.5"], [6])
+    assert len(rows) == 2 * 5
+    for r in rows:
+        if r["routing"] == "lru":  # stock routing: the selections are fixed, so Belady bounds every policy
+            assert r["belady_misses"] <= r["misses"]
+        assert r["lru_misses"] == next(x["misses"] for x in rows
+                                       if x["routing"] == r["routing"] and x["eviction"] == "lru")
+        want = (r["lru_misses"] - r["misses"]) / (r["lru_misses"] - r["belady_misses"])
+        assert r["gap_closed"] == pytest.approx(want)
+    assert any(r["eviction"] != "lru" and r["misses"] != r["lru_misses"] for r in rows)  # policies differ
+
+
+def test_simulate_cli(fixture_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, model_path
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "pymoecache", "simulate", *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a little cache that kept the right experts. " * 20)
+    tr, out = tmp_path / "tr.npz", tmp_path / "rows.json"
+    r = cli(model_path(fixture_dir, "qwen2moe-60x4"), "--text", text, "--tokens", "128", "--ctx", "64",
+            "--cache-size", "0.5", "--save-trace", tr, "--json", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "gap closed" in r.stdout and "router-mass" in r.stdout and tr.is_file()
+    rows = json.loads(out.read_text())
+    assert {x["eviction"] for x in rows} == {"lru", "lfu", "activation", "freq-prob", "router-mass"}
+    assert {x["routing"] for x in rows} == {"lru", "prior:0.5"}
+    r2 = cli("--router-trace", tr, "--cache-size", "0.5", "--eviction", "lru,lfu", "--routing", "lru")
+    assert r2.returncode == 0, r2.stderr
+    first = [ln for ln in r.stdout.splitlines() if ln.startswith("lru") and " lfu " in ln]
+    assert first and first[0] in r2.stdout  # the saved trace replays to the same row
+    for bad, needle in [(("--router-trace", tr, "--eviction", "mru"), "--eviction takes"),
+                        (("--router-trace", tmp_path / "missing.npz"), "cannot read router trace"),
+                        ((model_path(fixture_dir, "qwen2moe-60x4"),), "--text FILE is needed")]:
+        r = cli(*bad)
+        assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr
