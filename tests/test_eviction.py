@@ -317,3 +317,31 @@ def test_policy_without_j_takes_the_model_default(engine):
         sa, sb, sc_ = a.route(0, z)[0], b.route(0, z)[0], c.route(0, z)[0]
         np.testing.assert_array_equal(sa, sb)
         assert not np.array_equal(sa, sc_)  # J matters on this input: the test can tell them apart
+
+
+def test_fuzzed_profiles_are_loaded_or_refused_never_worse(tmp_path):
+    """Random mutations of a real profile (half with the checksum repaired, so the field checks
+    are reached): each is loaded whole or refused with StateFileError and the profile unchanged."""
+    import fuzz_inputs as fz
+
+    mc = _profiled(n_layer=2, N=8, K=2)
+    mc.route(0, logits(*[[0.3] + [0.1] * 7] * 10))
+    mc.begin_request()
+    p = tmp_path / "p"
+    mc.save_profile(p)
+    raw = p.read_bytes()
+    rng = np.random.default_rng(2)
+    outcomes = set()
+    for _ in range(300):
+        p.write_bytes(fz.state_mutant(rng, raw))
+        before = mc.profile_counts()
+        try:
+            mc.load_profile(p)
+            outcomes.add("ok")
+            counts = mc.profile_counts()
+            assert np.isfinite(counts).all() and (counts >= 0).all()
+            mc.warm_start(2)  # a loaded profile is usable
+        except StateFileError:
+            outcomes.add("refused")
+            np.testing.assert_array_equal(mc.profile_counts(), before)
+    assert outcomes == {"ok", "refused"}

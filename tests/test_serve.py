@@ -129,3 +129,21 @@ def test_missing_extras_say_what_to_install(monkeypatch):
     monkeypatch.setattr(server, "_EXTRAS", ("fastapi", "no_such_module_for_pymoecache"))
     with pytest.raises(Error, match=r"no_such_module_for_pymoecache.*pip install .*fastapi"):
         server.create_app("model.gguf")
+
+
+@needs_extras
+def test_profile_saved_at_shutdown_and_loaded_warm(fixture_dir, tmp_path):
+    """serve --profile: the requests served go into the profile, written when the server stops
+    (SIGTERM); the next server starts warm from it with the hottest experts pinned."""
+    prof = tmp_path / "serve.moeprofile"
+    model = model_path(fixture_dir, "qwen2moe-60x4")
+    with running_server(model, tmp_path / "log1", "--cache-size", "30", "--profile", str(prof)) as (base, _):
+        for prompt in ("Once upon a time", "The king said"):
+            _post(base + "/v1/completions", {"prompt": prompt, "max_tokens": 8})
+        assert not prof.exists()  # written at shutdown
+    assert prof.is_file()
+    with running_server(model, tmp_path / "log2", "--cache-size", "30", "--profile", str(prof), "--pin-hot", "3") \
+            as (base, _):
+        st = json.loads(_request(base + "/moecache/stats")[1])
+        assert st["pinned"] == 3 * len(st["moe_layers"])
+        assert "usage profile" in (tmp_path / "log2").read_text()

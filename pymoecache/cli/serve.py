@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      cache_from_args, resolve_model, routing_from_args)
+                      cache_from_args, check_profile_args, resolve_model, routing_from_args)
 
 
 def _check_port(host: str, port: int) -> None:
