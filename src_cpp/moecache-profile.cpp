@@ -149,8 +149,8 @@ static std::string quoted(const char * path) {
 
 int32_t moecache_profile_write(const moecache & mc, const char * path) {
     const size_t n = (size_t) mc.n_layer * mc.n_expert;
-    std::vector<uint8_t> b;
-    b.insert(b.end(), PROFILE_MAGIC, PROFILE_MAGIC + 8);
+    std::vector<uint8_t> b(PROFILE_MAGIC, PROFILE_MAGIC + 8);
+    b.reserve(64 + mc.desc.size() + n * sizeof(double) * (1 + mc.trace_store.size()));
     moecache_put(b, (uint32_t) MOECACHE_ABI_VERSION);
     moecache_put(b, (uint32_t) mc.desc.size());
     b.insert(b.end(), mc.desc.begin(), mc.desc.end());

@@ -49,7 +49,7 @@ void usage(FILE * f) {
         "  --cache N|F            experts cached per MoE layer: a count N, or a share 0 < F < 1 with\n"
         "                         a decimal point (default 0.5)\n"
         "  --routing SPEC         topk (= lru), prior:L, max-rank:M, cumsum:T, prune:R, each with an\n"
-        "                         optional :j=J (default topk)\n"
+        "                         optional :j=J (default topk; J default: 1 for K <= 3, 2 for K >= 4)\n"
         "  --scope all|decode     decode: prompts use stock top-k routing (default all)\n"
         "  --no-prompt-update     prompt ubatches do not update the cache and counters\n"
         "  --residency MODE       none (every expert resident), mmap (cached experts mlocked in the\n"
@@ -234,7 +234,10 @@ int main(int argc, char ** argv) {
 
     moecache_cache_params   cp = moecache_cache_default_params();
     moecache_routing_params rp = moecache_routing_default_params();
+    rp.top_j = -1; // no :j=J: the model's default, set once K is known (below)
     if (!parse_routing(routing, rp)) die("bad --routing %s (topk, prior:L, max-rank:M, cumsum:T, prune:R, :j=J)", routing.c_str());
+    const bool default_j = rp.top_j < 0;
+    if (default_j) rp.top_j = 1;
     if (scope == "all") rp.scope = MOECACHE_SCOPE_ALL;
     else if (scope == "decode") rp.scope = MOECACHE_SCOPE_DECODE;
     else die("bad --scope %s (all, decode)", scope.c_str());
@@ -298,6 +301,12 @@ int main(int argc, char ** argv) {
     cp.trace_capacity = trace ? (int32_t) (n_layer * (n_prompt + n_predict + 1)) : 0;
     moecache * mc = moecache_init(model, cp, rp);
     if (!mc) die("moecache_init: %s", moecache_last_error());
+    if (default_j) { // J by K, as the Python package: 1 for K <= 3, 2 for K >= 4
+        moecache_layer_stats ls;
+        moecache_get_layer_stats(mc, 0, &ls);
+        rp.top_j = ls.n_expert_used <= 3 ? 1 : 2;
+        if (moecache_set_routing(mc, rp) != MOECACHE_OK) die("moecache_set_routing: %s", moecache_last_error());
+    }
     if (moecache_attach(mc, ctx) != MOECACHE_OK) die("moecache_attach: %s", moecache_last_error());
     const moecache_routing_params rp_used = moecache_get_routing(mc);
 
