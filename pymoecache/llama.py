@@ -508,12 +508,12 @@ class MoECache:
         _check(C.moecache_set_eviction(self._h, EVICTIONS[eviction], float(decay)))
         self.eviction, self.eviction_decay = eviction, float(decay)
 
-    def router_trace(self, layers: Optional[Sequence[int]] = None):
-        """The router outputs recorded so far (``CacheConfig(router_record=T)``) as a
-        :class:`pymoecache.simulate.RouterTrace` over ``layers`` (default: the MoE layers), the
-        simulator's input. Every layer must have recorded the same tokens."""
-        from .simulate import RouterTrace
-
+    def router_record(self, layers: Optional[Sequence[int]] = None):
+        """The router outputs recorded so far (``CacheConfig(router_record=T)``) over ``layers``
+        (default: the MoE layers): ``(logits, probs, scores, rank_on_logits)``, the arrays
+        ``[T, len(layers), n_expert]`` float32 (scores None when they equal probs). Every layer must
+        have recorded the same tokens. ``pymoecache.simulate.record_router_trace`` makes a
+        RouterTrace of it, the simulator's input."""
         layers = list(self.moe_layers if layers is None else layers)
         if not layers:
             raise MoECacheError("no MoE layers to read router outputs from")
@@ -531,8 +531,7 @@ class MoECache:
             C.moecache_get_router_record(self._h, il, *(b.ctypes.data_as(fp) for b in bufs), T,
                                          ctypes.byref(rank_on_logits))
             z[:, j], p[:, j], s[:, j] = bufs
-        return RouterTrace(z, n_expert_used=self.n_expert_used, probs=p,
-                           scores=None if np.array_equal(s, p) else s, rank_on_logits=bool(rank_on_logits.value))
+        return z, p, (None if np.array_equal(s, p) else s), bool(rank_on_logits.value)
 
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (past requests' expert counts, the current one's included, and the

@@ -324,7 +324,9 @@ def record_router_trace(model_path: "str | os.PathLike[str]", text: str, *, toke
         for i in _progress(starts, progress, "router trace"):
             llm.reset()
             llm.eval(ids[i:i + ctx])
-        return llm.moecache.router_trace()
+        z, p, s, rank_on_logits = llm.moecache.router_record()
+        return RouterTrace(z, n_expert_used=llm.moecache.n_expert_used, probs=p, scores=s,
+                           rank_on_logits=rank_on_logits)
     finally:
         llm.close()
 
