@@ -322,7 +322,13 @@ def test_policy_without_j_takes_the_model_default(engine):
 def test_fuzzed_profiles_are_loaded_or_refused_never_worse(tmp_path):
     """Random mutations of a real profile (half with the checksum repaired, so the field checks
     are reached): each is loaded whole or refused with StateFileError and the profile unchanged."""
-    import fuzz_inputs as fz
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("fuzz_inputs_tests", ROOT / "tests" / "fuzz_inputs.py")
+    fz = importlib.util.module_from_spec(spec)  # tests/fuzz_inputs.py (scripts/ has a module of that name too)
+    spec.loader.exec_module(fz)
 
     mc = _profiled(n_layer=2, N=8, K=2)
     mc.route(0, logits(*[[0.3] + [0.1] * 7] * 10))
