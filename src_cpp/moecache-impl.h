@@ -306,3 +306,10 @@ uint64_t moecache_fnv1a64(const uint8_t * p, size_t n);
 int32_t  moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * path, const char * what);
 // the whole regular file (never a FIFO or device), at most max_bytes; errors name `what`
 int32_t  moecache_read_file(const char * path, size_t max_bytes, const char * what, std::vector<uint8_t> & out);
+// every file of ours starts with: magic | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K
+// and ends with the u64 FNV-1a hash of every byte before it
+std::vector<uint8_t> moecache_file_header(const moecache & mc, const char magic[8]);
+// reads path whole and checks its magic, checksum, ABI and that it belongs to mc's model (errors
+// name `what`); on MOECACHE_OK, r reads buf from after the header up to the checksum
+int32_t  moecache_read_checked(const moecache & mc, const char * path, const char magic[8], size_t max_bytes,
+                               const char * what, std::vector<uint8_t> & buf, moecache_reader & r);

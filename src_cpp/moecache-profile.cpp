@@ -149,15 +149,7 @@ static std::string quoted(const char * path) {
 
 int32_t moecache_profile_write(const moecache & mc, const char * path) {
     const size_t n = (size_t) mc.n_layer * mc.n_expert;
-    std::vector<uint8_t> b(PROFILE_MAGIC, PROFILE_MAGIC + 8);
-    b.reserve(64 + mc.desc.size() + n * sizeof(double) * (1 + mc.trace_store.size()));
-    moecache_put(b, (uint32_t) MOECACHE_ABI_VERSION);
-    moecache_put(b, (uint32_t) mc.desc.size());
-    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
-    moecache_put(b, mc.n_params);
-    moecache_put(b, mc.n_layer);
-    moecache_put(b, mc.n_expert);
-    moecache_put(b, mc.n_expert_used);
+    std::vector<uint8_t> b = moecache_file_header(mc, PROFILE_MAGIC);
     for (size_t i = 0; i < n; i++) { // the current request counts too: a profile saved mid-request loses nothing
         const double past = mc.profile_counts.empty() ? 0.0 : mc.profile_counts[i];
         const double now  = mc.req_counts.empty() ? 0.0 : (double) mc.req_counts[i];
@@ -173,39 +165,13 @@ int32_t moecache_profile_write(const moecache & mc, const char * path) {
 
 int32_t moecache_profile_read(moecache & mc, const char * path) {
     std::vector<uint8_t> buf;
-    const int32_t rc = moecache_read_file(path, PROFILE_MAX_BYTES, "usage profile", buf);
+    moecache_reader r = {};
+    const int32_t rc = moecache_read_checked(mc, path, PROFILE_MAGIC, PROFILE_MAX_BYTES, "usage profile", buf, r);
     if (rc != MOECACHE_OK) {
         return rc;
     }
     const std::string corrupt = quoted(path) + " is corrupt: ";
-    if (buf.size() < 8 + 8 || memcmp(buf.data(), PROFILE_MAGIC, 8) != 0) {
-        if (buf.size() >= 8 && memcmp(buf.data(), PROFILE_MAGIC, 7) == 0) {
-            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a usage profile of another pymoecache version");
-        }
-        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache usage profile");
-    }
-    uint64_t sum = 0;
-    memcpy(&sum, buf.data() + buf.size() - 8, 8);
-    if (sum != moecache_fnv1a64(buf.data(), buf.size() - 8)) {
-        return fail(MOECACHE_ERR_CORRUPT, corrupt + "checksum mismatch (damaged or truncated)");
-    }
-    moecache_reader r = { buf.data(), buf.size() - 8 };
-    r.pos = 8;
-    uint32_t abi = 0, len = 0;
-    if (!r.get(abi) || !r.get(len) || len > 4096) {
-        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
-    }
-    std::string desc(len, '\0');
-    uint64_t n_params = 0;
-    int32_t n_layer = 0, N = 0, K = 0;
-    if (!r.get_bytes(&desc[0], len) || !r.get(n_params) || !r.get(n_layer) || !r.get(N) || !r.get(K)) {
-        return fail(MOECACHE_ERR_CORRUPT, corrupt + "bad header");
-    }
-    if (abi != MOECACHE_ABI_VERSION || desc != mc.desc || n_params != mc.n_params ||
-        n_layer != mc.n_layer || N != mc.n_expert || K != mc.n_expert_used) {
-        return fail(MOECACHE_ERR_MISMATCH, "usage profile " + quoted(path) + " was saved for another model (" + desc +
-                                           ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
-    }
+    const int32_t n_layer = mc.n_layer, N = mc.n_expert;
     // read and check everything first: a bad file leaves the profile untouched
     const size_t n = (size_t) n_layer * N;
     std::vector<double> counts(n);

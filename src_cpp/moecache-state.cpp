@@ -78,15 +78,7 @@ int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * 
 }
 
 int32_t moecache_state_write(const moecache & mc, const char * path) {
-    std::vector<uint8_t> b;
-    b.insert(b.end(), STATE_MAGIC, STATE_MAGIC + 8);
-    moecache_put(b, (uint32_t) MOECACHE_ABI_VERSION);
-    moecache_put(b, (uint32_t) mc.desc.size());
-    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
-    moecache_put(b, mc.n_params);
-    moecache_put(b, mc.n_layer);
-    moecache_put(b, mc.n_expert);
-    moecache_put(b, mc.n_expert_used);
+    std::vector<uint8_t> b = moecache_file_header(mc, STATE_MAGIC);
     std::vector<int32_t> ids(mc.n_expert);
     for (int32_t il = 0; il < mc.n_layer; il++) {
         const int32_t n = moecache_get_cached(&mc, il, ids.data(), (int32_t) ids.size());
@@ -136,25 +128,38 @@ int32_t moecache_read_file(const char * path, size_t max_bytes, const char * wha
     return MOECACHE_OK;
 }
 
-int32_t moecache_state_read(moecache & mc, const char * path) {
-    std::vector<uint8_t> buf;
-    int32_t rc = moecache_read_file(path, STATE_MAX_BYTES, "cache state", buf);
+std::vector<uint8_t> moecache_file_header(const moecache & mc, const char magic[8]) {
+    std::vector<uint8_t> b(magic, magic + 8);
+    moecache_put(b, (uint32_t) MOECACHE_ABI_VERSION);
+    moecache_put(b, (uint32_t) mc.desc.size());
+    b.insert(b.end(), mc.desc.begin(), mc.desc.end());
+    moecache_put(b, mc.n_params);
+    moecache_put(b, mc.n_layer);
+    moecache_put(b, mc.n_expert);
+    moecache_put(b, mc.n_expert_used);
+    return b;
+}
+
+int32_t moecache_read_checked(const moecache & mc, const char * path, const char magic[8], size_t max_bytes,
+                              const char * what, std::vector<uint8_t> & buf, moecache_reader & r) {
+    const int32_t rc = moecache_read_file(path, max_bytes, what, buf);
     if (rc != MOECACHE_OK) {
         return rc;
     }
     const std::string corrupt = quoted(path) + " is corrupt: ";
-    if (buf.size() < 8 + 8 || memcmp(buf.data(), STATE_MAGIC, 8) != 0) {
-        if (buf.size() >= 8 && memcmp(buf.data(), STATE_MAGIC, 7) == 0) {
-            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a cache state file of another pymoecache version: save it again");
+    if (buf.size() < 8 + 8 || memcmp(buf.data(), magic, 8) != 0) {
+        if (buf.size() >= 8 && memcmp(buf.data(), magic, 7) == 0) {
+            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a " + what +
+                                              " file of another pymoecache version: save it again");
         }
-        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache cache state file");
+        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache " + what + " file");
     }
     uint64_t sum = 0;
     memcpy(&sum, buf.data() + buf.size() - 8, 8);
     if (sum != moecache_fnv1a64(buf.data(), buf.size() - 8)) {
         return fail(MOECACHE_ERR_CORRUPT, corrupt + "checksum mismatch (damaged or truncated)");
     }
-    moecache_reader r = { buf.data(), buf.size() - 8 };
+    r = { buf.data(), buf.size() - 8 };
     r.pos = 8;
     uint32_t abi = 0, len = 0;
     if (!r.get(abi) || !r.get(len) || len > STATE_MAX_DESC) {
@@ -168,9 +173,22 @@ int32_t moecache_state_read(moecache & mc, const char * path) {
     }
     if (abi != MOECACHE_ABI_VERSION || desc != mc.desc || n_params != mc.n_params ||
         n_layer != mc.n_layer || N != mc.n_expert || K != mc.n_expert_used) {
-        return fail(MOECACHE_ERR_MISMATCH, "cache state " + quoted(path) + " was saved for another model (" + desc +
-                                           ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) + " experts)");
+        return fail(MOECACHE_ERR_MISMATCH, std::string(what) + " " + quoted(path) + " was saved for another model (" +
+                                           desc + ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) +
+                                           " experts)");
     }
+    return MOECACHE_OK;
+}
+
+int32_t moecache_state_read(moecache & mc, const char * path) {
+    std::vector<uint8_t> buf;
+    moecache_reader r = {};
+    const int32_t rc = moecache_read_checked(mc, path, STATE_MAGIC, STATE_MAX_BYTES, "cache state", buf, r);
+    if (rc != MOECACHE_OK) {
+        return rc;
+    }
+    const std::string corrupt = quoted(path) + " is corrupt: ";
+    const int32_t n_layer = mc.n_layer, N = mc.n_expert;
     // read and check everything first: a bad file leaves the cache untouched
     std::vector<std::vector<int32_t>> ids(n_layer);
     std::vector<double>  dsum(n_layer);
