@@ -44,6 +44,8 @@ class moecache_cache_params(ctypes.Structure):
         ("lock_memory", c_bool),
         ("prefetch", c_int32),
         ("prefetch_distance", c_int32),
+        ("prefetch_min_p", c_float),
+        ("prefetch_threads", c_int32),
         ("eviction", c_int32),
         ("eviction_decay", c_float),
         ("router_record", c_int32),

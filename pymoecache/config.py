@@ -363,6 +363,10 @@ class CacheConfig:
     inserted into layer l + d's cache (evicting its least recently used ones) and, with
     ``stream``, read in the background while the layers in between compute; with the other
     residencies only the cache's contents (and the counters) change. prefetch_distance: d (1..8).
+    prefetch_min_p: ``gate`` and ``trace`` prefetch a predicted expert only if its predicted
+    probability is at least this (default 0: all of them); fewer, surer reads on a slow disk.
+    prefetch_threads: of the ``io_threads`` readers, how many may read ahead at once (default 0:
+    all of them); a miss waits at most for the prefetch chunks these are reading.
 
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
     moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed
@@ -390,6 +394,8 @@ class CacheConfig:
     lock_memory: bool = True
     prefetch: str = "off"
     prefetch_distance: int = 1
+    prefetch_min_p: float = 0.0
+    prefetch_threads: int = 0
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -423,6 +429,10 @@ class CacheConfig:
         if self.prefetch not in PREFETCHES:
             raise ConfigError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {self.prefetch!r}")
         check_int("prefetch_distance", self.prefetch_distance, 1, C.MOECACHE_MAX_PREFETCH_DISTANCE)
+        m = self.prefetch_min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
+            raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
+        check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
 

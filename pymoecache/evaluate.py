@@ -281,11 +281,12 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
                   insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
-                  eviction: str = "lru", eviction_decay: float = 0.95):
+                  prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
     perplexity and miss rates do not depend on where the experts live, and all weights stay resident."""
     cache = CacheConfig(size=cache_size, insertion=insertion, residency="none", prefetch=prefetch,
-                        prefetch_distance=prefetch_distance, eviction=eviction, eviction_decay=eviction_decay)
+                        prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
+                        eviction_decay=eviction_decay)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
@@ -295,7 +296,8 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
 def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[Routing], cache_sizes: Sequence,
           *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
-          prefetch_distance: int = 1, eviction: str = "lru", eviction_decay: float = 0.95) -> List[dict]:
+          prefetch_distance: int = 1, prefetch_min_p: float = 0.0, eviction: str = "lru",
+          eviction_decay: float = 0.95) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
@@ -307,7 +309,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     tokens = None
     for size in cache_sizes:
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
-                            prefetch_distance=prefetch_distance, eviction=eviction, eviction_decay=eviction_decay)
+                            prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
+                            eviction_decay=eviction_decay)
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:

@@ -345,6 +345,8 @@ class MoECache:
         cp.trace_capacity = int(cache.trace)
         cp.prefetch = PREFETCHES[cache.prefetch]
         cp.prefetch_distance = int(cache.prefetch_distance)
+        cp.prefetch_min_p = float(cache.prefetch_min_p)
+        cp.prefetch_threads = int(cache.prefetch_threads)
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)

@@ -79,6 +79,55 @@ def vm_hwm() -> int:
     return proc_kib_field("/proc/self/status", "VmHWM")  # peak resident set of this process
 
 
+def parse_prefetch(spec: str, distance: int = 1) -> dict:
+    """A --prefetch entry as CacheConfig fields: ``gate`` -> prefetch="gate"; after the mode,
+    ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
+    (``distance`` otherwise), e.g. ``gate:p=0.3:t=0``."""
+    mode, *opts = spec.split(":")
+    out = {"prefetch": mode, "prefetch_distance": distance}
+    names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int)}
+    for o in opts:
+        key, _, value = o.partition("=")
+        if key not in names:
+            raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE)")
+        out[names[key][0]] = names[key][1](value)
+    return out
+
+
+def disk_mib_s(path: Path, threads: int, passes: int = 3, pass_mib: int = 256) -> float:
+    """Read bandwidth of the disk holding ``path`` as the reader pool sees it, in MiB/s: expert-sized
+    regions (1.75 MiB) at random 4 KiB-aligned offsets, each split into 256 KiB O_DIRECT reads dealt
+    to ``threads`` threads; page cache dropped before each pass; the median of ``passes``."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk, region = 256 << 10, 1792 << 10
+    size = path.stat().st_size
+    rng = random.Random(0)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    speeds = []
+    for _ in range(passes):
+        starts = [rng.randrange(0, (size - region) // 4096) * 4096 for _ in range((pass_mib << 20) // region)]
+        jobs = [r + o for r in starts for o in range(0, region, chunk)]
+        drop_page_cache(path)
+        fd = os.open(path, flags)
+
+        def read(part):
+            buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+            for off in part:
+                os.preadv(fd, [buf], off)
+
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(read, [jobs[i::threads] for i in range(threads)]))
+            speeds.append(len(jobs) * chunk / MiB / (time.perf_counter() - t0))
+        finally:
+            os.close(fd)
+    return statistics.median(speeds)
+
+
 def add_decode_options(ap: argparse.ArgumentParser, tokens: int, warmup: int, prompt_tokens: int) -> None:
     """The options of one measured run, shared with bench_over_ram.py."""
     ap.add_argument("--tokens", type=int, default=tokens, help="timed decode tokens per run (default %(default)s)")
@@ -145,8 +194,7 @@ def worker(args) -> None:
         return
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
-                                   prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
-                                   eviction=args.eviction)
+                                   eviction=args.eviction, **parse_prefetch(args.prefetch, args.prefetch_distance))
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
@@ -220,12 +268,16 @@ def main() -> None:
     add_decode_options(ap, tokens=96, warmup=32, prompt_tokens=128)
     ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
     ap.add_argument("--prefetch", default="off",
-                    help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate "
-                         "(default %(default)s)")
+                    help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate; "
+                         "options after the mode: gate:p=0.2 (prefetch_min_p), gate:t=0 (prefetch_threads), "
+                         "gate:d=2 (distance), gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
     ap.add_argument("--eviction", default="lru",
                     help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass "
                          "(default %(default)s)")
+    ap.add_argument("--routings", default="lru,prior:0.5",
+                    help="comma-separated routings of the stream and mmap runs; the first is the reference of the "
+                         "routing ratios (default %(default)s)")
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
@@ -246,12 +298,21 @@ def main() -> None:
         return
 
     prefetches = [p.strip() for p in args.prefetch.split(",") if p.strip()]
+    prefetches = ["off"] + [p for p in prefetches if p != "off"]  # the reference of the prefetch ratios
+    from pymoecache.config import CacheConfig, ConfigError
+
+    for p in prefetches:  # a typo fails now, not after an hour of runs
+        try:
+            CacheConfig(io_threads=args.io_threads, **parse_prefetch(p, args.prefetch_distance))
+        except (ValueError, ConfigError) as e:
+            sys.exit(f"bench_residency: --prefetch {p}: {e}")
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
     evictions = ["lru"] + [e for e in evictions if e != "lru"]  # the reference every ratio is taken against
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
     pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
-    settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in ("lru", "prior:0.5")
+    routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings
                 for pf in (prefetches if res == "stream" else ["off"])
                 for ev in (evictions if res == "stream" else ["lru"])]
     if not args.no_resident:
@@ -263,11 +324,16 @@ def main() -> None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
     try:
+        bw0 = disk_mib_s(model, args.io_threads)
+        print(f"disk before the runs: {bw0:.0f} MiB/s", file=sys.stderr)
         runs = measure(model, args, settings)
+        bw1 = disk_mib_s(model, args.io_threads)
+        print(f"disk after the runs: {bw1:.0f} MiB/s", file=sys.stderr)
+        bw = (bw0, bw1)
     finally:
         for m in held or []:
             m.close()
-    report(model, args, settings, runs, pairs, prefetches, evictions, n_held)
+    report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, bw)
 
 
 def measure(model: Path, args, settings) -> list:
@@ -287,7 +353,7 @@ def measure(model: Path, args, settings) -> list:
     return runs
 
 
-def report(model: Path, args, settings, runs, pairs, prefetches, evictions, n_held) -> None:
+def report(model: Path, args, settings, runs, pairs, prefetches, evictions, routings, n_held, bw) -> None:
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
@@ -306,17 +372,25 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, n_he
         if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
           f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
-          f"page cache dropped before every run{left}\n")
-    print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | prefill tok/s | miss rate | "
+          f"page cache dropped before every run{left}; disk {bw[0]:.0f} MiB/s before the runs, {bw[1]:.0f} after "
+          f"({args.io_threads} threads, expert-sized O_DIRECT reads at random offsets)\n")
+    bw = (bw[0] + bw[1]) / 2
+    print("overlap bound: the tok/s if every read overlapped compute, 1 / max(compute + routing, MiB read / disk "
+          "MiB/s); of bound: the decode tok/s as a share of it\n")
+    print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | overlap bound | of bound | "
+          "prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | routing ms | "
           "RSS MiB | peak RSS MiB | slots MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
+        bound_ms = max(med(rows, "compute_ms") + med(rows, "route_ms"), 1e3 * med(rows, "mib_read_per_token") / bw)
+        bound = f"{1e3 / bound_ms:.2f} | {100 * med(rows, 'tok_s') * bound_ms / 1e3:.0f}%" if s[0] == "stream" \
+            else "- | -"
         print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
               f"{med(rows, 'tok_s'):.2f} | "
-              f"{share} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
+              f"{share} | {bound} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
               f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "
               f"{med(rows, 'ahead_mib_per_token'):.2f}) | {med(rows, 'wasted_mib_per_token'):.2f} | "
               f"{100 * med(rows, 'recall'):.0f}% | {med(rows, 'compute_ms'):.2f} | {med(rows, 'io_ms'):.2f} | "
@@ -346,10 +420,11 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, n_he
                 print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
                       f"= {m:.2f}x")
     for residency, cache in pairs:
-        m, per = ratio((residency, "prior:0.5", cache, "off", "lru"), (residency, "lru", cache, "off", "lru"))
-        print(f"{residency} cache {cache}: decode tok/s prior:0.5 / top-k = {m:.2f}x "
-              f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
-        for routing in ("lru", "prior:0.5"):
+        for routing in routings[1:]:
+            m, per = ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))
+            print(f"{residency} cache {cache}: decode tok/s {routing} / {routings[0]} = {m:.2f}x "
+                  f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
+        for routing in routings:
             for pf in prefetches:
                 if pf != "off" and residency == "stream":
                     m, per = ratio((residency, routing, cache, pf, "lru"), (residency, routing, cache, "off", "lru"))

@@ -46,10 +46,11 @@ int32_t prefetch_width(const moecache & mc) {
     return rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
 }
 
-// ids/score = the n largest of v[0:N] (NaN last, ties by the lower id) with the prefetch queue's
-// score: from logits, their softmax over those n; otherwise shares of non-negative values, zeros
-// left out. order: [N] scratch. Returns how many.
-int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, std::vector<int32_t> & order,
+// ids/score = the n largest of v[0:N] (NaN last, ties by the lower id) whose predicted probability
+// is at least min_p, score = that probability: from logits, their softmax over all N; otherwise
+// their share of the sum of the positive values, zeros left out. (A distribution that cannot be
+// normalised, e.g. all NaN, gives score 1 and no threshold.) order: [N] scratch. Returns how many.
+int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, float min_p, std::vector<int32_t> & order,
                       int32_t * ids, float * score) {
     for (int32_t e = 0; e < N; e++) {
         order[e] = e;
@@ -57,18 +58,28 @@ int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, std::v
     std::partial_sort(order.begin(), order.begin() + n, order.begin() + N, [v](int32_t a, int32_t b) {
         return v[a] > v[b] || (v[a] == v[b] && a < b) || (std::isnan(v[b]) && !std::isnan(v[a]));
     });
+    const double top = (double) v[order[0]];
+    auto weight = [&](int32_t e) -> double {
+        const double x = logits ? std::exp((double) v[e] - top) : (double) v[e];
+        return x > 0.0 && std::isfinite(x) ? x : 0.0;
+    };
     double sum = 0.0;
-    for (int32_t i = 0; i < n; i++) {
-        sum += logits ? std::exp((double) v[order[i]] - (double) v[order[0]]) : (double) v[order[i]];
+    for (int32_t e = 0; e < N; e++) {
+        sum += weight(e);
     }
+    const bool normal = std::isfinite(sum) && sum > 0.0;
     int32_t m = 0;
     for (int32_t i = 0; i < n; i++) {
-        const double x = logits ? std::exp((double) v[order[i]] - (double) v[order[0]]) : (double) v[order[i]];
+        const double x = weight(order[i]);
         if (!logits && !(x > 0.0)) {
             break;
         }
+        const float p = normal ? (float) (x / sum) : 1.0f;
+        if (p < min_p) {
+            break; // (sorted: the rest are less likely still)
+        }
         ids[m]     = order[i];
-        score[m++] = std::isfinite(sum) && sum > 0.0 ? (float) (x / sum) : 1.0f;
+        score[m++] = p;
     }
     return m;
 }
@@ -90,13 +101,15 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
         if (!pred || !L.graph.predicts) {
             return;
         }
-        n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, L.scratch.order, ids, score);
+        n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, mc.cparams.prefetch_min_p,
+                          L.scratch.order, ids, score);
     } else if (mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
         float * sc = L.scratch.boosted.data();
         if (!moecache_trace_predict(mc, L.il, target, sc)) {
             return;
         }
-        n = top_predicted(sc, mc.n_expert, prefetch_width(mc), false, L.scratch.order, ids, score);
+        n = top_predicted(sc, mc.n_expert, prefetch_width(mc), false, mc.cparams.prefetch_min_p, L.scratch.order, ids,
+                          score);
     } else {
         n = T.pf.n_last_sel;
         for (int32_t i = 0; i < n; i++) {
@@ -169,7 +182,9 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         if (update && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
             const int32_t * out = (const int32_t *) dst->data;
             moecache_layer_prefetch_outcome(L, out, out[K]);
-            prefetch_ahead(mc, L, dst->src[4]);
+            const int64_t t1 = moecache_time_us();
+            prefetch_ahead(mc, L, dst->src[4]); // (a slot taken back waits for its stale read: I/O wait)
+            mc.t_io_decode_us += moecache_time_us() - t1;
         }
     }
 }

@@ -136,6 +136,11 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
+    if (!(cp.prefetch_min_p >= 0.0f && cp.prefetch_min_p <= 1.0f)) {
+        snprintf(buf, sizeof(buf), "prefetch_min_p = %g must be in [0, 1]", (double) cp.prefetch_min_p);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
     if (cp.router_record < 0 || cp.router_record > MOECACHE_MAX_TRACE) {
         snprintf(buf, sizeof(buf), "router_record = %d must be in [0, %d]", cp.router_record, MOECACHE_MAX_TRACE);
         fail(MOECACHE_ERR_INVALID, buf);

@@ -105,14 +105,21 @@ static void io_run_job(moecache_io & io, moecache_io_job & j) {
     }
 }
 
-// the next job: on demand first (oldest first), then the prefetch with the best score (oldest of equals)
+// (io.mu held) a prefetch may start now: one is queued and fewer than ahead_limit run
+static bool io_ahead_ready(const moecache_io & io) {
+    return !io.prefetch.empty() && (io.ahead_limit <= 0 || io.ahead_running < io.ahead_limit);
+}
+
+// (io.mu held) the next job: on demand first (oldest first), then, while fewer than ahead_limit
+// prefetches run, the prefetch with the best score (oldest of equals)
 static bool io_pop(moecache_io & io, moecache_io_item & it) {
     if (!io.demand.empty()) {
         it = io.demand.front();
         io.demand.pop_front();
+        it.ahead = false;
         return true;
     }
-    if (io.prefetch.empty()) {
+    if (!io_ahead_ready(io)) {
         return false;
     }
     size_t best = 0;
@@ -123,6 +130,9 @@ static bool io_pop(moecache_io & io, moecache_io_item & it) {
     }
     it = io.prefetch[best];
     io.prefetch.erase(io.prefetch.begin() + (std::ptrdiff_t) best);
+    it.ahead = true;
+    io.ahead_running += 1;
+    io.ahead_peak     = std::max(io.ahead_peak, io.ahead_running);
     return true;
 }
 
@@ -141,6 +151,12 @@ static void io_finish(moecache_io & io, const moecache_io_item & it) {
     if (it.out) {
         *it.out = it.job;
     }
+    if (it.ahead) {
+        io.ahead_running -= 1;
+        if (!io.prefetch.empty()) {
+            io.cv_work.notify_one(); // the next prefetch may start
+        }
+    }
     io.n_run += 1;
     io.cv_done.notify_all();
 }
@@ -148,12 +164,14 @@ static void io_finish(moecache_io & io, const moecache_io_item & it) {
 static void io_worker(moecache_io * io) {
     std::unique_lock<std::mutex> lock(io->mu);
     while (true) {
-        io->cv_work.wait(lock, [io] { return io->stop || !io->demand.empty() || !io->prefetch.empty(); });
+        io->cv_work.wait(lock, [io] { return io->stop || !io->demand.empty() || io_ahead_ready(*io); });
         if (io->stop) {
             return;
         }
         moecache_io_item it;
-        io_pop(*io, it);
+        if (!io_pop(*io, it)) {
+            continue;
+        }
         if (io->seq_log) {
             io->seq_log->push_back(it.job.off);
         }
@@ -211,7 +229,7 @@ static void io_promote(moecache_io & io, moecache_io_req & req) {
 void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score) {
     std::lock_guard<std::mutex> lock(io.mu);
     req.pending += 1;
-    moecache_io_item it = { job, &req, nullptr, score };
+    moecache_io_item it = { job, &req, nullptr, score, false };
     if (score < 0.0f) {
         io.demand.push_back(it);
     } else {
@@ -276,7 +294,7 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
     {
         std::lock_guard<std::mutex> lock(io.mu);
         for (moecache_io_job & j : jobs) {
-            io.demand.push_back({ j, &req, &j, -1.0f });
+            io.demand.push_back({ j, &req, &j, -1.0f, false });
             req.pending += 1;
         }
         io.cv_work.notify_all();
@@ -285,7 +303,8 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
     io.cv_done.wait(lock, [&req] { return req.pending == 0; });
 }
 
-void moecache_io_start(moecache_io & io, int32_t n_threads) {
+void moecache_io_start(moecache_io & io, int32_t n_threads, int32_t ahead_limit) {
+    io.ahead_limit = ahead_limit;
     for (int32_t i = 0; i < n_threads; i++) {
         io.workers.emplace_back(io_worker, &io);
     }

@@ -2,7 +2,9 @@
 // range (direct I/O where the file allows, in aligned windows), a copy out of the model's
 // mapping, or a page lock. Jobs wait in two queues: on demand (a token needs the bytes now)
 // and prefetch (ordered by a score: predicted probability over layer distance). Workers take
-// on-demand jobs first, so an urgent read waits at most for the chunks already being read.
+// on-demand jobs first, and at most `ahead_limit` of them read ahead at once, so an urgent read
+// waits at most for that many prefetch chunks already being read (on a disk that one reader
+// saturates, more readers ahead add only delay to the next miss).
 // Jobs belong to a request (moecache_io_req: one slot's fill, or one synchronous batch); a
 // caller waits for a request, which first moves its queued jobs to the on-demand queue, or
 // cancels it, which drops its queued jobs and waits for those being read.
@@ -54,6 +56,7 @@ struct moecache_io_item {
     moecache_io_req * req;
     moecache_io_job * out;     // where the finished job is copied back (synchronous batches), or nullptr
     float             score;   // prefetch queue: larger runs first
+    bool              ahead;   // taken from the prefetch queue (counts against ahead_limit while it runs)
 };
 
 struct moecache_io {
@@ -65,6 +68,9 @@ struct moecache_io {
     std::deque<moecache_io_item>  demand;   // FIFO
     std::vector<moecache_io_item> prefetch; // by score
     bool              stop   = false;
+    int32_t           ahead_limit   = 0; // workers that may run prefetch jobs at once; 0 = every worker
+    int32_t           ahead_running = 0; // prefetch jobs being run now
+    int32_t           ahead_peak    = 0; // the most prefetch jobs run at once so far (tests)
     int               fd        = -1;
     int               fd_direct = -1;
     bool              lock      = true;
@@ -77,8 +83,9 @@ struct moecache_io {
     std::vector<uint64_t> * seq_log = nullptr; // tests: the `off` of each job as it starts, if set
 };
 
-// starts n_threads reader threads / stops and joins them (before the fds close); queued jobs are dropped
-void moecache_io_start(moecache_io & io, int32_t n_threads);
+// starts n_threads reader threads, at most ahead_limit of them reading ahead at once (0 = all) /
+// stops and joins them (before the fds close); queued jobs are dropped
+void moecache_io_start(moecache_io & io, int32_t n_threads, int32_t ahead_limit = 0);
 void moecache_io_stop(moecache_io & io);
 
 // runs the jobs on the reader threads, ahead of every prefetch (in the caller's thread when

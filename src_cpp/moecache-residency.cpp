@@ -276,6 +276,10 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     if (cp.io_threads < 1 || cp.io_threads > 64) {
         return moecache_fail_residency("io_threads = " + std::to_string(cp.io_threads) + " must be in [1, 64]");
     }
+    if (cp.prefetch_threads < 0 || cp.prefetch_threads > cp.io_threads) {
+        return moecache_fail_residency("prefetch_threads = " + std::to_string(cp.prefetch_threads) +
+                                       " must be in [0, io_threads = " + std::to_string(cp.io_threads) + "]");
+    }
     const std::string mode = names[cp.residency];
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
@@ -366,7 +370,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         // (a file system without O_DIRECT, e.g. tmpfs: buffered reads, then the pages are dropped)
     }
     mc.io->fd_direct = mc.fd_direct;
-    moecache_io_start(*mc.io, cp.io_threads);
+    moecache_io_start(*mc.io, cp.io_threads, cp.prefetch_threads);
 
     for (moecache_layer & L : mc.layers) {
         if (L.res.xt.empty()) {

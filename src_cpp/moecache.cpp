@@ -68,6 +68,8 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.lock_memory        = true;
     p.prefetch           = MOECACHE_PREFETCH_OFF;
     p.prefetch_distance  = 1;
+    p.prefetch_min_p     = 0.0f;
+    p.prefetch_threads   = 0;
     p.eviction           = MOECACHE_EVICTION_LRU;
     p.eviction_decay     = 0.95f;
     p.router_record      = 0;

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 7
+#define MOECACHE_ABI_VERSION 8
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -180,6 +180,13 @@ struct moecache_cache_params {
     enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
     int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
                                   //   default 1
+    float   prefetch_min_p;       // GATE and TRACE: a predicted expert is prefetched only if its predicted
+                                  //   probability (GATE: softmax of layer l + d's router logits over all N;
+                                  //   TRACE: its share of the prediction) is at least this, in [0, 1];
+                                  //   PREVIOUS ignores it; default 0 (every predicted expert)
+    int32_t prefetch_threads;     // STREAM: reader threads that may read ahead (prefetch) at once, in
+                                  //   [0, io_threads], 0 = all of them; a miss waits at most for the chunks
+                                  //   these are reading; default 0
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay
@@ -224,7 +231,8 @@ struct moecache_residency_stats {
     int64_t decode_tokens;        // single-token ubatches routed
     int64_t decode_loads;         // experts read from storage during those
     int64_t decode_bytes_read;    // bytes read from storage during those
-    double  decode_t_io_ms;       // time the decode graph waited for expert reads
+    double  decode_t_io_ms;       // time the decode graph waited for expert reads (with prefetch: also
+                                  //   the time spent issuing prefetches, whose slots may wait for a stale read)
     double  decode_t_route_ms;    // time spent in the routing decision (decode)
     int64_t prompt_bytes_read;    // bytes of experts read through the mapping by prompt ubatches
     double  prompt_t_io_ms;       // time prompt ubatches spent filling slots / locking pages

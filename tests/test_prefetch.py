@@ -17,9 +17,9 @@ from test_residency import run as run_residency
 TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "models" / "tiny-shakespeare-mixtral-8x2.gguf"]
 
 
-def run(path, routing, size, prefetch="off", residency="stream", distance=1):
+def run(path, routing, size, prefetch="off", residency="stream", distance=1, **cache):
     """Logits of a prompt then one-token decodes, and the decodes' stats (test_residency.run)."""
-    return run_residency(path, residency, routing, size, prefetch=prefetch, prefetch_distance=distance)
+    return run_residency(path, residency, routing, size, prefetch=prefetch, prefetch_distance=distance, **cache)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,26 @@ def test_a_prefetch_is_an_insertion_that_counts(paths):
     assert rs.wasted_bytes == rs.prefetch_wasted * rs.expert_bytes
 
 
+def test_prefetch_min_p_reads_only_the_likely_experts(paths):
+    """prefetch_min_p: a predicted expert is prefetched only if the gate gives it at least that
+    probability. Fewer predictions and prefetches as it rises; none at all past 1; under top-k the
+    logits stay those without prefetch; streamed (one reader ahead) equals counters-only."""
+    path = paths["tiny-shakespeare-qwen2moe-60x4"]
+    off, _ = run(path, "lru", 15, residency="none")
+    issued, predicted = [], []
+    for min_p in (0.0, 0.3, 0.6):
+        got, st = run(path, "lru", 15, "gate", residency="none", prefetch_min_p=min_p)
+        assert np.array_equal(got, off)
+        issued.append(st.residency.prefetch_issued)
+        predicted.append(st.residency.predicted_total)
+    assert issued[0] > issued[1] > issued[2] and predicted[0] > predicted[1] > predicted[2], (issued, predicted)
+    ref, st_ref = run(path, "prior:0.5", 0.25, "gate", residency="none", prefetch_min_p=0.3)
+    got, st = run(path, "prior:0.5", 0.25, "gate", residency="stream", prefetch_min_p=0.3, prefetch_threads=1)
+    assert np.array_equal(got, ref)
+    assert (st.misses, st.residency.prefetch_issued) == (st_ref.misses, st_ref.residency.prefetch_issued)
+    assert st.residency.prefetch_issued > 0
+
+
 def test_prefetch_options_are_checked():
     with pytest.raises(pymoecache.ConfigError, match="prefetch must be one of"):
         CacheConfig(prefetch="always")
@@ -100,6 +120,14 @@ def test_prefetch_options_are_checked():
         CacheConfig(prefetch="gate", prefetch_distance=0)
     with pytest.raises(pymoecache.ConfigError, match="prefetch_distance"):
         CacheConfig(prefetch="gate", prefetch_distance=9)
+    for bad in (-0.1, 1.5, float("nan"), True, "0.3"):
+        with pytest.raises(pymoecache.ConfigError, match="prefetch_min_p"):
+            CacheConfig(prefetch="gate", prefetch_min_p=bad)
+    with pytest.raises(pymoecache.ConfigError, match=r"prefetch_threads .* \[0, 4\], got 5"):
+        CacheConfig(prefetch="gate", io_threads=4, prefetch_threads=5)
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_threads"):
+        CacheConfig(prefetch="gate", prefetch_threads=-1)
+    assert CacheConfig(prefetch="gate", io_threads=4, prefetch_threads=0).prefetch_threads == 0
 
 
 def test_cli_prefetch_stats_line():
@@ -107,14 +135,17 @@ def test_cli_prefetch_stats_line():
     import sys
 
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-p", "ROMEO:", "-n", "16", "--cache-size", "15",
-                        "--prefetch", "gate", "--prefetch-distance", "2"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+                        "--prefetch", "gate", "--prefetch-distance", "2", "--prefetch-min-p", "0.05",
+                        "--prefetch-threads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     last = r.stdout.strip().splitlines()[-1]
     assert "| prefetch gate: recall " in last and " issued, " in last and "read ahead" in last
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-n", "1", "--prefetch", "sometimes"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "invalid choice: 'sometimes'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-n", "1", "--prefetch", "gate", "--prefetch-min-p",
+                        "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "prefetch_min_p must be a probability in [0, 1], got 2.0" in r.stderr
 
 
 def test_ppl_decode_measures_prefetch_under_a_policy(tmp_path):

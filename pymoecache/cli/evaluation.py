@@ -51,8 +51,8 @@ def cmd_ppl(args) -> int:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
     rows = sweep(resolve_model(args.model, args), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
                  n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion, decode=args.decode,
-                 prefetch=args.prefetch, prefetch_distance=args.prefetch_distance, eviction=args.eviction,
-                 eviction_decay=args.eviction_decay)
+                 prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
+                 prefetch_min_p=args.prefetch_min_p, eviction=args.eviction, eviction_decay=args.eviction_decay)
     print(format_table(rows))
     if args.csv:
         write_rows(rows, args.csv, "csv")

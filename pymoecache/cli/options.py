@@ -80,6 +80,10 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: 
                         "are read in the background (default off)")
     c.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="predict layer l + D during layer l, 1..8 (default %(default)s)")
+    c.add_argument("--prefetch-min-p", type=float, default=0.0, metavar="P",
+                   help="gate and trace: prefetch a predicted expert only if its predicted probability is at least "
+                        "P, in [0, 1]: fewer wasted reads on a slow disk, fewer experts brought in early "
+                        "(default %(default)s: every predicted expert)")
     c.add_argument("--eviction", choices=["lru", "lfu", "activation", "freq-prob", "router-mass"], default="lru",
                    help="which cached expert leaves for a new one: lru (least recently used), lfu (fewest recent "
                         "selections), activation (MoE-Infinity: lowest share of this request's selections), "
@@ -110,6 +114,9 @@ def _add_residency_options(c) -> None:
                         "smaller than all experts, else none (default auto)")
     c.add_argument("--io-threads", type=int, default=8, metavar="T",
                    help="expert reads in flight at once on a miss (default 8)")
+    c.add_argument("--prefetch-threads", type=int, default=0, metavar="T",
+                   help="stream with --prefetch: of the --io-threads readers, how many may read ahead at once, "
+                        "0 = all; a miss waits at most for the prefetch chunks they are reading (default 0)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
     c.add_argument("--no-direct-io", action="store_true",
@@ -202,8 +209,10 @@ def cache_from_args(args):
 
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
                        prefetch=getattr(args, "prefetch", "off"), prefetch_distance=getattr(args, "prefetch_distance", 1),
+                       prefetch_min_p=getattr(args, "prefetch_min_p", 0.0),
                        eviction=getattr(args, "eviction", "lru"), eviction_decay=getattr(args, "eviction_decay", 0.95),
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
+                       prefetch_threads=getattr(args, "prefetch_threads", 0),
                        lock_memory=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
 

@@ -1,6 +1,7 @@
 // Unit tests of the reader queue (src_cpp/moecache-io.{h,cpp}), compiled with it alone:
 // on-demand reads before prefetches, prefetches by score, promotion of a request a token waits
-// for, cancellation of stale prefetches, errors and the bytes counted on demand and ahead.
+// for, cancellation of stale prefetches, the limit on readers ahead, errors and the bytes counted
+// on demand and ahead.
 // Jobs are queued while no reader thread runs, then one thread drains them, so the order in
 // which they start (io.seq_log, the file offsets) is exact.
 
@@ -168,12 +169,44 @@ static void test_errors_and_many_threads(const std::string & path) {
     CHECK(jobs[0].err == 0 && jobs[1].err == 0 && jobs[0].got == 4096 && holds_file_bytes(b2.data(), 4096, 8192));
 }
 
+// ahead_limit = 1 with three readers: while a prefetch job runs, on-demand jobs still find free
+// readers, and no second prefetch starts; the prefetches then run one at a time, by score
+static void test_one_reader_ahead_leaves_the_rest_for_misses(const std::string & path) {
+    queue q(path);
+    std::vector<char> ahead(4 * 4096, 0), now(2 * 4096, 0);
+    moecache_io_req p, d;
+    p.prefetch = true;
+    const float score[4] = { 0.1f, 0.7f, 0.4f, 0.9f };
+    for (int i = 0; i < 4; i++) {
+        moecache_io_submit(q.io, p, read_job(&ahead[i * 4096], (uint64_t) i * 4096, 4096), score[i]);
+    }
+    moecache_io_submit(q.io, d, read_job(&now[0], 32768, 4096), -1.0f);
+    moecache_io_submit(q.io, d, read_job(&now[4096], 36864, 4096), -1.0f);
+    q.io.ahead_running = 1; // as if a prefetch chunk were being read: the one reader ahead is busy
+    moecache_io_start(q.io, 3, 1);
+    CHECK(moecache_io_wait(q.io, d) == 0 && holds_file_bytes(now.data(), 32768, now.size()));
+    usleep(50 * 1000); // room for a (wrong) second reader ahead to start
+    CHECK(p.pending == 4 && q.order.size() == 2);
+    {
+        std::lock_guard<std::mutex> lock(q.io.mu);
+        q.io.ahead_running = 0; // that chunk is done
+        q.io.cv_work.notify_all();
+    }
+    for (int i = 0; i < 5000 && !moecache_io_idle(q.io, p); i++) {
+        usleep(1000);
+    }
+    CHECK(p.pending == 0 && p.err == 0 && holds_file_bytes(ahead.data(), 0, ahead.size()));
+    CHECK(q.order == (std::vector<uint64_t>{ 32768, 36864, 12288, 4096, 8192, 0 }));
+    CHECK(q.io.ahead_peak == 1 && q.io.ahead_running == 0);
+}
+
 int main() {
     const std::string path = make_file();
     test_demand_before_prefetch_then_by_score(path);
     test_waiting_promotes_a_prefetch(path);
     test_cancel_drops_queued_jobs(path);
     test_errors_and_many_threads(path);
+    test_one_reader_ahead_leaves_the_rest_for_misses(path);
     unlink(path.c_str());
     printf("%d checks, %d failed\n", g_checks, g_failed);
     return g_failed ? 1 : 0;
