@@ -319,7 +319,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                 llm.moecache.set_routing(routing, scope="all")
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
-                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": eviction})
+                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": eviction,
+                             "prefetch_min_p": prefetch_min_p})
         finally:
             llm.close()
     return rows

@@ -183,8 +183,10 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             const int32_t * out = (const int32_t *) dst->data;
             moecache_layer_prefetch_outcome(L, out, out[K]);
             const int64_t t1 = moecache_time_us();
-            prefetch_ahead(mc, L, dst->src[4]); // (a slot taken back waits for its stale read: I/O wait)
-            mc.t_io_decode_us += moecache_time_us() - t1;
+            prefetch_ahead(mc, L, dst->src[4]);
+            if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+                mc.t_io_decode_us += moecache_time_us() - t1; // (a slot taken back waits for its stale read)
+            }
         }
     }
 }

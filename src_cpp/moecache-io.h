@@ -2,9 +2,8 @@
 // range (direct I/O where the file allows, in aligned windows), a copy out of the model's
 // mapping, or a page lock. Jobs wait in two queues: on demand (a token needs the bytes now)
 // and prefetch (ordered by a score: predicted probability over layer distance). Workers take
-// on-demand jobs first, and at most `ahead_limit` of them read ahead at once, so an urgent read
-// waits at most for that many prefetch chunks already being read (on a disk that one reader
-// saturates, more readers ahead add only delay to the next miss).
+// on-demand jobs first, and at most `ahead_limit` of them read ahead at once (0: no limit), so
+// an urgent read waits at most for the prefetch chunks already being read.
 // Jobs belong to a request (moecache_io_req: one slot's fill, or one synchronous batch); a
 // caller waits for a request, which first moves its queued jobs to the on-demand queue, or
 // cancels it, which drops its queued jobs and waits for those being read.

@@ -231,7 +231,7 @@ struct moecache_residency_stats {
     int64_t decode_tokens;        // single-token ubatches routed
     int64_t decode_loads;         // experts read from storage during those
     int64_t decode_bytes_read;    // bytes read from storage during those
-    double  decode_t_io_ms;       // time the decode graph waited for expert reads (with prefetch: also
+    double  decode_t_io_ms;       // time the decode graph waited for expert reads (STREAM with prefetch: also
                                   //   the time spent issuing prefetches, whose slots may wait for a stale read)
     double  decode_t_route_ms;    // time spent in the routing decision (decode)
     int64_t prompt_bytes_read;    // bytes of experts read through the mapping by prompt ubatches

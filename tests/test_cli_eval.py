@@ -23,7 +23,8 @@ needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed
 
 CTX, CHUNKS = 64, 3
 ROW_KEYS = {"model", "policy", "knob", "top_j", "spec", "cache_size", "n_expert", "ppl", "nll", "miss_rate",
-            "hit_rate", "lifetime", "tokens", "chunks", "ctx", "prefetch", "prefetch_recall", "loads_per_token", "eviction"}
+            "hit_rate", "lifetime", "tokens", "chunks", "ctx", "prefetch", "prefetch_recall", "loads_per_token", "eviction",
+            "prefetch_min_p"}
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
