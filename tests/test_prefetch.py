@@ -95,8 +95,8 @@ def test_a_prefetch_is_an_insertion_that_counts(paths):
 
 def test_prefetch_min_p_reads_only_the_likely_experts(paths):
     """prefetch_min_p: a predicted expert is prefetched only if the gate gives it at least that
-    probability. Fewer predictions and prefetches as it rises; none at all past 1; under top-k the
-    logits stay those without prefetch; streamed (one reader ahead) equals counters-only."""
+    probability. Fewer predictions and prefetches as it rises; under top-k the logits stay those
+    without prefetch; streamed (one reader ahead) equals counters-only."""
     path = paths["tiny-shakespeare-qwen2moe-60x4"]
     off, _ = run(path, "lru", 15, residency="none")
     issued, predicted = [], []
