@@ -304,6 +304,8 @@ uint64_t moecache_fnv1a64(const uint8_t * p, size_t n);
 // writes b to a temporary file beside path, syncs it and renames it over path; MOECACHE_ERR_IO
 // with "cannot write <what> to '<path>': ..." on failure
 int32_t  moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * path, const char * what);
+// 'path', as file names appear in messages
+std::string moecache_quoted(const char * path);
 // the whole regular file (never a FIFO or device), at most max_bytes; errors name `what`
 int32_t  moecache_read_file(const char * path, size_t max_bytes, const char * what, std::vector<uint8_t> & out);
 // every file of ours starts with: magic | u32 abi | u32 len + desc | u64 n_params | i32 n_layer, N, K

@@ -115,8 +115,7 @@ static bool io_ahead_ready(const moecache_io & io) {
 static bool io_pop(moecache_io & io, moecache_io_item & it) {
     if (!io.demand.empty()) {
         it = io.demand.front();
-        io.demand.pop_front();
-        it.ahead = false;
+        io.demand.pop_front(); // (ahead is false: set so at submission, and a promotion keeps it)
         return true;
     }
     if (!io_ahead_ready(io)) {

@@ -143,10 +143,6 @@ bool moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * s
 static const char   PROFILE_MAGIC[8]  = {'M', 'O', 'E', 'P', 'R', 'O', 'F', '1'};
 static const size_t PROFILE_MAX_BYTES = 1024u << 20;
 
-static std::string quoted(const char * path) {
-    return std::string("'") + path + "'";
-}
-
 int32_t moecache_profile_write(const moecache & mc, const char * path) {
     const size_t n = (size_t) mc.n_layer * mc.n_expert;
     std::vector<uint8_t> b = moecache_file_header(mc, PROFILE_MAGIC);
@@ -170,7 +166,7 @@ int32_t moecache_profile_read(moecache & mc, const char * path) {
     if (rc != MOECACHE_OK) {
         return rc;
     }
-    const std::string corrupt = quoted(path) + " is corrupt: ";
+    const std::string corrupt = moecache_quoted(path) + " is corrupt: ";
     const int32_t n_layer = mc.n_layer, N = mc.n_expert;
     // read and check everything first: a bad file leaves the profile untouched
     const size_t n = (size_t) n_layer * N;

@@ -36,7 +36,7 @@ uint64_t moecache_fnv1a64(const uint8_t * p, size_t n) {
     return h;
 }
 
-static std::string quoted(const char * path) {
+std::string moecache_quoted(const char * path) {
     return std::string("'") + path + "'";
 }
 
@@ -46,7 +46,7 @@ int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * 
     const std::string tmp = std::string(path) + ".tmp." + std::to_string((long) getpid());
     const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
-        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + quoted(path) + ": " + strerror(errno));
+        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + moecache_quoted(path) + ": " + strerror(errno));
     }
     size_t done = 0;
     int err = 0;
@@ -72,7 +72,7 @@ int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * 
     }
     if (err) {
         unlink(tmp.c_str());
-        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + quoted(path) + ": " + strerror(err));
+        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + moecache_quoted(path) + ": " + strerror(err));
     }
     return MOECACHE_OK;
 }
@@ -98,16 +98,16 @@ int32_t moecache_state_write(const moecache & mc, const char * path) {
 int32_t moecache_read_file(const char * path, size_t max_bytes, const char * what, std::vector<uint8_t> & out) {
     const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) {
-        return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + quoted(path) + ": " + strerror(errno));
+        return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + moecache_quoted(path) + ": " + strerror(errno));
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return fail(MOECACHE_ERR_IO, quoted(path) + " is not a regular file");
+        return fail(MOECACHE_ERR_IO, moecache_quoted(path) + " is not a regular file");
     }
     if ((uint64_t) st.st_size > max_bytes) {
         close(fd);
-        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is too large to be a pymoecache " + what + " file");
+        return fail(MOECACHE_ERR_CORRUPT, moecache_quoted(path) + " is too large to be a pymoecache " + what + " file");
     }
     out.resize((size_t) st.st_size);
     size_t done = 0;
@@ -119,7 +119,7 @@ int32_t moecache_read_file(const char * path, size_t max_bytes, const char * wha
         if (k <= 0) {
             const int err = k < 0 ? errno : 0;
             close(fd);
-            return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + quoted(path) + ": " +
+            return fail(MOECACHE_ERR_IO, std::string("cannot read ") + what + " " + moecache_quoted(path) + ": " +
                                          (err ? strerror(err) : "the file shrank while being read"));
         }
         done += (size_t) k;
@@ -146,13 +146,13 @@ int32_t moecache_read_checked(const moecache & mc, const char * path, const char
     if (rc != MOECACHE_OK) {
         return rc;
     }
-    const std::string corrupt = quoted(path) + " is corrupt: ";
+    const std::string corrupt = moecache_quoted(path) + " is corrupt: ";
     if (buf.size() < 8 + 8 || memcmp(buf.data(), magic, 8) != 0) {
         if (buf.size() >= 8 && memcmp(buf.data(), magic, 7) == 0) {
-            return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is a " + what +
+            return fail(MOECACHE_ERR_CORRUPT, moecache_quoted(path) + " is a " + what +
                                               " file of another pymoecache version: save it again");
         }
-        return fail(MOECACHE_ERR_CORRUPT, quoted(path) + " is not a pymoecache " + what + " file");
+        return fail(MOECACHE_ERR_CORRUPT, moecache_quoted(path) + " is not a pymoecache " + what + " file");
     }
     uint64_t sum = 0;
     memcpy(&sum, buf.data() + buf.size() - 8, 8);
@@ -173,7 +173,7 @@ int32_t moecache_read_checked(const moecache & mc, const char * path, const char
     }
     if (abi != MOECACHE_ABI_VERSION || desc != mc.desc || n_params != mc.n_params ||
         n_layer != mc.n_layer || N != mc.n_expert || K != mc.n_expert_used) {
-        return fail(MOECACHE_ERR_MISMATCH, std::string(what) + " " + quoted(path) + " was saved for another model (" +
+        return fail(MOECACHE_ERR_MISMATCH, std::string(what) + " " + moecache_quoted(path) + " was saved for another model (" +
                                            desc + ", " + std::to_string(n_layer) + " layers, " + std::to_string(N) +
                                            " experts)");
     }
@@ -187,7 +187,7 @@ int32_t moecache_state_read(moecache & mc, const char * path) {
     if (rc != MOECACHE_OK) {
         return rc;
     }
-    const std::string corrupt = quoted(path) + " is corrupt: ";
+    const std::string corrupt = moecache_quoted(path) + " is corrupt: ";
     const int32_t n_layer = mc.n_layer, N = mc.n_expert;
     // read and check everything first: a bad file leaves the cache untouched
     std::vector<std::vector<int32_t>> ids(n_layer);
