@@ -41,6 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth/
 
 MiB = 2.0 ** 20
 TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+TRACE_REQUEST_TOKENS = 96  # a past request of --prefetch trace: half prompt, half one-token decodes
 
 
 def bench_model(size_mb: float) -> Path:
@@ -136,16 +137,23 @@ def add_decode_options(ap: argparse.ArgumentParser, tokens: int, warmup: int, pr
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
 
 
+def text_tokens(llm, n: int, skip: int = 0) -> list:
+    """n tokens of WikiText-2 after its first ``skip`` ones (fixed pseudo-random tokens without the corpus)."""
+    import numpy as np
+
+    if TEXT.exists():
+        text = TEXT.read_text(encoding="utf-8")[:200_000 * (1 + (skip + n) // 40_000)]
+        return llm.tokenize(text.encode(), add_bos=False)[skip: skip + n]
+    return np.random.default_rng(skip).integers(300, 30000, n).tolist()
+
+
 def decode_text(llm, args) -> float:
     """Evaluate a --prompt-tokens prompt, --warmup untimed and --tokens timed one-token decodes of
     WikiText-2 (teacher-forced); returns the seconds of the timed ones. Statistics are reset after
     the warm-up when ``llm`` is a pymoecache.Llama."""
-    import numpy as np
 
     n = args.prompt_tokens + args.warmup + args.tokens
-    text = TEXT.read_text(encoding="utf-8")[:200_000] if TEXT.exists() else None
-    stream = (llm.tokenize(text.encode(), add_bos=False)[:n] if text
-              else np.random.default_rng(0).integers(300, 30000, n).tolist())  # no corpus: fixed pseudo-random tokens
+    stream = text_tokens(llm, n)
     t0 = time.perf_counter()
     llm.eval(stream[: args.prompt_tokens])
     args.prefill_s = time.perf_counter() - t0
@@ -192,6 +200,9 @@ def worker(args) -> None:
     if args.residency == "stock":
         stock_worker(args)
         return
+    if args.residency == "profile":
+        profile_worker(args)
+        return
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
                                    eviction=args.eviction, **parse_prefetch(args.prefetch, args.prefetch_distance))
@@ -199,6 +210,8 @@ def worker(args) -> None:
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
     t_load = time.perf_counter() - t0
+    if args.trace_profile and args.prefetch.split(":")[0] == "trace":
+        llm.load_profile(args.trace_profile, warm=False)  # past requests to match; the cache starts cold all the same
     dt = decode_text(llm, args)
     st = llm.moe_stats()
     rs = st.residency
@@ -221,6 +234,41 @@ def worker(args) -> None:
         "wasted_mib_per_token": rs.wasted_bytes / max(1, rs.decode_tokens) / MiB,
         "recall": rs.recall, "prefetch_issued": rs.prefetch_issued, "prefetch_used": rs.prefetch_used,
     }))
+
+
+def profile_worker(args) -> None:
+    """The past requests `--prefetch trace` matches the current one against: --trace-requests
+    requests (a prompt, then one-token decodes) of the text that follows the measured tokens,
+    saved as a usage profile."""
+    import pymoecache
+
+    llm = pymoecache.Llama(args.model, cache=pymoecache.CacheConfig(size=0.5, residency="stream"), routing="lru",
+                           n_ctx=TRACE_REQUEST_TOKENS + 16, n_threads=args.threads, n_threads_batch=args.threads,
+                           seed=0, verbose=False)
+    skip = args.prompt_tokens + args.warmup + args.tokens
+    tokens = text_tokens(llm, args.trace_requests * TRACE_REQUEST_TOKENS, skip)
+    for i in range(args.trace_requests):
+        request = tokens[i * TRACE_REQUEST_TOKENS: (i + 1) * TRACE_REQUEST_TOKENS]
+        llm.reset()  # a request begins (the one before goes into the trace store)
+        llm.eval(request[: TRACE_REQUEST_TOKENS // 2])
+        for t in request[TRACE_REQUEST_TOKENS // 2:]:
+            llm.eval([t])
+    llm.reset()
+    llm.save_profile(args.trace_profile)
+    print(json.dumps({"requests": args.trace_requests, "profile": args.trace_profile}))
+
+
+def build_trace_profile(model: Path, args) -> str:
+    out = model.with_name(model.stem + f".trace-{args.trace_requests}.moeprofile")
+    print(f"trace: {args.trace_requests} past requests of {TRACE_REQUEST_TOKENS} tokens into {out}", file=sys.stderr)
+    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", "profile",
+           "--cache", "0.5", "--trace-profile", str(out), "--trace-requests", str(args.trace_requests),
+           "--threads", str(args.threads),
+           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--warmup", str(args.warmup)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"bench_residency: building the trace profile failed:\n{r.stderr[-3000:]}")
+    return str(out)
 
 
 def stock_worker(args) -> None:
@@ -255,6 +303,8 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
            "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction]
+    if args.trace_profile:
+        cmd += ["--trace-profile", args.trace_profile]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} {eviction} failed:\n{r.stderr[-3000:]}")
@@ -272,6 +322,10 @@ def main() -> None:
                          "options after the mode: gate:p=0.2 (prefetch_min_p), gate:t=0 (prefetch_threads), "
                          "gate:d=2 (distance), gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
+    ap.add_argument("--trace-requests", type=int, default=8,
+                    help="prefetch trace: past requests it matches against, run once before the measurements on "
+                         "the text after the measured tokens and loaded by every trace run (default %(default)s)")
+    ap.add_argument("--trace-profile", help=argparse.SUPPRESS)
     ap.add_argument("--eviction", default="lru",
                     help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass "
                          "(default %(default)s)")
@@ -310,6 +364,10 @@ def main() -> None:
     evictions = ["lru"] + [e for e in evictions if e != "lru"]  # the reference every ratio is taken against
     model = bench_model(args.size_mb)
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
+    if any(p.split(":")[0] == "trace" for p in prefetches):
+        if args.trace_requests < 1:
+            sys.exit("bench_residency: --trace-requests must be at least 1 for --prefetch trace")
+        args.trace_profile = build_trace_profile(model, args)  # (before any memory is held)
     pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
     routings = [r.strip() for r in args.routings.split(",") if r.strip()]
     settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings

@@ -163,7 +163,10 @@ struct moecache {
     ggml_backend_buffer * slots_buf = nullptr;//   wraps the arena for the CPU backend
     std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
     std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
-    std::vector<std::pair<int32_t, int32_t>> drop_next;    // read ahead for the next layer's prompt: dropped after it
+                                                           //   once that layer ran
+    std::vector<moecache_io_req> ahead_req;    // [n_layer] a prompt's read-ahead of a layer, on the reader threads
+    int32_t ahead_last = -1;                   // the last layer read ahead in this ubatch, or -1
+    int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;

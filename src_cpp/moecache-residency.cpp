@@ -107,6 +107,9 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
 // MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
 void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
+    if (L.il <= L.mc->ahead_last) {
+        return; // asked for by the read-ahead of this prompt
+    }
     for (const moecache_expert_tensor & x : L.res.xt) {
         const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
         const uintptr_t p0 = b0 / moecache_page_size() * moecache_page_size();
@@ -133,36 +136,69 @@ static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unloc
     }
 }
 
-static void drop_pending(moecache & mc) {
+// drops what was read through the mapping, but for the layers from `il` to the last one read
+// ahead (il = -1: everything)
+static void drop_pending(moecache & mc, int32_t il) {
+    std::vector<std::pair<int32_t, int32_t>> kept;
     for (const auto & le : mc.drop_pending) {
+        if (il >= 0 && le.first >= il && le.first <= mc.ahead_last) {
+            kept.push_back(le);
+            continue;
+        }
         moecache_layer & L = mc.layers[le.first];
         const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.res.locked[le.second];
         if (!keep) {
             drop_expert(mc, L, le.second, false);
         }
     }
-    mc.drop_pending.clear();
-    mc.drop_pending.swap(mc.drop_next); // the next layer's read-ahead: dropped once that layer ran
+    mc.drop_pending.swap(kept);
 }
 
-// A prompt ubatch that touches most experts of a layer will touch most of the next MoE layer's
-// too: ask the kernel for all of them now (MADV_WILLNEED starts the reads and returns), so the
-// next layer's experts come in while this layer computes. At most two layers are mapped in.
-static void read_ahead_next_layer(moecache & mc, const moecache_layer & L) {
-    for (int32_t il = L.il + 1; il < mc.n_layer; il++) {
+// A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
+// too: the reader threads ask the kernel for all of them (MADV_WILLNEED: large read requests)
+// while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead.
+static void read_ahead(moecache & mc, const moecache_layer & L) {
+    int32_t n_ahead = 0;
+    for (int32_t il = L.il + 1; il < mc.n_layer && n_ahead < MOECACHE_READ_AHEAD; il++) {
         const moecache_layer & next = mc.layers[il];
         if (next.res.xt.empty()) {
             continue;
+        }
+        n_ahead++;
+        if (il <= mc.ahead_last) {
+            continue; // asked for already
         }
         for (int32_t e = 0; e < mc.n_expert; e++) {
             if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
                 continue;
             }
-            moecache_willneed_expert(next, e);
-            mc.drop_next.emplace_back(next.il, e);
+            for (const moecache_expert_tensor & x : next.res.xt) {
+                moecache_io_job j = {};
+                j.kind = MOECACHE_IO_AHEAD;
+                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+                j.len  = x.nb2;
+                j.il   = il;
+                j.e    = e;
+                moecache_io_submit(*mc.io, mc.ahead_req[il], j, (float) (mc.n_layer - il)); // nearest first
+            }
+            mc.drop_pending.emplace_back(il, e);
         }
-        return;
+        mc.ahead_last = il;
     }
+}
+
+// before layer il's prompt (il = -1: a decode) the read-ahead of il is waited for; at the
+// start of a ubatch or a decode, what an interrupted ubatch left queued is dropped
+static void finish_read_ahead(moecache & mc, int32_t il) {
+    if (il < 0 || il <= mc.prompt_il_last) {
+        for (int32_t a = 0; a <= mc.ahead_last; a++) {
+            moecache_io_cancel(*mc.io, mc.ahead_req[a]);
+        }
+        mc.ahead_last = -1; // (its pages are dropped with the rest of drop_pending)
+    } else if (il <= mc.ahead_last) {
+        moecache_io_wait(*mc.io, mc.ahead_req[il]); // (a failed hint is no error: the matmul faults the pages in)
+    }
+    mc.prompt_il_last = il;
 }
 
 // --- making memory follow the cache (called by the graph op, moecache-graph.cpp) --------------
@@ -232,7 +268,9 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         }
     }
     const int64_t t0 = moecache_time_us();
-    drop_pending(mc);
+    const int32_t il_prompt = decode ? -1 : L.il;
+    finish_read_ahead(mc, il_prompt);
+    drop_pending(mc, il_prompt);
     if (stream && decode) {
         moecache_slots_decode(mc, L, ids, out, n_ids);
     } else {
@@ -247,7 +285,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
                 mmap_sync(mc, L, ids, n_ids, decode);
             }
             if (!decode && n_ids >= mc.n_expert) { // (n_ids = tokens x K)
-                read_ahead_next_layer(mc, L);
+                read_ahead(mc, L);
             }
         }
     }
@@ -356,6 +394,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     }
 
     mc.io = new moecache_io();
+    mc.ahead_req = std::vector<moecache_io_req>((size_t) mc.n_layer);
     mc.io->fd   = mc.fd;
     mc.io->lock = cp.lock_memory;
     if (cp.residency == MOECACHE_RESIDENCY_STREAM && cp.direct_io) {
@@ -396,12 +435,14 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
 }
 
 void moecache_residency_free(moecache & mc) {
+    if (mc.io && mc.fd >= 0 && !mc.layers.empty()) {
+        finish_read_ahead(mc, -1);
+        drop_pending(mc, -1);
+    }
     if (mc.io) {
         moecache_io_stop(*mc.io);
     }
     if (mc.fd >= 0 && !mc.layers.empty()) {
-        drop_pending(mc);
-        drop_pending(mc); // and the read-ahead
         for (moecache_layer & L : mc.layers) {
             for (int32_t e = 0; e < (int32_t) L.res.locked.size(); e++) {
                 if (L.res.locked[e]) {

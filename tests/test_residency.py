@@ -219,3 +219,61 @@ def test_buffered_reads_where_direct_io_is_off_or_unsupported(fixture_dir, tmp_p
             assert np.array_equal(got, ref) and st.residency.decode_loads == st.misses > 0
         finally:
             copy.unlink()
+
+
+def expert_pages_in_page_cache(path) -> dict:
+    """{layer: pages of the file that lie wholly inside one expert's bytes and are in the page cache}"""
+    import ctypes
+    import mmap
+
+    from gguf import GGUFReader
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    ps = mmap.PAGESIZE
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    vec = (ctypes.c_ubyte * ((size + ps - 1) // ps))()
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+    libc.munmap(addr, size)
+    pages = {}
+    for t in GGUFReader(str(path)).tensors:
+        if not t.name.endswith("_exps.weight"):
+            continue
+        il = int(t.name.split(".")[1])
+        n_expert = int(t.shape[-1])
+        nb2 = int(t.n_bytes) // n_expert
+        for e in range(n_expert):
+            b0 = int(t.data_offset) + e * nb2
+            first, end = -(-b0 // ps), (b0 + nb2) // ps
+            pages[il] = pages.get(il, 0) + sum(vec[p] & 1 for p in range(first, end))
+    return pages
+
+
+def test_prompt_read_ahead_leaves_no_expert_in_the_page_cache(fixture_dir):
+    """A prompt streams its experts through the model's mapping, reading the next MoE layers' ahead
+    on the reader threads (ubatches of 32 tokens x K = 128 selections >= 60 experts). What it read
+    is dropped from memory and the page cache once its layer ran: after the prompt only the last
+    layer's experts are still in, and after one decode none. (The first MoE layer is not read
+    ahead; the kernel's own readahead of the router weights just before its experts can bring a
+    few of them in, which no drop of ours covers, so it is left out.)"""
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (clean pages: dropped at once)
+    os.close(fd)
+    assert sum(expert_pages_in_page_cache(path).values()) == 0
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency="stream"), routing="lru", **KW)
+    llm.eval(list(range(300, 396)))  # 3 ubatches
+    after_prompt = expert_pages_in_page_cache(path)
+    first, last = min(after_prompt), max(after_prompt)
+    assert after_prompt[last] > 0, after_prompt
+    assert all(n == 0 for il, n in after_prompt.items() if first < il < last), after_prompt
+    llm.eval([1000])
+    after_decode = expert_pages_in_page_cache(path)
+    assert all(n == 0 for il, n in after_decode.items() if il > first), after_decode
+    llm.close()

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static int g_failed = 0;
@@ -200,6 +201,58 @@ static void test_one_reader_ahead_leaves_the_rest_for_misses(const std::string &
     CHECK(q.io.ahead_peak == 1 && q.io.ahead_running == 0);
 }
 
+// pages of [p, p + len) in the page cache
+static size_t pages_in_memory(const char * p, size_t len) {
+    const size_t ps = moecache_page_size();
+    std::vector<unsigned char> vec((len + ps - 1) / ps);
+    if (mincore((void *) p, len, vec.data()) != 0) {
+        return 0;
+    }
+    size_t n = 0;
+    for (unsigned char v : vec) {
+        n += v & 1;
+    }
+    return n;
+}
+
+// a read-ahead job (the prompt's next layers) asks the kernel for pages of the mapping; it reads
+// nothing into a buffer and counts as no read of the cache
+static void test_read_ahead_brings_pages_in(const std::string & path) {
+    queue q(path);
+    moecache_io_start(q.io, 2);
+    const size_t ps  = moecache_page_size();
+    const size_t len = FILE_BYTES / 2 / ps * ps;
+    char * map = (char *) mmap(nullptr, FILE_BYTES, PROT_READ, MAP_SHARED, q.io.fd, 0);
+    CHECK(map != MAP_FAILED);
+    if (map == MAP_FAILED) {
+        return;
+    }
+    fdatasync(q.io.fd);
+    posix_fadvise(q.io.fd, 0, 0, POSIX_FADV_DONTNEED);
+    const bool dropped = pages_in_memory(map, FILE_BYTES) == 0; // (not on tmpfs)
+    moecache_io_req r;
+    moecache_io_job j = {};
+    j.kind = MOECACHE_IO_AHEAD;
+    j.src  = map + ps + 100; // (rounded out to whole pages)
+    j.len  = len - ps;
+    moecache_io_submit(q.io, r, j, 1.0f);
+    CHECK(moecache_io_wait(q.io, r) == 0 && r.pending == 0);
+    size_t in = 0;
+    for (int i = 0; i < 5000 && in < len / ps; i++) { // the kernel's reads run on after the call
+        in = pages_in_memory(map + ps, len);
+        usleep(1000);
+    }
+    CHECK(in == len / ps);
+    if (dropped) {
+        CHECK(pages_in_memory(map + ps + len, FILE_BYTES - ps - len) == 0); // nothing past the range
+    }
+    int64_t bd, bp;
+    moecache_io_counters(q.io, &bd, &bp);
+    CHECK(bd == 0 && bp == 0);
+    CHECK(holds_file_bytes(map + ps, ps, len));
+    munmap(map, FILE_BYTES);
+}
+
 int main() {
     const std::string path = make_file();
     test_demand_before_prefetch_then_by_score(path);
@@ -207,6 +260,7 @@ int main() {
     test_cancel_drops_queued_jobs(path);
     test_errors_and_many_threads(path);
     test_one_reader_ahead_leaves_the_rest_for_misses(path);
+    test_read_ahead_brings_pages_in(path);
     unlink(path.c_str());
     printf("%d checks, %d failed\n", g_checks, g_failed);
     return g_failed ? 1 : 0;
