@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Prefill benchmark: one long prompt streamed (experts read through the mapping, the next layer's
-read ahead) against the fully resident model with its weights in memory.
+"""Prefill benchmark: one long prompt streamed (experts read through the mapping, the next two MoE
+layers' read ahead on the reader threads) against the fully resident model with its weights in memory.
 
     python scripts/bench_prefill.py                  # 2.2 GB model of bench_residency.py, 512 tokens, 5 reps
     python scripts/bench_prefill.py --cache 0.25 --tokens 512 --reps 5

@@ -6,9 +6,9 @@
 // them (op_experts) that turns expert ids into slot ids. At compute time, for a one-token ubatch,
 // that op reads every selected or cached expert that no slot holds yet from the GGUF, with direct
 // I/O and several reads in flight (moecache_io), then writes the slot ids. Prompt ubatches touch
-// almost every expert: they read the model's mmapped tensors as stock llama.cpp does, copy the
-// experts that stay cached into their slots, and drop each layer's pages once the next layer runs,
-// so at most one layer of experts is mapped in at a time.
+// almost every expert: they read the model's mmapped tensors as stock llama.cpp does (the next
+// MoE layers' asked for ahead on the reader threads), copy the experts that stay cached into
+// their slots, and drop each layer's pages once the next layer runs.
 //
 // MMAP: the matmuls read the model's mapping; op_experts locks the pages of the cached experts
 // and unlocks and drops the pages of the evicted ones (and of experts run without being cached).
