@@ -151,7 +151,6 @@ def decode_text(llm, args) -> float:
     """Evaluate a --prompt-tokens prompt, --warmup untimed and --tokens timed one-token decodes of
     WikiText-2 (teacher-forced); returns the seconds of the timed ones. Statistics are reset after
     the warm-up when ``llm`` is a pymoecache.Llama."""
-
     n = args.prompt_tokens + args.warmup + args.tokens
     stream = text_tokens(llm, n)
     t0 = time.perf_counter()

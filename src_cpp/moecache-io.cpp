@@ -109,9 +109,9 @@ static void io_ahead(moecache_io_job & j) {
 
 static void io_run_job(moecache_io & io, moecache_io_job & j) {
     switch (j.kind) {
-        case MOECACHE_IO_READ: io_read(io, j); break;
-        case MOECACHE_IO_COPY: memcpy(j.dst, j.src, j.len); j.err = 0; j.got = j.len; j.bytes_io = j.len; break;
-        case MOECACHE_IO_LOCK: io_lock(io, j); break;
+        case MOECACHE_IO_READ:  io_read(io, j); break;
+        case MOECACHE_IO_COPY:  memcpy(j.dst, j.src, j.len); j.err = 0; j.got = j.len; j.bytes_io = j.len; break;
+        case MOECACHE_IO_LOCK:  io_lock(io, j); break;
         case MOECACHE_IO_AHEAD: io_ahead(j); break;
     }
 }

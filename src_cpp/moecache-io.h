@@ -1,7 +1,8 @@
 // moecache-io.h - the reader threads of a moecache and their queue. A job is a read of a file
 // range (direct I/O where the file allows, in aligned windows), a copy out of the model's
-// mapping, a page lock, or a read-ahead of the mapping. Jobs wait in two queues: on demand (a token needs the bytes now)
-// and prefetch (ordered by a score: predicted probability over layer distance). Workers take
+// mapping, a page lock, or a read-ahead of the mapping. Jobs wait in two queues: on demand (a
+// token needs the bytes now) and prefetch (ordered by a score: predicted probability over layer
+// distance; a prompt's read-ahead scores above every prediction). Workers take
 // on-demand jobs first, and at most `ahead_limit` of them read ahead at once (0: no limit), so
 // an urgent read waits at most for the prefetch chunks already being read.
 // Jobs belong to a request (moecache_io_req: one slot's fill, or one synchronous batch); a
@@ -22,12 +23,11 @@
 
 #define MOECACHE_IO_ALIGN 4096          // O_DIRECT: offset, length and buffer aligned to this
 #define MOECACHE_IO_CHUNK (256 * 1024)  // largest single read; experts are read in pieces in parallel
-#define MOECACHE_READ_AHEAD 2           // a prompt's MoE layers read ahead of the one computing
 
 enum moecache_io_kind {
-    MOECACHE_IO_READ = 0, // pread the file range [off, off + len) into dst
-    MOECACHE_IO_COPY = 1, // memcpy len bytes from the mapping at src into dst
-    MOECACHE_IO_LOCK = 2, // mlock (or fault in) the mapping at src, len bytes
+    MOECACHE_IO_READ  = 0, // pread the file range [off, off + len) into dst
+    MOECACHE_IO_COPY  = 1, // memcpy len bytes from the mapping at src into dst
+    MOECACHE_IO_LOCK  = 2, // mlock (or fault in) the mapping at src, len bytes
     MOECACHE_IO_AHEAD = 3, // ask the kernel to read the mapping at src, len bytes, into the page cache
 };
 

@@ -154,6 +154,8 @@ static void drop_pending(moecache & mc, int32_t il) {
     mc.drop_pending.swap(kept);
 }
 
+#define MOECACHE_READ_AHEAD 2 // MoE layers a prompt reads ahead of the one computing
+
 // A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
 // too: the reader threads ask the kernel for all of them (MADV_WILLNEED: large read requests)
 // while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead.
