@@ -71,13 +71,15 @@ static void io_read(moecache_io & io, moecache_io_job & j) {
     }
 }
 
+void moecache_io_willneed(const char * src, size_t len) {
+    const uintptr_t p0 = (uintptr_t) src / moecache_page_size() * moecache_page_size();
+    madvise((void *) p0, moecache_round_up((uintptr_t) src + len - p0, moecache_page_size()), MADV_WILLNEED);
+}
+
 static void io_lock(moecache_io & io, moecache_io_job & j) {
     j.err = 0;
     j.bytes_io = j.len;
-    {
-        const uintptr_t p0 = (uintptr_t) j.src / moecache_page_size() * moecache_page_size();
-        madvise((void *) p0, moecache_round_up((uintptr_t) j.src + j.len - p0, moecache_page_size()), MADV_WILLNEED);
-    }
+    moecache_io_willneed(j.src, j.len);
     if (io.lock && !io.lock_failed.load(std::memory_order_relaxed)) {
         if (mlock(j.src, j.len) == 0) {
             return;
@@ -97,14 +99,12 @@ static void io_lock(moecache_io & io, moecache_io_job & j) {
     (void) sink;
 }
 
-// MADV_WILLNEED: the kernel reads the range in large requests; the call returns once they are
-// issued (mapping the pages too, MADV_POPULATE_READ, measured slower: it adds CPU work on the
-// cores the matmul runs on)
+// (mapping the pages too, MADV_POPULATE_READ, measured slower: it adds CPU work on the cores
+// the matmul runs on)
 static void io_ahead(moecache_io_job & j) {
     j.err = 0;
     j.bytes_io = j.len;
-    const uintptr_t p0 = (uintptr_t) j.src / moecache_page_size() * moecache_page_size();
-    madvise((void *) p0, moecache_round_up((uintptr_t) j.src + j.len - p0, moecache_page_size()), MADV_WILLNEED);
+    moecache_io_willneed(j.src, j.len);
 }
 
 static void io_run_job(moecache_io & io, moecache_io_job & j) {

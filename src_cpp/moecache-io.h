@@ -105,6 +105,9 @@ int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req);
 // req has no job queued or running (no lock held by the caller)
 bool moecache_io_idle(moecache_io & io, const moecache_io_req & req);
 void moecache_io_counters(moecache_io & io, int64_t * bytes_demand, int64_t * bytes_prefetch);
+// MADV_WILLNEED over the whole pages of [src, src + len) of a mapping: the kernel reads them in
+// large requests; returns once they are issued
+void moecache_io_willneed(const char * src, size_t len);
 
 inline size_t moecache_page_size() {
     static const size_t ps = (size_t) sysconf(_SC_PAGESIZE);

@@ -111,9 +111,7 @@ void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
         return; // asked for by the read-ahead of this prompt
     }
     for (const moecache_expert_tensor & x : L.res.xt) {
-        const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
-        const uintptr_t p0 = b0 / moecache_page_size() * moecache_page_size();
-        madvise((void *) p0, moecache_round_up(b0 + x.nb2 - p0, moecache_page_size()), MADV_WILLNEED);
+        moecache_io_willneed((const char *) x.model_t->data + (size_t) e * x.nb2, x.nb2);
     }
 }
 
@@ -139,10 +137,11 @@ static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unloc
 // drops what was read through the mapping, but for the layers from `il` to the last one read
 // ahead (il = -1: everything)
 static void drop_pending(moecache & mc, int32_t il) {
-    std::vector<std::pair<int32_t, int32_t>> kept;
-    for (const auto & le : mc.drop_pending) {
+    size_t n_kept = 0; // (kept in place: no allocation per layer)
+    for (size_t i = 0; i < mc.drop_pending.size(); i++) {
+        const std::pair<int32_t, int32_t> le = mc.drop_pending[i];
         if (il >= 0 && le.first >= il && le.first <= mc.ahead_last) {
-            kept.push_back(le);
+            mc.drop_pending[n_kept++] = le;
             continue;
         }
         moecache_layer & L = mc.layers[le.first];
@@ -151,7 +150,7 @@ static void drop_pending(moecache & mc, int32_t il) {
             drop_expert(mc, L, le.second, false);
         }
     }
-    mc.drop_pending.swap(kept);
+    mc.drop_pending.resize(n_kept);
 }
 
 #define MOECACHE_READ_AHEAD 2 // MoE layers a prompt reads ahead of the one computing
