@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import llama_cpp
+import pytest
 
 import pymoecache
 from pymoecache import _moecache_cpp as C
@@ -143,3 +146,22 @@ def test_readme_and_docs_links_resolve_inside_the_repository():
             assert path.is_relative_to(ROOT) and path.exists(), (md.name, target)
             checked += 1
     assert checked >= 10
+
+
+def test_the_build_leaves_amx_off_unless_asked():
+    """Issue 25 item 1: on an AMX CPU a native build gave resident quantized weights ggml's AMX
+    kernels (a SIGSEGV on some shapes, other floats than streamed experts get). CMakeLists.txt keeps
+    AMX out of ggml-cpu unless -DMOECACHE_AMX=ON; the host's other instructions stay."""
+    lib_dir = pymoecache._lib.find_lib_dir()
+    cache = lib_dir.parent / "CMakeCache.txt"
+    if cache.exists() and "MOECACHE_AMX:BOOL=ON" in cache.read_text():
+        pytest.skip("built with -DMOECACHE_AMX=ON")
+    features = llama_cpp.llama_print_system_info().decode()
+    assert "CPU :" in features and "AMX" not in features, features
+    # the flags that keep it off reach ggml-cpu's compile lines (x86 with gcc or clang)
+    commands = lib_dir.parent / "compile_commands.json"
+    if commands.exists():
+        lines = [c["command"] for c in json.loads(commands.read_text()) if c["file"].endswith("ggml-cpu/ggml-cpu.c")]
+        assert lines
+        if platform.machine() in ("x86_64", "AMD64") and "-march=native" in lines[0]:
+            assert "-mno-amx-int8" in lines[0] and "-mno-amx-tile" in lines[0], lines[0]
