@@ -17,7 +17,9 @@ from typing import Dict, List, Optional
 from .errors import ModelFileError, ModelNotFoundError
 
 GGUF_MAGIC = b"GGUF"
-_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.")
+# the routed-expert tensors: .weight is the [n_in, n_out, n_expert] matrix the cache moves; llama.cpp
+# also loads per-expert .bias [n_out, n_expert] (gpt-oss), .scale and .input_scale [n_expert]
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(\w+)$")
 _GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax-weight", 4: "sqrt-softplus"}
 
 # llama.cpp's limits: beyond them it aborts (GGML_ASSERT) instead of failing the load
@@ -386,12 +388,16 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     for name, ggml_type, shape, _, size in tensors:
         m = _EXPS_RE.match(name)
         if m:
-            il = int(m.group(1))
-            if len(shape) != 3 or shape[2] != n_expert or n_expert < 2 or il >= n_layer:
+            # what llama.cpp's loader accepts: one entry per expert in the last dimension, and the
+            # matrices three-dimensional; the cache moves the matrices, the rest stays with the dense part
+            il, is_matrix = int(m.group(1)), m.group(3) == "weight"
+            if shape[-1] != n_expert or n_expert < 2 or il >= n_layer or (is_matrix and len(shape) != 3):
                 raise ModelFileError(f"{p}: expert tensor {name!r} of shape {shape} does not fit the model's "
-                                     f"{n_expert} experts in {n_layer} layers ({arch}.expert_count)")
-            per_layer[il] = per_layer.get(il, 0) + size
-            types.add(gguf.GGMLQuantizationType(ggml_type).name)
+                                     f"{n_expert} experts in {n_layer} layers ({arch}.expert_count"
+                                     + (": an expert matrix has 3 dimensions)" if is_matrix else ")"))
+            if is_matrix:
+                per_layer[il] = per_layer.get(il, 0) + size
+                types.add(gguf.GGMLQuantizationType(ggml_type).name)
     moe_layers = sorted(per_layer)
     n_shared = kv_int(f"{arch}.expert_shared_count", 0, 0, MAX_EXPERTS)
     if n_shared == 0 and any("_shexp." in t[0] for t in tensors):
