@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import warnings
 from typing import Optional, Sequence, Tuple, Union
@@ -25,6 +26,7 @@ import numpy as np
 
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
+from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
@@ -54,8 +56,8 @@ _log_last_level = 0
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data) -> None:
     global _log_last_level
-    from llama_cpp import _logger
-
+    if sys.is_finalizing():  # a model freed at interpreter exit: logging and imports are gone by now
+        return
     keep = level >= _LOG_LEVEL_WARN if level != _LOG_LEVEL_CONT else _log_last_level >= _LOG_LEVEL_WARN
     if level != _LOG_LEVEL_CONT:
         _log_last_level = level
@@ -65,9 +67,10 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
         return
     if line:
         _LOG_TAIL.append(line)
-    _logger.llama_log_callback(level, text, user_data)
+    _llama_cpp_log(level, text, user_data)
 
 
+_llama_cpp_log = _llama_cpp_logger.llama_log_callback  # bound now: no import inside a callback
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 

@@ -266,3 +266,24 @@ def test_a_chat_template_jinja_cannot_parse_does_not_stop_the_load(tmp_path, cap
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "--chat", "-p", "Hi", "-n", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "chat template cannot be used" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_d_typed_while_an_answer_streams_leaves(term):
+    """Issue 25 item 11: the terminal holds a Ctrl-D typed during an answer; input() lost it."""
+    t = term("--cache-size", "8", "-n", "-1", "--ignore-eos", "-c", "4096", "--temp", "0")
+    t.send("Tell me a very long tale.\r")
+    t.expect(r"tale\.\n.")  # the answer has begun
+    t.send("\x04")
+    t.expect(r"\[stopped\]")
+    t.expect(r"hit rate")  # the closing stats line
+    assert t.wait() == 0
+
+
+def test_a_line_typed_while_an_answer_streams_is_the_next_message(term):
+    t = term("--cache-size", "8", "-n", "24", "--temp", "0")
+    t.send("Good morrow, my lord.\r")
+    t.send("/stats\r")  # typed before the answer ended
+    t.expect(HIT)
+    t.expect(r"> ")
+    t.key_at_prompt("\x04")
+    assert t.wait() == 0

@@ -335,3 +335,33 @@ def test_readme_llama_cpp_table_names_real_options():
     flags = {f for row in rows for code in re.findall(r"`([^`]*)`", row) for f in re.findall(r"(?<![\w-])(-{1,2}[a-z][\w-]*)", code)}
     assert {"-m", "-c", "-t", "-ngl", "-sys", "-f", "--top-k", "--ignore-eos"} <= flags, flags
     assert flags <= ours, flags - ours
+
+
+def test_a_reader_that_leaves_early_is_no_error(fixture_dir):
+    """`pymoecache run | head -1`: quiet and exit 0, like other Unix tools (issue 25 item 11)."""
+    p = subprocess.Popen([sys.executable, "-m", "pymoecache", "run", str(model_path(fixture_dir, QWEN)), "-p", "Hello",
+                          "-n", "200", "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(5)   # the reader takes a few bytes, then goes away
+    p.stdout.close()
+    _, err = p.communicate(timeout=300)
+    assert first.startswith(b"Hello")
+    assert p.returncode == 0, err.decode()
+    assert b"Broken pipe" not in err and b"Traceback" not in err and b"Exception ignored" not in err, err.decode()
+
+
+def test_exit_after_a_run_prints_no_ignored_exception(fixture_dir):
+    """A model still open at interpreter exit logs while Python shuts down; the log callback must
+    neither import nor raise then (it printed "Exception ignored ... sys.meta_path is None")."""
+    code = ("import sys, pymoecache, pymoecache.llama as L\n"
+            f"llm = pymoecache.Llama({str(model_path(fixture_dir, QWEN))!r}, cache=pymoecache.CacheConfig(size=0.5))\n"
+            "llm('Hello', max_tokens=4)\n"
+            "# what shutdown does to the import system, then a log line, as a model freed at exit sends one\n"
+            "for m in [m for m in sys.modules if m.startswith('llama_cpp')]:\n"
+            "    del sys.modules[m]\n"
+            "sys.meta_path = None\n"
+            "L._log_callback(4, b'error: logged during shutdown\\n', None)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hello", "-n", "4", "--cache-size", "0.5")
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr

@@ -74,6 +74,16 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _stdout_to_devnull() -> None:
+    """After EPIPE: what Python still flushes at exit goes nowhere instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -87,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Error as e:  # every user error of the package: files, parameters, state, I/O
         print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `pymoecache run | head -1`: the reader left; quiet, like other Unix tools
+        _stdout_to_devnull()
+        return 0
     except OSError as e:  # a file the user named cannot be read or written
         print(f"{where}: error: {e.strerror or _one_line(e)}" + (f": {e.filename}" if e.filename else ""),
               file=sys.stderr)

@@ -5,7 +5,8 @@
 The turns are rendered with the model's chat template by llama.cpp itself
 (``llama_chat_apply_template``, ChatML when the model has none), answers stream token by token,
 and the KV cache of earlier turns is reused. Commands: /stats, /routing SPEC, /reset, /help,
-/quit. Ctrl-C stops the current answer, Ctrl-D leaves. When the conversation outgrows the
+/quit. Ctrl-C stops the current answer, Ctrl-D leaves (also typed while an answer streams: the
+answer stops and the chat ends; lines typed ahead become the next messages). When the conversation outgrows the
 context, the oldest turns are dropped, with a notice.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import select
 import signal
 import sys
 import threading
@@ -128,7 +131,24 @@ class _Interrupt:
         return False
 
 
-def answer(llm, conv: Conversation, args, out) -> str:
+class _TypedAhead:
+    """What the user types while an answer streams. The terminal is in its line mode then (readline
+    only takes it over inside input()), so it holds whole lines and Ctrl-D, which input() would
+    lose: a read that returns nothing is Ctrl-D; lines become the next messages."""
+
+    def __init__(self, fd: Optional[int]):
+        self.fd, self.lines, self.eof = fd, [], False
+
+    def poll(self) -> None:
+        while self.fd is not None and not self.eof and select.select([self.fd], [], [], 0)[0]:
+            data = os.read(self.fd, 65536)
+            if not data:
+                self.eof = True
+                break
+            self.lines += [line for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+
+
+def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = None) -> str:
     """Stream the assistant's answer to the conversation so far; the text (partial if stopped)."""
     n_ctx = llm.n_ctx()
     reserve = args.n if args.n > 0 else min(128, n_ctx // 4)
@@ -150,12 +170,14 @@ def answer(llm, conv: Conversation, args, out) -> str:
                 text.append(piece)
                 out.write(piece)
                 out.flush()
-                if stop.hit:
+                if typed is not None:
+                    typed.poll()
+                if stop.hit or (typed is not None and typed.eof):
                     break
         finally:
             stream.close()
     out.write("\n")
-    if stop.hit:
+    if stop.hit or (typed is not None and typed.eof):
         print("[stopped]", file=sys.stderr, flush=True)
     elif finish == "length" and args.n <= 0:
         print(f"[the answer filled the context of {n_ctx} tokens; older turns are dropped next]", file=sys.stderr,
@@ -190,9 +212,18 @@ def cmd_chat(args) -> int:
     print(f"pymoecache chat: {model} {cache_line(llm, routing.spec())}\n"
           "/help for commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr, flush=True)
     last = llm.moe_stats()
+    typed = _TypedAhead(sys.stdin.fileno() if interactive else None)
     while True:
+        typed.poll()
+        if typed.eof:  # Ctrl-D typed while the last answer streamed
+            out.write("\n")
+            break
         try:
-            line = _read_message("> ")
+            if typed.lines:
+                line = typed.lines.pop(0)
+                print(f"> {line}", file=sys.stderr, flush=True)
+            else:
+                line = _read_message("> ")
         except EOFError:
             out.write("\n")
             break
@@ -233,7 +264,7 @@ def cmd_chat(args) -> int:
             conv.messages.append({"role": "user", "content": line})
             llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
             try:
-                reply = answer(llm, conv, args, out)
+                reply = answer(llm, conv, args, out, typed)
             except UserError as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 continue
