@@ -19,8 +19,8 @@ import sys as _sys
 from ._lib import find_lib_dir as _find_lib_dir
 from .config import (CacheConfig, CumsumThreshold, DropRank, MaxRank, Prior, Prune, SwapRank, TopK,
                      parse_cache_size, parse_routing)
-from .errors import (ConcurrentUseError, ConfigError, Error, ModelFileError, ModelLoadError, ModelNotFoundError,
-                     MoECacheError, MoECacheIOError, StateFileError)
+from .errors import (ConcurrentUseError, ConfigError, Error, GrammarError, ModelFileError, ModelLoadError,
+                     ModelNotFoundError, MoECacheError, MoECacheIOError, StateFileError)
 from .model_info import ModelInfo, model_info
 from .models import default_model_path
 from .stats import MoEStats, ResidencyStats
@@ -56,7 +56,8 @@ def native_version() -> str:
 
 
 __all__ = [
-    "CacheConfig", "ConcurrentUseError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "Llama", "MaxRank",
+    "CacheConfig", "ConcurrentUseError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
+    "MaxRank",
     "MoECache", "MoECacheError", "MoECacheIOError", "MoEStats", "ModelFileError", "ModelInfo", "ModelLoadError",
     "ModelNotFoundError", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",
     "auto_cache_size", "default_model_path", "model_info", "native_version", "parse_cache_size", "parse_routing",

@@ -31,6 +31,10 @@ class ConfigError(Error, ValueError):
     """A routing or cache parameter is out of range or cannot be parsed."""
 
 
+class GrammarError(ConfigError):
+    """A GBNF grammar llama.cpp cannot parse or sample from (pymoecache.grammar.check_grammar)."""
+
+
 class ModelFileError(Error, ValueError):
     """The file is missing, not a GGUF file, truncated or otherwise unusable."""
 

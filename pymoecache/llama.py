@@ -31,6 +31,7 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NA
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
+from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from .reference import softmax_f32
 from .stats import MoEStats, ResidencyStats
@@ -696,6 +697,7 @@ class Llama(llama_cpp.Llama):
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
                                   "use_mmap must stay True")
         self._busy = threading.Lock()  # held while a token is decoded or sampled (see eval)
+        self._grammar_checked = None  # (text, root) of the last grammar check_grammar passed
         # the file as loaded: eval() refuses to run on a model file truncated or replaced since
         # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
         self._file_sig = (_file_signature(str(model_path))
@@ -770,6 +772,16 @@ class Llama(llama_cpp.Llama):
             raise e
         finally:
             self._busy.release()
+
+    def _init_sampler(self, *args, grammar=None, **kwargs):
+        """Every sampler llama-cpp-python builds (``generate``, ``sample``) is made here: a grammar is
+        checked before llama.cpp sees it, so a bad one raises GrammarError instead of crashing."""
+        if grammar is not None:
+            key = (getattr(grammar, "_grammar", None), getattr(grammar, "_root", "root"))
+            if key != self._grammar_checked:
+                check_grammar(key[0], self._model.vocab, key[1])
+                self._grammar_checked = key
+        return super()._init_sampler(*args, grammar=grammar, **kwargs)
 
     def sample(self, *args, **kwargs):
         """``llama_cpp.Llama.sample`` under the same one-thread guard as :meth:`eval`."""

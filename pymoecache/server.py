@@ -41,8 +41,6 @@ PIP_SERVER = ('pip install "fastapi>=0.100" "uvicorn>=0.22" "sse-starlette>=1.6.
 _EXTRAS = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
 _MAX_BODY = 8 << 20          # bytes of one request body
-_MAX_GRAMMAR = 128 << 10     # characters of a grammar
-_MAX_GRAMMAR_DEPTH = 200     # nested parentheses (llama.cpp's grammar parser recurses per level)
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 _log = logging.getLogger("pymoecache.serve")
 
@@ -68,51 +66,18 @@ def _field_error(errors: list) -> RequestError:
     return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where)
 
 
-def _grammar_depth(text: str) -> int:
-    """Deepest nesting of parentheses in a GBNF grammar, outside string literals and [...] classes."""
-    depth = deepest = 0
-    quote = None  # '"' inside a literal, "]" inside a character class
-    escaped = False
-    for ch in text:
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = None
-        elif ch in '"[':
-            quote = '"' if ch == '"' else "]"
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth = max(0, depth - 1)
-    return deepest
-
-
 def check_grammar(llm, text, param: str = "grammar") -> None:
-    """RequestError unless llama.cpp parses ``text`` as a GBNF grammar with a ``root`` rule.
-    The check is llama.cpp's own parser (the sampler llama-cpp-python would build), so a grammar
-    that passes here cannot fail later; one that does not would crash llama-cpp-python."""
-    import llama_cpp
-
-    from .llama import take_log_lines
+    """RequestError (400/422) unless ``text`` passes pymoecache.grammar.check_grammar, whose last
+    check is llama.cpp's own parser (the sampler llama-cpp-python would build)."""
+    from .errors import GrammarError
+    from .grammar import check_grammar as check
 
     if not isinstance(text, str) or not text.strip():
         raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 422, param)
-    if len(text) > _MAX_GRAMMAR or _grammar_depth(text) > _MAX_GRAMMAR_DEPTH:
-        raise RequestError(f"'{param}' is too large or too deeply nested (at most {_MAX_GRAMMAR} characters and "
-                           f"{_MAX_GRAMMAR_DEPTH} levels of parentheses)", 400, param)
-    if "\0" in text:
-        raise RequestError(f"'{param}' contains a NUL character", 400, param)
-    take_log_lines()
-    sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, text.encode("utf-8"), b"root")
-    if not sampler:
-        why = take_log_lines(2)
-        raise RequestError(f"'{param}' is not a valid GBNF grammar with a 'root' rule" + (f": {why}" if why else ""),
-                           400, param)
-    llama_cpp.llama_sampler_free(sampler)
+    try:
+        check(text, llm._model.vocab)
+    except GrammarError as e:
+        raise RequestError(f"'{param}' " + str(e).removeprefix("grammar: "), 400, param) from None
 
 
 def _check_messages(messages) -> None:

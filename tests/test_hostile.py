@@ -821,6 +821,11 @@ HTTP_CASES = [
     ("grammar-deep", C, {"prompt": "x", "max_tokens": 4, "grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, 400),
     ("grammar-left-recursion", C, {"prompt": "x", "max_tokens": 4, "grammar": 'root ::= root "a"'}, 400),
     ("grammar-nul", C, {"prompt": "x", "max_tokens": 4, "grammar": 'root ::= "a\u0000"'}, 400),
+    # escaped NUL: llama.cpp parses it, then throws from inside sampling (SIGABRT) when it is the only choice
+    ("grammar-escaped-nul", C, {"prompt": "x", "max_tokens": 4, "grammar": 'root ::= "\\x00"'}, 400),
+    ("grammar-escaped-nul-u", C, {"prompt": "x", "max_tokens": 4, "grammar": 'root ::= "a" "\\u0000"'}, 400),
+    ("grammar-nul-class", C, {"prompt": "x", "max_tokens": 4, "grammar": 'root ::= [\\x00]'}, 400),
+    ("chat-grammar-escaped-nul", CH, {"messages": _MSG, "max_tokens": 4, "grammar": 'root ::= "\\U00000000"'}, 400),
     ("chat-role-wizard", CH, {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 4}, 422),
     ("chat-role-missing", CH, {"messages": [{"content": "hi"}], "max_tokens": 4}, 422),
     ("chat-messages-empty", CH, {"messages": [], "max_tokens": 4}, 422),

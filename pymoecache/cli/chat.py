@@ -201,6 +201,7 @@ def cmd_chat(args) -> int:
     note = load_profile_from_args(args, llm)
     if note:
         print(note, file=sys.stderr, flush=True)
+    sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
     conv = Conversation(llm, args.system or None)
     out = sys.stdout
     interactive = sys.stdin.isatty()

@@ -152,6 +152,9 @@ def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) 
                    help="penalize tokens of the last 64; 1.0 = off (default %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="never stop at an end-of-text token, generate until -n or the context is full (default: stop)")
+    g.add_argument("--grammar", metavar="GBNF", default=None,
+                   help="constrain the output to a GBNF grammar with a 'root' rule, as llama.cpp (default: none)")
+    g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE (default: none)")
 
 
 def sampling_kwargs(args, llm) -> dict:
@@ -163,6 +166,18 @@ def sampling_kwargs(args, llm) -> dict:
 
         eog = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)]
         kw["logit_bias"] = {t: float("-inf") for t in eog}
+    grammar = getattr(args, "grammar", None)
+    if getattr(args, "grammar_file", None) is not None:
+        if grammar is not None:
+            raise UserError("give either --grammar or --grammar-file, not both")
+        grammar = read_text_file(args.grammar_file, "grammar file")
+    if grammar is not None:
+        import llama_cpp
+
+        from ..grammar import check_grammar
+
+        check_grammar(grammar, llm._model.vocab)  # before any work: GrammarError, exit 2
+        kw["grammar"] = llama_cpp.LlamaGrammar.from_string(grammar, verbose=False)
     return kw
 
 

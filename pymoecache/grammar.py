@@ -1,0 +1,115 @@
+"""GBNF grammars are checked here before llama.cpp sees them.
+
+llama-cpp-python hands a grammar to llama.cpp when it builds the sampler and does not look at the
+answer: a grammar llama.cpp cannot parse leaves a NULL sampler that crashes the process (SIGSEGV),
+and a grammar whose only choice at some point is the NUL character makes llama.cpp throw from
+inside sampling (SIGABRT: its grammar engine works on C strings and cannot match NUL). The server,
+the CLI and ``pymoecache.Llama`` all call :func:`check_grammar` first, so a bad grammar is a
+:class:`~pymoecache.errors.GrammarError`, never a signal.
+
+>>> check_grammar('root ::= "yes" | "no"')
+>>> check_grammar('root ::= ((')
+Traceback (most recent call last):
+...
+pymoecache.errors.GrammarError: grammar: not a valid GBNF grammar with a 'root' rule: ...
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from .errors import GrammarError
+
+MAX_CHARS = 128 << 10  # characters of a grammar
+MAX_DEPTH = 200        # nested parentheses (llama.cpp's parser recurses once per level)
+
+_SIMPLE_ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+def _escape(text: str, i: int) -> Tuple[int, int]:
+    """The code point of the escape at text[i] == '\\\\' and the index after it."""
+    c = text[i + 1] if i + 1 < len(text) else ""
+    if c in _HEX_ESCAPES:
+        n = _HEX_ESCAPES[c]
+        digits = text[i + 2:i + 2 + n]
+        try:
+            return int(digits, 16), i + 2 + len(digits)
+        except ValueError:
+            return -1, i + 2  # llama.cpp's parser reports it
+    return _SIMPLE_ESCAPES.get(c, ord(c) if c else -1), i + 2
+
+
+def _scan(text: str) -> Tuple[int, Optional[str]]:
+    """(deepest nesting of parentheses, the first construct whose only character is NUL or None),
+    reading literals "...", classes [...] and comments as llama.cpp's parser does."""
+    depth = deepest = 0
+    nul = None
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "#":  # a comment, to the end of the line
+            while i < n and text[i] not in "\r\n":
+                i += 1
+        elif ch == '"':
+            start, i = i, i + 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\":
+                    cp, i = _escape(text, i)
+                else:
+                    cp, i = ord(text[i]), i + 1
+                if cp == 0 and nul is None:
+                    nul = text[start:i + 1][:40]
+            i += 1
+        elif ch == "[":
+            start, i = i, i + 1
+            negated = i < n and text[i] == "^"
+            i += negated
+            points: List[int] = []
+            while i < n and text[i] != "]":
+                if text[i] == "\\":
+                    cp, i = _escape(text, i)
+                else:
+                    cp, i = ord(text[i]), i + 1
+                points.append(cp)
+            i += 1
+            # [\x00] or [\x00-\x00]: NUL is the only character it matches
+            if not negated and points and all(p == 0 or p == ord("-") for p in points) and 0 in points \
+                    and nul is None:
+                nul = text[start:i][:40]
+        else:
+            if ch == "(":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif ch == ")":
+                depth = max(0, depth - 1)
+            i += 1
+    return deepest, nul
+
+
+def check_grammar(text, vocab=None, root: str = "root") -> None:
+    """GrammarError unless ``text`` is a GBNF grammar llama.cpp parses, with a ``root`` rule, that
+    llama.cpp can sample from. The parse is llama.cpp's own (the sampler llama-cpp-python would
+    build, then freed); ``vocab`` (a model's ``llama_vocab *``) is optional: parsing needs none."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("grammar: must be a non-empty GBNF grammar string")
+    if len(text) > MAX_CHARS:
+        raise GrammarError(f"grammar: {len(text)} characters, at most {MAX_CHARS}")
+    if "\0" in text:
+        raise GrammarError("grammar: contains a NUL character")
+    deepest, nul = _scan(text)
+    if deepest > MAX_DEPTH:
+        raise GrammarError(f"grammar: parentheses nested {deepest} deep, at most {MAX_DEPTH}")
+    if nul is not None:
+        raise GrammarError(f"grammar: {nul!r} can only match the NUL character (\\x00), which llama.cpp's "
+                           "grammar engine cannot produce")
+    import llama_cpp
+
+    from .llama import take_log_lines
+
+    take_log_lines()
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), root.encode("utf-8"))
+    if not sampler:
+        why = take_log_lines(2)
+        raise GrammarError(f"grammar: not a valid GBNF grammar with a {root!r} rule" + (f": {why}" if why else ""))
+    llama_cpp.llama_sampler_free(sampler)
