@@ -696,7 +696,9 @@ class Llama(llama_cpp.Llama):
             if residency != "none" and kwargs.get("use_mmap", True) is False:
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
                                   "use_mmap must stay True")
-        self._busy = threading.Lock()  # held while a token is decoded or sampled (see eval)
+        self._busy = threading.Lock()  # held by the thread in eval/sample: a second one gets ConcurrentUseError
+        self._token_lock = threading.Lock()  # held while a token is decoded or sampled: readers of the
+                                             # counters wait for the token in flight, never fail
         self._grammar_checked = None  # (text, root) of the last grammar check_grammar passed
         # the file as loaded: eval() refuses to run on a model file truncated or replaced since
         # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
@@ -762,7 +764,8 @@ class Llama(llama_cpp.Llama):
         self._enter()
         try:
             self._check_file()
-            super().eval(tokens)
+            with self._token_lock:
+                super().eval(tokens)
         except RuntimeError as e:
             if isinstance(e, MoECacheError):
                 raise
@@ -787,7 +790,8 @@ class Llama(llama_cpp.Llama):
         """``llama_cpp.Llama.sample`` under the same one-thread guard as :meth:`eval`."""
         self._enter()
         try:
-            return super().sample(*args, **kwargs)
+            with self._token_lock:
+                return super().sample(*args, **kwargs)
         finally:
             self._busy.release()
 
@@ -804,7 +808,7 @@ class Llama(llama_cpp.Llama):
         """Hit/miss counters since load (or the last :meth:`reset_moe_stats`), with the
         residency's bytes read, time split per token and resident memory in ``.residency``."""
         cache = self._require_cache()
-        with self._busy:  # between tokens: a consistent snapshot, even while another thread generates
+        with self._token_lock:  # between tokens: a consistent snapshot, even while another thread generates
             st = cache.stats()
         if st.residency is not None:  # compute time, as bench counts it: llama.cpp's own decode timer
             st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
@@ -819,7 +823,7 @@ class Llama(llama_cpp.Llama):
 
     def reset_moe_stats(self) -> None:
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.reset_stats()
             llama_cpp.llama_perf_context_reset(self._ctx.ctx)  # the decode timer moe_stats() reads
 
@@ -829,7 +833,7 @@ class Llama(llama_cpp.Llama):
         >>> llm.set_routing(Prior(1.0))        # doctest: +SKIP
         """
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.set_routing(routing, scope)
 
     def set_eviction(self, eviction: str, decay: Optional[float] = None) -> None:
@@ -838,14 +842,14 @@ class Llama(llama_cpp.Llama):
         >>> llm.set_eviction("router-mass")   # doctest: +SKIP
         """
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.set_eviction(eviction, decay)
 
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (which experts every request so far selected, this one included,
         and the trace store of past requests) to ``path``, atomically."""
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.save_profile(path)
 
     def load_profile(self, path: "os.PathLike[str] | str", *, warm: bool = True, pin_hot: int = 0) -> int:
@@ -859,19 +863,19 @@ class Llama(llama_cpp.Llama):
         """
         cache = self._require_cache()
         check_int("pin_hot", pin_hot, 0, C.MOECACHE_MAX_EXPERTS)
-        with self._busy:
+        with self._token_lock:
             cache.load_profile(path)
             return cache.warm_start(pin_hot) if warm else 0
 
     def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache contents (per layer, in recency order) to ``path``, atomically."""
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.save(path)
 
     def load_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Start warm: load contents saved by :meth:`save_cache_state` for the same model
         (:class:`StateFileError` for a damaged file or another model's; nothing is changed then)."""
         cache = self._require_cache()
-        with self._busy:
+        with self._token_lock:
             cache.load(path)

@@ -8,7 +8,13 @@
 Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat/completions,
 /v1/models, /extras/tokenize, /docs), with these additions:
 
-* ``GET /moecache/stats``: the cache counters since the server started (see :func:`stats_json`).
+* ``GET /moecache/stats``: the cache counters since the server started (see :func:`stats_json`), and
+  ``GET /health``: up, generating or not, requests waiting. Both answer during a generation, with a
+  snapshot taken between two tokens.
+* completions queue: one generates, up to ``max_queue`` wait their turn (in order of arrival), a
+  request past that gets 503 with ``Retry-After``. Nothing is cut: a streamed answer is not
+  interrupted by the next request. A client that disconnects frees its place, and its generation
+  stops at the next token.
 * request bodies are checked before the model sees them: malformed JSON, wrong types, bad roles,
   ``max_tokens`` outside [1, n_ctx], a prompt longer than the context, a grammar (or JSON schema)
   llama.cpp cannot parse all get 400/422 with an OpenAI-style JSON error, never a 500 or a crash;
@@ -25,9 +31,12 @@ starlette-context and pydantic-settings (see ``PIP_SERVER``).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import importlib.util
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Optional, Union
 
@@ -43,6 +52,53 @@ _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/cop
 _MAX_BODY = 8 << 20          # bytes of one request body
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 _log = logging.getLogger("pymoecache.serve")
+
+
+# the disconnect of the client whose non-streamed request is being generated (set per request by
+# create_app's handler; run_in_threadpool carries it into the thread that decodes)
+_CLIENT_GONE: "contextvars.ContextVar[Optional[threading.Event]]" = contextvars.ContextVar("client_gone", default=None)
+
+
+class _ClientGone(Exception):
+    """Raised between two tokens when the client of the request has disconnected."""
+
+
+class _RequestQueue:
+    """ASGI middleware over the completion paths: at most ``1 + max_queue`` requests at once (one
+    generates, the others wait on llama_cpp.server's lock, in order); past that 503 + Retry-After.
+    A request leaves the count when its response has ended (a stream: its last chunk)."""
+
+    class Count:
+        active = 0  # completion requests in the server: the one generating and those waiting
+
+    def __init__(self, app, max_queue: int, count: "_RequestQueue.Count"):
+        self.app, self.max_queue, self.count = app, max_queue, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in _COMPLETION_PATHS:
+            return await self.app(scope, receive, send)
+        if self.count.active > self.max_queue:
+            body = json.dumps({"error": {"message": f"the server is busy: one request is generating and "
+                                                   f"{self.max_queue} are waiting; retry later",
+                                         "type": "server_busy", "param": None, "code": None}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.count.active += 1  # one event loop: no lock needed
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count.active -= 1
+
+
+async def _watch_disconnect(request, gone: threading.Event) -> None:
+    while not gone.is_set():
+        if await request.is_disconnected():
+            gone.set()
+            return
+        await asyncio.sleep(0.2)
 
 
 class RequestError(Exception):
@@ -194,6 +250,12 @@ class _ServedLlama(Llama):
     """``pymoecache.Llama`` that puts each request's cache counters into its results as ``"moecache"``
     (the stock server calls these two methods, under its lock, for every completion and chat)."""
 
+    def eval(self, tokens) -> None:
+        gone = _CLIENT_GONE.get()
+        if gone is not None and gone.is_set():  # the client left: stop before the next token
+            raise _ClientGone()
+        super().eval(tokens)
+
     def create_completion(self, *args, **kwargs):
         self._begin_request()
         return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs))
@@ -227,7 +289,7 @@ class _ServedLlama(Llama):
 def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
-               **llama_kwargs):
+               max_queue: int = 16, **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
@@ -239,6 +301,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     ``pin_hot`` experts pinned per layer) and saved when the server shuts down. Each completion is
     one request of the profile.
 
+    max_queue: completion requests that may wait while one generates; past that, 503 + Retry-After.
+
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
     app_mod = server_module()
@@ -246,7 +310,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     from fastapi.exceptions import RequestValidationError
     from fastapi.middleware import Middleware
     from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from starlette_context.middleware import RawContextMiddleware
@@ -267,7 +331,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     # model_construct: these settings come from our arguments only, not from environment variables
     # (pydantic-settings would read MODEL, N_CTX, API_KEY, ... from the environment).
     model_settings = ModelSettings.model_construct(model=str(model_path), model_alias=str(model_path), n_ctx=n_ctx)
-    app_mod.set_server_settings(ServerSettings.model_construct())
+    # interrupt_requests off: a streamed answer runs to its end while the next request waits (the stock
+    # default cuts it as soon as another request arrives)
+    app_mod.set_server_settings(ServerSettings.model_construct(interrupt_requests=False))
     # The one place we reach into llama_cpp.server: its endpoints take the model from this module
     # global, and set_llama_proxy() can only build a stock LlamaProxy (llama_cpp.Llama), not ours.
     if app_mod._llama_proxy is not None:  # one model per process: free the previous app's first
@@ -296,16 +362,48 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         return JSONResponse({"error": {"message": "internal server error", "type": "server_error", "param": None,
                                        "code": None}}, status_code=500)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    requests = _RequestQueue.Count()
+    app.add_middleware(_RequestQueue, max_queue=max_queue, count=requests)
 
     # The stock completion endpoints again, behind validate_request and without their response
     # models (which would drop the "moecache" field); registered first, so they answer these paths.
     ours = APIRouter()
 
+    class StopWhenGone(Response):
+        """Wraps a streamed response: while it is sent, the generation behind it sees ``gone``
+        (through _CLIENT_GONE), set when the client disconnects or the response ends for any reason,
+        so the decoding thread stops at its next token and llama_cpp.server's lock is released."""
+
+        def __init__(self, response, request, gone: threading.Event):
+            super().__init__()
+            self.response, self.request, self.gone = response, request, gone
+
+        async def __call__(self, scope, receive, send):
+            reset = _CLIENT_GONE.set(self.gone)
+            watcher = asyncio.create_task(_watch_disconnect(self.request, self.gone))
+            try:
+                await self.response(scope, receive, send)
+            except _ClientGone:  # the generation stopped because the client left: nobody to answer
+                _log.info("client of %s disconnected: generation stopped", self.request.url.path)
+            finally:
+                self.gone.set()
+                watcher.cancel()
+                _CLIENT_GONE.reset(reset)
+
     def checked(endpoint):
         async def handler(request: Request):
+            gone, watcher = threading.Event(), None
+            reset = _CLIENT_GONE.set(gone)
             try:
                 body = validate_request(proxy(), request.url.path, await request.body())
+                if body.stream:  # the generation runs while the response is sent, after this handler
+                    return StopWhenGone(await endpoint(request=request, body=body), request, gone)
+                watcher = asyncio.create_task(_watch_disconnect(request, gone))
                 return await endpoint(request=request, body=body)
+            except _ClientGone:
+                _log.info("client of %s disconnected: generation stopped", request.url.path)
+                return JSONResponse({"error": {"message": "client disconnected", "type": "client_gone",
+                                               "param": None, "code": None}}, status_code=499)
             except RequestError as e:
                 return e.response()
             except HTTPException:
@@ -316,6 +414,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 _log.exception("request to %s failed", request.url.path)
                 return JSONResponse({"error": {"message": "internal server error", "type": "server_error",
                                                "param": None, "code": None}}, status_code=500)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                _CLIENT_GONE.reset(reset)
         handler.__annotations__ = {"request": Request}  # a real class: this module's annotations are strings
         return handler
 
@@ -328,6 +430,13 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     def embeddings_refused():
         return RequestError("this server runs a generation model without embeddings: /v1/embeddings is not "
                             "available", 400).response()
+
+    @ours.get("/health", summary="Server health", tags=["pymoecache"])
+    async def health() -> dict:
+        # generating: llama_cpp.server's lock is held; waiting: the other completion requests in the server
+        generating = app_mod.llama_inner_lock.locked()
+        return {"status": "ok", "model": str(model_path), "generating": generating,
+                "waiting": max(0, requests.active - generating), "max_queue": max_queue}
 
     @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"])
     def moecache_stats() -> dict:

@@ -34,13 +34,15 @@ def cmd_serve(args) -> int:
     routing = routing_from_args(args)
     cache = cache_from_args(args)
     check_profile_args(args)
+    if not 0 <= args.max_queue <= 100_000:
+        raise UserError(f"--max-queue must be in [0, 100000], got {args.max_queue}")
     _check_port(args.host, args.port)
     model = resolve_model(args.model, args)
     if not model_info(model).is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
                      n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-                     profile=args.profile, pin_hot=args.pin_hot)
+                     profile=args.profile, pin_hot=args.pin_hot, max_queue=args.max_queue)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
     print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
@@ -65,6 +67,9 @@ def add_command(subparsers) -> None:
                    help="address to listen on (default %(default)s, this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default %(default)s)")
     add_runtime_options(s, ctx_default=2048, seed=False)  # sampling and seed: per request, as in the OpenAI API
+    s.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="completion requests that wait while one generates; past that the server answers 503 "
+                        "with Retry-After (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
     add_hub_options(s)
