@@ -49,7 +49,18 @@ def load_text(path: "str | Path") -> str:
     p = Path(path)
     if not p.is_file():
         raise EvalError(f"text file not found: {p}" if not p.exists() else f"{p} is not a file")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise EvalError(f"cannot read text file {p}: {e.strerror or e}") from None
+    # a perplexity or a trace of bytes that are not text would mean nothing: refused, with where
+    if b"\0" in data:
+        raise EvalError(f"{p} is not a text file (a NUL byte at offset {data.index(0)})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{p} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        "convert it first, e.g. iconv -f latin1 -t utf-8") from None
     if not text.strip():
         raise EvalError(f"text file {p} is empty")
     return text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -365,3 +366,36 @@ def test_exit_after_a_run_prints_no_ignored_exception(fixture_dir):
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hello", "-n", "4", "--cache-size", "0.5")
     assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["run -f", "ppl --text", "simulate --text", "bench --prompts"])
+def test_text_that_is_not_utf8_is_refused_clearly(fixture_dir, tmp_path, command):
+    """Issue 25 item 7: files of text are refused with where the bad byte is, never a traceback."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("Caf\u00e9 au lait, tr\u00e8s bien.\n".encode("latin-1") * 50)
+    sub, flag = command.split()
+    r = cli(sub, model_path(fixture_dir, QWEN), flag, bad)
+    assert r.returncode == 2, r.stderr
+    assert "not UTF-8 text" in r.stderr and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+def test_random_bytes_are_not_text_for_ppl(fixture_dir, tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)) * 40)
+    r = cli("ppl", model_path(fixture_dir, QWEN), "--text", junk)
+    assert r.returncode == 2 and "is not a text file" in r.stderr, r.stderr
+
+
+def test_prompt_argument_that_is_not_utf8(fixture_dir):
+    r = subprocess.run([sys.executable.encode(), b"-m", b"pymoecache", b"run", str(model_path(fixture_dir, QWEN)).encode(),
+                        b"-p", b"Hi \xff", b"-n", b"2"], cwd=ROOT, capture_output=True, timeout=300)
+    assert r.returncode == 2 and b"-p/--prompt is not UTF-8 text" in r.stderr, r.stderr
+
+
+def test_chat_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(fixture_dir):
+    for env in ({}, {"PYTHONIOENCODING": "utf-8"}):  # surrogates (C locale) or a strict decoder
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", str(model_path(fixture_dir, QWEN)), "-n", "2"],
+                           cwd=ROOT, input=b"Hi \xff\nHello\n/quit\n", capture_output=True, timeout=300,
+                           env=dict(os.environ, **env))
+        assert r.returncode == 0, r.stderr
+        assert b"that line is not UTF-8 text" in r.stderr and b"internal error" not in r.stderr, r.stderr

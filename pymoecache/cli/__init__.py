@@ -41,8 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    """Integer options are checked here, before anything reaches ctypes (no wrap-around)."""
+    """Integer options are checked here, before anything reaches ctypes (no wrap-around), and text
+    options must be UTF-8 (bytes that are not arrive from the command line as surrogates)."""
     from ..config import INT32_MAX
+
+    for name, flag in (("prompt", "-p/--prompt"), ("system", "-sys/--system-prompt"), ("grammar", "--grammar")):
+        v = getattr(args, name, None)
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise UserError(f"{flag} is not UTF-8 text (an undecodable byte at character {e.start})") from None
 
     n = getattr(args, "n", None)
     if n is not None and not -1 <= n <= INT32_MAX:

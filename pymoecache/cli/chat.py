@@ -225,12 +225,17 @@ def cmd_chat(args) -> int:
                 print(f"> {line}", file=sys.stderr, flush=True)
             else:
                 line = _read_message("> ")
+            line.encode("utf-8")  # stdin may hand undecodable bytes over as surrogates
         except EOFError:
             out.write("\n")
             break
         except KeyboardInterrupt:
             out.write("\n")
             print("(Ctrl-D or /quit leaves)", file=sys.stderr, flush=True)
+            continue
+        except UnicodeError:  # bytes that are not UTF-8 (a terminal in another encoding, a binary pipe)
+            print("error: that line is not UTF-8 text; it was not sent (set the terminal to UTF-8)",
+                  file=sys.stderr, flush=True)
             continue
         cmd, _, rest = line.strip().partition(" ")
         if not line.strip():

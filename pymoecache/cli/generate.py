@@ -157,7 +157,10 @@ def cmd_bench(args) -> int:
             with open(args.prompts, encoding="utf-8") as f:
                 prompts = [ln.rstrip("\n") for ln in f if ln.strip()]
         except OSError as e:
-            raise UserError(f"cannot read --prompts {args.prompts}: {e.strerror}")
+            raise UserError(f"cannot read --prompts {args.prompts}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"--prompts {args.prompts} is not UTF-8 text (an undecodable byte at offset {e.start} "
+                            "of a line)") from None
         if not prompts:
             raise UserError(f"--prompts {args.prompts} has no non-empty line")
     else:
