@@ -33,6 +33,7 @@ import bisect
 import math
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence, Union
 
@@ -90,14 +91,27 @@ def load_router_trace(src: Union[str, "os.PathLike[str]", Mapping]) -> RouterTra
     """A RouterTrace from an ``.npz`` path or a mapping with the keys of the module doc."""
     if isinstance(src, RouterTrace):
         return src
-    data = np.load(src) if isinstance(src, (str, os.PathLike)) else src
-    keys = set(data.keys())
-    if not {"logits", "n_expert_used"} <= keys:
-        raise ValueError(f"a router trace needs 'logits' and 'n_expert_used'; got {sorted(keys)}")
-    return RouterTrace(logits=data["logits"], n_expert_used=int(np.asarray(data["n_expert_used"])),
-                 probs=data["probs"] if "probs" in keys else None,
-                 scores=data["scores"] if "scores" in keys else None,
-                 rank_on_logits=bool(np.asarray(data["rank_on_logits"])) if "rank_on_logits" in keys else True)
+    try:
+        data = np.load(src, allow_pickle=False) if isinstance(src, (str, os.PathLike)) else src
+        keys = set(data.keys())
+        if not {"logits", "n_expert_used"} <= keys:
+            raise ConfigError(f"a router trace needs 'logits' and 'n_expert_used'; got {sorted(keys)}")
+        tr = RouterTrace(logits=data["logits"], n_expert_used=int(np.asarray(data["n_expert_used"])),
+                         probs=data["probs"] if "probs" in keys else None,
+                         scores=data["scores"] if "scores" in keys else None,
+                         rank_on_logits=bool(np.asarray(data["rank_on_logits"])) if "rank_on_logits" in keys else True)
+    except ConfigError:
+        raise
+    except (OSError, EOFError, ValueError, TypeError, KeyError, zipfile.BadZipFile) as e:
+        # not an .npz (BadZipFile), a damaged one, arrays of the wrong kind (object arrays refused)
+        raise ConfigError(f"not a router trace (.npz from `pymoecache simulate --save-trace`): "
+                          f"{type(e).__name__}: {str(e)[:200]}") from None
+    if not 1 <= tr.n_expert_used <= tr.n_expert or tr.n_tokens == 0:
+        raise ConfigError(f"router trace of {tr.n_tokens} tokens with n_expert_used {tr.n_expert_used} of "
+                          f"{tr.n_expert} experts")
+    if not np.isfinite(tr.logits).all():
+        raise ConfigError("router trace holds non-finite logits")
+    return tr
 
 
 def save_router_trace(path: Union[str, "os.PathLike[str]"], trace: RouterTrace) -> None:

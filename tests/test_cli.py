@@ -399,3 +399,33 @@ def test_chat_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(fixture_dir)
                            env=dict(os.environ, **env))
         assert r.returncode == 0, r.stderr
         assert b"that line is not UTF-8 text" in r.stderr and b"internal error" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--cache-size", "1GiB"], "simulate takes cache sizes as counts"),
+    (["--cache-size", "auto"], "simulate takes cache sizes as counts"),
+    (["--cache-size", "abc"], "cannot parse cache size 'abc'"),
+])
+def test_simulate_cache_sizes_are_checked_before_any_work(fixture_dir, args, msg):
+    r = cli("simulate", model_path(fixture_dir, QWEN), "--text", ROOT / "README.md", *args)
+    assert r.returncode == 2 and msg in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("content", [b"not a zip at all", b"PK\x03\x04 truncated zip", b""])
+def test_simulate_bad_router_trace_file(tmp_path, content):
+    f = tmp_path / "trace.npz"
+    f.write_bytes(content)
+    r = cli("simulate", "--router-trace", f)
+    assert r.returncode == 2 and "cannot read router trace" in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+def test_simulate_router_trace_with_impossible_contents(tmp_path):
+    import numpy as np
+
+    f = tmp_path / "trace.npz"
+    np.savez(f, logits=np.zeros((4, 2, 8), np.float32), n_expert_used=np.array(9))
+    r = cli("simulate", "--router-trace", f)
+    assert r.returncode == 2 and "n_expert_used 9 of 8" in r.stderr, r.stderr
+    np.savez(f, logits=np.full((4, 2, 8), np.inf, np.float32), n_expert_used=np.array(2))
+    r = cli("simulate", "--router-trace", f)
+    assert r.returncode == 2 and "non-finite" in r.stderr, r.stderr

@@ -185,6 +185,9 @@ def cmd_simulate(args) -> int:
     if bad or not evictions:
         raise UserError(f"--eviction takes a comma-separated list of {', '.join(EVICTIONS)}; got {args.eviction!r}")
     sizes = [parse_cache_size(s) for s in args.cache_size]
+    for given, size in zip(args.cache_size, sizes):
+        if isinstance(size, str):  # "4GiB", "auto": they need a model's expert size and the memory, not a trace
+            raise UserError(f"simulate takes cache sizes as counts (30) or shares of the experts (0.5), not {given!r}")
     if args.router_trace:
         if args.model or args.model_opt or args.text:
             raise UserError("give either --router-trace FILE or MODEL with --text, not both")
