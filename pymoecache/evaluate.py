@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy as np
 
 from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK, resolved_top_j
 from .errors import EvalError  # noqa: F401  (raised here, defined with the other errors)
+from .files import save_npz_atomic, write_atomic
 from .stats import MoEStats
 
 TRACE_FORMAT = "pymoecache-trace"  # `pymoecache trace`: the cache timeline (selected, hits, contents per token);
@@ -342,14 +344,16 @@ def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = No
     p = Path(path)
     fmt = fmt or p.suffix.lower().lstrip(".")
     if fmt == "json":
-        p.write_text(json.dumps(list(rows), indent=1) + "\n")
+        data = (json.dumps(list(rows), indent=1) + "\n").encode()
     elif fmt == "csv":
-        with open(p, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
-            w.writeheader()
-            w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        data = buf.getvalue().encode()
     else:
         raise EvalError(f"cannot tell the format of {p}: use a .csv or .json file name")
+    write_atomic(p, data, f"{fmt.upper()} file", EvalError)  # whole or not at all, regular files only
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -414,7 +418,7 @@ _TRACE_ARRAYS = ("selected", "hit", "cached", "moe_layers")
 
 def save_trace_npz(path: "str | Path", d: dict) -> None:
     """Write a :func:`record_trace` dict to a compressed .npz file."""
-    np.savez_compressed(path, **{k: np.asarray(v) for k, v in d.items()})
+    save_npz_atomic(path, "trace", EvalError, **{k: np.asarray(v) for k, v in d.items()})
 
 
 def load_trace_npz(path: "str | Path") -> dict:

@@ -31,6 +31,7 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NA
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
+from .files import write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from .reference import softmax_f32
@@ -236,29 +237,6 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     n = max(0, info.cache_size_for_budget(max(0, budget - margin)))
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
                          dense=dense, kv=kv, margin=margin)
-
-
-def write_atomic(path: "os.PathLike[str] | str", data: bytes, what: str) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it and rename it over ``path``:
-    a failed write (disk full, no permission) leaves the old file and raises StateFileError."""
-    target = os.fsdecode(_checked_path(path, what))
-    tmp = f"{target}.tmp.{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise StateFileError(f"cannot write {what} {target}: {e.strerror or e}") from None
 
 
 def read_json_file(path: "os.PathLike[str] | str", what: str):

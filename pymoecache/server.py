@@ -63,34 +63,21 @@ class _ClientGone(Exception):
     """Raised between two tokens when the client of the request has disconnected."""
 
 
-class _RequestQueue:
-    """ASGI middleware over the completion paths: at most ``1 + max_queue`` requests at once (one
-    generates, the others wait on llama_cpp.server's lock, in order); past that 503 + Retry-After.
-    A request leaves the count when its response has ended (a stream: its last chunk)."""
+class _Queue:
+    """Completion requests that passed validation and are in the server: the one generating and
+    those waiting on llama_cpp.server's lock (served in order of arrival). At most ``1 + max_queue``;
+    past that, 503 with Retry-After. One event loop changes ``active``: no lock needed."""
 
-    class Count:
-        active = 0  # completion requests in the server: the one generating and those waiting
+    def __init__(self, max_queue: int):
+        self.max_queue, self.active = max_queue, 0
 
-    def __init__(self, app, max_queue: int, count: "_RequestQueue.Count"):
-        self.app, self.max_queue, self.count = app, max_queue, count
+    def busy_response(self):
+        from fastapi.responses import JSONResponse
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in _COMPLETION_PATHS:
-            return await self.app(scope, receive, send)
-        if self.count.active > self.max_queue:
-            body = json.dumps({"error": {"message": f"the server is busy: one request is generating and "
-                                                   f"{self.max_queue} are waiting; retry later",
-                                         "type": "server_busy", "param": None, "code": None}}).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        self.count.active += 1  # one event loop: no lock needed
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.count.active -= 1
+        return JSONResponse({"error": {"message": f"the server is busy: one request is generating and "
+                                                  f"{self.max_queue} are waiting; retry later",
+                                       "type": "server_busy", "param": None, "code": None}},
+                            status_code=503, headers={"Retry-After": "1"})
 
 
 async def _watch_disconnect(request, gone: threading.Event) -> None:
@@ -362,8 +349,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         return JSONResponse({"error": {"message": "internal server error", "type": "server_error", "param": None,
                                        "code": None}}, status_code=500)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    requests = _RequestQueue.Count()
-    app.add_middleware(_RequestQueue, max_queue=max_queue, count=requests)
+    queue = _Queue(max_queue)
 
     # The stock completion endpoints again, behind validate_request and without their response
     # models (which would drop the "moecache" field); registered first, so they answer these paths.
@@ -377,6 +363,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         def __init__(self, response, request, gone: threading.Event):
             super().__init__()
             self.response, self.request, self.gone = response, request, gone
+            queue.active += 1  # the request keeps its place until its stream ends
 
         async def __call__(self, scope, receive, send):
             reset = _CLIENT_GONE.set(self.gone)
@@ -386,6 +373,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
             except _ClientGone:  # the generation stopped because the client left: nobody to answer
                 _log.info("client of %s disconnected: generation stopped", self.request.url.path)
             finally:
+                queue.active -= 1
                 self.gone.set()
                 watcher.cancel()
                 _CLIENT_GONE.reset(reset)
@@ -396,10 +384,16 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
             reset = _CLIENT_GONE.set(gone)
             try:
                 body = validate_request(proxy(), request.url.path, await request.body())
+                if queue.active > queue.max_queue:
+                    return queue.busy_response()
                 if body.stream:  # the generation runs while the response is sent, after this handler
                     return StopWhenGone(await endpoint(request=request, body=body), request, gone)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))
-                return await endpoint(request=request, body=body)
+                queue.active += 1
+                try:
+                    return await endpoint(request=request, body=body)
+                finally:
+                    queue.active -= 1
             except _ClientGone:
                 _log.info("client of %s disconnected: generation stopped", request.url.path)
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_gone",
@@ -436,7 +430,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         # generating: llama_cpp.server's lock is held; waiting: the other completion requests in the server
         generating = app_mod.llama_inner_lock.locked()
         return {"status": "ok", "model": str(model_path), "generating": generating,
-                "waiting": max(0, requests.active - generating), "max_queue": max_queue}
+                "waiting": max(0, queue.active - generating), "max_queue": max_queue}
 
     @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"])
     def moecache_stats() -> dict:

@@ -40,6 +40,7 @@ from typing import List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .config import CacheConfig, ConfigError, Routing, parse_routing
+from .files import save_npz_atomic
 from .stats import MoEStats
 from .reference import LayerCache, ReferenceCache, softmax_f32, update_order
 
@@ -124,8 +125,8 @@ def save_router_trace(path: Union[str, "os.PathLike[str]"], trace: RouterTrace) 
     (3, 1, 4)
     """
     extra = {k: getattr(trace, k) for k in ("probs", "scores") if getattr(trace, k) is not None}
-    np.savez_compressed(path, logits=trace.logits, n_expert_used=np.int32(trace.n_expert_used),
-                        rank_on_logits=np.bool_(trace.rank_on_logits), **extra)
+    save_npz_atomic(path, "router trace", ConfigError, logits=trace.logits,
+                    n_expert_used=np.int32(trace.n_expert_used), rank_on_logits=np.bool_(trace.rank_on_logits), **extra)
 
 
 # --------------------------------------------------------------------------------------------

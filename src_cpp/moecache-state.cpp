@@ -5,12 +5,18 @@
 
 #include <cerrno>
 #include <cfloat>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -40,13 +46,79 @@ std::string moecache_quoted(const char * path) {
     return std::string("'") + path + "'";
 }
 
+// temporaries beside the target: <dir>/.<name>.tmp.<pid>.<hex>; those of a writer that died
+// (kill -9 mid-save) are removed at the next save of the same target
+static void remove_stale_temporaries(const std::string & dir, const std::string & name) {
+    DIR * d = opendir(dir.c_str());
+    if (d == nullptr) {
+        return;
+    }
+    for (const std::string & prefix : { "." + name + ".tmp.", name + ".tmp." }) {
+        rewinddir(d);
+        while (const dirent * e = readdir(d)) {
+            const std::string entry = e->d_name;
+            if (entry.compare(0, prefix.size(), prefix) != 0) {
+                continue;
+            }
+            char * end = nullptr;
+            const long pid = strtol(entry.c_str() + prefix.size(), &end, 10);
+            if (end == entry.c_str() + prefix.size() || (*end != '\0' && *end != '.') || pid <= 0 || pid == (long) getpid()) {
+                continue;
+            }
+            if (kill((pid_t) pid, 0) != 0 && errno == ESRCH) {
+                unlink((dir + "/" + entry).c_str());
+            }
+        }
+    }
+    closedir(d);
+}
+
 int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * path, const char * what) {
-    // a temporary file beside the target, synced, then renamed over it: a failed save leaves the
-    // old file as it was, never a half-written one
-    const std::string tmp = std::string(path) + ".tmp." + std::to_string((long) getpid());
-    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // a uniquely named temporary beside the target (O_EXCL | O_NOFOLLOW: a link planted at its
+    // name is never followed), synced, then renamed over it: a failed save leaves the old file as
+    // it was. The target must be a regular file or not exist (a device, FIFO or link loop is
+    // refused before anything is written); a link to a regular file is followed, so it stays a link.
+    const std::string head = std::string("cannot write ") + what + " to " + moecache_quoted(path) + ": ";
+    std::string target = path;
+    struct stat st;
+    if (stat(path, &st) == 0) {
+        if (!S_ISREG(st.st_mode)) {
+            return fail(MOECACHE_ERR_IO, head + "not a regular file");
+        }
+        struct stat lst;
+        if (lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode)) {
+            char * real = realpath(path, nullptr);
+            if (real == nullptr) {
+                return fail(MOECACHE_ERR_IO, head + strerror(errno));
+            }
+            target = real;
+            free(real);
+        }
+    } else if (errno == ELOOP) {
+        return fail(MOECACHE_ERR_IO, head + "a link loop");
+    } else if (errno != ENOENT) {
+        return fail(MOECACHE_ERR_IO, head + strerror(errno));
+    }
+    const size_t slash = target.rfind('/');
+    const std::string dir  = slash == std::string::npos ? "." : (slash == 0 ? "/" : target.substr(0, slash));
+    const std::string name = slash == std::string::npos ? target : target.substr(slash + 1);
+    remove_stale_temporaries(dir, name);
+
+    std::string tmp;
+    int fd = -1;
+    uint64_t seed = (uint64_t) std::chrono::steady_clock::now().time_since_epoch().count() ^ ((uint64_t) getpid() << 32);
+    for (int attempt = 0; attempt < 100 && fd < 0; attempt++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        char suffix[32];
+        snprintf(suffix, sizeof(suffix), "%ld.%08x", (long) getpid(), (unsigned) (seed >> 32));
+        tmp = dir + "/." + name + ".tmp." + suffix;
+        fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd < 0 && errno != EEXIST) {
+            return fail(MOECACHE_ERR_IO, head + strerror(errno));
+        }
+    }
     if (fd < 0) {
-        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + moecache_quoted(path) + ": " + strerror(errno));
+        return fail(MOECACHE_ERR_IO, head + "no free temporary name");
     }
     size_t done = 0;
     int err = 0;
@@ -67,12 +139,12 @@ int32_t moecache_write_file_atomic(const std::vector<uint8_t> & b, const char * 
     if (close(fd) != 0 && !err) {
         err = errno;
     }
-    if (!err && rename(tmp.c_str(), path) != 0) {
+    if (!err && rename(tmp.c_str(), target.c_str()) != 0) {
         err = errno;
     }
     if (err) {
         unlink(tmp.c_str());
-        return fail(MOECACHE_ERR_IO, std::string("cannot write ") + what + " to " + moecache_quoted(path) + ": " + strerror(err));
+        return fail(MOECACHE_ERR_IO, head + strerror(err));
     }
     return MOECACHE_OK;
 }

@@ -1,0 +1,136 @@
+"""Files the package writes (calibrations, CSV and JSON results, router traces): written whole or
+not at all, and only over regular files.
+
+A uniquely named temporary file is created beside the target (O_EXCL | O_NOFOLLOW: a link planted
+at its name is never followed), written, synced, then renamed over the target. The target must be
+a regular file or not exist: a device (/dev/full), a FIFO, a directory or a link loop is refused
+before anything is written. A link to a regular file is followed, so the link stays a link.
+Temporaries left by a process that died mid-write (kill -9) are removed at the next write of the
+same target. src_cpp/moecache-state.cpp does the same for state and profile files.
+
+>>> import tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> write_atomic(os.path.join(d, "a.csv"), b"x,y\\n", "CSV file")
+>>> write_atomic("/dev/null", b"", "CSV file")
+Traceback (most recent call last):
+...
+pymoecache.errors.StateFileError: cannot write CSV file /dev/null: not a regular file
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import stat
+from typing import Type
+
+from .errors import Error, StateFileError
+
+_TMP = ".tmp."  # <dir>/.<name>.tmp.<pid>.<random>
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: str) -> int:
+    """Remove the temporaries of ``target`` whose writer is dead; how many were removed."""
+    d, name = os.path.split(target)
+    pattern = re.compile(r"^\.?" + re.escape(name) + re.escape(_TMP) + r"(\d+)(\.[0-9a-f]+)?$")
+    removed = 0
+    try:
+        entries = os.listdir(d or ".")
+    except OSError:
+        return 0
+    for e in entries:
+        m = pattern.match(e)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(d, e))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def writable_target(path: "os.PathLike[str] | str", what: str, error: Type[Error] = StateFileError) -> str:
+    """The file to rename over: ``path`` or, for a link to a regular file, where it points. Raises
+    ``error`` for a NUL in the path, a target that is not a regular file, or a link loop."""
+    try:
+        p = os.fsdecode(path)
+    except TypeError:
+        raise error(f"{what} path must be a string or os.PathLike, got {type(path).__name__}") from None
+    if not p or "\0" in p:
+        raise error(f"{what} path {p!r} is empty or contains a NUL byte")
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        if os.path.islink(p):  # a dangling link: where it points does not exist yet
+            return os.path.realpath(p)
+        return p
+    except OSError as e:
+        raise error(f"cannot write {what} {p}: {'a link loop' if e.errno == errno.ELOOP else e.strerror or e}") \
+            from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"cannot write {what} {p}: not a regular file")
+    return os.path.realpath(p) if os.path.islink(p) else p
+
+
+def write_atomic(path: "os.PathLike[str] | str", data: bytes, what: str, error: Type[Error] = StateFileError) -> None:
+    """Write ``data`` to ``path`` whole (see the module doc); ``error`` on any failure, the old file
+    intact."""
+    target = writable_target(path, what, error)
+    remove_stale_temporaries(target)
+    d, name = os.path.split(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    tmp = None
+    try:
+        for _ in range(100):
+            tmp = os.path.join(d, f".{name}{_TMP}{os.getpid()}.{secrets.token_hex(4)}")
+            try:
+                fd = os.open(tmp, flags, 0o644)
+                break
+            except FileExistsError:
+                tmp = None
+        else:
+            raise OSError(errno.EEXIST, "no free temporary name")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise error(f"cannot write {what} {target}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def save_npz_atomic(path: "os.PathLike[str] | str", what: str, error: Type[Error] = StateFileError, **arrays) -> None:
+    """``np.savez_compressed(path, **arrays)`` through :func:`write_atomic` (".npz" added to a name
+    without it, as numpy does)."""
+    import io
+
+    import numpy as np
+
+    p = os.fsdecode(path)
+    if not p.endswith(".npz"):
+        p += ".npz"
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    write_atomic(p, buf.getvalue(), what, error)
