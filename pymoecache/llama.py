@@ -30,7 +30,7 @@ from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
-from .errors import ConcurrentUseError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
+from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from .files import write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
@@ -744,6 +744,7 @@ class Llama(llama_cpp.Llama):
             self._check_file()
             with self._token_lock:
                 super().eval(tokens)
+                self._check_logits()
         except RuntimeError as e:
             if isinstance(e, MoECacheError):
                 raise
@@ -753,6 +754,20 @@ class Llama(llama_cpp.Llama):
             raise e
         finally:
             self._busy.release()
+
+    def _check_logits(self) -> None:
+        """ModelFileError when the last token's logits are not finite: NaN or inf in the weights (the
+        dense part, or an expert as it was read) would otherwise sample nothing and end in silence.
+        One pass over n_vocab floats per eval."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
+        if not ptr:
+            return
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        if not np.isfinite(logits).all():
+            bad = int(np.count_nonzero(~np.isfinite(logits)))
+            raise ModelFileError(f"{self.model_path}: the model computed {bad} non-finite logits (NaN or inf) of "
+                                 f"{self._n_vocab}: its weights hold NaN or inf values (a damaged or badly converted "
+                                 "file)")
 
     def _init_sampler(self, *args, grammar=None, **kwargs):
         """Every sampler llama-cpp-python builds (``generate``, ``sample``) is made here: a grammar is
