@@ -201,11 +201,15 @@ class _Header:
             raise ModelFileError(f"{self.path} has a damaged or truncated GGUF header ({n_tensors} tensors and "
                                  f"{n_kv} keys in a file of {self.size} bytes)")
         self.kv: Dict[str, object] = {}
+        self.array_at: Dict[str, int] = {}  # where each array value starts (its element type)
         for _ in range(n_kv):
             key = self._string()
             if not key or key in self.kv:
                 raise self._bad(f"empty or repeated key {key!r}")
-            self.kv[key] = self._value(self._read("<I"))
+            vtype = self._read("<I")
+            if vtype == self._ARRAY:
+                self.array_at[key] = self.pos
+            self.kv[key] = self._value(vtype)
         align = self.kv.get("general.alignment", 32)
         if type(align) is not int or align <= 0 or align & (align - 1):
             raise self._bad(f"general.alignment = {align!r} is not a power of two")
@@ -232,6 +236,27 @@ class _Header:
             self.tensors.append((name, ggml_type, shape, offset))
         self.alignment = align
         self.data_start = (self.pos + align - 1) // align * align
+        self.duplicate_token = self._duplicate_string("tokenizer.ggml.tokens")
+
+    def _duplicate_string(self, key: str):
+        """(index, text) of the first string of array ``key`` equal to an earlier one, or None.
+        llama.cpp aborts the process on a vocabulary with a repeated token (GGML_ASSERT in
+        llama_vocab::load), so model_info reads this one array."""
+        if key not in self.array_at or self.kv[key].etype != self._STRING:
+            return None
+        self.pos = self.array_at[key] + 12
+        seen = set()
+        buf, size = self.buf, self.size
+        for i in range(self.kv[key].count):
+            (n,) = self.unpack_from("<Q", buf, self.pos)
+            b = bytes(buf[self.pos + 8:self.pos + 8 + n])
+            self.pos += 8 + n
+            if self.pos > size:
+                break
+            if b in seen:
+                return i, b.decode("utf-8", "replace")
+            seen.add(b)
+        return None
 
     def _read(self, fmt: str):
         n = self.calcsize(fmt)
@@ -344,6 +369,10 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
             n *= d
         return n // block * size
 
+    if h.duplicate_token is not None:
+        i, text = h.duplicate_token
+        raise ModelFileError(f"{p}: the vocabulary repeats token {text[:40]!r} (id {i}): llama.cpp aborts on such a "
+                             "file")
     arch = kv_str("general.architecture")
     if not arch:
         raise ModelFileError(f"{p} has no general.architecture key: not a llama.cpp model")

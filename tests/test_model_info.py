@@ -5,7 +5,9 @@ from __future__ import annotations
 import gguf
 import pytest
 
+import pymoecache
 from pymoecache import model_info
+from conftest import ROOT
 from conftest import MOE_FIXTURES, VARIANTS, model_path
 import synth
 
@@ -24,3 +26,31 @@ def test_header_reader_agrees_with_gguf_reader(fixture_dir, name, variant):
     assert (info.n_expert, info.n_expert_used, info.n_layer) == (spec.n_expert, spec.n_expert_used, spec.n_layer)
     assert info.gating == spec.gating
     assert info.expert_bytes * info.n_expert * info.n_moe_layer == pytest.approx(info.expert_bytes_total)
+
+
+def test_a_vocabulary_with_a_repeated_token_is_refused_at_the_door(fixture_dir, tmp_path):
+    """Issue 25 item 6: llama.cpp aborts (GGML_ASSERT in llama_vocab::load, no message) on a
+    repeated token; model_info, and so Llama and every command, refuses the file first."""
+    import subprocess
+    import sys
+
+    import gguf
+    import gguf_edit as ge
+
+    src = fixture_dir / "qwen2moe-60x4.gguf"
+    field = gguf.GGUFReader(str(src)).fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    tokens[7] = tokens[3]
+    g = ge.Gguf.parse(src.read_bytes()).set("tokenizer.ggml.tokens", ge.ARRAY, (ge.STRING, tokens))
+    bad = tmp_path / "dup.gguf"
+    bad.write_bytes(g.to_bytes())
+    with pytest.raises(pymoecache.ModelFileError, match=r"repeats token .* \(id 7\)"):
+        model_info(bad)
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(bad), "-n", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "repeats token" in r.stderr, r.stderr
+    # the unchanged vocabulary passes
+    g = ge.Gguf.parse(src.read_bytes())
+    ok = tmp_path / "ok.gguf"
+    ok.write_bytes(g.to_bytes())
+    assert model_info(ok).is_moe
