@@ -105,7 +105,7 @@ def check_grammar(text, vocab=None, root: str = "root") -> None:
                            "grammar engine cannot produce")
     import llama_cpp
 
-    from .llama import take_log_lines
+    from ._logtail import take_log_lines
 
     take_log_lines()
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), root.encode("utf-8"))

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import dataclasses
 import json
@@ -31,6 +30,7 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NA
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
+from ._logtail import LINES, take_log_lines
 from .files import write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
@@ -48,7 +48,7 @@ _MAX_THREADS = 512    # GGML_MAX_N_THREADS
 # refusing a file would be lost. Every line also goes to llama-cpp-python's own callback (which
 # prints or not, as before); warnings and errors stay in a small ring buffer for our messages.
 # Lines of our C++ ("moecache: ...") go to the "pymoecache" logger instead.
-_LOG_TAIL: "collections.deque[str]" = collections.deque(maxlen=12)
+_LOG_TAIL = LINES  # the ring buffer of pymoecache._logtail, filled here
 _log = logging.getLogger("pymoecache")  # the library's warnings (mlock refused, ...): no handler of ours,
                                         # so they reach stderr through logging's last resort unless configured
 _LOG_LEVEL_WARN, _LOG_LEVEL_CONT = 3, 5   # enum ggml_log_level (ggml.h)
@@ -74,13 +74,6 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
 
 _llama_cpp_log = _llama_cpp_logger.llama_log_callback  # bound now: no import inside a callback
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-
-
-def take_log_lines(n: int = 3) -> str:
-    """llama.cpp's last warning/error lines since the last call (cleared), or ''."""
-    lines = list(_LOG_TAIL)[-n:]
-    _LOG_TAIL.clear()
-    return " | ".join(lines)
 
 
 # one model load at a time: llama-cpp-python's verbose=False swaps the process's stdout/stderr
