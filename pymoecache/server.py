@@ -123,6 +123,40 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
         raise RequestError(f"'{param}' " + str(e).removeprefix("grammar: "), 400, param) from None
 
 
+# sampling fields: (lowest, highest); NaN is out of every range (JSON parsers here accept NaN)
+_SAMPLING_RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
+                    "repeat_penalty": (0.0, 1e6), "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6),
+                    "mirostat_tau": (0.0, 1e6), "mirostat_eta": (0.0, 1e6)}
+
+
+def _check_sampling(llm, body) -> None:
+    """400 for what llama-cpp-python would silently misread: NaN or out-of-range sampling numbers,
+    logit_bias ids that are not tokens of the model, more than one choice."""
+    import math
+
+    for name, (lo, hi) in _SAMPLING_RANGES.items():
+        v = getattr(body, name, None)
+        if v is not None and not lo <= v <= hi:
+            raise RequestError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {v}", 400, name)
+    for name in ("n", "best_of"):
+        v = getattr(body, name, None)
+        if v is not None and v != 1:
+            raise RequestError(f"'{name}' must be 1: this server answers one choice per request", 400, name)
+    bias = getattr(body, "logit_bias", None) or {}
+    if bias and getattr(body, "logit_bias_type", None) != "tokens":  # keys are token ids
+        n_vocab = llm.n_vocab()
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                tok = -1
+            if not 0 <= tok < n_vocab:
+                raise RequestError(f"'logit_bias' key {key[:20]!r} is not a token id of this model (0 to {n_vocab - 1})",
+                                   400, "logit_bias")
+            if math.isnan(value):
+                raise RequestError(f"'logit_bias' value for token {tok} is NaN", 400, "logit_bias")
+
+
 def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", 422, "messages")
@@ -168,6 +202,7 @@ def validate_request(llm, path: str, raw: bytes):
         raise _field_error(e.errors()) from None
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
+    _check_sampling(llm, body)
     if body.grammar is not None:
         check_grammar(llm, body.grammar)
     rf = d.get("response_format") if chat else None

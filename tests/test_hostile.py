@@ -909,6 +909,17 @@ HTTP_CASES = [
     ("chat-content-number", CH, {"messages": [{"role": "user", "content": 5}], "max_tokens": 4}, 422),
     ("chat-max-tokens-negative", CH, {"messages": _MSG, "max_tokens": -5}, 422),
     ("chat-bad-grammar", CH, {"messages": _MSG, "max_tokens": 4, "grammar": "root ::= ["}, 400),
+    # issue 25 item 8: what llama-cpp-python would silently misread
+    ("temperature-nan", C, {"prompt": "x", "max_tokens": 4, "temperature": math.nan}, 400),
+    ("top-p-above-one", C, {"prompt": "x", "max_tokens": 4, "top_p": 2.0}, 422),
+    ("min-p-negative", CH, {"messages": _MSG, "max_tokens": 4, "min_p": -0.5}, 422),
+    ("n-two", C, {"prompt": "x", "max_tokens": 4, "n": 2}, 400),
+    ("chat-n-two", CH, {"messages": _MSG, "max_tokens": 4, "n": 2}, 400),
+    ("best-of-three", C, {"prompt": "x", "max_tokens": 4, "best_of": 3}, 400),
+    ("logit-bias-out-of-range", C, {"prompt": "x", "max_tokens": 4, "logit_bias": {"99999999": 1.0}}, 400),
+    ("logit-bias-negative-id", C, {"prompt": "x", "max_tokens": 4, "logit_bias": {"-1": 1.0}}, 400),
+    ("logit-bias-not-an-id", CH, {"messages": _MSG, "max_tokens": 4, "logit_bias": {"abc": 1.0}}, 400),
+    ("logit-bias-nan", C, {"prompt": "x", "max_tokens": 4, "logit_bias": {"5": math.nan}}, 400),
     ("chat-bad-schema", CH, {"messages": _MSG, "max_tokens": 4,
                              "response_format": {"type": "json_object", "schema": {"type": "frobnicate"}}}, 400),
     ("chat-schema-not-object", CH, {"messages": _MSG, "max_tokens": 4,
@@ -951,6 +962,16 @@ def test_http_client_error(name, path, body, status, hostile_server):
     assert err["message"] and err["type"] == "invalid_request_error", text[:500]
     assert "/work/" not in text and str(ROOT) not in text and "Traceback" not in text and ".py" not in text, text[:500]
     assert proc.poll() is None, "the server died"
+
+
+@needs_server_extras
+def test_http_sampling_fields_in_range_are_served(hostile_server):
+    base, proc, log = hostile_server
+    for body in ({"prompt": "x", "max_tokens": 4, "logit_bias": {"5": -100.0}}, {"prompt": "x", "max_tokens": 4, "n": 1},
+                 {"prompt": "x", "max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "best_of": 1}):
+        code, text = _http(base, C, body)
+        assert code == 200, (body, text[:300])
+        assert json.loads(text)["choices"][0]["text"] is not None
 
 
 @needs_server_extras
