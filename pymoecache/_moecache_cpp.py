@@ -174,6 +174,12 @@ moecache_get_cached = _fn("moecache_get_cached", [moecache_p, c_int32, POINTER(c
 moecache_get_trace = _fn("moecache_get_trace", [moecache_p, POINTER(moecache_trace_record), c_int32], c_int32)
 moecache_state_save = _fn("moecache_state_save", [moecache_p, c_char_p], c_int32)
 moecache_state_load = _fn("moecache_state_load", [moecache_p, c_char_p], c_int32)
+# int32_t moecache_guard_add(const struct llama_model * model, const char * path);
+moecache_guard_add = _fn("moecache_guard_add", [c_void_p, c_char_p], c_int32)
+# int64_t moecache_guard_faults(int32_t id);
+moecache_guard_faults = _fn("moecache_guard_faults", [c_int32], c_int64)
+# void moecache_guard_remove(int32_t id);
+moecache_guard_remove = _fn("moecache_guard_remove", [c_int32], None)
 moecache_route = _fn("moecache_route", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float), POINTER(c_float),
                                         c_int32, c_int32, c_int32, c_bool, POINTER(c_int32), POINTER(c_int8)], c_int32)
 

@@ -692,6 +692,14 @@ class Llama(llama_cpp.Llama):
             finally:
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
                 llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
+        # a truncation of the mapped file faults in the middle of a matmul: the guard answers with
+        # zeros and counts, eval() refuses the decode (moecache-guard.cpp)
+        self._guard = -1
+        if self._file_sig is not None:
+            guard = C.moecache_guard_add(self._model.model, os.fsencode(str(model_path)))
+            if guard >= 0:
+                self._guard = guard
+                self._stack.callback(C.moecache_guard_remove, guard)  # LIFO: before the model is freed
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
@@ -737,6 +745,10 @@ class Llama(llama_cpp.Llama):
             self._check_file()
             with self._token_lock:
                 super().eval(tokens)
+                if self._guard >= 0 and C.moecache_guard_faults(self._guard):
+                    raise MoECacheIOError(f"the model file {self.model_path} was truncated while in use: "
+                                          f"{C.moecache_guard_faults(self._guard)} pages of it are gone, and this "
+                                          "decode read zeros in their place; load the model again")
                 self._check_logits()
         except RuntimeError as e:
             if isinstance(e, MoECacheError):

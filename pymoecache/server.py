@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .config import CacheConfig, Routing, TopK, parse_routing, resolved_top_j
-from .errors import MissingDependencyError
+from .errors import Error, MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
 
@@ -435,6 +435,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                                                "param": None, "code": None}}, status_code=499)
             except RequestError as e:
                 return e.response()
+            except Error as e:  # the model cannot serve (its file changed, NaN weights, an I/O error): say so
+                _log.error("request to %s failed: %s", request.url.path, e)
+                return JSONResponse({"error": {"message": str(e), "type": "model_error", "param": None,
+                                               "code": None}}, status_code=503)
             except HTTPException:
                 raise
             except ValueError as e:  # llama-cpp-python's own checks of a request (context window, ...)

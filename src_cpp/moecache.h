@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 8
+#define MOECACHE_ABI_VERSION 9
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -337,6 +337,16 @@ MOECACHE_API int32_t moecache_get_router_record(const struct moecache * mc, int3
 // anything: a damaged file is MOECACHE_ERR_CORRUPT, another model's MOECACHE_ERR_MISMATCH.
 MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
+
+// The model file shrinking under a running process (moecache-guard.cpp). llama.cpp maps the GGUF;
+// once another process truncates it, touching a page past the new end raises SIGBUS. While a
+// guard is added, a SIGBUS inside the model's mapping is answered with a page of zeros instead,
+// and counted: check moecache_guard_faults() after each decode and discard that decode's output
+// when it grew (its logits came from zeros). A SIGBUS elsewhere goes to the previous handler.
+// Returns a guard id >= 0; MOECACHE_ERR_STATE when nothing of `path` is mapped (use_mmap off).
+MOECACHE_API int32_t moecache_guard_add(const struct llama_model * model, const char * path);
+MOECACHE_API int64_t moecache_guard_faults(int32_t id);   // pages replaced by zeros since moecache_guard_add
+MOECACHE_API void    moecache_guard_remove(int32_t id);   // before the model is freed
 
 // Usage profile (moecache-profile.cpp): what past requests selected, kept across processes.
 // It holds, per layer, the count of every expert's selections over the requests filed by
