@@ -689,6 +689,10 @@ class Llama(llama_cpp.Llama):
                     raise ConfigError(f"llama.cpp could not create a context for {model_path} "
                                       f"(n_ctx={kwargs.get('n_ctx', 512)}): {why}") from None
                 raise ModelLoadError(f"llama.cpp could not load {model_path}: {why}") from None
+            except MemoryError:  # llama-cpp-python's arrays per context position (scores, token ids)
+                raise ConfigError(f"not enough memory for a context of n_ctx={kwargs.get('n_ctx', 512)} tokens"
+                                  + (" with logits_all=True (n_ctx x n_vocab floats)" if kwargs.get("logits_all")
+                                     else "") + ": use a smaller n_ctx (-c)") from None
             finally:
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
                 llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter

@@ -8,7 +8,7 @@ import llama_cpp
 
 import pymoecache
 from pymoecache import CacheConfig, Prior, TopK
-from conftest import model_path
+from conftest import ROOT, model_path
 
 QWEN = "qwen2moe-60x4"
 
@@ -100,3 +100,25 @@ def test_default_model_is_the_trained_qwen2moe():
     assert p.exists() and p.suffix == ".gguf"
     info = pymoecache.model_info(p)
     assert info.is_moe and info.n_expert == 60 and info.n_expert_used == 4
+
+
+def test_a_context_too_large_for_the_memory_limit_is_a_config_error(fixture_dir):
+    """Issue 25 item 8: under a memory limit, llama-cpp-python's n_ctx x n_vocab score array raised a
+    bare MemoryError; now ConfigError naming n_ctx."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT)!r})
+import pymoecache
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+try:
+    pymoecache.Llama({str(model_path(fixture_dir, "qwen2moe-60x4"))!r}, n_ctx=200000, logits_all=True, verbose=False)
+    print("LOADED")
+except pymoecache.ConfigError as e:
+    print("ConfigError", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert "ConfigError not enough memory for a context of n_ctx=200000" in r.stdout, r.stdout
