@@ -704,6 +704,7 @@ class Llama(llama_cpp.Llama):
             if guard >= 0:
                 self._guard = guard
                 self._stack.callback(C.moecache_guard_remove, guard)  # LIFO: before the model is freed
+        self._no_vocab = llama_cpp.llama_vocab_type(self._model.vocab) == llama_cpp.LLAMA_VOCAB_TYPE_NONE
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
@@ -763,6 +764,21 @@ class Llama(llama_cpp.Llama):
             raise e
         finally:
             self._busy.release()
+
+    def _check_vocab(self) -> None:
+        if self._no_vocab:  # llama.cpp asserts (aborts) on text with a vocabulary of type none
+            raise ModelFileError(f"{self.model_path} has no tokenizer (tokenizer.ggml.model is none or missing): it "
+                                 "takes token ids (eval), not text")
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False):
+        """``llama_cpp.Llama.tokenize``; ModelFileError for a model without a tokenizer."""
+        self._check_vocab()
+        return super().tokenize(text, add_bos, special)
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        """``llama_cpp.Llama.detokenize``; ModelFileError for a model without a tokenizer."""
+        self._check_vocab()
+        return super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
 
     def _check_logits(self) -> None:
         """ModelFileError when the last token's logits are not finite: NaN or inf in the weights (the

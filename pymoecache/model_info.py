@@ -20,6 +20,11 @@ GGUF_MAGIC = b"GGUF"
 # the routed-expert tensors: .weight is the [n_in, n_out, n_expert] matrix the cache moves; llama.cpp
 # also loads per-expert .bias [n_out, n_expert] (gpt-oss), .scale and .input_scale [n_expert]
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(\w+)$")
+_TOKEN_TYPE_BYTE = 6     # llama_token_type: LLAMA_TOKEN_TYPE_BYTE
+# tokenizer.ggml.model values whose vocabulary type turns byte tokens into text with
+# token_to_byte, which aborts for them (GGML_ABORT in llama_vocab::impl::token_to_byte, reached
+# while the vocab loads): WPM. (rwkv, test and plamo2 render byte tokens their own way.)
+_NO_BYTE_TOKENS = frozenset({"bert"})
 _GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax-weight", 4: "sqrt-softplus"}
 
 # llama.cpp's limits: beyond them it aborts (GGML_ASSERT) instead of failing the load
@@ -237,6 +242,21 @@ class _Header:
         self.alignment = align
         self.data_start = (self.pos + align - 1) // align * align
         self.duplicate_token = self._duplicate_string("tokenizer.ggml.tokens")
+        self.has_byte_tokens = self._array_has("tokenizer.ggml.token_type", _TOKEN_TYPE_BYTE)
+
+    def _array_has(self, key: str, value: int) -> bool:
+        """Whether the int32 array ``key`` holds ``value`` (False when there is no such array)."""
+        arr = self.kv.get(key)
+        if not isinstance(arr, _Array) or arr.etype not in (4, 5):  # uint32, int32
+            return False
+        import array
+
+        start = self.array_at[key] + 12
+        if start + 4 * arr.count > self.size:
+            return False
+        values = array.array("i")
+        values.frombytes(bytes(self.buf[start:start + 4 * arr.count]))
+        return value in values
 
     def _duplicate_string(self, key: str):
         """(index, text) of the first string of array ``key`` equal to an earlier one, or None.
@@ -369,6 +389,10 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
             n *= d
         return n // block * size
 
+    tokenizer = kv_str("tokenizer.ggml.model")
+    if h.has_byte_tokens and tokenizer in _NO_BYTE_TOKENS:
+        raise ModelFileError(f"{p}: a '{tokenizer}' (WordPiece) vocabulary with byte tokens (token type 6): "
+                             "llama.cpp aborts on this file")
     if h.duplicate_token is not None:
         i, text = h.duplicate_token
         raise ModelFileError(f"{p}: the vocabulary repeats token {text[:40]!r} (id {i}): llama.cpp aborts on such a "

@@ -54,3 +54,40 @@ def test_a_vocabulary_with_a_repeated_token_is_refused_at_the_door(fixture_dir, 
     ok = tmp_path / "ok.gguf"
     ok.write_bytes(g.to_bytes())
     assert model_info(ok).is_moe
+
+
+VOCAB_CASES = [
+    # (name, edit of the fixture's header, what `pymoecache run` must say; None = it runs)
+    ("bos-out-of-range", lambda g, ge: g.set("tokenizer.ggml.bos_token_id", ge.UINT32, 10**6), None),
+    ("unk-out-of-range", lambda g, ge: g.set("tokenizer.ggml.unknown_token_id", ge.UINT32, 4000000000), None),
+    ("no-tokens", lambda g, ge: g.drop("tokenizer.ggml.tokens"), "cannot find tokenizer"),
+    ("unknown-tokenizer", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "nonsense"), "unknown tokenizer"),
+    ("bpe-without-merges", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "gpt2"), "merges"),
+    ("wordpiece-with-byte-tokens", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "bert"), "WordPiece"),
+    ("no-tokenizer-given-text", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "none"), "has no tokenizer"),
+    ("rwkv", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "rwkv"), None),
+    ("t5", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "t5"), None),
+    ("plamo2", lambda g, ge: g.set("tokenizer.ggml.model", ge.STRING, "plamo2"), None),
+    ("scores-short", lambda g, ge: g.set("tokenizer.ggml.scores", ge.ARRAY, (ge.FLOAT32, [0.0] * 10)), "Index out of"),
+]
+
+
+@pytest.mark.parametrize("name, edit, says", VOCAB_CASES, ids=[c[0] for c in VOCAB_CASES])
+def test_vocabulary_content_llama_cpp_asserts_on(fixture_dir, tmp_path, name, edit, says):
+    """Issue 25 item 6: vocabularies that reach a GGML_ASSERT/GGML_ABORT in llama.cpp are refused
+    with a message; the ones llama.cpp runs still run. Never a signal."""
+    import subprocess
+    import sys
+
+    import gguf_edit as ge
+
+    g = ge.Gguf.parse((fixture_dir / "qwen2moe-60x4.gguf").read_bytes())
+    edit(g, ge)
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(g.to_bytes())
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-n", "4", "-p", "Hello world"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    if says is None:
+        assert r.returncode == 0, r.stderr[-1500:]
+    else:
+        assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stderr[-1500:])
