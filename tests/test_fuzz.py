@@ -55,3 +55,57 @@ def test_fuzz_mutators_reach_both_outcomes(header_fuzz, warm_state, tmp_path):
     (tmp_path / "s").write_bytes(raw)
     outcomes.add(fz.check_state(mc, tmp_path / "s"))
     assert outcomes == {"ok", "refused"}
+
+
+_GRAMMAR_SEEDS = ['root ::= "yes" | "no"', 'root ::= [a-z]+ " " [0-9]*', 'root ::= ("a" | "b")* "c"',
+                  'root ::= item+\nitem ::= "x" [^\\n]? "\\n"', 'root ::= [\\x01-\\x7F]{1,3}',
+                  'root ::= "\\u00e9" | "\\x41"']
+_GRAMMAR_PIECES = ['"', "[", "]", "(", ")", "|", "*", "+", "?", "\\", "\\x00", "\\u0000", "\\x", "::=", "root", "\n",
+                   "#", "^", "-", "{", "}", "{2,1}", "\x00", "é", "x ::= y", " "]
+
+
+def grammar_mutants(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        g = _GRAMMAR_SEEDS[rng.integers(len(_GRAMMAR_SEEDS))]
+        for _ in range(int(rng.integers(1, 4))):
+            i = int(rng.integers(0, len(g) + 1))
+            op = rng.integers(3)
+            if op == 0:
+                g = g[:i] + _GRAMMAR_PIECES[rng.integers(len(_GRAMMAR_PIECES))] + g[i:]
+            elif op == 1 and g:
+                g = g[:i] + g[i + 1:]
+            else:
+                g = g[:i] + g[i:][::-1][: int(rng.integers(0, 6))] + g[i:]
+        yield g
+
+
+def test_fuzz_grammars_never_kill_the_process(fixture_dir, tmp_path):
+    """Mutated grammars through pymoecache.Llama (issue 25 item 4): each is refused with
+    GrammarError or constrains a short generation; a signal ends the child and fails the test."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cases = tmp_path / "grammars.json"
+    cases.write_text(json.dumps(list(grammar_mutants(300, seed=25))))
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import pymoecache, llama_cpp
+llm = pymoecache.Llama({str(model_path(fixture_dir, "qwen2moe-60x4"))!r}, verbose=False)
+ok = refused = 0
+for g in json.load(open({str(cases)!r})):
+    try:
+        llm("Hi", max_tokens=2, temperature=0, grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))
+        ok += 1
+    except pymoecache.GrammarError:
+        refused += 1
+print("OK", ok, "REFUSED", refused)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    ok, refused = int(r.stdout.split()[1]), int(r.stdout.split()[3])
+    assert ok + refused == 300 and ok > 20 and refused > 20, r.stdout  # both outcomes reached
