@@ -54,8 +54,9 @@ _ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 _log = logging.getLogger("pymoecache.serve")
 
 
-# the disconnect of the client whose non-streamed request is being generated (set per request by
-# create_app's handler; run_in_threadpool carries it into the thread that decodes)
+# the disconnect of the client whose request is being generated (set per request by create_app's
+# handler, for a stream while its response is sent; run_in_threadpool carries it into the thread
+# that decodes, where _ServedLlama.eval reads it)
 _CLIENT_GONE: "contextvars.ContextVar[Optional[threading.Event]]" = contextvars.ContextVar("client_gone", default=None)
 
 
@@ -407,6 +408,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 await self.response(scope, receive, send)
             except _ClientGone:  # the generation stopped because the client left: nobody to answer
                 _log.info("client of %s disconnected: generation stopped", self.request.url.path)
+            except Error as e:  # mid-stream, after the status was sent: the stream ends without [DONE]
+                _log.error("streamed request to %s stopped: %s", self.request.url.path, e)
             finally:
                 queue.active -= 1
                 self.gone.set()
@@ -421,6 +424,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 body = validate_request(proxy(), request.url.path, await request.body())
                 if queue.active > queue.max_queue:
                     return queue.busy_response()
+                proxy()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
                 if body.stream:  # the generation runs while the response is sent, after this handler
                     return StopWhenGone(await endpoint(request=request, body=body), request, gone)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))

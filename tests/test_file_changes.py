@@ -118,6 +118,9 @@ def test_the_server_says_what_happened_and_keeps_answering(fixture_dir, tmp_path
         assert e.value.code == 503
         err = json.loads(e.value.read())["error"]
         assert err["type"] == "model_error" and "was replaced" in err["message"], err
+        with pytest.raises(urllib.error.HTTPError) as e:  # a stream too: 503 before it starts, not an empty stream
+            http_request(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": True})
+        assert e.value.code == 503
         assert json.loads(http_request(base + "/health")[1])["status"] == "ok"  # still serving what it can
         assert json.loads(http_request(base + "/moecache/stats")[1])["tokens"] > 0
         assert proc.poll() is None
