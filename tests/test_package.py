@@ -165,3 +165,32 @@ def test_the_build_leaves_amx_off_unless_asked():
         assert lines
         if platform.machine() in ("x86_64", "AMD64") and "-march=native" in lines[0]:
             assert "-mno-amx-int8" in lines[0] and "-mno-amx-tile" in lines[0], lines[0]
+
+
+def test_on_an_amx_cpu_the_build_compiles_no_amx_kernels(tmp_path):
+    """What the native build does on a Sapphire Rapids host, on any x86-64 host: ggml's AMX source
+    compiled with its recorded command, -march=native replaced by -march=sapphirerapids, defines no
+    AMX buffer type; without our -mno-amx-* flags (the control) it does."""
+    import shlex
+    import shutil
+
+    commands = pymoecache._lib.find_lib_dir().parent / "compile_commands.json"
+    if platform.machine() not in ("x86_64", "AMD64") or not commands.exists() or not shutil.which("nm"):
+        pytest.skip("an x86-64 source build with compile_commands.json and nm")
+    entry = next((c for c in json.loads(commands.read_text()) if c["file"].endswith("ggml-cpu/amx/amx.cpp")), None)
+    if entry is None or "-march=native" not in entry["command"]:
+        pytest.skip("not a native build")
+    argv = shlex.split(entry["command"])
+
+    def amx_symbols(args, name):
+        args = ["-march=sapphirerapids" if a == "-march=native" else a for a in args]
+        args[args.index("-o") + 1] = str(tmp_path / name)
+        r = subprocess.run(args, cwd=entry["directory"], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"the compiler does not build for sapphirerapids: {r.stderr[-300:]}")
+        nm = subprocess.run(["nm", "-C", str(tmp_path / name)], capture_output=True, text=True, check=True).stdout
+        return [ln for ln in nm.splitlines() if " T " in ln and "amx" in ln]
+
+    assert amx_symbols(argv, "off.o") == []
+    control = [a for a in argv if not a.startswith("-mno-amx")]
+    assert any("ggml_backend_amx_buffer_type" in ln for ln in amx_symbols(control, "on.o"))
