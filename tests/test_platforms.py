@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -117,3 +118,34 @@ def test_build_android_explains_a_missing_ndk(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts/build_android.sh")], capture_output=True, text=True,
                        env={**env, "ANDROID_NDK": str(tmp_path)})
     assert r.returncode == 2 and "is not an NDK" in r.stderr
+
+
+def test_compare_traces_tells_a_near_tie_from_a_real_difference(fixture_dir, moecache_run, tmp_path):
+    """scripts/compare_traces.py (test_aarch64.sh's judge for F16 cases) on real reports: a run
+    against itself is the same; the same run with one selection flipped parts at a near-tie (equal
+    router logits); the F16 model against its Q8_0 copy differs (logits apart by more than rounding)."""
+    def report(variant, out):
+        r = subprocess.run([str(moecache_run), "-m", str(model_path(fixture_dir, "qwen2moe-60x4", variant)), "-p", PROMPT,
+                            "-n", "8", "-t", "2", "--cache", "0.5", "--routing", "prior:0.5", "--trace"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out.write_text(r.stdout)
+        return out
+
+    a, a2, q = report("", tmp_path / "a.txt"), report("", tmp_path / "a2.txt"), report(".Q8_0", tmp_path / "q.txt")
+    text = a.read_text()
+    assert re.search(r"^z L=\d+ T=0 -?\d", text, re.M)  # the router logits are in the report
+    flipped = tmp_path / "flipped.txt"
+    m = re.search(r"^sel L=(\d+) T=5 (\d+),(\d+),", text, re.M)
+    flipped.write_text(text.replace(m.group(0), f"sel L={m.group(1)} T=5 {m.group(3)},{m.group(2)},", 1))
+
+    def judge(x, y):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts/compare_traces.py"), str(x), str(y)],
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout
+
+    assert judge(a, a2)[0] == 0 and judge(a, a2)[1].startswith("same")
+    rc, out = judge(a, flipped)
+    assert rc == 0 and out.startswith(f"near-tie at L={m.group(1)} T=5"), out
+    rc, out = judge(a, q)
+    assert rc == 1 and out.startswith("differ: router logits part"), out

@@ -11,6 +11,7 @@
 //     prompt <token ids>
 //     gen <i> <token id>                        one line per generated token
 //     sel L=<layer> T=<token> <e0>,<e1>,..  hit=<bits> topk=<bits>   (--trace: one line per layer and token)
+//     z L=<layer> T=<token> <z0> <z1> ..        (--trace: the router logits of that selection)
 //     layer <il> tokens=.. hits=.. misses=.. hit_rate=..
 //     total tokens=.. selections=.. hits=.. misses=.. evictions=.. hit_rate=.. misses_per_token=..
 //
@@ -299,6 +300,7 @@ int main(int argc, char ** argv) {
 
     const int32_t n_layer = llama_model_n_layer(model);
     cp.trace_capacity = trace ? (int32_t) (n_layer * (n_prompt + n_predict + 1)) : 0;
+    cp.router_record  = trace ? (int32_t) (n_prompt + n_predict + 1) : 0; // the z lines of --trace
     moecache * mc = moecache_init(model, cp, rp);
     if (!mc) die("moecache_init: %s", moecache_last_error());
     if (default_j) { // J by K, as the Python package: 1 for K <= 3, 2 for K >= 4
@@ -371,6 +373,20 @@ int main(int argc, char ** argv) {
             printf("sel L=%d T=%" PRId64 " ", t.layer, t.token);
             for (int i = 0; i < ns; i++) printf(i ? ",%d" : "%d", t.experts[i]);
             printf(" hit=%s topk=%s\n", bits(t.hit_mask, ns).c_str(), bits(t.top_k_mask, ns).c_str());
+        }
+        // the router logits behind each selection: two machines whose selections part can tell a
+        // near-tie (the same z up to rounding) from a real difference (scripts/test_aarch64.sh)
+        std::vector<float> z;
+        for (int32_t il = 0; il < n_layer; il++) {
+            moecache_layer_stats ls{};
+            if (moecache_get_layer_stats(mc, il, &ls) != MOECACHE_OK || ls.tokens == 0 || ls.n_expert <= 0) continue;
+            z.resize((size_t) cp.router_record * (size_t) ls.n_expert);
+            const int32_t n_rec = moecache_get_router_record(mc, il, z.data(), nullptr, nullptr, cp.router_record, nullptr);
+            for (int32_t t = 0; t < std::min(n_rec, cp.router_record); t++) {
+                printf("z L=%d T=%d", il, t);
+                for (int32_t e = 0; e < ls.n_expert; e++) printf(" %.6g", z[(size_t) t * ls.n_expert + e]);
+                printf("\n");
+            }
         }
     }
     for (int32_t il = 0; il < n_layer; il++) {
