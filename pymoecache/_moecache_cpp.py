@@ -103,6 +103,26 @@ class moecache_residency_stats(ctypes.Structure):
         ("prefetch_wasted", c_int64),
         ("predicted_selected", c_int64),
         ("predicted_total", c_int64),
+        ("decode_t_read_ms", c_double),
+    ]
+
+
+# enum moecache_event_kind
+EVENT_KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy")
+
+
+class moecache_event(ctypes.Structure):
+    _fields_ = [
+        ("kind", c_int32),
+        ("layer", c_int32),
+        ("expert", c_int32),
+        ("thread", c_int32),
+        ("n_tokens", c_int32),
+        ("pad", c_int32),
+        ("t_queued_us", c_int64),
+        ("t_start_us", c_int64),
+        ("t_end_us", c_int64),
+        ("bytes", c_int64),
     ]
 
 
@@ -141,6 +161,14 @@ moecache_set_load_residency = _fn("moecache_set_load_residency", [c_int32], None
 moecache_get_residency_stats = _fn("moecache_get_residency_stats", [moecache_p, POINTER(moecache_residency_stats)],
                                    c_int32)
 moecache_take_io_error = _fn("moecache_take_io_error", [moecache_p], c_char_p)
+# int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity);
+moecache_timeline_start = _fn("moecache_timeline_start", [moecache_p, c_int32], c_int32)
+# int32_t moecache_timeline_get(const struct moecache * mc, struct moecache_event * out, int32_t cap,
+#                               int64_t * n_dropped);
+moecache_timeline_get = _fn("moecache_timeline_get", [moecache_p, POINTER(moecache_event), c_int32, POINTER(c_int64)],
+                            c_int32)
+# int64_t moecache_time_now_us(void);
+moecache_time_now_us = _fn("moecache_time_now_us", [], c_int64)
 moecache_free = _fn("moecache_free", [moecache_p], None)
 moecache_attach = _fn("moecache_attach", [moecache_p, c_void_p], c_int32)
 moecache_detach = _fn("moecache_detach", [moecache_p], None)

@@ -51,6 +51,7 @@ class ResidencyStats:
     prefetch_wasted: int = 0
     predicted_selected: int = 0
     predicted_total: int = 0
+    decode_t_read_ms: float = 0.0    # stream: wall time with at least one expert read in flight (decode)
 
     @property
     def recall(self) -> float:
@@ -75,6 +76,14 @@ class ResidencyStats:
         return self.decode_t_route_ms / self.decode_tokens if self.decode_tokens else 0.0
 
     @property
+    def overlap(self) -> float:
+        """Share of the read time hidden behind compute: 1 - I/O wait / time with reads in flight
+        (0 when nothing was read)."""
+        if self.decode_t_read_ms <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.decode_t_io_ms / self.decode_t_read_ms))
+
+    @property
     def t_compute_ms_per_token(self) -> float:
         """Decode time that is neither waiting for reads nor routing (0 if the eval time is unknown)."""
         if not self.decode_tokens or self.decode_t_eval_ms <= 0:
@@ -90,13 +99,17 @@ class ResidencyStats:
                 "prompt_bytes_read": self.prompt_bytes_read, "prefetch": self.prefetch,
                 "demand_bytes_read": self.demand_bytes_read, "prefetch_bytes_read": self.prefetch_bytes_read,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
-                "prefetch_wasted": self.prefetch_wasted, "prefetch_recall": self.recall}
+                "prefetch_wasted": self.prefetch_wasted, "prefetch_recall": self.recall,
+                "t_read_ms_per_token": self.decode_t_read_ms / self.decode_tokens if self.decode_tokens else 0.0,
+                "overlap": self.overlap}
 
     def summary(self) -> str:
         mib = 2.0 ** 20
         return (f"{self.residency}: read {self.bytes_read_per_token / mib:.2f} MiB/tok | "
                 f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
-                f"routing {self.t_route_ms_per_token:.3f} ms | rss {self.rss_bytes / mib:.0f} MiB"
+                f"routing {self.t_route_ms_per_token:.3f} ms"
+                + (f", overlap {100 * self.overlap:.0f}% of reads hidden" if self.decode_t_read_ms > 0 else "")
+                + f" | rss {self.rss_bytes / mib:.0f} MiB"
                 + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
                    if self.residency == "stream" else "")
                 + (f" | prefetch {self.prefetch}: recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "

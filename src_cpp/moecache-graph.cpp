@@ -152,11 +152,12 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_tokens = dst->ne[1];
 
     const moecache_routing_params rp = mc.rparams; // one consistent set for the whole ubatch
-    const bool decode = n_tokens == 1;
+    const bool decode = L.graph.n_ubatch == 1;     // (a prompt's last layer routes one token too: its output row)
     const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
     const bool update = decode || mc.cparams.update_on_prompt;
 
-    const int64_t t0 = decode ? moecache_time_us() : 0;
+    const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
+    const int64_t t0 = decode || timeline ? moecache_time_us() : 0;
     int8_t hit[MOECACHE_MAX_USED];
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
@@ -188,6 +189,17 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 mc.t_io_decode_us += moecache_time_us() - t1; // (a slot taken back waits for its stale read)
             }
         }
+    }
+    if (timeline) {
+        moecache_event e = {};
+        e.kind        = MOECACHE_EVENT_ROUTE;
+        e.layer       = L.il;
+        e.expert      = -1;
+        e.n_tokens    = (int32_t) n_tokens;
+        e.t_queued_us = t0;
+        e.t_start_us  = t0;
+        e.t_end_us    = moecache_time_us();
+        moecache_timeline_add(&mc.timeline, e);
     }
 }
 
@@ -301,6 +313,10 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
         return selected;
     }
     moecache_layer & L = mc->layers[il];
+    if (mc->build_n_ubatch == 0) {
+        mc->build_n_ubatch = selected->ne[1];
+    }
+    L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
     ggml_tensor * pred = predict_router(*mc, ctx, logits, il, selected->ne[1]);
@@ -339,6 +355,12 @@ ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggm
     return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
 }
 
+// the layer runs a decode: a ubatch of one token (not the output row of a prompt's last layer);
+// n_tokens: what the layer sees, for a layer the routing hook did not see (n_ubatch 0)
+static bool moecache_layer_decodes(const moecache_layer & L, int64_t n_tokens) {
+    return (L.graph.n_ubatch > 0 ? L.graph.n_ubatch : n_tokens) == 1;
+}
+
 // dst: I32 [K, n_tokens] = slot ids (STREAM decode) or the expert ids; src[0]: the expert ids.
 // Reads or locks what the layer's experts need first (moecache-residency.cpp).
 static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -348,15 +370,17 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     moecache_layer & L = *(moecache_layer *) userdata;
     moecache_residency_sync(L, (const int32_t *) dst->src[0]->data, (int32_t *) dst->data, ggml_nelements(dst),
-                            dst->ne[1] == 1);
+                            moecache_layer_decodes(L, dst->ne[1]));
 }
 
 // --- residency: the op in front of a layer's expert matmuls ---------------------------------
 
 void moecache_residency_graph_begin(moecache & mc) {
+    mc.build_n_ubatch = 0;
     for (moecache_layer & L : mc.layers) {
-        L.graph.ids_in  = nullptr;
-        L.graph.ids_out = nullptr;
+        L.graph.ids_in   = nullptr;
+        L.graph.ids_out  = nullptr;
+        L.graph.n_ubatch = 0;
     }
 }
 
@@ -376,7 +400,7 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         ggml_format_name(L.graph.ids_out, "moecache_experts-%d", L.il);
     }
     ggml_tensor * w = as;
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && ids->ne[1] == 1) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && moecache_layer_decodes(L, ids->ne[1])) {
         for (const moecache_expert_tensor & x : L.res.xt) {
             if (x.model_t == as) {
                 w = x.slots_t;

@@ -56,6 +56,8 @@ struct moecache_layer_graph {
     ggml_tensor * ids_in         = nullptr; // residency: the ids the op below was built for
     ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
+    int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
+                                            //   last layer of a prompt routes only its output rows); 1 = a decode
 };
 
 // where the layer's experts live (moecache-residency.cpp, moecache-slots.cpp): empty for NONE and
@@ -167,10 +169,12 @@ struct moecache {
     std::vector<moecache_io_req> ahead_req;    // [n_layer] a prompt's read-ahead of a layer, on the reader threads
     int32_t ahead_last = -1;                   // the last layer read ahead in this ubatch, or -1
     int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
+    int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;
     int64_t t_io_prompt_us    = 0;
+    mutable moecache_timeline timeline;       // moecache_timeline_start; the reader threads record into it too
     std::atomic<bool> io_failed{false};       // a read failed: the abort callback stops the graph
     std::mutex        io_error_mutex;
     std::string       io_error;
@@ -227,10 +231,6 @@ int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
 void    moecache_hook_detach(moecache * mc);
 void    moecache_graph_set_load_residency(enum moecache_residency residency);
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
-inline int64_t moecache_time_us(void) { // a monotonic clock in microseconds (telemetry)
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // moecache-route.cpp
 // Routes one token of layer L and updates its cache and counters.

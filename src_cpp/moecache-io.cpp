@@ -146,6 +146,53 @@ static bool io_pop(moecache_io & io, moecache_io_item & it) {
     return true;
 }
 
+void moecache_timeline_add(moecache_timeline * tl, const moecache_event & e) {
+    if (!tl || !tl->on.load(std::memory_order_relaxed)) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(tl->mu);
+    if (tl->ev.size() < tl->cap) {
+        tl->ev.push_back(e);
+    } else if (tl->cap > 0) {
+        tl->dropped += 1;
+    }
+}
+
+// (io.mu held) a job starts or ends: the wall time with a READ in flight
+static void io_read_busy(moecache_io & io, const moecache_io_job & j, bool start, int64_t now) {
+    if (j.kind != MOECACHE_IO_READ) {
+        return;
+    }
+    if (start) {
+        if (io.reads_running++ == 0) {
+            io.reads_since = now;
+        }
+    } else if (--io.reads_running == 0) {
+        io.read_busy_us += now - io.reads_since;
+    }
+}
+
+static void io_record(moecache_io & io, const moecache_io_item & it, int32_t thread, int64_t t_start, int64_t t_end) {
+    if (!io.timeline || !io.timeline->on.load(std::memory_order_relaxed)) {
+        return;
+    }
+    moecache_event e = {};
+    switch (it.job.kind) {
+        case MOECACHE_IO_READ:  e.kind = it.ahead || it.req->prefetch ? MOECACHE_EVENT_READ_AHEAD : MOECACHE_EVENT_READ; break;
+        case MOECACHE_IO_AHEAD: e.kind = MOECACHE_EVENT_READ_AHEAD; break;
+        case MOECACHE_IO_LOCK:  e.kind = MOECACHE_EVENT_LOCK; break;
+        case MOECACHE_IO_COPY:  e.kind = MOECACHE_EVENT_COPY; break;
+    }
+    e.layer       = it.job.il;
+    e.expert      = it.job.e;
+    e.thread      = thread;
+    e.t_queued_us = it.t_queued > 0 ? it.t_queued : t_start;
+    e.t_start_us  = t_start;
+    e.t_end_us    = t_end;
+    e.bytes       = (int64_t) it.job.bytes_io;
+    moecache_timeline_add(io.timeline, e);
+}
+
 // (io.mu held) a job ran: its request learns the outcome, waiters are woken
 static void io_finish(moecache_io & io, const moecache_io_item & it) {
     moecache_io_req & r = *it.req;
@@ -171,7 +218,24 @@ static void io_finish(moecache_io & io, const moecache_io_item & it) {
     io.cv_done.notify_all();
 }
 
-static void io_worker(moecache_io * io) {
+// runs one popped job with io.mu held around it (released while the job runs); thread: 0 for
+// the caller's own thread, 1.. for reader threads
+static void io_run_locked(moecache_io & io, std::unique_lock<std::mutex> & lock, moecache_io_item & it, int32_t thread) {
+    if (io.seq_log) {
+        io.seq_log->push_back(it.job.off);
+    }
+    const int64_t t_start = moecache_time_us();
+    io_read_busy(io, it.job, true, t_start);
+    lock.unlock();
+    io_run_job(io, it.job);
+    const int64_t t_end = moecache_time_us();
+    io_record(io, it, thread, t_start, t_end); // (the timeline's own lock, not io.mu)
+    lock.lock();
+    io_read_busy(io, it.job, false, t_end);
+    io_finish(io, it);
+}
+
+static void io_worker(moecache_io * io, int32_t thread) {
     std::unique_lock<std::mutex> lock(io->mu);
     while (true) {
         io->cv_work.wait(lock, [io] { return io->stop || !io->demand.empty() || io_ahead_ready(*io); });
@@ -182,13 +246,7 @@ static void io_worker(moecache_io * io) {
         if (!io_pop(*io, it)) {
             continue;
         }
-        if (io->seq_log) {
-            io->seq_log->push_back(it.job.off);
-        }
-        lock.unlock();
-        io_run_job(*io, it.job);
-        lock.lock();
-        io_finish(*io, it);
+        io_run_locked(*io, lock, it, thread);
     }
 }
 
@@ -216,13 +274,7 @@ static void io_run_inline(moecache_io & io, std::unique_lock<std::mutex> & lock,
     io_take(io.demand, req, &mine);
     io_take(io.prefetch, req, &mine);
     for (moecache_io_item & it : mine) {
-        if (io.seq_log) {
-            io.seq_log->push_back(it.job.off);
-        }
-        lock.unlock();
-        io_run_job(io, it.job);
-        lock.lock();
-        io_finish(io, it);
+        io_run_locked(io, lock, it, 0);
     }
 }
 
@@ -239,7 +291,7 @@ static void io_promote(moecache_io & io, moecache_io_req & req) {
 void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score) {
     std::lock_guard<std::mutex> lock(io.mu);
     req.pending += 1;
-    moecache_io_item it = { job, &req, nullptr, score, false };
+    moecache_io_item it = { job, &req, nullptr, score, false, moecache_time_us() };
     if (score < 0.0f) {
         io.demand.push_back(it);
     } else {
@@ -292,19 +344,19 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
     }
     moecache_io_req req;
     if (jobs.size() == 1 || io.workers.empty()) { // not worth a hand-over
-        int64_t bytes = 0;
+        std::unique_lock<std::mutex> lock(io.mu);
         for (moecache_io_job & j : jobs) {
-            io_run_job(io, j);
-            bytes += j.kind == MOECACHE_IO_READ ? (int64_t) j.bytes_io : 0;
+            moecache_io_item it = { j, &req, &j, -1.0f, false, 0 };
+            req.pending += 1;
+            io_run_locked(io, lock, it, 0);
         }
-        std::lock_guard<std::mutex> lock(io.mu);
-        io.bytes_demand += bytes;
         return;
     }
     {
         std::lock_guard<std::mutex> lock(io.mu);
+        const int64_t now = moecache_time_us();
         for (moecache_io_job & j : jobs) {
-            io.demand.push_back({ j, &req, &j, -1.0f, false });
+            io.demand.push_back({ j, &req, &j, -1.0f, false, now });
             req.pending += 1;
         }
         io.cv_work.notify_all();
@@ -316,7 +368,7 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
 void moecache_io_start(moecache_io & io, int32_t n_threads, int32_t ahead_limit) {
     io.ahead_limit = ahead_limit;
     for (int32_t i = 0; i < n_threads; i++) {
-        io.workers.emplace_back(io_worker, &io);
+        io.workers.emplace_back(io_worker, &io, i + 1);
     }
 }
 

@@ -10,7 +10,10 @@
 // cancels it, which drops its queued jobs and waits for those being read.
 #pragma once
 
+#include "moecache.h" // struct moecache_event (the timeline)
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -58,7 +61,21 @@ struct moecache_io_item {
     moecache_io_job * out;     // where the finished job is copied back (synchronous batches), or nullptr
     float             score;   // prefetch queue: larger runs first
     bool              ahead;   // taken from the prefetch queue (counts against ahead_limit while it runs)
+    int64_t           t_queued = 0; // moecache_time_us() at submission (the timeline)
 };
+
+// What the graph thread and the reader threads did, when (moecache_timeline_start): the first
+// `cap` events, in the order they ended. Its own lock: the graph thread adds to it between jobs.
+struct moecache_timeline {
+    std::atomic<bool>          on{false};   // recording (read without the lock: a cheap test on hot paths)
+    std::mutex                 mu;
+    size_t                     cap = 0;     // 0: not recording
+    int64_t                    dropped = 0; // events past cap
+    std::vector<moecache_event> ev;
+};
+
+// records e if a timeline is being recorded (tl may be nullptr)
+void moecache_timeline_add(moecache_timeline * tl, const moecache_event & e);
 
 struct moecache_io {
     std::vector<moecache_io_job> scratch; // a caller's job list, reused token after token
@@ -82,6 +99,12 @@ struct moecache_io {
     int64_t bytes_prefetch = 0;
     uint64_t n_run         = 0;  // jobs run so far; job k (from 1) got seq = k (tests: execution order)
     std::vector<uint64_t> * seq_log = nullptr; // tests: the `off` of each job as it starts, if set
+    // wall time with at least one READ job running (the overlap: how much of it the graph waited
+    // for), guarded by mu
+    int32_t reads_running = 0;
+    int64_t reads_since   = 0;  // moecache_time_us() when reads_running became 1
+    int64_t read_busy_us  = 0;
+    moecache_timeline * timeline = nullptr; // the owner's timeline, or nullptr
 };
 
 // starts n_threads reader threads, at most ahead_limit of them reading ahead at once (0 = all) /
@@ -108,6 +131,11 @@ void moecache_io_counters(moecache_io & io, int64_t * bytes_demand, int64_t * by
 // MADV_WILLNEED over the whole pages of [src, src + len) of a mapping: the kernel reads them in
 // large requests; returns once they are issued
 void moecache_io_willneed(const char * src, size_t len);
+
+inline int64_t moecache_time_us(void) { // a monotonic clock in microseconds (telemetry, the timeline)
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 inline size_t moecache_page_size() {
     static const size_t ps = (size_t) sysconf(_SC_PAGESIZE);

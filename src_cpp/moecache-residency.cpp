@@ -293,7 +293,19 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
         moecache_warn_mlock_once(L.res.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
-    (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += moecache_time_us() - t0;
+    const int64_t t1 = moecache_time_us();
+    (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0;
+    if (mc.timeline.on.load(std::memory_order_relaxed)) {
+        moecache_event e = {};
+        e.kind        = MOECACHE_EVENT_WAIT;
+        e.layer       = L.il;
+        e.expert      = -1;
+        e.n_tokens    = decode ? 1 : (int32_t) (n_ids / std::max(1, mc.n_expert_used));
+        e.t_queued_us = t0;
+        e.t_start_us  = t0;
+        e.t_end_us    = t1;
+        moecache_timeline_add(&mc.timeline, e);
+    }
 }
 
 // --- setup -----------------------------------------------------------------------------------
@@ -397,6 +409,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     mc.io = new moecache_io();
     mc.ahead_req = std::vector<moecache_io_req>((size_t) mc.n_layer);
     mc.io->fd   = mc.fd;
+    mc.io->timeline = &mc.timeline;
     mc.io->lock = cp.lock_memory;
     if (cp.residency == MOECACHE_RESIDENCY_STREAM && cp.direct_io) {
 #if defined(O_DIRECT)

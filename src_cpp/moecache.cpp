@@ -168,6 +168,8 @@ void moecache_reset_stats(struct moecache * mc) {
         std::lock_guard<std::mutex> lock(mc->io->mu);
         mc->io->bytes_demand   = 0;
         mc->io->bytes_prefetch = 0;
+        mc->io->read_busy_us   = 0;
+        mc->io->reads_since    = moecache_time_us(); // (reads running now count from here)
     }
     mc->t_route_decode_us = 0;
     mc->t_io_decode_us    = 0;
@@ -484,10 +486,63 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     if (mc->io && mc->cparams.residency == MOECACHE_RESIDENCY_STREAM) { // decode reads run on the reader threads
         moecache_io_counters(*mc->io, &out->demand_bytes_read, &out->prefetch_bytes_read);
         out->decode_bytes_read = out->demand_bytes_read + out->prefetch_bytes_read;
+        std::lock_guard<std::mutex> lock(mc->io->mu);
+        int64_t busy = mc->io->read_busy_us;
+        if (mc->io->reads_running > 0) {
+            busy += moecache_time_us() - mc->io->reads_since;
+        }
+        out->decode_t_read_ms = (double) busy / 1000.0;
     }
     out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;
+}
+
+extern "C" int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity) {
+    if (!mc || capacity < 0) {
+        moecache_set_error("moecache_timeline_start: NULL moecache or capacity < 0");
+        return MOECACHE_ERR_INVALID;
+    }
+    std::lock_guard<std::mutex> lock(mc->timeline.mu);
+    mc->timeline.on.store(false);
+    mc->timeline.ev.clear();
+    mc->timeline.dropped = 0;
+    try {
+        if (capacity == 0) {
+            mc->timeline.ev.shrink_to_fit();
+        } else {
+            mc->timeline.ev.reserve((size_t) capacity);
+        }
+    } catch (const std::exception &) {
+        mc->timeline.cap = 0;
+        moecache_set_error("moecache_timeline_start: out of memory for " + std::to_string(capacity) + " events");
+        return MOECACHE_ERR_NO_MEMORY;
+    }
+    mc->timeline.cap = (size_t) capacity;
+    mc->timeline.on.store(capacity > 0);
+    return MOECACHE_OK;
+}
+
+extern "C" int32_t moecache_timeline_get(const struct moecache * mc, struct moecache_event * out, int32_t cap,
+                                         int64_t * n_dropped) {
+    if (!mc || cap < 0 || (cap > 0 && !out)) {
+        moecache_set_error("moecache_timeline_get: NULL argument or cap < 0");
+        return MOECACHE_ERR_INVALID;
+    }
+    moecache_timeline & tl = mc->timeline;
+    std::lock_guard<std::mutex> lock(tl.mu);
+    const size_t n = std::min(tl.ev.size(), (size_t) cap);
+    if (n > 0) {
+        memcpy(out, tl.ev.data(), n * sizeof(moecache_event));
+    }
+    if (n_dropped) {
+        *n_dropped = tl.dropped;
+    }
+    return (int32_t) tl.ev.size();
+}
+
+extern "C" int64_t moecache_time_now_us(void) {
+    return moecache_time_us();
 }
 
 extern "C" const char * moecache_take_io_error(struct moecache * mc) {

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 9
+#define MOECACHE_ABI_VERSION 10
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -245,6 +245,36 @@ struct moecache_residency_stats {
     int64_t prefetch_wasted;      // prefetched experts evicted (or cancelled) before any token selected them
     int64_t predicted_selected;   // selections of predicted layers that the prediction named
     int64_t predicted_total;      // selections of layers a prediction was made for (recall = selected / total)
+    double  decode_t_read_ms;     // STREAM: wall time during which at least one expert read was in flight
+                                  //   (on demand or ahead). The share of it hidden behind compute, the
+                                  //   overlap, is 1 - decode_t_io_ms / decode_t_read_ms
+};
+
+// Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
+// Times are moecache_time_now_us(), a monotonic clock in microseconds.
+enum moecache_event_kind {
+    MOECACHE_EVENT_ROUTE      = 0, // graph thread: a layer's routing decision of a decoded token (and the
+                                   //   prefetch it issues)
+    MOECACHE_EVENT_WAIT       = 1, // graph thread: a layer's residency op: it queues the reads its experts
+                                   //   need and waits for them (STREAM decode), copies or locks them (prompt,
+                                   //   MMAP); the layer's expert matmuls start at t_end_us
+    MOECACHE_EVENT_READ       = 2, // reader thread: a read of an expert a token selected (on demand)
+    MOECACHE_EVENT_READ_AHEAD = 3, // reader thread: a read ahead of the routing (prefetch, a prompt's read-ahead)
+    MOECACHE_EVENT_LOCK       = 4, // reader thread: MMAP locking an expert's pages
+    MOECACHE_EVENT_COPY       = 5, // reader thread: a prompt copying an expert out of the mapping into its slot
+};
+
+struct moecache_event {
+    int32_t kind;        // enum moecache_event_kind
+    int32_t layer;       // the layer
+    int32_t expert;      // READ*, LOCK, COPY: the expert; -1 otherwise
+    int32_t thread;      // 0: the graph thread (or a caller running a job itself); 1..: reader thread
+    int32_t n_tokens;    // ROUTE, WAIT: tokens of the ubatch (1: a decode); 0 otherwise
+    int32_t pad;
+    int64_t t_queued_us; // READ*, LOCK, COPY: when the job was queued; = t_start_us otherwise
+    int64_t t_start_us;
+    int64_t t_end_us;
+    int64_t bytes;       // READ*, LOCK, COPY: bytes requested from storage (one piece of an expert); 0 otherwise
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis
@@ -319,6 +349,16 @@ MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, st
 // it (it returns 2, "aborted", and its output is not used); the expert is read again next time.
 // Returns that error's message and clears it, or NULL if there was none.
 MOECACHE_API const char * moecache_take_io_error(struct moecache * mc);
+
+// Starts recording a timeline of at most `capacity` events, clearing what was recorded (the first
+// `capacity` are kept; 0 stops recording and frees them). Reads, locks and copies are recorded
+// with STREAM or MMAP residency; routing and waits with any.
+MOECACHE_API int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity);
+// Copies up to cap events recorded so far, in the order they ended; returns how many were recorded
+// (events that did not fit the capacity are counted in *n_dropped, which may be NULL).
+MOECACHE_API int32_t moecache_timeline_get(const struct moecache * mc, struct moecache_event * out, int32_t cap,
+                                           int64_t * n_dropped);
+MOECACHE_API int64_t moecache_time_now_us(void); // the timeline's clock (microseconds, monotonic)
 
 // Copies up to cap trace records, oldest first; returns how many. Records are not consumed.
 MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap);

@@ -61,10 +61,44 @@ def llama_from_args(args, routing, model: str, **kw):
     return llm
 
 
+def check_timeline_args(args) -> None:
+    """--timeline / --timeline-plot: targets that can be written, matplotlib for a picture (before any work)."""
+    from ..errors import Error
+    from ..files import writable_target
+
+    for path, what in ((args.timeline, "timeline"), (args.timeline_plot, "timeline plot")):
+        if path is not None:
+            writable_target(path, what, Error)
+    if args.timeline_plot is not None:
+        from ..plots import require_matplotlib
+
+        require_matplotlib()
+
+
+def write_timeline(args, llm) -> None:
+    """Writes what --timeline / --timeline-plot asked for and says where, with the overlap, on stderr."""
+    tl = llm.timeline()
+    if args.timeline:
+        tl.save_chrome(args.timeline, model=str(llm.model_path), routing=llm.moecache.routing.spec(),
+                       residency=llm.cache_config.residency, cache_size=str(llm.cache_config.size),
+                       prefetch=llm.moecache.prefetch)
+        print(f"timeline: {len(tl)} events{f' ({tl.dropped} past the capacity left out)' if tl.dropped else ''} "
+              f"written to {args.timeline} (Chrome trace-event JSON: open it in https://ui.perfetto.dev or "
+              f"chrome://tracing)", file=sys.stderr)
+    if args.timeline_plot:
+        if len(tl.decode_tokens()) == 0:
+            print("timeline: no token was decoded, so there is nothing to plot", file=sys.stderr)
+        else:
+            tl.plot(args.timeline_plot)
+            print(f"timeline: the median decoded token and the next drawn in {args.timeline_plot}", file=sys.stderr)
+    print(f"timeline: {tl.overlap().summary()}", file=sys.stderr)
+
+
 def cmd_run(args) -> int:
     routing = routing_from_args(args)
     prompt = prompt_from_args(args)
     check_profile_args(args)
+    check_timeline_args(args)
     model = resolve_model(args.model, args)
     llm = llama_from_args(args, routing, model)
     args.prompt = prompt
@@ -72,6 +106,8 @@ def cmd_run(args) -> int:
     if note:
         print(note, file=sys.stderr)
 
+    if args.timeline or args.timeline_plot:
+        llm.start_timeline()
     out = sys.stdout
     _perf_reset(llm)
     text = []
@@ -132,6 +168,8 @@ def cmd_run(args) -> int:
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
               + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else ""),
               file=sys.stderr if args.stats_stderr else sys.stdout)
+    if args.timeline or args.timeline_plot:
+        write_timeline(args, llm)
     save_profile_from_args(args, llm)
     llm.close()
     return 0
@@ -288,6 +326,14 @@ def add_commands(sub) -> None:
     add_sampling_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
+    r.add_argument("--timeline", metavar="FILE", default=None,
+                   help="record what every token did (each layer's routing and wait for its experts, each expert "
+                        "read on the reader threads: queued, started, finished, bytes) and write it as Chrome "
+                        "trace-event JSON, which https://ui.perfetto.dev opens; also prints the overlap: the share "
+                        "of read time hidden behind compute (default: none)")
+    r.add_argument("--timeline-plot", metavar="PNG", default=None,
+                   help="draw the median decoded token and the next of that recording as a picture (needs "
+                        "matplotlib; default: none)")
     add_hub_options(r)
     add_routing_options(r, profile=True)
     r.set_defaults(func=cmd_run)
