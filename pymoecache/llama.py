@@ -105,6 +105,15 @@ class _TolerantChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
         return super().__call__(*args, **kwargs)
 
 
+def _major_faults() -> int:
+    """Major page faults of this process so far (pages read back from storage; 0 where unknown)."""
+    try:
+        import resource
+    except ImportError:  # (not on Windows)
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def _check_llama_kwargs(kw: dict) -> None:
     """Range checks for the llama_cpp.Llama options that reach ctypes as fixed-width integers."""
     for name in ("n_ctx", "n_batch", "n_ubatch"):
@@ -692,6 +701,7 @@ class Llama(llama_cpp.Llama):
                                              # counters wait for the token in flight, never fail
         self._grammar_checked = None  # (text, root) of the last grammar check_grammar passed
         self._timeline_spans: Optional[list] = None  # start_timeline: (t_start_us, t_end_us, n_tokens) per eval
+        self._decode_major_faults = 0  # major page faults of this process during one-token evals
         # the file as loaded: eval() refuses to run on a model file truncated or replaced since
         # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
         self._file_sig = (_file_signature(str(model_path))
@@ -771,7 +781,10 @@ class Llama(llama_cpp.Llama):
             self._check_file()
             with self._token_lock:
                 t0 = C.moecache_time_now_us() if self._timeline_spans is not None else 0
+                faults = _major_faults() if len(tokens) == 1 else 0
                 super().eval(tokens)
+                if len(tokens) == 1:  # a decoded token: the pages it had to read back (a dropped dense part)
+                    self._decode_major_faults += _major_faults() - faults
                 if self._timeline_spans is not None:
                     self._timeline_spans.append((t0, C.moecache_time_now_us(), len(tokens)))
                 if self._guard >= 0 and C.moecache_guard_faults(self._guard):
@@ -883,6 +896,7 @@ class Llama(llama_cpp.Llama):
             st = cache.stats()
         if st.residency is not None:  # compute time, as bench counts it: llama.cpp's own decode timer
             st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
+            st.residency.decode_major_faults = self._decode_major_faults
         return st
 
     def reset(self) -> None:
@@ -896,6 +910,7 @@ class Llama(llama_cpp.Llama):
         cache = self._require_cache()
         with self._token_lock:
             cache.reset_stats()
+            self._decode_major_faults = 0
             llama_cpp.llama_perf_context_reset(self._ctx.ctx)  # the decode timer moe_stats() reads
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:

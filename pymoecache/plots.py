@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ._mpl import require_matplotlib  # noqa: F401  (re-exported: pymoecache.plots.require_matplotlib)
 from .evaluate import EvalError, trace_source
 
 # one colour per policy, the same in every panel; LRU is a black star
@@ -35,16 +36,6 @@ TIMELINE_COLORS = ["#f4f4f4", "#a6cee3", "#33a02c", "#e31a1c"]
 TIMELINE_LABELS = ["not cached", "cached, not used", "hit", "miss"]
 
 
-def require_matplotlib():
-    """Import matplotlib with the Agg backend, or raise EvalError saying how to install it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise EvalError("plotting needs matplotlib: pip install matplotlib (or pip install 'pymoecache[plot]')") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _by_cache_size(rows: Sequence[dict]) -> Dict[int, List[dict]]:

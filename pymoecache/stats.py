@@ -52,6 +52,7 @@ class ResidencyStats:
     predicted_selected: int = 0
     predicted_total: int = 0
     decode_t_read_ms: float = 0.0    # stream: wall time with at least one expert read in flight (decode)
+    decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
 
     @property
     def recall(self) -> float:
@@ -74,6 +75,12 @@ class ResidencyStats:
     @property
     def t_route_ms_per_token(self) -> float:
         return self.decode_t_route_ms / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def major_faults_per_token(self) -> float:
+        """Pages the process had to read back from storage per decoded token (a file-mapped dense part
+        that the kernel dropped under memory pressure shows here)."""
+        return self.decode_major_faults / self.decode_tokens if self.decode_tokens else 0.0
 
     @property
     def overlap(self) -> float:
@@ -101,7 +108,7 @@ class ResidencyStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_recall": self.recall,
                 "t_read_ms_per_token": self.decode_t_read_ms / self.decode_tokens if self.decode_tokens else 0.0,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "major_faults_per_token": self.major_faults_per_token}
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -109,7 +116,7 @@ class ResidencyStats:
                 f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
                 f"routing {self.t_route_ms_per_token:.3f} ms"
                 + (f", overlap {100 * self.overlap:.0f}% of reads hidden" if self.decode_t_read_ms > 0 else "")
-                + f" | rss {self.rss_bytes / mib:.0f} MiB"
+                + f" | major faults {self.major_faults_per_token:.1f}/tok | rss {self.rss_bytes / mib:.0f} MiB"
                 + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
                    if self.residency == "stream" else "")
                 + (f" | prefetch {self.prefetch}: recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "

@@ -94,14 +94,15 @@ class Timeline:
         return self.tokens[self.tokens["n_tokens"] == 1]
 
     def _in(self, ev: np.ndarray, spans: np.ndarray) -> np.ndarray:
-        """Mask of the events that start inside one of the spans."""
+        """Mask of the events queued inside one of the spans (a read queued by a token may run on
+        after the token's eval returned: the experts it caches but did not select)."""
         if len(spans) == 0 or len(ev) == 0:
             return np.zeros(len(ev), dtype=bool)
         order = np.argsort(spans["t_start_us"])
         s, e = spans["t_start_us"][order], spans["t_end_us"][order]
-        i = np.searchsorted(s, ev["t_start_us"], side="right") - 1
+        i = np.searchsorted(s, ev["t_queued_us"], side="right") - 1
         ok = i >= 0
-        ok[ok] = ev["t_start_us"][ok] < e[i[ok]]
+        ok[ok] = ev["t_queued_us"][ok] < e[i[ok]]
         return ok
 
     def overlap(self) -> Overlap:
@@ -189,7 +190,7 @@ class Timeline:
     def plot(self, path: "os.PathLike[str] | str", tokens: Optional[Sequence[int]] = None) -> None:
         """A Gantt chart of some eval spans (default: the median decoded token and the next
         one): the graph thread's compute, routing and waits above, each reader's reads below."""
-        from .plots import require_matplotlib
+        from ._mpl import require_matplotlib
 
         plt = require_matplotlib()
         from matplotlib.patches import Patch

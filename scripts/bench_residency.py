@@ -6,6 +6,7 @@
     python scripts/bench_residency.py --prefetch off,previous,gate --prompt-tokens 512 --no-mmap
     python scripts/bench_residency.py --leave-gib 1.45 --stock --no-resident --no-mmap   # a smaller device
     python scripts/bench_residency.py --eviction lru,router-mass --cache-sizes 0.25 --no-mmap
+    python scripts/bench_residency.py --storage-mbps max,300 --timeline timelines/   # slower disks, timelines
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
 built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
@@ -20,7 +21,15 @@ prior:0.5 to top-k at the same cache size is taken per repetition (side by side)
 
 Columns: decode tok/s, miss rate, MiB read from storage per token, the time of one token split
 into compute / I/O wait / routing, the resident set (RSS) after decoding and at its peak, and the
-part of the RSS that is neither the slot arena nor the non-expert weights ("other").
+part of the RSS that is neither the slot arena nor the non-expert weights ("other"); the read
+bandwidth a row reached while its reads were in flight against what the disk gave the probe, and
+the overlap: the share of the read time hidden behind compute (1 - I/O wait / time with reads in
+flight).
+
+Storage: --storage-mbps runs every setting again with the measured processes' reads throttled by
+the kernel on the model's disk (cgroup v1 blkio.throttle.read_bps_device or v2 io.max; root), and
+each storage setting starts and ends with a probe of the disk as those processes see it: O_DIRECT
+reads of one expert's size at random offsets, 1, 8 and 32 in flight (scripts/storage.py).
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]  # the package, and tools/synth/
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "scripts")]  # the package, tools/synth/, storage.py
+
+from storage import ReadThrottle, ThrottleError, drop_page_cache, probe, probe_summary  # noqa: E402,F401
 
 MiB = 2.0 ** 20
 TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -50,21 +61,6 @@ def bench_model(size_mb: float) -> Path:
     base = dataclasses.replace(synth.BENCH_SPEC, name="bench-residency", n_ff_exp=512, n_layer=4)
     spec = synth.bench_spec(size_mb, base)
     return synth.build_model(spec, ROOT / "models" / "_bench" / f"bench-residency-{int(size_mb)}mb.gguf")
-
-
-def drop_page_cache(path: Path) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return "fadvise"
 
 
 def proc_kib_field(path: str, key: str) -> int:
@@ -93,40 +89,6 @@ def parse_prefetch(spec: str, distance: int = 1) -> dict:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE)")
         out[names[key][0]] = names[key][1](value)
     return out
-
-
-def disk_mib_s(path: Path, threads: int, passes: int = 3, pass_mib: int = 256) -> float:
-    """Read bandwidth of the disk holding ``path`` as the reader pool sees it, in MiB/s: expert-sized
-    regions (1.75 MiB) at random 4 KiB-aligned offsets, each split into 256 KiB O_DIRECT reads dealt
-    to ``threads`` threads; page cache dropped before each pass; the median of ``passes``."""
-    import mmap
-    import random
-    from concurrent.futures import ThreadPoolExecutor
-
-    chunk, region = 256 << 10, 1792 << 10
-    size = path.stat().st_size
-    rng = random.Random(0)
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    speeds = []
-    for _ in range(passes):
-        starts = [rng.randrange(0, (size - region) // 4096) * 4096 for _ in range((pass_mib << 20) // region)]
-        jobs = [r + o for r in starts for o in range(0, region, chunk)]
-        drop_page_cache(path)
-        fd = os.open(path, flags)
-
-        def read(part):
-            buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-            for off in part:
-                os.preadv(fd, [buf], off)
-
-        try:
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(read, [jobs[i::threads] for i in range(threads)]))
-            speeds.append(len(jobs) * chunk / MiB / (time.perf_counter() - t0))
-        finally:
-            os.close(fd)
-    return statistics.median(speeds)
 
 
 def add_decode_options(ap: argparse.ArgumentParser, tokens: int, warmup: int, prompt_tokens: int) -> None:
@@ -166,6 +128,8 @@ def decode_text(llm, args) -> float:
         llm.eval([t])
     if hasattr(llm, "reset_moe_stats"):
         llm.reset_moe_stats()
+        if getattr(args, "timeline_file", None):
+            llm.start_timeline()
     t0 = time.perf_counter()
     for t in stream[args.prompt_tokens + args.warmup:]:
         llm.eval([t])
@@ -202,6 +166,9 @@ def worker(args) -> None:
     if args.residency == "profile":
         profile_worker(args)
         return
+    if args.residency == "probe":  # the disk as this (possibly throttled) process sees it
+        print(json.dumps({str(d): v for d, v in probe(args.model, int(args.cache), (1, 8, 32)).items()}))
+        return
     how = drop_page_cache(Path(args.model))
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
                                    eviction=args.eviction, **parse_prefetch(args.prefetch, args.prefetch_distance))
@@ -232,7 +199,19 @@ def worker(args) -> None:
         "ahead_mib_per_token": rs.prefetch_bytes_read / max(1, rs.decode_tokens) / MiB,
         "wasted_mib_per_token": rs.wasted_bytes / max(1, rs.decode_tokens) / MiB,
         "recall": rs.recall, "prefetch_issued": rs.prefetch_issued, "prefetch_used": rs.prefetch_used,
+        "read_ms": rs.decode_t_read_ms / max(1, rs.decode_tokens), "overlap": rs.overlap,
+        "major_faults_per_token": rs.major_faults_per_token,
+        "read_mb_s": rs.decode_bytes_read / 1e6 / (rs.decode_t_read_ms / 1e3) if rs.decode_t_read_ms > 0 else 0.0,
     }))
+    if args.timeline_file:
+        tl = llm.timeline()
+        tl.save_chrome(args.timeline_file, routing=args.routing, cache=args.cache, prefetch=args.prefetch,
+                       eviction=args.eviction, storage=args.storage_label)
+        if args.timeline_file.endswith("-rep0.json") and len(tl.decode_tokens()) > 1:
+            try:
+                tl.plot(args.timeline_file[:-5] + ".png")
+            except Exception as e:  # (no matplotlib: the JSON is there all the same)
+                print(f"bench_residency: no timeline picture: {e}", file=sys.stderr)
 
 
 def profile_worker(args) -> None:
@@ -292,19 +271,24 @@ def stock_worker(args) -> None:
         "prefill_tok_s": args.prompt_tokens / args.prefill_s, "demand_mib_per_token": 0.0,
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
-        "prefetch_used": 0,
+        "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
     }))
 
 
 def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetch: str = "off",
-            eviction: str = "lru") -> dict:
+            eviction: str = "lru", rep: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
-           "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction]
+           "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction,
+           "--storage-label", args.storage_label]
     if args.trace_profile:
         cmd += ["--trace-profile", args.trace_profile]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    if args.timeline and residency not in ("stock", "probe"):
+        name = "-".join([args.storage_label, residency, routing.replace(":", ""), cache, prefetch.replace(":", "_"),
+                         eviction, f"rep{rep}"]) + ".json"
+        cmd += ["--timeline-file", str(Path(args.timeline) / name)]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=args.throttle.join)
     if r.returncode != 0:
         sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} {eviction} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -338,17 +322,34 @@ def main() -> None:
     ap.add_argument("--leave-gib", type=float, default=None,
                     help="a smaller device: hold all memory but this many GiB (MemAvailable) for the whole "
                          "benchmark, in memory that cannot be reclaimed, released at the end (default: all memory)")
+    ap.add_argument("--storage-mbps", default="max",
+                    help="comma-separated read limits in MB/s for the measured processes, each a full set of runs: "
+                         "'max' = the disk as it is, e.g. max,1000,300 (cgroup blkio throttle on the model's disk; "
+                         "needs root; default %(default)s)")
+    ap.add_argument("--timeline", metavar="DIR",
+                    help="write each run's timeline of its timed decodes (Chrome trace-event JSON, Perfetto opens "
+                         "it) into DIR, and a picture of one token of each setting's first repetition")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--residency", help=argparse.SUPPRESS)
     ap.add_argument("--routing", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
+    ap.add_argument("--storage-label", default="max", help=argparse.SUPPRESS)
+    ap.add_argument("--timeline-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.cache = float(args.cache)
         worker(args)
         return
+    try:
+        storages = [None if x.strip() in ("max", "0", "") else float(x) for x in args.storage_mbps.split(",")]
+    except ValueError:
+        sys.exit(f"bench_residency: --storage-mbps {args.storage_mbps!r}: give MB/s numbers or 'max', e.g. max,300")
+    if any(m is not None and not (m > 0 and m < 1e7) for m in storages):
+        sys.exit(f"bench_residency: --storage-mbps {args.storage_mbps!r}: each limit must be in (0, 1e7) MB/s")
+    if args.timeline:
+        Path(args.timeline).mkdir(parents=True, exist_ok=True)
 
     prefetches = [p.strip() for p in args.prefetch.split(",") if p.strip()]
     prefetches = ["off"] + [p for p in prefetches if p != "off"]  # the reference of the prefetch ratios
@@ -380,17 +381,38 @@ def main() -> None:
     if args.leave_gib is not None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
+    results = []
     try:
-        bw0 = disk_mib_s(model, args.io_threads)
-        print(f"disk before the runs: {bw0:.0f} MiB/s", file=sys.stderr)
-        runs = measure(model, args, settings)
-        bw1 = disk_mib_s(model, args.io_threads)
-        print(f"disk after the runs: {bw1:.0f} MiB/s", file=sys.stderr)
-        bw = (bw0, bw1)
+        for mbps in storages:
+            args.storage_label = "max" if mbps is None else f"{mbps:g}MBps"
+            try:
+                with ReadThrottle(model, mbps) as throttle:
+                    args.throttle = throttle
+                    p0 = run_probe(model, args)
+                    print(f"storage {throttle}: disk before the runs {probe_summary(p0)}", file=sys.stderr)
+                    runs = measure(model, args, settings)
+                    p1 = run_probe(model, args)
+                    print(f"storage {throttle}: disk after the runs {probe_summary(p1)}", file=sys.stderr)
+            except ThrottleError as e:
+                sys.exit(f"bench_residency: {e}")
+            results.append((str(throttle), runs, (p0, p1)))
     finally:
         for m in held or []:
             m.close()
-    report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, bw)
+    for label, runs, probes in results:
+        report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes, label)
+
+
+def run_probe(model: Path, args) -> dict:
+    """The disk as the measured processes see it (throttled or not), one expert per read: {depth: MB/s}."""
+    from pymoecache import model_info
+
+    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", "probe",
+           "--cache", str(model_info(model).expert_bytes)]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=args.throttle.join)
+    if r.returncode != 0:
+        sys.exit(f"bench_residency: the disk probe failed:\n{r.stderr[-3000:]}")
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
 
 def measure(model: Path, args, settings) -> list:
@@ -399,20 +421,26 @@ def measure(model: Path, args, settings) -> list:
         k = rep % len(settings)
         order = settings[k:] + settings[:k]  # rotate: no setting always runs first
         for residency, routing, cache, pf, ev in order:
-            r = run_one(model, args, residency, routing, cache, pf, ev)
+            r = run_one(model, args, residency, routing, cache, pf, ev, rep)
             r["rep"] = rep
+            r["storage"] = args.storage_label
             runs.append(r)
             print(f"[rep {rep + 1}/{args.reps}] {residency:<6} {routing:<10} cache {cache:<4} prefetch {pf:<8} "
                   f"eviction {ev:<11} "
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
-                  f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  rss {r['rss_mib']:6.0f} MiB",
+                  f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  "
+                  f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB",
                   file=sys.stderr, flush=True)
     return runs
 
 
-def report(model: Path, args, settings, runs, pairs, prefetches, evictions, routings, n_held, bw) -> None:
+def report(model: Path, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes,
+           storage: str) -> None:
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
+        out = Path(args.csv)
+        if runs[0]["storage"] != "max":  # one file per storage setting
+            out = out.with_name(f"{out.stem}-{runs[0]['storage']}{out.suffix}")
+        with open(out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
             w.writeheader()
             w.writerows(runs)
@@ -429,16 +457,19 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
           f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
-          f"page cache dropped before every run{left}; disk {bw[0]:.0f} MiB/s before the runs, {bw[1]:.0f} after "
-          f"({args.io_threads} threads, expert-sized O_DIRECT reads at random offsets)\n")
-    bw = (bw[0] + bw[1]) / 2
-    print("overlap bound: the tok/s if every read overlapped compute, 1 / max(compute + routing, MiB read / disk "
-          "MiB/s); of bound: the decode tok/s as a share of it\n")
+          f"page cache dropped before every run{left}; storage {storage}: the disk gave expert-sized O_DIRECT reads "
+          f"{probe_summary(probes[0])} before the runs, {probe_summary(probes[1])} after\n")
+    disk = max(max(probes[0].values()), max(probes[1].values()))  # MB/s: the best the disk gave the probe
+    bw = disk * 1e6 / MiB
+    print(f"overlap bound: the tok/s if every read overlapped compute, 1 / max(compute + routing, MiB read / "
+          f"{bw:.0f} MiB/s, the best the probe saw); of bound: the decode tok/s as a share of it; read MB/s: bytes "
+          "read / time with reads in flight, with its share of the probe's best; overlap: the share of that time "
+          "hidden behind compute (1 - I/O wait / time with reads in flight)\n")
     print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | overlap bound | of bound | "
           "prefill tok/s | miss rate | "
-          "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | routing ms | "
-          "RSS MiB | peak RSS MiB | slots MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | reads in flight ms | "
+          "read MB/s (of disk) | overlap | routing ms | RSS MiB | peak RSS MiB | slots MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
@@ -451,7 +482,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
               f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "
               f"{med(rows, 'ahead_mib_per_token'):.2f}) | {med(rows, 'wasted_mib_per_token'):.2f} | "
               f"{100 * med(rows, 'recall'):.0f}% | {med(rows, 'compute_ms'):.2f} | {med(rows, 'io_ms'):.2f} | "
-              f"{med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
+              f"{med(rows, 'read_ms'):.2f} | {med(rows, 'read_mb_s'):.0f} ({100 * med(rows, 'read_mb_s') / disk:.0f}%) | "
+              f"{100 * med(rows, 'overlap'):.0f}% | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
               f"{med(rows, 'arena_mib'):.0f} |")
     print()
     if resident:

@@ -224,14 +224,16 @@ static void io_run_locked(moecache_io & io, std::unique_lock<std::mutex> & lock,
     if (io.seq_log) {
         io.seq_log->push_back(it.job.off);
     }
+    // both ends are taken with io.mu held, so the busy time is exactly the union of the recorded
+    // intervals; a job ends when its waiter can learn of it (after this thread got the lock back)
     const int64_t t_start = moecache_time_us();
     io_read_busy(io, it.job, true, t_start);
     lock.unlock();
     io_run_job(io, it.job);
-    const int64_t t_end = moecache_time_us();
-    io_record(io, it, thread, t_start, t_end); // (the timeline's own lock, not io.mu)
     lock.lock();
+    const int64_t t_end = moecache_time_us();
     io_read_busy(io, it.job, false, t_end);
+    io_record(io, it, thread, t_start, t_end); // (lock order: io.mu, then the timeline's)
     io_finish(io, it);
 }
 

@@ -70,7 +70,7 @@ def check_timeline_args(args) -> None:
         if path is not None:
             writable_target(path, what, Error)
     if args.timeline_plot is not None:
-        from ..plots import require_matplotlib
+        from .._mpl import require_matplotlib
 
         require_matplotlib()
 

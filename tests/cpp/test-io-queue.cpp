@@ -7,6 +7,7 @@
 
 #include "moecache-io.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -253,6 +254,74 @@ static void test_read_ahead_brings_pages_in(const std::string & path) {
     munmap(map, FILE_BYTES);
 }
 
+// the timeline: one event per job, on the thread that ran it, after it was queued, read or read
+// ahead as its request says; the busy clock is exactly the union of the READ intervals recorded
+static void test_timeline_and_busy_time(const std::string & path) {
+    moecache_timeline tl; // (outlives the queue's threads)
+    queue q(path);
+    tl.cap = 64;
+    tl.on.store(true);
+    q.io.timeline = &tl;
+    std::vector<char> buf(16 * 4096, 0);
+    moecache_io_req now, ahead;
+    ahead.prefetch = true;
+    for (int i = 0; i < 16; i++) {
+        moecache_io_job j = read_job(&buf[i * 4096], (uint64_t) i * 4096, 4096);
+        j.il = i % 3;
+        j.e  = i;
+        moecache_io_submit(q.io, i % 4 ? now : ahead, j, i % 4 ? -1.0f : 0.5f);
+    }
+    moecache_io_start(q.io, 3);
+    CHECK(moecache_io_wait(q.io, now) == 0 && moecache_io_wait(q.io, ahead) == 0);
+    CHECK(holds_file_bytes(buf.data(), 0, buf.size()));
+    std::vector<moecache_event> ev;
+    {
+        std::lock_guard<std::mutex> lock(tl.mu);
+        ev = tl.ev;
+    }
+    CHECK(ev.size() == 16);
+    int n_ahead = 0;
+    std::vector<std::pair<int64_t, int64_t>> iv;
+    for (const moecache_event & e : ev) {
+        CHECK(e.thread >= 1 && e.thread <= 3);
+        CHECK(e.t_queued_us <= e.t_start_us && e.t_start_us <= e.t_end_us);
+        CHECK(e.bytes == 4096 && e.layer == e.expert % 3);
+        CHECK(e.kind == (e.expert % 4 ? MOECACHE_EVENT_READ : MOECACHE_EVENT_READ_AHEAD));
+        n_ahead += e.kind == MOECACHE_EVENT_READ_AHEAD;
+        iv.emplace_back(e.t_start_us, e.t_end_us);
+    }
+    CHECK(n_ahead == 4);
+    std::sort(iv.begin(), iv.end());
+    int64_t uni = 0, s = iv[0].first, t = iv[0].second;
+    for (const auto & x : iv) {
+        if (x.first > t) {
+            uni += t - s;
+            s = x.first;
+        }
+        t = std::max(t, x.second);
+    }
+    uni += t - s;
+    std::lock_guard<std::mutex> lock(q.io.mu);
+    CHECK(q.io.reads_running == 0 && q.io.read_busy_us == uni);
+}
+
+static void test_timeline_capacity(const std::string & path) {
+    moecache_timeline tl;
+    queue q(path);
+    tl.cap = 5;
+    tl.on.store(true);
+    q.io.timeline = &tl;
+    moecache_io_start(q.io, 2);
+    std::vector<char> buf(8 * 4096, 0);
+    moecache_io_req r;
+    for (int i = 0; i < 8; i++) {
+        moecache_io_submit(q.io, r, read_job(&buf[i * 4096], (uint64_t) i * 4096, 4096), -1.0f);
+    }
+    CHECK(moecache_io_wait(q.io, r) == 0);
+    std::lock_guard<std::mutex> lock(tl.mu);
+    CHECK(tl.ev.size() == 5 && tl.dropped == 3);
+}
+
 int main() {
     const std::string path = make_file();
     test_demand_before_prefetch_then_by_score(path);
@@ -261,6 +330,8 @@ int main() {
     test_errors_and_many_threads(path);
     test_one_reader_ahead_leaves_the_rest_for_misses(path);
     test_read_ahead_brings_pages_in(path);
+    test_timeline_and_busy_time(path);
+    test_timeline_capacity(path);
     unlink(path.c_str());
     printf("%d checks, %d failed\n", g_checks, g_failed);
     return g_failed ? 1 : 0;
