@@ -46,6 +46,7 @@ class moecache_cache_params(ctypes.Structure):
         ("prefetch_distance", c_int32),
         ("prefetch_min_p", c_float),
         ("prefetch_threads", c_int32),
+        ("prefetch_spare", c_int32),
         ("eviction", c_int32),
         ("eviction_decay", c_float),
         ("router_record", c_int32),

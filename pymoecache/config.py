@@ -367,6 +367,11 @@ class CacheConfig:
     probability is at least this (default 0: all of them); fewer, surer reads on a slow disk.
     prefetch_threads: of the ``io_threads`` readers, how many may read ahead at once (default 0:
     all of them); a miss waits at most for the prefetch chunks these are reading.
+    prefetch_spare: 0 (the default) makes a prefetch an insertion, as above. S > 0 gives each MoE
+    layer S spare slots (S experts' bytes per layer on top of the cache, ``stream`` only): the
+    predicted experts the layer does not cache are read into them, and the cache is left alone,
+    so routing, hits and misses are exactly those without prefetch, under every policy; a miss
+    whose expert was read ahead only waits for what is still in flight.
 
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
     moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed
@@ -396,6 +401,7 @@ class CacheConfig:
     prefetch_distance: int = 1
     prefetch_min_p: float = 0.0
     prefetch_threads: int = 0
+    prefetch_spare: int = 0
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -433,6 +439,7 @@ class CacheConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
+        check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
 

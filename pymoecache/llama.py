@@ -331,6 +331,7 @@ class MoECache:
         cp.prefetch_distance = int(cache.prefetch_distance)
         cp.prefetch_min_p = float(cache.prefetch_min_p)
         cp.prefetch_threads = int(cache.prefetch_threads)
+        cp.prefetch_spare = int(cache.prefetch_spare)
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)

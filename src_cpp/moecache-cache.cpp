@@ -188,6 +188,21 @@ int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_
     return n_ins;
 }
 
+int32_t moecache_layer_speculate(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * missing) {
+    std::fill(T.pf.predicted.begin(), T.pf.predicted.end(), 0);
+    for (int32_t i = 0; i < n; i++) {
+        T.pf.predicted[pred[i]] = 1;
+    }
+    T.pf.has_prediction = true;
+    int32_t m = 0;
+    for (int32_t i = 0; i < n && m < T.mc->cparams.prefetch_spare; i++) {
+        if (T.last_use[pred[i]] < 0) { // (the cache is left alone: its contents, recency and counters)
+            missing[m++] = pred[i];
+        }
+    }
+    return m;
+}
+
 void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel) {
     moecache & mc = *L.mc;
     if (L.pf.has_prediction) {
@@ -201,6 +216,12 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
         if (L.pf.fetched[sel[i]]) {
             L.pf.fetched[sel[i]] = 0;
             mc.rst.prefetch_used += 1;
+        }
+    }
+    if (mc.cparams.prefetch_spare > 0) { // spare slots: read for this routing only; the rest was for nothing
+        for (uint8_t & f : L.pf.fetched) {
+            mc.rst.prefetch_wasted += f;
+            f = 0;
         }
     }
     L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());

@@ -120,6 +120,20 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
     if (n == 0) {
         return;
     }
+    if (mc.cparams.prefetch_spare > 0) { // read into spare slots; T's cache is left as it is
+        int32_t missing[MOECACHE_MAX_USED];
+        float   ms[MOECACHE_MAX_USED];
+        const int32_t m = moecache_layer_speculate(T, ids, n, missing);
+        for (int32_t i = 0, j = 0; i < n && j < m; i++) {
+            if (ids[i] == missing[j]) {
+                ms[j++] = score[i] / (float) mc.cparams.prefetch_distance;
+            }
+        }
+        if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
+            moecache_slots_speculate(mc, T, missing, ms, m);
+        }
+        return;
+    }
     int32_t inserted[MOECACHE_MAX_USED];
     float   ins_score[MOECACHE_MAX_USED];
     const int32_t n_ins = moecache_layer_prefetch(T, ids, n, inserted);

@@ -77,7 +77,8 @@ struct moecache_layer_residency {
 struct moecache_layer_prefetch {
     std::vector<uint8_t> predicted;  // [n_expert] named by the last prediction for this layer, until it routes
     bool    has_prediction = false;  // a prediction was made for the token this layer routes next
-    std::vector<uint8_t> fetched;    // [n_expert] inserted by a prefetch and not selected since (used or wasted)
+    std::vector<uint8_t> fetched;    // [n_expert] inserted by a prefetch and not selected since (used or wasted);
+                                     //   prefetch_spare: read into a spare slot for the layer's next routing
     std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)
     int32_t n_last_sel = 0;
 };
@@ -215,6 +216,10 @@ int32_t moecache_slots_init(moecache & mc);
 // (0, 1]): insert those it does not cache into its cache and start reading them
 void    moecache_slots_prefetch(moecache & mc, moecache_layer & target, const int32_t * pred, const float * score,
                                 int32_t n);
+// STREAM decode, prefetch_spare: start reading experts ids[0:n] (not cached by target) into slots that
+// hold none of its cached experts, without touching its cache
+void    moecache_slots_speculate(moecache & mc, moecache_layer & target, const int32_t * ids, const float * score,
+                                 int32_t n);
 void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids);
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // moecache-init.cpp: the checks of moecache.h's parameters and the constructors
@@ -269,6 +274,9 @@ bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use
 // cache unless cached already, each evicting by the policy an expert that is not predicted (an
 // evicted prefetch never selected counts as wasted). inserted: out, the experts to read. Returns their count.
 int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted);
+// prefetch_spare > 0: a prediction pred[0:n] for the next token of layer T, the cache left alone:
+// missing = the predicted experts T does not cache (at most prefetch_spare), to read into spare slots
+int32_t moecache_layer_speculate(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * missing);
 // after layer L routed a decoded token: recall of the prediction, prefetches used, last selection
 void    moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel);
 

@@ -331,6 +331,10 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return moecache_fail_residency("prefetch_threads = " + std::to_string(cp.prefetch_threads) +
                                        " must be in [0, io_threads = " + std::to_string(cp.io_threads) + "]");
     }
+    if (cp.prefetch_spare < 0 || cp.prefetch_spare > mc.n_expert) {
+        return moecache_fail_residency("prefetch_spare = " + std::to_string(cp.prefetch_spare) +
+                                       " must be in [0, N = " + std::to_string(mc.n_expert) + "]");
+    }
     const std::string mode = names[cp.residency];
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");

@@ -30,7 +30,8 @@ int32_t moecache_slots_init(moecache & mc) {
         if (L.res.xt.empty()) {
             continue;
         }
-        L.res.n_slots = std::max(L.capacity, mc.n_expert_used);
+        L.res.n_slots = std::max(L.capacity, mc.n_expert_used) +
+                        (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
         for (const moecache_expert_tensor & x : L.res.xt) {
             total += moecache_round_up((size_t) L.res.n_slots * x.nb2, moecache_page_size());
             n_xt++;
@@ -197,6 +198,34 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
         if (s < 0) {
             return;
         }
+        moecache_io_req & req = T.res.slot_req[s];
+        req.prefetch = true;
+        jobs.clear();
+        slot_fill_jobs(T, e, s, MOECACHE_IO_READ, jobs);
+        for (const moecache_io_job & j : jobs) {
+            moecache_io_submit(*mc.io, req, j, std::max(0.0f, score[i]));
+        }
+    }
+}
+
+void moecache_slots_speculate(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n) {
+    if (T.res.xt.empty() || T.res.n_slots == 0) {
+        return;
+    }
+    keep_cached(T); // never taken: the cached experts' slots (n_slots - max(M, K) spare ones stay free of them)
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    int32_t cursor = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = ids[i];
+        if (slot_holds(T, e)) {
+            continue; // its bytes are here already (read before, evicted since, its slot not reused)
+        }
+        const int32_t s = take_slot(mc, T, e, cursor);
+        if (s < 0) {
+            return;
+        }
+        T.pf.fetched[e] = 1;
+        mc.rst.prefetch_issued += 1;
         moecache_io_req & req = T.res.slot_req[s];
         req.prefetch = true;
         jobs.clear();

@@ -187,6 +187,13 @@ struct moecache_cache_params {
     int32_t prefetch_threads;     // STREAM: reader threads that may read ahead (prefetch) at once, in
                                   //   [0, io_threads], 0 = all of them; a miss waits at most for the chunks
                                   //   these are reading; default 0
+    int32_t prefetch_spare;       // STREAM: spare slots per MoE layer for speculative reads, in [0, N]. 0: a
+                                  //   prefetch is an insertion into the predicted layer's cache (above). > 0:
+                                  //   the predicted experts that layer does not cache are read into its spare
+                                  //   slots, at most this many per prediction, and the cache is left alone:
+                                  //   routing, hits and misses are exactly those without prefetch, and a miss
+                                  //   whose expert was read ahead waits only for what is still in flight.
+                                  //   Costs this many experts' bytes per layer on top of the cache; default 0
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay
@@ -240,9 +247,12 @@ struct moecache_residency_stats {
     // prefetch (decode): bytes read for a token's own selection vs ahead of it (both are in decode_bytes_read)
     int64_t demand_bytes_read;    // bytes read because a token selected an expert no slot held
     int64_t prefetch_bytes_read;  // bytes read by prefetches (including cancelled ones' finished chunks)
-    int64_t prefetch_issued;      // experts prefetched (inserted ahead of their layer's routing)
-    int64_t prefetch_used;        // prefetched experts selected before they were evicted
+    int64_t prefetch_issued;      // experts prefetched (inserted, or read into a spare slot, ahead of their
+                                  //   layer's routing)
+    int64_t prefetch_used;        // prefetched experts selected before they were evicted (spare slots: by the
+                                  //   routing they were read for)
     int64_t prefetch_wasted;      // prefetched experts evicted (or cancelled) before any token selected them
+                                  //   (spare slots: not selected by the routing they were read for)
     int64_t predicted_selected;   // selections of predicted layers that the prediction named
     int64_t predicted_total;      // selections of layers a prediction was made for (recall = selected / total)
     double  decode_t_read_ms;     // STREAM: wall time during which at least one expert read was in flight

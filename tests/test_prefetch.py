@@ -201,3 +201,38 @@ def test_trace_prefetch_learns_from_past_requests(paths):
         recall.append(rs.recall)
     llm.close()
     assert 0.0 < recall[0] < recall[1] <= 1.0, recall
+
+
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5", "max-rank:8"])
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
+def test_spare_slot_prefetch_changes_no_routing_only_reads(paths, name, routing):
+    """prefetch_spare: the predicted experts are read into spare slots and the cache is left alone,
+    so under every policy the logits, hits, misses and evictions are those without prefetch; the
+    reads ahead are counted, each either selected by the routing it was read for (used) or not
+    (wasted), and the misses it covered read nothing on demand."""
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    for size in (0.25, 0.5):
+        ref, st_ref = run(paths[name], routing, size, "off")
+        got, st = run(paths[name], routing, size, "gate", prefetch_spare=2)
+        assert np.array_equal(got, ref), f"max |diff| = {np.abs(got - ref).max()}"
+        assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
+        a, b = st.residency, st_ref.residency
+        assert a.prefetch_issued > 0 and a.prefetch_bytes_read > 0
+        assert a.prefetch_used + a.prefetch_wasted <= a.prefetch_issued  # (the last token's may be pending)
+        assert a.prefetch_issued - (a.prefetch_used + a.prefetch_wasted) <= 2 * len(st.capacity_per_layer)
+        # every expert a read ahead brought in is one read fewer on demand, never more bytes on demand
+        assert a.demand_bytes_read <= b.demand_bytes_read
+        if a.prefetch_used:
+            assert a.demand_bytes_read < b.demand_bytes_read
+        # counters only: the prediction is made (recall counted) and nothing else changes
+        ref2, st2 = run(paths[name], routing, size, "gate", residency="none", prefetch_spare=2)
+        assert np.array_equal(ref2, ref) and (st2.hits, st2.misses) == (st_ref.hits, st_ref.misses)
+        assert st2.residency.prefetch_issued == 0 and st2.residency.predicted_total > 0
+
+
+def test_prefetch_spare_is_checked():
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_spare"):
+        CacheConfig(prefetch="gate", prefetch_spare=-1)
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_spare"):
+        CacheConfig(prefetch="gate", prefetch_spare=True)

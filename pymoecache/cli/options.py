@@ -117,6 +117,11 @@ def _add_residency_options(c) -> None:
     c.add_argument("--prefetch-threads", type=int, default=0, metavar="T",
                    help="stream with --prefetch: of the --io-threads readers, how many may read ahead at once, "
                         "0 = all; a miss waits at most for the prefetch chunks they are reading (default 0)")
+    c.add_argument("--prefetch-spare", type=int, default=0, metavar="S",
+                   help="stream with --prefetch: read the predicted experts into S spare slots per layer instead of "
+                        "inserting them into the cache, so routing, hits and misses stay exactly those without "
+                        "prefetch and only the waits change; costs S experts per layer of memory (default 0: a "
+                        "prefetch is an insertion)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
     c.add_argument("--no-direct-io", action="store_true",
@@ -228,6 +233,7 @@ def cache_from_args(args):
                        eviction=getattr(args, "eviction", "lru"), eviction_decay=getattr(args, "eviction_decay", 0.95),
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
                        prefetch_threads=getattr(args, "prefetch_threads", 0),
+                       prefetch_spare=getattr(args, "prefetch_spare", 0),
                        lock_memory=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
 
