@@ -47,6 +47,7 @@ class moecache_cache_params(ctypes.Structure):
         ("prefetch_min_p", c_float),
         ("prefetch_threads", c_int32),
         ("prefetch_spare", c_int32),
+        ("prefetch_adaptive", c_bool),
         ("eviction", c_int32),
         ("eviction_decay", c_float),
         ("router_record", c_int32),
@@ -104,6 +105,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("prefetch_wasted", c_int64),
         ("predicted_selected", c_int64),
         ("predicted_total", c_int64),
+        ("prefetch_tokens_on", c_int64),
         ("decode_t_read_ms", c_double),
     ]
 

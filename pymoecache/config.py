@@ -371,7 +371,11 @@ class CacheConfig:
     layer S spare slots (S experts' bytes per layer on top of the cache, ``stream`` only): the
     predicted experts the layer does not cache are read into them, and the cache is left alone,
     so routing, hits and misses are exactly those without prefetch, under every policy; a miss
-    whose expert was read ahead only waits for what is still in flight.
+    whose expert was read ahead only waits for what is still in flight. prefetch_adaptive (default
+    True): with spare slots, the reads ahead switch themselves off where they lose: 16 decoded
+    tokens with them and 16 without are compared (median time per token), the faster runs for the
+    next 96 tokens, then the trial again (``moe_stats().residency.prefetch_tokens_on`` counts the
+    tokens that had them on); False keeps them always on.
 
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
     moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed
@@ -402,6 +406,7 @@ class CacheConfig:
     prefetch_min_p: float = 0.0
     prefetch_threads: int = 0
     prefetch_spare: int = 0
+    prefetch_adaptive: bool = True
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -440,6 +445,8 @@ class CacheConfig:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
+        if not isinstance(self.prefetch_adaptive, bool):
+            raise ConfigError(f"prefetch_adaptive must be True or False, got {self.prefetch_adaptive!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
 

@@ -332,6 +332,7 @@ class MoECache:
         cp.prefetch_min_p = float(cache.prefetch_min_p)
         cp.prefetch_threads = int(cache.prefetch_threads)
         cp.prefetch_spare = int(cache.prefetch_spare)
+        cp.prefetch_adaptive = bool(cache.prefetch_adaptive)
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)
@@ -466,6 +467,7 @@ class MoECache:
                               prefetch_issued=rs.prefetch_issued, prefetch_used=rs.prefetch_used,
                               prefetch_wasted=rs.prefetch_wasted, predicted_selected=rs.predicted_selected,
                               predicted_total=rs.predicted_total, decode_t_read_ms=rs.decode_t_read_ms,
+                              prefetch_tokens_on=rs.prefetch_tokens_on,
                               prefetch=self.prefetch)
 
     def timeline_start(self, capacity: int = 262_144) -> None:

@@ -52,6 +52,7 @@ class ResidencyStats:
     predicted_selected: int = 0
     predicted_total: int = 0
     decode_t_read_ms: float = 0.0    # stream: wall time with at least one expert read in flight (decode)
+    prefetch_tokens_on: int = 0      # prefetch_spare: decoded tokens with the reads ahead on
     decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
 
     @property
@@ -119,7 +120,9 @@ class ResidencyStats:
                 + f" | major faults {self.major_faults_per_token:.1f}/tok | rss {self.rss_bytes / mib:.0f} MiB"
                 + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
                    if self.residency == "stream" else "")
-                + (f" | prefetch {self.prefetch}: recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "
+                + (f" | prefetch {self.prefetch}: "
+                   + (f"on for {self.prefetch_tokens_on}/{self.decode_tokens} tokens, " if self.prefetch_tokens_on else "")
+                   + f"recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "
                    f"{self.prefetch_used} used, {self.prefetch_wasted} wasted"
                    + (f", read ahead {self.prefetch_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok"
                       if self.residency == "stream" else "")

@@ -84,7 +84,7 @@ def parse_prefetch(spec: str, distance: int = 1) -> dict:
     mode, *opts = spec.split(":")
     out = {"prefetch": mode, "prefetch_distance": distance}
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
-             "s": ("prefetch_spare", int)}
+             "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no"))}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
@@ -203,6 +203,7 @@ def worker(args) -> None:
         "recall": rs.recall, "prefetch_issued": rs.prefetch_issued, "prefetch_used": rs.prefetch_used,
         "read_ms": rs.decode_t_read_ms / max(1, rs.decode_tokens), "overlap": rs.overlap,
         "major_faults_per_token": rs.major_faults_per_token,
+        "prefetch_on_share": rs.prefetch_tokens_on / max(1, rs.decode_tokens),
         "read_mb_s": rs.decode_bytes_read / 1e6 / (rs.decode_t_read_ms / 1e3) if rs.decode_t_read_ms > 0 else 0.0,
     }))
     if args.timeline_file:
@@ -274,6 +275,7 @@ def stock_worker(args) -> None:
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
         "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
+        "prefetch_on_share": 0.0,
     }))
 
 

@@ -84,6 +84,49 @@ int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, float 
     return m;
 }
 
+#define MOECACHE_SPEC_WINDOW 16 // decoded tokens of each trial, with and without reads ahead
+#define MOECACHE_SPEC_RUN    96 // decoded tokens the faster setting then runs for
+
+static int64_t median_of(std::vector<int64_t> & v) {
+    if (v.empty()) {
+        return 0;
+    }
+    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
+    return v[v.size() / 2];
+}
+
+// prefetch_spare with prefetch_adaptive, at the start of each decoded token: the time of the
+// token before goes to the trial it ran in; trials of MOECACHE_SPEC_WINDOW tokens with the reads
+// ahead on, then off, then the faster (median time per token) runs MOECACHE_SPEC_RUN tokens
+void spec_ctl_token(moecache & mc, int64_t now) {
+    auto & c = mc.spec_ctl;
+    if (c.t_last > 0 && c.prev_phase >= 0 && c.prev_phase < 2) {
+        (c.prev_phase == 0 ? c.dt_on : c.dt_off).push_back(now - c.t_last);
+    }
+    c.t_last = now;
+    if (c.left > 0) {
+        c.left -= 1;
+    }
+    if (c.left == 0) {
+        if (c.phase == 0 && !c.dt_on.empty()) {
+            c.phase = 1;
+            c.left  = MOECACHE_SPEC_WINDOW;
+            c.on    = false;
+        } else if (c.phase == 1 && !c.dt_off.empty()) {
+            c.on    = median_of(c.dt_on) < median_of(c.dt_off);
+            c.phase = 2;
+            c.left  = MOECACHE_SPEC_RUN;
+        } else {
+            c.phase = 0;
+            c.left  = MOECACHE_SPEC_WINDOW;
+            c.on    = true;
+            c.dt_on.clear();
+            c.dt_off.clear();
+        }
+    }
+    c.prev_phase = c.phase;
+}
+
 // During layer L's decode: predict what layer L + d will select and prefetch it (GATE: from pred,
 // that layer's router logits for this layer's FFN input, [n_expert, 1]; TRACE: from the request's
 // expert counts against past requests; PREVIOUS: what it selected for the previous token)
@@ -121,6 +164,9 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
         return;
     }
     if (mc.cparams.prefetch_spare > 0) { // read into spare slots; T's cache is left as it is
+        if (!mc.spec_ctl.on) {
+            return; // (prefetch_adaptive: off while it loses, or during its trial without)
+        }
         int32_t missing[MOECACHE_MAX_USED];
         float   ms[MOECACHE_MAX_USED];
         const int32_t m = moecache_layer_speculate(T, ids, n, missing);
@@ -130,7 +176,11 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
             }
         }
         if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
-            moecache_slots_speculate(mc, T, missing, ms, m);
+            // queued by this layer's residency op once its own reads are (they must not wait behind these)
+            mc.spec_pending.target = T.il;
+            mc.spec_pending.n      = m;
+            std::copy(missing, missing + m, mc.spec_pending.ids);
+            std::copy(ms, ms + m, mc.spec_pending.score);
         }
         return;
     }
@@ -194,6 +244,12 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     if (decode) {
         L.decode_tokens      += 1;
         mc.t_route_decode_us += moecache_time_us() - t0;
+        if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
+            if (mc.cparams.prefetch_adaptive) {
+                spec_ctl_token(mc, t0);
+            }
+            mc.rst.prefetch_tokens_on += mc.spec_ctl.on;
+        }
         if (update && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
             const int32_t * out = (const int32_t *) dst->data;
             moecache_layer_prefetch_outcome(L, out, out[K]);
@@ -329,6 +385,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     moecache_layer & L = mc->layers[il];
     if (mc->build_n_ubatch == 0) {
         mc->build_n_ubatch = selected->ne[1];
+        mc->first_routed   = il;
     }
     L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order

@@ -171,6 +171,21 @@ struct moecache {
     int32_t ahead_last = -1;                   // the last layer read ahead in this ubatch, or -1
     int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
     int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
+    int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
+    struct {                                   // prefetch_adaptive: the on/off trial (moecache-graph.cpp)
+        bool    on      = true;                //   reads ahead are issued now
+        int32_t phase   = 0;                   //   0: trial on, 1: trial off, 2: running the winner
+        int32_t left    = 0;                   //   tokens left in this phase (0: not started)
+        int64_t t_last  = 0;                   //   when the previous decoded token started (us), 0 = none
+        int32_t prev_phase = -1;               //   the phase the previous decoded token ran in
+        std::vector<int64_t> dt_on, dt_off;    //   token times of the trial windows (us)
+    } spec_ctl;
+    struct {                                   // prefetch_spare: reads decided by a layer's routing, queued by
+        int32_t target = -1;                   //   its residency op after its own reads (target layer, or -1)
+        int32_t n      = 0;
+        int32_t ids[MOECACHE_MAX_USED];
+        float   score[MOECACHE_MAX_USED];
+    } spec_pending;
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;

@@ -165,6 +165,12 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         }
         mc.rst.decode_loads += 1;
     }
+    if (mc.spec_pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own
+        const int32_t target = mc.spec_pending.target;
+        mc.spec_pending.target = -1;
+        moecache_slots_speculate(mc, mc.layers[target], mc.spec_pending.ids, mc.spec_pending.score,
+                                 mc.spec_pending.n);
+    }
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];
         if (s < 0 || s >= L.res.n_slots || L.res.slot_expert[s] != ids[i]) {

@@ -194,6 +194,10 @@ struct moecache_cache_params {
                                   //   routing, hits and misses are exactly those without prefetch, and a miss
                                   //   whose expert was read ahead waits only for what is still in flight.
                                   //   Costs this many experts' bytes per layer on top of the cache; default 0
+    bool    prefetch_adaptive;    // prefetch_spare > 0: the reads ahead switch themselves off where they lose:
+                                  //   windows of 16 decoded tokens with and without them are compared (median
+                                  //   time per token) and the faster one runs for the next 96 tokens, then
+                                  //   again; default true (false: always on)
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay
@@ -255,6 +259,7 @@ struct moecache_residency_stats {
                                   //   (spare slots: not selected by the routing they were read for)
     int64_t predicted_selected;   // selections of predicted layers that the prediction named
     int64_t predicted_total;      // selections of layers a prediction was made for (recall = selected / total)
+    int64_t prefetch_tokens_on;   // decoded tokens with prefetch on (prefetch_adaptive: the others had it off)
     double  decode_t_read_ms;     // STREAM: wall time during which at least one expert read was in flight
                                   //   (on demand or ahead). The share of it hidden behind compute, the
                                   //   overlap, is 1 - decode_t_io_ms / decode_t_read_ms

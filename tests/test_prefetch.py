@@ -236,3 +236,30 @@ def test_prefetch_spare_is_checked():
         CacheConfig(prefetch="gate", prefetch_spare=-1)
     with pytest.raises(pymoecache.ConfigError, match="prefetch_spare"):
         CacheConfig(prefetch="gate", prefetch_spare=True)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_adaptive_spare_prefetch_tries_both_and_keeps_one(paths, adaptive):
+    """prefetch_adaptive: 16 decoded tokens with the reads ahead, 16 without, then the faster
+    (whichever it was on this machine) for the next 96; off: every token has them. The routing is
+    the same either way."""
+    path = paths["tiny-shakespeare-qwen2moe-60x4"]
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=15, residency="stream", prefetch="gate", prefetch_spare=2,
+                                                        prefetch_adaptive=adaptive),
+                           routing="prior:0.5", n_ctx=128, n_threads=2, verbose=False)
+    tokens = llm.tokenize(b"ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet "
+                          b"is the sun. Arise, fair sun, and kill the envious moon")[:45]
+    llm.eval(tokens[:4])
+    llm.reset_moe_stats()
+    for t in tokens[4:44]:
+        llm.eval([t])
+    rs = llm.moe_stats().residency
+    assert rs.decode_tokens == 40
+    if adaptive:
+        assert rs.prefetch_tokens_on in (16, 24)  # the trial on, the trial off, then 8 tokens of the winner
+    else:
+        assert rs.prefetch_tokens_on == 40
+    assert rs.prefetch_issued > 0
+    assert f"on for {rs.prefetch_tokens_on}/40 tokens" in rs.summary()
+    with pytest.raises(pymoecache.ConfigError, match="prefetch_adaptive"):
+        CacheConfig(prefetch_adaptive=1)
