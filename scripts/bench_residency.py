@@ -434,7 +434,8 @@ def measure(model: Path, args, settings) -> list:
                   f"eviction {ev:<11} "
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
                   f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  "
-                  f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB",
+                  f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB"
+                  + (f"  prefetch on {100 * r['prefetch_on_share']:.0f}% of tokens" if ":s=" in pf else ""),
                   file=sys.stderr, flush=True)
     return runs
 

@@ -6,9 +6,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include <cstdlib>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 
@@ -241,11 +238,6 @@ static void io_run_locked(moecache_io & io, std::unique_lock<std::mutex> & lock,
 }
 
 static void io_worker(moecache_io * io, int32_t thread) {
-#ifdef __linux__
-    if (const char * s = getenv("MOECACHE_READER_NICE")) { // EXPERIMENT
-        setpriority(PRIO_PROCESS, (id_t) syscall(SYS_gettid), atoi(s));
-    }
-#endif
     std::unique_lock<std::mutex> lock(io->mu);
     while (true) {
         io->cv_work.wait(lock, [io] { return io->stop || !io->demand.empty() || io_ahead_ready(*io); });

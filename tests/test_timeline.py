@@ -163,3 +163,18 @@ def test_cli_timeline(fixture_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(model), "-n", "4", "--timeline", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "not a regular file" in r.stderr
+
+
+def test_timeline_get_copies_at_most_cap_and_returns_the_count(fixture_dir):
+    import ctypes
+
+    from pymoecache import _moecache_cpp as C
+
+    llm = generate(model_path(fixture_dir, "qwen2moe-60x4", ".Q8_0"), n=6)
+    buf = (C.moecache_event * 4)()
+    for i in range(4):
+        buf[i].kind = -7  # a marker: what the call does not write stays
+    total = C.moecache_timeline_get(llm.moecache._h, buf, 3, None)
+    assert total > 3 and [buf[i].kind for i in range(3)] != [-7] * 3 and buf[3].kind == -7
+    ev, dropped = llm.moecache.timeline_events()
+    assert len(ev) >= total and dropped == 0 and set(ev["kind"]) <= set(range(6))
