@@ -245,6 +245,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         L.decode_tokens      += 1;
         mc.t_route_decode_us += moecache_time_us() - t0;
         if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
+            mc.spec_pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
             if (mc.cparams.prefetch_adaptive) {
                 spec_ctl_token(mc, t0);
             }
