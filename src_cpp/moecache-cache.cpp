@@ -165,12 +165,17 @@ bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use
     return true;
 }
 
-int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted) {
+// the prediction for T's next token, for its recall (moecache_layer_prefetch_outcome)
+static void set_prediction(moecache_layer & T, const int32_t * pred, int32_t n) {
     std::fill(T.pf.predicted.begin(), T.pf.predicted.end(), 0);
     for (int32_t i = 0; i < n; i++) {
         T.pf.predicted[pred[i]] = 1;
     }
     T.pf.has_prediction = true;
+}
+
+int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * inserted) {
+    set_prediction(T, pred, n);
     int32_t n_ins = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t e = pred[i];
@@ -189,11 +194,7 @@ int32_t moecache_layer_prefetch(moecache_layer & T, const int32_t * pred, int32_
 }
 
 int32_t moecache_layer_speculate(moecache_layer & T, const int32_t * pred, int32_t n, int32_t * missing) {
-    std::fill(T.pf.predicted.begin(), T.pf.predicted.end(), 0);
-    for (int32_t i = 0; i < n; i++) {
-        T.pf.predicted[pred[i]] = 1;
-    }
-    T.pf.has_prediction = true;
+    set_prediction(T, pred, n);
     int32_t m = 0;
     for (int32_t i = 0; i < n && m < T.mc->cparams.prefetch_spare; i++) {
         if (T.last_use[pred[i]] < 0) { // (the cache is left alone: its contents, recency and counters)

@@ -163,37 +163,30 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
     if (n == 0) {
         return;
     }
-    if (mc.cparams.prefetch_spare > 0) { // read into spare slots; T's cache is left as it is
-        if (!mc.spec_ctl.on) {
-            return; // (prefetch_adaptive: off while it loses, or during its trial without)
+    // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
+    // otherwise they are inserted into it (evicting by its policy) and read
+    const bool spare = mc.cparams.prefetch_spare > 0;
+    if (spare && !mc.spec_ctl.on) {
+        return; // (prefetch_adaptive: off while it loses, or during its trial without)
+    }
+    int32_t read[MOECACHE_MAX_USED];
+    float   read_score[MOECACHE_MAX_USED];
+    const int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
+    for (int32_t i = 0, j = 0; i < n && j < m; i++) { // (read[] keeps the order of ids[])
+        if (ids[i] == read[j]) {
+            read_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
         }
-        int32_t missing[MOECACHE_MAX_USED];
-        float   ms[MOECACHE_MAX_USED];
-        const int32_t m = moecache_layer_speculate(T, ids, n, missing);
-        for (int32_t i = 0, j = 0; i < n && j < m; i++) {
-            if (ids[i] == missing[j]) {
-                ms[j++] = score[i] / (float) mc.cparams.prefetch_distance;
-            }
-        }
-        if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
-            // queued by this layer's residency op once its own reads are (they must not wait behind these)
-            mc.spec_pending.target = T.il;
-            mc.spec_pending.n      = m;
-            std::copy(missing, missing + m, mc.spec_pending.ids);
-            std::copy(ms, ms + m, mc.spec_pending.score);
-        }
+    }
+    if (m == 0 || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM || !mc.io) {
         return;
     }
-    int32_t inserted[MOECACHE_MAX_USED];
-    float   ins_score[MOECACHE_MAX_USED];
-    const int32_t n_ins = moecache_layer_prefetch(T, ids, n, inserted);
-    for (int32_t i = 0, j = 0; i < n && j < n_ins; i++) {
-        if (ids[i] == inserted[j]) {
-            ins_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
-        }
-    }
-    if (n_ins > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
-        moecache_slots_prefetch(mc, T, inserted, ins_score, n_ins);
+    if (spare) { // queued by this layer's residency op once its own reads are (they must not wait behind these)
+        mc.spec_pending.target = T.il;
+        mc.spec_pending.n      = m;
+        std::copy(read, read + m, mc.spec_pending.ids);
+        std::copy(read_score, read_score + m, mc.spec_pending.score);
+    } else {
+        moecache_slots_prefetch(mc, T, read, read_score, m, false);
     }
 }
 

@@ -228,13 +228,11 @@ void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_
 // moecache-slots.cpp: STREAM's slot arena
 int32_t moecache_slots_init(moecache & mc);
 // STREAM decode: layer `target` will probably select experts pred[0:n] (most likely first, score in
-// (0, 1]): insert those it does not cache into its cache and start reading them
+// (0, 1]): start reading those no slot holds, into slots that hold none of its cached experts. pred
+// were just inserted into its cache (moecache_layer_prefetch), or, spare: are not cached and stay so
+// (prefetch_spare; counted here as issued)
 void    moecache_slots_prefetch(moecache & mc, moecache_layer & target, const int32_t * pred, const float * score,
-                                int32_t n);
-// STREAM decode, prefetch_spare: start reading experts ids[0:n] (not cached by target) into slots that
-// hold none of its cached experts, without touching its cache
-void    moecache_slots_speculate(moecache & mc, moecache_layer & target, const int32_t * ids, const float * score,
-                                 int32_t n);
+                                int32_t n, bool spare);
 void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids);
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // moecache-init.cpp: the checks of moecache.h's parameters and the constructors

@@ -168,8 +168,8 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     if (mc.spec_pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own
         const int32_t target = mc.spec_pending.target;
         mc.spec_pending.target = -1;
-        moecache_slots_speculate(mc, mc.layers[target], mc.spec_pending.ids, mc.spec_pending.score,
-                                 mc.spec_pending.n);
+        moecache_slots_prefetch(mc, mc.layers[target], mc.spec_pending.ids, mc.spec_pending.score,
+                                mc.spec_pending.n, true);
     }
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];
@@ -188,37 +188,13 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     }
 }
 
-void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n) {
+void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n,
+                             bool spare) {
     if (T.res.xt.empty() || T.res.n_slots == 0) {
         return;
     }
-    keep_cached(T); // the experts just inserted by moecache_layer_prefetch are among them
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
-    int32_t cursor = 0;
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t e = ids[i];
-        if (slot_holds(T, e)) {
-            continue;
-        }
-        const int32_t s = take_slot(mc, T, e, cursor);
-        if (s < 0) {
-            return;
-        }
-        moecache_io_req & req = T.res.slot_req[s];
-        req.prefetch = true;
-        jobs.clear();
-        slot_fill_jobs(T, e, s, MOECACHE_IO_READ, jobs);
-        for (const moecache_io_job & j : jobs) {
-            moecache_io_submit(*mc.io, req, j, std::max(0.0f, score[i]));
-        }
-    }
-}
-
-void moecache_slots_speculate(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n) {
-    if (T.res.xt.empty() || T.res.n_slots == 0) {
-        return;
-    }
-    keep_cached(T); // never taken: the cached experts' slots (n_slots - max(M, K) spare ones stay free of them)
+    keep_cached(T); // never taken (insertion: the experts just inserted are among them; spare: the cached
+                    //   ones hold at most max(M, K) slots, the spare ones stay free of them)
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     int32_t cursor = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -230,8 +206,10 @@ void moecache_slots_speculate(moecache & mc, moecache_layer & T, const int32_t *
         if (s < 0) {
             return;
         }
-        T.pf.fetched[e] = 1;
-        mc.rst.prefetch_issued += 1;
+        if (spare) { // (an insertion was counted by moecache_layer_prefetch)
+            T.pf.fetched[e] = 1;
+            mc.rst.prefetch_issued += 1;
+        }
         moecache_io_req & req = T.res.slot_req[s];
         req.prefetch = true;
         jobs.clear();
