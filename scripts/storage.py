@@ -59,30 +59,24 @@ class ReadThrottle:
         major, minor = disk_of(self.path)
         bps = int(self.mbps * 1e6)
         name = f"pymoecache-bench-{os.getpid()}-{int(self.mbps)}"
+        # (the hierarchy's root, the file that takes the limit, its line, what it is called)
+        candidates = [(V1, "blkio.throttle.read_bps_device", f"{major}:{minor} {bps}",
+                       "cgroup v1 blkio.throttle.read_bps_device")] if (V1 / "blkio.throttle.read_bps_device").exists() else []
+        candidates += [(root, "io.max", f"{major}:{minor} rbps={bps}", "cgroup v2 io.max")
+                       for root in V2_ROOTS if (root / "cgroup.subtree_control").exists()]
         tried = []
-        if (V1 / "blkio.throttle.read_bps_device").exists():
-            d = V1 / name
-            try:
-                d.mkdir(exist_ok=True)
-                (d / "blkio.throttle.read_bps_device").write_text(f"{major}:{minor} {bps}\n")
-                self.dir, self.kind = d, "cgroup v1 blkio.throttle.read_bps_device"
-                return self
-            except OSError as e:
-                tried.append(f"cgroup v1 {d}: {e.strerror or e}")
-                self._rmdir(d)
-        for root in V2_ROOTS:
-            if not (root / "cgroup.subtree_control").exists():
-                continue
+        for root, limit_file, line, kind in candidates:
             d = root / name
             try:
-                if "io" not in (root / "cgroup.subtree_control").read_text().split():
-                    (root / "cgroup.subtree_control").write_text("+io\n")
+                control = root / "cgroup.subtree_control"
+                if kind.startswith("cgroup v2") and "io" not in control.read_text().split():
+                    control.write_text("+io\n")  # the io controller for the groups below the root
                 d.mkdir(exist_ok=True)
-                (d / "io.max").write_text(f"{major}:{minor} rbps={bps}\n")
-                self.dir, self.kind = d, "cgroup v2 io.max"
+                (d / limit_file).write_text(line + "\n")
+                self.dir, self.kind = d, kind
                 return self
             except OSError as e:
-                tried.append(f"cgroup v2 {d}: {e.strerror or e}")
+                tried.append(f"{kind} {d}: {e.strerror or e}")
                 self._rmdir(d)
         raise ThrottleError(f"cannot throttle reads from {self.path} (disk {major}:{minor}): "
                             + ("; ".join(tried) if tried else "no writable cgroup v1 blkio or v2 io controller")

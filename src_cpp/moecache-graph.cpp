@@ -100,8 +100,8 @@ static int64_t median_of(std::vector<int64_t> & v) {
 // ahead on, then off, then the faster (median time per token) runs MOECACHE_SPEC_RUN tokens
 void spec_ctl_token(moecache & mc, int64_t now) {
     auto & c = mc.spec_ctl;
-    if (c.t_last > 0 && c.prev_phase >= 0 && c.prev_phase < 2) {
-        (c.prev_phase == 0 ? c.dt_on : c.dt_off).push_back(now - c.t_last);
+    if (c.t_last > 0 && c.phase < 2) { // (c.phase is still the previous token's)
+        (c.phase == 0 ? c.dt_on : c.dt_off).push_back(now - c.t_last);
     }
     c.t_last = now;
     if (c.left > 0) {
@@ -124,7 +124,6 @@ void spec_ctl_token(moecache & mc, int64_t now) {
             c.dt_off.clear();
         }
     }
-    c.prev_phase = c.phase;
 }
 
 // During layer L's decode: predict what layer L + d will select and prefetch it (GATE: from pred,

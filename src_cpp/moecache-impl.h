@@ -177,7 +177,6 @@ struct moecache {
         int32_t phase   = 0;                   //   0: trial on, 1: trial off, 2: running the winner
         int32_t left    = 0;                   //   tokens left in this phase (0: not started)
         int64_t t_last  = 0;                   //   when the previous decoded token started (us), 0 = none
-        int32_t prev_phase = -1;               //   the phase the previous decoded token ran in
         std::vector<int64_t> dt_on, dt_off;    //   token times of the trial windows (us)
     } spec_ctl;
     struct {                                   // prefetch_spare: reads decided by a layer's routing, queued by
