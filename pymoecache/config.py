@@ -354,6 +354,9 @@ class CacheConfig:
     ``stream`` when the cache is smaller than all experts, else ``none``.
     io_threads: reads in flight on a miss. direct_io: ``O_DIRECT`` reads for ``stream``.
     lock_memory: mlock the cache; if the OS refuses, one warning and the run goes on unlocked.
+    lock_dense: (``stream``, ``mmap``) mlock the weights every token reads, all but the routed
+    experts (and the token-embedding table unless the output reuses it), so that the OS cannot
+    drop them when memory runs short and read them back every token; same refusal rule.
 
     prefetch: ``"off"`` (the default), ``"gate"`` (while layer l decodes a token, layer l + d's
     router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
@@ -401,6 +404,7 @@ class CacheConfig:
     io_threads: int = 8
     direct_io: bool = True
     lock_memory: bool = True
+    lock_dense: bool = True
     prefetch: str = "off"
     prefetch_distance: int = 1
     prefetch_min_p: float = 0.0

@@ -199,18 +199,24 @@ class AutoCacheSize:
     n_expert: int          # routed experts per MoE layer
     n_expert_used: int     # K: a streamed token needs K slots per layer even when n_cached < K
     available: int         # bytes free when the model was loaded
-    dense: int             # bytes of the non-expert weights (always resident)
+    dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
     kv: int                # bytes of the KV cache, an upper bound (F16 K and V, n_embd wide)
-    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 256 MiB
+    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
+    fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
+    left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
-        head = (f"auto: {self.n_cached} of {self.n_expert} experts per layer fit in {free} free "
+        fit = self.n_cached if self.fit < 0 else self.fit
+        head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
         if self.n_cached >= self.n_expert:
             return head + ": all resident, nothing streamed"
-        if self.n_cached < self.n_expert_used:
-            return head + f": too little memory, the run still needs K = {self.n_expert_used} slots per layer"
+        if fit < self.n_expert_used:
+            head += (f": a streamed token needs K = {self.n_expert_used} slots per layer, which cache "
+                     f"{self.n_cached} experts and leave {_mib(max(0, self.left))} for the runtime")
+            if self.left < 64 << 20:
+                head += ": too little memory, expect page faults (free memory, or use a smaller context)"
         return head
 
 
@@ -221,24 +227,61 @@ def _mib(n: int) -> str:
 def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
-    margin of 10% (at least 256 MiB), spent on cached experts; at most N, at least 0.
+    margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
+    A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
+    cache is K (those slots keep the last experts read).
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
     ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
     ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
     ...                  n_embd=1024)
-    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB - 16 MiB KV) * 0.9 / (8 x 8 MiB)
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB dense - 16 MiB KV) * 0.9 / (8 x 8 MiB)
     39
+    >>> auto_cache_size(info, n_ctx=512, available=512 << 20).n_cached  # 1 fits after a 128 MiB margin; K = 4 is the floor
+    4
     """
     free = _available_memory() if available is None else available
     dense = max(0, info.non_expert_bytes)
     kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
     budget = free - dense - kv
-    margin = max(256 << 20, budget // 10)
-    n = max(0, info.cache_size_for_budget(max(0, budget - margin)))
+    margin = max(128 << 20, budget // 10)
+    fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
+    n, left = fit, 0
+    if fit < min(info.n_expert_used, info.n_expert):
+        n = min(info.n_expert_used, info.n_expert)
+        left = budget - int(n * info.expert_bytes * info.n_moe_layer)
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
-                         dense=dense, kv=kv, margin=margin)
+                         dense=dense, kv=kv, margin=margin, fit=fit, left=left)
+
+
+def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
+                     available: Optional[int] = None) -> Optional[str]:
+    """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
+    where it does (or the free memory is unknown): its expert slots (at least K per layer, plus
+    ``spare``), the dense part, the KV cache and 64 MiB for the runtime, against what is free.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
+    ...                  n_embd=1024)
+    >>> memory_shortfall(info, 30, 512, available=4 << 30) is None
+    True
+    >>> print(memory_shortfall(info, 30, 512, available=2 << 30))
+    1920 MiB of expert slots + 256 MiB dense part + 16 MiB KV cache + 64 MiB runtime = 2256 MiB, 2048 MiB free
+    """
+    free = _available_memory() if available is None else available
+    if not free:
+        return None
+    slots = int((max(n_cached, info.n_expert_used) + spare) * info.expert_bytes * info.n_moe_layer)
+    dense = max(0, info.non_expert_bytes)
+    kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+    need = slots + dense + kv + (64 << 20)
+    if need <= free:
+        return None
+    return (f"{_mib(slots)} of expert slots + {_mib(dense)} dense part + {_mib(kv)} KV cache + 64 MiB runtime "
+            f"= {_mib(need)}, {_mib(free)} free")
 
 
 def read_json_file(path: "os.PathLike[str] | str", what: str):
@@ -323,6 +366,7 @@ class MoECache:
             cp.io_threads = cache.io_threads
             cp.direct_io = bool(cache.direct_io)
             cp.lock_memory = bool(cache.lock_memory)
+            cp.lock_dense = bool(cache.lock_dense)
         cp.insertion = (C.MOECACHE_INSERTION_TOP_BOTTOM if cache.insertion == "top-bottom"
                         else C.MOECACHE_INSERTION_BOTTOM_TOP)
         cp.update_on_prompt = bool(cache.update_on_prompt)
@@ -458,7 +502,8 @@ class MoECache:
         _check(C.moecache_get_residency_stats(self._h, ctypes.byref(rs)))
         return ResidencyStats(residency=RESIDENCY_NAMES.get(rs.residency, "?"), io_threads=rs.io_threads,
                               direct_io=rs.direct_io, locked=rs.locked, arena_bytes=rs.arena_bytes,
-                              locked_bytes=rs.locked_bytes, expert_bytes=rs.expert_bytes,
+                              locked_bytes=rs.locked_bytes, dense_locked_bytes=rs.dense_locked_bytes,
+                              expert_bytes=rs.expert_bytes,
                               decode_tokens=rs.decode_tokens, decode_loads=rs.decode_loads,
                               decode_bytes_read=rs.decode_bytes_read, decode_t_io_ms=rs.decode_t_io_ms,
                               decode_t_route_ms=rs.decode_t_route_ms, prompt_bytes_read=rs.prompt_bytes_read,
@@ -687,6 +732,13 @@ class Llama(llama_cpp.Llama):
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
             residency = RESIDENCY_NAMES[cp.residency]
+            if residency == "stream" and choice is None:
+                short = memory_shortfall(info, cp.n_cached, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
+                                         cache.prefetch_spare)
+                if short:
+                    warnings.warn(f"cache size {cache.size} leaves no room: {short}. The OS will drop the dense "
+                                  "part or the runtime's pages and read them back every token (or end the process); "
+                                  "use cache size 'auto' (--cache-size auto) or a smaller one", stacklevel=2)
             top_j = resolved_top_j(routing, info.n_expert_used)
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")

@@ -30,7 +30,7 @@ class ResidencyStats:
     direct_io: bool
     locked: bool                     # the cache is mlocked
     arena_bytes: int                 # stream: bytes of all slot arenas
-    locked_bytes: int
+    locked_bytes: int                # experts mlocked now
     expert_bytes: int                # one expert of one layer, all its tensors
     decode_tokens: int
     decode_loads: int                # experts read from storage while decoding
@@ -53,6 +53,7 @@ class ResidencyStats:
     predicted_total: int = 0
     decode_t_read_ms: float = 0.0    # stream: wall time with at least one expert read in flight (decode)
     prefetch_tokens_on: int = 0      # prefetch_spare: decoded tokens with the reads ahead on
+    dense_locked_bytes: int = 0      # the dense part mlocked (CacheConfig.lock_dense)
     decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
 
     @property
@@ -103,7 +104,7 @@ class ResidencyStats:
                 "decode_bytes_read": self.decode_bytes_read, "decode_loads": self.decode_loads,
                 "t_io_ms_per_token": self.t_io_ms_per_token, "t_route_ms_per_token": self.t_route_ms_per_token,
                 "t_compute_ms_per_token": self.t_compute_ms_per_token, "arena_bytes": self.arena_bytes,
-                "locked": self.locked, "direct_io": self.direct_io, "rss_bytes": self.rss_bytes,
+                "locked": self.locked, "dense_locked_bytes": self.dense_locked_bytes, "direct_io": self.direct_io, "rss_bytes": self.rss_bytes,
                 "prompt_bytes_read": self.prompt_bytes_read, "prefetch": self.prefetch,
                 "demand_bytes_read": self.demand_bytes_read, "prefetch_bytes_read": self.prefetch_bytes_read,
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
@@ -118,8 +119,11 @@ class ResidencyStats:
                 f"routing {self.t_route_ms_per_token:.3f} ms"
                 + (f", overlap {100 * self.overlap:.0f}% of reads hidden" if self.decode_t_read_ms > 0 else "")
                 + f" | major faults {self.major_faults_per_token:.1f}/tok | rss {self.rss_bytes / mib:.0f} MiB"
-                + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'})"
+                + (f" (slots {self.arena_bytes / mib:.0f} MiB{'' if self.locked else ', unlocked'}"
                    if self.residency == "stream" else "")
+                + ((", " if self.residency == "stream" else " (") + f"dense part {self.dense_locked_bytes / mib:.0f} MiB locked"
+                   if self.dense_locked_bytes else "")
+                + (")" if self.residency == "stream" or self.dense_locked_bytes else "")
                 + (f" | prefetch {self.prefetch}: "
                    + (f"on for {self.prefetch_tokens_on}/{self.decode_tokens} tokens, " if self.prefetch_tokens_on else "")
                    + f"recall {100 * self.recall:.0f}%, {self.prefetch_issued} issued, "

@@ -323,7 +323,8 @@ def main() -> None:
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
-    ap.add_argument("--cache-sizes", default="0.5,0.25", help="stream cache sizes, shares of N (default %(default)s)")
+    ap.add_argument("--cache-sizes", default="0.5,0.25", help="stream cache sizes, shares of N, or auto (what pymoecache.Llama picks from the free memory) "
+                         "(default %(default)s)")
     ap.add_argument("--leave-gib", type=float, default=None,
                     help="a smaller device: hold all memory but this many GiB (MemAvailable) for the whole "
                          "benchmark, in memory that cannot be reclaimed, released at the end (default: all memory)")
@@ -344,7 +345,7 @@ def main() -> None:
     ap.add_argument("--timeline-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        args.cache = float(args.cache)
+        args.cache = args.cache if args.cache == "auto" else float(args.cache)
         worker(args)
         return
     try:
@@ -456,7 +457,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
 
     def rows_of(s):
         return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
-                (s[0], s[1], str(float(s[2])), s[3], s[4])]
+                (s[0], s[1], s[2] if s[2] == "auto" else str(float(s[2])), s[3], s[4])]
 
     resident = med(rows_of(("none", "lru", "1.0", "off", "lru")), "tok_s") if not args.no_resident else None
     left = f", {args.leave_gib:g} GiB of memory left to the runs ({n_held / 2**30:.1f} GiB held)" \
@@ -474,8 +475,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
     print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | overlap bound | of bound | "
           "prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | reads in flight ms | "
-          "read MB/s (of disk) | overlap | routing ms | RSS MiB | peak RSS MiB | slots MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "read MB/s (of disk) | overlap | major faults/token | routing ms | RSS MiB | peak RSS MiB | slots MiB |")
+    print("|---" * 24 + "|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
@@ -489,7 +490,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
               f"{med(rows, 'ahead_mib_per_token'):.2f}) | {med(rows, 'wasted_mib_per_token'):.2f} | "
               f"{100 * med(rows, 'recall'):.0f}% | {med(rows, 'compute_ms'):.2f} | {med(rows, 'io_ms'):.2f} | "
               f"{med(rows, 'read_ms'):.2f} | {med(rows, 'read_mb_s'):.0f} ({100 * med(rows, 'read_mb_s') / disk:.0f}%) | "
-              f"{100 * med(rows, 'overlap'):.0f}% | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
+              f"{100 * med(rows, 'overlap'):.0f}% | {med(rows, 'major_faults_per_token'):.1f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
               f"{med(rows, 'arena_mib'):.0f} |")
     print()
     if resident:

@@ -162,6 +162,8 @@ struct moecache {
     char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
     size_t        arena_size = 0;
     bool          arena_locked = false;
+    const struct llama_model * dense_model = nullptr; // lock_dense: the model whose dense part this holds locked
+    int64_t       dense_locked = 0;           //   bytes of it mlocked (shared with other moecaches on the model)
     ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)
     ggml_backend_buffer * slots_buf = nullptr;//   wraps the arena for the CPU backend
     std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer

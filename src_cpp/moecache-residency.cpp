@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <unordered_map>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -308,6 +309,100 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     }
 }
 
+// --- the dense part ------------------------------------------------------------------------
+//
+// Every token reads all of the model's weights but the routed experts. Mapped from the file, those
+// pages are the kernel's to drop when memory runs short, and then every token reads them back (a
+// major fault per page): on a device with little memory left a decode becomes a page-in of the
+// dense part. lock_dense mlocks them. The token-embedding table stays unlocked unless the output
+// reuses it: a token reads one row of it. Several moecaches on one model share the lock.
+
+struct dense_lock {
+    int32_t users = 0;
+    int64_t bytes = 0;
+    std::vector<std::pair<char *, size_t>> ranges; // page-aligned, sorted, disjoint
+};
+
+static std::mutex g_dense_mu;
+static std::unordered_map<const llama_model *, dense_lock> g_dense; // model -> its locked dense part
+
+static bool is_mapped_host(const ggml_tensor * t) {
+    return t->buffer && t->data && ggml_backend_buffer_is_host(t->buffer) &&
+           strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") == 0;
+}
+
+static void dense_lock_acquire(moecache & mc, const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_dense_mu);
+    dense_lock & d = g_dense[model];
+    if (d.users++ > 0) {
+        mc.dense_locked = d.bytes;
+        return;
+    }
+    const size_t page = moecache_page_size();
+    std::vector<std::pair<char *, size_t>> want; // [begin, end) per tensor
+    for (const auto & nt : model->tensors_by_name) {
+        const ggml_tensor * t = nt.second;
+        if (mc.xt_layer.count(t) || !is_mapped_host(t)) {
+            continue; // a routed expert, or not in the mapping (already anonymous memory)
+        }
+        if (t == model->tok_embd && !(model->output && model->output->data == t->data)) {
+            continue;
+        }
+        char * b = (char *) ((uintptr_t) t->data & ~(uintptr_t) (page - 1));
+        char * e = (char *) moecache_round_up((uintptr_t) t->data + ggml_nbytes(t), page);
+        want.push_back({ b, (size_t) (e - b) });
+    }
+    std::sort(want.begin(), want.end());
+    for (const auto & r : want) { // merge: tensors share pages and lie next to each other
+        if (!d.ranges.empty() && r.first <= d.ranges.back().first + d.ranges.back().second) {
+            size_t end = std::max((size_t) (r.first - d.ranges.back().first) + r.second, d.ranges.back().second);
+            d.ranges.back().second = end;
+        } else {
+            d.ranges.push_back(r);
+        }
+    }
+    int64_t total = 0;
+    for (const auto & r : d.ranges) {
+        total += (int64_t) r.second;
+    }
+    for (size_t i = 0; i < d.ranges.size(); i++) {
+        if (mlock(d.ranges[i].first, d.ranges[i].second) != 0) {
+            const int err = errno;
+            for (size_t j = 0; j < i; j++) {
+                munlock(d.ranges[j].first, d.ranges[j].second);
+            }
+            d.ranges.clear();
+            static std::once_flag once;
+            std::call_once(once, [total, err] {
+                LLAMA_LOG_WARN("moecache: warning: mlock of the model's dense part (%.1f MiB, the weights every token "
+                               "reads) was refused (%s). The run goes on with it mapped: when memory runs short the "
+                               "OS drops its pages and every token reads them back. Fix: raise the limit (`ulimit -l "
+                               "unlimited`), or lock_dense=False / --no-mlock to silence this.\n",
+                               (double) total / (1 << 20), strerror(err));
+            });
+            break;
+        }
+    }
+    d.bytes = d.ranges.empty() ? 0 : total;
+    mc.dense_locked = d.bytes;
+}
+
+static void dense_lock_release(moecache & mc) {
+    if (!mc.dense_model) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(g_dense_mu);
+    auto it = g_dense.find(mc.dense_model);
+    if (it != g_dense.end() && --it->second.users == 0) {
+        for (const auto & r : it->second.ranges) {
+            munlock(r.first, r.second);
+        }
+        g_dense.erase(it);
+    }
+    mc.dense_model  = nullptr;
+    mc.dense_locked = 0;
+}
+
 // --- setup -----------------------------------------------------------------------------------
 
 int32_t moecache_fail_residency(const std::string & msg) {
@@ -445,6 +540,10 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         L.res.keep.assign(mc.n_expert, 0);
         L.res.locked.assign(mc.n_expert, 0);
     }
+    if (cp.lock_dense) {
+        dense_lock_acquire(mc, model);
+        mc.dense_model = model;
+    }
     if (cp.residency == MOECACHE_RESIDENCY_MMAP) {
         return MOECACHE_OK;
     }
@@ -453,6 +552,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
 }
 
 void moecache_residency_free(moecache & mc) {
+    dense_lock_release(mc);
     if (mc.io && mc.fd >= 0 && !mc.layers.empty()) {
         finish_read_ahead(mc, -1);
         drop_pending(mc, -1);

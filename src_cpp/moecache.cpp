@@ -66,6 +66,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.io_threads         = 8;
     p.direct_io          = true;
     p.lock_memory        = true;
+    p.lock_dense         = true;
     p.prefetch           = MOECACHE_PREFETCH_OFF;
     p.prefetch_distance  = 1;
     p.prefetch_min_p     = 0.0f;
@@ -496,6 +497,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         out->decode_t_read_ms = (double) busy / 1000.0;
     }
     out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
+    out->dense_locked_bytes = mc->dense_locked;
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;
 }

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 10
+#define MOECACHE_ABI_VERSION 11
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -177,6 +177,11 @@ struct moecache_cache_params {
     bool    direct_io;            // STREAM: O_DIRECT reads where the OS and file system allow; default true
     bool    lock_memory;          // mlock the slot arena (STREAM) or the cached experts (MMAP); refused:
                                   //   one warning on stderr and the run goes on unlocked; default true
+    bool    lock_dense;           // MMAP, STREAM: mlock the model's mapped weights other than the routed
+                                  //   experts (the dense part every token reads; the token-embedding table
+                                  //   only when the output reuses it), so that the OS cannot drop them and
+                                  //   page them back in every token when memory runs short; refused: one
+                                  //   warning and the run goes on unlocked; default true
     enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
     int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
                                   //   default 1
@@ -237,7 +242,8 @@ struct moecache_residency_stats {
     bool    direct_io;            // STREAM reads bypass the page cache (O_DIRECT / F_NOCACHE)
     bool    locked;               // the arena (STREAM) or the cached experts (MMAP) are mlocked
     int64_t arena_bytes;          // STREAM: bytes of all slot arenas (n_slots x bytes of one expert, per layer)
-    int64_t locked_bytes;         // bytes mlocked now
+    int64_t locked_bytes;         // bytes mlocked now (experts)
+    int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
     int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer)
     int64_t decode_tokens;        // single-token ubatches routed
     int64_t decode_loads;         // experts read from storage during those

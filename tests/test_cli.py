@@ -176,19 +176,25 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
     info = model_info(default_model_path())
     per_expert = info.expert_bytes * info.n_moe_layer  # one more cached expert per layer, all layers
     for want in (20, 45):
-        # what 'want' experts per layer need beside the dense weights, the KV cache and the 256 MiB margin
+        # what 'want' experts per layer need beside the dense weights, the KV cache and the 128 MiB margin
         kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
-        available = info.non_expert_bytes + kv + (256 << 20) + int((want + 0.5) * per_expert)
+        available = info.non_expert_bytes + kv + (128 << 20) + int((want + 0.5) * per_expert)
         assert auto_cache_size(info, info.n_ctx_train, available=available).n_cached == want
         last = _auto_run(monkeypatch, capsys, available)
         assert last.startswith(f"[prior:0.5, cache {want}/60 experts per layer; auto: {want} of 60 experts per layer "
                                f"fit in {available / 2**20:.0f} MiB free (less "), last
         assert "stream: read" in last  # what does not fit is streamed from the file
 
-    # less memory than the model's file: no expert fits; the run still works, on K streamed slots, and says so
-    last = _auto_run(monkeypatch, capsys, info.file_bytes // 2)
-    assert last.startswith("[prior:0.5, cache 0/60 experts per layer; auto: 0 of 60 experts per layer fit")
-    assert "too little memory, the run still needs K = 4 slots per layer" in last and "stream: read" in last
+    # fewer than K fit: a streamed token needs K slots per layer anyway, and they cache the last experts
+    kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
+    last = _auto_run(monkeypatch, capsys, info.non_expert_bytes + kv + (128 << 20) + int(2.5 * per_expert))
+    assert last.startswith("[prior:0.5, cache 4/60 experts per layer; auto: 2 of 60 experts per layer fit"), last
+    assert "a streamed token needs K = 4 slots per layer, which cache 4 experts and leave 128 MiB for the runtime" in last
+    assert "too little memory" not in last and "stream: read" in last
+    # less memory than the model's file: nothing fits; the run still works, on K streamed slots, and says so
+    last = _auto_run(monkeypatch, capsys, info.file_bytes // 8)
+    assert last.startswith("[prior:0.5, cache 4/60 experts per layer; auto: 0 of 60 experts per layer fit"), last
+    assert "too little memory, expect page faults" in last and "stream: read" in last
 
     # an explicit size is taken as given, whatever the memory
     last = _auto_run(monkeypatch, capsys, info.file_bytes // 2, "--cache-size", "30")

@@ -178,6 +178,7 @@ def test_mlock_refused_warns_once_and_runs_unlocked(fixture_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "locked False tokens" in r.stdout and int(r.stdout.split()[-1]) >= 20
     assert r.stderr.count("mlock of the expert cache") == 1
+    assert r.stderr.count("mlock of the model's dense part") == 1
     assert "ulimit -l unlimited" in r.stderr
 
 
@@ -277,3 +278,81 @@ def test_prompt_read_ahead_leaves_no_expert_in_the_page_cache(fixture_dir):
     after_decode = expert_pages_in_page_cache(path)
     assert all(n == 0 for il, n in after_decode.items() if il > first), after_decode
     llm.close()
+
+
+def _vm_locked() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no VmLck in /proc/self/status")
+
+
+@pytest.mark.parametrize("residency", ["stream", "mmap"])
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2"])
+def test_dense_part_is_locked(fixture_dir, name, residency):
+    """lock_dense mlocks every mapped weight but the routed experts, and the token-embedding table
+    only where the output reuses it (mixtral-8x2 has no output.weight, qwen2moe-60x4 has one); the
+    lock is the process's (VmLck) and goes with the model; lock_dense=False locks nothing of it."""
+    import gguf
+
+    path = model_path(fixture_dir, name)
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    tied = "output.weight" not in tensors
+    dense = [n for k, n in tensors.items() if "_exps." not in k and (tied or k != "token_embd.weight")]
+    want = sum(dense)
+    page = os.sysconf("SC_PAGE_SIZE")
+    base = _vm_locked()
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency=residency), routing="lru",
+                           n_ctx=64, verbose=False)
+    llm.eval(list(range(300, 308)))
+    rs = llm.moe_stats().residency
+    # page-rounded ranges of the tensors, neighbours merged: at least their bytes, at most two pages more each
+    assert want <= rs.dense_locked_bytes <= want + 2 * page * len(dense), (rs.dense_locked_bytes, want)
+    assert rs.dense_locked_bytes % page == 0
+    assert _vm_locked() - base >= rs.dense_locked_bytes + rs.locked_bytes - page
+    assert f"dense part {rs.dense_locked_bytes / 2**20:.0f} MiB locked" in rs.summary()
+    llm.close()
+    assert _vm_locked() == base
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency=residency, lock_dense=False),
+                           routing="lru", n_ctx=64, verbose=False)
+    assert llm.moe_stats().residency.dense_locked_bytes == 0
+    assert "dense part" not in llm.moe_stats().residency.summary()
+    llm.close()
+
+
+def test_dense_lock_is_shared_by_the_caches_of_one_model(fixture_dir):
+    """A second moecache on the same model shares the dense lock: closing it keeps the first one's."""
+    from pymoecache.llama import MoECache
+
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap"), routing="lru", n_ctx=64,
+                           verbose=False)
+    locked = _vm_locked()
+    dense = llm.moe_stats().residency.dense_locked_bytes
+    assert dense > 0
+    second = MoECache.for_model(llm._model.model, llm.model_info, cache=CacheConfig(size=0.5, residency="mmap"),
+                                routing="lru")
+    assert second.residency_stats().dense_locked_bytes == dense
+    second.close()
+    assert _vm_locked() == locked and llm.moe_stats().residency.dense_locked_bytes == dense
+    llm.close()
+
+
+def test_explicit_cache_size_that_leaves_no_room_warns(fixture_dir, monkeypatch):
+    """An explicit size whose slots, dense part, KV cache and runtime exceed the free memory runs,
+    with a warning that says what each takes; one that fits says nothing."""
+    import warnings
+
+    import pymoecache.llama as llama_module
+
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    info = pymoecache.model_info(path)
+    monkeypatch.setattr(llama_module, "_available_memory", lambda: info.non_expert_bytes + (64 << 20))
+    with pytest.warns(UserWarning, match=r"cache size 30 leaves no room: .* MiB of expert slots \+ .* dense part"):
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=30, residency="stream"), n_ctx=64, verbose=False)
+    llm.eval(list(range(300, 304)))
+    llm.close()
+    monkeypatch.setattr(llama_module, "_available_memory", lambda: 8 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pymoecache.Llama(str(path), cache=CacheConfig(size=30, residency="stream"), n_ctx=64, verbose=False).close()

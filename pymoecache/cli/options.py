@@ -126,7 +126,8 @@ def _add_residency_options(c) -> None:
                    help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
                         "themselves off where 16 tokens without them ran faster than 16 with them)")
     c.add_argument("--no-mlock", action="store_true",
-                   help="do not mlock the expert cache (default: lock it; if the OS refuses, one warning)")
+                   help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
+                        "cannot drop them and read them back every token; if it refuses, one warning)")
     c.add_argument("--no-direct-io", action="store_true",
                    help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
 
@@ -239,6 +240,7 @@ def cache_from_args(args):
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
                        lock_memory=not getattr(args, "no_mlock", False),
+                       lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
 
 
