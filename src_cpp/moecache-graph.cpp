@@ -84,6 +84,51 @@ int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, float 
     return m;
 }
 
+// GATE under PRIOR: what T's policy will select given T's cache as it is now (T routes this token
+// next, and only T's own routing changes its cache): the top J of the predicted logits z [N], then
+// the best K - J others after the prior's boost of T's cached experts, as moecache_route_token ranks
+// them. The reads worth starting are the predicted misses; the stock top K would name experts the
+// prior then swaps for cached ones. ids/score as top_predicted (score: softmax of z); order,
+// boosted: [N] scratch. Returns how many (K, fewer with min_p).
+int32_t prior_predicted(const moecache & mc, const moecache_layer & T, const float * z, float min_p,
+                        std::vector<int32_t> & order, std::vector<float> & boosted, int32_t * ids, float * score) {
+    const int32_t N = mc.n_expert;
+    const int32_t K = mc.n_expert_used;
+    const int32_t J = std::min(mc.rparams.top_j, K);
+    const float boost = (float) ((double) mc.rparams.prior_lambda * moecache_layer_delta(T));
+    int32_t top[MOECACHE_MAX_USED];
+    float   p_top[MOECACHE_MAX_USED];
+    const int32_t n_top = top_predicted(z, N, K, true, 0.0f, order, top, p_top); // (fills order with r)
+    for (int32_t e = 0; e < N; e++) {
+        boosted[e] = std::isnan(z[e]) ? -INFINITY : (T.last_use[e] >= 0 ? z[e] + boost : z[e]);
+    }
+    for (int32_t i = 0; i < J && i < n_top; i++) {
+        boosted[top[i]] = INFINITY; // Top-J: selected whatever the cache holds
+    }
+    std::partial_sort(order.begin(), order.begin() + K, order.begin() + N, [&boosted](int32_t a, int32_t b) {
+        return boosted[a] > boosted[b] || (boosted[a] == boosted[b] && a < b);
+    });
+    double zmax = -INFINITY;
+    for (int32_t e = 0; e < N; e++) {
+        zmax = std::isfinite(z[e]) ? std::max(zmax, (double) z[e]) : zmax;
+    }
+    double sum = 0.0;
+    for (int32_t e = 0; e < N; e++) {
+        sum += std::isfinite(z[e]) ? std::exp((double) z[e] - zmax) : 0.0;
+    }
+    int32_t m = 0;
+    for (int32_t i = 0; i < K; i++) {
+        const int32_t e = order[i];
+        const float p = sum > 0.0 && std::isfinite(z[e]) ? (float) (std::exp((double) z[e] - zmax) / sum) : 0.0f;
+        if (p < min_p && boosted[e] != INFINITY) {
+            continue;
+        }
+        ids[m]     = e;
+        score[m++] = p;
+    }
+    return m;
+}
+
 #define MOECACHE_SPEC_WINDOW 16 // decoded tokens of each trial, with and without reads ahead
 #define MOECACHE_SPEC_RUN    96 // decoded tokens the faster setting then runs for
 
@@ -143,8 +188,13 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
         if (!pred || !L.graph.predicts) {
             return;
         }
-        n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, mc.cparams.prefetch_min_p,
-                          L.scratch.order, ids, score);
+        if (mc.rparams.policy == MOECACHE_POLICY_PRIOR && mc.rparams.prior_lambda > 0.0f && T.graph.rank_on_logits) {
+            n = prior_predicted(mc, T, row_f32(pred, 0), mc.cparams.prefetch_min_p, L.scratch.order,
+                                L.scratch.boosted, ids, score);
+        } else {
+            n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, mc.cparams.prefetch_min_p,
+                              L.scratch.order, ids, score);
+        }
     } else if (mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
         float * sc = L.scratch.boosted.data();
         if (!moecache_trace_predict(mc, L.il, target, sc)) {

@@ -154,12 +154,67 @@ static void drop_pending(moecache & mc, int32_t il) {
     mc.drop_pending.resize(n_kept);
 }
 
-#define MOECACHE_READ_AHEAD 2 // MoE layers a prompt reads ahead of the one computing
+#define MOECACHE_READ_AHEAD 2                 // MoE layers a prompt reads ahead of the one computing
+#define MOECACHE_READ_AHEAD_RESERVE (64 << 20) // bytes of free memory a read-ahead leaves alone
+
+// bytes the OS can give now (Linux: MemAvailable), -1 where unknown
+static int64_t mem_available() {
+    int64_t kib = -1;
+#if defined(__linux__)
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof(line), f)) {
+            long long v;
+            if (sscanf(line, "MemAvailable: %lld kB", &v) == 1) {
+                kib = (int64_t) v;
+                break;
+            }
+        }
+        fclose(f);
+    }
+#endif
+    return kib < 0 ? -1 : kib * 1024;
+}
+
+static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
+    return (int64_t) L.res.expert_bytes * mc.n_expert;
+}
+
+// the reader threads ask the kernel for all experts of layer il (MADV_WILLNEED: large read
+// requests instead of a page per fault), to be dropped once the prompt is past that layer
+static void ask_layer(moecache & mc, int32_t il) {
+    const moecache_layer & next = mc.layers[il];
+    for (int32_t e = 0; e < mc.n_expert; e++) {
+        if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
+            continue;
+        }
+        for (const moecache_expert_tensor & x : next.res.xt) {
+            moecache_io_job j = {};
+            j.kind = MOECACHE_IO_AHEAD;
+            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+            j.len  = x.nb2;
+            j.il   = il;
+            j.e    = e;
+            moecache_io_submit(*mc.io, mc.ahead_req[il], j, (float) (mc.n_layer - il)); // nearest first
+        }
+        mc.drop_pending.emplace_back(il, e);
+    }
+    mc.ahead_last = il;
+}
 
 // A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
-// too: the reader threads ask the kernel for all of them (MADV_WILLNEED: large read requests)
-// while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead.
+// too: they are asked for while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead, as
+// far as the free memory holds them beside this layer's (on a small device, pages read ahead and
+// dropped again before their layer runs would be read twice, and then a page per fault)
 static void read_ahead(moecache & mc, const moecache_layer & L) {
+    int64_t room = mem_available(); // (the page cache of layers asked for counts as available: less them)
+    if (room >= 0) {
+        room -= MOECACHE_READ_AHEAD_RESERVE + layer_file_bytes(mc, L);
+        for (int32_t il = L.il + 1; il <= mc.ahead_last; il++) {
+            room -= mc.layers[il].res.xt.empty() ? 0 : layer_file_bytes(mc, mc.layers[il]);
+        }
+    }
     int32_t n_ahead = 0;
     for (int32_t il = L.il + 1; il < mc.n_layer && n_ahead < MOECACHE_READ_AHEAD; il++) {
         const moecache_layer & next = mc.layers[il];
@@ -170,22 +225,10 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
         if (il <= mc.ahead_last) {
             continue; // asked for already
         }
-        for (int32_t e = 0; e < mc.n_expert; e++) {
-            if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
-                continue;
-            }
-            for (const moecache_expert_tensor & x : next.res.xt) {
-                moecache_io_job j = {};
-                j.kind = MOECACHE_IO_AHEAD;
-                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
-                j.len  = x.nb2;
-                j.il   = il;
-                j.e    = e;
-                moecache_io_submit(*mc.io, mc.ahead_req[il], j, (float) (mc.n_layer - il)); // nearest first
-            }
-            mc.drop_pending.emplace_back(il, e);
+        if (room >= 0 && (room -= layer_file_bytes(mc, next)) < 0) {
+            break; // asked for by its own layer then (moecache_residency_sync)
         }
-        mc.ahead_last = il;
+        ask_layer(mc, il);
     }
 }
 
@@ -281,6 +324,10 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
             end = std::max<uint64_t>(end, x.file_off + (uint64_t) x.nb2 * mc.n_expert);
         }
         if (file_covers(mc, end)) {
+            if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead_last) {
+                ask_layer(mc, L.il); // not read ahead (the first layer, or no memory for it): all at once now
+                moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
+            }
             if (stream) {
                 moecache_slots_prompt(mc, L, ids, n_ids);
             } else {
@@ -385,6 +432,13 @@ static void dense_lock_acquire(moecache & mc, const llama_model * model) {
     }
     d.bytes = d.ranges.empty() ? 0 : total;
     mc.dense_locked = d.bytes;
+#ifdef __linux__
+    for (const moecache_layer & L : mc.layers) { // what the kernel read around the locked pages: not needed
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            posix_fadvise(mc.fd, (off_t) x.file_off, (off_t) (x.nb2 * (size_t) mc.n_expert), POSIX_FADV_DONTNEED);
+        }
+    }
+#endif
 }
 
 static void dense_lock_release(moecache & mc) {
