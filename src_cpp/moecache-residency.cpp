@@ -325,8 +325,12 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         }
         if (file_covers(mc, end)) {
             if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead_last) {
-                ask_layer(mc, L.il); // not read ahead (the first layer, or no memory for it): all at once now
-                moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
+                // not read ahead (the first layer, or no room): all at once now, where it fits
+                const int64_t room = mem_available();
+                if (room < 0 || room - MOECACHE_READ_AHEAD_RESERVE >= layer_file_bytes(mc, L)) {
+                    ask_layer(mc, L.il);
+                    moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
+                }
             }
             if (stream) {
                 moecache_slots_prompt(mc, L, ids, n_ids);
@@ -582,7 +586,13 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         if (L.res.xt.empty()) {
             continue;
         }
+        // MMAP decodes fault the experts in: no readahead beyond them. (STREAM decodes read with
+        // pread; its prompts fault through the mapping and are better off with the kernel's
+        // readahead where the memory is too short to ask for a whole layer.)
         for (const moecache_expert_tensor & x : L.res.xt) {
+            if (cp.residency != MOECACHE_RESIDENCY_MMAP) {
+                break;
+            }
             char * a;
             size_t len;
             moecache_expert_tensor all = x;
