@@ -196,8 +196,9 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
     assert last.startswith("[prior:0.5, cache 4/60 experts per layer; auto: 0 of 60 experts per layer fit"), last
     assert "too little memory, expect page faults" in last and "stream: read" in last
 
-    # an explicit size is taken as given, whatever the memory
-    last = _auto_run(monkeypatch, capsys, info.file_bytes // 2, "--cache-size", "30")
+    # an explicit size is taken as given, whatever the memory, with a warning where it leaves no room
+    with pytest.warns(UserWarning, match="cache size 30 leaves no room"):
+        last = _auto_run(monkeypatch, capsys, info.file_bytes // 2, "--cache-size", "30")
     assert last.startswith("[prior:0.5, cache 30/60 experts per layer]")
 
 
