@@ -263,3 +263,4 @@ def test_adaptive_spare_prefetch_tries_both_and_keeps_one(paths, adaptive):
     assert f"on for {rs.prefetch_tokens_on}/40 tokens" in rs.summary()
     with pytest.raises(pymoecache.ConfigError, match="prefetch_adaptive"):
         CacheConfig(prefetch_adaptive=1)
+
