@@ -48,6 +48,9 @@ int32_t moecache_slots_init(moecache & mc) {
     }
     mc.arena      = (char *) arena;
     mc.arena_size = total;
+#if defined(MADV_HUGEPAGE)
+    madvise(arena, total, MADV_HUGEPAGE); // 2 MiB pages where the kernel has them: fewer TLB misses in the matmuls
+#endif
     if (cp.lock_memory) {
         if (mlock(mc.arena, total) == 0) {
             mc.arena_locked = true;
