@@ -220,6 +220,11 @@ class AutoCacheSize:
         return head
 
 
+def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
+    """An upper bound of the KV cache: F16 K and V, n_embd wide, every layer and position."""
+    return 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
@@ -243,7 +248,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     """
     free = _available_memory() if available is None else available
     dense = max(0, info.non_expert_bytes)
-    kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+    kv = _kv_bytes(info, n_ctx)
     budget = free - dense - kv
     margin = max(128 << 20, budget // 10)
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
@@ -276,7 +281,7 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
         return None
     slots = int((max(n_cached, info.n_expert_used) + spare) * info.expert_bytes * info.n_moe_layer)
     dense = max(0, info.non_expert_bytes)
-    kv = 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+    kv = _kv_bytes(info, n_ctx)
     need = slots + dense + kv + (64 << 20)
     if need <= free:
         return None

@@ -97,8 +97,7 @@ int32_t moecache_guard_add(const struct llama_model * model, const char * path) 
     uintptr_t base = 0;
     for (const auto & nt : model->tensors_by_name) {
         const ggml_tensor * t = nt.second;
-        if (t == nullptr || t->data == nullptr || t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer) ||
-            strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") != 0) {
+        if (!moecache_tensor_is_mapped(t)) {
             continue;
         }
         const int64_t id = gguf_find_tensor(gg, ggml_get_name(t));

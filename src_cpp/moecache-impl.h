@@ -225,6 +225,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
 int32_t moecache_fail_residency(const std::string & msg);           // sets the error, MOECACHE_ERR_RESIDENCY
 void    moecache_set_io_error(moecache & mc, const std::string & msg); // the first failed read stops the decode
 void    moecache_warn_mlock_once(size_t bytes, int err);
+bool    moecache_tensor_is_mapped(const ggml_tensor * t); // its data lies in llama.cpp's mapping of the file
 void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
 // moecache-slots.cpp: STREAM's slot arena
 int32_t moecache_slots_init(moecache & mc);

@@ -41,6 +41,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+// ggml's buffer type for a mapped file has no public handle: its name is the test
+bool moecache_tensor_is_mapped(const ggml_tensor * t) {
+    return t && t->data && t->buffer && ggml_backend_buffer_is_host(t->buffer) &&
+           strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") == 0;
+}
+
 // --- errors ----------------------------------------------------------------------------------
 
 void moecache_warn_mlock_once(size_t bytes, int err) {
@@ -157,8 +163,9 @@ static void drop_pending(moecache & mc, int32_t il) {
 #define MOECACHE_READ_AHEAD 2                 // MoE layers a prompt reads ahead of the one computing
 #define MOECACHE_READ_AHEAD_RESERVE (64 << 20) // bytes of free memory a read-ahead leaves alone
 
-// bytes the OS can give now (Linux: MemAvailable), -1 where unknown
-static int64_t mem_available() {
+// bytes a prompt may read into the page cache now: what the OS can give (Linux: MemAvailable)
+// less MOECACHE_READ_AHEAD_RESERVE; -1 where unknown
+static int64_t read_room() {
     int64_t kib = -1;
 #if defined(__linux__)
     FILE * f = fopen("/proc/meminfo", "r");
@@ -174,7 +181,7 @@ static int64_t mem_available() {
         fclose(f);
     }
 #endif
-    return kib < 0 ? -1 : kib * 1024;
+    return kib < 0 ? -1 : kib * 1024 - MOECACHE_READ_AHEAD_RESERVE;
 }
 
 static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
@@ -208,9 +215,9 @@ static void ask_layer(moecache & mc, int32_t il) {
 // far as the free memory holds them beside this layer's (on a small device, pages read ahead and
 // dropped again before their layer runs would be read twice, and then a page per fault)
 static void read_ahead(moecache & mc, const moecache_layer & L) {
-    int64_t room = mem_available(); // (the page cache of layers asked for counts as available: less them)
+    int64_t room = read_room(); // (the page cache of layers asked for counts as available: less them)
     if (room >= 0) {
-        room -= MOECACHE_READ_AHEAD_RESERVE + layer_file_bytes(mc, L);
+        room -= layer_file_bytes(mc, L);
         for (int32_t il = L.il + 1; il <= mc.ahead_last; il++) {
             room -= mc.layers[il].res.xt.empty() ? 0 : layer_file_bytes(mc, mc.layers[il]);
         }
@@ -326,8 +333,8 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         if (file_covers(mc, end)) {
             if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead_last) {
                 // not read ahead (the first layer, or no room): all at once now, where it fits
-                const int64_t room = mem_available();
-                if (room < 0 || room - MOECACHE_READ_AHEAD_RESERVE >= layer_file_bytes(mc, L)) {
+                const int64_t room = read_room();
+                if (room < 0 || room >= layer_file_bytes(mc, L)) {
                     ask_layer(mc, L.il);
                     moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
                 }
@@ -377,14 +384,10 @@ struct dense_lock {
 static std::mutex g_dense_mu;
 static std::unordered_map<const llama_model *, dense_lock> g_dense; // model -> its locked dense part
 
-static bool is_mapped_host(const ggml_tensor * t) {
-    return t->buffer && t->data && ggml_backend_buffer_is_host(t->buffer) &&
-           strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") == 0;
-}
-
 static void dense_lock_acquire(moecache & mc, const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_dense_mu);
     dense_lock & d = g_dense[model];
+    mc.dense_model = model;
     if (d.users++ > 0) {
         mc.dense_locked = d.bytes;
         return;
@@ -393,7 +396,7 @@ static void dense_lock_acquire(moecache & mc, const llama_model * model) {
     std::vector<std::pair<char *, size_t>> want; // [begin, end) per tensor
     for (const auto & nt : model->tensors_by_name) {
         const ggml_tensor * t = nt.second;
-        if (mc.xt_layer.count(t) || !is_mapped_host(t)) {
+        if (mc.xt_layer.count(t) || !moecache_tensor_is_mapped(t)) {
             continue; // a routed expert, or not in the mapping (already anonymous memory)
         }
         if (t == model->tok_embd && !(model->output && model->output->data == t->data)) {
@@ -532,9 +535,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
                 err = "tensor " + name + " is not stored as in the file (type or layout differs)";
                 break;
             }
-            // ggml's buffer type for a mapped file has no public handle: its name is the test
-            if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr ||
-                strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)), "CPU_Mapped") != 0) {
+            if (!moecache_tensor_is_mapped(t) || t->extra != nullptr) {
                 err = "the experts of layer " + std::to_string(il) + " are not memory-mapped from the file in its layout (" +
                       (t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "no buffer") +
                       "): " + mode + " residency needs the model loaded with mmap, on the CPU (n_gpu_layers = 0), "
@@ -590,14 +591,11 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         // pread; its prompts fault through the mapping and are better off with the kernel's
         // readahead where the memory is too short to ask for a whole layer.)
         for (const moecache_expert_tensor & x : L.res.xt) {
-            if (cp.residency != MOECACHE_RESIDENCY_MMAP) {
-                break;
-            }
             char * a;
             size_t len;
             moecache_expert_tensor all = x;
             all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
-            if (inner_pages(all, 0, &a, &len)) {
+            if (cp.residency == MOECACHE_RESIDENCY_MMAP && inner_pages(all, 0, &a, &len)) {
                 madvise(a, len, MADV_RANDOM);
             }
         }
@@ -606,7 +604,6 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     }
     if (cp.lock_dense) {
         dense_lock_acquire(mc, model);
-        mc.dense_model = model;
     }
     if (cp.residency == MOECACHE_RESIDENCY_MMAP) {
         return MOECACHE_OK;
