@@ -43,6 +43,7 @@ class moecache_cache_params(ctypes.Structure):
         ("direct_io", c_bool),
         ("lock_memory", c_bool),
         ("lock_dense", c_bool),
+        ("overlap_experts", c_bool),
         ("prefetch", c_int32),
         ("prefetch_distance", c_int32),
         ("prefetch_min_p", c_float),

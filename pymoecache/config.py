@@ -357,6 +357,9 @@ class CacheConfig:
     lock_dense: (``stream``, ``mmap``) mlock the weights every token reads, all but the routed
     experts (and the token-embedding table unless the output reuses it), so that the OS cannot
     drop them when memory runs short and read them back every token; same refusal rule.
+    overlap_experts: (``stream``) a decoded token's expert matmuls take each selected expert as
+    soon as its bytes arrive: the cached experts compute while the misses are read. False waits
+    for every read of a layer first (as before); the logits are the same either way.
 
     prefetch: ``"off"`` (the default), ``"gate"`` (while layer l decodes a token, layer l + d's
     router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
@@ -405,6 +408,7 @@ class CacheConfig:
     direct_io: bool = True
     lock_memory: bool = True
     lock_dense: bool = True
+    overlap_experts: bool = True
     prefetch: str = "off"
     prefetch_distance: int = 1
     prefetch_min_p: float = 0.0
@@ -449,8 +453,9 @@ class CacheConfig:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
-        if not isinstance(self.prefetch_adaptive, bool):
-            raise ConfigError(f"prefetch_adaptive must be True or False, got {self.prefetch_adaptive!r}")
+        for name in ("prefetch_adaptive", "overlap_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
 

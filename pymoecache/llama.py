@@ -372,6 +372,7 @@ class MoECache:
             cp.direct_io = bool(cache.direct_io)
             cp.lock_memory = bool(cache.lock_memory)
             cp.lock_dense = bool(cache.lock_dense)
+            cp.overlap_experts = bool(cache.overlap_experts)
         cp.insertion = (C.MOECACHE_INSERTION_TOP_BOTTOM if cache.insertion == "top-bottom"
                         else C.MOECACHE_INSERTION_BOTTOM_TOP)
         cp.update_on_prompt = bool(cache.update_on_prompt)

@@ -32,12 +32,20 @@ import numpy as np
 EVENT_DTYPE = np.dtype([("kind", "<i4"), ("layer", "<i4"), ("expert", "<i4"), ("thread", "<i4"),
                         ("n_tokens", "<i4"), ("pad", "<i4"), ("t_queued_us", "<i8"), ("t_start_us", "<i8"),
                         ("t_end_us", "<i8"), ("bytes", "<i8")])
-KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy")
+KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy", "expert")
 KIND = {name: i for i, name in enumerate(KINDS)}
 # one eval call: its span on the same clock, and how many tokens it decoded (1: a generated token)
 TOKEN_DTYPE = np.dtype([("t_start_us", "<i8"), ("t_end_us", "<i8"), ("n_tokens", "<i4")])
 
 _READS = (KIND["read"], KIND["read_ahead"])
+# on the graph thread: routing, waits, and the matmuls of an expert that arrived (overlap_experts)
+_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"])
+
+
+def _graph_name(e) -> str:
+    """'route L3', 'wait L3' (the residency op), 'wait L3 E12' (a matmul waiting for expert 12),
+    'expert L3 E12' (its matmuls)."""
+    return f"{KINDS[e['kind']]} L{int(e['layer'])}" + (f" E{int(e['expert'])}" if e["expert"] >= 0 else "")
 
 
 def _union_us(starts: np.ndarray, ends: np.ndarray) -> int:
@@ -59,7 +67,7 @@ def _union_us(starts: np.ndarray, ends: np.ndarray) -> int:
 @dataclass
 class Overlap:
     """Decoded tokens only. ``read_ms``: wall time with at least one expert read in flight;
-    ``wait_ms``: time the graph thread waited in the layers' residency ops; ``share``: the part of
+    ``wait_ms``: time the graph thread waited for experts' bytes; ``share``: the part of
     the read time hidden behind compute, 1 - wait / read (0 when nothing was read)."""
 
     tokens: int
@@ -138,7 +146,7 @@ class Timeline:
             out.append({"ph": "X", "pid": 1, "tid": int(tid), "name": name, "cat": cat, "ts": int(start) - t0,
                         "dur": max(0, int(end) - int(start)), "args": args})
 
-        graph = self.events[np.isin(self.events["kind"], (KIND["route"], KIND["wait"]))]
+        graph = self.events[np.isin(self.events["kind"], _GRAPH)]
         graph = graph[np.argsort(graph["t_start_us"], kind="stable")]
         for i, tok in enumerate(self.tokens):
             kind = "decode" if tok["n_tokens"] == 1 else f"prompt, {int(tok['n_tokens'])} tokens"
@@ -146,18 +154,19 @@ class Timeline:
             inside = graph[(graph["t_start_us"] >= tok["t_start_us"]) & (graph["t_start_us"] < tok["t_end_us"])]
             cur, after = int(tok["t_start_us"]), "eval start"
             for e in inside:
-                name = f"{KINDS[e['kind']]} L{int(e['layer'])}"
+                name = _graph_name(e)
                 if int(e["t_start_us"]) > cur:
                     x("compute", 0, cur, e["t_start_us"], "compute", after=after, before=name)
-                x(name, 0, e["t_start_us"], e["t_end_us"], KINDS[e["kind"]], layer=int(e["layer"]))
+                x(name, 0, e["t_start_us"], e["t_end_us"], KINDS[e["kind"]], layer=int(e["layer"]),
+                  expert=int(e["expert"]))
                 cur, after = max(cur, int(e["t_end_us"])), name
             if int(tok["t_end_us"]) > cur:
                 x("compute", 0, cur, tok["t_end_us"], "compute", after=after, before="eval end")
         if not len(self.tokens):
             for e in graph:
-                x(f"{KINDS[e['kind']]} L{int(e['layer'])}", 0, e["t_start_us"], e["t_end_us"], KINDS[e["kind"]],
-                  layer=int(e["layer"]))
-        for e in self.events[~np.isin(self.events["kind"], (KIND["route"], KIND["wait"]))]:
+                x(_graph_name(e), 0, e["t_start_us"], e["t_end_us"], KINDS[e["kind"]], layer=int(e["layer"]),
+                  expert=int(e["expert"]))
+        for e in self.events[~np.isin(self.events["kind"], _GRAPH)]:
             kind = KINDS[e["kind"]]
             x(f"{kind.replace('_', ' ')} L{int(e['layer'])} E{int(e['expert'])}", e["thread"], e["t_start_us"],
               e["t_end_us"], kind, layer=int(e["layer"]), expert=int(e["expert"]), bytes=int(e["bytes"]),
@@ -204,7 +213,7 @@ class Timeline:
         readers = sorted({int(t) for t in ev["thread"] if t > 0})
         lanes = ["graph thread"] + [f"reader {t}" for t in readers]
         color = {"compute": "#9ecae1", "route": "#6a51a3", "wait": "#de2d26", "read": "#fd8d3c",
-                 "read_ahead": "#31a354", "lock": "#756bb1", "copy": "#969696"}
+                 "read_ahead": "#31a354", "lock": "#756bb1", "copy": "#969696", "expert": "#3182bd"}
         fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(lanes)))
         ms = lambda t: (t - lo) / 1000.0  # noqa: E731
         for s in spans:  # compute = the span less the graph thread's events
@@ -212,7 +221,7 @@ class Timeline:
                     color=color["compute"])
         for e in ev:
             kind = KINDS[e["kind"]]
-            lane = 0 if kind in ("route", "wait") else 1 + readers.index(int(e["thread"]))
+            lane = 0 if e["kind"] in _GRAPH else 1 + readers.index(int(e["thread"]))
             ax.barh(lane, max(ms(e["t_end_us"]) - ms(e["t_start_us"]), 0.002), left=ms(e["t_start_us"]),
                     height=0.6, color=color[kind], edgecolor="none")
         for s in spans[1:]:
@@ -226,8 +235,8 @@ class Timeline:
                      f"{o.read_ms / max(1, o.tokens):.1f} ms, waited {o.wait_ms / max(1, o.tokens):.1f} ms, "
                      f"overlap {100 * o.share:.0f}%", fontsize=10)
         ax.legend(handles=[Patch(color=color[k], label=k.replace("_", " ")) for k in
-                           ("compute", "route", "wait", "read", "read_ahead")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15), ncol=5, fontsize=8)
+                           ("compute", "expert", "route", "wait", "read", "read_ahead")],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15), ncol=6, fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

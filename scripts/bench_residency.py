@@ -80,15 +80,17 @@ def parse_prefetch(spec: str, distance: int = 1) -> dict:
     """A --prefetch entry as CacheConfig fields: ``gate`` -> prefetch="gate"; after the mode,
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
-    alone), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``."""
+    alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
+    its reads before its matmuls), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
     mode, *opts = spec.split(":")
     out = {"prefetch": mode, "prefetch_distance": distance}
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
-             "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no"))}
+             "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
+             "o": ("overlap_experts", lambda v: v not in ("0", "false", "no"))}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
-            raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE)")
+            raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1)")
         out[names[key][0]] = names[key][1](value)
     return out
 
@@ -308,7 +310,8 @@ def main() -> None:
                     help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate; "
                          "options after the mode: gate:p=0.2 (prefetch_min_p), gate:t=0 (prefetch_threads), "
                          "gate:d=2 (distance), gate:s=2 (2 spare slots per layer: read ahead without inserting), "
-                         "gate:p=0.2:t=2 (default %(default)s)")
+                         "gate:s=2:a=0 (always on), off:o=0 (overlap_experts off: each layer waits for all its "
+                         "reads before its matmuls), gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
     ap.add_argument("--trace-requests", type=int, default=8,
                     help="prefetch trace: past requests it matches against, run once before the measurements on "

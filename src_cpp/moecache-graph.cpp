@@ -494,6 +494,8 @@ void moecache_residency_graph_begin(moecache & mc) {
     for (moecache_layer & L : mc.layers) {
         L.graph.ids_in   = nullptr;
         L.graph.ids_out  = nullptr;
+        L.graph.arrival  = nullptr;
+        L.graph.ready    = nullptr;
         L.graph.n_ubatch = 0;
     }
 }
@@ -511,17 +513,18 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
     if (L.graph.ids_in != ids) {
         L.graph.ids_in  = ids;
         L.graph.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
+        L.graph.arrival = nullptr;
+        L.graph.ready   = nullptr;
         ggml_format_name(L.graph.ids_out, "moecache_experts-%d", L.il);
     }
-    ggml_tensor * w = as;
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && moecache_layer_decodes(L, ids->ne[1])) {
         for (const moecache_expert_tensor & x : L.res.xt) {
             if (x.model_t == as) {
-                w = x.slots_t;
+                return moecache_matmul_stream_decode(mc, L, ctx, x, b); // on the slots (moecache-matmul.cpp)
             }
         }
     }
-    return ggml_mul_mat_id(ctx, w, b, L.graph.ids_out);
+    return ggml_mul_mat_id(ctx, as, b, L.graph.ids_out);
 }
 
 // --- model loading ---------------------------------------------------------------------------

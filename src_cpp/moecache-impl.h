@@ -55,6 +55,8 @@ struct moecache_layer_graph {
     float         dropped_weight = 0.0f;    // weight of a dropped slot: 0, or -inf before a softmax
     ggml_tensor * ids_in         = nullptr; // residency: the ids the op below was built for
     ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
+    ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
+    ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
                                             //   last layer of a prompt routes only its output rows); 1 = a decode
@@ -235,7 +237,15 @@ int32_t moecache_slots_init(moecache & mc);
 // (prefetch_spare; counted here as issued)
 void    moecache_slots_prefetch(moecache & mc, moecache_layer & target, const int32_t * pred, const float * score,
                                 int32_t n, bool spare);
-void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids);
+void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids,
+                              bool wait);
+// waits until slots[0:n] of L hold their experts; a failed read sets the I/O error (the decode
+// stops) and frees its slot. Returns the microseconds it waited
+int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * slots, int64_t n);
+// moecache-matmul.cpp: a STREAM decode's matmul over expert tensor x of L with activations b, on
+// the slots (ids: L.graph.ids_out): with overlap_experts, each expert as soon as its bytes arrive
+ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, ggml_context * ctx,
+                                            const moecache_expert_tensor & x, ggml_tensor * b);
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // moecache-init.cpp: the checks of moecache.h's parameters and the constructors
 int32_t    moecache_check_routing(const moecache_routing_params & p, int32_t K);

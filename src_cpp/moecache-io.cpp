@@ -290,16 +290,28 @@ static void io_promote(moecache_io & io, moecache_io_req & req) {
     }
 }
 
-void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score) {
-    std::lock_guard<std::mutex> lock(io.mu);
-    req.pending += 1;
-    moecache_io_item it = { job, &req, nullptr, score, false, moecache_time_us() };
-    if (score < 0.0f) {
-        io.demand.push_back(it);
-    } else {
-        io.prefetch.push_back(it);
+void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job * jobs, size_t n, float score) {
+    if (n == 0) {
+        return;
     }
-    io.cv_work.notify_one();
+    std::lock_guard<std::mutex> lock(io.mu); // (once for all: a reader woken per job would take the CPU each time)
+    const int64_t now = moecache_time_us();
+    for (size_t i = 0; i < n; i++) {
+        req.pending += 1;
+        moecache_io_item it = { jobs[i], &req, nullptr, score, false, now };
+        if (score < 0.0f) {
+            io.demand.push_back(it);
+        } else {
+            io.prefetch.push_back(it);
+        }
+    }
+    if (n >= io.workers.size()) {
+        io.cv_work.notify_all();
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            io.cv_work.notify_one();
+        }
+    }
 }
 
 int moecache_io_wait(moecache_io & io, moecache_io_req & req) {

@@ -116,8 +116,11 @@ void moecache_io_stop(moecache_io & io);
 // there are no threads) and waits for all of them; each job's err, got and bytes_io are set
 void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs);
 
-// queues one job of `req`, on demand (score < 0) or as a prefetch with this score (>= 0)
-void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score);
+// queues jobs[0:n] of `req`, on demand (score < 0) or as prefetches with this score (>= 0)
+void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job * jobs, size_t n, float score);
+inline void moecache_io_submit(moecache_io & io, moecache_io_req & req, const moecache_io_job & job, float score) {
+    moecache_io_submit(io, req, &job, 1, score);
+}
 // moves req's queued prefetch jobs to the on-demand queue and waits until none is pending;
 // returns req.err (0 if all its jobs succeeded)
 int  moecache_io_wait(moecache_io & io, moecache_io_req & req);

@@ -324,7 +324,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     finish_read_ahead(mc, il_prompt);
     drop_pending(mc, il_prompt);
     if (stream && decode) {
-        moecache_slots_decode(mc, L, ids, out, n_ids);
+        moecache_slots_decode(mc, L, ids, out, n_ids, !mc.cparams.overlap_experts);
     } else {
         uint64_t end = 0;
         for (const moecache_expert_tensor & x : L.res.xt) {

@@ -144,8 +144,11 @@ static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e,
 }
 
 // STREAM, one token: every expert that is cached or selected gets a slot, whose reads start now
-// (ahead of every prefetch); the op waits only for the selected experts' reads. out = slot ids
-void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+// (ahead of every prefetch); the selected experts' reads ahead move to the on-demand queue.
+// out = slot ids. wait: returns once the selected experts' bytes are in (moecache_slots_wait);
+// otherwise the expert matmuls wait for each expert themselves (moecache-matmul.cpp)
+void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids,
+                           bool wait) {
     keep_cached(L);
     for (int64_t i = 0; i < n_ids; i++) {
         L.res.keep[ids[i]] = 1;
@@ -163,10 +166,13 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         }
         jobs.clear();
         slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
-        for (const moecache_io_job & j : jobs) {
-            moecache_io_submit(*mc.io, L.res.slot_req[s], j, -1.0f);
-        }
+        moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(), -1.0f);
         mc.rst.decode_loads += 1;
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int32_t s = L.res.expert_slot[ids[i]];
+        out[i] = s >= 0 && s < L.res.n_slots && L.res.slot_expert[s] == ids[i] ? s : 0; // (0: only after the error above)
+        moecache_io_promote(*mc.io, L.res.slot_req[out[i]]); // (a read ahead of a selected expert is needed now)
     }
     if (mc.spec_pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own
         const int32_t target = mc.spec_pending.target;
@@ -174,21 +180,25 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         moecache_slots_prefetch(mc, mc.layers[target], mc.spec_pending.ids, mc.spec_pending.score,
                                 mc.spec_pending.n, true);
     }
-    for (int64_t i = 0; i < n_ids; i++) {
-        const int32_t s = L.res.expert_slot[ids[i]];
-        if (s < 0 || s >= L.res.n_slots || L.res.slot_expert[s] != ids[i]) {
-            continue; // (only after the error above)
-        }
+    if (wait) {
+        moecache_slots_wait(mc, L, out, n_ids);
+    }
+}
+
+int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * slots, int64_t n) {
+    int64_t waited = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t s = slots[i];
         moecache_io_req & req = L.res.slot_req[s];
-        if (moecache_io_wait(*mc.io, req) != 0) {
-            slot_read_failed(mc, L, ids[i], req);
+        const int64_t t0 = moecache_time_us();
+        const bool    idle = moecache_io_idle(*mc.io, req);
+        if (moecache_io_wait(*mc.io, req) != 0 && L.res.slot_expert[s] >= 0) {
+            slot_read_failed(mc, L, L.res.slot_expert[s], req);
             L.res.slot_expert[s] = -1; // a bad read is never used as weights; read again next time
         }
+        waited += idle ? 0 : moecache_time_us() - t0;
     }
-    for (int64_t i = 0; i < n_ids; i++) {
-        const int32_t s = L.res.expert_slot[ids[i]];
-        out[i] = s >= 0 && s < L.res.n_slots ? s : 0; // (only after a failed read, and then the graph stops)
-    }
+    return waited;
 }
 
 void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n,
@@ -217,9 +227,7 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
         req.prefetch = true;
         jobs.clear();
         slot_fill_jobs(T, e, s, MOECACHE_IO_READ, jobs);
-        for (const moecache_io_job & j : jobs) {
-            moecache_io_submit(*mc.io, req, j, std::max(0.0f, score[i]));
-        }
+        moecache_io_submit(*mc.io, req, jobs.data(), jobs.size(), std::max(0.0f, score[i]));
     }
 }
 

@@ -67,6 +67,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.direct_io          = true;
     p.lock_memory        = true;
     p.lock_dense         = true;
+    p.overlap_experts    = true;
     p.prefetch           = MOECACHE_PREFETCH_OFF;
     p.prefetch_distance  = 1;
     p.prefetch_min_p     = 0.0f;

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 11
+#define MOECACHE_ABI_VERSION 12
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -182,6 +182,11 @@ struct moecache_cache_params {
                                   //   only when the output reuses it), so that the OS cannot drop them and
                                   //   page them back in every token when memory runs short; refused: one
                                   //   warning and the run goes on unlocked; default true
+    bool    overlap_experts;      // STREAM decode: a layer's expert matmuls (up, gate) take each selected
+                                  //   expert as soon as its bytes are in its slot, so the cached experts
+                                  //   compute while the misses are read and a miss waits only for its own
+                                  //   bytes; false: the layer waits for all its reads, then runs llama.cpp's
+                                  //   matmul. The logits are the same either way; default true
     enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
     int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
                                   //   default 1
@@ -277,20 +282,25 @@ enum moecache_event_kind {
     MOECACHE_EVENT_ROUTE      = 0, // graph thread: a layer's routing decision of a decoded token (and the
                                    //   prefetch it issues)
     MOECACHE_EVENT_WAIT       = 1, // graph thread: a layer's residency op: it queues the reads its experts
-                                   //   need and waits for them (STREAM decode), copies or locks them (prompt,
-                                   //   MMAP); the layer's expert matmuls start at t_end_us
+                                   //   need (STREAM decode; without overlap_experts it also waits for them),
+                                   //   copies or locks them (prompt, MMAP); the layer's expert matmuls start
+                                   //   at t_end_us; `expert` is -1. With overlap_experts, the expert
+                                   //   matmuls then wait for each selected expert still being read: one
+                                   //   WAIT per wait, `expert` the expert waited for
     MOECACHE_EVENT_READ       = 2, // reader thread: a read of an expert a token selected (on demand)
     MOECACHE_EVENT_READ_AHEAD = 3, // reader thread: a read ahead of the routing (prefetch, a prompt's read-ahead)
     MOECACHE_EVENT_LOCK       = 4, // reader thread: MMAP locking an expert's pages
     MOECACHE_EVENT_COPY       = 5, // reader thread: a prompt copying an expert out of the mapping into its slot
+    MOECACHE_EVENT_EXPERT     = 6, // graph thread, STREAM decode with overlap_experts: the input-side matmuls
+                                   //   (up, gate) of the selected expert `expert`, once its bytes were in
 };
 
 struct moecache_event {
     int32_t kind;        // enum moecache_event_kind
     int32_t layer;       // the layer
-    int32_t expert;      // READ*, LOCK, COPY: the expert; -1 otherwise
+    int32_t expert;      // READ*, LOCK, COPY, EXPERT: the expert; WAIT: -1 or the expert (above); -1 otherwise
     int32_t thread;      // 0: the graph thread (or a caller running a job itself); 1..: reader thread
-    int32_t n_tokens;    // ROUTE, WAIT: tokens of the ubatch (1: a decode); 0 otherwise
+    int32_t n_tokens;    // ROUTE, WAIT, EXPERT: tokens of the ubatch (1: a decode); 0 otherwise
     int32_t pad;
     int64_t t_queued_us; // READ*, LOCK, COPY: when the job was queued; = t_start_us otherwise
     int64_t t_start_us;

@@ -60,9 +60,10 @@ def test_stream_and_mmap_are_bit_identical_to_resident(paths, name, routing, siz
     ref, st_ref = run(path, "none", routing, size)
     assert np.isfinite(ref).all()
     K = st_ref.n_expert_used
-    for residency in ("stream", "mmap"):
-        got, st = run(path, residency, routing, size)
-        assert np.array_equal(got, ref), f"{residency}: max |diff| = {np.abs(got - ref).max()}"
+    # stream: the expert matmuls take each expert as its bytes arrive (overlap_experts), or wait for all
+    for residency, overlap in (("stream", True), ("stream", False), ("mmap", True)):
+        got, st = run(path, residency, routing, size, overlap_experts=overlap)
+        assert np.array_equal(got, ref), f"{residency} {overlap=}: max |diff| = {np.abs(got - ref).max()}"
         # same routing, so the same hits and misses
         assert st.misses == st_ref.misses and st.hits == st_ref.hits
         rs = st.residency
@@ -83,11 +84,12 @@ def test_stream_and_mmap_are_bit_identical_to_resident(paths, name, routing, siz
 def test_quantized_stream_matches_mmap(fixture_dir, name):
     """Q4_K_M: stream and mmap read the same (unrepacked) bytes, so the logits agree bit for bit."""
     path = model_path(fixture_dir, name, ".Q4_K_M")
-    a, st_a = run(path, "stream", "prior:0.5", 0.5)
     b, st_b = run(path, "mmap", "prior:0.5", 0.5)
-    assert np.isfinite(a).all()
-    assert np.array_equal(a, b), f"max |diff| = {np.abs(a - b).max()}"
-    assert st_a.misses == st_b.misses > 0
+    for overlap in (True, False):
+        a, st_a = run(path, "stream", "prior:0.5", 0.5, overlap_experts=overlap)
+        assert np.isfinite(a).all()
+        assert np.array_equal(a, b), f"{overlap=}: max |diff| = {np.abs(a - b).max()}"
+        assert st_a.misses == st_b.misses > 0
 
 
 def test_auto_residency_and_sizes(fixture_dir):

@@ -14,7 +14,7 @@ import pytest
 
 import pymoecache
 from pymoecache import CacheConfig
-from pymoecache.timeline import KIND, Timeline
+from pymoecache.timeline import KIND, KINDS, Timeline
 from conftest import ROOT, model_path
 
 
@@ -52,13 +52,13 @@ def test_every_decoded_token_routes_and_waits_in_every_moe_layer(fixture_dir):
     layers = sorted(llm.model_info.moe_layers)
     for tok in dec:
         inside = tl.events[(tl.events["t_start_us"] >= tok["t_start_us"]) & (tl.events["t_end_us"] <= tok["t_end_us"])]
-        for kind in ("route", "wait"):
-            e = inside[(inside["kind"] == KIND[kind]) & (inside["thread"] == 0)]
+        for kind in ("route", "wait"):  # (a wait for one expert names it: the residency op's names none)
+            e = inside[(inside["kind"] == KIND[kind]) & (inside["thread"] == 0) & (inside["expert"] == -1)]
             assert sorted(e["layer"].tolist()) == layers, kind
             assert (e["n_tokens"] == 1).all()
         # in each layer the routing comes before the wait for its experts
         route = inside[inside["kind"] == KIND["route"]]
-        wait = inside[inside["kind"] == KIND["wait"]]
+        wait = inside[(inside["kind"] == KIND["wait"]) & (inside["expert"] == -1)]
         for il in layers:
             assert route[route["layer"] == il]["t_end_us"][0] <= wait[wait["layer"] == il]["t_start_us"][0]
     prompt = tl.tokens[tl.tokens["n_tokens"] > 1]
@@ -69,6 +69,48 @@ def test_every_decoded_token_routes_and_waits_in_every_moe_layer(fixture_dir):
     # on the output rows only, so that one sees a single token)
     assert sorted(pw["layer"].tolist()) == layers
     assert (pw["n_tokens"][pw["layer"] != layers[-1]] == 7).all()
+
+
+@pytest.mark.parametrize("routing,size", [("lru", 0.25), ("prior:0.5", 0.25)])
+def test_a_layer_computes_its_cached_experts_before_it_waits_for_a_miss(fixture_dir, routing, size):
+    """overlap_experts: each decoded layer runs the matmuls of every expert it selected exactly
+    once, the cached ones (whose bytes are in) before any wait, and waits only for misses."""
+    llm = pymoecache.Llama(str(model_path(fixture_dir, "qwen2moe-60x4", ".Q8_0")),
+                           cache=CacheConfig(size=size, residency="stream", trace=4096), routing=routing,
+                           n_ctx=256, n_threads=2, verbose=False)
+    llm.start_timeline()
+    llm("ROMEO: what light", max_tokens=12, temperature=0.0)
+    tl, trace = llm.timeline(), llm.moecache.trace()
+    layers = sorted(llm.model_info.moe_layers)
+    dec = tl.decode_tokens()
+    recs = {il: trace[trace["layer"] == il][-len(dec):] for il in layers}  # the decoded tokens' records, in order
+    n_hits = n_misses = 0
+    for t, tok in enumerate(dec):
+        inside = tl.events[(tl.events["t_start_us"] >= tok["t_start_us"]) & (tl.events["t_end_us"] <= tok["t_end_us"])]
+        for il in layers:
+            r = recs[il][t]
+            sel = r["experts"][: r["n_selected"]]
+            hits = {int(e) for i, e in enumerate(sel) if r["hit_mask"] >> i & 1}
+            misses = {int(e) for e in sel} - hits
+            n_hits, n_misses = n_hits + len(hits), n_misses + len(misses)
+            ran = inside[(inside["kind"] == KIND["expert"]) & (inside["layer"] == il)]
+            assert sorted(ran["expert"].tolist()) == sorted({int(e) for e in sel}), (t, il)
+            waits = inside[(inside["kind"] == KIND["wait"]) & (inside["layer"] == il) & (inside["expert"] >= 0)]
+            assert set(waits["expert"].tolist()) <= misses, (t, il)
+            if len(waits):
+                first_wait = int(waits["t_start_us"].min())
+                assert all(int(e["t_end_us"]) <= first_wait for e in ran if int(e["expert"]) in hits), (t, il)
+    assert n_hits > 0 and n_misses > 0
+    # with overlap_experts off, the residency op waits for everything and no expert event is recorded
+    llm2 = pymoecache.Llama(str(model_path(fixture_dir, "qwen2moe-60x4", ".Q8_0")),
+                            cache=CacheConfig(size=size, residency="stream", overlap_experts=False), routing=routing,
+                            n_ctx=256, n_threads=2, verbose=False)
+    llm2.start_timeline()
+    llm2("ROMEO: what light", max_tokens=4, temperature=0.0)
+    ev = llm2.timeline().events
+    assert not (ev["kind"] == KIND["expert"]).any() and (ev[ev["kind"] == KIND["wait"]]["expert"] == -1).all()
+    with pytest.raises(pymoecache.ConfigError, match="overlap_experts must be True or False"):
+        CacheConfig(overlap_experts=1)
 
 
 def test_overlap_agrees_with_the_counters(fixture_dir):
@@ -177,4 +219,4 @@ def test_timeline_get_copies_at_most_cap_and_returns_the_count(fixture_dir):
     total = C.moecache_timeline_get(llm.moecache._h, buf, 3, None)
     assert total > 3 and [buf[i].kind for i in range(3)] != [-7] * 3 and buf[3].kind == -7
     ev, dropped = llm.moecache.timeline_events()
-    assert len(ev) >= total and dropped == 0 and set(ev["kind"]) <= set(range(6))
+    assert len(ev) >= total and dropped == 0 and set(ev["kind"]) <= set(range(len(KINDS)))
