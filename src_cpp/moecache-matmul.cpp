@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#ifndef MOECACHE_NO_CPU_TRAITS
 // the tensors of a layer the arrival op computes: every expert tensor but down whose rows are as
 // long as the activations x
 static bool input_side(const moecache_expert_tensor & x, const ggml_tensor * b) {
@@ -38,18 +39,13 @@ static bool input_side(const moecache_expert_tensor & x, const ggml_tensor * b) 
 // what ggml's CPU backend computes mul_mat_id of this type with; false where it has no vec_dot
 // for it (the stock op runs then)
 static bool cpu_vec_dot(enum ggml_type type, enum ggml_type b_type) {
-#ifdef MOECACHE_NO_CPU_TRAITS
-    (void) type;
-    (void) b_type;
-    return false;
-#else
     const ggml_type_traits_cpu * t = ggml_get_type_traits_cpu(type);
     if (!t || !t->vec_dot || b_type != GGML_TYPE_F32) {
         return false;
     }
     return t->vec_dot_type == GGML_TYPE_F32 || ggml_get_type_traits_cpu(t->vec_dot_type)->from_float != nullptr;
-#endif
 }
+#endif
 
 #define MOECACHE_SPIN_US 5000 // longest a thread polls for an expert's bytes before it sleeps
 
@@ -220,6 +216,7 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
     if (!mc.cparams.overlap_experts) {
         return ggml_mul_mat_id(ctx, x.slots_t, b, slots); // (the residency op waited for every read)
     }
+#ifndef MOECACHE_NO_CPU_TRAITS
     if (input_side(x, b) && cpu_vec_dot(x.slots_t->type, b->type) && slots->ne[1] == 1 &&
         (!L.graph.arrival || L.graph.arrival->src[1] == b)) {
         if (!L.graph.arrival) { // the first input-side matmul of the layer: one op for all of them
@@ -247,6 +244,7 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
             off += (size_t) (w->ne[1] * slots->ne[0]) * sizeof(float);
         }
     }
+#endif
     if (!L.graph.ready) { // down, or a matmul the arrival op does not cover: after every read
         ggml_tensor * args[2] = { slots, L.graph.arrival };
         L.graph.ready = ggml_custom_4d(ctx, GGML_TYPE_I32, slots->ne[0], slots->ne[1], 1, 1, args,
