@@ -327,8 +327,9 @@ def add_commands(sub) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
     r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
     r.add_argument("--timeline", metavar="FILE", default=None,
-                   help="record what every token did (each layer's routing and wait for its experts, each expert "
-                        "read on the reader threads: queued, started, finished, bytes) and write it as Chrome "
+                   help="record what every token did (each layer's routing, its experts' matmuls in the order "
+                        "they arrived and each wait for one, each expert read on the reader threads: queued, "
+                        "started, finished, bytes) and write it as Chrome "
                         "trace-event JSON, which https://ui.perfetto.dev opens; also prints the overlap: the share "
                         "of read time hidden behind compute (default: none)")
     r.add_argument("--timeline-plot", metavar="PNG", default=None,
