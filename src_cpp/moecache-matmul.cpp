@@ -57,10 +57,12 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void wait_event(moecache & mc, const moecache_layer & L, int32_t e, int64_t t0, int64_t t1) {
+// a WAIT (for expert e) or EXPERT (e's matmuls) event of a decoded token on the graph thread
+static void graph_event(moecache & mc, const moecache_layer & L, moecache_event_kind kind, int32_t e, int64_t t0,
+                        int64_t t1) {
     if (mc.timeline.on.load(std::memory_order_relaxed)) {
         moecache_event ev = {};
-        ev.kind        = MOECACHE_EVENT_WAIT;
+        ev.kind        = kind;
         ev.layer       = L.il;
         ev.expert      = e;
         ev.n_tokens    = 1;
@@ -140,16 +142,8 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 }
                 out += ne01 * K;
             }
-            if (ith == 0 && mc.timeline.on.load(std::memory_order_relaxed)) {
-                moecache_event ev = {};
-                ev.kind        = MOECACHE_EVENT_EXPERT;
-                ev.layer       = L.il;
-                ev.expert      = L.res.slot_expert[slot[i]];
-                ev.n_tokens    = 1;
-                ev.t_queued_us = t0;
-                ev.t_start_us  = t0;
-                ev.t_end_us    = moecache_time_us();
-                moecache_timeline_add(&mc.timeline, ev);
+            if (ith == 0) {
+                graph_event(mc, L, MOECACHE_EVENT_EXPERT, L.res.slot_expert[slot[i]], t0, moecache_time_us());
             }
             done[i] = 1;
             left -= 1;
@@ -180,7 +174,7 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
             if (ith == 0) {
                 const int64_t t1 = moecache_time_us();
                 mc.t_io_decode_us += t1 - t0;
-                wait_event(mc, L, L.res.slot_expert[slot[i]], t0, t1);
+                graph_event(mc, L, MOECACHE_EVENT_WAIT, L.res.slot_expert[slot[i]], t0, t1);
             }
         }
     }
@@ -204,7 +198,7 @@ static void op_ready(ggml_tensor * dst, int ith, int nth, void * userdata) {
         const int64_t waited = moecache_slots_wait(mc, L, &slots[i], 1);
         if (waited > 0) {
             mc.t_io_decode_us += waited;
-            wait_event(mc, L, e, t0, moecache_time_us());
+            graph_event(mc, L, MOECACHE_EVENT_WAIT, e, t0, moecache_time_us());
         }
     }
     memcpy(dst->data, slots, (size_t) n * sizeof(int32_t));
