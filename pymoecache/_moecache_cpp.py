@@ -110,6 +110,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("predicted_total", c_int64),
         ("prefetch_tokens_on", c_int64),
         ("decode_t_read_ms", c_double),
+        ("load_bytes_read", c_int64),
+        ("load_t_io_ms", c_double),
     ]
 
 

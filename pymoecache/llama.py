@@ -518,8 +518,8 @@ class MoECache:
                               prefetch_issued=rs.prefetch_issued, prefetch_used=rs.prefetch_used,
                               prefetch_wasted=rs.prefetch_wasted, predicted_selected=rs.predicted_selected,
                               predicted_total=rs.predicted_total, decode_t_read_ms=rs.decode_t_read_ms,
-                              prefetch_tokens_on=rs.prefetch_tokens_on,
-                              prefetch=self.prefetch)
+                              prefetch_tokens_on=rs.prefetch_tokens_on, load_bytes_read=rs.load_bytes_read,
+                              load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

@@ -55,6 +55,8 @@ class ResidencyStats:
     prefetch_tokens_on: int = 0      # prefetch_spare: decoded tokens with the reads ahead on
     dense_locked_bytes: int = 0      # the dense part mlocked (CacheConfig.lock_dense)
     decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
+    load_bytes_read: int = 0         # stream: read at load, filling the layers whose cache holds every expert
+    load_t_io_ms: float = 0.0
 
     @property
     def recall(self) -> float:
@@ -110,7 +112,8 @@ class ResidencyStats:
                 "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
                 "prefetch_wasted": self.prefetch_wasted, "prefetch_recall": self.recall,
                 "t_read_ms_per_token": self.decode_t_read_ms / self.decode_tokens if self.decode_tokens else 0.0,
-                "overlap": self.overlap, "major_faults_per_token": self.major_faults_per_token}
+                "overlap": self.overlap, "major_faults_per_token": self.major_faults_per_token,
+                "load_bytes_read": self.load_bytes_read, "load_t_io_ms": self.load_t_io_ms}
 
     def summary(self) -> str:
         mib = 2.0 ** 20

@@ -517,10 +517,14 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         L.graph.ready   = nullptr;
         ggml_format_name(L.graph.ids_out, "moecache_experts-%d", L.il);
     }
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && moecache_layer_decodes(L, ids->ne[1])) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+        const bool decodes = moecache_layer_decodes(L, ids->ne[1]);
         for (const moecache_expert_tensor & x : L.res.xt) {
-            if (x.model_t == as) {
+            if (x.model_t == as && decodes) {
                 return moecache_matmul_stream_decode(mc, L, ctx, x, b); // on the slots (moecache-matmul.cpp)
+            }
+            if (x.model_t == as && L.res.all_in_slots) {
+                return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot
             }
         }
     }

@@ -68,6 +68,8 @@ struct moecache_layer_residency {
     std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
     size_t  expert_bytes = 0;          // bytes of one expert over all of xt
     int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
+    bool    all_in_slots = false;      // STREAM: the cache holds all N experts, read in at creation:
+                                       //   prompts compute on the slots too (moecache_slots_fill_all)
     std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none
     std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
     std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
@@ -193,6 +195,8 @@ struct moecache {
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;
     int64_t t_io_prompt_us    = 0;
+    int64_t load_bytes        = 0;             // read by moecache_slots_fill_all (moecache_residency_stats)
+    int64_t t_io_load_us      = 0;
     mutable moecache_timeline timeline;       // moecache_timeline_start; the reader threads record into it too
     std::atomic<bool> io_failed{false};       // a read failed: the abort callback stops the graph
     std::mutex        io_error_mutex;
@@ -231,6 +235,11 @@ bool    moecache_tensor_is_mapped(const ggml_tensor * t); // its data lies in ll
 void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
 // moecache-slots.cpp: STREAM's slot arena
 int32_t moecache_slots_init(moecache & mc);
+// STREAM, at creation: every layer whose cache holds all N experts reads them all into its slots
+// now (waiting for the reads), as a resident model is read at load; a failed read is an error. The
+// logical cache is left alone: its first uses still count as misses (they read nothing), so the
+// routing is the same as with any other residency
+int32_t moecache_slots_fill_all(moecache & mc);
 // STREAM decode: layer `target` will probably select experts pred[0:n] (most likely first, score in
 // (0, 1]): start reading those no slot holds, into slots that hold none of its cached experts. pred
 // were just inserted into its cache (moecache_layer_prefetch), or, spare: are not cached and stay so

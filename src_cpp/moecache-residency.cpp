@@ -225,8 +225,8 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
     int32_t n_ahead = 0;
     for (int32_t il = L.il + 1; il < mc.n_layer && n_ahead < MOECACHE_READ_AHEAD; il++) {
         const moecache_layer & next = mc.layers[il];
-        if (next.res.xt.empty()) {
-            continue;
+        if (next.res.xt.empty() || next.res.all_in_slots) {
+            continue; // (all in slots: its prompts read nothing)
         }
         n_ahead++;
         if (il <= mc.ahead_last) {
@@ -323,8 +323,8 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     const int32_t il_prompt = decode ? -1 : L.il;
     finish_read_ahead(mc, il_prompt);
     drop_pending(mc, il_prompt);
-    if (stream && decode) {
-        moecache_slots_decode(mc, L, ids, out, n_ids, !mc.cparams.overlap_experts);
+    if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
+        moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts);
     } else {
         uint64_t end = 0;
         for (const moecache_expert_tensor & x : L.res.xt) {
@@ -609,7 +609,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
 
-    return moecache_slots_init(mc);
+    const int32_t rc = moecache_slots_init(mc);
+    return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
 }
 
 void moecache_residency_free(moecache & mc) {

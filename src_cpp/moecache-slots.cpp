@@ -231,6 +231,45 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
     }
 }
 
+int32_t moecache_slots_fill_all(moecache & mc) {
+    const int64_t t0 = moecache_time_us();
+    std::vector<moecache_io_job> jobs;
+    for (moecache_layer & L : mc.layers) {
+        if (L.res.xt.empty() || L.capacity < mc.n_expert) {
+            continue; // (a smaller cache is filled by the tokens that need its experts)
+        }
+        L.res.all_in_slots = true;
+        int32_t cursor = 0;
+        for (int32_t e = 0; e < mc.n_expert; e++) {
+            const int32_t s = take_slot(mc, L, e, cursor);
+            if (s >= 0) {
+                slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
+            }
+        }
+    }
+    if (jobs.empty()) {
+        return MOECACHE_OK;
+    }
+    moecache_io_run(*mc.io, jobs);
+    for (const moecache_io_job & j : jobs) {
+        if (j.err != 0) {
+            char buf[512];
+            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
+                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
+                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
+            return moecache_fail_residency(buf);
+        }
+        mc.load_bytes += (int64_t) j.bytes_io;
+    }
+    {
+        std::lock_guard<std::mutex> lock(mc.io->mu); // a load, not a decode: the decode counters start at 0
+        mc.io->bytes_demand = 0;
+        mc.io->read_busy_us = 0;
+    }
+    mc.t_io_load_us = moecache_time_us() - t0;
+    return MOECACHE_OK;
+}
+
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
 void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
     std::vector<uint8_t> touched(L.res.keep.size(), 0); // read through the mapping by this ubatch: dropped later

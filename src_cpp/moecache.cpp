@@ -478,6 +478,8 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->decode_t_io_ms    = (double) mc->t_io_decode_us / 1000.0;
     out->decode_t_route_ms = (double) mc->t_route_decode_us / 1000.0;
     out->prompt_t_io_ms    = (double) mc->t_io_prompt_us / 1000.0;
+    out->load_bytes_read   = mc->load_bytes;
+    out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
     int64_t decode_tokens = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 12
+#define MOECACHE_ABI_VERSION 13
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -274,6 +274,11 @@ struct moecache_residency_stats {
     double  decode_t_read_ms;     // STREAM: wall time during which at least one expert read was in flight
                                   //   (on demand or ahead). The share of it hidden behind compute, the
                                   //   overlap, is 1 - decode_t_io_ms / decode_t_read_ms
+    // STREAM: the slots of a layer whose cache holds all N experts are filled when the moecache is
+    // made, as a resident model is read at load; its misses then read nothing (these two are not
+    // reset by moecache_reset_stats)
+    int64_t load_bytes_read;      // bytes read into the slots then
+    double  load_t_io_ms;         // the time it took
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

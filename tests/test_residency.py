@@ -80,6 +80,41 @@ def test_stream_and_mmap_are_bit_identical_to_resident(paths, name, routing, siz
             assert rs.arena_bytes <= int((n_slots * rs.expert_bytes).sum()) + len(n_slots) * 4 * 4096
 
 
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5"])
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_a_stream_cache_that_holds_every_expert_is_read_at_load(paths, name, routing):
+    """A stream cache with room for all N experts reads them into its slots when it is made, as a
+    resident model is read at load: no token reads anything, prompts compute on the slots instead
+    of the mapping, and the logits and the cache's hits and misses stay those of resident."""
+    path = paths[name]
+    ref, st_ref = run(path, "none", routing, 1.0)
+    prompt_read = {}
+    for size in (1.0, 0.5):
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency="stream"), routing=routing, **KW)
+        llm.eval(PROMPT)
+        prompt_read[size] = llm.moe_stats().residency.prompt_bytes_read
+        if size == 1.0:
+            llm.reset_moe_stats()
+            for t in DECODES:
+                llm.eval([t])
+            got = np.array(llm.scores[: len(PROMPT) + len(DECODES)])
+            st = llm.moe_stats()
+        else:
+            half = llm.moe_stats()
+        llm.close()
+    assert np.array_equal(got, ref), f"max |diff| = {np.abs(got - ref).max()}"
+    rs, N = st.residency, st.n_expert
+    n_moe = len(st.capacity_per_layer)
+    assert st.capacity_per_layer.tolist() == [N] * n_moe
+    assert st.misses == st_ref.misses and st.hits == st_ref.hits  # (first uses: misses that read nothing)
+    assert rs.decode_loads == 0 and rs.decode_bytes_read == 0
+    assert prompt_read[1.0] == 0, "the prompt read the mapping, not the slots"
+    assert N * n_moe * rs.expert_bytes <= rs.load_bytes_read <= N * n_moe * (rs.expert_bytes + 3 * 2 * 4096)
+    assert rs.load_t_io_ms > 0
+    # a cache of half the experts is filled by the tokens that need them, the prompt through the mapping
+    assert half.residency.load_bytes_read == 0 and prompt_read[0.5] > 0
+
+
 @pytest.mark.parametrize("name", MOE_FIXTURES)
 def test_quantized_stream_matches_mmap(fixture_dir, name):
     """Q4_K_M: stream and mmap read the same (unrepacked) bytes, so the logits agree bit for bit."""
