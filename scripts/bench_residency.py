@@ -7,9 +7,10 @@
     python scripts/bench_residency.py --leave-gib 1.45 --stock --no-resident --no-mmap   # a smaller device
     python scripts/bench_residency.py --eviction lru,router-mass --cache-sizes 0.25 --no-mmap
     python scripts/bench_residency.py --storage-mbps max,300 --timeline timelines/   # slower disks, timelines
+    python scripts/bench_residency.py --quant Q4_K_M --cache-sizes 1.0,0.5 --no-mmap     # weights llama.cpp repacks
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
-built once into models/_bench/. Each measurement runs in a fresh process (so its resident set is
+built once into models/_bench/ (--quant: a Q4_K_M or Q4_0 copy of it). Each measurement runs in a fresh process (so its resident set is
 its own) after the page cache was dropped (as root: /proc/sys/vm/drop_caches; otherwise
 posix_fadvise(DONTNEED) on the file), so every expert a run needs really comes from storage.
 Each process decodes --warmup tokens (not timed: cold cache, non-expert weights paged in), then
@@ -338,6 +339,10 @@ def main() -> None:
     ap.add_argument("--timeline", metavar="DIR",
                     help="write each run's timeline of its timed decodes (Chrome trace-event JSON, Perfetto opens "
                          "it) into DIR, and a picture of one token of each setting's first repetition")
+    ap.add_argument("--quant", choices=["Q8_0", "Q4_K_M", "Q4_0"], default="Q8_0",
+                    help="the model's weight type: Q4_K_M and Q4_0 are quantized from the Q8_0 model with "
+                         "llama.cpp's quantizer (once, kept next to it); llama.cpp repacks them for its faster "
+                         "kernels on AVX2 and ARM CPUs (default %(default)s)")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -372,6 +377,13 @@ def main() -> None:
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
     evictions = ["lru"] + [e for e in evictions if e != "lru"]  # the reference every ratio is taken against
     model = bench_model(args.size_mb)
+    if args.quant != "Q8_0":
+        quantized = model.with_name(f"{model.stem}.{args.quant}.gguf")
+        if not quantized.exists():
+            print(f"quantizing {model.name} to {args.quant} (once) ...", file=sys.stderr)
+            import synth  # tools/
+            synth.quantize(model, quantized, args.quant)
+        model = quantized
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
     if any(p.split(":")[0] == "trace" for p in prefetches):
         if args.trace_requests < 1:

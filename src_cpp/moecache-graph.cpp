@@ -11,6 +11,7 @@
 #include "moecache-hook.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "llama.h"
 #include "llama-hparams.h" // llama_expert_gating_func_type
 #include "llama-impl.h"    // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
@@ -19,6 +20,7 @@
 #include <algorithm>
 
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -539,10 +541,15 @@ void moecache_graph_set_load_residency(enum moecache_residency residency) {
     g_load_residency = residency;
 }
 
-void moecache_hook_model_load(llama_model_params & params) {
-    if (g_load_residency != MOECACHE_RESIDENCY_NONE) {
-        params.use_extra_bufts = false; // experts keep the file's layout (no repacking)
+ggml_backend_buffer_type_t moecache_hook_weight_buft(const char * name, ggml_backend_buffer_type_t buft) {
+    if (g_load_residency == MOECACHE_RESIDENCY_NONE || !strstr(name, "_exps.")) {
+        return buft; // (blk.N.ffn_{gate,up,down,gate_up}_exps.weight: the routed experts)
     }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && buft != ggml_backend_cpu_buffer_type()) {
+        return ggml_backend_cpu_buffer_type(); // not repacked: read from the file into slots, or locked in the mapping
+    }
+    return buft;
 }
 
 bool moecache_hook_mmap_prefetch(void) {

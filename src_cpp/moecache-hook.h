@@ -14,11 +14,14 @@
 struct ggml_context;
 struct ggml_tensor;
 struct llama_context;
-struct llama_model_params;
+struct ggml_backend_buffer_type;
 
 // Model loading (llama_model_load): with moecache_set_load_residency(MMAP or STREAM) on this
-// thread, weights are not repacked (experts keep the file layout) and the mapping is not prefetched.
-void moecache_hook_model_load(llama_model_params & params);
+// thread, the routed experts stay in the file's layout in the mapping (CPU buffer type where
+// llama.cpp chose one of the CPU's repacking extra types; the other weights keep the type it chose,
+// as a resident model's do) and the mapping is not prefetched.
+//   name: the weight's GGUF name; buft: llama.cpp's choice for it. Returns the type to use.
+struct ggml_backend_buffer_type * moecache_hook_weight_buft(const char * name, struct ggml_backend_buffer_type * buft);
 bool moecache_hook_mmap_prefetch(void);
 
 bool moecache_hook_graph_reusable(const llama_context * lctx);

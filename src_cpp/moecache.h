@@ -338,8 +338,10 @@ MOECACHE_API struct moecache * moecache_init(
         struct moecache_routing_params       rparams);
 
 // Models loaded by this thread from now on are prepared for `residency`: MMAP and STREAM turn
-// off the mmap prefetch (experts are not read at load time) and weight repacking (experts keep
-// the file's layout, which the slots are read in). NONE (the default) restores stock loading.
+// off the mmap prefetch (experts are not read at load time) and keep the routed experts in the
+// file's layout in the mapping (the slots are read in it), not repacked; every other weight gets
+// the buffer type a resident model's gets (the CPU's repacked layouts where llama.cpp has one
+// for its type). NONE (the default) restores stock loading.
 MOECACHE_API void moecache_set_load_residency(enum moecache_residency residency);
 
 // Detaches (if attached) and frees.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,48 @@ def test_quantized_stream_matches_mmap(fixture_dir, name):
         assert np.isfinite(a).all()
         assert np.array_equal(a, b), f"{overlap=}: max |diff| = {np.abs(a - b).max()}"
         assert st_a.misses == st_b.misses > 0
+
+
+REPACK_SCRIPT = r"""
+import sys
+import numpy as np
+import pymoecache
+from pymoecache import CacheConfig
+path, residency, out = sys.argv[1:4]
+llm = pymoecache.Llama(path, cache=CacheConfig(size=1.0 if residency == "none" else 0.5, residency=residency),
+                       routing="prior:0.5", n_ctx=128, n_threads=2, seed=1, logits_all=True, verbose=True)
+llm.eval(list(range(300, 316)))
+for t in range(1000, 1008):
+    llm.eval([t])
+np.save(out, np.array(llm.scores[:24]))
+llm.close()
+"""
+
+
+def test_stream_and_mmap_give_the_dense_part_the_repacked_layout_of_resident(fixture_dir, tmp_path):
+    """Issue 26 item 4: llama.cpp repacks Q4_0 weights for its faster kernels (CPU_REPACK, AVX2 or
+    ARM dot products). Stream and mmap keep that for every weight but the routed experts, which stay
+    in the file's layout in the mapping (the slots are read in it); resident repacks those too."""
+    path = tmp_path / "qwen2moe-60x4.Q4_0.gguf"
+    synth.quantize(model_path(fixture_dir, "qwen2moe-60x4"), path, "Q4_0")
+    logs, logits = {}, {}
+    for residency in ("none", "stream", "mmap"):
+        out = tmp_path / f"{residency}.npy"
+        r = subprocess.run([sys.executable, "-c", REPACK_SCRIPT, str(path), residency, str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs[residency], logits[residency] = r.stderr, np.load(out)
+    repacked = {res: set(re.findall(r"repack: repack tensor (\S+) with", log)) for res, log in logs.items()}
+    if not repacked["none"]:
+        pytest.skip("this CPU has no repacked layout for Q4_0 (no AVX2 or ARM dot product)")
+    experts = {t for t in repacked["none"] if "_exps." in t}
+    assert experts, repacked["none"]  # resident repacks the experts too
+    for residency in ("stream", "mmap"):
+        assert repacked[residency] == repacked["none"] - experts, residency
+        assert "CPU_REPACK model buffer size" in logs[residency]
+    # both read the experts' file bytes with the same kernels: bit for bit
+    assert np.isfinite(logits["stream"]).all()
+    assert np.array_equal(logits["stream"], logits["mmap"])
 
 
 def test_auto_residency_and_sizes(fixture_dir):

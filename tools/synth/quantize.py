@@ -36,7 +36,7 @@ def _load_llama_cpp():
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype_name: str) -> Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's quantizer (llama_model_quantize).
 
-    ``ftype_name`` is "Q8_0" or "Q4_K_M". With the fixtures' small widths some
+    ``ftype_name`` is "Q8_0", "Q4_K_M" or "Q4_0". With the fixtures' small widths some
     tensors cannot use the requested type (K-quants need rows of 256), and
     llama.cpp picks a fallback type; the card written next to ``dst`` records
     the types actually used. If ``src`` has a card, the new card copies its
@@ -46,6 +46,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype_name: str) ->
     ftypes = {
         "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
         "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
     }
     if ftype_name not in ftypes:
         raise ValueError(f"unsupported ftype {ftype_name!r}; choose from {sorted(ftypes)}")
@@ -54,6 +55,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype_name: str) ->
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[ftype_name]
+    params.allow_requantize = True  # (the benchmark model is Q8_0 already)
     params.nthread = os.cpu_count() or 1
     tmp = dst.with_name(dst.name + ".tmp")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
