@@ -255,7 +255,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     n, left = fit, 0
     if fit < min(info.n_expert_used, info.n_expert):
         n = min(info.n_expert_used, info.n_expert)
-        left = budget - int(n * info.expert_bytes * info.n_moe_layer)
+        left = budget - int(n * info.cache_bytes * info.n_moe_layer)
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
                          dense=dense, kv=kv, margin=margin, fit=fit, left=left)
 
@@ -279,7 +279,7 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
     free = _available_memory() if available is None else available
     if not free:
         return None
-    slots = int((max(n_cached, info.n_expert_used) + spare) * info.expert_bytes * info.n_moe_layer)
+    slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
     dense = max(0, info.non_expert_bytes)
     kv = _kv_bytes(info, n_ctx)
     need = slots + dense + kv + (64 << 20)
@@ -426,7 +426,7 @@ class MoECache:
     def for_model(cls, model_ptr, info: ModelInfo, *, cache: CacheConfig, routing: Union[Routing, str],
                   scope: str = "all") -> "MoECache":
         routing = _as_routing(routing)
-        cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.expert_bytes, info.n_moe_layer,
+        cp, rp, _keep = cls._params(info.n_expert, cache, routing, scope, info.cache_bytes, info.n_moe_layer,
                                     model_path=info.path, n_expert_used=info.n_expert_used)
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
@@ -734,7 +734,7 @@ class Llama(llama_cpp.Llama):
             if cache.size == "auto":
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
-            cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.expert_bytes,
+            cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
             residency = RESIDENCY_NAMES[cp.residency]

@@ -33,6 +33,8 @@ MAX_EXPERTS = 1024       # LLAMA_MAX_EXPERTS
 MAX_DIMS = 4             # GGML_MAX_DIMS
 MAX_NAME = 64            # GGML_MAX_NAME, with its terminating NUL
 TENSOR_ALIGNMENT = 32    # ggml's CPU buffers: a tensor's bytes must start 32-byte aligned in the mapping
+_IO_ALIGN = 4096         # MOECACHE_IO_ALIGN: direct I/O offsets, lengths and buffers
+_IN_PLACE_MIN = 16 * 4096  # MOECACHE_IN_PLACE_MIN: expert tensors this large are read into padded slots in place
 _INT64_MAX = 2**63 - 1
 _ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # llama_rope_scaling_type_from_string
 # architectures whose llama.cpp graph asserts rope.dimension_count == the attention head size
@@ -63,6 +65,14 @@ class ModelInfo:
     expert_types: List[str] = field(default_factory=list)  # ggml types of the expert tensors
     n_embd: int = 0                    # embedding width (sizes the KV cache for --cache-size auto)
     n_ctx_train: int = 0               # context the model was trained with
+    slot_bytes: float = 0.0            # memory of one expert's slot when streamed (0: expert_bytes): expert_bytes,
+                                       #   plus a page per tensor read in place (direct I/O with no copy)
+
+    @property
+    def cache_bytes(self) -> float:
+        """Memory one cached expert of one layer takes (a streamed slot; a slot is at least as large
+        as the expert's bytes): what cache sizes in bytes are divided by."""
+        return max(self.slot_bytes, self.expert_bytes)
 
     @property
     def is_moe(self) -> bool:
@@ -85,7 +95,7 @@ class ModelInfo:
         """Experts per layer whose bytes, over all MoE layers, fit in ``budget_bytes`` (at most N)."""
         if not self.is_moe or self.expert_bytes <= 0:
             return 0
-        return int(min(self.n_expert, budget_bytes // (self.expert_bytes * self.n_moe_layer)))
+        return int(min(self.n_expert, budget_bytes // (self.cache_bytes * self.n_moe_layer)))
 
     def table(self, ram_budget: Optional[int] = None) -> str:
         rows = [
@@ -109,7 +119,7 @@ class ModelInfo:
             if ram_budget is not None:
                 n = self.cache_size_for_budget(ram_budget)
                 rows.append((f"cache size for {_fmt_bytes(ram_budget)}", f"{n} of {self.n_expert} experts per layer"))
-                slots = max(n, self.n_expert_used) * self.expert_bytes * self.n_moe_layer
+                slots = max(n, self.n_expert_used) * self.cache_bytes * self.n_moe_layer
                 rows.append(("streamed, in memory", f"{_fmt_bytes(slots)} of slots + {_fmt_bytes(self.non_expert_bytes)} "
                              f"of other weights (+ KV cache and buffers)"
                              + (f"; streaming needs at least K = {self.n_expert_used} slots per layer"
@@ -437,8 +447,9 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     _check_attention(p, h.kv, arch, kv_int)
 
     per_layer: Dict[int, int] = {}
+    slot_pad = 0  # streamed: a page per expert slot whose reads land in place (src_cpp/moecache-impl.h)
     types = set()
-    for name, ggml_type, shape, _, size in tensors:
+    for name, ggml_type, shape, start, size in tensors:
         m = _EXPS_RE.match(name)
         if m:
             # what llama.cpp's loader accepts: one entry per expert in the last dimension, and the
@@ -451,12 +462,16 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
             if is_matrix:
                 per_layer[il] = per_layer.get(il, 0) + size
                 types.add(gguf.GGMLQuantizationType(ggml_type).name)
+                one = size // n_expert
+                if one % _IO_ALIGN == 0 and one >= _IN_PLACE_MIN and start % _IO_ALIGN:
+                    slot_pad += _IO_ALIGN
     moe_layers = sorted(per_layer)
     n_shared = kv_int(f"{arch}.expert_shared_count", 0, 0, MAX_EXPERTS)
     if n_shared == 0 and any("_shexp." in t[0] for t in tensors):
         n_shared = 1  # qwen2moe stores one shared expert without a count key
     total = sum(per_layer.values())
     expert_bytes = total / (len(moe_layers) * n_expert) if moe_layers and n_expert else 0.0
+    slot_bytes = expert_bytes + (slot_pad / len(moe_layers) if moe_layers else 0.0)
     return ModelInfo(
         path=str(p),
         arch=arch,
@@ -471,6 +486,7 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         n_expert_groups=max(1, n_groups),
         expert_bytes=expert_bytes,
         expert_bytes_total=total,
+        slot_bytes=slot_bytes,
         expert_types=sorted(types),
         n_embd=kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1),
         n_ctx_train=kv_int(f"{arch}.context_length", 0, 0, 2**31 - 1),

@@ -26,12 +26,23 @@ struct ggml_backend_buffer;
 // largest K (experts per token) the graph op handles
 #define MOECACHE_MAX_USED 64
 
+// the smallest expert tensor (bytes of one expert) whose slots get a page of padding so that its
+// reads land in place: the padding is at most 1/16 of the slot
+#define MOECACHE_IN_PLACE_MIN (16 * 4096)
+
 // one routed-expert weight tensor of a layer, [ne0, ne1, N]: expert e is bytes [e * nb2, (e + 1) * nb2)
 struct moecache_expert_tensor {
     ggml_tensor * model_t  = nullptr;  // the model's tensor; its data is the file mapping
     ggml_tensor * slots_t  = nullptr;  // STREAM: same type and rows, ne[2] = n_slots, data in the arena
     uint64_t      file_off = 0;        // file offset of expert 0
     size_t        nb2      = 0;        // bytes of one expert
+    // STREAM: slot s's bytes start at slots_t->data + s * slot_nb2. Where nb2 is a whole number of
+    // pages (at least MOECACHE_IN_PLACE_MIN) but the file's experts start mid-page, each slot starts
+    // slot_head = file_off % 4096 bytes into its own pages (slot_nb2 = nb2 + 4096): the aligned
+    // window around an expert in the file is read straight into those pages (direct I/O), with no
+    // bounce buffer and no copy. pymoecache/model_info.py (slot_bytes) sizes caches the same way
+    size_t        slot_nb2  = 0;
+    size_t        slot_head = 0;
 };
 
 // One MoE layer, in named parts: the cache itself (LRU, Delta, counters), the scratch of one

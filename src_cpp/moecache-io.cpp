@@ -21,6 +21,9 @@ static void io_read(moecache_io & io, moecache_io_job & j) {
             if (n < 0 && errno == EINTR) {
                 continue;
             }
+            if (n == 0 && j.got + j.tail >= j.len) {
+                break; // the end of the file, in the window's padding
+            }
             if (n <= 0) {
                 j.err = n < 0 ? errno : -1;
                 break;

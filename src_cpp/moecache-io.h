@@ -40,6 +40,7 @@ struct moecache_io_job {
     const char * src;
     uint64_t     off;
     size_t       len;
+    size_t       tail;      // READ: the last `tail` bytes may lie past the end of the file (an aligned window)
     int32_t      il, e;     // for messages and bookkeeping
     int          err;       // out: 0, an errno, or -1 for a short read
     size_t       got;       // out: bytes read

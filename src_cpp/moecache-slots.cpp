@@ -32,8 +32,11 @@ int32_t moecache_slots_init(moecache & mc) {
         }
         L.res.n_slots = std::max(L.capacity, mc.n_expert_used) +
                         (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            total += moecache_round_up((size_t) L.res.n_slots * x.nb2, moecache_page_size());
+        for (moecache_expert_tensor & x : L.res.xt) {
+            const bool in_place = mc.fd_direct >= 0 && x.nb2 % MOECACHE_IO_ALIGN == 0 && x.nb2 >= MOECACHE_IN_PLACE_MIN;
+            x.slot_head = in_place ? (size_t) (x.file_off % MOECACHE_IO_ALIGN) : 0;
+            x.slot_nb2  = x.nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
+            total += moecache_round_up((size_t) L.res.n_slots * x.slot_nb2, moecache_page_size());
             n_xt++;
         }
         L.res.slot_expert.assign(L.res.n_slots, -1);
@@ -68,10 +71,13 @@ int32_t moecache_slots_init(moecache & mc) {
             const ggml_tensor * t = x.model_t;
             x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.res.n_slots);
             ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
-            if (x.slots_t->nb[2] != x.nb2 || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p) != GGML_STATUS_SUCCESS) {
+            const bool same_rows = x.slots_t->nb[2] == x.nb2;
+            x.slots_t->nb[2] = x.slot_nb2; // (mul_mat_id and the arrival op step from expert to expert by nb[2])
+            x.slots_t->nb[3] = x.slot_nb2 * (size_t) L.res.n_slots;
+            if (!same_rows || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p + x.slot_head) != GGML_STATUS_SUCCESS) {
                 return moecache_fail_residency(std::string("cannot place the slots of ") + t->name);
             }
-            p += moecache_round_up((size_t) L.res.n_slots * x.nb2, moecache_page_size());
+            p += moecache_round_up((size_t) L.res.n_slots * x.slot_nb2, moecache_page_size());
         }
     }
     return MOECACHE_OK;
@@ -104,22 +110,29 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
 }
 
 // the jobs that fill slot s with expert e: reads from the file in MOECACHE_IO_CHUNK pieces (so
-// even a single miss keeps several reads in flight), or one copy per tensor from the mapping
+// even a single miss keeps several reads in flight; with a slot_head, of the page-aligned window
+// around the expert, in place), or one copy per tensor from the mapping
 static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
                            std::vector<moecache_io_job> & jobs) {
     for (const moecache_expert_tensor & x : L.res.xt) {
-        const uint64_t off = x.file_off + (uint64_t) e * x.nb2;
-        char *         dst = (char *) x.slots_t->data + (size_t) s * x.nb2;
-        for (uint64_t o = off; o < off + x.nb2;) {
+        const bool     window = kind == MOECACHE_IO_READ && x.slot_head > 0;
+        const uint64_t off = x.file_off + (uint64_t) e * x.nb2 - (window ? x.slot_head : 0);
+        const uint64_t len = window ? x.slot_nb2 : x.nb2;
+        char *         dst = (char *) x.slots_t->data + (size_t) s * x.slot_nb2 - (window ? x.slot_head : 0);
+        for (uint64_t o = off; o < off + len;) {
             const uint64_t end = kind == MOECACHE_IO_READ
-                ? std::min<uint64_t>(off + x.nb2, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
-                : off + x.nb2;
+                ? std::min<uint64_t>(off + len, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
+                : off + len;
             moecache_io_job j = {};
             j.kind = kind;
             j.dst  = dst + (o - off);
             j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
             j.off  = o;
             j.len  = (size_t) (end - o);
+            if (window) { // the padding after the expert may lie past the end of the file
+                const uint64_t expert_end = off + x.slot_head + x.nb2;
+                j.tail = (size_t) (end - std::max(o, std::min(end, expert_end)));
+            }
             j.il   = L.il;
             j.e    = e;
             jobs.push_back(j);

@@ -78,7 +78,8 @@ def test_stream_and_mmap_are_bit_identical_to_resident(paths, name, routing, siz
         if residency == "stream":
             n_slots = np.maximum(st.capacity_per_layer, K)
             assert rs.arena_bytes >= int((n_slots * rs.expert_bytes).sum())
-            assert rs.arena_bytes <= int((n_slots * rs.expert_bytes).sum()) + len(n_slots) * 4 * 4096
+            slot = pymoecache.model_info(path).cache_bytes  # (with a page per tensor where reads land in place)
+            assert rs.arena_bytes <= int((n_slots * slot).sum()) + len(n_slots) * 4 * 4096
 
 
 @pytest.mark.parametrize("routing", ["lru", "prior:0.5"])
@@ -168,6 +169,36 @@ def test_stream_and_mmap_give_the_dense_part_the_repacked_layout_of_resident(fix
     # both read the experts' file bytes with the same kernels: bit for bit
     assert np.isfinite(logits["stream"]).all()
     assert np.array_equal(logits["stream"], logits["mmap"])
+
+
+def test_experts_of_whole_pages_are_read_in_place(tmp_path):
+    """Experts whose bytes are a whole number of pages (as in most real models) but start mid-page
+    in the file: each slot gets one page of padding so the page-aligned window around the expert is
+    read straight into it (direct I/O, no bounce buffer, no copy). The logits stay bit-identical to
+    resident, every miss reads exactly that window, and a byte budget counts the padding."""
+    spec = dataclasses.replace(synth.BENCH_SPEC, name="inplace-qwen2moe-8x2", n_layer=2, n_embd=256, n_head=4,
+                               n_head_kv=4, n_ctx=256, n_ff=512, n_expert=8, n_expert_used=2, n_ff_exp=256,
+                               n_ff_shexp=256)
+    path = synth.build_model(spec, tmp_path / "inplace.gguf")
+    info = pymoecache.model_info(path)
+    one = 256 * 256 // 32 * 34  # a Q8_0 [256, 256] expert: 17 pages
+    assert info.expert_bytes == 3 * one
+    pad = info.slot_bytes - info.expert_bytes
+    assert pad > 0 and pad % 4096 == 0, "the model should start its expert tensors mid-page"
+    ref, st_ref = run(path, "none", "lru", 3)
+    got, st = run(path, "stream", "lru", 3)
+    assert np.array_equal(got, ref), f"max |diff| = {np.abs(got - ref).max()}"
+    rs = st.residency
+    assert st.misses == st_ref.misses > 0 and rs.direct_io
+    n_slots = int(np.maximum(st.capacity_per_layer, 2).sum())
+    assert rs.arena_bytes == pytest.approx(n_slots * info.slot_bytes, abs=len(st.capacity_per_layer) * 3 * 4096)
+    assert rs.decode_bytes_read == pytest.approx(st.misses * info.slot_bytes)  # the windows, read once each
+    # a byte budget holds the padded slots
+    budget = int(5 * info.slot_bytes * info.n_moe_layer) - 1
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
+    assert llm.moe_stats().capacity_per_layer.tolist() == [4, 4]
+    assert llm.moe_stats().residency.arena_bytes <= budget
+    llm.close()
 
 
 def test_auto_residency_and_sizes(fixture_dir):
