@@ -12,6 +12,7 @@ TopK()
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,12 @@ if TYPE_CHECKING:  # the ctypes struct each policy fills; importing it would loa
 # CacheConfig.prefetch -> enum moecache_prefetch
 PREFETCHES = {"off": C.MOECACHE_PREFETCH_OFF, "gate": C.MOECACHE_PREFETCH_GATE,
               "previous": C.MOECACHE_PREFETCH_PREVIOUS, "trace": C.MOECACHE_PREFETCH_TRACE}
+
+PREFETCH_NAMES = {v: k for k, v in PREFETCHES.items()}
+
+# CacheConfig.prefetch "auto": with stream residency, gate reading ahead into this many spare slots
+# per layer, adaptive (it switches itself off where it loses); off with the other residencies
+PREFETCH_AUTO_SPARE = 2
 
 # CacheConfig.eviction -> enum moecache_eviction
 EVICTIONS = {"lru": C.MOECACHE_EVICTION_LRU, "lfu": C.MOECACHE_EVICTION_LFU,
@@ -361,7 +368,11 @@ class CacheConfig:
     soon as its bytes arrive: the cached experts compute while the misses are read. False waits
     for every read of a layer first (as before); the logits are the same either way.
 
-    prefetch: ``"off"`` (the default), ``"gate"`` (while layer l decodes a token, layer l + d's
+    prefetch: ``"auto"`` (the default: with ``stream`` residency, ``"gate"`` reading ahead into
+    ``PREFETCH_AUTO_SPARE`` = 2 spare slots per layer, adaptive, so routing and the logits are
+    those without it and it switches itself off where it loses; where the cache size came from a
+    memory budget or ``"auto"``, the spare slots come out of it; ``"off"`` with the other
+    residencies), ``"off"``, ``"gate"`` (while layer l decodes a token, layer l + d's
     router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
     ``"previous"`` (what layer l + d selected for the previous token) or ``"trace"`` (the
     request's expert counts so far matched by cosine against past requests, MoE-Infinity's
@@ -409,7 +420,7 @@ class CacheConfig:
     lock_memory: bool = True
     lock_dense: bool = True
     overlap_experts: bool = True
-    prefetch: str = "off"
+    prefetch: str = "auto"
     prefetch_distance: int = 1
     prefetch_min_p: float = 0.0
     prefetch_threads: int = 0
@@ -445,8 +456,8 @@ class CacheConfig:
         if self.residency not in RESIDENCIES:
             raise ConfigError(f"residency must be one of {', '.join(RESIDENCIES)}, got {self.residency!r}")
         check_int("io_threads", self.io_threads, 1, 64)
-        if self.prefetch not in PREFETCHES:
-            raise ConfigError(f"prefetch must be one of {', '.join(PREFETCHES)}, got {self.prefetch!r}")
+        if self.prefetch not in PREFETCHES and self.prefetch != "auto":
+            raise ConfigError(f"prefetch must be one of auto, {', '.join(PREFETCHES)}, got {self.prefetch!r}")
         check_int("prefetch_distance", self.prefetch_distance, 1, C.MOECACHE_MAX_PREFETCH_DISTANCE)
         m = self.prefetch_min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
@@ -458,6 +469,27 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
+
+    def resolve_prefetch(self, residency: str, n_cached: int, n_expert_used: int,
+                         from_memory: bool = False) -> "CacheConfig":
+        """This config with prefetch ``"auto"`` made explicit for ``residency`` and ``n_cached`` experts
+        per layer (``from_memory``: the size came from a memory budget, which the spare slots come out of).
+
+        >>> c = CacheConfig(size=30).resolve_prefetch("stream", 30, 4)
+        >>> (c.prefetch, c.prefetch_spare, c.size)
+        ('gate', 2, 30)
+        >>> CacheConfig(size="1GiB").resolve_prefetch("stream", 20, 4, from_memory=True).size   # 18 + 2 spare
+        18
+        >>> CacheConfig().resolve_prefetch("none", 60, 4).prefetch
+        'off'
+        """
+        if self.prefetch != "auto":
+            return self
+        spare = self.prefetch_spare or PREFETCH_AUTO_SPARE
+        if residency != "stream" or (from_memory and n_cached - spare < n_expert_used):
+            return dataclasses.replace(self, prefetch="off")
+        size = n_cached - spare if from_memory else self.size
+        return dataclasses.replace(self, prefetch="gate", prefetch_spare=spare, size=size)
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

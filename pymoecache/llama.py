@@ -26,7 +26,7 @@ import numpy as np
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
-from .config import (EVICTIONS, INT32_MAX, PREFETCHES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
+from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
                      ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
@@ -204,12 +204,15 @@ class AutoCacheSize:
     margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
     fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
+    spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
         head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
+        if self.spare:
+            head += f"; {self.spare} of them per layer are spare slots for reading ahead"
         if self.n_cached >= self.n_expert:
             return head + ": all resident, nothing streamed"
         if fit < self.n_expert_used:
@@ -358,6 +361,9 @@ class MoECache:
         cp = C.moecache_cache_default_params()
         cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
         capacities = [cp.n_cached] + [int(x) for x in (cache.per_layer or []) if int(x) >= 0]
+        if cache.prefetch == "auto":  # (Llama resolves it first, taking spare slots out of a memory budget)
+            cache = cache.resolve_prefetch(cache.residency_for(capacities, n_expert) if model_path is not None
+                                           else "none", cp.n_cached, n_expert_used)
         if model_path is not None:
             residency = cache.residency_for(capacities, n_expert)
             if (residency == "stream" and isinstance(cache.size, str) and n_expert_used
@@ -417,7 +423,7 @@ class MoECache:
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
-        mc.prefetch = (cache or CacheConfig(size=0.5)).prefetch
+        mc.prefetch = PREFETCH_NAMES[cp.prefetch]
         mc.eviction = (cache or CacheConfig(size=0.5)).eviction
         mc.eviction_decay = float((cache or CacheConfig(size=0.5)).eviction_decay)
         return mc
@@ -431,7 +437,7 @@ class MoECache:
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
-        mc.prefetch = cache.prefetch
+        mc.prefetch = PREFETCH_NAMES[cp.prefetch]  # ("auto" resolved)
         mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
         return mc
 
@@ -734,6 +740,13 @@ class Llama(llama_cpp.Llama):
             if cache.size == "auto":
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
+            if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
+                n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
+                caps = [n] + [int(x) for x in (cache.per_layer or []) if int(x) >= 0]
+                cache = cache.resolve_prefetch(cache.residency_for(caps, info.n_expert), n, info.n_expert_used,
+                                               from_memory=choice is not None or isinstance(cache.size, str))
+                if choice is not None and cache.size != choice.n_cached:
+                    choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
             cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)

@@ -174,16 +174,21 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
     from pymoecache import auto_cache_size, default_model_path, model_info
 
     info = model_info(default_model_path())
-    per_expert = info.expert_bytes * info.n_moe_layer  # one more cached expert per layer, all layers
+    per_expert = info.cache_bytes * info.n_moe_layer  # one more cached expert per layer, all layers
     for want in (20, 45):
         # what 'want' experts per layer need beside the dense weights, the KV cache and the 128 MiB margin
         kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
         available = info.non_expert_bytes + kv + (128 << 20) + int((want + 0.5) * per_expert)
         assert auto_cache_size(info, info.n_ctx_train, available=available).n_cached == want
-        last = _auto_run(monkeypatch, capsys, available)
+        last = _auto_run(monkeypatch, capsys, available, "--prefetch", "off")
         assert last.startswith(f"[prior:0.5, cache {want}/60 experts per layer; auto: {want} of 60 experts per layer "
                                f"fit in {available / 2**20:.0f} MiB free (less "), last
         assert "stream: read" in last  # what does not fit is streamed from the file
+        # the default prefetch reads ahead into 2 spare slots per layer, out of the same memory
+        last = _auto_run(monkeypatch, capsys, available)
+        assert last.startswith(f"[prior:0.5, cache {want - 2}/60 experts per layer; auto: {want} of 60 experts per "
+                               f"layer fit in {available / 2**20:.0f} MiB free (less "), last
+        assert "; 2 of them per layer are spare slots for reading ahead" in last and "prefetch gate:" in last
 
     # fewer than K fit: a streamed token needs K slots per layer anyway, and they cache the last experts
     kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd

@@ -31,6 +31,7 @@ SETTINGS = [("lru", 0.25), ("prior:0.5", 0.5), ("max-rank:8", 3)]
 
 def run(path, residency: str, routing: str, size, **cache):
     """Logits of PROMPT then DECODES, and the stats of the decodes alone (``cache``: more CacheConfig fields)."""
+    cache.setdefault("prefetch", "off")  # (every read below is a miss's own; tests/test_prefetch.py reads ahead)
     llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, **cache), routing=routing, **KW)
     llm.reset()
     llm.eval(PROMPT)
@@ -195,8 +196,14 @@ def test_experts_of_whole_pages_are_read_in_place(tmp_path):
     assert rs.decode_bytes_read == pytest.approx(st.misses * info.slot_bytes)  # the windows, read once each
     # a byte budget holds the padded slots
     budget = int(5 * info.slot_bytes * info.n_moe_layer) - 1
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream", prefetch="off"), **KW)
     assert llm.moe_stats().capacity_per_layer.tolist() == [4, 4]
+    assert llm.moe_stats().residency.arena_bytes <= budget
+    llm.close()
+    # the default prefetch ("auto") reads ahead into 2 spare slots per layer, paid for by the budget
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
+    assert llm.moecache.prefetch == "gate"
+    assert llm.moe_stats().capacity_per_layer.tolist() == [2, 2]
     assert llm.moe_stats().residency.arena_bytes <= budget
     llm.close()
 
@@ -314,7 +321,7 @@ def test_buffered_reads_where_direct_io_is_off_or_unsupported(fixture_dir, tmp_p
     """direct_io=False, and a file system without O_DIRECT (tmpfs): buffered reads, same logits."""
     path = model_path(fixture_dir, "mixtral-8x2")
     ref, st_ref = run(path, "none", "prior:0.5", 3)
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=3, residency="stream", direct_io=False, io_threads=1),
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=3, residency="stream", direct_io=False, io_threads=1, prefetch="off"),
                            routing="prior:0.5", **KW)
     llm.eval(PROMPT)
     for t in DECODES:

@@ -47,6 +47,8 @@ def cmd_ppl(args) -> int:
         routings.append(routing_from_args(args))
     sizes = [parse_cache_size(s) for s in args.cache_size]
     load_text(args.text)  # a missing text file is reported before the model is loaded
+    if args.prefetch == "auto":
+        args.prefetch = "off"  # (auto reads ahead for streamed experts; ppl keeps them resident)
     if args.prefetch != "off" and not args.decode:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
     rows = sweep(resolve_model(args.model, args), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,

@@ -73,11 +73,14 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: 
         c.add_argument("--cache-size", default=default, metavar="N|F|BYTES|auto", help=what)
     c.add_argument("--insertion", choices=["top-bottom", "bottom-top"], default="top-bottom",
                    help="order in which one token's new experts enter the cache (default top-bottom)")
-    c.add_argument("--prefetch", choices=["off", "gate", "previous", "trace"], default="off",
+    c.add_argument("--prefetch", choices=["auto", "off", "gate", "previous", "trace"], default="auto",
                    help="predict a later layer's experts while decoding and bring them in early: gate (that layer's "
                         "router on this layer's input), previous (what it selected for the previous token), trace "
                         "(this request's expert counts matched against past requests); with stream residency they "
-                        "are read in the background (default off)")
+                        "are read in the background. auto (default): with stream residency, gate reading ahead "
+                        "into 2 spare slots per layer (the routing and the output stay those without it; it "
+                        "switches itself off where it loses; a memory budget pays for the spare slots), off "
+                        "otherwise")
     c.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="predict layer l + D during layer l, 1..8 (default %(default)s)")
     c.add_argument("--prefetch-min-p", type=float, default=0.0, metavar="P",
@@ -232,7 +235,7 @@ def cache_from_args(args):
     from ..config import CacheConfig, parse_cache_size
 
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
-                       prefetch=getattr(args, "prefetch", "off"), prefetch_distance=getattr(args, "prefetch_distance", 1),
+                       prefetch=getattr(args, "prefetch", "auto"), prefetch_distance=getattr(args, "prefetch_distance", 1),
                        prefetch_min_p=getattr(args, "prefetch_min_p", 0.0),
                        eviction=getattr(args, "eviction", "lru"), eviction_decay=getattr(args, "eviction_decay", 0.95),
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
