@@ -338,8 +338,9 @@ def test_readme_llama_cpp_table_names_real_options():
 
     from pymoecache.cli import build_parser
 
-    ours = set()
-    for sub in next(a for a in build_parser()._actions if a.dest == "command").choices.values():
+    top = build_parser()
+    ours = {f for a in top._actions for f in a.option_strings}  # (--version)
+    for sub in next(a for a in top._actions if a.dest == "command").choices.values():
         ours.update(f for a in sub._actions for f in a.option_strings)
     readme = (ROOT / "README.md").read_text()
     table = readme.split("## Coming from llama.cpp", 1)[1].split("\n## ", 1)[0]
@@ -441,3 +442,48 @@ def test_simulate_router_trace_with_impossible_contents(tmp_path):
     np.savez(f, logits=np.full((4, 2, 8), np.inf, np.float32), n_expert_used=np.array(2))
     r = cli("simulate", "--router-trace", f)
     assert r.returncode == 2 and "non-finite" in r.stderr, r.stderr
+
+
+# --- llama.cpp's spellings (issue 27 item 1) ---------------------------------------------------
+
+LLAMA_CPP_SPELLINGS = [  # command line -> (option it sets, value)
+    (["run", "-m", "a.gguf"], "model_opt", "a.gguf"),
+    (["run", "-hf", "owner/repo"], "hf_repo", "owner/repo"),       # not -h -f
+    (["run", "-hfr", "owner/repo"], "hf_repo", "owner/repo"),
+    (["run", "--hf-repo", "owner/repo"], "hf_repo", "owner/repo"),
+    (["run", "-hff", "m.gguf"], "hf_file", "m.gguf"),
+    (["chat", "-hf", "owner/repo"], "hf_repo", "owner/repo"),
+    (["run", "-p", "hi"], "prompt", "hi"),
+    (["run", "-n", "5"], "n", 5),
+    (["chat", "-sys", "be brief"], "system", "be brief"),
+]
+
+
+@pytest.mark.parametrize("argv,dest,value", LLAMA_CPP_SPELLINGS, ids=[" ".join(a) for a, _, _ in LLAMA_CPP_SPELLINGS])
+def test_llama_cpp_flags_set_the_option_they_set_there(argv, dest, value):
+    from pymoecache.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == value
+
+
+def test_version_names_the_package_llama_cpp_and_the_backend():
+    import pymoecache
+
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"pymoecache {pymoecache.__version__}"
+    assert lines[1].startswith("llama-cpp-python 0.") and lines[2].startswith("backend: CPU")
+
+
+@pytest.mark.parametrize("typo,meant", [("--cache-szie", "--cache-size"), ("--prior-x", "--prior"),
+                                        ("--hf-rpo", "--hf-repo")])
+def test_an_unknown_option_gets_a_did_you_mean(typo, meant):
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", typo, "1"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert f"unrecognized arguments: {typo}" in r.stderr and f"did you mean {meant}?" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "--zzzzzz"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "did you mean" not in r.stderr  # nothing close: no guess

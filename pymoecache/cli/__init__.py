@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pymoecache",
         description="Run Mixture-of-Experts GGUF models with a per-layer expert cache and cache-aware routing.",
         epilog="Run `pymoecache COMMAND --help` for the options of each command.")
+    ap.add_argument("--version", action=_VersionAction,
+                    help="print the package version, the llama.cpp it runs on and the CPU features it uses")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     generate.add_commands(sub)    # run, bench, info
@@ -38,6 +40,31 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_commands(sub)  # ppl, trace, plot-timeline, simulate
     serve.add_command(sub)        # serve
     return ap
+
+
+def version_text() -> str:
+    """What --version prints: the package, the llama-cpp-python (and so llama.cpp) it runs on, and
+    the CPU backend's features as llama.cpp reports them."""
+    from .. import __version__
+
+    try:
+        from .. import _lib  # noqa: F401  (points llama-cpp-python at our libllama)
+        import llama_cpp
+
+        system = llama_cpp.llama_print_system_info().decode(errors="replace").strip(" |")
+        runtime = f"llama-cpp-python {llama_cpp.__version__} (its pinned llama.cpp, with pymoecache's patches)"
+    except Exception as e:  # (--version must print even where the library does not load)
+        system, runtime = f"unavailable ({type(e).__name__}: {e})", "llama-cpp-python: not loaded"
+    return f"pymoecache {__version__}\n{runtime}\nbackend: {system}"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
 
 
 def _validate(args) -> None:

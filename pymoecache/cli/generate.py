@@ -312,7 +312,7 @@ def add_commands(sub) -> None:
     """Register ``run``, ``bench`` and ``info`` on the CLI's subparsers."""
     r = sub.add_parser("run", help="generate text and print cache statistics",
                        description="Generate text from a prompt, then print one line of speed and cache statistics.",
-                       epilog="Coming from llama.cpp: -m, -p, -f, -n, -c, -t, -ngl, -s and the sampling options "
+                       epilog="Coming from llama.cpp: -m, -p, -f, -n, -c, -t, -ngl, -s, -hf/-hff and the sampling options "
                               "mean what they mean in llama-cli.")
     add_model_argument(r)
     r.add_argument("-p", "--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")

@@ -20,10 +20,30 @@ class UserError(Error):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (usage stays in --help); subcommands inherit it."""
+    """argparse with one-line errors (usage stays in --help) and a "did you mean" for an unknown
+    option; subcommands inherit it."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        import difflib
+
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known, parsers = [], [self]
+        while parsers:  # (unknown options are reported by the top parser: look through the commands too)
+            p = parsers.pop()
+            for a in p._actions:
+                known += a.option_strings
+                if isinstance(a, argparse._SubParsersAction):
+                    parsers += list(a.choices.values())
+        for word in message[len("unrecognized arguments: "):].split():
+            if word.startswith("-"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -206,8 +226,10 @@ def read_text_file(path: str, what: str) -> str:
 
 def add_hub_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("download (instead of MODEL)")
-    h.add_argument("--hf-repo", metavar="REPO", help="Hugging Face repository to download the GGUF from (default: none, use MODEL)")
-    h.add_argument("--hf-file", metavar="FILE", help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
+    h.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="REPO",
+                   help="Hugging Face repository to download the GGUF from, as llama.cpp's -hf (default: none, use MODEL)")
+    h.add_argument("-hff", "--hf-file", dest="hf_file", metavar="FILE",
+                   help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
 
 
 def routing_from_args(args):
