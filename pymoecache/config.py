@@ -16,7 +16,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Union
 
 from . import constants as C
 from .errors import ConfigError
@@ -490,6 +490,11 @@ class CacheConfig:
             return dataclasses.replace(self, prefetch="off")
         size = n_cached - spare if from_memory else self.size
         return dataclasses.replace(self, prefetch="gate", prefetch_spare=spare, size=size)
+
+    def capacities(self, n_cached: int) -> List[int]:
+        """The per-layer cache sizes this config gives, with ``n_cached`` the size it asks for (per_layer
+        entries below 0 take that size)."""
+        return [n_cached] + [int(x) for x in (self.per_layer or []) if int(x) >= 0]
 
     def residency_for(self, capacities: Sequence[int], n_expert: int) -> str:
         """The residency this config means for these per-layer cache sizes (resolves ``"auto"``)."""

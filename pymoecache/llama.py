@@ -360,7 +360,7 @@ class MoECache:
                 n_expert_used: int = 0):
         cp = C.moecache_cache_default_params()
         cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
-        capacities = [cp.n_cached] + [int(x) for x in (cache.per_layer or []) if int(x) >= 0]
+        capacities = cache.capacities(cp.n_cached)
         if cache.prefetch == "auto":  # (Llama resolves it first, taking spare slots out of a memory budget)
             cache = cache.resolve_prefetch(cache.residency_for(capacities, n_expert) if model_path is not None
                                            else "none", cp.n_cached, n_expert_used)
@@ -742,8 +742,7 @@ class Llama(llama_cpp.Llama):
                 cache = dataclasses.replace(cache, size=choice.n_cached)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-                caps = [n] + [int(x) for x in (cache.per_layer or []) if int(x) >= 0]
-                cache = cache.resolve_prefetch(cache.residency_for(caps, info.n_expert), n, info.n_expert_used,
+                cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
                                                from_memory=choice is not None or isinstance(cache.size, str))
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)

@@ -148,12 +148,17 @@ static void keep_cached(moecache_layer & L) {
     }
 }
 
-static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e, const moecache_io_req & req) {
+// what a failed read of expert e of layer il at [off, off + len) says (err: an errno, or -1 for a short read)
+static std::string read_error(const moecache & mc, int32_t il, int32_t e, uint64_t off, size_t len, int err) {
     char buf[512];
     snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-             e, L.il, mc.path.c_str(), (unsigned long long) req.err_off, req.err_len,
-             req.err > 0 ? strerror(req.err) : "the file ends early (truncated?)");
-    moecache_set_io_error(mc, buf);
+             e, il, mc.path.c_str(), (unsigned long long) off, len,
+             err > 0 ? strerror(err) : "the file ends early (truncated?)");
+    return buf;
+}
+
+static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e, const moecache_io_req & req) {
+    moecache_set_io_error(mc, read_error(mc, L.il, e, req.err_off, req.err_len, req.err));
 }
 
 // STREAM, one token: every expert that is cached or selected gets a slot, whose reads start now
@@ -266,11 +271,7 @@ int32_t moecache_slots_fill_all(moecache & mc) {
     moecache_io_run(*mc.io, jobs);
     for (const moecache_io_job & j : jobs) {
         if (j.err != 0) {
-            char buf[512];
-            snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-                     j.e, j.il, mc.path.c_str(), (unsigned long long) j.off, j.len,
-                     j.err > 0 ? strerror(j.err) : "the file ends early (truncated?)");
-            return moecache_fail_residency(buf);
+            return moecache_fail_residency(read_error(mc, j.il, j.e, j.off, j.len, j.err));
         }
         mc.load_bytes += (int64_t) j.bytes_io;
     }
