@@ -1,4 +1,5 @@
-"""GGUF models from the Hugging Face Hub (``pymoecache run --hf-repo REPO --hf-file FILE``).
+"""GGUF models from the Hugging Face Hub (``pymoecache run -hf OWNER/REPO[:QUANT]`` or
+``--hf-repo REPO --hf-file FILE``).
 
 Files go to the usual Hugging Face cache (``$HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``),
 so a model is downloaded once and found there afterwards, also offline (``HF_HUB_OFFLINE=1``).
@@ -61,7 +62,8 @@ def _unreachable(hub, repo_id: str, filename: str, cache_dir) -> HubError:
     why = ("HF_HUB_OFFLINE is set" if _offline(hub)
            else f"no connection to {hub.constants.ENDPOINT}")
     cache = cache_dir or hub.constants.HF_HUB_CACHE
-    return HubError(f"could not reach the Hugging Face Hub ({why}) and {repo_id}/{filename} is not in the "
+    what = f"{repo_id}/{filename} is not" if filename else f"no file of {repo_id} is"
+    return HubError(f"could not reach the Hugging Face Hub ({why}) and {what} in the "
                     f"local cache {cache}: download the file elsewhere and pass its path as MODEL")
 
 
@@ -119,3 +121,90 @@ def download(repo_id: str, filename: str, *, cache_dir: "Optional[os.PathLike[st
     finally:
         if not progress and not bars_were_off:
             hub.utils.enable_progress_bars()
+
+
+DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's choice when -hf names no quantization
+
+
+def split_repo(spec: str):
+    """``OWNER/REPO[:QUANT]`` (llama.cpp's -hf) as (repo, quant or None).
+
+    >>> split_repo("ggml-org/Some-MoE-GGUF:q8_0")
+    ('ggml-org/Some-MoE-GGUF', 'Q8_0')
+    >>> split_repo("ggml-org/Some-MoE-GGUF")
+    ('ggml-org/Some-MoE-GGUF', None)
+    """
+    repo, _, quant = spec.partition(":")
+    return repo, (quant.upper() or None)
+
+
+def pick_gguf(files, quant: Optional[str] = None) -> Optional[str]:
+    """The file llama.cpp's -hf would take from a repository's file list: the GGUF whose name carries
+    ``quant`` (case-insensitive, default Q4_K_M), else the first GGUF; the first part of a split
+    model; never a multimodal projector (mmproj). None when the list has no GGUF.
+
+    >>> pick_gguf(["README.md", "m-Q8_0.gguf", "m-Q4_K_M.gguf", "mmproj-m-f16.gguf"])
+    'm-Q4_K_M.gguf'
+    >>> pick_gguf(["m-Q8_0-00002-of-00002.gguf", "m-Q8_0-00001-of-00002.gguf"], "q8_0")
+    'm-Q8_0-00001-of-00002.gguf'
+    """
+    import re
+
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower().rsplit("/", 1)[-1])
+    part = [re.search(r"-(\d+)-of-\d+\.gguf$", f, re.IGNORECASE) for f in ggufs]
+    ggufs = [f for f, m in zip(ggufs, part) if m is None or int(m.group(1)) == 1]  # not a later part of a split
+    if not ggufs:
+        return None
+    want = (quant or DEFAULT_QUANT).upper()
+    for f in ggufs:
+        name = f.rsplit("/", 1)[-1].upper()
+        if re.search(rf"(^|[-._]){re.escape(want)}([-._]|$)", name):
+            return f
+    if quant is not None:  # asked for by name: no silent substitute
+        return None
+    return ggufs[0]
+
+
+def _cached_files(hub, repo_id: str, cache_dir) -> list:
+    """The files of ``repo_id``'s main revision in the local cache (offline listing)."""
+    root = Path(cache_dir or hub.constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    try:
+        commit = (root / "refs" / "main").read_text().strip()
+    except OSError:
+        return []
+    snap = root / "snapshots" / commit
+    return sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def repo_files(repo_id: str, *, cache_dir: "Optional[os.PathLike[str] | str]" = None) -> list:
+    """The file names in a Hugging Face repository: from the hub, or from the local cache when
+    offline or unreachable. HubError when neither knows the repository."""
+    hub = _hub()
+    if _offline(hub) or not _reachable(hub):
+        files = _cached_files(hub, repo_id, cache_dir)
+        if not files:
+            raise _unreachable(hub, repo_id, "", cache_dir)
+        return files
+    try:
+        return list(hub.list_repo_files(repo_id))
+    except Exception as e:  # not found, gated, refused: the hub's message, one line
+        name = type(e).__name__
+        if "RepositoryNotFound" in name:
+            raise HubError(f"repository {repo_id} not found on the Hugging Face Hub (if it is private, "
+                           "set HF_TOKEN or log in with the hf CLI)") from None
+        raise HubError(f"could not list the files of {repo_id}: {str(e).splitlines()[0] if str(e) else name}") from None
+
+
+def download_spec(spec: str, filename: Optional[str] = None, *,
+                  cache_dir: "Optional[os.PathLike[str] | str]" = None, progress: bool = True) -> Path:
+    """llama.cpp's ``-hf OWNER/REPO[:QUANT]`` (and ``-hff FILE``, which overrides the quant): the
+    GGUF chosen by :func:`pick_gguf` from the repository's files, downloaded once."""
+    repo, quant = split_repo(spec)
+    if filename is None:
+        files = repo_files(repo, cache_dir=cache_dir)
+        filename = pick_gguf(files, quant)
+        if filename is None:
+            ggufs = [f for f in files if f.lower().endswith(".gguf")]
+            raise HubError(f"{repo} has no GGUF file" + (f" for quantization {quant}" if quant else "")
+                           + (f" (it has: {', '.join(ggufs[:8])}{', ...' if len(ggufs) > 8 else ''})" if ggufs else ""))
+    return download(repo, filename, cache_dir=cache_dir, progress=progress)

@@ -706,6 +706,9 @@ class Llama(llama_cpp.Llama):
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
             generated tokens (prompts use stock routing), as in the on-device deployment.
         **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, ...).
+            ``use_mlock=True`` with residency stream or mmap locks what the cache holds, the dense
+            part and the cached experts (llama.cpp's lock of the whole mapping would pull in every
+            expert).
 
     A dense model (no MoE layers) loads and runs with a warning, without a cache. If the model
     file becomes unreadable during a run, the token that needed the expert raises
@@ -769,7 +772,12 @@ class Llama(llama_cpp.Llama):
                     "with n_gpu_layers=0 (-ngl 0)")
             if residency != "none" and kwargs.get("use_mmap", True) is False:
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
-                                  "use_mmap must stay True")
+                                  "use_mmap must stay True (--no-mmap only with residency 'none', when the whole "
+                                  "model is loaded)")
+            if residency != "none" and kwargs.pop("use_mlock", False):
+                # llama.cpp's mlock would lock every expert of the mapping: here it means what the cache
+                # locks, the dense part and the cached experts (the rest is not meant to be in memory)
+                cache = dataclasses.replace(cache, lock_memory=True, lock_dense=True)
         self._busy = threading.Lock()  # held by the thread in eval/sample: a second one gets ConcurrentUseError
         self._token_lock = threading.Lock()  # held while a token is decoded or sampled: readers of the
                                              # counters wait for the token in flight, never fail

@@ -1,9 +1,9 @@
 """``pymoecache serve``: llama-cpp-python's OpenAI-compatible server running ``pymoecache.Llama``.
 
-    pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8000
-    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8080
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
-    curl http://127.0.0.1:8000/moecache/stats
+    curl http://127.0.0.1:8080/moecache/stats
 
 Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat/completions,
 /v1/models, /extras/tokenize, /docs), with these additions:
@@ -11,6 +11,10 @@ Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat
 * ``GET /moecache/stats``: the cache counters since the server started (see :func:`stats_json`), and
   ``GET /health``: up, generating or not, requests waiting. Both answer during a generation, with a
   snapshot taken between two tokens.
+* llama-server's ``GET /props``, ``/slots`` and ``/metrics`` (Prometheus text: its token counters
+  and rates, requests in flight and waiting, and the expert cache's hits, misses and bytes read);
+  ``api_key`` (401 without it on everything but /health), ``alias`` (the model's id, default the
+  file's name), ``n_parallel`` slots, and ``stream_options.include_usage`` on streamed answers.
 * completions queue: one generates, up to ``max_queue`` wait their turn (in order of arrival), a
   request past that gets 503 with ``Retry-After``. Nothing is cut: a streamed answer is not
   interrupted by the next request. A client that disconnects frees its place, and its generation
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import importlib.util
 import json
 import logging
@@ -69,14 +74,17 @@ class _Queue:
     those waiting on llama_cpp.server's lock (served in order of arrival). At most ``1 + max_queue``;
     past that, 503 with Retry-After. One event loop changes ``active``: no lock needed."""
 
-    def __init__(self, max_queue: int):
-        self.max_queue, self.active = max_queue, 0
+    def __init__(self, max_queue: int, n_parallel: int = 1):
+        self.max_queue, self.n_parallel, self.active = max_queue, n_parallel, 0
+
+    def full(self) -> bool:
+        return self.active >= self.n_parallel + self.max_queue
 
     def busy_response(self):
         from fastapi.responses import JSONResponse
 
-        return JSONResponse({"error": {"message": f"the server is busy: one request is generating and "
-                                                  f"{self.max_queue} are waiting; retry later",
+        return JSONResponse({"error": {"message": f"the server is busy: {self.n_parallel} slot(s) and "
+                                                  f"{self.max_queue} places in the queue are taken; retry later",
                                        "type": "server_busy", "param": None, "code": None}},
                             status_code=503, headers={"Retry-After": "1"})
 
@@ -87,6 +95,47 @@ async def _watch_disconnect(request, gone: threading.Event) -> None:
             gone.set()
             return
         await asyncio.sleep(0.2)
+
+
+class _Metrics:
+    """``GET /metrics``: llama-server's counters (prompt and predicted tokens, their seconds and
+    rates, requests in flight and waiting) from llama.cpp's own timings, and the expert cache's
+    (hits, misses, hit rate, bytes read, I/O wait), in Prometheus' text format."""
+
+    def text(self, llm, generating: bool, waiting: int) -> str:
+        import llama_cpp
+
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # cumulative since load: the server never resets it
+        t_p, t_e = perf.t_p_eval_ms / 1e3, perf.t_eval_ms / 1e3
+        rows = [
+            ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens processed.", perf.n_p_eval),
+            ("llamacpp:prompt_seconds_total", "counter", "Prompt process time.", t_p),
+            ("llamacpp:tokens_predicted_total", "counter", "Generated tokens (decoded).", perf.n_eval),
+            ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time.", t_e),
+            ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+             perf.n_p_eval / t_p if t_p > 0 else 0.0),
+            ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+             perf.n_eval / t_e if t_e > 0 else 0.0),
+            ("llamacpp:requests_processing", "gauge", "Requests generating.", int(generating)),
+            ("llamacpp:requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
+        ]
+        if llm.moecache is not None:
+            st = llm.moe_stats()
+            rs = st.residency
+            rows += [
+                ("pymoecache:tokens_total", "counter", "Tokens routed through the expert cache.", st.tokens),
+                ("pymoecache:cache_hits_total", "counter", "Expert selections found in the cache.", st.hits),
+                ("pymoecache:cache_misses_total", "counter", "Expert selections not in the cache.", st.misses),
+                ("pymoecache:cache_hit_rate", "gauge", "Hits / (hits + misses) since load.", st.hit_rate),
+                ("pymoecache:bytes_read_total", "counter", "Expert bytes read from the model file (load, prompts, "
+                 "decoding).", (rs.load_bytes_read + rs.prompt_bytes_read + rs.decode_bytes_read) if rs else 0),
+                ("pymoecache:io_wait_seconds_total", "counter", "Time decoded tokens waited for expert reads.",
+                 rs.decode_t_io_ms / 1e3 if rs else 0.0),
+            ]
+        out = []
+        for name, kind, help_, value in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(out) + "\n"
 
 
 class RequestError(Exception):
@@ -170,6 +219,12 @@ def _check_messages(messages) -> None:
             raise RequestError(f"messages[{i}].content must be a string, a list of parts or null", 422, "messages")
 
 
+def _include_usage(raw: bytes) -> bool:
+    """OpenAI's ``stream_options.include_usage`` of a body validate_request has accepted."""
+    opts = json.loads(raw).get("stream_options")
+    return bool(isinstance(opts, dict) and opts.get("include_usage"))
+
+
 def validate_request(llm, path: str, raw: bytes):
     """The stock request model for ``path`` built from ``raw``, after every check this server makes;
     RequestError (400/422) otherwise. Nothing here runs the model."""
@@ -192,6 +247,12 @@ def validate_request(llm, path: str, raw: bytes):
     elif "prompt" in d and not isinstance(d["prompt"], str) and not (
             isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
         raise RequestError("'prompt' must be a string (or a list of at most one string)", 422, "prompt")
+    opts = d.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise RequestError("'stream_options' must be an object such as {\"include_usage\": true} or null", 422,
+                           "stream_options")
+    if opts is not None and not d.get("stream"):
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", 400, "stream_options")
     n_ctx = llm.n_ctx()
     mt = d.get("max_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
@@ -279,15 +340,42 @@ class _ServedLlama(Llama):
             raise _ClientGone()
         super().eval(tokens)
 
+    model_alias: Optional[str] = None  # the id answers carry (create_app's alias or the file's name)
+
     def create_completion(self, *args, **kwargs):
         self._begin_request()
+        if self.model_alias is not None:
+            kwargs["model"] = self.model_alias
         return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs))
 
     def create_chat_completion(self, *args, **kwargs):
         self._begin_request()
+        if self.model_alias is not None:
+            kwargs["model"] = self.model_alias
         return self._with_request_stats(self._stats(), super().create_chat_completion(*args, **kwargs))
 
+    _usage: Optional[dict] = None
+
+    def sample(self, *args, **kwargs):
+        tok = super().sample(*args, **kwargs)
+        u = self._usage
+        if u is not None:  # a request's token counts, as a non-streamed answer's "usage" counts them
+            if u["prompt_tokens"] is None:
+                u["prompt_tokens"] = self.n_tokens  # the whole prompt is in the context at the first sample
+            import llama_cpp
+
+            if not llama_cpp.llama_vocab_is_eog(self._model.vocab, tok):  # an end-of-text token is not text
+                u["completion_tokens"] += 1
+        return tok
+
+    def last_usage(self) -> dict:
+        """Token counts of the last request, as OpenAI's ``usage`` object."""
+        u = self._usage or {"prompt_tokens": 0, "completion_tokens": 0}
+        p, c = u["prompt_tokens"] or 0, u["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
     def _begin_request(self) -> None:
+        self._usage = {"prompt_tokens": None, "completion_tokens": 0}
         if self.moecache is not None:  # each completion is a request (the profile, activation eviction)
             self.moecache.begin_request()
 
@@ -312,7 +400,8 @@ class _ServedLlama(Llama):
 def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
-               max_queue: int = 16, **llama_kwargs):
+               max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
+               n_parallel: int = 1, **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
@@ -325,6 +414,12 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     one request of the profile.
 
     max_queue: completion requests that may wait while one generates; past that, 503 + Retry-After.
+
+    alias: the model's id in /v1/models and in every answer (default: the file's name).
+    api_key: every endpoint but /health answers 401 without ``Authorization: Bearer KEY``.
+    n_parallel: slots, as llama-server's -np: requests held at once besides the queue. One model
+    decodes one sequence at a time (the expert cache follows it), so the slots take turns in order
+    of arrival; /slots shows which one is decoding.
 
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
@@ -348,15 +443,18 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         """The stock model holder, loading our class: its own loader hard-codes ``llama_cpp.Llama``."""
 
         def load_llama_from_model_settings(self, settings):
-            return _ServedLlama(settings.model, cache=cache, routing=routing, routing_scope=routing_scope,
-                                n_ctx=n_ctx, n_threads=n_threads, **{"verbose": False, **llama_kwargs})
+            llm = _ServedLlama(settings.model, cache=cache, routing=routing, routing_scope=routing_scope,
+                               n_ctx=n_ctx, n_threads=n_threads, **{"verbose": False, **llama_kwargs})
+            llm.model_alias = model_id
+            return llm
 
     # model_construct: these settings come from our arguments only, not from environment variables
     # (pydantic-settings would read MODEL, N_CTX, API_KEY, ... from the environment).
-    model_settings = ModelSettings.model_construct(model=str(model_path), model_alias=str(model_path), n_ctx=n_ctx)
+    model_id = alias or Path(model_path).name
+    model_settings = ModelSettings.model_construct(model=str(model_path), model_alias=model_id, n_ctx=n_ctx)
     # interrupt_requests off: a streamed answer runs to its end while the next request waits (the stock
     # default cuts it as soon as another request arrives)
-    app_mod.set_server_settings(ServerSettings.model_construct(interrupt_requests=False))
+    app_mod.set_server_settings(ServerSettings.model_construct(interrupt_requests=False, api_key=api_key))
     # The one place we reach into llama_cpp.server: its endpoints take the model from this module
     # global, and set_llama_proxy() can only build a stock LlamaProxy (llama_cpp.Llama), not ours.
     if app_mod._llama_proxy is not None:  # one model per process: free the previous app's first
@@ -385,7 +483,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         return JSONResponse({"error": {"message": "internal server error", "type": "server_error", "param": None,
                                        "code": None}}, status_code=500)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    queue = _Queue(max_queue)
+    queue = _Queue(max_queue, n_parallel)
+    metrics = _Metrics()
+    auth = [Depends(app_mod.authenticate)]
 
     # The stock completion endpoints again, behind validate_request and without their response
     # models (which would drop the "moecache" field); registered first, so they answer these paths.
@@ -416,17 +516,49 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 watcher.cancel()
                 _CLIENT_GONE.reset(reset)
 
+    def stream_response(request, body, include_usage: bool):
+        """The stock streaming branch of both completion endpoints (an SSE stream fed by
+        llama_cpp.server's publisher), through our completion so that the last chunk carries the
+        "moecache" counters, and with OpenAI's ``stream_options.include_usage``: one more chunk,
+        without choices, with the request's ``usage``."""
+        import anyio
+        import llama_cpp
+        from sse_starlette.sse import EventSourceResponse
+
+        chat = request.url.path.endswith("/chat/completions")
+        if not chat and isinstance(body.prompt, list):
+            body.prompt = body.prompt[0] if body.prompt else ""
+        kwargs = body.model_dump(exclude={"n", "logit_bias_type", "user", "min_tokens"} | ({"best_of"} if not chat else set()))
+
+        def call(llama, **kw):
+            chunks = llama_cpp.Llama.create_chat_completion(llama, **kw) if chat else llama.create_completion(**kw)
+            last = None
+            for chunk in chunks:
+                last = chunk
+                yield chunk
+            if include_usage and last is not None:
+                yield {"id": last["id"], "object": last["object"], "created": last["created"], "model": last["model"],
+                       "choices": [], "usage": llama.last_usage()}
+
+        send_chan, recv_chan = anyio.create_memory_object_stream(10)
+        return EventSourceResponse(
+            recv_chan, sep="\n", ping_message_factory=app_mod._ping_message_factory,
+            data_sender_callable=functools.partial(app_mod.get_event_publisher, request=request,
+                                                   inner_send_chan=send_chan, body=body, body_model=body.model,
+                                                   llama_call=call, kwargs=kwargs))
+
     def checked(endpoint):
         async def handler(request: Request):
             gone, watcher = threading.Event(), None
             reset = _CLIENT_GONE.set(gone)
             try:
-                body = validate_request(proxy(), request.url.path, await request.body())
-                if queue.active > queue.max_queue:
+                raw = await request.body()
+                body = validate_request(proxy(), request.url.path, raw)
+                if queue.full():
                     return queue.busy_response()
                 proxy()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
                 if body.stream:  # the generation runs while the response is sent, after this handler
-                    return StopWhenGone(await endpoint(request=request, body=body), request, gone)
+                    return StopWhenGone(stream_response(request, body, _include_usage(raw)), request, gone)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))
                 queue.active += 1
                 try:
@@ -468,14 +600,47 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         return RequestError("this server runs a generation model without embeddings: /v1/embeddings is not "
                             "available", 400).response()
 
-    @ours.get("/health", summary="Server health", tags=["pymoecache"])
-    async def health() -> dict:
+    def load() -> tuple:
         # generating: llama_cpp.server's lock is held; waiting: the other completion requests in the server
         generating = app_mod.llama_inner_lock.locked()
-        return {"status": "ok", "model": str(model_path), "generating": generating,
-                "waiting": max(0, queue.active - generating), "max_queue": max_queue}
+        return generating, max(0, queue.active - generating)
 
-    @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"])
+    @ours.get("/health", summary="Server health", tags=["pymoecache"])
+    async def health() -> dict:  # public, as llama-server's: no API key needed
+        generating, waiting = load()
+        return {"status": "ok", "model": model_id, "generating": generating, "waiting": waiting,
+                "slots": n_parallel, "max_queue": max_queue}
+
+    @ours.get("/props", summary="Server properties (llama-server's /props)", tags=["pymoecache"], dependencies=auth)
+    def props() -> dict:
+        llm = proxy()
+        import llama_cpp
+
+        tmpl = llama_cpp.llama_model_chat_template(llm._model.model, None)
+        return {"default_generation_settings": {"n_ctx": llm.n_ctx(), "model": model_id,
+                                                "params": {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
+                                                           "min_p": 0.05, "repeat_penalty": 1.0}},
+                "total_slots": n_parallel, "model_alias": model_id, "model_path": str(model_path),
+                "chat_template": tmpl.decode("utf-8", "replace") if tmpl else "",
+                "build_info": f"pymoecache {__version__} on llama-cpp-python {llama_cpp.__version__}",
+                "moecache": {"routing": routing.spec(), "routing_scope": routing_scope,
+                             "residency": llm.cache_config.residency if llm.moecache is not None else "none",
+                             "cache_choice": app.state.cache_choice}}
+
+    @ours.get("/slots", summary="Slots (llama-server's /slots)", tags=["pymoecache"], dependencies=auth)
+    def slots() -> list:
+        generating, waiting = load()
+        n_ctx = proxy().n_ctx()
+        states = ["generating"] * generating + ["waiting"] * waiting
+        return [{"id": i, "n_ctx": n_ctx, "is_processing": i < len(states) and states[i] == "generating",
+                 "state": states[i] if i < len(states) else "idle"} for i in range(n_parallel)]
+
+    @ours.get("/metrics", summary="Prometheus metrics (llama-server's names, and the expert cache's)",
+              tags=["pymoecache"], dependencies=auth)
+    def prometheus_metrics():
+        return Response(metrics.text(proxy(), *load()), media_type="text/plain; version=0.0.4")
+
+    @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"], dependencies=auth)
     def moecache_stats() -> dict:
         # Llama.moe_stats() reads the counters under the lock that guards each decoded token: a
         # consistent snapshot between two tokens, without waiting for (or interrupting) a whole

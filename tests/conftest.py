@@ -76,7 +76,7 @@ def running_server(model, log: Path, *args):
             if proc.poll() is not None:
                 pytest.fail(f"server exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                http_request(base + "/v1/models", timeout=5)
+                http_request(base + "/health", timeout=5)
                 break
             except (OSError, urllib.error.URLError):
                 if time.monotonic() > deadline:

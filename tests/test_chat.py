@@ -3,6 +3,7 @@ terminal's SIGINT) in the middle of an answer, Ctrl-D to leave; and through a pi
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -27,7 +28,7 @@ class Terminal:
         if self.pid == 0:  # the child: its stdin, stdout and stderr are the terminal
             os.chdir(ROOT)
             os.execv(sys.executable, [sys.executable, "-m", "pymoecache", *args])
-        self.out = ""
+        self.out, self._partial = "", ""
 
     def expect(self, pattern: str, timeout: float = 120.0) -> re.Match:
         """Read until ``pattern`` (a regex) appears in what the child printed since the last match."""
@@ -51,7 +52,11 @@ class Terminal:
             return False
         if not data:
             return False
-        self.out += ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r\n", "\n")
+        text = self._partial + data.decode("utf-8", errors="replace")
+        cut = text.rfind("\x1b")  # a colour sequence cut between two reads waits for its end
+        self._partial = text[cut:] if cut >= 0 and not ANSI.match(text, cut) and len(text) - cut < 16 else ""
+        text = text[:len(text) - len(self._partial)]
+        self.out += ANSI.sub("", text).replace("\r\n", "\n")
         return True
 
     def send(self, text: str) -> None:
@@ -287,3 +292,29 @@ def test_a_line_typed_while_an_answer_streams_is_the_next_message(term):
     t.expect(r"> ")
     t.key_at_prompt("\x04")
     assert t.wait() == 0
+
+
+def test_clear_regen_read_save_and_a_printed_random_seed(tmp_path):
+    note = tmp_path / "note.txt"
+    note.write_text("FROMFILE")
+    lines = ["Hello", f"/save {tmp_path / 'a0.json'}", "/regen", f"/save {tmp_path / 'a.json'}", f"/read {note}", f"/save {tmp_path / 'b.json'}",
+             "/regen", "/clear", f"/save {tmp_path / 'c.json'}", f"/read {tmp_path / 'missing.txt'}",
+             f"/save {tmp_path / 'no' / 'dir.json'}"]
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-n", "6", "--temp", "1.0", "-sys", "SYS"],
+                       cwd=ROOT, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    seed = int(re.search(r"\] seed (\d+)\n", r.stderr).group(1))
+    a = json.loads((tmp_path / "a.json").read_text())["messages"]
+    assert [m["role"] for m in a] == ["system", "user", "assistant"]  # /regen replaced the answer, did not add one
+    assert a[0]["content"] == "SYS" and a[1]["content"] == "Hello"
+    b = json.loads((tmp_path / "b.json").read_text())["messages"]
+    assert b[:2] == a[:2] and b[3] == {"role": "user", "content": "FROMFILE"} and b[4]["role"] == "assistant"
+    assert json.loads((tmp_path / "c.json").read_text())["messages"] == [{"role": "system", "content": "SYS"}]
+    assert "cannot read file" in r.stderr and "cannot write" in r.stderr  # errors that keep the chat going
+    # the printed seed replays the first answer
+    r2 = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-n", "6", "--temp", "1.0", "-sys", "SYS",
+                         "-s", str(seed)], cwd=ROOT, input=f"Hello\n/save {tmp_path / 'd.json'}\n",
+                        capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stderr
+    first = json.loads((tmp_path / "d.json").read_text())["messages"][2]["content"]
+    assert first == json.loads((tmp_path / "a0.json").read_text())["messages"][2]["content"]

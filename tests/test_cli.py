@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -115,9 +116,9 @@ def test_bench_bad_parameters(fixture_dir, tmp_path):
     assert r.returncode == 2 and "cannot read --prompts" in r.stderr
 
 
-def test_hf_options_go_together():
-    r = cli("run", "--hf-repo", "someone/model")
-    assert r.returncode == 2 and "--hf-repo and --hf-file go together" in r.stderr
+def test_hf_file_needs_hf_repo():
+    r = cli("run", "-hff", "m.gguf")
+    assert r.returncode == 2 and "--hf-file needs --hf-repo" in r.stderr
 
 
 def test_run_without_a_model_uses_the_embedded_trained_model():
@@ -456,7 +457,140 @@ LLAMA_CPP_SPELLINGS = [  # command line -> (option it sets, value)
     (["run", "-p", "hi"], "prompt", "hi"),
     (["run", "-n", "5"], "n", 5),
     (["chat", "-sys", "be brief"], "system", "be brief"),
+    (["run", "-sys", "be brief"], "system", "be brief"),
+    (["run", "-sysf", "s.txt"], "system_file", "s.txt"),
+    (["run", "-f", "p.txt"], "file", "p.txt"),
+    (["chat", "-p", "hi"], "prompt", "hi"),                          # conversation mode: the first message
+    (["run", "-c", "128"], "ctx", 128),
+    (["run", "--ctx-size", "128"], "ctx", 128),
+    (["run", "-t", "3"], "threads", 3),
+    (["run", "-tb", "3"], "threads_batch", 3),                      # not -t b
+    (["run", "--threads-batch", "3"], "threads_batch", 3),
+    (["run", "-b", "64"], "batch_size", 64),
+    (["run", "--batch-size", "64"], "batch_size", 64),
+    (["run", "-ub", "32"], "ubatch_size", 32),                      # not -u b
+    (["run", "--ubatch-size", "32"], "ubatch_size", 32),
+    (["run", "-s", "7"], "seed", 7),
+    (["run"], "seed", -1),                                          # llama.cpp's default: a random seed
+    (["run", "--temp", "0.7"], "temp", 0.7),
+    (["run", "--top-k", "5"], "top_k", 5),
+    (["run", "--top-p", "0.5"], "top_p", 0.5),
+    (["run", "--min-p", "0.1"], "min_p", 0.1),
+    (["run", "--repeat-penalty", "1.1"], "repeat_penalty", 1.1),
+    (["run", "-ngl", "0"], "n_gpu_layers", 0),
+    (["run", "--n-gpu-layers", "0"], "n_gpu_layers", 0),
+    (["run", "-fa", "on"], "flash_attn", "on"),                      # not -f a
+    (["run", "-fa", "enabled"], "flash_attn", "on"),
+    (["run", "--flash-attn", "off"], "flash_attn", "off"),
+    (["run", "-fa", "auto"], "flash_attn", "auto"),
+    (["run", "-cnv"], "conversation", True),                         # not -c nv
+    (["run", "--conversation"], "conversation", True),
+    (["run", "-no-cnv"], "conversation", False),
+    (["run", "-st"], "single_turn", True),
+    (["run", "-co", "on"], "color", "on"),                           # not -c o
+    (["run", "--color", "off"], "color", "off"),
+    (["run", "-ot", "exps=CPU"], "override_tensor", "exps=CPU"),     # not -o t
+    (["run", "--override-tensor", "exps=CPU"], "override_tensor", "exps=CPU"),
+    (["run", "-cmoe"], "cpu_moe", True),
+    (["run", "--cpu-moe"], "cpu_moe", True),
+    (["run", "-ncmoe", "4"], "n_cpu_moe", 4),
+    (["run", "--n-cpu-moe", "4"], "n_cpu_moe", 4),
+    (["run", "--mlock"], "mlock", True),
+    (["run", "--no-mmap"], "no_mmap", True),
+    (["run", "-v"], "verbose", True),
+    (["run", "--verbose"], "verbose", True),
+    (["run", "--log-verbose"], "verbose", True),
+    (["run", "-v", "--log-disable"], "verbose", False),
+    (["serve", "-tb", "2"], "threads_batch", 2),
+    (["chat", "-fa", "on"], "flash_attn", "on"),
+    (["bench", "-ub", "16"], "ubatch_size", 16),
 ]
+
+# what each option becomes in pymoecache.Llama's keyword arguments
+LLAMA_KWARGS = [
+    (["run", "-tb", "3"], "n_threads_batch", 3),
+    (["run", "-t", "2"], "n_threads_batch", 2),     # -tb defaults to -t, as in llama.cpp
+    (["run", "-b", "64"], "n_batch", 64),
+    (["run", "-ub", "32"], "n_ubatch", 32),
+    (["run", "-fa", "on"], "flash_attn", True),
+    (["run", "-fa", "auto"], "flash_attn", True),   # llama.cpp's auto turns it on wherever it runs: the CPU does
+    (["run", "-fa", "off"], "flash_attn", False),
+    (["run", "--mlock"], "use_mlock", True),
+    (["run", "--no-mmap"], "use_mmap", False),
+    (["run", "-v"], "verbose", True),
+    (["run"], "verbose", False),
+    (["run", "-c", "99"], "n_ctx", 99),
+]
+
+
+@pytest.mark.parametrize("argv,key,value", LLAMA_KWARGS, ids=[" ".join(a) for a, _, _ in LLAMA_KWARGS])
+def test_llama_cpp_flags_reach_llama_as_llama_cpp_means_them(argv, key, value):
+    from pymoecache.cli import build_parser
+    from pymoecache.cli.options import runtime_kwargs
+
+    assert runtime_kwargs(build_parser().parse_args(argv))[key] == value
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-ot", "exps=CUDA0"], "buffer type 'CUDA0' is not available"),
+    (["-ot", "exps"], "expected PATTERN=BUFFER_TYPE"),
+    (["--cpu-moe", "-ngl", "4"], "GPU layers with experts in CPU memory are not built"),
+    (["--mlock", "--no-mlock"], "not both"),
+    (["-ub", "0"], "--ubatch-size must be >= 1"),
+    (["-fa", "maybe"], "expected on, off or auto"),
+    (["-cnv", "-sys", "a", "-sysf", "b.txt"], "not both"),
+])
+def test_llama_cpp_flags_that_cannot_mean_anything_here_say_why(argv, message):
+    r = cli("run", *argv, "-n", "1")
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_flash_attn_and_verbose_do_what_llama_cli_does(fixture_dir):
+    """-fa on / off reach llama.cpp's context (its own log, shown by -v, says so)."""
+    for value, want in (("on", "enabled"), ("off", "disabled")):
+        r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hi", "-n", "2", "-fa", value, "-v", "--temp", "0")
+        assert r.returncode == 0, r.stderr
+        assert re.search(rf"llama_context: flash_attn +=\s*{want}", r.stderr), r.stderr[-2000:]
+    r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hi", "-n", "2")
+    assert "flash_attn" not in r.stderr  # no log without -v
+
+
+def test_system_prompt_and_conversation_as_in_llama_cli(fixture_dir, tmp_path):
+    m = model_path(fixture_dir, QWEN)
+    plain = json.loads(cli("run", m, "-p", "Hi", "-n", "2", "--json").stdout)
+    with_sys = json.loads(cli("run", m, "-p", "Hi", "-n", "2", "--json", "-sys", "You speak in verse.").stdout)
+    assert with_sys["prompt_tokens"] > plain["prompt_tokens"] + 4  # the system prompt and the template went in
+    # -cnv: the conversation, -p its first message, -st one turn and leave (stdin is never read)
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "-cnv", "-st", "-sys", "SYSTEXT", "-p",
+                        "FIRSTMSG", "-n", "3", "--verbose-prompt"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "pymoecache chat:" in r.stderr and "> FIRSTMSG" in r.stderr
+    prompt = r.stderr.split("[prompt]\n", 1)[1].split("\n[/prompt]", 1)[0]
+    assert prompt.index("SYSTEXT") < prompt.index("FIRSTMSG")
+
+
+def test_the_default_seed_is_random_and_printed(fixture_dir):
+    m = model_path(fixture_dir, QWEN)
+    seeds, texts = [], set()
+    for _ in range(2):
+        d = json.loads(cli("run", m, "-p", "Hi", "-n", "12", "--temp", "1.5", "--json").stdout)
+        seeds.append(d["seed"])
+        texts.add(d["text"])
+    assert seeds[0] != seeds[1] and all(0 <= s < 2**31 for s in seeds)
+    again = json.loads(cli("run", m, "-p", "Hi", "-n", "12", "--temp", "1.5", "--json", "-s", str(seeds[0])).stdout)
+    assert again["seed"] == seeds[0] and again["text"] in texts  # a printed seed replays its text
+    r = cli("run", m, "-p", "Hi", "-n", "2", "--temp", "0.8", "-s", "42")
+    assert r.stdout.strip().splitlines()[-1].endswith("| seed 42")
+
+
+def test_color_marks_the_prompt_only_when_asked(fixture_dir):
+    m = model_path(fixture_dir, QWEN)
+    on = cli("run", m, "-p", "Hello", "-n", "2", "-co", "on", "--temp", "0")
+    assert on.stdout.startswith("\x1b[33mHello\x1b[0m"), on.stdout[:40]
+    auto = cli("run", m, "-p", "Hello", "-n", "2", "--temp", "0")  # auto, and stdout is a pipe here
+    assert auto.stdout.startswith("Hello") and "\x1b[" not in auto.stdout
 
 
 @pytest.mark.parametrize("argv,dest,value", LLAMA_CPP_SPELLINGS, ids=[" ".join(a) for a, _, _ in LLAMA_CPP_SPELLINGS])

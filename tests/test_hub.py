@@ -186,3 +186,35 @@ def test_cli_run_with_unreachable_hub(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pymoecache run: error: could not reach the Hugging Face Hub")
+
+
+@needs_hub
+def test_run_hf_repo_with_a_quant_picks_the_file_llama_cpp_would(tmp_path, fixture_dir):
+    """-hf OWNER/REPO[:QUANT] offline: the cached repository's files are listed and the one whose
+    name carries the quantization (default Q4_K_M) runs; -hff overrides the quant."""
+    model = fixture_dir / "qwen2moe-60x4.gguf"
+    root = tmp_path / "hf-cache" / "models--own--moe"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(COMMIT)
+    snap = root / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    for name in ("moe-Q8_0.gguf", "moe-Q4_K_M.gguf", "mmproj-moe-f16.gguf"):
+        (snap / name).symlink_to(model)
+    (snap / "README.md").write_text("a model card")
+    env = dict(_hub_env(tmp_path, f"http://127.0.0.1:{_closed_port()}"), HF_HUB_OFFLINE="1")
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "run", *args, "-n", "2", "--json"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+        return r, (json.loads(r.stdout)["model"] if r.returncode == 0 else None)
+
+    for args, want in ((["-hf", "own/moe:q8_0"], "moe-Q8_0.gguf"), (["-hf", "own/moe"], "moe-Q4_K_M.gguf"),
+                       (["--hf-repo", "own/moe:Q8_0", "-hff", "moe-Q4_K_M.gguf"], "moe-Q4_K_M.gguf")):
+        r, path = run(*args)
+        assert r.returncode == 0, r.stderr
+        assert path == str(snap / want)
+    r, _ = run("-hf", "own/moe:IQ1_S")
+    assert r.returncode == 2 and "own/moe has no GGUF file for quantization IQ1_S" in r.stderr
+    assert "moe-Q8_0.gguf" in r.stderr  # says what there is
+    r, _ = run("-hf", "own/unknown")
+    assert r.returncode == 2 and "no file of own/unknown is in the local cache" in r.stderr

@@ -6,7 +6,7 @@
     pymoecache bench MODEL --routing lru,prior:0.5,max-rank:8 [--csv out.csv]
     pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
     pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
-    pymoecache serve MODEL --prior 0.5 --port 8000
+    pymoecache serve MODEL --prior 0.5 --port 8080
 
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
@@ -89,10 +89,13 @@ def _validate(args) -> None:
     if getattr(args, "routing", None) is not None and not args.routing.strip():
         raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
     for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads",
-                 "top_k", "n_gpu_layers"):
+                 "top_k", "n_gpu_layers", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe"):
         v = getattr(args, name, None)
         if v is not None and not -INT32_MAX <= v <= INT32_MAX:
             raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
+    seed = getattr(args, "seed", None)
+    if seed is not None and not -1 <= seed <= 2**32 - 1:
+        raise UserError(f"-s/--seed must be in [-1, {2**32 - 1}] (-1: a random seed), got {seed}")
     if getattr(args, "n_gpu_layers", None) is not None and args.n_gpu_layers < -1:
         raise UserError(f"-ngl must be >= -1 (-1: all layers), got {args.n_gpu_layers}")
     if getattr(args, "top_k", None) is not None and args.top_k < 0:
@@ -101,6 +104,10 @@ def _validate(args) -> None:
         v = getattr(args, name, None)
         if v is not None and not lo <= v <= hi:  # also refuses nan
             raise UserError(f"--{name.replace('_', '-')} must be in [{lo:g}, {hi:g}], got {v}")
+    if hasattr(args, "override_tensor"):  # llama.cpp's flags that cannot mean anything here: said now
+        from .options import runtime_kwargs
+
+        runtime_kwargs(args)
     port = getattr(args, "port", None)
     if port is not None and not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
@@ -129,6 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     where = f"pymoecache {args.command}"
     try:
         _validate(args)
+        if args.command == "run" and args.conversation:  # llama-cli -cnv: a conversation, -p its first message
+            return chat.cmd_chat(args)
         return args.func(args)
     except Error as e:  # every user error of the package: files, parameters, state, I/O
         print(f"{where}: error: {_one_line(e)}", file=sys.stderr)

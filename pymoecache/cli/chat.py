@@ -4,8 +4,8 @@
 
 The turns are rendered with the model's chat template by llama.cpp itself
 (``llama_chat_apply_template``, ChatML when the model has none), answers stream token by token,
-and the KV cache of earlier turns is reused. Commands: /stats, /routing SPEC, /reset, /help,
-/quit. Ctrl-C stops the current answer, Ctrl-D leaves (also typed while an answer streams: the
+and the KV cache of earlier turns is reused. Commands: /stats, /routing SPEC, /clear, /regen,
+/read FILE, /save FILE, /help, /quit. Ctrl-C stops the current answer, Ctrl-D leaves (also typed while an answer streams: the
 answer stops and the chat ends; lines typed ahead become the next messages). When the conversation outgrows the
 context, the oldest turns are dropped, with a notice.
 """
@@ -22,13 +22,16 @@ import threading
 from typing import List, Optional
 
 from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      add_sampling_options, check_profile_args, load_profile_from_args, read_text_file,
-                      resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args)
+                      add_conversation_options, add_sampling_options, check_profile_args, load_profile_from_args, read_text_file,
+                      resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args, use_color)
 
 HELP = """commands:
   /stats          cache statistics so far, and since the last /stats
   /routing [SPEC] show or switch the routing policy (lru, prior:0.5, max-rank:4, ...) from the next token on
-  /reset          forget the conversation (the expert cache keeps its contents)
+  /clear          forget the conversation (the expert cache keeps its contents; also /reset)
+  /regen          answer the last message again (a new sample)
+  /read FILE      send a UTF-8 text file as your message
+  /save FILE      write the conversation as JSON ({"messages": [{role, content}, ...]})
   /help           this text
   /quit           leave (or Ctrl-D); Ctrl-C stops an answer
   end a line with \\ to continue the message on the next line"""
@@ -44,6 +47,7 @@ class Conversation:
         self.llm = llm
         self.system = system
         self.messages: List[dict] = []
+        self.n_answers = 0  # answers drawn so far (each draws with its own seed)
         tmpl = llama_cpp.llama_model_chat_template(llm._model.model, None)
         self.template: Optional[bytes] = tmpl or None  # None: llama.cpp uses ChatML
         if self.template is not None and self._apply([{"role": "user", "content": "x"}], self.template) is None:
@@ -161,8 +165,10 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
         print(f"[prompt]\n{prompt}\n[/prompt]", file=sys.stderr, flush=True)
     text, finish = [], None
     with _Interrupt() as stop:
-        stream = llm.create_completion(prompt, max_tokens=args.n if args.n > 0 else None, stream=True,
-                                       **sampling_kwargs(args, llm))
+        kw = sampling_kwargs(args, llm)
+        kw["seed"] = (args.seed + conv.n_answers) % 2**32  # each answer its own draw, as llama.cpp's one sampler
+        conv.n_answers += 1
+        stream = llm.create_completion(prompt, max_tokens=args.n if args.n > 0 else None, stream=True, **kw)
         try:
             for chunk in stream:
                 piece = chunk["choices"][0]["text"]
@@ -185,6 +191,26 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
     return "".join(text)
 
 
+def first_message(args) -> Optional[str]:
+    """-p TEXT or -f FILE: the first user message, sent before anything is read."""
+    if getattr(args, "file", None) is not None:
+        if getattr(args, "prompt", None) is not None:
+            raise UserError("give either -p/--prompt or -f/--file, not both")
+        return read_text_file(args.file, "prompt file")
+    return getattr(args, "prompt", None)
+
+
+def save_conversation(conv: Conversation, path: str) -> int:
+    """/save FILE: the messages as JSON (OpenAI's list of {role, content}); the number written."""
+    import json
+
+    messages = conv.all_messages()
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"messages": messages}, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    return len(messages)
+
+
 def cmd_chat(args) -> int:
     from ..config import parse_routing
     from ..errors import Error
@@ -195,6 +221,7 @@ def cmd_chat(args) -> int:
         if args.system is not None:
             raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
         args.system = read_text_file(args.system_file, "system prompt file")
+    pending = [first_message(args)] if first_message(args) is not None else []
     check_profile_args(args)
     model = resolve_model(args.model, args)
     llm = llama_from_args(args, routing, model)
@@ -205,26 +232,44 @@ def cmd_chat(args) -> int:
     conv = Conversation(llm, args.system or None)
     out = sys.stdout
     interactive = sys.stdin.isatty()
+    color = use_color(args)
+    marker = "\001\x1b[32m\002> \001\x1b[0m\002" if color else "> "  # (\001 \002: readline skips them)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    print(f"pymoecache chat: {model} {cache_line(llm, routing.spec())}\n"
+    print(f"pymoecache chat: {model} {cache_line(llm, routing.spec())} seed {args.seed}\n"
           "/help for commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr, flush=True)
     last = llm.moe_stats()
     typed = _TypedAhead(sys.stdin.fileno() if interactive else None)
-    while True:
+    answered = 0
+
+    def reply_to_last() -> None:
+        nonlocal answered
+        llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
+        try:
+            reply = answer(llm, conv, args, out, typed)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return
+        conv.messages.append({"role": "assistant", "content": reply})
+        answered += 1
+
+    while not (args.single_turn and answered):
         typed.poll()
         if typed.eof:  # Ctrl-D typed while the last answer streamed
             out.write("\n")
             break
         try:
-            if typed.lines:
+            if pending:
+                line = pending.pop(0)
+                print(f"> {line}", file=sys.stderr, flush=True)
+            elif typed.lines:
                 line = typed.lines.pop(0)
                 print(f"> {line}", file=sys.stderr, flush=True)
             else:
-                line = _read_message("> ")
+                line = _read_message(marker)
             line.encode("utf-8")  # stdin may hand undecodable bytes over as surrogates
         except EOFError:
             out.write("\n")
@@ -238,6 +283,7 @@ def cmd_chat(args) -> int:
                   file=sys.stderr, flush=True)
             continue
         cmd, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
         if not line.strip():
             continue
         if cmd in ("/quit", "/exit", "/bye"):
@@ -252,29 +298,51 @@ def cmd_chat(args) -> int:
                   f"misses/token {d.misses_per_token:.2f}", file=sys.stderr, flush=True)
             last = st
         elif cmd == "/routing":
-            if rest.strip():
+            if rest:
                 try:
-                    new = parse_routing(rest.strip())
+                    new = parse_routing(rest)
                     llm.set_routing(new)
                 except Error as e:
                     print(f"error: {e}", file=sys.stderr, flush=True)
                     continue
                 routing = new
             print(f"routing: {routing.spec()}", file=sys.stderr, flush=True)
-        elif cmd == "/reset":
+        elif cmd in ("/clear", "/reset"):
             conv.messages.clear()
             print("conversation cleared (the expert cache keeps its contents)", file=sys.stderr, flush=True)
+        elif cmd == "/regen":
+            if not conv.messages or conv.messages[-1]["role"] != "assistant":
+                print("nothing to regenerate: no answer yet", file=sys.stderr, flush=True)
+                continue
+            conv.messages.pop()
+            reply_to_last()
+        elif cmd == "/read":
+            if not rest:
+                print("/read needs a file: /read notes.txt", file=sys.stderr, flush=True)
+                continue
+            try:
+                text = read_text_file(rest, "file")
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                continue
+            print(f"[{rest}: {len(text)} characters sent as your message]", file=sys.stderr, flush=True)
+            conv.messages.append({"role": "user", "content": text})
+            reply_to_last()
+        elif cmd == "/save":
+            if not rest:
+                print("/save needs a file: /save chat.json", file=sys.stderr, flush=True)
+                continue
+            try:
+                n = save_conversation(conv, rest)
+            except OSError as e:
+                print(f"error: cannot write {rest}: {e.strerror}", file=sys.stderr, flush=True)
+                continue
+            print(f"[{n} message{'s' * (n != 1)} saved to {rest}]", file=sys.stderr, flush=True)
         elif cmd.startswith("/") and " " not in cmd and cmd[1:].isalpha():
             print(f"unknown command {cmd}; /help lists them", file=sys.stderr, flush=True)
         else:
             conv.messages.append({"role": "user", "content": line})
-            llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
-            try:
-                reply = answer(llm, conv, args, out, typed)
-            except UserError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                continue
-            conv.messages.append({"role": "assistant", "content": reply})
+            reply_to_last()
     print(f"{cache_line(llm, routing.spec())} {llm.moe_stats().summary()}", file=sys.stderr, flush=True)
     save_profile_from_args(args, llm)
     llm.close()
@@ -290,15 +358,15 @@ def add_command(sub) -> None:
                     "within the context: the oldest turns are dropped, with a notice.\n\n" + HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_argument(c)
-    c.add_argument("-sys", "--system-prompt", "-p", "--prompt", dest="system", default=None, metavar="TEXT",
-                   help="system prompt, as llama-cli's -sys (and -p in its conversation mode) (default: none)")
-    c.add_argument("-sysf", "--system-prompt-file", "-f", "--file", dest="system_file", default=None, metavar="FILE",
-                   help="read the system prompt from a UTF-8 text file (default: none)")
+    c.add_argument("-p", "--prompt", default=None, metavar="TEXT",
+                   help="the first user message, sent before the first line is read, as llama-cli's -p in its "
+                        "conversation mode (default: none)")
+    c.add_argument("-f", "--file", default=None, metavar="FILE",
+                   help="the first user message read from a UTF-8 text file (default: none)")
     c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1, metavar="N",
                    help="most tokens per answer; -1 = until the model ends its turn or the context is full "
                         "(default %(default)s)")
-    c.add_argument("--verbose-prompt", action="store_true",
-                   help="print each turn's whole prompt, as the chat template renders it, on stderr (default: off)")
+    add_conversation_options(c)
     add_runtime_options(c)
     add_sampling_options(c, temp_default=0.8)
     add_hub_options(c)

@@ -12,10 +12,10 @@ import json
 import sys
 
 from ..config import resolved_top_j
-from .options import (UserError, add_cache_options, add_hub_options, add_model_argument, add_routing_options,
+from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
                       add_runtime_options, add_sampling_options, cache_from_args, read_text_file, resolve_model,
-                      routing_from_args, sampling_kwargs, check_profile_args, load_profile_from_args,
-                      save_profile_from_args)
+                      resolve_seed, routing_from_args, runtime_kwargs, sampling_kwargs, check_profile_args,
+                      load_profile_from_args, save_profile_from_args, use_color)
 
 
 def _perf(llm):
@@ -52,9 +52,8 @@ def llama_from_args(args, routing, model: str, **kw):
     """``pymoecache.Llama`` for a generating command (run, chat, bench); refuses a dense model."""
     from ..llama import Llama
 
-    llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-                seed=args.seed, verbose=False, **kw)
+    llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope,
+                seed=resolve_seed(args), **runtime_kwargs(args), **kw)
     if llm.moecache is None:
         llm.close()
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
@@ -95,6 +94,10 @@ def write_timeline(args, llm) -> None:
 
 
 def cmd_run(args) -> int:
+    if args.system_file is not None:
+        if args.system is not None:
+            raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
+        args.system = read_text_file(args.system_file, "system prompt file")
     routing = routing_from_args(args)
     prompt = prompt_from_args(args)
     check_profile_args(args)
@@ -111,7 +114,7 @@ def cmd_run(args) -> int:
     out = sys.stdout
     _perf_reset(llm)
     text = []
-    if not args.chat:
+    if not (args.chat or args.system is not None):
         n_prompt_tokens = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=False))
         if n_prompt_tokens + max(args.n, 1) > llm.n_ctx():
             raise UserError(f"the prompt ({n_prompt_tokens} tokens) and -n {args.n} do not fit in the context of "
@@ -124,14 +127,16 @@ def cmd_run(args) -> int:
         llm.eval(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True))
         llama_cpp.llama_synchronize(llm._ctx.ctx)  # llama.cpp counts a prompt's time when it syncs
         pieces = iter(())
-    elif args.chat:
-        stream = llm.create_chat_completion(messages=[{"role": "user", "content": args.prompt}], **kw)
+    elif args.chat or args.system is not None:  # one turn through the model's chat template
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        stream = llm.create_chat_completion(messages=messages, **kw)
         pieces = (c["choices"][0]["delta"].get("content", "") for c in stream)
     else:
         stream = llm(args.prompt, **kw)
         pieces = (c["choices"][0]["text"] for c in stream)
-    if not args.json:
-        out.write(args.prompt if not args.chat else "")
+    if not args.json and not (args.chat or args.system is not None):
+        out.write(f"\x1b[33m{args.prompt}\x1b[0m" if use_color(args, out) else args.prompt)  # llama.cpp's yellow prompt
     try:
         for piece in pieces:
             text.append(piece)
@@ -150,6 +155,7 @@ def cmd_run(args) -> int:
         "eviction": llm.cache_config.eviction,
         "n_ctx": llm.n_ctx(),
         "n_threads": llm.context_params.n_threads,
+        "seed": args.seed,
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
@@ -166,7 +172,8 @@ def cmd_run(args) -> int:
               f"prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} tok {res['decode_tok_s']:.1f} tok/s | "
               f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f} | "
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
-              + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else ""),
+              + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else "")
+              + (f" | seed {args.seed}" if args.temp > 0 else ""),
               file=sys.stderr if args.stats_stderr else sys.stdout)
     if args.timeline or args.timeline_plot:
         write_timeline(args, llm)
@@ -312,8 +319,9 @@ def add_commands(sub) -> None:
     """Register ``run``, ``bench`` and ``info`` on the CLI's subparsers."""
     r = sub.add_parser("run", help="generate text and print cache statistics",
                        description="Generate text from a prompt, then print one line of speed and cache statistics.",
-                       epilog="Coming from llama.cpp: -m, -p, -f, -n, -c, -t, -ngl, -s, -hf/-hff and the sampling options "
-                              "mean what they mean in llama-cli.")
+                       epilog="Coming from llama.cpp: -m, -p, -f, -n, -c, -t, -tb, -b, -ub, -fa, -ngl, -s, -sys, -cnv, -st, "
+                              "-co, -hf/-hff, --mlock, --no-mmap, -v and the sampling options mean what they mean "
+                              "in llama-cli; --cpu-moe, -ncmoe and -ot ...=CPU are what this runtime does anyway.")
     add_model_argument(r)
     r.add_argument("-p", "--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     r.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from a UTF-8 text file (default: none)")
@@ -321,7 +329,13 @@ def add_commands(sub) -> None:
                    help="tokens to generate; 0 = evaluate the prompt only (default %(default)s)")
     r.add_argument("--chat", action="store_true",
                    help="send the prompt as one user message with the model's chat template (for a conversation: "
-                        "pymoecache chat)")
+                        "-cnv or pymoecache chat)")
+    r.add_argument("-cnv", "--conversation", dest="conversation", action="store_true",
+                   help="an interactive conversation, as llama-cli -cnv (the same as pymoecache chat; -p is the "
+                        "first message) (default: off, complete the prompt once)")
+    r.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
+                   help="complete the prompt once (the default)")
+    add_conversation_options(r)  # -sys without -cnv: one turn with that system prompt
     add_runtime_options(r)
     add_sampling_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")

@@ -156,17 +156,134 @@ def _add_residency_options(c) -> None:
 
 
 def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: bool = True) -> None:
-    """Context, threads, GPU layers and seed, with llama.cpp's short and long names beside ours."""
+    """Context, threads, batches, GPU layers, memory flags and seed, with llama.cpp's short and long
+    names (its multi-letter short flags such as -tb and -fa are whole options here too, as there)."""
     if seed:
-        p.add_argument("-s", "--seed", type=int, default=0, help="random seed (default %(default)s)")
+        p.add_argument("-s", "--seed", type=int, default=-1, metavar="N",
+                       help="random seed; -1 = a random one, printed (default %(default)s, as llama.cpp)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=ctx_default, metavar="N",
                    help=f"context length in tokens (default {ctx_default}"
                         + (": the model's training context)" if ctx_default == 0 else "; 0: the model's training context)"))
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: llama.cpp's choice)")
+                   help="CPU threads while generating (default: llama.cpp's choice)")
+    p.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
+                   help="CPU threads for prompts and batches (default: same as --threads)")
+    p.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=None, metavar="N",
+                   help="logical batch: prompt tokens submitted at once (default: llama-cpp-python's 512)")
+    p.add_argument("-ub", "--ubatch-size", dest="ubatch_size", type=int, default=None, metavar="N",
+                   help="physical batch: prompt tokens computed at once (default: llama-cpp-python's 512)")
+    p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default=None, metavar="on|off|auto",
+                   help="flash attention, as llama.cpp; auto = on (it is supported on the CPU) (default: off, "
+                        "llama-cpp-python's choice)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
                    help="layers to offload to a GPU, as in llama.cpp (default 0). Only with --residency none: streamed "
                         "experts live in CPU memory, and moving them to a GPU is not built yet")
+    p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
+                   help="keep the experts in CPU memory, as llama.cpp: what this runtime does anyway (they are "
+                        "streamed or cached in RAM); refused with -ngl > 0 until GPU layers are built")
+    p.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=int, default=None, metavar="N",
+                   help="keep the experts of the first N layers in CPU memory: as --cpu-moe, all of them are")
+    p.add_argument("-ot", "--override-tensor", dest="override_tensor", default=None, metavar="PATTERN=BUFT,...",
+                   help="llama.cpp's tensor buffer overrides: only =CPU is meaningful here (every tensor is in CPU "
+                        "memory and the expert cache places the experts); other buffer types are refused")
+    p.add_argument("--mlock", action="store_true",
+                   help="lock the model in RAM, as llama.cpp; the expert cache and the dense part are locked by "
+                        "default already, this adds the rest with --residency none (default: off)")
+    p.add_argument("--no-mmap", dest="no_mmap", action="store_true",
+                   help="read the whole model into memory instead of mapping it, as llama.cpp; only with "
+                        "--residency none: streamed and mapped experts are read from the mapped file (default: off)")
+    p.add_argument("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
+                   help="print llama.cpp's log on stderr (default: off)")
+    p.add_argument("--log-disable", dest="verbose", action="store_false",
+                   help="no llama.cpp log (the default here)")
+
+
+def on_off_auto(value: str) -> str:
+    """llama.cpp's on/off/auto values (on, enabled, true, 1 / off, disabled, false, 0 / auto, -1)."""
+    v = value.strip().lower()
+    if v in ("on", "enabled", "true", "1"):
+        return "on"
+    if v in ("off", "disabled", "false", "0"):
+        return "off"
+    if v in ("auto", "-1"):
+        return "auto"
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {value!r}")
+
+
+def use_color(args, stream=None) -> bool:
+    """-co/--color: on, off, or auto (a terminal, TERM is not dumb and NO_COLOR is unset)."""
+    mode = getattr(args, "color", "off")
+    if mode != "auto":
+        return mode == "on"
+    stream = stream if stream is not None else sys.stdout
+    return (hasattr(stream, "isatty") and stream.isatty() and os.environ.get("TERM", "") != "dumb"
+            and "NO_COLOR" not in os.environ)
+
+
+def resolve_seed(args) -> int:
+    """-s/--seed, with -1 (the default) replaced by a random seed, kept in args so it can be printed."""
+    if getattr(args, "seed", 0) < 0:
+        import random
+
+        args.seed = random.randrange(2**31)
+    return args.seed
+
+
+def runtime_kwargs(args) -> dict:
+    """Keyword arguments of ``pymoecache.Llama`` for the runtime options; UserError for a flag that
+    cannot mean anything with the residency in force (said before anything loads)."""
+    ngl = getattr(args, "n_gpu_layers", 0) or 0
+    if (getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None)) and ngl:
+        raise UserError("--cpu-moe / --n-cpu-moe with -ngl: GPU layers with experts in CPU memory are not built "
+                        "yet; run on the CPU (-ngl 0), where the experts are in CPU memory already")
+    if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
+        raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
+    for item in (getattr(args, "override_tensor", None) or "").split(","):
+        if not item.strip():
+            continue
+        pattern, eq, buft = item.partition("=")
+        if not eq or not pattern:
+            raise UserError(f"-ot {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+        if buft.strip().upper() != "CPU":
+            raise UserError(f"-ot {item}: buffer type {buft!r} is not available: this build has only the CPU, where "
+                            "every tensor already is (the expert cache places the experts)")
+    if getattr(args, "mlock", False) and getattr(args, "no_mlock", False):
+        raise UserError("give either --mlock or --no-mlock, not both")
+    for name in ("threads_batch", "batch_size", "ubatch_size"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=ngl,
+              verbose=bool(getattr(args, "verbose", False)))
+    if getattr(args, "threads_batch", None) is not None:
+        kw["n_threads_batch"] = args.threads_batch
+    if getattr(args, "batch_size", None) is not None:
+        kw["n_batch"] = args.batch_size
+    if getattr(args, "ubatch_size", None) is not None:
+        kw["n_ubatch"] = args.ubatch_size
+    if getattr(args, "flash_attn", None) is not None:
+        kw["flash_attn"] = args.flash_attn != "off"
+    if getattr(args, "mlock", False):
+        kw["use_mlock"] = True
+    if getattr(args, "no_mmap", False):
+        kw["use_mmap"] = False
+    return kw
+
+
+def add_conversation_options(p) -> None:
+    """The options of a conversation, shared by ``chat`` and ``run -cnv``."""
+    p.add_argument("-sys", "--system-prompt", dest="system", default=None, metavar="TEXT",
+                   help="system prompt, as llama-cli's -sys (default: none)")
+    p.add_argument("-sysf", "--system-prompt-file", dest="system_file", default=None, metavar="FILE",
+                   help="read the system prompt from a UTF-8 text file (default: none)")
+    p.add_argument("-st", "--single-turn", dest="single_turn", action="store_true",
+                   help="answer the first message (-p or -f, else the first line read) and leave, as llama-cli "
+                        "(default: go on until /quit or Ctrl-D)")
+    p.add_argument("--verbose-prompt", action="store_true",
+                   help="print each turn's whole prompt, as the chat template renders it, on stderr (default: off)")
+    p.add_argument("-co", "--color", dest="color", type=on_off_auto, default="auto", metavar="on|off|auto",
+                   help="colour the prompt and your messages apart from the model's text, as llama.cpp; auto: "
+                        "when printing to a terminal and NO_COLOR is not set (default auto)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) -> None:
@@ -226,10 +343,12 @@ def read_text_file(path: str, what: str) -> str:
 
 def add_hub_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("download (instead of MODEL)")
-    h.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="REPO",
-                   help="Hugging Face repository to download the GGUF from, as llama.cpp's -hf (default: none, use MODEL)")
+    h.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="OWNER/REPO[:QUANT]",
+                   help="Hugging Face repository to download the GGUF from, as llama.cpp's -hf: the file whose name "
+                        "carries QUANT (case-insensitive; default Q4_K_M, else the first GGUF), downloaded once with "
+                        "progress into the Hugging Face cache (default: none, use MODEL)")
     h.add_argument("-hff", "--hf-file", dest="hf_file", metavar="FILE",
-                   help="GGUF file in --hf-repo (downloaded once, with progress; default: none)")
+                   help="this GGUF file of --hf-repo instead of the one QUANT picks (default: none)")
 
 
 def routing_from_args(args):
@@ -309,13 +428,12 @@ def resolve_model(path: Optional[str], args=None) -> str:
     if repo or file:
         if path:
             raise UserError("give either MODEL or --hf-repo/--hf-file, not both")
-        if not (repo and file):
-            raise UserError("--hf-repo and --hf-file go together (e.g. --hf-repo OWNER/SOME-MOE-GGUF "
-                            "--hf-file some-moe-q4_k_m.gguf)")
-        from ..hub import HubError, download
+        if not repo:
+            raise UserError("--hf-file needs --hf-repo (e.g. -hf OWNER/SOME-MOE-GGUF -hff some-moe-q4_k_m.gguf)")
+        from ..hub import HubError, download_spec
 
         try:
-            return str(download(repo, file))
+            return str(download_spec(repo, file))
         except HubError as e:
             raise UserError(str(e))
     if path:

@@ -1,7 +1,7 @@
 """``pymoecache serve``: llama-cpp-python's OpenAI-compatible server on ``pymoecache.Llama`` (the
 app is built by pymoecache.server, imported only when the command runs).
 
-    pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8000
+    pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8080
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      cache_from_args, check_profile_args, resolve_model, routing_from_args)
+                      cache_from_args, check_profile_args, resolve_model, routing_from_args, runtime_kwargs)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -22,6 +22,20 @@ def _check_port(host: str, port: int) -> None:
         socket.create_server((host, port), family=family).close()
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def serve_context(info, available=None):
+    """(n_ctx, note) for -c 0: the model's training context, halved while its KV cache (upper bound)
+    would take more than a quarter of the memory left beside the dense part; at least 512."""
+    from ..llama import _available_memory, _kv_bytes
+
+    n = info.n_ctx_train or 4096
+    free = _available_memory() if available is None else available
+    room = max(0, free - max(0, info.non_expert_bytes)) // 4
+    want = n
+    while free and n > 512 and _kv_bytes(info, n) > room:
+        n //= 2
+    return n, (" (the model's)" if n == want else f" (the model's {want} capped by the free memory)")
 
 
 def cmd_serve(args) -> int:
@@ -40,13 +54,24 @@ def cmd_serve(args) -> int:
     model = resolve_model(args.model, args)
     if not model_info(model).is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
-    app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, n_ctx=args.ctx,
-                     n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-                     profile=args.profile, pin_hot=args.pin_hot, max_queue=args.max_queue)
+    if not 1 <= args.parallel <= 256:
+        raise UserError(f"-np/--parallel must be in [1, 256], got {args.parallel}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    info = model_info(model)
+    kw = runtime_kwargs(args)
+    ctx_note = ""
+    if args.ctx == 0:  # llama-server's -c 0: the model's training context, capped by the memory
+        kw["n_ctx"], ctx_note = serve_context(info)
+    app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
+                     pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
+                     n_parallel=args.parallel, **kw)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
-    print(f"pymoecache serve: {Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"cache statistics at {url}/moecache/stats" + (f"; cache size {choice}" if choice else "")
+    print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
+          f"context {kw['n_ctx']}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
+          f"/slots, /metrics, /moecache/stats" + (f"; cache size {choice}" if choice else "")
+          + ("; API key required" if args.api_key else "")
           + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else ""),
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -65,10 +90,19 @@ def add_command(subparsers) -> None:
     add_model_argument(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s, this machine only; 0.0.0.0 for every interface)")
-    s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default %(default)s)")
-    add_runtime_options(s, ctx_default=2048, seed=False)  # sampling and seed: per request, as in the OpenAI API
+    s.add_argument("--port", type=int, default=8080, metavar="N", help="TCP port (default %(default)s, as llama-server)")
+    add_runtime_options(s, ctx_default=0, seed=False)  # sampling and seed: per request, as in the OpenAI API
+    s.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's id in /v1/models and in answers (default: the file's name)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; others get 401 "
+                        "(default: none, open)")
+    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="slots, as llama-server: requests held at once besides the queue. One model decodes one "
+                        "sequence at a time here (the expert cache follows it), so the slots take turns in order "
+                        "of arrival; /slots shows them (default %(default)s)")
     s.add_argument("--max-queue", type=int, default=16, metavar="N",
-                   help="completion requests that wait while one generates; past that the server answers 503 "
+                   help="completion requests that wait besides the slots; past that the server answers 503 "
                         "with Retry-After (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")

@@ -1,0 +1,202 @@
+"""``pymoecache serve`` as llama-server users expect it, against a real server process: /health,
+/props, /slots, /metrics (Prometheus text), --api-key, --alias, -np with the queue, -c 0 from the
+model, and the openai client streaming with ``stream_options.include_usage``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pymoecache import server
+from conftest import http_request, model_path, running_server
+
+MISSING = [m for m in server._EXTRAS if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"server extras not installed: {server.PIP_SERVER}")
+MODEL = "qwen2moe-60x4"
+KEY = "sekrit-123"
+
+
+def _get(url, key=None):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=60) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def _post(url, body, key=None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=300) as r:
+        return r.status, r.read().decode()
+
+
+def _metrics(text):
+    """{name: value} of Prometheus' text format; every sample must have its HELP and TYPE."""
+    out, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            assert name in typed, f"{name} has no # TYPE line"
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def keyed(fixture_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("parity") / "server.log"
+    with running_server(model_path(fixture_dir, MODEL), log, "--api-key", KEY, "--alias", "tiny-moe", "-np", "2",
+                        "--max-queue", "1", "--cache-size", "30", "--prior", "0.5") as (base, _):
+        yield base, log
+
+
+def test_api_key_alias_props_slots_health(keyed, fixture_dir):
+    from pymoecache.model_info import model_info
+
+    base, log = keyed
+    n_ctx_train = model_info(model_path(fixture_dir, MODEL)).n_ctx_train
+    assert _get(base + "/health")[0] == 200  # public, as llama-server's
+    for path in ("/v1/models", "/props", "/slots", "/metrics", "/moecache/stats"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _get(base + path)
+        assert e.value.code == 401, path
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _get(base + path, key="wrong")
+        assert e.value.code == 401, path
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert e.value.code == 401
+    models = json.loads(_get(base + "/v1/models", KEY)[2])
+    assert [m["id"] for m in models["data"]] == ["tiny-moe"]
+    res = json.loads(_post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, KEY)[1])
+    assert res["model"] == "tiny-moe"
+    props = json.loads(_get(base + "/props", KEY)[2])
+    assert props["total_slots"] == 2 and props["model_alias"] == "tiny-moe"
+    assert props["default_generation_settings"]["n_ctx"] == n_ctx_train  # -c 0 (the default): the model's
+    assert props["moecache"]["routing"] == "prior:0.5"
+    slots = json.loads(_get(base + "/slots", KEY)[2])
+    assert [s["id"] for s in slots] == [0, 1] and not any(s["is_processing"] for s in slots)
+    assert f"context {n_ctx_train} (the model's), 2 slot(s) + 1 queued" in log.read_text()
+
+
+def test_metrics_count_tokens_and_the_cache(keyed):
+    base, _ = keyed
+    status, ctype, text = _get(base + "/metrics", KEY)
+    assert status == 200 and ctype.startswith("text/plain")
+    before = _metrics(text)
+    res = json.loads(_post(base + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8,
+                                                      "temperature": 0}, KEY)[1])
+    after = _metrics(_get(base + "/metrics", KEY)[2])
+    n = res["usage"]["completion_tokens"]
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] in (n - 1, n)
+    assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
+    assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:requests_deferred"] == 0
+    assert after["pymoecache:tokens_total"] - before["pymoecache:tokens_total"] == res["moecache"]["tokens"]
+    assert after["pymoecache:cache_misses_total"] - before["pymoecache:cache_misses_total"] == res["moecache"]["misses"]
+    assert 0 < after["pymoecache:cache_hit_rate"] <= 1
+    assert "pymoecache:bytes_read_total" in after
+
+
+def test_slots_take_turns_and_the_queue_holds_the_rest(fixture_dir, tmp_path):
+    """-np 2 --max-queue 1: three requests are in the server at once (one decodes, two wait); a
+    fourth gets 503; all three finish, in turn."""
+    results, errors = [], []
+
+    def request(base, n):
+        try:
+            results.append(json.loads(_post(base + "/v1/completions", {"prompt": "Once", "max_tokens": n,
+                                                                       "min_tokens": n, "temperature": 0})[1]))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    with running_server(model_path(fixture_dir, MODEL), tmp_path / "log", "-np", "2", "--max-queue", "1",
+                        "-c", "2048", "--cache-size", "30") as (base, _):
+        threads = [threading.Thread(target=request, args=(base, 1500))]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while not json.loads(_get(base + "/health")[2])["generating"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for _ in range(2):
+            threads.append(threading.Thread(target=request, args=(base, 20)))
+            threads[-1].start()
+        while json.loads(_get(base + "/health")[2])["waiting"] < 2:
+            assert time.monotonic() < deadline, errors
+            time.sleep(0.02)
+        slots = json.loads(_get(base + "/slots")[2])
+        assert [s["state"] for s in slots] == ["generating", "waiting"] and slots[0]["is_processing"]
+        assert _metrics(_get(base + "/metrics")[2])["llamacpp:requests_deferred"] == 2
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert e.value.code == 503 and e.value.headers["Retry-After"]
+        for t in threads:
+            t.join(timeout=300)
+    assert not errors and sorted(r["usage"]["completion_tokens"] for r in results) == [20, 20, 1500]
+
+
+def test_n_greater_than_one_is_refused(keyed):
+    base, _ = keyed
+    for path, body in (("/v1/completions", {"prompt": "Hi", "n": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 3})):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(base + path, body, KEY)
+        assert e.value.code == 400 and "'n' must be 1" in e.value.read().decode()
+
+
+def test_stream_options_are_checked(keyed):
+    base, _ = keyed
+    for body, code in (({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400),  # without stream
+                       ({"prompt": "Hi", "stream": True, "stream_options": "yes"}, 422)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(base + "/v1/completions", body, KEY)
+        assert e.value.code == code and "stream_options" in e.value.read().decode()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="the openai client is not installed")
+def test_openai_client_streams_with_include_usage(keyed):
+    import openai
+
+    base, _ = keyed
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client.models.list()] == ["tiny-moe"]
+    whole = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (whole.usage.prompt_tokens,
+                                                                       whole.usage.completion_tokens)
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.completions.create(model="tiny-moe", prompt="Once upon a time", max_tokens=5, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert plain[-1].usage.completion_tokens == 5 and plain[-1].usage.total_tokens > 5
+    without = list(client.completions.create(model="tiny-moe", prompt="Once", max_tokens=3, stream=True))
+    assert all(c.usage is None for c in without)
+
+
+def test_serve_context_is_capped_by_memory():
+    from pymoecache.cli.serve import serve_context
+    from pymoecache.model_info import ModelInfo
+
+    info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=32, moe_layers=[1],
+                     n_expert=8, n_expert_used=2, n_expert_shared=0, gating="softmax", n_expert_groups=0,
+                     expert_bytes=1, expert_bytes_total=8, n_embd=4096, n_ctx_train=131072)
+    assert serve_context(info, available=1 << 40) == (131072, " (the model's)")
+    # 4 B x 32 layers x 4096 = 512 KiB per position; (8 GiB - 4 GiB dense) / 4 = 1 GiB for the KV cache
+    n, note = serve_context(info, available=8 << 30)
+    assert n == 2048 and "capped by the free memory" in note
+    assert serve_context(info, available=1 << 20)[0] == 512  # never below 512
