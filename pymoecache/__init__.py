@@ -34,11 +34,11 @@ try:
 except ImportError:  # not built: the error comes, with what to do, when the library is first needed
     pass
 
-_NATIVE = {"Llama": "llama", "MoECache": "llama", "auto_cache_size": "llama"}
+_NATIVE = {"Llama": "llama", "MoECache": "llama", "auto_cache_size": "plan"}
 
 
 def __getattr__(name: str):
-    """Llama, MoECache and auto_cache_size load the native library on first access."""
+    """Llama and MoECache load the native library on first access (auto_cache_size does not)."""
     if name in _NATIVE:
         import importlib
 

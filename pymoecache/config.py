@@ -304,41 +304,92 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     raise ConfigError(f"unknown routing policy {name!r} in {spec!r}; expected {ROUTING_SPECS}")
 
 
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)\s*$", re.I)
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|k|m|g|t|kb|mb|gb|tb|kib|mib|gib|tib)\s*$", re.I)
+# one letter (4G, 512M, as llama.cpp users, QEMU and Docker write memory) is binary, as are KiB..TiB
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 def parse_bytes(text: str) -> Optional[int]:
-    """``"4GiB"`` -> 4294967296; None if ``text`` is not a byte size.
+    """``"4GiB"`` -> 4294967296; None if ``text`` is not a byte size. One letter is binary
+    (``4G`` = 4 GiB, ``512M`` = 512 MiB); ``GB``/``MB`` are decimal.
 
-    >>> parse_bytes("1.5 MiB")
-    1572864
+    >>> parse_bytes("1.5 MiB"), parse_bytes("4G"), parse_bytes("512m"), parse_bytes("2GB")
+    (1572864, 4294967296, 536870912, 2000000000)
     """
     m = _BYTES_RE.match(text)
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
 
 
+def parse_percent(text: str) -> Optional[float]:
+    """``"25%"`` -> 0.25; None if ``text`` is not a percentage.
+
+    >>> parse_percent("25%"), parse_percent("12.5 %"), parse_percent("25")
+    (0.25, 0.125, None)
+    """
+    m = _PERCENT_RE.match(text)
+    return float(m.group(1)) / 100 if m else None
+
+
+def parse_memory(text: str, total: int) -> int:
+    """A memory size as the CLI takes it (``info --ram``): bytes with a unit (``8G``, ``512MiB``)
+    or a percentage of ``total`` (``50%``); ConfigError otherwise, and for 0.
+
+    >>> parse_memory("50%", 16 << 30) == 8 << 30, parse_memory("8G", 0) == 8 << 30
+    (True, True)
+    """
+    n = parse_bytes(text)
+    if n is None:
+        share = parse_percent(text)
+        if share is None or share > 1:
+            raise ConfigError(f"cannot parse memory size {text!r}: use bytes with a unit (8G, 512MiB, 4GB) or a "
+                              "percentage of the machine's memory (50%)")
+        if not total:
+            raise ConfigError(f"{text}: the machine's memory is unknown here, give bytes (8G)")
+        n = int(share * total)
+    if n <= 0:
+        raise ConfigError(f"memory size {text!r} must be more than 0")
+    return n
+
+
 def parse_cache_size(text: str) -> Union[int, float, str]:
-    """CLI form of a cache size: ``30`` (experts per layer), ``0.5`` (share of N), ``4GiB`` (budget).
+    """CLI form of a cache size: ``30`` (experts per layer), ``0.5`` or ``50%`` (share of N),
+    ``4GiB`` or ``4G`` (budget), ``auto``. 0 in any form is refused: a cache of nothing.
 
     >>> parse_cache_size("30"), parse_cache_size("0.5"), parse_cache_size("3GiB"), parse_cache_size("auto")
     (30, 0.5, '3GiB', 'auto')
+    >>> parse_cache_size("25%"), parse_cache_size("4G")
+    (0.25, '4G')
     """
     text = text.strip()
     if text == "auto":
         return text
+    zero = ConfigError(f"cache size {text!r} is zero: give at least 1 expert per layer (a streamed token needs K "
+                       "slots anyway), a share such as 0.25, a budget such as 4G, or auto")
     if re.fullmatch(r"\d+", text):
+        if int(text) == 0:
+            raise zero
         return int(text)
-    if parse_bytes(text) is not None:
+    n = parse_bytes(text)
+    if n is not None:
+        if n == 0:
+            raise zero
         return text
-    try:
-        f = float(text)
-    except ValueError:
-        raise ConfigError(f"cannot parse cache size {text!r}: use a count (30), a fraction of the experts "
-                          "(0.5), a memory budget (4GiB) or auto")
+    share = parse_percent(text)
+    if share is not None:
+        f = share
+    else:
+        try:
+            f = float(text)
+        except ValueError:
+            raise ConfigError(f"cannot parse cache size {text!r}: use a count (30), a share of the experts "
+                              "(0.5 or 50%), a memory budget (4G, 4GiB) or auto")
     if not 0.0 <= f <= 1.0:
-        raise ConfigError(f"cache fraction {f} must be in [0, 1] (use an integer for a count of experts)")
+        raise ConfigError(f"cache share {text} must be in (0, 1] / (0%, 100%] (use an integer for a count of experts)")
+    if f == 0.0:
+        raise zero
     return f
 
 

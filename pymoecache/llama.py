@@ -34,6 +34,8 @@ from ._logtail import LINES, take_log_lines
 from .files import write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
+from . import plan as _plan
+from .plan import AutoCacheSize, auto_cache_size, memory_shortfall  # noqa: F401 (AutoCacheSize: re-exported)
 from .reference import softmax_f32
 from .stats import MoEStats, ResidencyStats
 
@@ -144,152 +146,6 @@ def _checked_path(path: "os.PathLike[str] | str", what: str) -> bytes:
     if b"\0" in b or not b:
         raise StateFileError(f"{what} path {path!r} is empty or contains a NUL byte")
     return b
-
-
-def _cgroup_available() -> Optional[int]:
-    """Bytes a cgroup v2 memory limit still leaves this process (containers, systemd slices), or None."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            current = int(f.read().strip())
-        return max(0, int(limit) - current)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_MEMINFO = "/proc/meminfo"
-
-
-def _available_memory() -> int:
-    """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v2 limit),
-    free pages elsewhere, half of the physical memory where neither is known (macOS); 0 if nothing is."""
-    free = 0
-    try:
-        with open(_MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    for name, share in (("SC_AVPHYS_PAGES", 1), ("SC_PHYS_PAGES", 2)):  # macOS has only the second: half of it
-        if free:
-            break
-        try:
-            free = os.sysconf(name) * os.sysconf("SC_PAGE_SIZE") // share
-        except (ValueError, OSError, AttributeError):
-            free = 0
-    cg = _cgroup_available()
-    return min(free, cg) if cg is not None and free else (cg or free)
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoCacheSize:
-    """What ``CacheConfig(size="auto")`` chose for one model and why (``Llama.cache_choice``)."""
-
-    n_cached: int          # experts per MoE layer chosen
-    n_expert: int          # routed experts per MoE layer
-    n_expert_used: int     # K: a streamed token needs K slots per layer even when n_cached < K
-    available: int         # bytes free when the model was loaded
-    dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
-    kv: int                # bytes of the KV cache, an upper bound (F16 K and V, n_embd wide)
-    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
-    fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
-    left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
-    spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
-
-    def __str__(self) -> str:
-        free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
-        fit = self.n_cached if self.fit < 0 else self.fit
-        head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
-                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
-        if self.spare:
-            head += f"; {self.spare} of them per layer are spare slots for reading ahead"
-        if self.n_cached >= self.n_expert:
-            return head + ": all resident, nothing streamed"
-        if fit < self.n_expert_used:
-            head += (f": a streamed token needs K = {self.n_expert_used} slots per layer, which cache "
-                     f"{self.n_cached} experts and leave {_mib(max(0, self.left))} for the runtime")
-            if self.left < 64 << 20:
-                head += ": too little memory, expect page faults (free memory, or use a smaller context)"
-        return head
-
-
-def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
-    """An upper bound of the KV cache: F16 K and V, n_embd wide, every layer and position."""
-    return 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
-
-
-def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> AutoCacheSize:
-    """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
-    weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
-    margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
-    A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
-    cache is K (those slots keep the last experts read).
-
-    >>> from pymoecache.model_info import ModelInfo
-    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
-    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
-    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
-    ...                  n_embd=1024)
-    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB dense - 16 MiB KV) * 0.9 / (8 x 8 MiB)
-    39
-    >>> auto_cache_size(info, n_ctx=512, available=512 << 20).n_cached  # 1 fits after a 128 MiB margin; K = 4 is the floor
-    4
-    """
-    free = _available_memory() if available is None else available
-    dense = max(0, info.non_expert_bytes)
-    kv = _kv_bytes(info, n_ctx)
-    budget = free - dense - kv
-    margin = max(128 << 20, budget // 10)
-    fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
-    n, left = fit, 0
-    if fit < min(info.n_expert_used, info.n_expert):
-        n = min(info.n_expert_used, info.n_expert)
-        left = budget - int(n * info.cache_bytes * info.n_moe_layer)
-    return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
-                         dense=dense, kv=kv, margin=margin, fit=fit, left=left)
-
-
-def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
-                     available: Optional[int] = None) -> Optional[str]:
-    """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
-    where it does (or the free memory is unknown): its expert slots (at least K per layer, plus
-    ``spare``), the dense part, the KV cache and 64 MiB for the runtime, against what is free.
-
-    >>> from pymoecache.model_info import ModelInfo
-    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
-    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
-    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
-    ...                  n_embd=1024)
-    >>> memory_shortfall(info, 30, 512, available=4 << 30) is None
-    True
-    >>> print(memory_shortfall(info, 30, 512, available=2 << 30))
-    1920 MiB of expert slots + 256 MiB dense part + 16 MiB KV cache + 64 MiB runtime = 2256 MiB, 2048 MiB free
-    """
-    free = _available_memory() if available is None else available
-    if not free:
-        return None
-    slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
-    dense = max(0, info.non_expert_bytes)
-    kv = _kv_bytes(info, n_ctx)
-    need = slots + dense + kv + (64 << 20)
-    if need <= free:
-        return None
-    return (f"{_mib(slots)} of expert slots + {_mib(dense)} dense part + {_mib(kv)} KV cache + 64 MiB runtime "
-            f"= {_mib(need)}, {_mib(free)} free")
 
 
 def read_json_file(path: "os.PathLike[str] | str", what: str):
@@ -753,6 +609,8 @@ class Llama(llama_cpp.Llama):
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
             residency = RESIDENCY_NAMES[cp.residency]
+            self._plan_inputs = (cp.n_cached, cache.prefetch_spare, choice.available if choice is not None else
+                                 _plan._available_memory())  # before the load takes its share
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, cp.n_cached, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          cache.prefetch_spare)
@@ -829,6 +687,26 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope)
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+
+    _plan_inputs = None
+    _plan = None
+
+    def memory_plan(self):
+        """The :class:`pymoecache.plan.MemoryPlan` of this model as loaded: the memory that was free
+        before the load, the dense part, the KV cache of this context, the expert cache and the
+        headroom, and the reads a decoded token is expected to cost, with the disk probed once (on
+        the first call) where the cache streams. None for a dense model.
+
+        >>> print(llm.memory_plan().summary())                                      # doctest: +SKIP
+        plan: 23.1 GiB free = dense part 4 MiB + KV cache 1 MiB (256 tokens) + expert cache ...
+        """
+        if self._plan is None and self._plan_inputs is not None:
+            from .plan import memory_plan
+
+            n_cached, spare, available = self._plan_inputs
+            self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
+            self._plan = dataclasses.replace(self._plan, budget_from="free")
+        return self._plan
 
     def _enter(self) -> None:
         """Take the decode lock without waiting: a second thread gets a clear error, not a crash."""

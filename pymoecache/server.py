@@ -466,6 +466,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                   middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
     choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
     app.state.cache_choice = str(choice) if choice is not None else None
+    app.state.memory_plan = proxy().memory_plan()
     app.state.profile_pinned = None
     if profile is not None:
         served = proxy()

@@ -51,13 +51,52 @@ def test_run_chat(fixture_dir):
 def test_info_table_and_json(fixture_dir):
     r = cli("info", model_path(fixture_dir, "deepseek2-sigmoid-64x6"), "--ram", "1MiB")
     assert r.returncode == 0, r.stderr
-    for text in ("deepseek2", "routed experts N", "64", "sigmoid, 8 groups", "shared experts", "cache size for 1.00 MiB"):
+    for text in ("deepseek2", "routed experts N", "64", "sigmoid, 8 groups", "shared experts",
+                 "memory plan with --cache-size auto, a budget of 1MiB", "memory budget   1 MiB"):
         assert text in r.stdout, text
-    d = json.loads(cli("info", model_path(fixture_dir, QWEN), "--json", "--ram", "1MiB").stdout)
-    assert d["n_expert"] == 60 and d["n_expert_used"] == 4 and d["n_moe_layer"] == 4 and d["is_moe"]
-    assert d["cache_size_for_budget"] == int(2**20 // (d["expert_bytes"] * 4))
     r = cli("info", model_path(fixture_dir, DENSE_FIXTURES[0]))
-    assert r.returncode == 0 and "dense model" in r.stdout
+    assert r.returncode == 0 and "dense model" in r.stdout and "memory plan" not in r.stdout
+
+
+@pytest.mark.parametrize("ram,budget", [("64M", 64 << 20), ("64MiB", 64 << 20), ("0.0625G", 64 << 20),
+                                        ("67108864b", 64 << 20), ("50%", None)])
+def test_info_ram_budgets_everything_and_plans_what_auto_picks(fixture_dir, ram, budget):
+    """--ram is the whole budget: the dense part, the KV cache of the context, the expert cache and
+    the headroom add up to it; the cache is what --cache-size auto picks for that budget."""
+    from pymoecache import auto_cache_size, model_info
+    from pymoecache.plan import total_memory
+
+    m = model_path(fixture_dir, "deepseek2-sigmoid-64x6")
+    budget = budget if budget is not None else total_memory() // 2
+    d = json.loads(cli("info", m, "--json", "--ram", ram, "-c", "128").stdout)
+    p = d["plan"]
+    assert p["available"] == budget and p["budget_from"] == "budget" and p["n_ctx"] == 128
+    assert p["dense"] + p["kv"] + p["cache_bytes"] + p["headroom"] == budget
+    info = model_info(m)
+    assert p["n_cached"] == d["cache_size_for_budget"] == auto_cache_size(info, 128, available=budget).n_cached
+    assert p["dense"] == info.non_expert_bytes and p["kv"] > 0
+    if p["n_cached"] < info.n_expert:  # streamed: the disk was probed and the reads per token are planned
+        assert p["read_per_token"] > 0 and p["disk_bytes_per_s"] > 0 and p["io_tok_s"] > 0
+
+
+@pytest.mark.parametrize("size", ["0", "0.0", "0%", "0G", "0MiB"])
+def test_a_cache_size_of_zero_is_refused(size):
+    r = cli("run", "--cache-size", size, "-n", "1")
+    assert r.returncode == 2 and "is zero" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("size,per_layer", [("50%", 30), ("25%", 15), ("4G", 60), ("1M", None)])
+def test_cache_sizes_with_units_and_percentages(fixture_dir, size, per_layer):
+    from pymoecache import model_info
+
+    m = model_path(fixture_dir, QWEN)
+    r = cli("run", m, "--cache-size", size, "-n", "2", "--json", "--prefetch", "off")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    info = model_info(m)
+    want = per_layer if per_layer is not None else info.cache_size_for_budget(1 << 20)
+    assert d["cache_size"] == max(want, info.n_expert_used)
+    assert r.stderr.count("plan: ") == 1 and "expert cache" in r.stderr  # the memory plan, printed at load
 
 
 def test_bench_table_csv_json(fixture_dir, tmp_path):
@@ -95,7 +134,7 @@ def test_every_command_has_help_with_defaults():
     (["--prior", "0.5", "--top-j", "5"], "top_j = 5 is larger than the model's K = 4"),
     (["--top-j", "1"], "--top-j needs a policy"),
     (["--cache-size", "61"], "larger than the model's 60 routed experts"),
-    (["--cache-size", "1.5"], "cache fraction 1.5 must be in [0, 1]"),
+    (["--cache-size", "1.5"], "cache share 1.5 must be in (0, 1]"),
     (["--cache-size", "lots"], "cannot parse cache size"),
     (["--prior", "-0.5"], "lambda"),
     (["--routing", "prior:abc"], "not a valid number"),
@@ -161,10 +200,10 @@ def test_llama_cpp_flags_have_help_with_defaults(cmd):
 
 def _auto_run(monkeypatch, capsys, available, *args):
     """`pymoecache run` in this process, with the free-memory reading replaced by ``available``."""
-    import pymoecache.llama
+    import pymoecache.plan
     from pymoecache.cli import main
 
-    monkeypatch.setattr(pymoecache.llama, "_available_memory", lambda: available)
+    monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda: available)
     rc = main(["run", "-n", "8", "--prior", "0.5", *args])
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -213,7 +252,7 @@ def test_cache_size_auto_reads_a_cgroup_limit(monkeypatch, tmp_path):
     where the OS tells neither (macOS), half of the physical memory."""
     import os
 
-    import pymoecache.llama as L
+    import pymoecache.plan as L
 
     assert L._available_memory() > 0
     monkeypatch.setattr(L, "_cgroup_available", lambda: 123 << 20)

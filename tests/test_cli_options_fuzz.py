@@ -41,6 +41,7 @@ def _argv(fixture_dir, command, option, value, tmp_path):
         "plot-timeline": [command, str(tmp_path / "missing.npz"), "--out", str(tmp_path / "p.png")],
         "simulate": [command, m, "--text", text, "--tokens", "16", "--no-progress"],
         "serve": [command, m],
+        "info": [command, m],
     }[command]
     return base + [option, value]
 

@@ -279,7 +279,7 @@ PARAM_CLI_CASES = [
     ("routing-seed-on-prior", ["--routing", "prior:0.5:seed=3"], "seed"),
     ("drop-rank-above-k", ["--routing", "drop-rank:9"], "rank"),
     ("cache-size-negative", ["--cache-size", "-1"], "cache"),
-    ("cache-size-1.5", ["--cache-size", "1.5"], "cache fraction"),
+    ("cache-size-1.5", ["--cache-size", "1.5"], "cache share"),
     ("cache-size-abc", ["--cache-size", "abc"], "cache size"),
     ("cache-size-1000", ["--cache-size", "1000"], "cache size"),
     ("cache-size-tiny-budget", ["--cache-size", "1KiB"], "streaming needs"),
@@ -290,7 +290,7 @@ PARAM_CLI_CASES = [
     ("n-wraps", ["-n", "4294967297"], "-n"),
     ("prompt-longer-than-context", ["-p", "word " * 400, "--ctx", "64"], "context"),
     ("unknown-option", ["--frobnicate"], "unrecognized"),
-    ("hf-repo-without-file", ["--hf-repo", "x/y"], "go together"),
+    ("hf-file-without-repo", ["-hff", "m.gguf"], "needs --hf-repo"),
 ]
 
 
@@ -322,7 +322,7 @@ OTHER_CLI_CASES = [
 @pytest.fixture(scope="module")
 def param_results(fixture_dir):
     m = str(model_path(fixture_dir, BASE))
-    jobs = {name: ["run", *([] if name == "hf-repo-without-file" else [m]), "-n", "2", *args]
+    jobs = {name: ["run", *([] if name == "hf-file-without-repo" else [m]), "-n", "2", *args]
             for name, args, _ in PARAM_CLI_CASES}
     jobs.update({name: [m if a == "MODEL" else a for a in argv] for name, argv, _ in OTHER_CLI_CASES})
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -472,7 +472,7 @@ def test_explicit_cache_size_that_leaves_no_room_warns(fixture_dir, monkeypatch)
     with a warning that says what each takes; one that fits says nothing."""
     import warnings
 
-    import pymoecache.llama as llama_module
+    import pymoecache.plan as llama_module
 
     path = model_path(fixture_dir, "qwen2moe-60x4")
     info = pymoecache.model_info(path)

@@ -214,7 +214,7 @@ def save_conversation(conv: Conversation, path: str) -> int:
 def cmd_chat(args) -> int:
     from ..config import parse_routing
     from ..errors import Error
-    from .generate import cache_line, llama_from_args
+    from .generate import cache_line, llama_from_args, print_plan
 
     routing = routing_from_args(args)
     if args.system_file is not None:
@@ -230,6 +230,7 @@ def cmd_chat(args) -> int:
         print(note, file=sys.stderr, flush=True)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
     conv = Conversation(llm, args.system or None)
+    print_plan(llm)
     out = sys.stdout
     interactive = sys.stdin.isatty()
     color = use_color(args)

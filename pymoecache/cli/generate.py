@@ -60,6 +60,11 @@ def llama_from_args(args, routing, model: str, **kw):
     return llm
 
 
+def print_plan(llm) -> None:
+    """The memory plan, one line on stderr, once the command's checks have passed and work begins."""
+    print(llm.memory_plan().summary(), file=sys.stderr, flush=True)
+
+
 def check_timeline_args(args) -> None:
     """--timeline / --timeline-plot: targets that can be written, matplotlib for a picture (before any work)."""
     from ..errors import Error
@@ -121,6 +126,7 @@ def cmd_run(args) -> int:
                             f"{llm.n_ctx()} tokens: raise -c (--ctx-size) or shorten them")
     # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
     kw = dict(max_tokens=args.n, stream=True, **sampling_kwargs(args, llm))
+    print_plan(llm)
     if args.n == 0:
         import llama_cpp
 
@@ -216,6 +222,8 @@ def cmd_bench(args) -> int:
     llm = llama_from_args(args, routings[0], model)
     if llm.cache_choice is not None:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
+    sampling_kwargs(args, llm)  # a bad --grammar is an error now
+    print_plan(llm)
 
     for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
         llm.reset()
@@ -295,23 +303,38 @@ def cmd_bench(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from ..config import parse_bytes
+    from ..config import parse_memory
+    from ..errors import Error
     from ..model_info import model_info
+    from ..plan import auto_cache_size, memory_plan, total_memory
 
     info = model_info(resolve_model(args.model, args))
-    budget = None
-    if args.ram:
-        budget = parse_bytes(args.ram)
-        if budget is None:
-            raise UserError(f"cannot parse --ram {args.ram!r} (e.g. 4GiB, 512MB)")
+    try:
+        budget = parse_memory(args.ram, total_memory()) if args.ram else None
+    except Error as e:
+        raise UserError(f"--ram: {e}") from None
+    if args.ctx is not None and args.ctx < 0:
+        raise UserError(f"-c must be >= 0 (0: the model's training context), got {args.ctx}")
+    n_ctx = args.ctx or info.n_ctx_train or 512
+    plan = None
+    if info.is_moe:  # what --cache-size auto picks with this budget (default: the free memory), all of it planned
+        choice = auto_cache_size(info, n_ctx, available=budget)
+        plan = memory_plan(info, n_ctx, choice.n_cached, available=budget)
     if args.json:
         d = {k: v for k, v in vars(info).items()}
         d.update(n_moe_layer=info.n_moe_layer, expert_share=info.expert_share, is_moe=info.is_moe)
         if budget is not None:
-            d["cache_size_for_budget"] = info.cache_size_for_budget(budget)
+            d["cache_size_for_budget"] = plan.n_cached if plan else 0
+        d["plan"] = plan.as_dict() if plan else None
         print(json.dumps(d, indent=2))
-    else:
-        print(info.table(budget))
+        return 0
+    print(info.table())
+    if plan is not None:
+        where = f"a budget of {args.ram}" if budget is not None else "this machine's free memory"
+        print(f"\nmemory plan with --cache-size auto, {where}, a context of {n_ctx} tokens:")
+        rows = plan.rows()
+        w = max(len(k) for k, _ in rows)
+        print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     return 0
 
 
@@ -376,9 +399,17 @@ def add_commands(sub) -> None:
     add_cache_options(b)
     b.set_defaults(func=cmd_bench)
 
-    i = sub.add_parser("info", help="describe a GGUF model from its header (experts, sizes)",
-                       description="Architecture, layers, experts and bytes per expert, read from the GGUF header only.")
+    i = sub.add_parser("info", help="describe a GGUF model and plan its memory on this machine",
+                       description="Architecture, layers, experts and bytes per expert, read from the GGUF header "
+                                   "only; then the memory plan: what --cache-size auto keeps in the free memory "
+                                   "(or --ram), the dense part, the KV cache, the headroom, and the reads a decoded "
+                                   "token costs against a quick probe of the disk.")
     add_model_argument(i)
-    i.add_argument("--ram", metavar="BYTES", help="also suggest a cache size for this budget, e.g. 4GiB (default: none)")
+    i.add_argument("--ram", metavar="SIZE",
+                   help="plan for this much memory instead of what is free now: bytes (8G, 512MiB, 4GB) or a "
+                        "share of the machine's (50%%); the dense part, the KV cache and the expert cache all "
+                        "come out of it (default: the free memory)")
+    i.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=None, metavar="N",
+                   help="context to plan the KV cache for (default: the model's training context)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)

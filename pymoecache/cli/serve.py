@@ -27,7 +27,7 @@ def _check_port(host: str, port: int) -> None:
 def serve_context(info, available=None):
     """(n_ctx, note) for -c 0: the model's training context, halved while its KV cache (upper bound)
     would take more than a quarter of the memory left beside the dense part; at least 512."""
-    from ..llama import _available_memory, _kv_bytes
+    from ..plan import _available_memory, _kv_bytes
 
     n = info.n_ctx_train or 4096
     free = _available_memory() if available is None else available
@@ -68,6 +68,9 @@ def cmd_serve(args) -> int:
                      n_parallel=args.parallel, **kw)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
+    plan = app.state.memory_plan
+    if plan is not None:
+        print(plan.summary(), file=sys.stderr, flush=True)
     print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
           f"context {kw['n_ctx']}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
           f"/slots, /metrics, /moecache/stats" + (f"; cache size {choice}" if choice else "")

@@ -1,0 +1,344 @@
+"""The memory plan of a run, as an engine that knows the machine prints it: memory available,
+the dense part, the KV cache for the context, the expert cache (slots per layer), the headroom,
+and what decoding will cost in reads, from a quick probe of the disk that holds the model.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=64, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20,
+    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024)
+    >>> p = memory_plan(info, n_ctx=4096, n_cached=16, available=4 << 30, disk_bytes_per_s=1e9)
+    >>> p.cache_bytes >> 20, p.read_per_token >> 20, round(p.io_tok_s, 1)   # 0.75 x 4 x 8 MiB x 8 layers
+    (1024, 192, 5.0)
+    >>> print(p.summary())
+    plan: 4.0 GiB budget = dense part 1.0 GiB + KV cache 128 MiB (4096 tokens) + expert cache 1.0 GiB (16 of 64 per layer) + headroom 1.9 GiB; decode reads ~192 MiB/token (75% misses if routing were uniform): at most 5.0 tok/s from a disk that reads 1000 MB/s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from typing import List, Optional
+
+from .model_info import ModelInfo
+
+
+def _fmt(n: float) -> str:
+    n = float(n)
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def _cgroup_available() -> Optional[int]:
+    """Bytes a cgroup v2 memory limit still leaves this process (containers, systemd slices), or None."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            current = int(f.read().strip())
+        return max(0, int(limit) - current)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_MEMINFO = "/proc/meminfo"
+
+
+def _available_memory() -> int:
+    """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v2 limit),
+    free pages elsewhere, half of the physical memory where neither is known (macOS); 0 if nothing is."""
+    free = 0
+    try:
+        with open(_MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for name, share in (("SC_AVPHYS_PAGES", 1), ("SC_PHYS_PAGES", 2)):  # macOS has only the second: half of it
+        if free:
+            break
+        try:
+            free = os.sysconf(name) * os.sysconf("SC_PAGE_SIZE") // share
+        except (ValueError, OSError, AttributeError):
+            free = 0
+    cg = _cgroup_available()
+    return min(free, cg) if cg is not None and free else (cg or free)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCacheSize:
+    """What ``CacheConfig(size="auto")`` chose for one model and why (``Llama.cache_choice``)."""
+
+    n_cached: int          # experts per MoE layer chosen
+    n_expert: int          # routed experts per MoE layer
+    n_expert_used: int     # K: a streamed token needs K slots per layer even when n_cached < K
+    available: int         # bytes free when the model was loaded
+    dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
+    kv: int                # bytes of the KV cache, an upper bound (F16 K and V, n_embd wide)
+    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
+    fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
+    left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
+    spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
+
+    def __str__(self) -> str:
+        free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
+        fit = self.n_cached if self.fit < 0 else self.fit
+        head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
+                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
+        if self.spare:
+            head += f"; {self.spare} of them per layer are spare slots for reading ahead"
+        if self.n_cached >= self.n_expert:
+            return head + ": all resident, nothing streamed"
+        if fit < self.n_expert_used:
+            head += (f": a streamed token needs K = {self.n_expert_used} slots per layer, which cache "
+                     f"{self.n_cached} experts and leave {_mib(max(0, self.left))} for the runtime")
+            if self.left < 64 << 20:
+                head += ": too little memory, expect page faults (free memory, or use a smaller context)"
+        return head
+
+
+def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
+    """An upper bound of the KV cache: F16 K and V, n_embd wide, every layer and position."""
+    return 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> AutoCacheSize:
+    """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
+    weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
+    margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
+    A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
+    cache is K (those slots keep the last experts read).
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
+    ...                  n_embd=1024)
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB dense - 16 MiB KV) * 0.9 / (8 x 8 MiB)
+    39
+    >>> auto_cache_size(info, n_ctx=512, available=512 << 20).n_cached  # 1 fits after a 128 MiB margin; K = 4 is the floor
+    4
+    """
+    free = _available_memory() if available is None else available
+    dense = max(0, info.non_expert_bytes)
+    kv = _kv_bytes(info, n_ctx)
+    budget = free - dense - kv
+    margin = max(128 << 20, budget // 10)
+    fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
+    n, left = fit, 0
+    if fit < min(info.n_expert_used, info.n_expert):
+        n = min(info.n_expert_used, info.n_expert)
+        left = budget - int(n * info.cache_bytes * info.n_moe_layer)
+    return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
+                         dense=dense, kv=kv, margin=margin, fit=fit, left=left)
+
+
+def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
+                     available: Optional[int] = None) -> Optional[str]:
+    """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
+    where it does (or the free memory is unknown): its expert slots (at least K per layer, plus
+    ``spare``), the dense part, the KV cache and 64 MiB for the runtime, against what is free.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
+    ...                  n_embd=1024)
+    >>> memory_shortfall(info, 30, 512, available=4 << 30) is None
+    True
+    >>> print(memory_shortfall(info, 30, 512, available=2 << 30))
+    1920 MiB of expert slots + 256 MiB dense part + 16 MiB KV cache + 64 MiB runtime = 2256 MiB, 2048 MiB free
+    """
+    free = _available_memory() if available is None else available
+    if not free:
+        return None
+    slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
+    dense = max(0, info.non_expert_bytes)
+    kv = _kv_bytes(info, n_ctx)
+    need = slots + dense + kv + (64 << 20)
+    if need <= free:
+        return None
+    return (f"{_mib(slots)} of expert slots + {_mib(dense)} dense part + {_mib(kv)} KV cache + 64 MiB runtime "
+            f"= {_mib(need)}, {_mib(free)} free")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Where the memory goes and what a decoded token will read (:func:`memory_plan`)."""
+
+    available: int            # bytes free now (MemAvailable, a cgroup limit), or the budget given
+    budget_from: str          # "free" or "budget": where ``available`` came from
+    dense: int                # non-expert weights (resident; locked when streamed)
+    kv: int                   # KV cache for n_ctx, an upper bound (F16 K and V, n_embd wide)
+    n_ctx: int
+    n_cached: int             # experts cached per MoE layer
+    n_spare: int              # more slots per layer that read ahead (prefetch auto), not cached
+    n_expert: int
+    n_expert_used: int
+    n_moe_layer: int
+    slot_bytes: float         # one expert of one layer in the cache
+    expert_bytes: float       # one expert of one layer in the file
+    disk_bytes_per_s: float   # probed read speed of the model's disk (0: not probed)
+
+    @property
+    def streamed(self) -> bool:
+        return self.n_cached < self.n_expert
+
+    @property
+    def cache_bytes(self) -> int:
+        slots = max(self.n_cached, self.n_expert_used if self.streamed else 0) + self.n_spare
+        return int(slots * self.slot_bytes * self.n_moe_layer)
+
+    @property
+    def headroom(self) -> int:
+        return self.available - self.dense - self.kv - self.cache_bytes
+
+    @property
+    def miss_rate(self) -> float:
+        """Misses per selection if routing were uniform under top-k + LRU: 1 - cached / N. Real
+        routing concentrates on fewer experts, and cache-aware routing lowers it further."""
+        return 1.0 - self.n_cached / self.n_expert if self.streamed else 0.0
+
+    @property
+    def read_per_token(self) -> int:
+        """Bytes a decoded token is expected to read at :attr:`miss_rate`."""
+        return int(self.miss_rate * self.n_expert_used * self.expert_bytes * self.n_moe_layer)
+
+    @property
+    def io_tok_s(self) -> float:
+        """The disk's bound on decode speed: probed bytes/s over the bytes a token reads."""
+        if not self.read_per_token or not self.disk_bytes_per_s:
+            return 0.0
+        return self.disk_bytes_per_s / self.read_per_token
+
+    def decode_text(self) -> str:
+        if not self.streamed:
+            return "from memory: every expert is cached, nothing is read while decoding"
+        text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
+                "were uniform)")
+        if self.disk_bytes_per_s:
+            text += (f": at most {self.io_tok_s:.1f} tok/s from a disk that reads "
+                     f"{self.disk_bytes_per_s / 1e6:.0f} MB/s")
+        return text
+
+    def summary(self) -> str:
+        """One line: the sum, then the decode's reads."""
+        free = "free" if self.budget_from == "free" else "budget"
+        cache = f"{self.n_cached} of {self.n_expert} per layer" + (f" + {self.n_spare} spare" if self.n_spare else "")
+        return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
+                f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + headroom "
+                f"{_fmt(self.headroom)}{' (too little: expect page faults)' if self.headroom < 64 << 20 else ''}; "
+                f"decode {self.decode_text()}")
+
+    def rows(self) -> List[tuple]:
+        """(what, value) rows for ``info``'s table."""
+        return [
+            ("memory " + ("free" if self.budget_from == "free" else "budget"), _fmt(self.available)),
+            ("  dense part", _fmt(self.dense)),
+            ("  KV cache", f"{_fmt(self.kv)} for {self.n_ctx} tokens (upper bound, F16)"),
+            ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
+             + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
+             + ("" if self.streamed else ", all of them: nothing streamed")),
+            ("  headroom", _fmt(self.headroom) + (" (too little: expect page faults)"
+                                                  if self.headroom < 64 << 20 else "")),
+            ("disk", f"{self.disk_bytes_per_s / 1e6:.0f} MB/s (probed, direct reads of expert size)"
+             if self.disk_bytes_per_s else "not probed"),
+            ("decode", self.decode_text()),
+        ]
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(cache_bytes=self.cache_bytes, headroom=self.headroom, streamed=self.streamed,
+                 miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s)
+        return d
+
+
+def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0, available: Optional[int] = None,
+                disk_bytes_per_s: Optional[float] = None) -> MemoryPlan:
+    """The plan for ``info`` with ``n_cached`` experts per layer (and ``n_spare`` more slots that
+    read ahead) and a context of ``n_ctx``. available: a budget in bytes (default: what is free now).
+    disk_bytes_per_s: the disk's speed (default: probed with :func:`probe_disk` when the cache
+    streams, not probed when every expert is cached)."""
+    budget_from = "budget" if available is not None else "free"
+    available = _available_memory() if available is None else available
+    if disk_bytes_per_s is None:
+        disk_bytes_per_s = probe_disk(info.path, info.expert_bytes) if n_cached < info.n_expert else 0.0
+    return MemoryPlan(available=available, budget_from=budget_from, dense=max(0, info.non_expert_bytes),
+                      kv=_kv_bytes(info, n_ctx), n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
+                      n_expert=info.n_expert, n_expert_used=info.n_expert_used, n_moe_layer=info.n_moe_layer,
+                      slot_bytes=info.cache_bytes, expert_bytes=info.expert_bytes,
+                      disk_bytes_per_s=disk_bytes_per_s)
+
+
+def probe_disk(path: "os.PathLike[str] | str", block: float = 1 << 20, seconds: float = 0.5,
+               most: int = 256 << 20, threads: int = 4) -> float:
+    """Read speed in bytes/s of the disk holding ``path``: reads of ``block`` bytes (an expert,
+    rounded to pages, 64 KiB to 8 MiB) at random offsets from ``threads`` readers at once (the
+    expert reader queue keeps several in flight), with O_DIRECT so the page cache does not answer,
+    for ``seconds`` or ``most`` bytes. 0.0 where it cannot tell (no O_DIRECT, a tiny file)."""
+    import mmap
+    import threading
+
+    page = 4096
+    block = int(min(8 << 20, max(64 << 10, block)) // page * page)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    if flags == os.O_RDONLY:
+        return 0.0
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return 0.0
+    done = [0] * threads
+    try:
+        size = os.fstat(fd).st_size
+        if size < 2 * block:
+            return 0.0
+        t0 = time.perf_counter()
+
+        def reader(i: int) -> None:
+            buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
+            rng = random.Random(i)
+            try:
+                while sum(done) < most and time.perf_counter() - t0 < seconds:
+                    n = os.preadv(fd, [buf], rng.randrange(0, (size - block) // page) * page)
+                    if n <= 0:
+                        return
+                    done[i] += n
+            except OSError:
+                return
+            finally:
+                buf.close()
+
+        workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        dt = time.perf_counter() - t0
+        return sum(done) / dt if dt > 0 and sum(done) else 0.0
+    finally:
+        os.close(fd)
+
+
+def total_memory() -> int:
+    """Physical memory in bytes (what ``--ram 50%`` is a share of); 0 where unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
