@@ -310,16 +310,21 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
           *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
           prefetch_distance: int = 1, prefetch_min_p: float = 0.0, eviction: str = "lru",
-          eviction_decay: float = 0.95) -> List[dict]:
+          eviction_decay: float = 0.95, on_row=None) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
     restarts the prior's running Delta) and the counters are reset, so the rows are independent.
+    on_row(rows, total): called before the first row (rows empty) and after each finished row, with
+    the rows so far and how many there will be: progress, and rows kept if the sweep is stopped.
     """
     text = load_text(text_path)
     routings = with_lru(routings)
     rows: List[dict] = []
     tokens = None
+    total = len(cache_sizes) * len(routings)
+    if on_row is not None:
+        on_row(rows, total)
     for size in cache_sizes:
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
                             prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
@@ -334,6 +339,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
                 rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": eviction,
                              "prefetch_min_p": prefetch_min_p})
+                if on_row is not None:
+                    on_row(rows, total)
         finally:
             llm.close()
     return rows
@@ -357,13 +364,14 @@ def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = No
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as an aligned text table (policy, knob, cache, ppl, miss %, hit %, lifetime)."""
-    head = ("policy", "knob", "cache", "ppl", "miss %", "hit %", "lifetime")
-    body = [(r["policy"], "-" if r["knob"] is None else f"{r['knob']:g}", f"{r['cache_size']}/{r['n_expert']}",
+    """The rows as an aligned text table (policy, eviction, knob, cache, ppl, miss %, hit %, lifetime)."""
+    head = ("policy", "eviction", "knob", "cache", "ppl", "miss %", "hit %", "lifetime")
+    body = [(r["policy"], r.get("eviction", "lru"), "-" if r["knob"] is None else f"{r['knob']:g}",
+             f"{r['cache_size']}/{r['n_expert']}",
              f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}")
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(x.ljust(w) if i < 3 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+    lines = ["  ".join(x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
              for line in [head, *body]]
     return "\n".join(lines)
 

@@ -29,6 +29,8 @@ def _fmt(n: float) -> str:
     n = float(n)
     if abs(n) >= 1 << 30:
         return f"{n / (1 << 30):.1f} GiB"
+    if abs(n) < 10 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
     return f"{n / (1 << 20):.0f} MiB"
 
 

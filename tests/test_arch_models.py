@@ -158,3 +158,16 @@ def test_stream_and_mmap_are_bit_identical_to_stock_on_every_architecture(arch_m
                     routed.append(arch)
     assert not failures, failures
     assert len(routed) >= 50, routed
+
+
+def test_the_architectures_doc_lists_every_architecture(arch_models):
+    """docs/architectures.md is what scripts/gen_architectures.py writes from these models: every
+    MoE architecture of the pin, none missing, none made up."""
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_architectures.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    listed = set(re.findall(r"^\| `([\w.-]+)` \|", (ROOT / "docs" / "architectures.md").read_text(), re.M))
+    moe = {model_info(p).arch for p in arch_models.values() if model_info(p).is_moe}
+    assert listed == moe and len(listed) >= 50

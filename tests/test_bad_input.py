@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,7 +72,9 @@ def test_cli_errors_are_one_line_and_exit_2(fixture_dir, tmp_path):
     cases = [
         (["run", str(tmp_path / "missing.gguf")], "not found"),
         (["run", str(bad)], "not a GGUF file"),
-        (["run", str(model_path(fixture_dir, DENSE_FIXTURES[0]))], "no MoE layers"),
+        (["bench", str(model_path(fixture_dir, DENSE_FIXTURES[0]))], "no MoE layers"),
+        (["run", str(model_path(fixture_dir, DENSE_FIXTURES[0])), "--timeline", str(tmp_path / "t.json")],
+         "is a dense model: --profile and --timeline record experts"),
         (["run", str(model_path(fixture_dir, MOE_FIXTURES[0])), "--cache-size", "1000"], "larger than"),
         (["run", str(model_path(fixture_dir, MOE_FIXTURES[0])), "--prior", "-1"], "lambda"),
         (["run", str(model_path(fixture_dir, MOE_FIXTURES[0])), "--routing", "warp:9"], "unknown routing policy"),
@@ -81,3 +84,21 @@ def test_cli_errors_are_one_line_and_exit_2(fixture_dir, tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert msg in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_run_and_chat_run_a_dense_model_as_plain_llama_cpp(fixture_dir):
+    """The Python API runs a dense model; so do `run` and `chat`: a note, the text, llama.cpp's
+    speed, and no raw warning."""
+    path = str(model_path(fixture_dir, DENSE_FIXTURES[0]))
+    r = cli("run", path, "-p", "Hello", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    assert "is a dense model (no routed experts): it runs as plain llama.cpp" in r.stderr
+    assert "UserWarning" not in r.stderr and "plan:" not in r.stderr
+    assert r.stdout.startswith("Hello") and r.stdout.strip().splitlines()[-1].startswith(
+        "[dense model, no expert cache] prompt ")
+    d = json.loads(cli("run", path, "-p", "Hello", "-n", "4", "--json").stdout)
+    assert d["generated_tokens"] == 4 and "hit_rate" not in d
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", path, "-n", "3"], cwd=ROOT, input="Hi\n/stats\n",
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[dense model, no expert cache]" in r.stderr and "no expert cache, no routing" in r.stderr

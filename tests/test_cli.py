@@ -52,7 +52,7 @@ def test_info_table_and_json(fixture_dir):
     r = cli("info", model_path(fixture_dir, "deepseek2-sigmoid-64x6"), "--ram", "1MiB")
     assert r.returncode == 0, r.stderr
     for text in ("deepseek2", "routed experts N", "64", "sigmoid, 8 groups", "shared experts",
-                 "memory plan with --cache-size auto, a budget of 1MiB", "memory budget   1 MiB"):
+                 "memory plan with --cache-size auto, a budget of 1MiB", "memory budget   1.00 MiB"):
         assert text in r.stdout, text
     r = cli("info", model_path(fixture_dir, DENSE_FIXTURES[0]))
     assert r.returncode == 0 and "dense model" in r.stdout and "memory plan" not in r.stdout

@@ -80,10 +80,10 @@ def test_ppl_sweep_table_and_files(qwen, text_file, tmp_path):
     r = cli(*args, *(["--plot", out_png] if HAVE_MPL else []))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split() == ["policy", "knob", "cache", "ppl", "miss", "%", "hit", "%", "lifetime"]
-    assert [ln.split()[:3] for ln in lines[1:]] == [
-        [p, k, c] for c in ("30/60", "15/60") for p, k in (("lru", "-"), ("prior", "0"), ("prior", "0.5"),
-                                                           ("max-rank", "8"))]
+    assert lines[0].split() == ["policy", "eviction", "knob", "cache", "ppl", "miss", "%", "hit", "%", "lifetime"]
+    assert [ln.split()[:4] for ln in lines[1:]] == [
+        [p, "lru", k, c] for c in ("30/60", "15/60") for p, k in (("lru", "-"), ("prior", "0"), ("prior", "0.5"),
+                                                                  ("max-rank", "8"))]
 
     with open(out_csv, newline="") as f:
         rows_csv = list(csv.DictReader(f))
@@ -130,7 +130,7 @@ def test_ppl_single_routing_vs_lru(mixtral, text_file):
     r = cli("ppl", mixtral, "--text", text_file, "--ctx", CTX, "--chunks", 2, "--prior", "0.5", "--top-j", "1")
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.strip().splitlines()[1:]]
-    assert [(x[0], x[1], x[2]) for x in rows] == [("lru", "-", "4/8"), ("prior", "0.5", "4/8")]
+    assert [(x[0], x[1], x[2], x[3]) for x in rows] == [("lru", "lru", "-", "4/8"), ("prior", "lru", "0.5", "4/8")]
     assert "chunk" in r.stderr and "chunk" not in r.stdout  # the progress bar goes to stderr
 
 
@@ -274,3 +274,34 @@ def test_errors(qwen, text_file, tmp_path):
     one_line_error(cli("trace", qwen, "--text", text_file, "--out", tmp_path / "t.npz", "--tokens", 4096), "trace",
                    "--tokens 4096 is larger than the model's context length 512")
     one_line_error(cli("plot-timeline", text_file, tmp_path / "x.png"), "plot-timeline", "is not a pymoecache trace")
+
+
+def test_ppl_takes_llamas_f_says_k_of_n_and_keeps_finished_rows_on_ctrl_c(qwen, text_file, tmp_path):
+    """`ppl -f FILE` as llama-perplexity; "[row k of N, about ... left]" on stderr; the CSV holds
+    every finished row while the sweep runs; Ctrl-C (SIGINT) keeps them and says where."""
+    import signal
+    import time
+
+    out = tmp_path / "rows.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "ppl", str(qwen), "-f", str(text_file), "--ctx",
+                             str(CTX), "--chunks", "4", "--sweep", "prior=0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+                             "--cache-size", "0.5", "--csv", str(out), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not out.exists():  # written once the first row (lru) has finished
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    rows = list(csv.DictReader(out.open()))
+    assert 1 <= len(rows) < 11 and rows[0]["policy"] == "lru"
+    assert f"finished row{'s' * (len(rows) != 1)} kept in {out}" in stderr, stderr
+    assert stdout.splitlines()[0].split()[:3] == ["policy", "eviction", "knob"]  # the finished rows, printed
+    assert len(stdout.strip().splitlines()) == len(rows) + 1
+
+    r = cli("ppl", qwen, "-f", text_file, "--ctx", CTX, "--chunks", 1, "--prior", "0.5", "--eviction", "lfu")
+    assert r.returncode == 0, r.stderr
+    assert "[row 1 of 2]" in r.stderr and "[row 2 of 2, about " in r.stderr and " left]" in r.stderr
+    table = [ln.split() for ln in r.stdout.strip().splitlines()]
+    assert table[0][:2] == ["policy", "eviction"] and [t[:2] for t in table[1:]] == [["lru", "lfu"], ["prior", "lfu"]]

@@ -194,3 +194,33 @@ def test_on_an_amx_cpu_the_build_compiles_no_amx_kernels(tmp_path):
     assert amx_symbols(argv, "off.o") == []
     control = [a for a in argv if not a.startswith("-mno-amx")]
     assert any("ggml_backend_amx_buffer_type" in ln for ln in amx_symbols(control, "on.o"))
+
+
+def test_readme_and_docs_do_not_point_at_the_development_machines_shared_folder():
+    """Users do not have ../shared: README and docs name public files instead."""
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert "../shared" not in md.read_text(), md.name
+
+
+def test_readme_sample_output_is_what_the_setup_command_prints():
+    """README's sample block is the output of the command setup.sh runs on the embedded model: the
+    prompt echoed, text, then a stats line with the fields the current code prints, in its order,
+    numbers aside (the text itself may differ in a token where another CPU's kernels round
+    differently, so it is not compared word for word)."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    command = re.search(r"\.venv/bin/pymoecache (run [^\n]*)", setup).group(1).split()
+    readme = (ROOT / "README.md").read_text()
+    sample = re.search(r"\n```\n(Once upon a time.*?)\n```\n", readme, re.S).group(1)
+    assert f"`pymoecache {' '.join(command)}`" in readme or "pymoecache run --prior 0.5" in readme
+    r = subprocess.run([sys.executable, "-m", "pymoecache", *command], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    *text, stats = r.stdout.rstrip("\n").split("\n")
+    *want_text, want_stats = sample.split("\n")
+    assert text[0].startswith("Once upon a time") and len(" ".join(text).split()) > 20
+    assert want_text[0].startswith("Once upon a time") and len(" ".join(want_text).split()) > 20
+
+    def shape(line):  # the words, the numbers replaced
+        return re.sub(r"\d+(\.\d+)?", "N", line)
+
+    assert shape(stats) == shape(want_stats), (stats, want_stats)

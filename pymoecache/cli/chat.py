@@ -224,7 +224,10 @@ def cmd_chat(args) -> int:
     pending = [first_message(args)] if first_message(args) is not None else []
     check_profile_args(args)
     model = resolve_model(args.model, args)
-    llm = llama_from_args(args, routing, model)
+    llm = llama_from_args(args, routing, model, dense_ok=True)
+    if llm.moecache is None and args.profile:
+        llm.close()
+        raise UserError(f"{model} is a dense model: --profile records experts, and it has none")
     note = load_profile_from_args(args, llm)
     if note:
         print(note, file=sys.stderr, flush=True)
@@ -242,13 +245,15 @@ def cmd_chat(args) -> int:
             pass
     print(f"pymoecache chat: {model} {cache_line(llm, routing.spec())} seed {args.seed}\n"
           "/help for commands; Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr, flush=True)
-    last = llm.moe_stats()
+    dense = llm.moecache is None
+    last = llm.moe_stats() if not dense else None
     typed = _TypedAhead(sys.stdin.fileno() if interactive else None)
     answered = 0
 
     def reply_to_last() -> None:
         nonlocal answered
-        llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
+        if not dense:
+            llm.moecache.begin_request()  # each answer is one request (the profile, activation eviction)
         try:
             reply = answer(llm, conv, args, out, typed)
         except UserError as e:
@@ -291,6 +296,8 @@ def cmd_chat(args) -> int:
             break
         if cmd == "/help":
             print(HELP, file=sys.stderr, flush=True)
+        elif cmd in ("/stats", "/routing") and dense:
+            print("a dense model: no expert cache, no routing to show or change", file=sys.stderr, flush=True)
         elif cmd == "/stats":
             st = llm.moe_stats()
             d = st.since(last)
@@ -344,7 +351,8 @@ def cmd_chat(args) -> int:
         else:
             conv.messages.append({"role": "user", "content": line})
             reply_to_last()
-    print(f"{cache_line(llm, routing.spec())} {llm.moe_stats().summary()}", file=sys.stderr, flush=True)
+    print(f"{cache_line(llm, routing.spec())} {llm.moe_stats().summary() if not dense else ''}".rstrip(),
+          file=sys.stderr, flush=True)
     save_profile_from_args(args, llm)
     llm.close()
     return 0

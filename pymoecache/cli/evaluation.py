@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from .options import UserError, add_model_argument, add_routing_options, cache_from_args, resolve_model, routing_from_args
@@ -24,6 +25,11 @@ def _check_out_path(path) -> None:
 
 def _routing_option_given(args) -> bool:
     return any(getattr(args, k) is not None for k in ("prior", "max_rank", "cumsum", "prune", "routing"))
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{s} s"
 
 
 def cmd_ppl(args) -> int:
@@ -51,17 +57,37 @@ def cmd_ppl(args) -> int:
         args.prefetch = "off"  # (auto reads ahead for streamed experts; ppl keeps them resident)
     if args.prefetch != "off" and not args.decode:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
-    rows = sweep(resolve_model(args.model, args), args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
-                 n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion, decode=args.decode,
-                 prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
-                 prefetch_min_p=args.prefetch_min_p, eviction=args.eviction, eviction_decay=args.eviction_decay)
+    t0, done = time.monotonic(), []
+
+    def on_row(rows, total):  # "k of N" with an ETA; the files rewritten with every finished row
+        done[:] = rows
+        for path, fmt in ((args.csv, "csv"), (args.json, "json")):
+            if path and rows:
+                write_rows(rows, path, fmt)
+        if not args.no_progress and len(rows) < total:
+            eta = (time.monotonic() - t0) / len(rows) * (total - len(rows)) if rows else None
+            print(f"[row {len(rows) + 1} of {total}" + (f", about {_duration(eta)} left]" if eta is not None else "]"),
+                  file=sys.stderr, flush=True)
+
+    model = resolve_model(args.model, args)
+    try:
+        rows = sweep(model, args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
+                     n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion,
+                     decode=args.decode, prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
+                     prefetch_min_p=args.prefetch_min_p, eviction=args.eviction, eviction_decay=args.eviction_decay,
+                     on_row=on_row)
+    except KeyboardInterrupt:  # Ctrl-C: the finished rows are kept, printed, and said where they are
+        if done:
+            print(format_table(done))
+        kept = [p for p in (args.csv, args.json) if p]
+        print(f"\ninterrupted: {len(done)} finished row{'s' * (len(done) != 1)} kept"
+              + (f" in {' and '.join(kept)}" if kept and done else " (above)" if done else "")
+              + ("" if kept else "; give --csv FILE to keep rows in a file as they finish"), file=sys.stderr)
+        return 130
     print(format_table(rows))
-    if args.csv:
-        write_rows(rows, args.csv, "csv")
-        print(f"wrote {args.csv}", file=sys.stderr)
-    if args.json:
-        write_rows(rows, args.json, "json")
-        print(f"wrote {args.json}", file=sys.stderr)
+    for path in (args.csv, args.json):
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
     if args.plot:
         from ..plots import plot_pareto
 
@@ -125,7 +151,8 @@ def add_commands(sub) -> None:
         epilog="Example: pymoecache ppl model.gguf --text valid.txt --sweep prior=0,0.25,0.5,1 max-rank=2,4 "
                "--cache-size 0.5 0.25 --csv pareto.csv --plot pareto.png")
     add_model_argument(p)
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file, e.g. WikiText-2 valid.txt (required)")
+    p.add_argument("-f", "--file", "--text", dest="text", required=True, metavar="FILE",
+                   help="UTF-8 text file, e.g. WikiText-2 valid.txt, as llama-perplexity's -f (required)")
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=256, metavar="N",
                    help="chunk length in tokens (default %(default)s)")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="evaluate only the first N chunks (default: all)")

@@ -34,9 +34,17 @@ def _perf_reset(llm) -> None:
 
 def cache_line(llm, routing_spec: str) -> str:
     """``[prior:0.5, cache 30/60 experts per layer]``, with what ``auto`` chose and why."""
+    if llm.moecache is None:
+        return "[dense model, no expert cache]"
     n = llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1]  # capacity, known before any token
     why = f"; {llm.cache_choice}" if llm.cache_choice is not None else ""
     return f"[{routing_spec}, cache {n}/{llm.moecache.n_expert} experts per layer{why}]"
+
+
+def all_fit(llm) -> bool:
+    """Every routed expert of every MoE layer is cached: misses are first uses, and cache-aware
+    routing picks the model's own experts."""
+    return all(llm.moecache.layer_row(il)[0][1] >= llm.moecache.n_expert for il in llm.model_info.moe_layers)
 
 
 def prompt_from_args(args) -> str:
@@ -48,13 +56,22 @@ def prompt_from_args(args) -> str:
     return DEFAULT_PROMPT if args.prompt is None else args.prompt
 
 
-def llama_from_args(args, routing, model: str, **kw):
-    """``pymoecache.Llama`` for a generating command (run, chat, bench); refuses a dense model."""
+def llama_from_args(args, routing, model: str, dense_ok: bool = False, **kw):
+    """``pymoecache.Llama`` for a generating command (run, chat, bench). A dense model runs as
+    plain llama.cpp where ``dense_ok`` (run, chat), with a note; elsewhere it is refused."""
+    import warnings
+
     from ..llama import Llama
 
-    llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope,
-                seed=resolve_seed(args), **runtime_kwargs(args), **kw)
+    with warnings.catch_warnings():  # a dense model's warning: said below in the CLI's words
+        warnings.filterwarnings("ignore", message=r".*no MoE layers")
+        llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope,
+                    seed=resolve_seed(args), **runtime_kwargs(args), **kw)
     if llm.moecache is None:
+        if dense_ok:
+            print(f"note: {model} is a dense model (no routed experts): it runs as plain llama.cpp, without an "
+                  "expert cache; the cache and routing options do nothing here", file=sys.stderr, flush=True)
+            return llm
         llm.close()
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     return llm
@@ -62,7 +79,8 @@ def llama_from_args(args, routing, model: str, **kw):
 
 def print_plan(llm) -> None:
     """The memory plan, one line on stderr, once the command's checks have passed and work begins."""
-    print(llm.memory_plan().summary(), file=sys.stderr, flush=True)
+    if llm.memory_plan() is not None:
+        print(llm.memory_plan().summary(), file=sys.stderr, flush=True)
 
 
 def check_timeline_args(args) -> None:
@@ -108,7 +126,10 @@ def cmd_run(args) -> int:
     check_profile_args(args)
     check_timeline_args(args)
     model = resolve_model(args.model, args)
-    llm = llama_from_args(args, routing, model)
+    llm = llama_from_args(args, routing, model, dense_ok=True)
+    if llm.moecache is None and (args.profile or args.timeline or args.timeline_plot):
+        llm.close()
+        raise UserError(f"{model} is a dense model: --profile and --timeline record experts, and it has none")
     args.prompt = prompt
     note = load_profile_from_args(args, llm)
     if note:
@@ -153,7 +174,7 @@ def cmd_run(args) -> int:
         raise UserError(str(e)) from None
     n_prompt, t_prompt, n_decoded, t_gen = _perf(llm)
     n_gen = n_decoded + 1 if text else 0  # the last sampled token is never decoded
-    st = llm.moe_stats()
+    st = llm.moe_stats() if llm.moecache is not None else None
     res = {
         "model": model,
         "routing": routing.spec(),
@@ -166,17 +187,23 @@ def cmd_run(args) -> int:
         "generated_tokens": n_gen,
         "prompt_tok_s": n_prompt / t_prompt if t_prompt > 0 else 0.0,
         "decode_tok_s": n_decoded / t_gen if t_gen > 0 else 0.0,
-        **st.summary_dict(),
+        **(st.summary_dict() if st is not None else {}),
         "cache_choice": str(llm.cache_choice) if llm.cache_choice is not None else None,
         "text": "".join(text),
     }
     if args.json:
         print(json.dumps(res, indent=2))
+    elif st is None:  # a dense model: llama.cpp's speed, nothing about experts
+        print()
+        print(f"[dense model, no expert cache] prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} "
+              f"tok {res['decode_tok_s']:.1f} tok/s" + (f" | seed {args.seed}" if args.temp > 0 else ""),
+              file=sys.stderr if args.stats_stderr else sys.stdout)
     else:
         print()
         print(f"{cache_line(llm, res['routing'])} "
               f"prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} tok {res['decode_tok_s']:.1f} tok/s | "
-              f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f} | "
+              f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f}"
+              f"{' (first uses: every expert fits)' if all_fit(llm) else ''} | "
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
               + (f" | {st.residency.summary()}" if st.residency and st.residency.residency != "none" else "")
               + (f" | seed {args.seed}" if args.temp > 0 else ""),
@@ -224,6 +251,10 @@ def cmd_bench(args) -> int:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now
     print_plan(llm)
+    if all_fit(llm) and len(routings) > 1:
+        print("note: every expert is cached, so cache-aware routing (prior, max-rank, cumsum) picks the model's own "
+              "experts: those rows differ from lru only by noise; give --cache-size below the experts to compare",
+              file=sys.stderr)
 
     for prompt in prompts:  # warm-up, untimed: builds the graph of every prompt length, pages in weights
         llm.reset()
