@@ -118,6 +118,29 @@ def test_bench_table_csv_json(fixture_dir, tmp_path):
     assert by["prune:2"]["misses_per_token"] < by["lru"]["misses_per_token"]
 
 
+def test_bench_keeps_finished_repetitions_on_ctrl_c(fixture_dir, tmp_path):
+    """The CSV holds every setting's finished repetitions while bench runs; Ctrl-C prints them,
+    says where they are and exits 130."""
+    import signal
+    import time
+
+    out = tmp_path / "b.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "bench", str(model_path(fixture_dir, QWEN)),
+                             "--routing", "lru,prior:0.5", "-n", "8", "--reps", "50", "--cache-size", "0.5", "--csv",
+                             str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not out.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert re.search(r"interrupted after (\d+) of 100 runs: \d row\(s\) from the finished repetitions kept in ", stderr)
+    rows = list(csv.DictReader(out.open()))
+    assert 1 <= len(rows) <= 2 and all(1 <= int(r_["reps"]) < 50 for r_ in rows)
+    assert stdout.splitlines()[0].split()[:2] == ["routing", "cache"] and len(stdout.strip().splitlines()) >= 2
+
+
 def test_every_command_has_help_with_defaults():
     r = cli("--help")
     assert r.returncode == 0
@@ -518,6 +541,8 @@ LLAMA_CPP_SPELLINGS = [  # command line -> (option it sets, value)
     (["run", "--repeat-penalty", "1.1"], "repeat_penalty", 1.1),
     (["run", "-ngl", "0"], "n_gpu_layers", 0),
     (["run", "--n-gpu-layers", "0"], "n_gpu_layers", 0),
+    (["run", "-ngl", "all"], "n_gpu_layers", -1),
+    (["run", "-ngl", "auto"], "n_gpu_layers", 0),                   # as many as fit: no GPU in this build
     (["run", "-fa", "on"], "flash_attn", "on"),                      # not -f a
     (["run", "-fa", "enabled"], "flash_attn", "on"),
     (["run", "--flash-attn", "off"], "flash_attn", "off"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from ..config import resolved_top_j
 from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
@@ -226,6 +227,7 @@ DEFAULT_BENCH_PROMPTS = [
 
 def cmd_bench(args) -> int:
     from ..config import parse_routing
+    from ..evaluate import write_rows
 
     routings = [parse_routing(spec, top_j=args.top_j) for spec in args.routing.split(",") if spec.strip()]
     if not routings:
@@ -260,68 +262,100 @@ def cmd_bench(args) -> int:
         llm.reset()
         llm(prompt, max_tokens=2, temperature=0.0)
     acc = {r.spec(): dict(pt=0, ps=0.0, dt=0, ds=0.0, misses=0, routed=0, layer_tokens=0, lifetime=[], loaded=0,
-                          dec=0, read=0, io=0.0, route=0.0, rss=0) for r in routings}
+                          dec=0, read=0, io=0.0, route=0.0, rss=0, reps=0) for r in routings}
     total = args.reps * len(routings)
-    done = 0
-    for rep in range(args.reps):
-        order = routings[rep % len(routings):] + routings[:rep % len(routings)]  # rotate: no setting always first
-        for routing in order:
-            a = acc[routing.spec()]
-            llm.moecache.clear()
-            llm.reset_moe_stats()
-            llm.set_routing(routing)
-            for prompt in prompts:
-                llm.reset()
-                _perf_reset(llm)
-                llm(prompt, max_tokens=args.n, **sampling_kwargs(args, llm))
-                pt, ps, dt, ds = _perf(llm)
-                a["pt"] += pt
-                a["ps"] += ps
-                a["dt"] += dt
-                a["ds"] += ds
-            st = llm.moe_stats()
-            a["misses"] += st.misses
-            a["routed"] += st.tokens
-            a["layer_tokens"] += int(st.tokens_per_layer.sum())  # miss rate: misses / (K x tokens), all layers
-            a["lifetime"].append(st.lifetime)
-            a["loaded"] += st.bytes_loaded
-            rs = st.residency
-            a["dec"] += rs.decode_tokens
-            a["read"] += rs.decode_bytes_read
-            a["io"] += rs.decode_t_io_ms
-            a["route"] += rs.decode_t_route_ms
-            a["rss"] = max(a["rss"], rs.rss_bytes)
-            done += 1
-            print(f"\r[{done}/{total}] {routing.spec():<24}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    K = llm.moecache.n_expert_used
+    done, t0 = 0, time.monotonic()
+    K, n_expert = llm.moecache.n_expert_used, llm.moecache.n_expert
     cache_size = llm.moe_stats().summary_dict()["cache_size"]
-    rows = []
-    for spec, a in acc.items():
-        rows.append({
-            "routing": spec,
-            "cache_size": cache_size,
-            "n_expert": llm.moecache.n_expert,
-            "prompt_tok_s": a["pt"] / a["ps"] if a["ps"] else 0.0,
-            "decode_tok_s": a["dt"] / a["ds"] if a["ds"] else 0.0,
-            "miss_rate": a["misses"] / (K * a["layer_tokens"]) if a["layer_tokens"] else 0.0,
-            "misses_per_token": a["misses"] / a["routed"] if a["routed"] else 0.0,
-            "lifetime": sum(a["lifetime"]) / len(a["lifetime"]),
-            "mib_loaded_per_run": a["loaded"] / args.reps / 2**20,
-            "residency": llm.moe_stats().residency.residency,
-            "mib_read_per_token": a["read"] / a["dec"] / 2**20 if a["dec"] else 0.0,
-            "io_ms_per_token": a["io"] / a["dec"] if a["dec"] else 0.0,
-            "route_ms_per_token": a["route"] / a["dec"] if a["dec"] else 0.0,
-            "compute_ms_per_token": max(0.0, 1e3 * a["ds"] / a["dt"] - (a["io"] + a["route"]) / a["dec"])
-            if a["dt"] and a["dec"] else 0.0,
-            "rss_mib": a["rss"] / 2**20,
-        })
-    llm.close()
-    from ..evaluate import write_rows
+    residency = llm.moe_stats().residency.residency
 
-    for path, fmt in ((args.csv, "csv"), (args.json, "json")):
-        if path:
-            write_rows(rows, path, fmt)
+    def rows_so_far() -> list:  # one row per setting with at least one finished repetition
+        return [bench_row(spec, a, K, n_expert, cache_size, residency) for spec, a in acc.items() if a["reps"]]
+
+    try:
+        for rep in range(args.reps):
+            order = routings[rep % len(routings):] + routings[:rep % len(routings)]  # rotate: no setting always first
+            for routing in order:
+                bench_one(llm, routing, prompts, args, acc[routing.spec()])
+                done += 1
+                for path, fmt in ((args.csv, "csv"), (args.json, "json")):  # rows written as they finish
+                    if path:
+                        write_rows(rows_so_far(), path, fmt)
+                left = (time.monotonic() - t0) / done * (total - done)
+                print(f"\r[{done} of {total}] {routing.spec():<24}" + (f" about {left:.0f} s left " if done < total
+                                                                          else " " * 20),
+                      end="", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the finished repetitions are kept, printed, and said where
+        print(file=sys.stderr)
+        llm.close()
+        rows = rows_so_far()
+        if rows:
+            print_bench_table(rows)
+        kept = [p for p in (args.csv, args.json) if p]
+        print(f"interrupted after {done} of {total} runs: "
+              + (f"{len(rows)} row(s) from the finished repetitions kept" + (f" in {' and '.join(kept)}" if kept else "")
+                 if rows else "no run had finished"), file=sys.stderr)
+        return 130
+    print(file=sys.stderr)
+    rows = rows_so_far()
+    llm.close()
+    print_bench_table(rows)
+    return 0
+
+
+def bench_one(llm, routing, prompts, args, a: dict) -> None:
+    """One repetition of one routing setting over every prompt, from an empty cache, added to ``a``."""
+    llm.moecache.clear()
+    llm.reset_moe_stats()
+    llm.set_routing(routing)
+    for prompt in prompts:
+        llm.reset()
+        _perf_reset(llm)
+        llm(prompt, max_tokens=args.n, **sampling_kwargs(args, llm))
+        pt, ps, dt, ds = _perf(llm)
+        a["pt"] += pt
+        a["ps"] += ps
+        a["dt"] += dt
+        a["ds"] += ds
+    st = llm.moe_stats()
+    a["misses"] += st.misses
+    a["routed"] += st.tokens
+    a["layer_tokens"] += int(st.tokens_per_layer.sum())  # miss rate: misses / (K x tokens), all layers
+    a["lifetime"].append(st.lifetime)
+    a["loaded"] += st.bytes_loaded
+    rs = st.residency
+    a["dec"] += rs.decode_tokens
+    a["read"] += rs.decode_bytes_read
+    a["io"] += rs.decode_t_io_ms
+    a["route"] += rs.decode_t_route_ms
+    a["rss"] = max(a["rss"], rs.rss_bytes)
+    a["reps"] += 1
+
+
+def bench_row(spec: str, a: dict, K: int, n_expert: int, cache_size: int, residency: str) -> dict:
+    """A bench row from one setting's sums over its finished repetitions."""
+    return {
+        "routing": spec,
+        "cache_size": cache_size,
+        "n_expert": n_expert,
+        "reps": a["reps"],
+        "prompt_tok_s": a["pt"] / a["ps"] if a["ps"] else 0.0,
+        "decode_tok_s": a["dt"] / a["ds"] if a["ds"] else 0.0,
+        "miss_rate": a["misses"] / (K * a["layer_tokens"]) if a["layer_tokens"] else 0.0,
+        "misses_per_token": a["misses"] / a["routed"] if a["routed"] else 0.0,
+        "lifetime": sum(a["lifetime"]) / len(a["lifetime"]),
+        "mib_loaded_per_run": a["loaded"] / a["reps"] / 2**20,
+        "residency": residency,
+        "mib_read_per_token": a["read"] / a["dec"] / 2**20 if a["dec"] else 0.0,
+        "io_ms_per_token": a["io"] / a["dec"] if a["dec"] else 0.0,
+        "route_ms_per_token": a["route"] / a["dec"] if a["dec"] else 0.0,
+        "compute_ms_per_token": max(0.0, 1e3 * a["ds"] / a["dt"] - (a["io"] + a["route"]) / a["dec"])
+        if a["dt"] and a["dec"] else 0.0,
+        "rss_mib": a["rss"] / 2**20,
+    }
+
+
+def print_bench_table(rows: list) -> None:
     hdr = (f"{'routing':<16} {'cache':>7} {'prompt tok/s':>12} {'decode tok/s':>12} {'miss %':>7} {'miss/tok':>8} "
            f"{'lifetime':>8} {'MiB loaded':>10} {'MiB read/tok':>12} {'compute ms':>10} {'I/O ms':>7} {'route ms':>8} {'RSS MiB':>8}")
     print(hdr)
@@ -330,7 +364,6 @@ def cmd_bench(args) -> int:
               f"{100 * r['miss_rate']:>7.1f} {r['misses_per_token']:>8.2f} {r['lifetime']:>8.1f} {r['mib_loaded_per_run']:>10.2f} "
               f"{r['mib_read_per_token']:>12.3f} {r['compute_ms_per_token']:>10.2f} {r['io_ms_per_token']:>7.2f} "
               f"{r['route_ms_per_token']:>8.3f} {r['rss_mib']:>8.0f}")
-    return 0
 
 
 def cmd_info(args) -> int:

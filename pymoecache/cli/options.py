@@ -175,9 +175,11 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default=None, metavar="on|off|auto",
                    help="flash attention, as llama.cpp; auto = on (it is supported on the CPU) (default: off, "
                         "llama-cpp-python's choice)")
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0, metavar="N",
-                   help="layers to offload to a GPU, as in llama.cpp (default 0). Only with --residency none: streamed "
-                        "experts live in CPU memory, and moving them to a GPU is not built yet")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
+                   metavar="N|all|auto",
+                   help="layers to offload to a GPU, as in llama.cpp: a number, all, or auto (as many as fit: none on "
+                        "this CPU build) (default 0). Only with --residency none: streamed experts live in CPU "
+                        "memory, and moving them to a GPU is not built yet")
     p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
                    help="keep the experts in CPU memory, as llama.cpp: what this runtime does anyway (they are "
                         "streamed or cached in RAM); refused with -ngl > 0 until GPU layers are built")
@@ -196,6 +198,20 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="print llama.cpp's log on stderr (default: off)")
     p.add_argument("--log-disable", dest="verbose", action="store_false",
                    help="no llama.cpp log (the default here)")
+
+
+def gpu_layers(value: str) -> int:
+    """-ngl as llama.cpp takes it: a number, ``all`` (-1: every layer) or ``auto`` (0 here: this
+    build has no GPU backend to fit layers into)."""
+    v = value.strip().lower()
+    if v == "all":
+        return -1
+    if v == "auto":
+        return 0
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers, all or auto, got {value!r}") from None
 
 
 def on_off_auto(value: str) -> str:
