@@ -71,8 +71,8 @@ class _ClientGone(Exception):
 
 class _Queue:
     """Completion requests that passed validation and are in the server: the one generating and
-    those waiting on llama_cpp.server's lock (served in order of arrival). At most ``1 + max_queue``;
-    past that, 503 with Retry-After. One event loop changes ``active``: no lock needed."""
+    those waiting on llama_cpp.server's lock (served in order of arrival). At most ``n_parallel +
+    max_queue``; past that, 503 with Retry-After. One event loop changes ``active``: no lock needed."""
 
     def __init__(self, max_queue: int, n_parallel: int = 1):
         self.max_queue, self.n_parallel, self.active = max_queue, n_parallel, 0
@@ -97,45 +97,43 @@ async def _watch_disconnect(request, gone: threading.Event) -> None:
         await asyncio.sleep(0.2)
 
 
-class _Metrics:
+def metrics_text(llm, generating: bool, waiting: int) -> str:
     """``GET /metrics``: llama-server's counters (prompt and predicted tokens, their seconds and
     rates, requests in flight and waiting) from llama.cpp's own timings, and the expert cache's
     (hits, misses, hit rate, bytes read, I/O wait), in Prometheus' text format."""
+    import llama_cpp
 
-    def text(self, llm, generating: bool, waiting: int) -> str:
-        import llama_cpp
-
-        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # cumulative since load: the server never resets it
-        t_p, t_e = perf.t_p_eval_ms / 1e3, perf.t_eval_ms / 1e3
-        rows = [
-            ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens processed.", perf.n_p_eval),
-            ("llamacpp:prompt_seconds_total", "counter", "Prompt process time.", t_p),
-            ("llamacpp:tokens_predicted_total", "counter", "Generated tokens (decoded).", perf.n_eval),
-            ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time.", t_e),
-            ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
-             perf.n_p_eval / t_p if t_p > 0 else 0.0),
-            ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-             perf.n_eval / t_e if t_e > 0 else 0.0),
-            ("llamacpp:requests_processing", "gauge", "Requests generating.", int(generating)),
-            ("llamacpp:requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # cumulative since load: the server never resets it
+    t_p, t_e = perf.t_p_eval_ms / 1e3, perf.t_eval_ms / 1e3
+    rows = [
+        ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens processed.", perf.n_p_eval),
+        ("llamacpp:prompt_seconds_total", "counter", "Prompt process time.", t_p),
+        ("llamacpp:tokens_predicted_total", "counter", "Generated tokens (decoded).", perf.n_eval),
+        ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time.", t_e),
+        ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+         perf.n_p_eval / t_p if t_p > 0 else 0.0),
+        ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+         perf.n_eval / t_e if t_e > 0 else 0.0),
+        ("llamacpp:requests_processing", "gauge", "Requests generating.", int(generating)),
+        ("llamacpp:requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
+    ]
+    if llm.moecache is not None:
+        st = llm.moe_stats()
+        rs = st.residency
+        rows += [
+            ("pymoecache:tokens_total", "counter", "Tokens routed through the expert cache.", st.tokens),
+            ("pymoecache:cache_hits_total", "counter", "Expert selections found in the cache.", st.hits),
+            ("pymoecache:cache_misses_total", "counter", "Expert selections not in the cache.", st.misses),
+            ("pymoecache:cache_hit_rate", "gauge", "Hits / (hits + misses) since load.", st.hit_rate),
+            ("pymoecache:bytes_read_total", "counter", "Expert bytes read from the model file (load, prompts, "
+             "decoding).", (rs.load_bytes_read + rs.prompt_bytes_read + rs.decode_bytes_read) if rs else 0),
+            ("pymoecache:io_wait_seconds_total", "counter", "Time decoded tokens waited for expert reads.",
+             rs.decode_t_io_ms / 1e3 if rs else 0.0),
         ]
-        if llm.moecache is not None:
-            st = llm.moe_stats()
-            rs = st.residency
-            rows += [
-                ("pymoecache:tokens_total", "counter", "Tokens routed through the expert cache.", st.tokens),
-                ("pymoecache:cache_hits_total", "counter", "Expert selections found in the cache.", st.hits),
-                ("pymoecache:cache_misses_total", "counter", "Expert selections not in the cache.", st.misses),
-                ("pymoecache:cache_hit_rate", "gauge", "Hits / (hits + misses) since load.", st.hit_rate),
-                ("pymoecache:bytes_read_total", "counter", "Expert bytes read from the model file (load, prompts, "
-                 "decoding).", (rs.load_bytes_read + rs.prompt_bytes_read + rs.decode_bytes_read) if rs else 0),
-                ("pymoecache:io_wait_seconds_total", "counter", "Time decoded tokens waited for expert reads.",
-                 rs.decode_t_io_ms / 1e3 if rs else 0.0),
-            ]
-        out = []
-        for name, kind, help_, value in rows:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(out) + "\n"
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(out) + "\n"
 
 
 class RequestError(Exception):
@@ -485,7 +483,6 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                                        "code": None}}, status_code=500)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     queue = _Queue(max_queue, n_parallel)
-    metrics = _Metrics()
     auth = [Depends(app_mod.authenticate)]
 
     # The stock completion endpoints again, behind validate_request and without their response
@@ -639,7 +636,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     @ours.get("/metrics", summary="Prometheus metrics (llama-server's names, and the expert cache's)",
               tags=["pymoecache"], dependencies=auth)
     def prometheus_metrics():
-        return Response(metrics.text(proxy(), *load()), media_type="text/plain; version=0.0.4")
+        return Response(metrics_text(proxy(), *load()), media_type="text/plain; version=0.0.4")
 
     @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"], dependencies=auth)
     def moecache_stats() -> dict:

@@ -153,7 +153,7 @@ def test_two_turns_stats_routing_ctrl_d(term):
     assert ask(t, "Good morrow, my lord.") == first
     command(t, "/stats", HIT)
     command(t, "/routing prior:0.5", r"routing: prior:0\.5")
-    command(t, "/reset", r"conversation cleared")
+    command(t, "/clear", r"conversation cleared")  # llama-cli's name; /reset is ours
     prior_answer = ask(t, "Good morrow, my lord.")
     m = command(t, "/stats", r"\[prior:0\.5, cache 8/60 experts per layer\].*\n" + HIT)
     prior_hit = float(m.group(2))

@@ -5,9 +5,9 @@
 The turns are rendered with the model's chat template by llama.cpp itself
 (``llama_chat_apply_template``, ChatML when the model has none), answers stream token by token,
 and the KV cache of earlier turns is reused. Commands: /stats, /routing SPEC, /clear, /regen,
-/read FILE, /save FILE, /help, /quit. Ctrl-C stops the current answer, Ctrl-D leaves (also typed while an answer streams: the
-answer stops and the chat ends; lines typed ahead become the next messages). When the conversation outgrows the
-context, the oldest turns are dropped, with a notice.
+/read FILE, /save FILE, /help, /quit. Ctrl-C stops the current answer, Ctrl-D leaves (also typed
+while an answer streams: the answer stops and the chat ends; lines typed ahead become the next
+messages). When the conversation outgrows the context, the oldest turns are dropped, with a notice.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import sys
 import threading
 from typing import List, Optional
 
-from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      add_conversation_options, add_sampling_options, check_profile_args, load_profile_from_args, read_text_file,
-                      resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args, use_color)
+from .options import (UserError, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
+                      add_runtime_options, add_sampling_options, check_profile_args, load_profile_from_args,
+                      read_text_file, resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args,
+                      use_color)
 
 HELP = """commands:
   /stats          cache statistics so far, and since the last /stats
@@ -201,13 +202,15 @@ def first_message(args) -> Optional[str]:
 
 
 def save_conversation(conv: Conversation, path: str) -> int:
-    """/save FILE: the messages as JSON (OpenAI's list of {role, content}); the number written."""
+    """/save FILE: the messages as JSON (OpenAI's list of {role, content}), written whole or not at
+    all; the number written. UserError when the file cannot be written."""
     import json
 
+    from ..files import write_atomic
+
     messages = conv.all_messages()
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({"messages": messages}, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+    data = (json.dumps({"messages": messages}, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+    write_atomic(path, data, "conversation file", UserError)
     return len(messages)
 
 
@@ -221,7 +224,8 @@ def cmd_chat(args) -> int:
         if args.system is not None:
             raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
         args.system = read_text_file(args.system_file, "system prompt file")
-    pending = [first_message(args)] if first_message(args) is not None else []
+    first = first_message(args)
+    pending = [first] if first is not None else []
     check_profile_args(args)
     model = resolve_model(args.model, args)
     llm = llama_from_args(args, routing, model, dense_ok=True)
@@ -342,8 +346,8 @@ def cmd_chat(args) -> int:
                 continue
             try:
                 n = save_conversation(conv, rest)
-            except OSError as e:
-                print(f"error: cannot write {rest}: {e.strerror}", file=sys.stderr, flush=True)
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
                 continue
             print(f"[{n} message{'s' * (n != 1)} saved to {rest}]", file=sys.stderr, flush=True)
         elif cmd.startswith("/") and " " not in cmd and cmd[1:].isalpha():

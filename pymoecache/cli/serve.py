@@ -51,14 +51,14 @@ def cmd_serve(args) -> int:
     if not 0 <= args.max_queue <= 100_000:
         raise UserError(f"--max-queue must be in [0, 100000], got {args.max_queue}")
     _check_port(args.host, args.port)
-    model = resolve_model(args.model, args)
-    if not model_info(model).is_moe:
-        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     if not 1 <= args.parallel <= 256:
         raise UserError(f"-np/--parallel must be in [1, 256], got {args.parallel}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
+    model = resolve_model(args.model, args)
     info = model_info(model)
+    if not info.is_moe:
+        raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     kw = runtime_kwargs(args)
     ctx_note = ""
     if args.ctx == 0:  # llama-server's -c 0: the model's training context, capped by the memory
