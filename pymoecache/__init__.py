@@ -17,7 +17,7 @@ import os as _os
 import sys as _sys
 
 from ._lib import find_lib_dir as _find_lib_dir
-from .config import (CacheConfig, CumsumThreshold, DropRank, MaxRank, Prior, Prune, SwapRank, TopK,
+from .config import (CacheConfig, CumsumThreshold, DropRank, MaxRank, Preset, Prior, Prune, SwapRank, TopK,
                      parse_cache_size, parse_routing)
 from .errors import (ConcurrentUseError, ConfigError, Error, GrammarError, ModelFileError, ModelLoadError,
                      ModelNotFoundError, MoECacheError, MoECacheIOError, StateFileError)
@@ -59,6 +59,6 @@ __all__ = [
     "CacheConfig", "ConcurrentUseError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
     "MaxRank",
     "MoECache", "MoECacheError", "MoECacheIOError", "MoEStats", "ModelFileError", "ModelInfo", "ModelLoadError",
-    "ModelNotFoundError", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",
+    "ModelNotFoundError", "Preset", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",
     "auto_cache_size", "default_model_path", "model_info", "native_version", "parse_cache_size", "parse_routing",
 ]

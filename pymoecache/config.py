@@ -16,7 +16,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 from . import constants as C
 from .errors import ConfigError
@@ -250,11 +250,70 @@ class SwapRank:
 
 
 Routing = Union[TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank]
+
+PRESET_NAMES = ("quality", "balanced", "speed")
+# what each preset cost and bought on the two trained models (docs/eviction.md, the eviction
+# sweep: 15,360 held-out tokens, against top-k routing with LRU eviction at the same cache size)
+_PRESET_MEASURED = {
+    "quality": "+0.70-0.92% perplexity for 1.11-2.27x fewer misses",
+    "balanced": "+0.92-1.94% perplexity for 1.11-3.97x fewer misses",
+    "speed": "+2.64-3.86% perplexity for 1.42-4.68x fewer misses",
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named choice of routing and eviction, picked from the model's K and the share of the
+    experts cached once the cache size is known (``pymoecache.Llama`` resolves it at load):
+
+    * ``quality``: prior 0.1 with J = 1, LRU eviction: at most 1% perplexity on the reference models;
+    * ``balanced``: prior 0.2 with router-mass eviction, J = 1 from half the experts cached, J = 2
+      below (K >= 4; prior 0.1 for K <= 2): at most 2%;
+    * ``speed``: prior 0.3 with J = 1, router-mass eviction: at most 4%, the most misses saved.
+
+    Where every expert is cached the routing changes nothing: the preset is then top-k with LRU.
+
+    >>> Preset("balanced").resolve(n_expert_used=4, cache_share=0.25)
+    (Prior(strength=0.2, top_j=2), 'router-mass')
+    >>> Preset("quality").resolve(n_expert_used=4, cache_share=1.0)
+    (TopK(), 'lru')
+    """
+
+    name: str = "balanced"
+    eviction: Optional[str] = None  # instead of the preset's own (a user's explicit choice)
+
+    def __post_init__(self):
+        if self.name not in PRESET_NAMES:
+            raise ConfigError(f"unknown preset {self.name!r}; expected one of {', '.join(PRESET_NAMES)}")
+        if self.eviction is not None:
+            check_eviction(self.eviction, 0.95)
+
+    def spec(self) -> str:
+        return f"preset:{self.name}"
+
+    def resolve(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str]:
+        """(routing, eviction) for a model with K = ``n_expert_used`` and ``cache_share`` of its
+        routed experts cached."""
+        if cache_share >= 1.0:
+            routing, eviction = TopK(), "lru"
+        elif self.name == "quality":
+            routing, eviction = Prior(0.1, top_j=1), "lru"
+        elif self.name == "speed":
+            routing, eviction = Prior(0.3, top_j=1), "router-mass"
+        elif n_expert_used <= 2:
+            routing, eviction = Prior(0.1, top_j=1), "router-mass"
+        else:
+            routing, eviction = Prior(0.2, top_j=1 if cache_share >= 0.5 else 2), "router-mass"
+        return routing, self.eviction or eviction
+
+    def measured(self) -> str:
+        """What it cost and bought on the reference models, for the stats line."""
+        return _PRESET_MEASURED[self.name]
 ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)
 
 _SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?\s*$")
-ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2); "
-                 "analysis: drop-rank:I | swap-rank:I[:seed=S]")
+ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2) | "
+                 "preset:quality|balanced|speed; analysis: drop-rank:I | swap-rank:I[:seed=S]")
 
 
 def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
@@ -267,6 +326,8 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     """
     if not isinstance(spec, str):
         raise ConfigError(f"a routing spec is a string such as 'prior:0.5', got {spec!r}")
+    if spec.strip().lower().startswith("preset:"):  # a Preset: routing and eviction chosen at load
+        return Preset(spec.strip().lower().split(":", 1)[1].strip())
     m = _SPEC_RE.match(spec.lower())
     if not m:
         raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")

@@ -29,7 +29,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .config import CacheConfig, CumsumThreshold, MaxRank, Prior, Prune, Routing, TopK, resolved_top_j
+from .config import CacheConfig, CumsumThreshold, MaxRank, Preset, Prior, Prune, Routing, TopK, resolved_top_j
 from .errors import EvalError  # noqa: F401  (raised here, defined with the other errors)
 from .files import save_npz_atomic, write_atomic
 from .stats import MoEStats
@@ -332,12 +332,17 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
+                ev = eviction
+                if isinstance(routing, Preset):  # its routing and eviction for this cache size
+                    n = llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1]
+                    routing, ev = routing.resolve(llm.moecache.n_expert_used, n / llm.moecache.n_expert)
+                llm.set_eviction(ev)
                 llm.moecache.clear()
                 llm.moecache.reset_stats()
                 llm.moecache.set_routing(routing, scope="all")
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
-                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": eviction,
+                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": ev,
                              "prefetch_min_p": prefetch_min_p})
                 if on_row is not None:
                     on_row(rows, total)

@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
-                     ConfigError, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
+                     ConfigError, Preset, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from ._logtail import LINES, take_log_lines
@@ -558,7 +558,9 @@ class Llama(llama_cpp.Llama):
             cached experts live in an mlocked slot arena and a miss reads the expert from
             ``model_path``). ``cache_choice`` then says what auto chose and why.
         routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
-            as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts).
+            as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts), or a
+            :class:`Preset` (``"preset:balanced"``): routing and eviction picked from the model's
+            K and the share of experts cached, once the cache size is known (``.preset``).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
             generated tokens (prompts use stock routing), as in the on-device deployment.
         **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, ...).
@@ -592,7 +594,8 @@ class Llama(llama_cpp.Llama):
         cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
-        routing = TopK() if routing is None else _as_routing(routing)
+        routing = TopK() if routing is None else routing if isinstance(routing, Preset) else _as_routing(routing)
+        preset = routing if isinstance(routing, Preset) else None
         _check_llama_kwargs(kwargs)
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
@@ -605,6 +608,10 @@ class Llama(llama_cpp.Llama):
                                                from_memory=choice is not None or isinstance(cache.size, str))
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
+            if preset is not None:  # routing and eviction from the model's K and the share cached
+                n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
+                routing, eviction = preset.resolve(info.n_expert_used, n / info.n_expert)
+                cache = dataclasses.replace(cache, eviction=eviction)
             cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
@@ -679,6 +686,7 @@ class Llama(llama_cpp.Llama):
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
+        self.preset = preset  # the Preset routing="preset:NAME" named (resolved into routing and eviction), or None
         self.moecache: Optional[MoECache] = None
         if not info.is_moe:
             warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",
@@ -879,6 +887,12 @@ class Llama(llama_cpp.Llama):
         >>> llm.set_routing(Prior(1.0))        # doctest: +SKIP
         """
         cache = self._require_cache()
+        if isinstance(routing, str) and routing.strip().lower().startswith("preset:"):
+            routing = parse_routing(routing)
+        if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
+            n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
+            routing, eviction = routing.resolve(cache.n_expert_used, n / cache.n_expert)
+            self.set_eviction(eviction)
         with self._token_lock:
             cache.set_routing(routing, scope)
 

@@ -310,9 +310,11 @@ def request_stats(before: MoEStats, after: MoEStats) -> dict:
 def stats_json(llm: Llama, routing: Routing, routing_scope: str) -> dict:
     """What ``GET /moecache/stats`` answers: the counters since load, in total and per MoE layer."""
     st = llm.moe_stats()
+    routing = llm.moecache.routing  # as resolved (a preset names what it chose)
     return {
         "model": llm.model_path,
         "routing": routing.spec(),
+        "preset": llm.preset.name if getattr(llm, "preset", None) is not None else None,
         "top_j": (resolved_top_j(routing, llm.model_info.n_expert_used) if hasattr(routing, "top_j") else None),
         "routing_scope": routing_scope,
         **st.summary_dict(),

@@ -74,7 +74,8 @@ def cmd_ppl(args) -> int:
         rows = sweep(model, args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
                      n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion,
                      decode=args.decode, prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
-                     prefetch_min_p=args.prefetch_min_p, eviction=args.eviction, eviction_decay=args.eviction_decay,
+                     prefetch_min_p=args.prefetch_min_p, eviction=args.eviction or "lru",
+                     eviction_decay=args.eviction_decay,
                      on_row=on_row)
     except KeyboardInterrupt:  # Ctrl-C: the finished rows are kept, printed, and said where they are
         if done:

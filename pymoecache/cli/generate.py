@@ -39,6 +39,10 @@ def cache_line(llm, routing_spec: str) -> str:
         return "[dense model, no expert cache]"
     n = llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1]  # capacity, known before any token
     why = f"; {llm.cache_choice}" if llm.cache_choice is not None else ""
+    if getattr(llm, "preset", None) is not None:  # which preset ran, as what, and what it costs
+        p = llm.preset
+        routing_spec = (f"preset {p.name}: {llm.moecache.routing.spec()}, {llm.cache_config.eviction} eviction"
+                        + ("" if n >= llm.moecache.n_expert else f" ({p.measured()} on our reference models)"))
     return f"[{routing_spec}, cache {n}/{llm.moecache.n_expert} experts per layer{why}]"
 
 
@@ -178,8 +182,10 @@ def cmd_run(args) -> int:
     st = llm.moe_stats() if llm.moecache is not None else None
     res = {
         "model": model,
-        "routing": routing.spec(),
-        "top_j": resolved_top_j(routing, llm.model_info.n_expert_used) if hasattr(routing, "top_j") else None,
+        "routing": llm.moecache.routing.spec() if llm.moecache is not None else routing.spec(),
+        "preset": llm.preset.name if getattr(llm, "preset", None) is not None else None,
+        "top_j": (resolved_top_j(llm.moecache.routing, llm.model_info.n_expert_used)
+                  if llm.moecache is not None and hasattr(llm.moecache.routing, "top_j") else None),
         "eviction": llm.cache_config.eviction,
         "n_ctx": llm.n_ctx(),
         "n_threads": llm.context_params.n_threads,
@@ -305,6 +311,10 @@ def cmd_bench(args) -> int:
 
 def bench_one(llm, routing, prompts, args, a: dict) -> None:
     """One repetition of one routing setting over every prompt, from an empty cache, added to ``a``."""
+    from ..config import Preset
+
+    if not isinstance(routing, Preset):  # (a preset sets its own eviction; the others run with --eviction)
+        llm.set_eviction(args.eviction or "lru")
     llm.moecache.clear()
     llm.reset_moe_stats()
     llm.set_routing(routing)

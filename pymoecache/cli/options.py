@@ -71,6 +71,11 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
     x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
     x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
     x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
+    x.add_argument("--preset", choices=["quality", "balanced", "speed"], default=None,
+                   help="routing and eviction picked from the model's K and the share of experts cached, from what "
+                        "they cost on our reference models: quality (prior 0.1, J=1: <= 1%% perplexity), balanced "
+                        "(prior 0.2, router-mass eviction: <= 2%%), speed (prior 0.3, J=1, router-mass: <= 4%%); "
+                        "where every expert is cached, top-k (routing changes nothing there) (default: none, lru)")
     g.add_argument("--top-j", type=int, default=None, metavar="J",
                    help="the router's top J experts are always used, cached or not (default: by the model's K, "
                         "the published choice: 1 for K <= 3 experts per token, 2 for K >= 4)")
@@ -107,11 +112,11 @@ def add_cache_options(p: argparse.ArgumentParser, multi: bool = False, default: 
                    help="gate and trace: prefetch a predicted expert only if its predicted probability is at least "
                         "P, in [0, 1]: fewer wasted reads on a slow disk, fewer experts brought in early "
                         "(default %(default)s: every predicted expert)")
-    c.add_argument("--eviction", choices=["lru", "lfu", "activation", "freq-prob", "router-mass"], default="lru",
+    c.add_argument("--eviction", choices=["lru", "lfu", "activation", "freq-prob", "router-mass"], default=None,
                    help="which cached expert leaves for a new one: lru (least recently used), lfu (fewest recent "
                         "selections), activation (MoE-Infinity: lowest share of this request's selections), "
                         "freq-prob (fMoE: recent selections x the router's probability), router-mass (lowest "
-                        "recent sum of router probability) (default lru)")
+                        "recent sum of router probability) (default lru, or the --preset's)")
     c.add_argument("--eviction-decay", type=float, default=0.95, metavar="G",
                    help="per-token decay of what lfu, freq-prob and router-mass count, in (0, 1]; 0.95 remembers "
                         "about 20 tokens (default %(default)s)")
@@ -368,9 +373,13 @@ def add_hub_options(p: argparse.ArgumentParser) -> None:
 
 
 def routing_from_args(args):
-    from ..config import CumsumThreshold, MaxRank, Prior, Prune, TopK, parse_routing
+    from ..config import CumsumThreshold, MaxRank, Preset, Prior, Prune, TopK, parse_routing
 
     j = args.top_j  # None: the model's default (1 for K <= 3, 2 for K >= 4)
+    if getattr(args, "preset", None) is not None:
+        if j is not None:
+            raise UserError("--top-j with --preset: the preset picks J (give --prior L --top-j J instead)")
+        return Preset(args.preset, eviction=getattr(args, "eviction", None))
     if args.prior is not None:
         return Prior(args.prior, top_j=j)
     if args.max_rank is not None:
@@ -394,7 +403,7 @@ def cache_from_args(args):
     return CacheConfig(size=parse_cache_size(args.cache_size), insertion=args.insertion,
                        prefetch=getattr(args, "prefetch", "auto"), prefetch_distance=getattr(args, "prefetch_distance", 1),
                        prefetch_min_p=getattr(args, "prefetch_min_p", 0.0),
-                       eviction=getattr(args, "eviction", "lru"), eviction_decay=getattr(args, "eviction_decay", 0.95),
+                       eviction=getattr(args, "eviction", None) or "lru", eviction_decay=getattr(args, "eviction_decay", 0.95),
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
                        prefetch_threads=getattr(args, "prefetch_threads", 0),
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
