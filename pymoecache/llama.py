@@ -171,7 +171,10 @@ def read_json_file(path: "os.PathLike[str] | str", what: str):
 
 def _as_routing(routing: Union[Routing, str]) -> Routing:
     if isinstance(routing, str):
-        return parse_routing(routing)
+        routing = parse_routing(routing)
+    if isinstance(routing, Preset):
+        raise ConfigError(f"{routing.spec()} is resolved from the cache size by pymoecache.Llama: pass it as "
+                          "Llama(routing=...) or to Llama.set_routing")
     if not isinstance(routing, ROUTING_TYPES):
         raise ConfigError(f"routing must be a spec string such as 'prior:0.5' or a policy object "
                           f"(Prior(0.5), MaxRank(4), ...), got {routing!r}")
@@ -594,6 +597,8 @@ class Llama(llama_cpp.Llama):
         cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
+        if isinstance(routing, str):
+            routing = parse_routing(routing)
         routing = TopK() if routing is None else routing if isinstance(routing, Preset) else _as_routing(routing)
         preset = routing if isinstance(routing, Preset) else None
         _check_llama_kwargs(kwargs)

@@ -63,6 +63,8 @@ def test_set_routing_resolves_a_preset_for_the_cache_in_place(fixture_dir):
                            verbose=False)
     llm.set_routing("preset:speed")
     assert llm.moecache.routing == Prior(0.3, top_j=1) and llm.moecache.eviction == "router-mass"
+    with pytest.raises(ConfigError, match="resolved from the cache size by pymoecache.Llama"):
+        llm.moecache.set_routing("preset:speed")  # the bare cache does not know what to resolve it for
     llm.close()
 
 
