@@ -309,6 +309,8 @@ class Preset:
     def measured(self) -> str:
         """What it cost and bought on the reference models, for the stats line."""
         return _PRESET_MEASURED[self.name]
+
+
 ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)
 
 _SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?\s*$")

@@ -332,18 +332,16 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
-                ev = eviction
-                if isinstance(routing, Preset):  # its routing and eviction for this cache size
-                    n = llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1]
-                    routing, ev = routing.resolve(llm.moecache.n_expert_used, n / llm.moecache.n_expert)
-                llm.set_eviction(ev)
+                if not isinstance(routing, Preset):  # (a preset brings its own eviction: Llama.set_routing)
+                    llm.set_eviction(eviction)
                 llm.moecache.clear()
                 llm.moecache.reset_stats()
-                llm.moecache.set_routing(routing, scope="all")
+                llm.set_routing(routing, scope="all")
+                routing = llm.moecache.routing  # a preset: what it resolved to for this cache size
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
-                rows.append({"model": Path(model_path).name, **result_row(routing, res), "eviction": ev,
-                             "prefetch_min_p": prefetch_min_p})
+                rows.append({"model": Path(model_path).name, **result_row(routing, res),
+                             "eviction": llm.moecache.eviction, "prefetch_min_p": prefetch_min_p})
                 if on_row is not None:
                     on_row(rows, total)
         finally:

@@ -599,8 +599,9 @@ class Llama(llama_cpp.Llama):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
         if isinstance(routing, str):
             routing = parse_routing(routing)
-        routing = TopK() if routing is None else routing if isinstance(routing, Preset) else _as_routing(routing)
-        preset = routing if isinstance(routing, Preset) else None
+        preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
+        if preset is None:
+            routing = TopK() if routing is None else _as_routing(routing)
         _check_llama_kwargs(kwargs)
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights

@@ -23,8 +23,8 @@ from typing import List, Optional
 
 from .options import (UserError, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
                       add_runtime_options, add_sampling_options, check_profile_args, load_profile_from_args,
-                      read_text_file, resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args,
-                      use_color)
+                      prompt_text, read_text_file, resolve_model, routing_from_args, sampling_kwargs,
+                      save_profile_from_args, system_prompt, use_color)
 
 HELP = """commands:
   /stats          cache statistics so far, and since the last /stats
@@ -192,15 +192,6 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
     return "".join(text)
 
 
-def first_message(args) -> Optional[str]:
-    """-p TEXT or -f FILE: the first user message, sent before anything is read."""
-    if getattr(args, "file", None) is not None:
-        if getattr(args, "prompt", None) is not None:
-            raise UserError("give either -p/--prompt or -f/--file, not both")
-        return read_text_file(args.file, "prompt file")
-    return getattr(args, "prompt", None)
-
-
 def save_conversation(conv: Conversation, path: str) -> int:
     """/save FILE: the messages as JSON (OpenAI's list of {role, content}), written whole or not at
     all; the number written. UserError when the file cannot be written."""
@@ -220,11 +211,8 @@ def cmd_chat(args) -> int:
     from .generate import cache_line, llama_from_args, print_plan
 
     routing = routing_from_args(args)
-    if args.system_file is not None:
-        if args.system is not None:
-            raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
-        args.system = read_text_file(args.system_file, "system prompt file")
-    first = first_message(args)
+    args.system = system_prompt(args)
+    first = prompt_text(args)  # the first user message, sent before anything is read
     pending = [first] if first is not None else []
     check_profile_args(args)
     model = resolve_model(args.model, args)

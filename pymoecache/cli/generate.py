@@ -13,10 +13,11 @@ import sys
 import time
 
 from ..config import resolved_top_j
-from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
-                      add_runtime_options, add_sampling_options, cache_from_args, read_text_file, resolve_model,
-                      resolve_seed, routing_from_args, runtime_kwargs, sampling_kwargs, check_profile_args,
-                      load_profile_from_args, save_profile_from_args, use_color)
+from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument,
+                      add_routing_options, add_runtime_options, add_sampling_options, cache_from_args,
+                      check_profile_args, load_profile_from_args, prompt_text, resolve_model, resolve_seed,
+                      routing_from_args, runtime_kwargs, sampling_kwargs, save_profile_from_args, system_prompt,
+                      use_color)
 
 
 def _perf(llm):
@@ -54,11 +55,8 @@ def all_fit(llm) -> bool:
 
 def prompt_from_args(args) -> str:
     """-p TEXT or -f FILE (as llama.cpp); the default prompt when neither is given."""
-    if args.file is not None:
-        if args.prompt is not None:
-            raise UserError("give either -p/--prompt or -f/--file, not both")
-        return read_text_file(args.file, "prompt file")
-    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+    prompt = prompt_text(args)
+    return DEFAULT_PROMPT if prompt is None else prompt
 
 
 def llama_from_args(args, routing, model: str, dense_ok: bool = False, **kw):
@@ -122,10 +120,7 @@ def write_timeline(args, llm) -> None:
 
 
 def cmd_run(args) -> int:
-    if args.system_file is not None:
-        if args.system is not None:
-            raise UserError("give either -sys/--system-prompt or -sysf/--system-prompt-file, not both")
-        args.system = read_text_file(args.system_file, "system prompt file")
+    args.system = system_prompt(args)
     routing = routing_from_args(args)
     prompt = prompt_from_args(args)
     check_profile_args(args)

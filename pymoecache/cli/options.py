@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Optional
 
+from ..config import PRESET_NAMES
 from ..errors import Error
 
 EXIT_USAGE = 2
@@ -71,7 +72,7 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
     x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
     x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
     x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
-    x.add_argument("--preset", choices=["quality", "balanced", "speed"], default=None,
+    x.add_argument("--preset", choices=list(PRESET_NAMES), default=None,
                    help="routing and eviction picked from the model's K and the share of experts cached, from what "
                         "they cost on our reference models: quality (prior 0.1, J=1: <= 1%% perplexity), balanced "
                         "(prior 0.2, router-mass eviction: <= 2%%), speed (prior 0.3, J=1, router-mass: <= 4%%); "
@@ -349,6 +350,28 @@ def sampling_kwargs(args, llm) -> dict:
         check_grammar(grammar, llm._model.vocab)  # before any work: GrammarError, exit 2
         kw["grammar"] = llama_cpp.LlamaGrammar.from_string(grammar, verbose=False)
     return kw
+
+
+def text_or_file(args, text: str, file: str, flags: str, what: str) -> Optional[str]:
+    """The text of option ``text`` or the contents of option ``file`` (-p or -f, -sys or -sysf; the
+    two ``flags`` name them in the error), not both; None when neither was given."""
+    t, f = getattr(args, text, None), getattr(args, file, None)
+    if f is None:
+        return t
+    if t is not None:
+        raise UserError(f"give either {flags}, not both")
+    return read_text_file(f, what)
+
+
+def system_prompt(args) -> Optional[str]:
+    """-sys TEXT or -sysf FILE."""
+    return text_or_file(args, "system", "system_file", "-sys/--system-prompt or -sysf/--system-prompt-file",
+                        "system prompt file")
+
+
+def prompt_text(args) -> Optional[str]:
+    """-p TEXT or -f FILE (as llama.cpp)."""
+    return text_or_file(args, "prompt", "file", "-p/--prompt or -f/--file", "prompt file")
 
 
 def read_text_file(path: str, what: str) -> str:
