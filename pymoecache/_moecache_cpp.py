@@ -183,6 +183,8 @@ moecache_detach = _fn("moecache_detach", [moecache_p], None)
 moecache_set_routing = _fn("moecache_set_routing", [moecache_p, moecache_routing_params], c_int32)
 moecache_get_routing = _fn("moecache_get_routing", [moecache_p], moecache_routing_params)
 moecache_set_prior_delta = _fn("moecache_set_prior_delta", [moecache_p, POINTER(c_float), c_int32], c_int32)
+# int32_t moecache_set_prior_scale(struct moecache * mc, const float * scale, int32_t n);
+moecache_set_prior_scale = _fn("moecache_set_prior_scale", [moecache_p, POINTER(c_float), c_int32], c_int32)
 moecache_reset_stats = _fn("moecache_reset_stats", [moecache_p], None)
 moecache_clear = _fn("moecache_clear", [moecache_p], None)
 # void moecache_begin_request(struct moecache * mc);

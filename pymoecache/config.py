@@ -190,18 +190,29 @@ class Prior:
 
     strength: float = 0.5
     top_j: Optional[int] = None
+    layers: Optional[Tuple[float, ...]] = None  # per-layer scale of the strength (model layer order); None = 1
 
     def __post_init__(self):
         if (isinstance(self.strength, bool) or not isinstance(self.strength, (int, float))
                 or not math.isfinite(self.strength) or self.strength < 0):
             raise ConfigError(f"prior strength (lambda) must be a finite number >= 0, got {self.strength!r}")
         _check_top_j(self.top_j)
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__len__") or not self.layers:
+                raise ConfigError(f"prior layers must be a list of per-layer scales, got {self.layers!r}")
+            if len(self.layers) > C.MOECACHE_MAX_LAYERS:
+                raise ConfigError(f"prior layers has {len(self.layers)} entries, more than any model's layers")
+            for x in self.layers:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                    raise ConfigError(f"a per-layer prior scale must be a finite number >= 0, got {x!r}")
+            object.__setattr__(self, "layers", tuple(float(x) for x in self.layers))
 
     def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), _j(self.top_j)
 
     def spec(self) -> str:
-        return _with_j(f"prior:{self.strength:g}", self.top_j)
+        s = _with_j(f"prior:{self.strength:g}", self.top_j)
+        return s if self.layers is None else s + ":layers=" + "/".join(f"{x:g}" for x in self.layers)
 
 
 @dataclass(frozen=True)
@@ -313,8 +324,10 @@ class Preset:
 
 ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)
 
-_SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?\s*$")
-ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2) | "
+_SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?"
+                      r"\s*(?::\s*layers\s*=\s*([^:\s]+))?\s*$")
+ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2; "
+                 "prior also ':layers=S0/S1/...', a scale per layer) | "
                  "preset:quality|balanced|speed; analysis: drop-rank:I | swap-rank:I[:seed=S]")
 
 
@@ -333,7 +346,9 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     m = _SPEC_RE.match(spec.lower())
     if not m:
         raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")
-    name, arg, opt, opt_val = m.group(1), m.group(2), m.group(3), m.group(4)
+    name, arg, opt, opt_val, layers = m.group(1), m.group(2), m.group(3), m.group(4), m.group(5)
+    if layers is not None and name != "prior":
+        raise ConfigError(f"routing spec {spec!r}: only prior takes ':layers=S0/S1/...'")
     if opt == "seed" and name != "swap-rank":
         raise ConfigError(f"routing spec {spec!r}: only swap-rank takes ':seed=S'")
     if opt == "j" and name in ("drop-rank", "swap-rank"):
@@ -353,7 +368,13 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
             raise ConfigError(f"routing spec {spec!r}: '{name}' takes no value")
         return TopK()
     if name == "prior":
-        return Prior(num(float) if arg is not None else 0.5, top_j=j)
+        scales = None
+        if layers is not None:
+            try:
+                scales = tuple(float(x) for x in layers.split("/"))
+            except ValueError:
+                raise ConfigError(f"routing spec {spec!r}: ':layers=' takes numbers separated by '/', e.g. 0/1.5/1")
+        return Prior(num(float) if arg is not None else 0.5, top_j=j, layers=scales)
     if name in ("max-rank", "maxrank"):
         return MaxRank(num(int), top_j=j)
     if name == "cumsum":

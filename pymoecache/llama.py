@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
-                     ConfigError, Preset, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
+                     ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from ._logtail import LINES, take_log_lines
@@ -282,6 +282,7 @@ class MoECache:
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
+        mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]
         mc.eviction = (cache or CacheConfig(size=0.5)).eviction
         mc.eviction_decay = float((cache or CacheConfig(size=0.5)).eviction_decay)
@@ -296,6 +297,7 @@ class MoECache:
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
+        mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]  # ("auto" resolved)
         mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
         return mc
@@ -322,6 +324,19 @@ class MoECache:
         scope = self.scope if scope is None else scope
         _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope, self.n_expert_used)))
         self.routing, self.scope = routing, scope
+        self._apply_layer_scale(routing)
+
+    def _apply_layer_scale(self, routing: Routing) -> None:
+        """The prior's per-layer scales (Prior.layers), or 1 everywhere for any other routing."""
+        scale = getattr(routing, "layers", None) if isinstance(routing, Prior) else None
+        if scale is None:
+            _check(C.moecache_set_prior_scale(self._h, None, 0))
+            return
+        if len(scale) > self.n_layer:
+            raise ConfigError(f"{routing.spec()} gives {len(scale)} per-layer scales; the model has {self.n_layer} "
+                              "layers")
+        arr = (ctypes.c_float * len(scale))(*scale)
+        _check(C.moecache_set_prior_scale(self._h, arr, len(scale)))
 
     def set_prior_delta(self, delta: Optional[np.ndarray]) -> None:
         """Fixed per-layer Delta_l (entries <= 0 keep the running mean); None restores the running mean."""

@@ -218,9 +218,10 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
         r_final = max_rank_order(r, s, cached, cumsum_m(r, p, s, f32(routing.tau)))
     elif isinstance(routing, Prior):
         lam = f32(routing.strength)
-        if lam > 0.0:
-            # the boost is computed in float64 and rounded once to float32
-            boost = np.float32(lam * delta)
+        scale = f32(routing.layers[il]) if routing.layers is not None and il < len(routing.layers) else 1.0
+        if lam > 0.0 and scale > 0.0:
+            # the boost lambda * scale_l * Delta_l is computed in float64 and rounded once to float32
+            boost = np.float32(lam * scale * delta)
             u = np.asarray(z if rank_on_logits else s, dtype=np.float32)
             r_final = prior_order(r, u, s, cached, J, boost)
         else:
@@ -484,6 +485,9 @@ class ReferenceCache:
                               f"{self.n_expert_used} experts per token (0 <= i < K)")
         if isinstance(routing, DropRank) and self.n_expert_used < 2:
             raise ConfigError("drop-rank needs a model with at least 2 experts per token")
+        if isinstance(routing, Prior) and routing.layers is not None and len(routing.layers) > self.n_layer:
+            raise ConfigError(f"{routing.spec()} gives {len(routing.layers)} per-layer scales; there are "
+                              f"{self.n_layer} layers")
         if top_j_of(routing, self.n_expert_used) > self.n_expert_used:
             raise ConfigError(f"top_j = {top_j_of(routing, self.n_expert_used)} is out of range: the model uses K = "
                               f"{self.n_expert_used} experts per token (0 <= top_j <= K)")

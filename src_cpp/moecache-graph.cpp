@@ -97,7 +97,7 @@ int32_t prior_predicted(const moecache & mc, const moecache_layer & T, const flo
     const int32_t N = mc.n_expert;
     const int32_t K = mc.n_expert_used;
     const int32_t J = std::min(mc.rparams.top_j, K);
-    const float boost = (float) ((double) mc.rparams.prior_lambda * moecache_layer_delta(T));
+    const float boost = moecache_layer_boost(T, mc.rparams.prior_lambda);
     int32_t top[MOECACHE_MAX_USED];
     float   p_top[MOECACHE_MAX_USED];
     const int32_t n_top = top_predicted(z, N, K, true, 0.0f, order, top, p_top); // (fills order with r)

@@ -123,6 +123,7 @@ struct moecache_layer {
     double delta_sum   = 0.0;
     int64_t delta_n    = 0;
     float  delta_fixed = 0.0f;
+    float  prior_scale = 1.0f;   // moecache_set_prior_scale: this layer's share of the prior's strength
 
     // counters only; moecache_get_layer_stats derives the shape, occupancy and Delta fields
     struct moecache_layer_stats st = {};
@@ -220,6 +221,11 @@ inline double moecache_layer_delta(const moecache_layer & L) {
         return L.delta_fixed;
     }
     return L.delta_n > 0 ? L.delta_sum / (double) L.delta_n : 0.0;
+}
+
+// the prior's boost of a cached expert at this layer: lambda * scale_l * Delta_l, rounded once to float
+inline float moecache_layer_boost(const moecache_layer & L, float lambda) {
+    return (float) ((double) lambda * (double) L.prior_scale * moecache_layer_delta(L));
 }
 
 // moecache.cpp

@@ -207,8 +207,8 @@ int32_t moecache_route_token(
             promote_cached(L, s, cumsum_rank(L, p, s, rp.cumsum_tau));
             break;
         case MOECACHE_POLICY_PRIOR:
-            if (rp.prior_lambda > 0.0f) {
-                prior_order(L, u, s, J, (float) ((double) rp.prior_lambda * moecache_layer_delta(L)));
+            if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
+                prior_order(L, u, s, J, moecache_layer_boost(L, rp.prior_lambda));
             } else {
                 promote_cached(L, s, 0);
             }

@@ -158,6 +158,21 @@ int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int3
     return MOECACHE_OK;
 }
 
+int32_t moecache_set_prior_scale(struct moecache * mc, const float * scale, int32_t n) {
+    if (n < 0 || n > mc->n_layer || (n > 0 && !scale)) {
+        return fail(MOECACHE_ERR_INVALID, "prior scale: need at most one value per layer");
+    }
+    for (int32_t il = 0; il < n; il++) {
+        if (!(scale[il] >= 0.0f) || !std::isfinite(scale[il])) {
+            return fail(MOECACHE_ERR_INVALID, "prior scale: every value must be finite and >= 0");
+        }
+    }
+    for (int32_t il = 0; il < mc->n_layer; il++) {
+        mc->layers[il].prior_scale = (scale && il < n) ? scale[il] : 1.0f;
+    }
+    return MOECACHE_OK;
+}
+
 void moecache_reset_stats(struct moecache * mc) {
     for (moecache_layer & L : mc->layers) {
         L.st = {};

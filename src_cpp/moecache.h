@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 13
+#define MOECACHE_ABI_VERSION 14
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -360,6 +360,12 @@ MOECACHE_API struct moecache_routing_params moecache_get_routing(const struct mo
 // Fixed per-layer Delta_l for PRIOR (from a calibration run) instead of the running mean.
 // delta: [n] values, n <= n_layer; an entry <= 0 keeps the running mean for that layer; NULL clears all.
 MOECACHE_API int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int32_t n);
+
+// Per-layer strength of PRIOR: layer l boosts its cached experts by lambda * scale[l] * Delta_l
+// (tuned per layer: pymoecache/tune.py). scale: [n] finite values >= 0, n <= n_layer; 0 = stock
+// routing at that layer (Top-J aside, which keeps r[0:J] anyway); layers from n on and NULL: 1 (default).
+// On error nothing changes. Takes effect on the next token.
+MOECACHE_API int32_t moecache_set_prior_scale(struct moecache * mc, const float * scale, int32_t n);
 
 MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and trace to zero; cache kept
 // A new request starts (a new prompt, not a continuation): PREFETCH_TRACE files the expert counts

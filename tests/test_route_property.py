@@ -61,7 +61,7 @@ class Scenario:
     pin: Optional[int] = None   # warm_start(pin) from the profile after the first batch
 
 
-def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = None):
+def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = None, n_layer: int = 1):
     if kind == "topk":
         return TopK()
     if kind == "prune":
@@ -75,8 +75,11 @@ def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = 
     if kind == "cumsum":
         return CumsumThreshold(draw(st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))), top_j=J)
     # exact binary fractions make boosted scores tie with unboosted ones (ties resolve by rank in r)
+    # per-layer scales (moecache_set_prior_scale): 0 switches a layer's prior off, 1 is the flat prior
+    layers = draw(st.one_of(st.none(), st.lists(st.one_of(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.75]),
+                                                          st.floats(0.0, 4.0)), min_size=1, max_size=n_layer)))
     return Prior(draw(st.one_of(st.just(0.0), st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), st.floats(0.0, 3.0))),
-                 top_j=J)
+                 top_j=J, layers=layers)
 
 
 VALUES = ("normal", "small-int", "binary", "near-int", "wide", "peaked")
@@ -93,12 +96,13 @@ def scenarios(draw, kinds=POLICIES, mask_ok=True, min_n=2, max_n=96, values=VALU
     n_masked = draw(st.integers(1, N - K)) if mask != "none" and N > K else 0
     mask = mask if n_masked else "none"
     max_m = None  # m may reach past the allowed experts: masked ones must still never be promoted
+    n_layer = draw(st.integers(1, 3))
     return Scenario(
-        N=N, K=K, J=J, routing=make_policy(draw, kind, N, K, J, max_m),
+        N=N, K=K, J=J, routing=make_policy(draw, kind, N, K, J, max_m, n_layer),
         capacity=draw(st.integers(0, N)),
         insertion=draw(st.sampled_from(("top-bottom", "bottom-top"))),
         rank_on_logits=draw(st.booleans()),
-        n_layer=draw(st.integers(1, 3)),
+        n_layer=n_layer,
         batches=draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)),
         values=draw(st.sampled_from(values)),
         mask=mask, n_masked=n_masked,
