@@ -1,0 +1,199 @@
+"""Per-layer tuning of the cache-conditional router on a calibration text (issue 28, directions 1-2).
+
+Two things may differ between layers while the memory and the perplexity budget stay the same:
+
+- **the prior's strength** (``Prior(layers=...)``): some layers lose little perplexity under a
+  strong prior, others a lot. :func:`layer_sensitivity` measures, on a calibration text, the
+  perplexity and that layer's miss rate with the prior applied at one layer alone, for a few
+  strengths; :func:`choose_layer_scales` spends the budget where it buys the most misses (a
+  Lagrangian choice, one strength per layer, assuming the layers' costs add up); :func:`tune`
+  checks the result on the calibration text and backs off until it fits.
+- **the cache size** (``CacheConfig(per_layer=...)``): :func:`allocate_slots` gives the same
+  total number of slots to the layers where one more slot saves the most misses, never fewer
+  than K per layer (a token's K experts must fit).
+
+The text must not be the one you evaluate on: tune on one part, measure on another
+(``scripts/bench_quarter.py`` does both on the trained models).
+
+>>> allocate_slots({0: {2: 0.5, 3: 0.3, 4: 0.2}, 1: {2: 0.6, 3: 0.3, 4: 0.25}}, total=6, k=2)
+[3, 3]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from .config import ConfigError, Prior
+
+SCALES = (0.5, 1.0, 1.5, 2.5, 5.0)  # per-layer multiples of the base strength that are measured
+
+
+def allocate_slots(miss: Mapping[int, Mapping[int, float]], total: int, k: int) -> List[int]:
+    """Cache sizes per layer (in the order of ``miss``'s keys) that sum to ``total``.
+
+    miss: ``{layer: {size: miss rate}}``, measured at a few sizes; between two measured sizes the
+    rate is interpolated linearly. Every layer starts at its smallest measured size (at least
+    ``k``: a token's K experts must fit), then each further slot goes to the layer whose miss
+    rate it lowers most (ties: the smaller layer, then the lower one), never past a layer's largest measured size while
+    another layer can still grow. ConfigError if ``total < k * layers``.
+    """
+    layers = list(miss)
+    if not layers:
+        raise ConfigError("allocate_slots: no layers")
+    if k < 1 or total < k * len(layers):
+        raise ConfigError(f"{total} slots cannot give {len(layers)} layers K = {k} each")
+
+    def rate(il: int, c: int) -> float:
+        pts = sorted(miss[il].items())
+        if c <= pts[0][0]:
+            return pts[0][1]
+        for (c0, m0), (c1, m1) in zip(pts, pts[1:]):
+            if c0 <= c <= c1:
+                return m0 + (m1 - m0) * (c - c0) / (c1 - c0)
+        return pts[-1][1]
+
+    size = {il: max(k, min(miss[il])) for il in layers}
+    while sum(size.values()) > total:  # the measured range starts above the budget: shrink the largest
+        big = max(layers, key=lambda il: (size[il], -layers.index(il)))
+        if size[big] <= k:
+            break
+        size[big] -= 1
+    for _ in range(total - sum(size.values())):
+        room = [il for il in layers if size[il] < max(miss[il])] or layers
+        gain = {il: rate(il, size[il]) - rate(il, size[il] + 1) for il in room}
+        best = max(room, key=lambda il: (round(gain[il], 12), -size[il], -layers.index(il)))
+        size[best] += 1
+    return [size[il] for il in layers]
+
+
+@dataclass
+class LayerPoint:
+    """The prior at one layer alone, at ``scale`` x the base strength, on the calibration text."""
+    layer: int
+    scale: float
+    ppl: float
+    miss: float     # that layer's miss rate
+
+
+@dataclass
+class Sensitivity:
+    """What :func:`layer_sensitivity` measured: the stock router's perplexity and per-layer miss
+    rates, and the points of every layer."""
+    base_ppl: float
+    base_miss: Dict[int, float]
+    points: List[LayerPoint] = field(default_factory=list)
+
+
+def choose_layer_scales(sens: Sensitivity, budget: float, mu: Optional[float] = None) -> Dict[int, float]:
+    """One scale per layer (0 = no prior there) whose summed perplexity cost stays within
+    ``budget`` (a share: 0.01 = 1%) and whose summed miss rates are the lowest; each layer's
+    cost is measured with the prior at that layer alone, and the costs are assumed to add up.
+
+    With ``mu`` given, each layer takes the point that minimises miss + mu x cost instead (the
+    Lagrangian step; a larger mu is more careful). Without it, the smallest mu that fits is searched.
+    """
+    layers = sorted(sens.base_miss)
+    opts = {il: [(0.0, 0.0, sens.base_miss[il])] for il in layers}
+    for p in sens.points:
+        opts[p.layer].append((p.scale, max(0.0, p.ppl / sens.base_ppl - 1.0), p.miss))
+
+    def pick(m: float) -> Dict[int, tuple]:
+        return {il: min(opts[il], key=lambda o: (o[2] + m * o[1], o[1])) for il in layers}
+
+    if mu is not None:
+        return {il: o[0] for il, o in pick(mu).items()}
+    lo, hi = 0.0, 1.0
+    while sum(o[1] for o in pick(hi).values()) > budget and hi < 1e9:
+        hi *= 2
+    if sum(o[1] for o in pick(lo).values()) <= budget:
+        return {il: o[0] for il, o in pick(lo).items()}
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(o[1] for o in pick(mid).values()) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return {il: o[0] for il, o in pick(hi).items()}
+
+
+def layer_sensitivity(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]]"], strength: float, top_j: int,
+                      layers: Sequence[int], n_layer: int, scales: Sequence[float] = SCALES,
+                      progress: Optional[Callable[[int, int], None]] = None) -> Sensitivity:
+    """Measures each layer's cost: ``evaluate(routing) -> (perplexity, {layer: miss rate})`` runs the
+    calibration text; first with the prior off everywhere (scale 0), then for each layer and scale
+    with the prior at ``scale x strength`` on that layer alone."""
+    off = Prior(strength, top_j=top_j, layers=(0.0,) * n_layer)
+    base_ppl, base_miss = evaluate(off)
+    sens = Sensitivity(base_ppl, {il: base_miss[il] for il in layers})
+    todo = [(il, s) for il in layers for s in scales]
+    for i, (il, s) in enumerate(todo):
+        one = [0.0] * n_layer
+        one[il] = float(s)
+        ppl, miss = evaluate(Prior(strength, top_j=top_j, layers=tuple(one)))
+        sens.points.append(LayerPoint(il, float(s), ppl, miss[il]))
+        if progress:
+            progress(i + 1, len(todo))
+    return sens
+
+
+@dataclass
+class TuneResult:
+    """A tuned router: ``routing`` (a Prior with per-layer scales) within ``budget`` on the
+    calibration text; ``ppl``/``miss`` as measured there, against the stock router's ``base_ppl``."""
+    routing: Prior
+    budget: float
+    base_ppl: float
+    ppl: float
+    miss: float
+    sensitivity: Sensitivity
+    tries: int
+
+
+def tune_layer_scales(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]]"], strength: float, top_j: int,
+                      layers: Sequence[int], n_layer: int, budget: float, *, scales: Sequence[float] = SCALES,
+                      max_tries: int = 6, progress=None) -> TuneResult:
+    """:func:`layer_sensitivity`, :func:`choose_layer_scales`, then a run of the whole choice on the
+    calibration text; where it costs more than ``budget`` (the layers' costs do not add up
+    exactly), the budget given to the choice shrinks by a quarter and the choice is checked again,
+    at most ``max_tries`` times; the last one that fits wins (the flat-off router if none)."""
+    if not budget > 0:
+        raise ConfigError(f"the perplexity budget must be > 0, got {budget!r}")
+    sens = layer_sensitivity(evaluate, strength, top_j, layers, n_layer, scales, progress)
+    b = budget
+    best = None
+    for t in range(1, max_tries + 1):
+        chosen = choose_layer_scales(sens, b)
+        scale = [0.0] * n_layer
+        for il, s in chosen.items():
+            scale[il] = s
+        routing = Prior(strength, top_j=top_j, layers=tuple(scale))
+        ppl, miss = evaluate(routing)
+        mean_miss = sum(miss[il] for il in layers) / len(layers)
+        if ppl <= sens.base_ppl * (1 + budget):
+            best = TuneResult(routing, budget, sens.base_ppl, ppl, mean_miss, sens, t)
+            break
+        b *= 0.75
+    if best is None:
+        off = Prior(strength, top_j=top_j, layers=(0.0,) * n_layer)
+        best = TuneResult(off, budget, sens.base_ppl, sens.base_ppl,
+                          sum(sens.base_miss.values()) / len(layers), sens, max_tries)
+    return best
+
+
+def ppl_evaluator(llm, tokens: Sequence[int], ctx: int, limit_chunks: Optional[int] = None):
+    """An ``evaluate`` for :func:`tune_layer_scales` on a loaded Llama (``evaluate.load_for_eval``):
+    the cache emptied, the routing set, ``pymoecache ppl``'s protocol over ``tokens``; returns the
+    perplexity and each MoE layer's miss rate."""
+    from .evaluate import perplexity
+
+    def evaluate(routing: Prior):
+        llm.moecache.clear()
+        llm.moecache.reset_stats()
+        llm.set_routing(routing, scope="all")
+        res = perplexity(llm, tokens, ctx, progress=False, limit_chunks=limit_chunks)
+        st = res.stats
+        miss = {int(il): float(m) / max(1, int(s)) for il, m, s in
+                zip(st.moe_layers, st.misses_per_layer, st.selections_per_layer)}
+        return res.ppl, miss
+    return evaluate
