@@ -272,6 +272,9 @@ _PRESET_MEASURED = {
 }
 
 
+DEFAULT_PRESET = "quality"  # what a cache smaller than the model runs when no routing is given
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named choice of routing and eviction, picked from the model's K and the share of the

@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
-                     ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
+                     ConfigError, DEFAULT_PRESET, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from ._logtail import LINES, take_log_lines
@@ -576,7 +576,8 @@ class Llama(llama_cpp.Llama):
             cached experts live in an mlocked slot arena and a miss reads the expert from
             ``model_path``). ``cache_choice`` then says what auto chose and why.
         routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
-            as ``"prior:0.5"`` (default: :class:`TopK`, stock routing, the cache only counts), or a
+            as ``"prior:0.5"`` (default: the ``quality`` preset, which is stock top-k routing wherever
+            every expert is cached; ``"lru"`` for top-k everywhere, the cache then only counts), or a
             :class:`Preset` (``"preset:balanced"``): routing and eviction picked from the model's
             K and the share of experts cached, once the cache size is known (``.preset``).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
@@ -614,6 +615,8 @@ class Llama(llama_cpp.Llama):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
         if isinstance(routing, str):
             routing = parse_routing(routing)
+        if routing is None:  # the default: a preset (top-k where every expert is cached), the cache's eviction kept
+            routing = Preset(DEFAULT_PRESET, eviction=cache.eviction if cache.eviction != "lru" else None)
         preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
         if preset is None:
             routing = TopK() if routing is None else _as_routing(routing)

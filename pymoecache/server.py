@@ -45,7 +45,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Union
 
-from .config import CacheConfig, Routing, TopK, parse_routing, resolved_top_j
+from .config import DEFAULT_PRESET, CacheConfig, Preset, Routing, parse_routing, resolved_top_j
 from .errors import Error, MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
@@ -437,7 +437,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     from . import __version__
 
     cache = cache if cache is not None else CacheConfig()
-    routing = parse_routing(routing) if isinstance(routing, str) else (routing or TopK())
+    routing = parse_routing(routing) if isinstance(routing, str) else routing
+    if routing is None:  # as Llama: the default preset (top-k where every expert is cached)
+        routing = Preset(DEFAULT_PRESET, eviction=cache.eviction if cache.eviction != "lru" else None)
 
     class MoELlamaProxy(LlamaProxy):
         """The stock model holder, loading our class: its own loader hard-codes ``llama_cpp.Llama``."""
@@ -623,7 +625,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 "total_slots": n_parallel, "model_alias": model_id, "model_path": str(model_path),
                 "chat_template": tmpl.decode("utf-8", "replace") if tmpl else "",
                 "build_info": f"pymoecache {__version__} on llama-cpp-python {llama_cpp.__version__}",
-                "moecache": {"routing": routing.spec(), "routing_scope": routing_scope,
+                "moecache": {"routing": (llm.moecache.routing if llm.moecache is not None else routing).spec(),
+                             "preset": llm.preset.name if getattr(llm, "preset", None) is not None else None,
+                             "routing_scope": routing_scope,
                              "residency": llm.cache_config.residency if llm.moecache is not None else "none",
                              "cache_choice": app.state.cache_choice}}
 

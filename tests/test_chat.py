@@ -137,7 +137,7 @@ def command(t: Terminal, line: str, pattern: str) -> re.Match:
 
 def test_two_turns_stats_routing_ctrl_d(term):
     """Greedy answers on the embedded model with a small cache (8 of 60 experts)."""
-    t = term("--cache-size", "8", "-n", "24", "--temp", "0")
+    t = term("--cache-size", "8", "--routing", "lru", "-n", "24", "--temp", "0")  # (default: --preset quality)
     assert "[lru, cache 8/60 experts per layer]" in t.banner
     first = ask(t, "Good morrow, my lord.")
     assert first.strip()

@@ -109,3 +109,32 @@ def test_ppl_and_bench_take_a_preset(fixture_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "a.json").read_text())[0]["miss_rate"] == rows[1]["miss_rate"]
     assert rows[0]["miss_rate"] < rows[1]["miss_rate"]
+
+
+def test_the_default_is_the_quality_preset_in_python_cli_and_server(fixture_dir):
+    """No routing given: a cache smaller than the model runs --preset quality, resolved the same way by
+    pymoecache.Llama, the CLI and the server; a cache that holds every expert runs the model's top-K."""
+    from fastapi.testclient import TestClient
+
+    from pymoecache.server import create_app
+
+    m = model_path(fixture_dir, QWEN)
+    want = Preset("quality").resolve(4, 15 / 60)[0]
+    llm = pymoecache.Llama(str(m), cache=CacheConfig(size=15, residency="none"), n_ctx=64, verbose=False)
+    try:
+        assert (llm.preset, llm.moecache.routing, llm.moecache.eviction) == (Preset("quality"), want, "lru")
+    finally:
+        llm.close()
+    llm = pymoecache.Llama(str(m), cache=CacheConfig(size=1.0, residency="none", eviction="lfu"), n_ctx=64,
+                           verbose=False)
+    try:
+        assert (llm.moecache.routing, llm.moecache.eviction) == (TopK(), "lfu")  # an explicit eviction is kept
+    finally:
+        llm.close()
+    d = json.loads(_cli("run", m, "--cache-size", "15", "-n", "2", "--json").stdout)
+    assert (d["preset"], d["routing"], d["eviction"]) == ("quality", want.spec(), "lru")
+    d = json.loads(_cli("run", m, "--cache-size", "15", "-n", "2", "--json", "--routing", "lru").stdout)
+    assert (d["preset"], d["routing"]) == (None, "lru")  # top-k is one flag away
+    with TestClient(create_app(str(m), cache=CacheConfig(size=15, residency="none"), n_ctx=64)) as client:
+        props = client.get("/props").json()["moecache"]
+    assert (props["preset"], props["routing"]) == ("quality", want.spec())

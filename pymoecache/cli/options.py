@@ -63,7 +63,8 @@ def model_arg(args) -> Optional[str]:
 
 def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = False,
                         cache_default: str = "auto", profile: bool = False) -> None:
-    g = p.add_argument_group("routing (pick one; default: lru, the model's own top-K)")
+    g = p.add_argument_group("routing (pick one; default: --preset quality where the cache is smaller than the model, "
+                             "else the model's own top-K; --routing lru for top-K everywhere)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--prior", type=float, metavar="L",
                    help="logit prior: rank cached experts up by L x the layer's logit range (typical 0.1-1.0; 0.5 is the usual "
@@ -71,12 +72,12 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
     x.add_argument("--max-rank", type=int, metavar="M", help="cached experts among the router's top M jump ahead (default: off)")
     x.add_argument("--cumsum", type=float, metavar="T", help="max-rank with M = first rank where cumulative probability >= T (default: off)")
     x.add_argument("--prune", type=int, metavar="R", help="run only the top R experts of each token (default: off)")
-    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3 (default: lru)")
+    x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3, preset:NAME (default: preset:quality)")
     x.add_argument("--preset", choices=list(PRESET_NAMES), default=None,
                    help="routing and eviction picked from the model's K and the share of experts cached, from what "
                         "they cost on our reference models: quality (prior 0.1, J=1: <= 1%% perplexity), balanced "
                         "(prior 0.2, router-mass eviction: <= 2%%), speed (prior 0.3, J=1, router-mass: <= 4%%); "
-                        "where every expert is cached, top-k (routing changes nothing there) (default: none, lru)")
+                        "where every expert is cached, top-k (routing changes nothing there) (default: quality)")
     g.add_argument("--top-j", type=int, default=None, metavar="J",
                    help="the router's top J experts are always used, cached or not (default: by the model's K, "
                         "the published choice: 1 for K <= 3 experts per token, 2 for K >= 4)")
@@ -396,7 +397,7 @@ def add_hub_options(p: argparse.ArgumentParser) -> None:
 
 
 def routing_from_args(args):
-    from ..config import CumsumThreshold, MaxRank, Preset, Prior, Prune, TopK, parse_routing
+    from ..config import DEFAULT_PRESET, CumsumThreshold, MaxRank, Preset, Prior, Prune, TopK, parse_routing
 
     j = args.top_j  # None: the model's default (1 for K <= 3, 2 for K >= 4)
     if getattr(args, "preset", None) is not None:
@@ -411,10 +412,11 @@ def routing_from_args(args):
         return CumsumThreshold(args.cumsum, top_j=j)
     if args.prune is not None:
         return Prune(args.prune, top_j=j)
-    if args.routing is not None:  # "" is refused by the parser, not taken for lru
-        routing = parse_routing(args.routing, top_j=args.top_j)
-    else:
-        routing = TopK()
+    if args.routing is None:  # nothing given: the default preset (top-k wherever every expert is cached)
+        if j is not None:
+            raise UserError("--top-j needs a policy that changes the ranking (--prior, --max-rank, --cumsum, --prune)")
+        return Preset(DEFAULT_PRESET, eviction=getattr(args, "eviction", None))
+    routing = parse_routing(args.routing, top_j=args.top_j)  # "" is refused by the parser, not taken for lru
     if isinstance(routing, TopK) and args.top_j is not None:
         raise UserError("--top-j needs a policy that changes the ranking (--prior, --max-rank, --cumsum, --prune)")
     return routing
