@@ -25,6 +25,7 @@ class moecache_routing_params(ctypes.Structure):
         ("scope", c_int32),
         ("analysis_rank", c_int32),
         ("analysis_seed", ctypes.c_uint32),
+        ("prior_on_probs", ctypes.c_bool),
     ]
 
 

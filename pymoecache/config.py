@@ -178,7 +178,7 @@ class CumsumThreshold:
         return _with_j(f"cumsum:{self.tau:g}", self.top_j)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Prior:
     """The main method: rank by ``z + strength * Delta_l`` for cached (and Top-J) experts.
     Weights still come from the unmodified router probabilities. ``strength=0`` is the stock
@@ -191,6 +191,7 @@ class Prior:
     strength: float = 0.5
     top_j: Optional[int] = None
     layers: Optional[Tuple[float, ...]] = None  # per-layer scale of the strength (model layer order); None = 1
+    on_probs: bool = False  # boost the router probability by strength x scale (no Delta): "prior-p:L"
 
     def __post_init__(self):
         if (isinstance(self.strength, bool) or not isinstance(self.strength, (int, float))
@@ -207,11 +208,16 @@ class Prior:
                     raise ConfigError(f"a per-layer prior scale must be a finite number >= 0, got {x!r}")
             object.__setattr__(self, "layers", tuple(float(x) for x in self.layers))
 
+    def __repr__(self) -> str:  # the per-layer scales and prior-p only where set
+        extra = (f", layers={self.layers!r}" if self.layers is not None else "") + (", on_probs=True" if self.on_probs else "")
+        return f"Prior(strength={self.strength!r}, top_j={self.top_j!r}{extra})"
+
     def _apply(self, p: moecache_routing_params) -> None:
         p.policy, p.prior_lambda, p.top_j = C.MOECACHE_POLICY_PRIOR, float(self.strength), _j(self.top_j)
+        p.prior_on_probs = bool(self.on_probs)
 
     def spec(self) -> str:
-        s = _with_j(f"prior:{self.strength:g}", self.top_j)
+        s = _with_j(f"{'prior-p' if self.on_probs else 'prior'}:{self.strength:g}", self.top_j)
         return s if self.layers is None else s + ":layers=" + "/".join(f"{x:g}" for x in self.layers)
 
 
@@ -266,7 +272,7 @@ PRESET_NAMES = ("quality", "balanced", "speed")
 # what each preset cost and bought on the two trained models (docs/eviction.md, the eviction
 # sweep: 15,360 held-out tokens, against top-k routing with LRU eviction at the same cache size)
 _PRESET_MEASURED = {
-    "quality": "+0.70-0.92% perplexity for 1.11-2.27x fewer misses",
+    "quality": "+0.87-0.94% perplexity for 1.11-2.29x fewer misses",
     "balanced": "+0.92-1.94% perplexity for 1.11-3.97x fewer misses",
     "speed": "+2.64-3.86% perplexity for 1.42-4.68x fewer misses",
 }
@@ -280,7 +286,8 @@ class Preset:
     """A named choice of routing and eviction, picked from the model's K and the share of the
     experts cached once the cache size is known (``pymoecache.Llama`` resolves it at load):
 
-    * ``quality``: prior 0.1 with J = 1, LRU eviction: at most 1% perplexity on the reference models;
+    * ``quality`` (the default): prior 0.1 with J = 1, lfu eviction with decay 0.8: at most 1%
+      perplexity on the reference models;
     * ``balanced``: prior 0.2 with router-mass eviction, J = 1 from half the experts cached, J = 2
       below (K >= 4; prior 0.1 for K <= 2): at most 2%;
     * ``speed``: prior 0.3 with J = 1, router-mass eviction: at most 4%, the most misses saved.
@@ -308,17 +315,29 @@ class Preset:
     def resolve(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str]:
         """(routing, eviction) for a model with K = ``n_expert_used`` and ``cache_share`` of its
         routed experts cached."""
+        return self.resolve_all(n_expert_used, cache_share)[:2]
+
+    def resolve_all(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str, Optional[float]]:
+        """(routing, eviction, eviction decay or None to keep the cache's) as :meth:`resolve`."""
+        routing, eviction = self._pick(n_expert_used, cache_share)
+        if self.eviction is not None:  # the user's eviction, with the user's decay
+            return routing, self.eviction, None
+        return routing, eviction, (0.8 if eviction == "lfu" else None)
+
+    def _pick(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str]:
         if cache_share >= 1.0:
             routing, eviction = TopK(), "lru"
         elif self.name == "quality":
-            routing, eviction = Prior(0.1, top_j=1), "lru"
+            # lfu with a short memory (decay 0.8): within 1% on both models at 1/2 and 1/4, and fewer
+            # misses than LRU eviction in every cell (docs/eviction.md, under a perplexity budget)
+            routing, eviction = Prior(0.1, top_j=1), "lfu"
         elif self.name == "speed":
             routing, eviction = Prior(0.3, top_j=1), "router-mass"
         elif n_expert_used <= 2:
             routing, eviction = Prior(0.1, top_j=1), "router-mass"
         else:
             routing, eviction = Prior(0.2, top_j=1 if cache_share >= 0.5 else 2), "router-mass"
-        return routing, self.eviction or eviction
+        return routing, eviction
 
     def measured(self) -> str:
         """What it cost and bought on the reference models, for the stats line."""
@@ -330,7 +349,7 @@ ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRan
 _SPEC_RE = re.compile(r"^\s*([a-z-]+)\s*(?::\s*([^:\s]+))?\s*(?::\s*(j|seed)\s*=\s*(\d+))?"
                       r"\s*(?::\s*layers\s*=\s*([^:\s]+))?\s*$")
 ROUTING_SPECS = ("lru | topk | prior:L | max-rank:M | cumsum:T | prune:R  (optionally ':j=J', e.g. prior:0.5:j=2; "
-                 "prior also ':layers=S0/S1/...', a scale per layer) | "
+                 "prior also ':layers=S0/S1/...', a scale per layer) | prior-p:L (the boost in probability) | "
                  "preset:quality|balanced|speed; analysis: drop-rank:I | swap-rank:I[:seed=S]")
 
 
@@ -350,7 +369,7 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
     if not m:
         raise ConfigError(f"cannot parse routing spec {spec!r}; expected {ROUTING_SPECS}")
     name, arg, opt, opt_val, layers = m.group(1), m.group(2), m.group(3), m.group(4), m.group(5)
-    if layers is not None and name != "prior":
+    if layers is not None and name not in ("prior", "prior-p"):
         raise ConfigError(f"routing spec {spec!r}: only prior takes ':layers=S0/S1/...'")
     if opt == "seed" and name != "swap-rank":
         raise ConfigError(f"routing spec {spec!r}: only swap-rank takes ':seed=S'")
@@ -370,14 +389,15 @@ def parse_routing(spec: str, top_j: Optional[int] = None) -> Routing:
         if arg is not None:
             raise ConfigError(f"routing spec {spec!r}: '{name}' takes no value")
         return TopK()
-    if name == "prior":
+    if name in ("prior", "prior-p"):
         scales = None
         if layers is not None:
             try:
                 scales = tuple(float(x) for x in layers.split("/"))
             except ValueError:
                 raise ConfigError(f"routing spec {spec!r}: ':layers=' takes numbers separated by '/', e.g. 0/1.5/1")
-        return Prior(num(float) if arg is not None else 0.5, top_j=j, layers=scales)
+        return Prior(num(float) if arg is not None else (0.5 if name == "prior" else 0.1), top_j=j, layers=scales,
+                     on_probs=name == "prior-p")
     if name in ("max-rank", "maxrank"):
         return MaxRank(num(int), top_j=j)
     if name == "cumsum":

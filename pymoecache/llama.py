@@ -634,8 +634,9 @@ class Llama(llama_cpp.Llama):
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
             if preset is not None:  # routing and eviction from the model's K and the share cached
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-                routing, eviction = preset.resolve(info.n_expert_used, n / info.n_expert)
-                cache = dataclasses.replace(cache, eviction=eviction)
+                routing, eviction, decay = preset.resolve_all(info.n_expert_used, n / info.n_expert)
+                cache = dataclasses.replace(cache, eviction=eviction,
+                                            eviction_decay=cache.eviction_decay if decay is None else decay)
             cp, _rp, _keep = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
@@ -915,8 +916,8 @@ class Llama(llama_cpp.Llama):
             routing = parse_routing(routing)
         if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
             n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
-            routing, eviction = routing.resolve(cache.n_expert_used, n / cache.n_expert)
-            self.set_eviction(eviction)
+            routing, eviction, decay = routing.resolve_all(cache.n_expert_used, n / cache.n_expert)
+            self.set_eviction(eviction, decay)
         with self._token_lock:
             cache.set_routing(routing, scope)
 

@@ -223,6 +223,9 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
             # the boost lambda * scale_l * Delta_l is computed in float64 and rounded once to float32
             boost = np.float32(lam * scale * delta)
             u = np.asarray(z if rank_on_logits else s, dtype=np.float32)
+            if routing.on_probs:  # prior-p: the probability scale (p, or s for biased routers), no Delta
+                boost = np.float32(lam * scale)
+                u = np.asarray(p if rank_on_logits else s, dtype=np.float32)
             r_final = prior_order(r, u, s, cached, J, boost)
         else:
             r_final = r  # lambda = 0 is exactly the stock model

@@ -18,7 +18,10 @@ Rows (each: perplexity, its change against top-k + LRU, miss rate, fewer misses 
                           calibration text's miss curves (pymoecache.tune.allocate_slots)
   2. prior per layer      which layers get how much of the prior, tuned within +1% on the calibration
                           text (tune_layer_scales); the strength then swept as the old best's
+  3. prior in p           prior-p: the boost added to the router probability (0.01-0.1) instead of the
+                          logit, so a swap costs at most that much router mass whatever the logit gap
   5. eviction             the flat-prior sweep under lfu, freq-prob, router-mass (decay 0.95 and 0.8)
+  preset quality          the default (docs/eviction.md): prior 0.1, J = 1, lfu with decay 0.8
   combined                2 tuned under the best eviction of 5 and on the slots of 1
 Rows go to docs/results/quarter_<model>.csv; the table is printed as markdown. Needs ../shared/data.
 """
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = {"A": "tiny-shakespeare-qwen2moe-60x4.gguf", "B": "tiny-shakespeare-mixtral-8x2.gguf"}
 LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.3)
 SHAPED = (0.1, 0.15, 0.2, 0.3, 0.4)   # strengths swept with per-layer scales (mean scale 1)
+PROBS = (0.01, 0.02, 0.04, 0.06, 0.1)  # prior-p: the boost in router probability
 EVICTIONS = (("lfu", 0.95), ("lfu", 0.8), ("freq-prob", 0.95), ("router-mass", 0.95), ("router-mass", 0.8))
 CTX, CHUNKS = 256, 60
 
@@ -88,7 +92,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="0.5,0.25", help="shares of the experts cached (default %(default)s)")
     ap.add_argument("--budget", type=float, default=0.01, help="perplexity budget, a share (default %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="output folder (default docs/results)")
+    ap.add_argument("--inflight", action="store_true",
+                    help="only direction 4: decoded token by token with streamed experts, prefetch into the cache "
+                         "(in flight counts as cached) against reads ahead into spare slots and no reads ahead")
     args = ap.parse_args()
+    if args.inflight:
+        return inflight(args)
 
     from pymoecache.config import Prior, TopK
     from pymoecache.tune import allocate_slots, tune_layer_scales
@@ -120,11 +129,12 @@ def main() -> int:
             base = row("top-k + LRU", TopK(), ev_lru, run.evaluator("eval")(TopK()))
             limit = base["ppl"] * (1 + args.budget)
 
-            def sweep(name, ev, per_layer=None, shape=None):
+            def sweep(name, ev, per_layer=None, shape=None, on_probs=False):
                 best = None
+                grid = PROBS if on_probs else (LAMBDAS if shape is None else SHAPED)
                 for j in (js if shape is None else (1,)):
-                    for lam in (LAMBDAS if shape is None else SHAPED):
-                        r = Prior(lam, top_j=j, layers=shape)
+                    for lam in grid:
+                        r = Prior(lam, top_j=j, layers=shape, on_probs=on_probs)
                         res = run.evaluator("eval", ev)(r)
                         if res[0] <= limit:
                             m = sum(res[1][il] for il in moe) / len(moe)
@@ -136,6 +146,9 @@ def main() -> int:
 
             old = sweep("old best", ev_lru)
             old_routing = Prior(0.1, top_j=1) if old is None else _parse(old["routing"])
+
+            # 3. a prior that respects the router's confidence: the boost in probability (prior-p)
+            sweep("3. prior in p", ev_lru, on_probs=True)
 
             # 5. eviction
             best_ev, best_ev_miss = ev_lru, old["miss"] if old else base["miss"]
@@ -174,6 +187,16 @@ def main() -> int:
             shape = _shape(tuned.routing.layers)
             sweep("2. prior per layer", ev_lru, shape=shape)
 
+            # the default preset, resolved by Llama.set_routing for this cache (routing, eviction, decay)
+            run.load(share)
+            llm = run.llm
+            llm.moecache.clear()
+            llm.moecache.reset_stats()
+            llm.set_routing("preset:quality", scope="all")
+            preset_ev = (llm.moecache.eviction, llm.moecache.eviction_decay)
+            row("preset quality", llm.moecache.routing, preset_ev,
+                run.evaluator("eval", preset_ev)(llm.moecache.routing), "the default")
+
             # combined: 2 under the best eviction, on the slots of 1
             run.load(share, per_layer)
             comb = tune_layer_scales(run.evaluator("cal", best_ev), 0.2, 1, moe, n_layer, args.budget)
@@ -182,6 +205,49 @@ def main() -> int:
         table += rows
     print(_markdown(table))
     print(f"\n({time.time() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def inflight(args) -> int:
+    """Direction 4 on the first 20 chunks, every token decoded alone with the experts streamed (prefetch
+    acts on decoded tokens only): the default preset's routing with no reads ahead, with gate reads
+    ahead into 2 spare slots (the prior does not see them), and with gate reads ahead inserted into the
+    cache (an expert in flight counts as cached for the prior)."""
+    from pymoecache.config import CacheConfig
+    from pymoecache.evaluate import check_loaded_model, load_llama, perplexity, tokenize_text
+    from train_tiny_moe import split_text
+
+    rows = []
+    for key in args.models.split(","):
+        model = ROOT / "models" / MODELS[key]
+        tokens = None
+        for share in (float(s) for s in args.sizes.split(",")):
+            for name, pf, spare in (("no reads ahead", "off", 0), ("ahead, spare slots", "gate", 2),
+                                    ("ahead, in the cache", "gate", 0)):
+                cache = CacheConfig(size=share, residency="stream", prefetch=pf, prefetch_spare=spare,
+                                    prefetch_adaptive=False, lock_memory=False)
+                llm = load_llama(model, cache=cache, routing="preset:quality", routing_scope="all", n_ctx=CTX,
+                                 n_batch=CTX, logits_all=True)
+                try:
+                    check_loaded_model(llm, CTX)
+                    tokens = tokens or tokenize_text(llm, split_text()[1])
+                    res = perplexity(llm, tokens[:20 * CTX], CTX, progress=False, decode=True)
+                    st, rs = res.stats, res.stats.residency
+                    n_sel = max(1, int(st.selections_per_layer.sum()))
+                    r = {"model": key, "cache": f"{int(st.capacity_per_layer[0])}/{st.n_expert}", "reads ahead": name,
+                         "routing": llm.moecache.routing.spec(), "ppl": res.ppl, "miss": st.miss_rate,
+                         "reads per selection": (st.misses + rs.prefetch_issued) / n_sel,
+                         "recall": rs.recall}
+                finally:
+                    llm.close()
+                rows.append(r)
+                print(f"[{key}] {r}", file=sys.stderr, flush=True)
+    _write(rows, Path(args.out) / "quarter_inflight.csv")
+    print("| model | cache | reads ahead | ppl | miss rate | expert reads per selection | recall |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['cache']} | {r['reads ahead']} | {r['ppl']:.3f} | {100 * r['miss']:.1f}% | "
+              f"{r['reads per selection']:.3f} | {100 * r['recall']:.0f}% |")
     return 0
 
 

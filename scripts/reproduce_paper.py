@@ -334,6 +334,9 @@ def write_md(results: List[dict], out_dir: Path, md: Path, cmd: str, wall_s: flo
         L += ["", f"### Hit/miss timeline ({key}, layer {r['run'].layer}, cache 1/4, {TIMELINE_TOKENS} held-out tokens)", "",
               f"LRU: miss rate {fmt_pct(tl['lru']['miss_rate'])} in this layer; prior:0.5: {fmt_pct(tl['prior']['miss_rate'])}.", "",
               f"![timeline LRU {key}]({rel(tl['lru']['png'])})", "", f"![timeline prior {key}]({rel(tl['prior']['png'])})", ""]
+    quarter = out_dir / "quarter.md"  # scripts/bench_quarter.py's section, kept across regenerations
+    if quarter.is_file():
+        L += ["", quarter.read_text().rstrip()]
     md.write_text("\n".join(L) + "\n")
 
 

@@ -190,7 +190,8 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
         if (!pred || !L.graph.predicts) {
             return;
         }
-        if (mc.rparams.policy == MOECACHE_POLICY_PRIOR && mc.rparams.prior_lambda > 0.0f && T.graph.rank_on_logits) {
+        if (mc.rparams.policy == MOECACHE_POLICY_PRIOR && mc.rparams.prior_lambda > 0.0f && T.graph.rank_on_logits &&
+            !mc.rparams.prior_on_probs) {
             n = prior_predicted(mc, T, row_f32(pred, 0), mc.cparams.prefetch_min_p, L.scratch.order,
                                 L.scratch.boosted, ids, score);
         } else {

@@ -207,7 +207,11 @@ int32_t moecache_route_token(
             promote_cached(L, s, cumsum_rank(L, p, s, rp.cumsum_tau));
             break;
         case MOECACHE_POLICY_PRIOR:
-            if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
+            if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f && rp.prior_on_probs) {
+                // the probability scale: p for softmax routers, the selection score s (p + bias) otherwise
+                prior_order(L, L.graph.rank_on_logits ? p : s, s, J,
+                            (float) ((double) rp.prior_lambda * (double) L.prior_scale));
+            } else if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
                 prior_order(L, u, s, J, moecache_layer_boost(L, rp.prior_lambda));
             } else {
                 promote_cached(L, s, 0);

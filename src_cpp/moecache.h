@@ -157,6 +157,10 @@ struct moecache_routing_params {
     enum moecache_scope scope;    // default MOECACHE_SCOPE_ALL
     int32_t  analysis_rank;       // DROP_RANK / SWAP_RANK: the rank i removed, 0 = top expert, i < K; default 0
     uint32_t analysis_seed;       // SWAP_RANK: the replacement is a hash of (seed, layer, token); default 0
+    bool     prior_on_probs;      // PRIOR: boost the router probability p of a cached expert by lambda x scale_l
+                                  //   (probability units, no Delta) instead of its logit by lambda x scale_l x
+                                  //   Delta_l: a swap then costs at most lambda of router mass, so a confident
+                                  //   router keeps its choice; the gate predictor then predicts top-k; default false
 };
 
 // Cache: sizes and bookkeeping. Fixed for the life of the moecache.

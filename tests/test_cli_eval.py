@@ -112,11 +112,17 @@ def test_ppl_lru_row_equals_direct_perplexity(mixtral, text_file, tmp_path):
     r = cli("ppl", mixtral, "--text", text_file, "--ctx", CTX, "--chunks", CHUNKS, "--cache-size", "4",
             "--json", out, "--no-progress")
     assert r.returncode == 0, r.stderr
-    [row] = json.loads(out.read_text())  # no routing option and no sweep: the LRU row only
+    lru, default = json.loads(out.read_text())  # no routing option: LRU and the default preset beside it
+    assert default["spec"] == "prior:0.1:j=1" and default["eviction"] == "lfu"
+    r = cli("ppl", mixtral, "--text", text_file, "--ctx", CTX, "--chunks", CHUNKS, "--cache-size", "4",
+            "--json", out, "--no-progress", "--routing", "lru")
+    assert r.returncode == 0, r.stderr
+    [row] = json.loads(out.read_text())  # --routing lru: the LRU row only
+    assert row == lru
     assert row["spec"] == "lru" and row["cache_size"] == 4 and row["n_expert"] == 8
 
-    llm = pymoecache.Llama(str(mixtral), cache=pymoecache.CacheConfig(size=4), n_ctx=CTX, logits_all=True,
-                           verbose=False)
+    llm = pymoecache.Llama(str(mixtral), cache=pymoecache.CacheConfig(size=4), routing="lru", n_ctx=CTX,
+                           logits_all=True, verbose=False)
     tokens = evaluate.tokenize_text(llm, evaluate.load_text(text_file))
     res = evaluate.perplexity(llm, tokens, CTX, limit_chunks=CHUNKS, progress=False)
     llm.close()

@@ -246,7 +246,8 @@ def test_profile_warm_start_and_pins_through_the_cli(fixture_dir, tmp_path):
 
     model = model_path(fixture_dir, "qwen2moe-60x4")
     prof = tmp_path / "chat.moeprofile"
-    common = (model, "-p", "Once upon a time", "-n", "16", "--cache-size", "0.25", "--residency", "stream")
+    common = (model, "-p", "Once upon a time", "-n", "16", "--cache-size", "0.25", "--residency", "stream",
+              "--routing", "lru")  # (the default preset would steer the text to the cache)
     cold, err = run_json(*common, "--profile", prof)
     assert "new, saved at the end" in err and prof.is_file()
     warm, err = run_json(*common, "--profile", prof, "--pin-hot", "4")

@@ -12,15 +12,15 @@ import pytest
 
 import pymoecache
 from pymoecache import CacheConfig, ConfigError, Preset, Prior, TopK, parse_routing
-from conftest import ROOT, model_path
+from conftest import ROOT, http_request, model_path, running_server
 
 QWEN = "qwen2moe-60x4"  # K = 4, N = 60
 MIXTRAL = "mixtral-8x2"  # K = 2, N = 8
 
 
 @pytest.mark.parametrize("name,K,share,routing,eviction", [
-    ("quality", 4, 0.5, Prior(0.1, top_j=1), "lru"),
-    ("quality", 2, 0.25, Prior(0.1, top_j=1), "lru"),
+    ("quality", 4, 0.5, Prior(0.1, top_j=1), "lfu"),
+    ("quality", 2, 0.25, Prior(0.1, top_j=1), "lfu"),
     ("balanced", 4, 0.5, Prior(0.2, top_j=1), "router-mass"),
     ("balanced", 4, 0.25, Prior(0.2, top_j=2), "router-mass"),
     ("balanced", 2, 0.5, Prior(0.1, top_j=1), "router-mass"),
@@ -111,18 +111,15 @@ def test_ppl_and_bench_take_a_preset(fixture_dir, tmp_path):
     assert rows[0]["miss_rate"] < rows[1]["miss_rate"]
 
 
-def test_the_default_is_the_quality_preset_in_python_cli_and_server(fixture_dir):
+def test_the_default_is_the_quality_preset_in_python_cli_and_server(fixture_dir, tmp_path):
     """No routing given: a cache smaller than the model runs --preset quality, resolved the same way by
     pymoecache.Llama, the CLI and the server; a cache that holds every expert runs the model's top-K."""
-    from fastapi.testclient import TestClient
-
-    from pymoecache.server import create_app
-
     m = model_path(fixture_dir, QWEN)
     want = Preset("quality").resolve(4, 15 / 60)[0]
     llm = pymoecache.Llama(str(m), cache=CacheConfig(size=15, residency="none"), n_ctx=64, verbose=False)
     try:
-        assert (llm.preset, llm.moecache.routing, llm.moecache.eviction) == (Preset("quality"), want, "lru")
+        assert (llm.preset, llm.moecache.routing, llm.moecache.eviction) == (Preset("quality"), want, "lfu")
+        assert llm.moecache.eviction_decay == pytest.approx(0.8)  # the preset's decay
     finally:
         llm.close()
     llm = pymoecache.Llama(str(m), cache=CacheConfig(size=1.0, residency="none", eviction="lfu"), n_ctx=64,
@@ -132,9 +129,9 @@ def test_the_default_is_the_quality_preset_in_python_cli_and_server(fixture_dir)
     finally:
         llm.close()
     d = json.loads(_cli("run", m, "--cache-size", "15", "-n", "2", "--json").stdout)
-    assert (d["preset"], d["routing"], d["eviction"]) == ("quality", want.spec(), "lru")
+    assert (d["preset"], d["routing"], d["eviction"]) == ("quality", want.spec(), "lfu")
     d = json.loads(_cli("run", m, "--cache-size", "15", "-n", "2", "--json", "--routing", "lru").stdout)
     assert (d["preset"], d["routing"]) == (None, "lru")  # top-k is one flag away
-    with TestClient(create_app(str(m), cache=CacheConfig(size=15, residency="none"), n_ctx=64)) as client:
-        props = client.get("/props").json()["moecache"]
+    with running_server(m, tmp_path / "serve.log", "--cache-size", "15", "-c", "64") as (base, _):
+        props = json.loads(http_request(base + "/props")[1])["moecache"]
     assert (props["preset"], props["routing"]) == ("quality", want.spec())

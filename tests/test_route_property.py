@@ -79,7 +79,7 @@ def make_policy(draw, kind: str, N: int, K: int, J: int, max_m: Optional[int] = 
     layers = draw(st.one_of(st.none(), st.lists(st.one_of(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.75]),
                                                           st.floats(0.0, 4.0)), min_size=1, max_size=n_layer)))
     return Prior(draw(st.one_of(st.just(0.0), st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0]), st.floats(0.0, 3.0))),
-                 top_j=J, layers=layers)
+                 top_j=J, layers=layers, on_probs=draw(st.booleans()))  # prior-p: the boost in probability
 
 
 VALUES = ("normal", "small-int", "binary", "near-int", "wide", "peaked")
