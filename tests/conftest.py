@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,13 @@ sys.path.insert(0, str(ROOT / "tools"))  # synth: the fixture model builder (a d
 os.environ.setdefault("PYMOECACHE_HOME", str(ROOT / "tests" / "fixtures" / "home"))
 
 import pymoecache  # noqa: E402  (loads our libllama before anything imports llama_cpp)
+
+# A test run started as a background job (`cmd &` in a shell without job control, as CI runners and
+# nohup do) inherits SIGINT ignored, and so would every process a test starts: the Ctrl-C tests of
+# chat, bench and ppl would then see nothing. A handler here (rather than SIG_IGN) is reset to the
+# default in every child at exec, so the children get Ctrl-C as a user's terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 import synth  # noqa: E402
 
 MOE_FIXTURES = [name for name, spec in synth.FIXTURES.items() if spec.n_expert > 0]
