@@ -210,7 +210,7 @@ def main() -> int:
 
 def inflight(args) -> int:
     """Direction 4 on the first 20 chunks, every token decoded alone with the experts streamed (prefetch
-    acts on decoded tokens only): the default preset's routing with no reads ahead, with gate reads
+    acts on decoded tokens only): top-k + LRU, then the default preset's routing with no reads ahead, with gate reads
     ahead into 2 spare slots (the prior does not see them), and with gate reads ahead inserted into the
     cache (an expert in flight counts as cached for the prior)."""
     from pymoecache.config import CacheConfig
@@ -222,11 +222,13 @@ def inflight(args) -> int:
         model = ROOT / "models" / MODELS[key]
         tokens = None
         for share in (float(s) for s in args.sizes.split(",")):
-            for name, pf, spare in (("no reads ahead", "off", 0), ("ahead, spare slots", "gate", 2),
-                                    ("ahead, in the cache", "gate", 0)):
+            for name, routing, pf, spare in (("top-k + LRU", "lru", "off", 0),
+                                             ("no reads ahead", "preset:quality", "off", 0),
+                                             ("ahead, spare slots", "preset:quality", "gate", 2),
+                                             ("ahead, in the cache", "preset:quality", "gate", 0)):
                 cache = CacheConfig(size=share, residency="stream", prefetch=pf, prefetch_spare=spare,
                                     prefetch_adaptive=False, lock_memory=False)
-                llm = load_llama(model, cache=cache, routing="preset:quality", routing_scope="all", n_ctx=CTX,
+                llm = load_llama(model, cache=cache, routing=routing, routing_scope="all", n_ctx=CTX,
                                  n_batch=CTX, logits_all=True)
                 try:
                     check_loaded_model(llm, CTX)
@@ -243,11 +245,13 @@ def inflight(args) -> int:
                 rows.append(r)
                 print(f"[{key}] {r}", file=sys.stderr, flush=True)
     _write(rows, Path(args.out) / "quarter_inflight.csv")
-    print("| model | cache | reads ahead | ppl | miss rate | expert reads per selection | recall |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | cache | routing | reads ahead | ppl | miss rate | fewer misses | expert reads per selection | recall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['cache']} | {r['reads ahead']} | {r['ppl']:.3f} | {100 * r['miss']:.1f}% | "
-              f"{r['reads per selection']:.3f} | {100 * r['recall']:.0f}% |")
+        base = next(b for b in rows if b["model"] == r["model"] and b["cache"] == r["cache"])
+        print(f"| {r['model']} | {r['cache']} | `{r['routing']}` | {r['reads ahead']} | {r['ppl']:.3f} "
+              f"({100 * (r['ppl'] / base['ppl'] - 1):+.2f}%) | {100 * r['miss']:.1f}% | "
+              f"{base['miss'] / max(r['miss'], 1e-9):.2f}x | {r['reads per selection']:.3f} | {100 * r['recall']:.0f}% |")
     return 0
 
 
