@@ -711,7 +711,8 @@ class Llama(llama_cpp.Llama):
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
-        self.preset = preset  # the Preset routing="preset:NAME" named (resolved into routing and eviction), or None
+        # the Preset that was resolved into routing and eviction (routing="preset:NAME", or the default), or None
+        self.preset = preset if info.is_moe else None
         self.moecache: Optional[MoECache] = None
         if not info.is_moe:
             warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",

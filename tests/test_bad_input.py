@@ -60,6 +60,7 @@ def test_dense_model_runs_with_a_notice(fixture_dir):
     with pytest.warns(UserWarning, match="no MoE layers"):
         llm = pymoecache.Llama(str(path), n_ctx=64, verbose=False)
     assert llm.moecache is None
+    assert llm.preset is None  # the default preset resolves to nothing without experts
     assert llm("Hello", max_tokens=4)["choices"][0]["text"] is not None
     with pytest.raises(pymoecache.MoECacheError, match="no MoE layers"):
         llm.moe_stats()
