@@ -272,7 +272,7 @@ PRESET_NAMES = ("quality", "balanced", "speed")
 # what each preset cost and bought on the two trained models (docs/eviction.md, the eviction
 # sweep: 15,360 held-out tokens, against top-k routing with LRU eviction at the same cache size)
 _PRESET_MEASURED = {
-    "quality": "+0.87-0.94% perplexity for 1.11-2.29x fewer misses",
+    "quality": "+0.86-0.94% perplexity for 1.11-2.29x fewer misses",
     "balanced": "+0.92-1.94% perplexity for 1.11-3.97x fewer misses",
     "speed": "+2.64-3.86% perplexity for 1.42-4.68x fewer misses",
 }

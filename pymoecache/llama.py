@@ -577,7 +577,9 @@ class Llama(llama_cpp.Llama):
             ``model_path``). ``cache_choice`` then says what auto chose and why.
         routing: a policy object (:class:`Prior`, :class:`MaxRank`, ...) or a spec string such
             as ``"prior:0.5"`` (default: the ``quality`` preset, which is stock top-k routing wherever
-            every expert is cached; ``"lru"`` for top-k everywhere, the cache then only counts), or a
+            every expert is cached; ``"lru"`` for top-k everywhere, the cache then only counts; the
+            preset's eviction, lfu with decay 0.8, replaces CacheConfig's default ``"lru"``, and any
+            other eviction given there is kept), or a
             :class:`Preset` (``"preset:balanced"``): routing and eviction picked from the model's
             K and the share of experts cached, once the cache size is known (``.preset``).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
