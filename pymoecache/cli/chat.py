@@ -153,6 +153,11 @@ class _TypedAhead:
             self.lines += [line for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
 
 
+def say(*parts) -> None:
+    """A line for the user on stderr, at once (answers go to stdout)."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
 def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = None) -> str:
     """Stream the assistant's answer to the conversation so far; the text (partial if stopped)."""
     n_ctx = llm.n_ctx()
@@ -163,7 +168,7 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
               file=sys.stderr, flush=True)
     prompt = conv.prompt()
     if args.verbose_prompt:
-        print(f"[prompt]\n{prompt}\n[/prompt]", file=sys.stderr, flush=True)
+        say(f"[prompt]\n{prompt}\n[/prompt]")
     text, finish = [], None
     with _Interrupt() as stop:
         kw = sampling_kwargs(args, llm)
@@ -185,7 +190,7 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
             stream.close()
     out.write("\n")
     if stop.hit or (typed is not None and typed.eof):
-        print("[stopped]", file=sys.stderr, flush=True)
+        say("[stopped]")
     elif finish == "length" and args.n <= 0:
         print(f"[the answer filled the context of {n_ctx} tokens; older turns are dropped next]", file=sys.stderr,
               flush=True)
@@ -222,7 +227,7 @@ def cmd_chat(args) -> int:
         raise UserError(f"{model} is a dense model: --profile records experts, and it has none")
     note = load_profile_from_args(args, llm)
     if note:
-        print(note, file=sys.stderr, flush=True)
+        say(note)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
     conv = Conversation(llm, args.system or None)
     print_plan(llm)
@@ -249,7 +254,7 @@ def cmd_chat(args) -> int:
         try:
             reply = answer(llm, conv, args, out, typed)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say(f"error: {e}")
             return
         conv.messages.append({"role": "assistant", "content": reply})
         answered += 1
@@ -262,10 +267,10 @@ def cmd_chat(args) -> int:
         try:
             if pending:
                 line = pending.pop(0)
-                print(f"> {line}", file=sys.stderr, flush=True)
+                say(f"> {line}")
             elif typed.lines:
                 line = typed.lines.pop(0)
-                print(f"> {line}", file=sys.stderr, flush=True)
+                say(f"> {line}")
             else:
                 line = _read_message(marker)
             line.encode("utf-8")  # stdin may hand undecodable bytes over as surrogates
@@ -274,7 +279,7 @@ def cmd_chat(args) -> int:
             break
         except KeyboardInterrupt:
             out.write("\n")
-            print("(Ctrl-D or /quit leaves)", file=sys.stderr, flush=True)
+            say("(Ctrl-D or /quit leaves)")
             continue
         except UnicodeError:  # bytes that are not UTF-8 (a terminal in another encoding, a binary pipe)
             print("error: that line is not UTF-8 text; it was not sent (set the terminal to UTF-8)",
@@ -287,9 +292,9 @@ def cmd_chat(args) -> int:
         if cmd in ("/quit", "/exit", "/bye"):
             break
         if cmd == "/help":
-            print(HELP, file=sys.stderr, flush=True)
+            say(HELP)
         elif cmd in ("/stats", "/routing") and dense:
-            print("a dense model: no expert cache, no routing to show or change", file=sys.stderr, flush=True)
+            say("a dense model: no expert cache, no routing to show or change")
         elif cmd == "/stats":
             st = llm.moe_stats()
             d = st.since(last)
@@ -303,43 +308,43 @@ def cmd_chat(args) -> int:
                     new = parse_routing(rest)
                     llm.set_routing(new)
                 except Error as e:
-                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    say(f"error: {e}")
                     continue
                 routing = new
-            print(f"routing: {routing.spec()}", file=sys.stderr, flush=True)
+            say(f"routing: {routing.spec()}")
         elif cmd in ("/clear", "/reset"):
             conv.messages.clear()
-            print("conversation cleared (the expert cache keeps its contents)", file=sys.stderr, flush=True)
+            say("conversation cleared (the expert cache keeps its contents)")
         elif cmd == "/regen":
             if not conv.messages or conv.messages[-1]["role"] != "assistant":
-                print("nothing to regenerate: no answer yet", file=sys.stderr, flush=True)
+                say("nothing to regenerate: no answer yet")
                 continue
             conv.messages.pop()
             reply_to_last()
         elif cmd == "/read":
             if not rest:
-                print("/read needs a file: /read notes.txt", file=sys.stderr, flush=True)
+                say("/read needs a file: /read notes.txt")
                 continue
             try:
                 text = read_text_file(rest, "file")
             except UserError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                say(f"error: {e}")
                 continue
-            print(f"[{rest}: {len(text)} characters sent as your message]", file=sys.stderr, flush=True)
+            say(f"[{rest}: {len(text)} characters sent as your message]")
             conv.messages.append({"role": "user", "content": text})
             reply_to_last()
         elif cmd == "/save":
             if not rest:
-                print("/save needs a file: /save chat.json", file=sys.stderr, flush=True)
+                say("/save needs a file: /save chat.json")
                 continue
             try:
                 n = save_conversation(conv, rest)
             except UserError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                say(f"error: {e}")
                 continue
-            print(f"[{n} message{'s' * (n != 1)} saved to {rest}]", file=sys.stderr, flush=True)
+            say(f"[{n} message{'s' * (n != 1)} saved to {rest}]")
         elif cmd.startswith("/") and " " not in cmd and cmd[1:].isalpha():
-            print(f"unknown command {cmd}; /help lists them", file=sys.stderr, flush=True)
+            say(f"unknown command {cmd}; /help lists them")
         else:
             conv.messages.append({"role": "user", "content": line})
             reply_to_last()
