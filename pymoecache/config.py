@@ -343,6 +343,12 @@ class Preset:
         """What it cost and bought on the reference models, for the stats line."""
         return _PRESET_MEASURED[self.name]
 
+    @classmethod
+    def default_for(cls, cache: "CacheConfig") -> "Preset":
+        """The routing of a Llama (or server) given none: the default preset, with the cache's eviction
+        where it is not the default "lru" (which the preset's own replaces)."""
+        return cls(DEFAULT_PRESET, eviction=cache.eviction if cache.eviction != "lru" else None)
+
 
 ROUTING_TYPES = (TopK, Prune, MaxRank, CumsumThreshold, Prior, DropRank, SwapRank)
 

@@ -294,12 +294,14 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
                   insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
-                  prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95):
+                  prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95,
+                  per_layer: Optional[Sequence[int]] = None):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
-    perplexity and miss rates do not depend on where the experts live, and all weights stay resident."""
+    perplexity and miss rates do not depend on where the experts live, and all weights stay resident.
+    per_layer: sizes of single layers (``CacheConfig.per_layer``)."""
     cache = CacheConfig(size=cache_size, insertion=insertion, residency="none", prefetch=prefetch,
                         prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
-                        eviction_decay=eviction_decay)
+                        eviction_decay=eviction_decay, per_layer=per_layer)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)

@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
-                     ConfigError, DEFAULT_PRESET, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
+                     ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
 from ._logtail import LINES, take_log_lines
@@ -617,11 +617,11 @@ class Llama(llama_cpp.Llama):
             raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
         if isinstance(routing, str):
             routing = parse_routing(routing)
-        if routing is None:  # the default: a preset (top-k where every expert is cached), the cache's eviction kept
-            routing = Preset(DEFAULT_PRESET, eviction=cache.eviction if cache.eviction != "lru" else None)
+        if routing is None:  # the default: a preset (top-k where every expert is cached)
+            routing = Preset.default_for(cache)
         preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
         if preset is None:
-            routing = TopK() if routing is None else _as_routing(routing)
+            routing = _as_routing(routing)
         _check_llama_kwargs(kwargs)
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights

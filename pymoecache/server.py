@@ -45,7 +45,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Union
 
-from .config import DEFAULT_PRESET, CacheConfig, Preset, Routing, parse_routing, resolved_top_j
+from .config import CacheConfig, Preset, Routing, parse_routing, resolved_top_j
 from .errors import Error, MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
@@ -439,7 +439,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     cache = cache if cache is not None else CacheConfig()
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     if routing is None:  # as Llama: the default preset (top-k where every expert is cached)
-        routing = Preset(DEFAULT_PRESET, eviction=cache.eviction if cache.eviction != "lru" else None)
+        routing = Preset.default_for(cache)
 
     class MoELlamaProxy(LlamaProxy):
         """The stock model holder, loading our class: its own loader hard-codes ``llama_cpp.Llama``."""

@@ -193,7 +193,5 @@ def ppl_evaluator(llm, tokens: Sequence[int], ctx: int, limit_chunks: Optional[i
         llm.set_routing(routing, scope="all")
         res = perplexity(llm, tokens, ctx, progress=False, limit_chunks=limit_chunks)
         st = res.stats
-        miss = {int(il): float(m) / max(1, int(s)) for il, m, s in
-                zip(st.moe_layers, st.misses_per_layer, st.selections_per_layer)}
-        return res.ppl, miss
+        return res.ppl, {int(il): float(m) for il, m in zip(st.moe_layers, st.miss_rate_per_layer)}
     return evaluate

@@ -54,17 +54,13 @@ class Runner:
         self.tokens = None
 
     def load(self, size, per_layer=None):
-        from pymoecache.config import CacheConfig, TopK
-        from pymoecache.evaluate import check_loaded_model, load_llama, tokenize_text
+        from pymoecache.evaluate import load_for_eval, tokenize_text
 
         key = (size, tuple(per_layer) if per_layer else None)
         if self.key != key:
             if self.llm is not None:
                 self.llm.close()
-            cache = CacheConfig(size=size, residency="none", per_layer=list(per_layer) if per_layer else None)
-            self.llm = load_llama(self.model, cache=cache, routing=TopK(), routing_scope="all", n_ctx=CTX,
-                                  n_batch=CTX, logits_all=True)
-            check_loaded_model(self.llm, CTX)
+            self.llm = load_for_eval(self.model, size, CTX, per_layer=list(per_layer) if per_layer else None)
             self.key = key
         if self.tokens is None:
             from train_tiny_moe import split_text
