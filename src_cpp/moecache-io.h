@@ -25,7 +25,9 @@
 #include <unistd.h>
 
 #define MOECACHE_IO_ALIGN 4096          // O_DIRECT: offset, length and buffer aligned to this
-#define MOECACHE_IO_CHUNK (256 * 1024)  // largest single read; experts are read in pieces in parallel
+#define MOECACHE_IO_CHUNK (2 * 1024 * 1024) // largest single read: a tensor larger than this is read in equal
+                                            //   pieces in parallel (one read per piece: fewer, larger reads get
+                                            //   more from the disk and wake the readers less often)
 
 enum moecache_io_kind {
     MOECACHE_IO_READ  = 0, // pread the file range [off, off + len) into dst

@@ -109,9 +109,10 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
     return -1;
 }
 
-// the jobs that fill slot s with expert e: reads from the file in MOECACHE_IO_CHUNK pieces (so
-// even a single miss keeps several reads in flight; with a slot_head, of the page-aligned window
-// around the expert, in place), or one copy per tensor from the mapping
+// the jobs that fill slot s with expert e: reads from the file, each tensor's bytes (with a
+// slot_head, the page-aligned window around them, read in place) in as few equal pieces of at
+// most MOECACHE_IO_CHUNK as there can be, so a large tensor keeps several reads in flight and a
+// small one is one read; or one copy per tensor from the mapping
 static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
                            std::vector<moecache_io_job> & jobs) {
     for (const moecache_expert_tensor & x : L.res.xt) {
@@ -119,10 +120,11 @@ static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moeca
         const uint64_t off = x.file_off + (uint64_t) e * x.nb2 - (window ? x.slot_head : 0);
         const uint64_t len = window ? x.slot_nb2 : x.nb2;
         char *         dst = (char *) x.slots_t->data + (size_t) s * x.slot_nb2 - (window ? x.slot_head : 0);
+        const uint64_t n_piece = kind == MOECACHE_IO_READ ? (len + MOECACHE_IO_CHUNK - 1) / MOECACHE_IO_CHUNK : 1;
+        const uint64_t piece   = moecache_round_up((size_t) ((len + n_piece - 1) / std::max<uint64_t>(n_piece, 1)),
+                                                   MOECACHE_IO_ALIGN);
         for (uint64_t o = off; o < off + len;) {
-            const uint64_t end = kind == MOECACHE_IO_READ
-                ? std::min<uint64_t>(off + len, (o / MOECACHE_IO_CHUNK + 1) * MOECACHE_IO_CHUNK)
-                : off + len;
+            const uint64_t end = std::min<uint64_t>(off + len, o + piece);
             moecache_io_job j = {};
             j.kind = kind;
             j.dst  = dst + (o - off);
