@@ -200,10 +200,16 @@ def test_experts_of_whole_pages_are_read_in_place(tmp_path):
     assert llm.moe_stats().capacity_per_layer.tolist() == [4, 4]
     assert llm.moe_stats().residency.arena_bytes <= budget
     llm.close()
-    # the default prefetch ("auto") reads ahead into 2 spare slots per layer, paid for by the budget
+    # the default prefetch ("auto") reads ahead into 2 spare slots per layer, paid for by the budget,
+    # where 2K experts per layer stay cached (6 slots: 4 + 2); with 4 slots it is off
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
+    assert llm.moecache.prefetch == "off"
+    assert llm.moe_stats().capacity_per_layer.tolist() == [4, 4]
+    llm.close()
+    budget = int(7 * info.slot_bytes * info.n_moe_layer) - 1
     llm = pymoecache.Llama(str(path), cache=CacheConfig(size=f"{budget}B", residency="stream"), **KW)
     assert llm.moecache.prefetch == "gate"
-    assert llm.moe_stats().capacity_per_layer.tolist() == [2, 2]
+    assert llm.moe_stats().capacity_per_layer.tolist() == [4, 4]
     assert llm.moe_stats().residency.arena_bytes <= budget
     llm.close()
 
