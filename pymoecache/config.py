@@ -554,9 +554,9 @@ class CacheConfig:
     predicted experts the layer does not cache are read into them, and the cache is left alone,
     so routing, hits and misses are exactly those without prefetch, under every policy; a miss
     whose expert was read ahead only waits for what is still in flight. prefetch_adaptive (default
-    True): with spare slots, the reads ahead switch themselves off where they lose: 16 decoded
-    tokens with them and 16 without are compared (median time per token), the faster runs for the
-    next 96 tokens, then the trial again (``moe_stats().residency.prefetch_tokens_on`` counts the
+    True): with spare slots, the reads ahead switch themselves off where they lose: a trial of 32
+    decoded tokens, with and without them in turn, compares the median time per token; they run
+    for the next 96 tokens only if they were at least 2% faster, then the trial again (``moe_stats().residency.prefetch_tokens_on`` counts the
     tokens that had them on); False keeps them always on.
 
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum

@@ -131,8 +131,9 @@ int32_t prior_predicted(const moecache & mc, const moecache_layer & T, const flo
     return m;
 }
 
-#define MOECACHE_SPEC_WINDOW 16 // decoded tokens of each trial, with and without reads ahead
-#define MOECACHE_SPEC_RUN    96 // decoded tokens the faster setting then runs for
+#define MOECACHE_SPEC_WINDOW 16   // decoded tokens of the trial on each side: with the reads ahead, and without
+#define MOECACHE_SPEC_RUN    96   // decoded tokens the winner then runs for
+#define MOECACHE_SPEC_MARGIN 0.02 // the reads ahead win only if their median token is this much faster
 
 static int64_t median_of(std::vector<int64_t> & v) {
     if (v.empty()) {
@@ -143,33 +144,37 @@ static int64_t median_of(std::vector<int64_t> & v) {
 }
 
 // prefetch_spare with prefetch_adaptive, at the start of each decoded token: the time of the
-// token before goes to the trial it ran in; trials of MOECACHE_SPEC_WINDOW tokens with the reads
-// ahead on, then off, then the faster (median time per token) runs MOECACHE_SPEC_RUN tokens
+// token before goes to the side of the trial it ran on. A trial is 2 x MOECACHE_SPEC_WINDOW
+// tokens with the reads ahead on and off in turn, so both sides see the same disk and machine
+// (on a shared host either drifts by more than the difference being measured within a few
+// tokens); then the winner runs MOECACHE_SPEC_RUN tokens, and a new trial starts. The reads
+// ahead must win by MOECACHE_SPEC_MARGIN of the median token: without them a token reads fewer
+// bytes and spends less CPU on reading, so a tie goes to off.
 void spec_ctl_token(moecache & mc, int64_t now) {
     auto & c = mc.spec_ctl;
-    if (c.t_last > 0 && c.phase < 2) { // (c.phase is still the previous token's)
-        (c.phase == 0 ? c.dt_on : c.dt_off).push_back(now - c.t_last);
+    if (c.t_last > 0 && c.phase == 0 && c.left > 0) { // (c.on and c.phase are still the previous token's)
+        (c.on ? c.dt_on : c.dt_off).push_back(now - c.t_last);
     }
     c.t_last = now;
     if (c.left > 0) {
         c.left -= 1;
     }
-    if (c.left == 0) {
-        if (c.phase == 0 && !c.dt_on.empty()) {
-            c.phase = 1;
-            c.left  = MOECACHE_SPEC_WINDOW;
-            c.on    = false;
-        } else if (c.phase == 1 && !c.dt_off.empty()) {
-            c.on    = median_of(c.dt_on) < median_of(c.dt_off);
-            c.phase = 2;
-            c.left  = MOECACHE_SPEC_RUN;
-        } else {
-            c.phase = 0;
-            c.left  = MOECACHE_SPEC_WINDOW;
-            c.on    = true;
-            c.dt_on.clear();
-            c.dt_off.clear();
+    if (c.left > 0) {
+        if (c.phase == 0) {
+            c.on = !c.on; // the trial alternates
         }
+        return;
+    }
+    if (c.phase == 0 && !c.dt_on.empty() && !c.dt_off.empty()) {
+        c.on    = (double) median_of(c.dt_on) < (1.0 - MOECACHE_SPEC_MARGIN) * (double) median_of(c.dt_off);
+        c.phase = 1;
+        c.left  = MOECACHE_SPEC_RUN;
+    } else {
+        c.phase = 0;
+        c.left  = 2 * MOECACHE_SPEC_WINDOW;
+        c.on    = true;
+        c.dt_on.clear();
+        c.dt_off.clear();
     }
 }
 
@@ -218,7 +223,8 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
     // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
     // otherwise they are inserted into it (evicting by its policy) and read
     const bool spare = mc.cparams.prefetch_spare > 0;
-    if (spare && !mc.spec_ctl.on) {
+    static const bool no_reads = getenv("MOECACHE_NO_SPEC_READS") != nullptr; // TEMPORARY experiment
+    if (no_reads || (spare && !mc.spec_ctl.on)) {
         return; // (prefetch_adaptive: off while it loses, or during its trial without)
     }
     int32_t read[MOECACHE_MAX_USED];

@@ -191,11 +191,11 @@ struct moecache {
     int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
     int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
     struct {                                   // prefetch_adaptive: the on/off trial (moecache-graph.cpp)
-        bool    on      = true;                //   reads ahead are issued now
-        int32_t phase   = 0;                   //   0: trial on, 1: trial off, 2: running the winner
+        bool    on      = true;                //   reads ahead are issued for this token
+        int32_t phase   = 0;                   //   0: the trial (on and off in turn), 1: running the winner
         int32_t left    = 0;                   //   tokens left in this phase (0: not started)
         int64_t t_last  = 0;                   //   when the previous decoded token started (us), 0 = none
-        std::vector<int64_t> dt_on, dt_off;    //   token times of the trial windows (us)
+        std::vector<int64_t> dt_on, dt_off;    //   token times of the trial's two sides (us)
     } spec_ctl;
     struct {                                   // prefetch_spare: reads decided by a layer's routing, queued by
         int32_t target = -1;                   //   its residency op after its own reads (target layer, or -1)

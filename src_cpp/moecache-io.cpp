@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <cstdlib>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -119,9 +120,11 @@ static void io_run_job(moecache_io & io, moecache_io_job & j) {
     }
 }
 
-// (io.mu held) a prefetch may start now: one is queued and fewer than ahead_limit run
+// (io.mu held) a prefetch may start now: one is queued, fewer than ahead_limit run, and no
+// on-demand read is in flight (ahead_yield)
 static bool io_ahead_ready(const moecache_io & io) {
-    return !io.prefetch.empty() && (io.ahead_limit <= 0 || io.ahead_running < io.ahead_limit);
+    return !io.prefetch.empty() && (io.ahead_limit <= 0 || io.ahead_running < io.ahead_limit) &&
+           !(io.ahead_yield && io.demand_reads > 0);
 }
 
 // (io.mu held) the next job: on demand first (oldest first), then, while fewer than ahead_limit
@@ -216,6 +219,8 @@ static void io_finish(moecache_io & io, const moecache_io_item & it) {
         if (!io.prefetch.empty()) {
             io.cv_work.notify_one(); // the next prefetch may start
         }
+    } else if (it.job.kind == MOECACHE_IO_READ && --io.demand_reads == 0 && !io.prefetch.empty()) {
+        io.cv_work.notify_all(); // the reads ahead held back by it may start
     }
     io.n_run += 1;
     io.cv_done.notify_all();
@@ -231,6 +236,9 @@ static void io_run_locked(moecache_io & io, std::unique_lock<std::mutex> & lock,
     // intervals; a job ends when its waiter can learn of it (after this thread got the lock back)
     const int64_t t_start = moecache_time_us();
     io_read_busy(io, it.job, true, t_start);
+    if (!it.ahead && it.job.kind == MOECACHE_IO_READ) {
+        io.demand_reads += 1; // (io_finish takes it back)
+    }
     lock.unlock();
     io_run_job(io, it.job);
     lock.lock();
@@ -384,6 +392,9 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
 
 void moecache_io_start(moecache_io & io, int32_t n_threads, int32_t ahead_limit) {
     io.ahead_limit = ahead_limit;
+    if (const char * v = getenv("MOECACHE_AHEAD_YIELD")) { // TEMPORARY A/B switch
+        io.ahead_yield = atoi(v) != 0;
+    }
     for (int32_t i = 0; i < n_threads; i++) {
         io.workers.emplace_back(io_worker, &io, i + 1);
     }

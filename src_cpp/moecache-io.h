@@ -3,7 +3,9 @@
 // mapping, a page lock, or a read-ahead of the mapping. Jobs wait in two queues: on demand (a
 // token needs the bytes now) and prefetch (ordered by a score: predicted probability over layer
 // distance; a prompt's read-ahead scores above every prediction). Workers take
-// on-demand jobs first, and at most `ahead_limit` of them read ahead at once (0: no limit), so
+// on-demand jobs first, and at most `ahead_limit` of them read ahead at once (0: no limit); no
+// read ahead starts while an on-demand read is in flight (a disk shares its bandwidth among the
+// reads it has, so a read ahead beside an urgent one would make the token wait longer for it), so
 // an urgent read waits at most for the prefetch chunks already being read.
 // Jobs belong to a request (moecache_io_req: one slot's fill, or one synchronous batch); a
 // caller waits for a request, which first moves its queued jobs to the on-demand queue, or
@@ -92,6 +94,10 @@ struct moecache_io {
     int32_t           ahead_limit   = 0; // workers that may run prefetch jobs at once; 0 = every worker
     int32_t           ahead_running = 0; // prefetch jobs being run now
     int32_t           ahead_peak    = 0; // the most prefetch jobs run at once so far (tests)
+    int32_t           demand_reads  = 0; // on-demand READ jobs being run now: while there is one, no read
+                                         //   ahead starts (the disk's bandwidth is shared by the reads in
+                                         //   flight, and a token is waiting for these)
+    bool              ahead_yield   = true; // read ahead only while no on-demand read runs (above)
     int               fd        = -1;
     int               fd_direct = -1;
     bool              lock      = true;

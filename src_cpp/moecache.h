@@ -209,9 +209,10 @@ struct moecache_cache_params {
                                   //   whose expert was read ahead waits only for what is still in flight.
                                   //   Costs this many experts' bytes per layer on top of the cache; default 0
     bool    prefetch_adaptive;    // prefetch_spare > 0: the reads ahead switch themselves off where they lose:
-                                  //   windows of 16 decoded tokens with and without them are compared (median
-                                  //   time per token) and the faster one runs for the next 96 tokens, then
-                                  //   again; default true (false: always on)
+                                  //   a trial of 32 decoded tokens, with and without them in turn, compares
+                                  //   the median time per token; they run for the next 96 tokens only if
+                                  //   they were at least 2% faster, then a new trial; default true (false:
+                                  //   always on)
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay

@@ -240,9 +240,9 @@ def test_prefetch_spare_is_checked():
 
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_adaptive_spare_prefetch_tries_both_and_keeps_one(paths, adaptive):
-    """prefetch_adaptive: 16 decoded tokens with the reads ahead, 16 without, then the faster
-    (whichever it was on this machine) for the next 96; off: every token has them. The routing is
-    the same either way."""
+    """prefetch_adaptive: a trial of 32 decoded tokens, with the reads ahead and without in turn,
+    then the winner (whichever it was on this machine) for the next 96; off: every token has them.
+    The routing is the same either way."""
     path = paths["tiny-shakespeare-qwen2moe-60x4"]
     llm = pymoecache.Llama(str(path), cache=CacheConfig(size=15, residency="stream", prefetch="gate", prefetch_spare=2,
                                                         prefetch_adaptive=adaptive),
@@ -251,12 +251,15 @@ def test_adaptive_spare_prefetch_tries_both_and_keeps_one(paths, adaptive):
                           b"is the sun. Arise, fair sun, and kill the envious moon")[:45]
     llm.eval(tokens[:4])
     llm.reset_moe_stats()
-    for t in tokens[4:44]:
+    for t in tokens[4:6]:
+        llm.eval([t])
+    assert llm.moe_stats().residency.prefetch_tokens_on == (1 if adaptive else 2)  # the trial: on, then off
+    for t in tokens[6:44]:
         llm.eval([t])
     rs = llm.moe_stats().residency
     assert rs.decode_tokens == 40
     if adaptive:
-        assert rs.prefetch_tokens_on in (16, 24)  # the trial on, the trial off, then 8 tokens of the winner
+        assert rs.prefetch_tokens_on in (16, 24)  # 16 of the trial's 32, then 8 tokens of the winner
     else:
         assert rs.prefetch_tokens_on == 40
     assert rs.prefetch_issued > 0

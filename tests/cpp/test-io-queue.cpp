@@ -202,6 +202,58 @@ static void test_one_reader_ahead_leaves_the_rest_for_misses(const std::string &
     CHECK(q.io.ahead_peak == 1 && q.io.ahead_running == 0);
 }
 
+// ahead_yield: while an on-demand read is in flight no read ahead starts (the disk would share its
+// bandwidth with it), however many readers are idle; an on-demand job still runs; once the last
+// on-demand read ends, the reads ahead start. Without ahead_yield they start at once.
+static void test_reads_ahead_wait_for_reads_on_demand(const std::string & path) {
+    for (const bool yield : { true, false }) {
+        queue q(path);
+        q.io.ahead_yield = yield;
+        std::vector<char> ahead(2 * 4096, 0), now(4096, 0);
+        moecache_io_req p, d;
+        p.prefetch = true;
+        moecache_io_submit(q.io, p, read_job(&ahead[0], 0, 4096), 0.5f);
+        moecache_io_submit(q.io, p, read_job(&ahead[4096], 4096, 4096), 0.9f);
+        q.io.demand_reads = 1; // as if a read for a token were in flight
+        moecache_io_start(q.io, 3);
+        usleep(50 * 1000); // room for a (wrong) read ahead to start
+        CHECK(p.pending == (yield ? 2 : 0));
+        moecache_io_submit(q.io, d, read_job(&now[0], 32768, 4096), -1.0f);
+        CHECK(moecache_io_wait(q.io, d) == 0 && holds_file_bytes(now.data(), 32768, now.size()));
+        CHECK(q.io.demand_reads == 1); // (the pretended one is still in flight)
+        usleep(50 * 1000);
+        CHECK(p.pending == (yield ? 2 : 0));
+        if (yield) {
+            CHECK(q.order == (std::vector<uint64_t>{ 32768 }));
+        }
+        {
+            std::lock_guard<std::mutex> lock(q.io.mu);
+            q.io.demand_reads = 0; // it ended (as io_finish does for a real one, which also wakes the readers)
+            q.io.cv_work.notify_all();
+        }
+        for (int i = 0; i < 5000 && !moecache_io_idle(q.io, p); i++) {
+            usleep(1000);
+        }
+        CHECK(p.pending == 0 && p.err == 0 && holds_file_bytes(ahead.data(), 0, ahead.size()));
+        if (yield) {
+            CHECK(q.order == (std::vector<uint64_t>{ 32768, 4096, 0 }));
+        }
+    }
+    // a real on-demand read holds the reads ahead back while it runs, and lets them go when it ends
+    queue q(path);
+    std::vector<char> ahead(4096, 0), now(4096, 0);
+    moecache_io_req p, d;
+    p.prefetch = true;
+    moecache_io_submit(q.io, d, read_job(&now[0], 8192, 4096), -1.0f);
+    moecache_io_submit(q.io, p, read_job(&ahead[0], 0, 4096), 0.5f);
+    moecache_io_start(q.io, 2);
+    for (int i = 0; i < 5000 && !moecache_io_idle(q.io, p); i++) {
+        usleep(1000);
+    }
+    CHECK(p.pending == 0 && d.pending == 0 && q.io.demand_reads == 0);
+    CHECK(q.order == (std::vector<uint64_t>{ 8192, 0 }));
+}
+
 // pages of [p, p + len) in the page cache
 static size_t pages_in_memory(const char * p, size_t len) {
     const size_t ps = moecache_page_size();
@@ -329,6 +381,7 @@ int main() {
     test_cancel_drops_queued_jobs(path);
     test_errors_and_many_threads(path);
     test_one_reader_ahead_leaves_the_rest_for_misses(path);
+    test_reads_ahead_wait_for_reads_on_demand(path);
     test_read_ahead_brings_pages_in(path);
     test_timeline_and_busy_time(path);
     test_timeline_capacity(path);
