@@ -223,8 +223,7 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
     // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
     // otherwise they are inserted into it (evicting by its policy) and read
     const bool spare = mc.cparams.prefetch_spare > 0;
-    static const bool no_reads = getenv("MOECACHE_NO_SPEC_READS") != nullptr; // TEMPORARY experiment
-    if (no_reads || (spare && !mc.spec_ctl.on)) {
+    if (spare && !mc.spec_ctl.on) {
         return; // (prefetch_adaptive: off while it loses, or during its trial without)
     }
     int32_t read[MOECACHE_MAX_USED];

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <cstdlib>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -392,9 +391,6 @@ void moecache_io_run(moecache_io & io, std::vector<moecache_io_job> & jobs) {
 
 void moecache_io_start(moecache_io & io, int32_t n_threads, int32_t ahead_limit) {
     io.ahead_limit = ahead_limit;
-    if (const char * v = getenv("MOECACHE_AHEAD_YIELD")) { // TEMPORARY A/B switch
-        io.ahead_yield = atoi(v) != 0;
-    }
     for (int32_t i = 0; i < n_threads; i++) {
         io.workers.emplace_back(io_worker, &io, i + 1);
     }
