@@ -175,8 +175,10 @@ def worker(args) -> None:
         print(json.dumps({str(d): v for d, v in probe(args.model, int(args.cache), (1, 8, 32)).items()}))
         return
     how = drop_page_cache(Path(args.model))
+    eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
-                                   eviction=args.eviction, **parse_prefetch(args.prefetch, args.prefetch_distance))
+                                   eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}),
+                                   **parse_prefetch(args.prefetch, args.prefetch_distance))
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
@@ -319,8 +321,8 @@ def main() -> None:
                          "the text after the measured tokens and loaded by every trace run (default %(default)s)")
     ap.add_argument("--trace-profile", help=argparse.SUPPRESS)
     ap.add_argument("--eviction", default="lru",
-                    help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass "
-                         "(default %(default)s)")
+                    help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass,lfu:0.8 "
+                         "(NAME:DECAY sets the decay; default %(default)s)")
     ap.add_argument("--routings", default="lru,prior:0.5",
                     help="comma-separated routings of the stream and mmap runs; the first is the reference of the "
                          "routing ratios (default %(default)s)")
