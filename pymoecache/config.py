@@ -556,8 +556,9 @@ class CacheConfig:
     whose expert was read ahead only waits for what is still in flight. prefetch_adaptive (default
     True): with spare slots, the reads ahead switch themselves off where they lose: a trial of 32
     decoded tokens, with and without them in turn, compares the median time per token; they run
-    for the next 96 tokens only if they were at least 2% faster, then the trial again (``moe_stats().residency.prefetch_tokens_on`` counts the
-    tokens that had them on); False keeps them always on.
+    for the next 96 tokens only if they were at least 2% faster, then the trial again
+    (``moe_stats().residency.prefetch_tokens_on`` counts the tokens that had them on); False keeps
+    them always on.
 
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
     moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed

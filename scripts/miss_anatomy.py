@@ -95,8 +95,8 @@ def table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="GGUF (default: scripts/bench_residency.py's 2.2 GB model, built once)")
     ap.add_argument("--routing", default="prior:0.5", help="routing spec (default %(default)s)")
     ap.add_argument("--cache-size", default="0.25", help="experts cached per layer: a count or a share of N "
@@ -116,19 +116,26 @@ def main(argv=None) -> int:
 
     import bench_residency as br
     import pymoecache
-    from pymoecache.config import parse_routing, resolved_top_j
+    from pymoecache.config import resolved_top_j
     from storage import drop_page_cache
 
     model = Path(args.model) if args.model else br.bench_model(2200)
     if not model.is_file():
         ap.error(f"no such model file: {model}")
-    size = float(args.cache_size) if "." in args.cache_size else int(args.cache_size)
+    try:
+        size = float(args.cache_size) if "." in args.cache_size else int(args.cache_size)
+        prefetch = br.parse_prefetch(args.prefetch)
+    except ValueError as e:
+        ap.error(f"--cache-size takes a count or a share of N (15, 0.25); --prefetch as bench_residency.py's: {e}")
     n = args.prompt_tokens + args.warmup + args.tokens
-    cache = pymoecache.CacheConfig(size=size, residency="stream", eviction=args.eviction, trace=1_000_000,
-                                   router_record=n, **br.parse_prefetch(args.prefetch))
-    drop_page_cache(model)
-    llm = pymoecache.Llama(str(model), cache=cache, routing=args.routing, n_ctx=n + 16, n_threads=args.threads,
-                           n_threads_batch=args.threads, seed=0, verbose=False)
+    try:
+        cache = pymoecache.CacheConfig(size=size, residency="stream", eviction=args.eviction, trace=1_000_000,
+                                       router_record=n, **prefetch)
+        drop_page_cache(model)
+        llm = pymoecache.Llama(str(model), cache=cache, routing=args.routing, n_ctx=n + 16, n_threads=args.threads,
+                               n_threads_batch=args.threads, seed=0, verbose=False)
+    except pymoecache.Error as e:  # a bad size, routing or file: one line, exit 2
+        ap.error(str(e))
     if br.TEXT.exists():
         tokens = br.text_tokens(llm, n)
     else:  # (no corpus: fixed pseudo-random tokens of the model's own vocabulary)
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
     for t in tokens[args.prompt_tokens + args.warmup:]:
         llm.eval([t])
     K = llm.model_info.n_expert_used
-    routing = parse_routing(args.routing)
+    routing = llm.moecache.routing  # (a preset resolved for this model and cache)
     top_j = K if isinstance(routing, pymoecache.TopK) else resolved_top_j(routing, K)
     r = anatomy(llm, args.tokens, top_j)
     r.update(model=model.name, routing=args.routing, cache=str(size), prefetch=args.prefetch)

@@ -154,8 +154,8 @@ def _add_residency_options(c) -> None:
                         "prefetch is an insertion)")
     c.add_argument("--no-prefetch-adaptive", dest="prefetch_adaptive", action="store_false",
                    help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
-                        "themselves off unless tokens with them ran at least 2%% faster in a trial of 32, with and without "
-                        "in turn)")
+                        "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
+                        "with and without them in turn)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
                         "cannot drop them and read them back every token; if it refuses, one warning)")
