@@ -206,6 +206,11 @@ moecache_profile_warm = _fn("moecache_profile_warm", [moecache_p, c_int32], c_in
 #                                    float * scores, int32_t cap, bool * rank_on_logits);
 moecache_get_router_record = _fn("moecache_get_router_record", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float),
                                                                 POINTER(c_float), c_int32, POINTER(c_bool)], c_int32)
+# int32_t moecache_get_router_input(const struct moecache * mc, int32_t il, float * x, int32_t cap, int32_t * n_embd);
+moecache_get_router_input = _fn("moecache_get_router_input", [moecache_p, c_int32, POINTER(c_float), c_int32,
+                                                              POINTER(c_int32)], c_int32)
+# int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w, int32_t n_embd);
+moecache_set_predictor = _fn("moecache_set_predictor", [moecache_p, c_int32, POINTER(c_float), c_int32], c_int32)
 moecache_n_layer = _fn("moecache_n_layer", [moecache_p], c_int32)
 moecache_get_stats = _fn("moecache_get_stats", [moecache_p, POINTER(moecache_stats)], c_int32)
 moecache_get_layer_stats = _fn("moecache_get_layer_stats", [moecache_p, c_int32, POINTER(moecache_layer_stats)], c_int32)

@@ -449,6 +449,33 @@ class MoECache:
         _check(C.moecache_set_eviction(self._h, EVICTIONS[eviction], float(decay)))
         self.eviction, self.eviction_decay = eviction, float(decay)
 
+    def router_inputs(self, il: int) -> np.ndarray:
+        """The router's input of layer ``il`` for the tokens of :meth:`router_record` (the FFN input
+        its matmul took), ``[T, n_embd]`` float32; ``[0, 0]`` where the router was not recognized
+        as a plain matmul. What :func:`pymoecache.tune.fit_predictor` fits on."""
+        check_int("layer", il, 0, self.n_layer - 1)
+        n_embd = ctypes.c_int32(0)
+        T = C.moecache_get_router_input(self._h, int(il), None, 0, ctypes.byref(n_embd))
+        _check(min(T, 0))
+        out = np.zeros((T, n_embd.value), dtype=np.float32)
+        if T and n_embd.value:
+            C.moecache_get_router_input(self._h, int(il), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), T, None)
+        return out
+
+    def set_predictor(self, il: int, w: Optional[np.ndarray]) -> None:
+        """Predict layer ``il``'s experts (``prefetch="gate"``) with ``w`` ``[n_expert, n_embd]``
+        instead of its router (None: the router again), e.g. one fitted by
+        :func:`pymoecache.tune.fit_predictor`. Only what is read ahead changes, never a routing
+        decision or a logit."""
+        check_int("layer", il, 0, self.n_layer - 1)
+        if w is None:
+            _check(C.moecache_set_predictor(self._h, int(il), None, 0))
+            return
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim != 2 or w.shape[0] != self.n_expert:
+            raise MoECacheError(f"a predictor of layer {il} is [n_expert = {self.n_expert}, n_embd], got {w.shape}")
+        _check(C.moecache_set_predictor(self._h, int(il), w.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), w.shape[1]))
+
     def router_record(self, layers: Optional[Sequence[int]] = None):
         """The router outputs recorded so far (``CacheConfig(router_record=T)``) over ``layers``
         (default: the MoE layers): ``(logits, probs, scores, rank_on_logits)``, the arrays
@@ -954,6 +981,26 @@ class Llama(llama_cpp.Llama):
         with self._token_lock:
             cache.load_profile(path)
             return cache.warm_start(pin_hot) if warm else 0
+
+    def load_predictor(self, path: "os.PathLike[str] | str") -> int:
+        """Predict experts ahead (``prefetch="gate"``) with the predictors of ``path``, written by
+        :func:`pymoecache.tune.save_predictor` from :func:`pymoecache.tune.fit_predictor` for this
+        model, instead of the next layers' routers. Only what is read ahead changes, never a
+        routing decision or a logit. Returns how many layers got one.
+
+        >>> from pymoecache import tune                                              # doctest: +SKIP
+        >>> tune.save_predictor("model.pred", tune.fit_predictor("model.gguf", calibration_tokens))
+        >>> llm.load_predictor("model.pred")
+        19
+        """
+        from .tune import load_predictor
+
+        cache = self._require_cache()
+        predictors = load_predictor(path)
+        with self._token_lock:
+            for il, w in predictors.items():
+                cache.set_predictor(il, w)
+        return len(predictors)
 
     def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache contents (per layer, in recency order) to ``path``, atomically."""

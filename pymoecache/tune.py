@@ -195,3 +195,95 @@ def ppl_evaluator(llm, tokens: Sequence[int], ctx: int, limit_chunks: Optional[i
         st = res.stats
         return res.ppl, {int(il): float(m) for il, m in zip(st.moe_layers, st.miss_rate_per_layer)}
     return evaluate
+
+
+# --- fitted predictors for reading ahead (issue 26) ---------------------------------------------
+
+PREDICTOR_FORMAT = "pymoecache-predictor"
+
+
+def _router_weights(path: str, il: int):
+    """Layer il's router from the GGUF as float32 ([n_expert, n_embd], [n_expert] bias or None)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    names = {f"blk.{il}.ffn_gate_inp.weight": None, f"blk.{il}.ffn_gate_inp.bias": None}
+    for t in GGUFReader(path).tensors:
+        if t.name in names:
+            names[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    w, b = names.values()
+    if w is None:
+        raise ConfigError(f"layer {il} has no router in {path}")
+    return w.reshape(-1, w.shape[-1]), (None if b is None else b.reshape(-1))
+
+
+def fit_predictor(model_path, tokens: Sequence[int], *, lam: float = 1000.0, n_threads: Optional[int] = None):
+    """Predictors of the next layer's experts for ``prefetch="gate"``, fitted on ``tokens``.
+
+    The gate predictor applies layer l + 1's router W to layer l's FFN input x, as if the hidden
+    state did not change in between. Here each such pair of MoE layers gets W + D^T, where D is the
+    ridge regression of what that misses (layer l + 1's true router logits z less W x and its bias)
+    on x: D = (X^T X + lam I)^-1 X^T (Z - X W^T - b), over ``tokens`` decoded one at a time with the
+    stock router. ``lam`` pulls D toward 0 (the router itself): fit on one text, check on another.
+    Returns ``{layer: [n_expert, n_embd] float32}`` for :meth:`pymoecache.Llama.load_predictor` (via
+    :func:`save_predictor`) or ``MoECache.set_predictor``.
+    """
+    import numpy as np
+
+    from . import Llama
+    from .config import CacheConfig, check_int
+
+    check_int("tokens", len(tokens), 2)
+    if not (isinstance(lam, (int, float)) and lam > 0 and np.isfinite(lam)):
+        raise ConfigError(f"lam must be a positive number, got {lam!r}")
+    llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=len(tokens)),
+                routing="lru", n_ctx=len(tokens) + 8, n_threads=n_threads, verbose=False)
+    for t in tokens:  # one at a time: every layer routes (and records) every token
+        llm.eval([int(t)])
+    mc = llm.moecache
+    layers = list(mc.moe_layers)
+    out = {}
+    for a, b in zip(layers, layers[1:]):
+        if b != a + 1:
+            continue
+        X = mc.router_inputs(a).astype(np.float64)
+        z, _, _, _ = mc.router_record([b])
+        Z = z[:, 0, :].astype(np.float64)
+        if X.shape[0] == 0 or X.shape[0] != Z.shape[0]:
+            continue  # (a router that is not a plain matmul on its input: nothing recorded)
+        W, bias = _router_weights(str(model_path), b)
+        if W.shape != (Z.shape[1], X.shape[1]):
+            continue
+        R = Z - X @ W.T - (0.0 if bias is None else bias)
+        D = np.linalg.solve(X.T @ X + lam * np.eye(X.shape[1]), X.T @ R)
+        out[b] = (W + D.T).astype(np.float32)
+    llm.close()
+    return out
+
+
+def save_predictor(path, predictors, model: str = "") -> None:
+    """Write ``{layer: [n_expert, n_embd]}`` predictors to ``path`` (npz, atomically)."""
+    import io
+
+    import numpy as np
+
+    from .files import write_atomic
+
+    buf = io.BytesIO()
+    np.savez(buf, format=np.array(PREDICTOR_FORMAT), model=np.array(str(model)),
+             **{f"layer_{il}": np.asarray(w, dtype=np.float32) for il, w in predictors.items()})
+    write_atomic(path, buf.getvalue(), "predictor")
+
+
+def load_predictor(path):
+    """``{layer: [n_expert, n_embd] float32}`` from a file of :func:`save_predictor`; ConfigError if it is not one."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if "format" not in f.files or str(f["format"]) != PREDICTOR_FORMAT:
+                raise ConfigError(f"{path} is not a pymoecache predictor file")
+            return {int(k[len("layer_"):]): np.asarray(f[k], dtype=np.float32) for k in f.files if k.startswith("layer_")}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the predictor file {path}: {e}") from e

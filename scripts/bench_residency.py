@@ -82,16 +82,19 @@ def parse_prefetch(spec: str, distance: int = 1) -> dict:
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
-    its reads before its matmuls), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
+    its reads before its matmuls), ``:f=1`` the fitted predictors of --predictor instead of the
+    routers (key ``predictor``: not a CacheConfig field), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
     mode, *opts = spec.split(":")
     out = {"prefetch": mode, "prefetch_distance": distance}
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
-             "o": ("overlap_experts", lambda v: v not in ("0", "false", "no"))}
+             "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),
+             "f": ("predictor", lambda v: v not in ("0", "false", "no"))}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
-            raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1)")
+            raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
+                             "f=0|1)")
         out[names[key][0]] = names[key][1](value)
     return out
 
@@ -176,13 +179,18 @@ def worker(args) -> None:
         return
     how = drop_page_cache(Path(args.model))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
+    prefetch = parse_prefetch(args.prefetch, args.prefetch_distance)
+    fitted = prefetch.pop("predictor", False)
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
-                                   eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}),
-                                   **parse_prefetch(args.prefetch, args.prefetch_distance))
+                                   eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch)
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
     t_load = time.perf_counter() - t0
+    if fitted:
+        if not args.predictor:
+            sys.exit("bench_residency: a prefetch with f=1 needs --predictor FILE (scripts/fit_predictor.py)")
+        llm.load_predictor(args.predictor)
     if args.trace_profile and args.prefetch.split(":")[0] == "trace":
         llm.load_profile(args.trace_profile, warm=False)  # past requests to match; the cache starts cold all the same
     dt = decode_text(llm, args)
@@ -293,6 +301,8 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
            "--storage-label", args.storage_label]
     if args.trace_profile:
         cmd += ["--trace-profile", args.trace_profile]
+    if args.predictor:
+        cmd += ["--predictor", str(args.predictor)]
     if args.timeline and residency not in ("stock", "probe"):
         name = "-".join([args.storage_label, residency, routing.replace(":", ""), cache, prefetch.replace(":", "_"),
                          eviction, f"rep{rep}"]) + ".json"
@@ -313,9 +323,11 @@ def main() -> None:
                     help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate; "
                          "options after the mode: gate:p=0.2 (prefetch_min_p), gate:t=0 (prefetch_threads), "
                          "gate:d=2 (distance), gate:s=2 (2 spare slots per layer: read ahead without inserting), "
-                         "gate:s=2:a=0 (always on), off:o=0 (overlap_experts off: each layer waits for all its "
-                         "reads before its matmuls), gate:p=0.2:t=2 (default %(default)s)")
+                         "gate:s=2:a=0 (always on), gate:s=2:f=1 (the fitted predictors of --predictor), off:o=0 "
+                         "(overlap_experts off: each layer waits for all its reads before its matmuls), "
+                         "gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
+    ap.add_argument("--predictor", help="fitted predictors (scripts/fit_predictor.py) for the prefetch entries with f=1")
     ap.add_argument("--trace-requests", type=int, default=8,
                     help="prefetch trace: past requests it matches against, run once before the measurements on "
                          "the text after the measured tokens and loaded by every trace run (default %(default)s)")
@@ -373,7 +385,10 @@ def main() -> None:
 
     for p in prefetches:  # a typo fails now, not after an hour of runs
         try:
-            CacheConfig(io_threads=args.io_threads, **parse_prefetch(p, args.prefetch_distance))
+            fields = parse_prefetch(p, args.prefetch_distance)
+            if fields.pop("predictor", False) and not (args.predictor and Path(args.predictor).is_file()):
+                raise ValueError("f=1 needs --predictor FILE (scripts/fit_predictor.py)")
+            CacheConfig(io_threads=args.io_threads, **fields)
         except (ValueError, ConfigError) as e:
             sys.exit(f"bench_residency: --prefetch {p}: {e}")
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]

@@ -105,6 +105,7 @@ def main(argv=None) -> int:
                     help="as bench_residency.py's --prefetch entries (default %(default)s: the gate predictor into "
                          "2 spare slots, always on)")
     ap.add_argument("--eviction", default="lru", help="eviction policy (default %(default)s)")
+    ap.add_argument("--predictor", help="fitted predictors (scripts/fit_predictor.py) for a --prefetch with f=1")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=32, help="decodes before the traced ones (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=128, help="traced decodes (default %(default)s)")
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     try:
         size = float(args.cache_size) if "." in args.cache_size else int(args.cache_size)
         prefetch = br.parse_prefetch(args.prefetch)
+        fitted = prefetch.pop("predictor", False)
     except ValueError as e:
         ap.error(f"--cache-size takes a count or a share of N (15, 0.25); --prefetch as bench_residency.py's: {e}")
     n = args.prompt_tokens + args.warmup + args.tokens
@@ -134,6 +136,10 @@ def main(argv=None) -> int:
         drop_page_cache(model)
         llm = pymoecache.Llama(str(model), cache=cache, routing=args.routing, n_ctx=n + 16, n_threads=args.threads,
                                n_threads_batch=args.threads, seed=0, verbose=False)
+        if fitted:
+            if not args.predictor:
+                ap.error("--prefetch ...:f=1 needs --predictor FILE")
+            llm.load_predictor(args.predictor)
     except pymoecache.Error as e:  # a bad size, routing or file: one line, exit 2
         ap.error(str(e))
     if br.TEXT.exists():

@@ -11,6 +11,7 @@
 #include "moecache-hook.h"
 
 #include "ggml.h"
+#include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "llama.h"
 #include "llama-hparams.h" // llama_expert_gating_func_type
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace {
@@ -280,6 +282,14 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             for (const ggml_tensor * x : { z, p, s }) {
                 L.router_rec.insert(L.router_rec.end(), row_f32(x, t), row_f32(x, t) + mc.n_expert);
             }
+            if (L.graph.src_input >= 0 && (L.n_rec == 0 || L.n_embd_in > 0)) { // (and its input, for fitting predictors)
+                const ggml_tensor * x = dst->src[L.graph.src_input];
+                L.n_embd_in = (int32_t) x->ne[0];
+                L.router_in.insert(L.router_in.end(), row_f32(x, t), row_f32(x, t) + x->ne[0]);
+            } else {
+                L.n_embd_in = 0; // (rows without an input: none is kept)
+                L.router_in.clear();
+            }
             L.n_rec += 1;
         }
         const int32_t n = moecache_route_token(mc, L, rp, row_f32(z, t), row_f32(p, t), row_f32(s, t), st,
@@ -374,7 +384,8 @@ static ggml_tensor * predict_router(moecache & mc, ggml_context * ctx, ggml_tens
         next.ffn_gate_inp->ne[0] != mm->src[1]->ne[0] || next.ffn_gate_inp->ne[1] != mc.n_expert) {
         return nullptr; // a router of another shape (or none: a dense layer), or an input we do not recognize
     }
-    ggml_tensor * pred = ggml_mul_mat(ctx, next.ffn_gate_inp, mm->src[1]);
+    const bool fitted = (size_t) target < mc.pred_on.size() && mc.pred_on[target];
+    ggml_tensor * pred = ggml_mul_mat(ctx, fitted ? mc.pred_w[target] : next.ffn_gate_inp, mm->src[1]);
     if (next.ffn_gate_inp_b) {
         pred = ggml_add(ctx, pred, next.ffn_gate_inp_b);
     }
@@ -443,8 +454,17 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
 
     ggml_tensor * pred = predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
-    ggml_tensor * args[5] = { selected, logits, probs, selection, pred };
-    L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, pred ? 5 : 4,
+    ggml_tensor * args[6] = { selected, logits, probs, selection, pred, nullptr };
+    int32_t n_args = pred ? 5 : 4;
+    L.graph.src_input = -1;
+    ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
+    if (mc->cparams.router_record > 0 && mm->op == GGML_OP_MUL_MAT && mc->model &&
+        mm->src[0] == mc->model->layers[il].ffn_gate_inp && mm->src[1]->type == GGML_TYPE_F32 &&
+        mm->src[1]->ne[1] == selected->ne[1]) {
+        L.graph.src_input = n_args; // the router's input rows, recorded with its outputs
+        args[n_args++]    = mm->src[1];
+    }
+    L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, n_args,
                                        op_select, 1, &L);
     ggml_format_name(L.graph.route_out, "moecache_select-%d", il);
     // llama.cpp gets the K selected experts per token, contiguous as its own top-K
@@ -560,6 +580,82 @@ ggml_backend_buffer_type_t moecache_hook_weight_buft(const char * name, ggml_bac
 
 bool moecache_hook_mmap_prefetch(void) {
     return g_load_residency == MOECACHE_RESIDENCY_NONE; // experts are read when a token needs them
+}
+
+// --- fitted predictors (moecache_set_predictor) --------------------------------------------
+
+void moecache_graph_mark_dirty(moecache * mc) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (mc->ctx) {
+        auto it = g_ctx.find(mc->ctx);
+        if (it != g_ctx.end()) {
+            it->second.dirty = true;
+        }
+    }
+}
+
+void moecache_graph_free_predictors(moecache & mc) {
+    if (mc.pred_buf) {
+        ggml_backend_buffer_free(mc.pred_buf);
+    }
+    if (mc.pred_ctx) {
+        ggml_free(mc.pred_ctx);
+    }
+    mc.pred_buf = nullptr;
+    mc.pred_ctx = nullptr;
+    mc.pred_w.clear();
+    mc.pred_on.clear();
+}
+
+int32_t moecache_graph_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd) {
+    const ggml_tensor * router = mc.model ? mc.model->layers[il].ffn_gate_inp : nullptr;
+    if (!router || router->ne[1] != mc.n_expert) {
+        moecache_set_error("moecache_set_predictor: layer " + std::to_string(il) + " has no router to stand in for");
+        return MOECACHE_ERR_INVALID;
+    }
+    if (!w) {
+        if ((size_t) il < mc.pred_on.size()) {
+            mc.pred_on[il] = 0;
+        }
+        moecache_graph_mark_dirty(&mc);
+        return MOECACHE_OK;
+    }
+    if (n_embd != router->ne[0]) {
+        moecache_set_error("moecache_set_predictor: layer " + std::to_string(il) + "'s router takes " +
+                           std::to_string(router->ne[0]) + " inputs, the predictor " + std::to_string(n_embd));
+        return MOECACHE_ERR_INVALID;
+    }
+    const size_t n = (size_t) n_embd * (size_t) mc.n_expert;
+    for (size_t i = 0; i < n; i++) {
+        if (!std::isfinite(w[i])) {
+            moecache_set_error("moecache_set_predictor: the predictor has a value that is not finite");
+            return MOECACHE_ERR_INVALID;
+        }
+    }
+    if (!mc.pred_ctx) { // one [n_embd, N] F32 tensor per layer with a router, in one CPU buffer
+        struct ggml_init_params ip = { (size_t) (mc.n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
+        mc.pred_ctx = ggml_init(ip);
+        mc.pred_w.assign(mc.n_layer, nullptr);
+        mc.pred_on.assign(mc.n_layer, 0);
+        for (int32_t l = 0; l < mc.n_layer && mc.pred_ctx; l++) {
+            const ggml_tensor * r = mc.model->layers[l].ffn_gate_inp;
+            if (r && r->ne[1] == mc.n_expert) {
+                mc.pred_w[l] = ggml_new_tensor_2d(mc.pred_ctx, GGML_TYPE_F32, r->ne[0], mc.n_expert);
+                ggml_format_name(mc.pred_w[l], "moecache.predictor-%d", l);
+            }
+        }
+        mc.pred_buf = mc.pred_ctx ? ggml_backend_alloc_ctx_tensors_from_buft(mc.pred_ctx, ggml_backend_cpu_buffer_type())
+                                  : nullptr;
+        if (!mc.pred_buf) {
+            moecache_graph_free_predictors(mc);
+            moecache_set_error("moecache_set_predictor: out of memory");
+            return MOECACHE_ERR_NO_MEMORY;
+        }
+    }
+    ggml_backend_tensor_set(mc.pred_w[il], w, 0, n * sizeof(float));
+    mc.pred_on[il] = 1;
+    moecache_graph_mark_dirty(&mc);
+    return MOECACHE_OK;
 }
 
 // --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------

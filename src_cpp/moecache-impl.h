@@ -69,6 +69,7 @@ struct moecache_layer_graph {
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
+    int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
                                             //   last layer of a prompt routes only its output rows); 1 = a decode
 };
@@ -137,6 +138,8 @@ struct moecache_layer {
 
     std::vector<float> router_rec;    // cache params router_record: [n_rec][3][n_expert] z, p, s per token
     int32_t            n_rec = 0;
+    std::vector<float> router_in;     //   and [n_rec][n_embd_in] the router's input (empty where not recognized)
+    int32_t            n_embd_in = 0;
 };
 
 
@@ -162,6 +165,13 @@ struct moecache {
     std::vector<std::vector<float>> trace_store;
     int32_t                         trace_best = -1;
     int32_t                         trace_best_layer = -1; // the layer the match was made at
+
+    // GATE prefetch: fitted predictors (moecache_set_predictor), [n_layer] tensors [n_embd, N] in their own
+    // CPU buffer, used in place of a layer's router to predict it; nullptr = its router
+    ggml_context *               pred_ctx = nullptr;
+    ggml_backend_buffer *        pred_buf = nullptr;
+    std::vector<ggml_tensor *>   pred_w;
+    std::vector<uint8_t>         pred_on;
 
     struct llama_context * ctx = nullptr; // attached context
     const struct llama_model * model = nullptr; // the model (nullptr for a synthetic moecache)
@@ -286,6 +296,10 @@ int32_t moecache_state_read(moecache & mc, const char * path);
 int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
 void    moecache_hook_detach(moecache * mc);
 void    moecache_graph_set_load_residency(enum moecache_residency residency);
+void    moecache_graph_mark_dirty(moecache * mc);  // the attached context builds its next graph afresh
+// moecache_set_predictor (moecache-graph.cpp)
+int32_t moecache_graph_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
+void    moecache_graph_free_predictors(moecache & mc);
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
 
 // moecache-route.cpp

@@ -132,6 +132,7 @@ void moecache_free(struct moecache * mc) {
     }
     moecache_hook_detach(mc);
     moecache_residency_free(*mc);
+    moecache_graph_free_predictors(*mc);
     delete mc;
 }
 
@@ -327,6 +328,28 @@ int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float
         *rank_on_logits = L.graph.rank_on_logits;
     }
     return L.n_rec;
+}
+
+int32_t moecache_get_router_input(const struct moecache * mc, int32_t il, float * x, int32_t cap, int32_t * n_embd) {
+    if (!mc || il < 0 || il >= mc->n_layer || cap < 0) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_get_router_input: layer out of range or cap < 0");
+    }
+    const moecache_layer & L = mc->layers[il];
+    const int32_t n = L.n_embd_in > 0 ? L.n_rec : 0;
+    if (x && n > 0) {
+        memcpy(x, L.router_in.data(), (size_t) std::min(cap, n) * (size_t) L.n_embd_in * sizeof(float));
+    }
+    if (n_embd) {
+        *n_embd = L.n_embd_in;
+    }
+    return n;
+}
+
+int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w, int32_t n_embd) {
+    if (!mc || il < 0 || il >= mc->n_layer) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_set_predictor: layer out of range");
+    }
+    return moecache_graph_set_predictor(*mc, il, w, n_embd);
 }
 
 int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap) {

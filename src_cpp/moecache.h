@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 14
+#define MOECACHE_ABI_VERSION 15
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -417,6 +417,19 @@ MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moeca
 // prior boosts z (softmax router) rather than s. Returns the tokens recorded (rows written: at most cap).
 MOECACHE_API int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
                                                 float * scores, int32_t cap, bool * rank_on_logits);
+// The router's input (the FFN input its matmul takes, [n_embd] per token) of the same tokens as
+// moecache_get_router_record, where the graph's router is the plain matmul on it (0 rows elsewhere):
+// copies min(cap, T) rows into x [cap, n_embd] (may be NULL), sets *n_embd; returns T. What
+// pymoecache.tune.fit_predictor fits a layer's predictor on.
+MOECACHE_API int32_t moecache_get_router_input(const struct moecache * mc, int32_t il, float * x, int32_t cap,
+                                               int32_t * n_embd);
+// GATE prefetch: a fitted predictor of layer il, w [n_expert, n_embd] F32 (row e: expert e's weights,
+// the layout of the router's own ffn_gate_inp; copied), applied in place of il's router to an
+// earlier layer's FFN input to predict il's experts (the router's bias, if any, is still added).
+// w = NULL: back to the router. Prediction only: routing and logits never change. Takes effect on
+// the next graph. MOECACHE_ERR_INVALID for a layer without a router of N experts, n_embd other than
+// the router's, or a value that is not finite.
+MOECACHE_API int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w, int32_t n_embd);
 
 // Cache contents (with recency order) and Delta per layer, tied to the model's identity
 // (description, parameter count, layer and expert counts). Load into a moecache of the same model.
