@@ -218,14 +218,16 @@ def _router_weights(path: str, il: int):
     return w.reshape(-1, w.shape[-1]), (None if b is None else b.reshape(-1))
 
 
-def fit_predictor(model_path, tokens: Sequence[int], *, lam: float = 1000.0, n_threads: Optional[int] = None):
+def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optional[int] = None):
     """Predictors of the next layer's experts for ``prefetch="gate"``, fitted on ``tokens``.
 
     The gate predictor applies layer l + 1's router W to layer l's FFN input x, as if the hidden
     state did not change in between. Here each such pair of MoE layers gets W + D^T, where D is the
     ridge regression of what that misses (layer l + 1's true router logits z less W x and its bias)
     on x: D = (X^T X + lam I)^-1 X^T (Z - X W^T - b), over ``tokens`` decoded one at a time with the
-    stock router. ``lam`` pulls D toward 0 (the router itself): fit on one text, check on another.
+    stock router. ``tokens``: one token list, or several (each decoded in a fresh context: texts
+    of several kinds, so that what one context shares is not taken for what every token shares).
+    ``lam`` pulls D toward 0 (the router itself): fit on one text, check on another.
     Returns ``{layer: [n_expert, n_embd] float32}`` for :meth:`pymoecache.Llama.load_predictor` (via
     :func:`save_predictor`) or ``MoECache.set_predictor``.
     """
@@ -234,13 +236,17 @@ def fit_predictor(model_path, tokens: Sequence[int], *, lam: float = 1000.0, n_t
     from . import Llama
     from .config import CacheConfig, check_int
 
-    check_int("tokens", len(tokens), 2)
+    contexts = [list(c) for c in tokens] if len(tokens) and not np.isscalar(tokens[0]) else [list(tokens)]
+    n = sum(len(c) for c in contexts)
+    check_int("tokens", n, 2)
     if not (isinstance(lam, (int, float)) and lam > 0 and np.isfinite(lam)):
         raise ConfigError(f"lam must be a positive number, got {lam!r}")
-    llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=len(tokens)),
-                routing="lru", n_ctx=len(tokens) + 8, n_threads=n_threads, verbose=False)
-    for t in tokens:  # one at a time: every layer routes (and records) every token
-        llm.eval([int(t)])
+    llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=n),
+                routing="lru", n_ctx=max(len(c) for c in contexts) + 8, n_threads=n_threads, verbose=False)
+    for c in contexts:
+        llm.reset()
+        for t in c:  # one at a time: every layer routes (and records) every token
+            llm.eval([int(t)])
     mc = llm.moecache
     layers = list(mc.moe_layers)
     out = {}

@@ -6,8 +6,8 @@
 
 The gate predictor applies layer l + 1's router to layer l's FFN input. The fitted one adds a ridge
 regression of what that misses (pymoecache.tune.fit_predictor), learned from --tokens tokens of the
-text decoded one at a time, starting --skip tokens in (the benchmarks measure the text's start:
-fit on another part). Load the result with Llama.load_predictor, bench_residency.py --predictor
+text decoded one at a time, in --contexts fresh contexts --skip tokens apart (the benchmarks
+measure the text's start: the fit never sees it). Load the result with Llama.load_predictor, bench_residency.py --predictor
 FILE --prefetch gate:s=2:f=1, or miss_anatomy.py --predictor FILE --prefetch gate:s=2:a=0:f=1.
 """
 
@@ -29,13 +29,16 @@ def main(argv=None) -> int:
     ap.add_argument("--text", help="calibration text (default: WikiText-2's validation text)")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens decoded to fit on (default %(default)s)")
     ap.add_argument("--skip", type=int, default=4000, help="tokens of the text skipped first (default %(default)s)")
+    ap.add_argument("--contexts", type=int, default=8,
+                    help="the tokens come from this many places of the text, each decoded in a fresh context, "
+                         "--skip tokens apart (default %(default)s)")
     ap.add_argument("--lam", type=float, default=1000.0, help="ridge strength: larger stays nearer the router "
                                                              "(default %(default)s)")
     ap.add_argument("-o", "--output", help="predictor file (default: MODEL with .pred)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (default: llama.cpp's)")
     args = ap.parse_args(argv)
-    if args.tokens < 2 or args.skip < 0 or not args.lam > 0:
-        ap.error("--tokens must be >= 2, --skip >= 0, --lam > 0")
+    if args.tokens < 2 or args.skip < 0 or args.contexts < 1 or not args.lam > 0:
+        ap.error("--tokens must be >= 2, --skip >= 0, --contexts >= 1, --lam > 0")
 
     import bench_residency as br
     import pymoecache
@@ -52,11 +55,14 @@ def main(argv=None) -> int:
 
         vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
         ids = vocab.tokenize(text.read_text(encoding="utf-8", errors="replace").encode(), add_bos=False)
-        ids = ids[args.skip: args.skip + args.tokens]
-        if len(ids) < 2:
+        per = max(2, args.tokens // max(1, args.contexts))
+        contexts = [ids[args.skip * (i + 1): args.skip * (i + 1) + per] for i in range(max(1, args.contexts))]
+        contexts = [c for c in contexts if len(c) >= 2]
+        if not contexts:
             ap.error(f"{text} has fewer than --skip + 2 tokens")
+        ids = [t for c in contexts for t in c]
         t0 = time.perf_counter()
-        predictors = tune.fit_predictor(model, ids, lam=args.lam, n_threads=args.threads)
+        predictors = tune.fit_predictor(model, contexts, lam=args.lam, n_threads=args.threads)
         tune.save_predictor(out, predictors, model=model.name)
     except pymoecache.Error as e:
         ap.error(str(e))

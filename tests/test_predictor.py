@@ -97,6 +97,8 @@ def test_the_fit_lowers_the_error_it_minimises(tmp_path):
         base = np.mean((x @ w.T - z) ** 2)
         fitted = np.mean((x @ pred[b].T - z) ** 2)
         assert fitted < base, f"layer {b}: {fitted} >= {base}"
+    several = tune.fit_predictor(path, [ids[:30], ids[30:]], lam=10.0, n_threads=2)  # two fresh contexts
+    assert sorted(several) == sorted(pred) and not np.array_equal(several[layers[1]], pred[layers[1]])
     f = tmp_path / "m.pred"
     tune.save_predictor(f, pred, model=path.name)
     back = tune.load_predictor(f)
