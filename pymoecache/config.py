@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
@@ -560,6 +561,10 @@ class CacheConfig:
     (``moe_stats().residency.prefetch_tokens_on`` counts the tokens that had them on); False keeps
     them always on.
 
+    predictor: a file of :func:`pymoecache.tune.save_predictor` for this model: ``gate`` predicts
+    with the predictors fitted by :func:`pymoecache.tune.fit_predictor` instead of the next
+    layers' routers (loaded at start, as ``Llama.load_predictor``); only what is read ahead changes.
+
     eviction: which cached expert leaves for a miss or a prefetch (src_cpp/moecache.h, ``enum
     moecache_eviction``): ``"lru"`` (the default, least recently used), ``"lfu"`` (lowest decayed
     count of selections), ``"activation"`` (MoE-Infinity: lowest share of the layer's selections
@@ -595,6 +600,7 @@ class CacheConfig:
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
+    predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -635,6 +641,8 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
+        if self.predictor is not None and not os.path.isfile(self.predictor):
+            raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 
     def resolve_prefetch(self, residency: str, n_cached: int, n_expert_used: int,
                          from_memory: bool = False) -> "CacheConfig":

@@ -750,6 +750,8 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope)
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+        if cache.predictor is not None:
+            self.load_predictor(cache.predictor)
 
     _plan_inputs = None
     _plan = None

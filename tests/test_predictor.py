@@ -129,3 +129,24 @@ def test_bad_predictors_are_refused(tmp_path):
     (tmp_path / "x.pred").write_bytes(b"not a predictor")
     with pytest.raises(pymoecache.ConfigError, match="predictor"):
         llm.load_predictor(tmp_path / "x.pred")
+
+
+def test_the_cli_and_cache_config_take_a_predictor(tmp_path):
+    import subprocess
+    import sys
+
+    path = MODELS[0]
+    f = tmp_path / "m.pred"
+    tune.save_predictor(f, tune.fit_predictor(path, tokens(path, 30), lam=10.0, n_threads=2), model=path.name)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=15, residency="stream", prefetch="gate", predictor=str(f)),
+                           n_ctx=64, verbose=False)
+    assert llm.moecache is not None
+    with pytest.raises(pymoecache.ConfigError, match="predictor"):
+        CacheConfig(predictor=str(tmp_path / "missing.pred"))
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-p", "ROMEO:", "-n", "8",
+                        "--cache-size", "15", "--predictor", str(f), "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-n", "4", "--predictor",
+                        str(tmp_path / "missing.pred")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "predictor" in r.stderr

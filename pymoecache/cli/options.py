@@ -152,6 +152,10 @@ def _add_residency_options(c) -> None:
                         "inserting them into the cache, so routing, hits and misses stay exactly those without "
                         "prefetch and only the waits change; costs S experts per layer of memory (default 0: a "
                         "prefetch is an insertion)")
+    c.add_argument("--predictor", metavar="FILE",
+                   help="gate prefetch: predict the next layers' experts with the predictors in FILE, fitted on a "
+                        "text for this model (pymoecache.tune.fit_predictor, scripts/fit_predictor.py), instead of "
+                        "their routers; only what is read ahead changes (default: the routers)")
     c.add_argument("--no-prefetch-adaptive", dest="prefetch_adaptive", action="store_false",
                    help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
                         "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
@@ -434,6 +438,7 @@ def cache_from_args(args):
                        prefetch_threads=getattr(args, "prefetch_threads", 0),
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
+                       predictor=getattr(args, "predictor", None),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
