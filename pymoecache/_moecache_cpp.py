@@ -54,6 +54,7 @@ class moecache_cache_params(ctypes.Structure):
         ("eviction", c_int32),
         ("eviction_decay", c_float),
         ("router_record", c_int32),
+        ("router_record_input", c_bool),
     ]
 
 

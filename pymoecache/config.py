@@ -600,6 +600,7 @@ class CacheConfig:
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
+    router_record_input: bool = False  # router_record: also keep each router's input (n_embd floats per token and layer)
     predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
 
     def __post_init__(self):
@@ -636,7 +637,7 @@ class CacheConfig:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
-        for name in ("prefetch_adaptive", "overlap_experts"):
+        for name in ("prefetch_adaptive", "overlap_experts", "router_record_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)

@@ -251,6 +251,7 @@ class MoECache:
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)
+        cp.router_record_input = bool(cache.router_record_input)
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -451,8 +452,9 @@ class MoECache:
 
     def router_inputs(self, il: int) -> np.ndarray:
         """The router's input of layer ``il`` for the tokens of :meth:`router_record` (the FFN input
-        its matmul took), ``[T, n_embd]`` float32; ``[0, 0]`` where the router was not recognized
-        as a plain matmul. What :func:`pymoecache.tune.fit_predictor` fits on."""
+        its matmul took; ``CacheConfig(router_record=T, router_record_input=True)``), ``[T, n_embd]``
+        float32; ``[0, 0]`` without router_record_input or where the router was not recognized as a
+        plain matmul. What :func:`pymoecache.tune.fit_predictor` fits on."""
         check_int("layer", il, 0, self.n_layer - 1)
         n_embd = ctypes.c_int32(0)
         T = C.moecache_get_router_input(self._h, int(il), None, 0, ctypes.byref(n_embd))

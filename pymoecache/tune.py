@@ -241,7 +241,7 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
     check_int("tokens", n, 2)
     if not (isinstance(lam, (int, float)) and lam > 0 and np.isfinite(lam)):
         raise ConfigError(f"lam must be a positive number, got {lam!r}")
-    llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=n),
+    llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=n, router_record_input=True),
                 routing="lru", n_ctx=max(len(c) for c in contexts) + 8, n_threads=n_threads, verbose=False)
     for c in contexts:
         llm.reset()

@@ -458,7 +458,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     int32_t n_args = pred ? 5 : 4;
     L.graph.src_input = -1;
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
-    if (mc->cparams.router_record > 0 && mm->op == GGML_OP_MUL_MAT && mc->model &&
+    if (mc->cparams.router_record > 0 && mc->cparams.router_record_input && mm->op == GGML_OP_MUL_MAT && mc->model &&
         mm->src[0] == mc->model->layers[il].ffn_gate_inp && mm->src[1]->type == GGML_TYPE_F32 &&
         mm->src[1]->ne[1] == selected->ne[1]) {
         L.graph.src_input = n_args; // the router's input rows, recorded with its outputs

@@ -77,6 +77,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.eviction           = MOECACHE_EVICTION_LRU;
     p.eviction_decay     = 0.95f;
     p.router_record      = 0;
+    p.router_record_input = false;
     return p;
 }
 

@@ -218,6 +218,8 @@ struct moecache_cache_params {
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay
                                   //   (moecache_get_router_record), the first ones; 0 = off; at most
                                   //   MOECACHE_MAX_TRACE; default 0
+    bool    router_record_input;  // router_record: also keep each router's input, n_embd floats per token and
+                                  //   layer (moecache_get_router_input; pymoecache.tune.fit_predictor); default false
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -417,8 +419,9 @@ MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moeca
 // prior boosts z (softmax router) rather than s. Returns the tokens recorded (rows written: at most cap).
 MOECACHE_API int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
                                                 float * scores, int32_t cap, bool * rank_on_logits);
-// The router's input (the FFN input its matmul takes, [n_embd] per token) of the same tokens as
-// moecache_get_router_record, where the graph's router is the plain matmul on it (0 rows elsewhere):
+// With router_record_input: the router's input (the FFN input its matmul takes, [n_embd] per token)
+// of the same tokens as moecache_get_router_record, where the graph's router is the plain matmul on
+// it (0 rows elsewhere, and without router_record_input):
 // copies min(cap, T) rows into x [cap, n_embd] (may be NULL), sets *n_embd; returns T. What
 // pymoecache.tune.fit_predictor fits a layer's predictor on.
 MOECACHE_API int32_t moecache_get_router_input(const struct moecache * mc, int32_t il, float * x, int32_t cap,

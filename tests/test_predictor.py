@@ -27,7 +27,8 @@ def tokens(path, n):
 
 def recorded(path, ids):
     """Router inputs and logits of every MoE layer, the tokens decoded one at a time."""
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="none", router_record=len(ids)),
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="none", router_record=len(ids),
+                                                        router_record_input=True),
                            routing="lru", n_ctx=256, n_threads=2, verbose=False)
     for t in ids:
         llm.eval([t])
@@ -56,7 +57,15 @@ def decode(path, ids, predictors=None):
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
 def test_router_inputs_are_what_the_router_multiplies(path):
-    rec = recorded(path, tokens(path, 24))
+    ids = tokens(path, 24)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(residency="none", router_record=24), n_ctx=64, verbose=False)
+    for t in ids[:4]:
+        llm.eval([t])
+    il = llm.moecache.moe_layers[0]
+    assert llm.moecache.router_inputs(il).shape == (0, 0)  # only with router_record_input (n_embd floats a token)
+    assert llm.moecache.router_record([il])[0].shape[0] == 4
+    llm.close()
+    rec = recorded(path, ids)
     for il, (x, z) in rec.items():
         w, b = tune._router_weights(str(path), il)
         assert x.shape == (24, w.shape[1]) and z.shape == (24, w.shape[0])
