@@ -202,14 +202,15 @@ def ppl_evaluator(llm, tokens: Sequence[int], ctx: int, limit_chunks: Optional[i
 PREDICTOR_FORMAT = "pymoecache-predictor"
 
 
-def _router_weights(path: str, il: int):
-    """Layer il's router from the GGUF as float32 ([n_expert, n_embd], [n_expert] bias or None)."""
+def _router_weights(path: str, il: int, reader=None):
+    """Layer il's router from the GGUF as float32 ([n_expert, n_embd], [n_expert] bias or None);
+    ``reader``: a gguf.GGUFReader of ``path`` already open."""
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     names = {f"blk.{il}.ffn_gate_inp.weight": None, f"blk.{il}.ffn_gate_inp.bias": None}
-    for t in GGUFReader(path).tensors:
+    for t in (reader or GGUFReader(path)).tensors:
         if t.name in names:
             names[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     w, b = names.values()
@@ -247,8 +248,11 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         llm.reset()
         for t in c:  # one at a time: every layer routes (and records) every token
             llm.eval([int(t)])
+    from gguf import GGUFReader
+
     mc = llm.moecache
     layers = list(mc.moe_layers)
+    reader = GGUFReader(str(model_path))
     out = {}
     for a, b in zip(layers, layers[1:]):
         if b != a + 1:
@@ -258,7 +262,7 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         Z = z[:, 0, :].astype(np.float64)
         if X.shape[0] == 0 or X.shape[0] != Z.shape[0]:
             continue  # (a router that is not a plain matmul on its input: nothing recorded)
-        W, bias = _router_weights(str(model_path), b)
+        W, bias = _router_weights(str(model_path), b, reader)
         if W.shape != (Z.shape[1], X.shape[1]):
             continue
         R = Z - X @ W.T - (0.0 if bias is None else bias)
