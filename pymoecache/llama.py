@@ -992,12 +992,12 @@ class Llama(llama_cpp.Llama):
         model, instead of the next layers' routers. Only what is read ahead changes, never a
         routing decision or a logit. Returns how many layers got one.
 
-        >>> from pymoecache import tune                                              # doctest: +SKIP
-        >>> tune.save_predictor("model.pred", tune.fit_predictor("model.gguf", calibration_tokens))
-        >>> llm.load_predictor("model.pred")
+        >>> from pymoecache import tune                                                      # doctest: +SKIP
+        >>> tune.save_predictor("model.pred", tune.fit_predictor("model.gguf", calibration))  # doctest: +SKIP
+        >>> llm.load_predictor("model.pred")                                                 # doctest: +SKIP
         19
         """
-        from .tune import load_predictor
+        from .predictors import load_predictor
 
         cache = self._require_cache()
         predictors = load_predictor(path)

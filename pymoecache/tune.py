@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .config import ConfigError, Prior
+from .predictors import load_predictor, save_predictor  # noqa: F401  (the files fit_predictor's result goes to)
 
 SCALES = (0.5, 1.0, 1.5, 2.5, 5.0)  # per-layer multiples of the base strength that are measured
 
@@ -199,9 +200,6 @@ def ppl_evaluator(llm, tokens: Sequence[int], ctx: int, limit_chunks: Optional[i
 
 # --- fitted predictors for reading ahead (issue 26) ---------------------------------------------
 
-PREDICTOR_FORMAT = "pymoecache-predictor"
-
-
 def _router_weights(path: str, il: int, reader=None):
     """Layer il's router from the GGUF as float32 ([n_expert, n_embd], [n_expert] bias or None);
     ``reader``: a gguf.GGUFReader of ``path`` already open."""
@@ -270,30 +268,3 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         out[b] = (W + D.T).astype(np.float32)
     llm.close()
     return out
-
-
-def save_predictor(path, predictors, model: str = "") -> None:
-    """Write ``{layer: [n_expert, n_embd]}`` predictors to ``path`` (npz, atomically)."""
-    import io
-
-    import numpy as np
-
-    from .files import write_atomic
-
-    buf = io.BytesIO()
-    np.savez(buf, format=np.array(PREDICTOR_FORMAT), model=np.array(str(model)),
-             **{f"layer_{il}": np.asarray(w, dtype=np.float32) for il, w in predictors.items()})
-    write_atomic(path, buf.getvalue(), "predictor")
-
-
-def load_predictor(path):
-    """``{layer: [n_expert, n_embd] float32}`` from a file of :func:`save_predictor`; ConfigError if it is not one."""
-    import numpy as np
-
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            if "format" not in f.files or str(f["format"]) != PREDICTOR_FORMAT:
-                raise ConfigError(f"{path} is not a pymoecache predictor file")
-            return {int(k[len("layer_"):]): np.asarray(f[k], dtype=np.float32) for k in f.files if k.startswith("layer_")}
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the predictor file {path}: {e}") from e
