@@ -231,6 +231,7 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
     :func:`save_predictor`) or ``MoECache.set_predictor``.
     """
     import numpy as np
+    from gguf import GGUFReader
 
     from . import Llama
     from .config import CacheConfig, check_int
@@ -246,9 +247,10 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         llm.reset()
         for t in c:  # one at a time: every layer routes (and records) every token
             llm.eval([int(t)])
-    from gguf import GGUFReader
-
     mc = llm.moecache
+    if mc is None:
+        llm.close()
+        raise ConfigError(f"{model_path} has no MoE layers: there are no experts to predict")
     layers = list(mc.moe_layers)
     reader = GGUFReader(str(model_path))
     out = {}
