@@ -77,19 +77,26 @@ def vm_hwm() -> int:
     return proc_kib_field("/proc/self/status", "VmHWM")  # peak resident set of this process
 
 
-def parse_prefetch(spec: str, distance: int = 1) -> dict:
+def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None) -> dict:
     """A --prefetch entry as CacheConfig fields: ``gate`` -> prefetch="gate"; after the mode,
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
-    its reads before its matmuls), ``:f=1`` the fitted predictors of --predictor instead of the
-    routers (key ``predictor``: not a CacheConfig field), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
+    its reads before its matmuls), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
+    predictors of --predictor instead of the routers), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
+    def fitted(v: str):
+        if v in ("0", "false", "no"):
+            return None
+        if predictor is None:
+            raise ValueError("f=1 needs --predictor FILE (scripts/fit_predictor.py)")
+        return predictor
+
     mode, *opts = spec.split(":")
     out = {"prefetch": mode, "prefetch_distance": distance}
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
              "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),
-             "f": ("predictor", lambda v: v not in ("0", "false", "no"))}
+             "f": ("predictor", fitted)}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
@@ -179,18 +186,13 @@ def worker(args) -> None:
         return
     how = drop_page_cache(Path(args.model))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
-    prefetch = parse_prefetch(args.prefetch, args.prefetch_distance)
-    fitted = prefetch.pop("predictor", False)
+    prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor)
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
                                    eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch)
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
     t_load = time.perf_counter() - t0
-    if fitted:
-        if not args.predictor:
-            sys.exit("bench_residency: a prefetch with f=1 needs --predictor FILE (scripts/fit_predictor.py)")
-        llm.load_predictor(args.predictor)
     if args.trace_profile and args.prefetch.split(":")[0] == "trace":
         llm.load_profile(args.trace_profile, warm=False)  # past requests to match; the cache starts cold all the same
     dt = decode_text(llm, args)
@@ -385,10 +387,7 @@ def main() -> None:
 
     for p in prefetches:  # a typo fails now, not after an hour of runs
         try:
-            fields = parse_prefetch(p, args.prefetch_distance)
-            if fields.pop("predictor", False) and not (args.predictor and Path(args.predictor).is_file()):
-                raise ValueError("f=1 needs --predictor FILE (scripts/fit_predictor.py)")
-            CacheConfig(io_threads=args.io_threads, **fields)
+            CacheConfig(io_threads=args.io_threads, **parse_prefetch(p, args.prefetch_distance, args.predictor))
         except (ValueError, ConfigError) as e:
             sys.exit(f"bench_residency: --prefetch {p}: {e}")
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
 
         vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
         ids = vocab.tokenize(text.read_text(encoding="utf-8", errors="replace").encode(), add_bos=False)
-        per = max(2, args.tokens // max(1, args.contexts))
-        contexts = [ids[args.skip * (i + 1): args.skip * (i + 1) + per] for i in range(max(1, args.contexts))]
+        per = max(2, args.tokens // args.contexts)
+        contexts = [ids[args.skip * (i + 1): args.skip * (i + 1) + per] for i in range(args.contexts)]
         contexts = [c for c in contexts if len(c) >= 2]
         if not contexts:
             ap.error(f"{text} has fewer than --skip + 2 tokens")

@@ -125,10 +125,12 @@ def main(argv=None) -> int:
         ap.error(f"no such model file: {model}")
     try:
         size = float(args.cache_size) if "." in args.cache_size else int(args.cache_size)
-        prefetch = br.parse_prefetch(args.prefetch)
-        fitted = prefetch.pop("predictor", False)
+    except ValueError:
+        ap.error(f"--cache-size takes a count or a share of N (15, 0.25), got {args.cache_size!r}")
+    try:
+        prefetch = br.parse_prefetch(args.prefetch, predictor=args.predictor)
     except ValueError as e:
-        ap.error(f"--cache-size takes a count or a share of N (15, 0.25); --prefetch as bench_residency.py's: {e}")
+        ap.error(f"--prefetch {args.prefetch}: {e}")
     n = args.prompt_tokens + args.warmup + args.tokens
     try:
         cache = pymoecache.CacheConfig(size=size, residency="stream", eviction=args.eviction, trace=1_000_000,
@@ -136,10 +138,6 @@ def main(argv=None) -> int:
         drop_page_cache(model)
         llm = pymoecache.Llama(str(model), cache=cache, routing=args.routing, n_ctx=n + 16, n_threads=args.threads,
                                n_threads_batch=args.threads, seed=0, verbose=False)
-        if fitted:
-            if not args.predictor:
-                ap.error("--prefetch ...:f=1 needs --predictor FILE")
-            llm.load_predictor(args.predictor)
     except pymoecache.Error as e:  # a bad size, routing or file: one line, exit 2
         ap.error(str(e))
     if br.TEXT.exists():
