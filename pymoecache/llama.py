@@ -35,6 +35,7 @@ from .files import write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from . import plan as _plan
+from . import rpc
 from .plan import AutoCacheSize, auto_cache_size, memory_shortfall  # noqa: F401 (AutoCacheSize: re-exported)
 from .reference import softmax_f32
 from .stats import MoEStats, ResidencyStats
@@ -613,7 +614,11 @@ class Llama(llama_cpp.Llama):
             K and the share of experts cached, once the cache size is known (``.preset``).
         routing_scope: ``"all"`` routes every token through the policy; ``"decode"`` only
             generated tokens (prompts use stock routing), as in the on-device deployment.
-        **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, ...).
+        **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, n_gpu_layers, ...).
+            ``n_gpu_layers`` with residency stream or mmap puts those layers' dense part on the GPU
+            and keeps the routed experts in the cache in CPU memory (llama.cpp's ``--cpu-moe``
+            placement). ``rpc_servers="HOST:PORT,..."`` (as llama-cpp-python's former option)
+            offloads to ggml RPC servers (:mod:`pymoecache.rpc`).
             ``use_mlock=True`` with residency stream or mmap locks what the cache holds, the dense
             part and the cached experts (llama.cpp's lock of the whole mapping would pull in every
             expert).
@@ -652,6 +657,10 @@ class Llama(llama_cpp.Llama):
         if preset is None:
             routing = _as_routing(routing)
         _check_llama_kwargs(kwargs)
+        if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
+            for endpoint in rpc.parse_endpoints(kwargs.pop("rpc_servers")):
+                rpc.add_server(endpoint)
+        rpc.check_servers()  # (llama.cpp asks every registered device at load: ggml aborts on a server that is gone)
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
@@ -684,13 +693,6 @@ class Llama(llama_cpp.Llama):
             top_j = resolved_top_j(routing, info.n_expert_used)
             if top_j > info.n_expert_used:
                 raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
-            if residency != "none" and kwargs.get("n_gpu_layers", 0) not in (0, None):
-                raise ConfigError(
-                    f"n_gpu_layers={kwargs['n_gpu_layers']} with residency '{residency}': streamed and mmapped experts "
-                    "live in CPU memory, and moving them to a GPU is not built yet. On a machine with a GPU today: "
-                    "if the model fits in GPU plus CPU memory, use residency='none' (--residency none) with "
-                    "n_gpu_layers as in llama.cpp (the cache then only counts); if it does not, run on the CPU "
-                    "with n_gpu_layers=0 (-ngl 0)")
             if residency != "none" and kwargs.get("use_mmap", True) is False:
                 raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
                                   "use_mmap must stay True (--no-mmap only with residency 'none', when the whole "

@@ -14,6 +14,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "llama.h"
+#include "llama-context.h" // llama_context::get_sched: our ops stay on the CPU beside GPU layers
 #include "llama-hparams.h" // llama_expert_gating_func_type
 #include "llama-impl.h"    // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
 #include "llama-model.h"   // llama_layer: the router of layer il + d (prefetch)
@@ -36,6 +37,10 @@ struct ctx_entry {
 std::mutex                                               g_mutex;
 std::unordered_map<const llama_context *, ctx_entry>     g_ctx;
 thread_local moecache *                                  g_building = nullptr; // set between graph_begin/end
+// the graph's scheduler and its CPU backend while a graph with another backend beside the CPU
+// (GPU layers, n_gpu_layers > 0) is built; nullptr otherwise
+thread_local ggml_backend_sched_t                        g_sched    = nullptr;
+thread_local ggml_backend_t                              g_cpu      = nullptr;
 
 const float * row_f32(const ggml_tensor * t, int64_t i1) {
     return (const float *) ((const char *) t->data + i1 * t->nb[1]);
@@ -410,11 +415,38 @@ void moecache_hook_graph_begin(const llama_context * lctx) {
             moecache_residency_graph_begin(*g_building);
         }
     }
+    g_sched = nullptr;
+    g_cpu   = nullptr;
+    if (g_building) {
+        ggml_backend_sched_t sched = lctx->get_sched();
+        const int n = sched ? ggml_backend_sched_get_n_backends(sched) : 0;
+        for (int i = 0; i < n && n > 1; i++) {
+            ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+            ggml_backend_dev_t dev = ggml_backend_get_device(b);
+            if (dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+                g_sched = sched;
+                g_cpu   = b;
+            }
+        }
+    }
 }
 
 void moecache_hook_graph_end(const llama_context * lctx) {
     (void) lctx;
     g_building = nullptr;
+    g_sched    = nullptr;
+    g_cpu      = nullptr;
+}
+
+// Our ops are CPU code: they read and write their tensors' data in host memory. Beside GPU
+// layers the scheduler would run an op on the backend of its inputs when that backend claims it
+// (RPC claims every op), so each of ours is placed on the CPU backend; the scheduler copies the
+// router's outputs over and the results back.
+ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t) {
+    if (g_sched && g_cpu) {
+        ggml_backend_sched_set_tensor_backend(g_sched, t, g_cpu);
+    }
+    return t;
 }
 
 void moecache_hook_context_free(const llama_context * lctx) {
@@ -466,7 +498,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     }
     L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, n_args,
                                        op_select, 1, &L);
-    ggml_format_name(L.graph.route_out, "moecache_select-%d", il);
+    ggml_format_name(moecache_graph_on_cpu(L.graph.route_out), "moecache_select-%d", il);
     // llama.cpp gets the K selected experts per token, contiguous as its own top-K
     L.graph.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.graph.route_out, K, selected->ne[1], L.graph.route_out->nb[1], 0));
     ggml_format_name(L.graph.select_out, "moecache_selected-%d", il);
@@ -485,7 +517,7 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
     ggml_tensor * args[3] = { weights, L.graph.route_out, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
                                        args, 3, op_weights, 1, &L);
-    ggml_format_name(out, "moecache_weights-%d", il);
+    ggml_format_name(moecache_graph_on_cpu(out), "moecache_weights-%d", il);
     L.graph.select_out = nullptr;
     L.graph.route_out  = nullptr;
     return out;
@@ -543,7 +575,7 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         L.graph.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
         L.graph.arrival = nullptr;
         L.graph.ready   = nullptr;
-        ggml_format_name(L.graph.ids_out, "moecache_experts-%d", L.il);
+        ggml_format_name(moecache_graph_on_cpu(L.graph.ids_out), "moecache_experts-%d", L.il);
     }
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
         const bool decodes = moecache_layer_decodes(L, ids->ne[1]);
@@ -571,11 +603,9 @@ ggml_backend_buffer_type_t moecache_hook_weight_buft(const char * name, ggml_bac
     if (g_load_residency == MOECACHE_RESIDENCY_NONE || !strstr(name, "_exps.")) {
         return buft; // (blk.N.ffn_{gate,up,down,gate_up}_exps.weight: the routed experts)
     }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    if (dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && buft != ggml_backend_cpu_buffer_type()) {
-        return ggml_backend_cpu_buffer_type(); // not repacked: read from the file into slots, or locked in the mapping
-    }
-    return buft;
+    // not repacked (a CPU extra type) and not on a GPU layer's device: in host memory, in the file's
+    // layout, read from the file into slots or locked in the mapping (as llama.cpp's --cpu-moe places them)
+    return ggml_backend_cpu_buffer_type();
 }
 
 bool moecache_hook_mmap_prefetch(void) {
@@ -651,6 +681,7 @@ int32_t moecache_graph_set_predictor(moecache & mc, int32_t il, const float * w,
             moecache_set_error("moecache_set_predictor: out of memory");
             return MOECACHE_ERR_NO_MEMORY;
         }
+        ggml_backend_buffer_set_usage(mc.pred_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // (its matmul runs where it is)
     }
     ggml_backend_tensor_set(mc.pred_w[il], w, 0, n * sizeof(float));
     mc.pred_on[il] = 1;

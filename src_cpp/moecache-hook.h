@@ -17,9 +17,10 @@ struct llama_context;
 struct ggml_backend_buffer_type;
 
 // Model loading (llama_model_load): with moecache_set_load_residency(MMAP or STREAM) on this
-// thread, the routed experts stay in the file's layout in the mapping (CPU buffer type where
-// llama.cpp chose one of the CPU's repacking extra types; the other weights keep the type it chose,
-// as a resident model's do) and the mapping is not prefetched.
+// thread, the routed experts stay in the file's layout in the mapping (the CPU buffer type where
+// llama.cpp chose one of the CPU's repacking extra types or a GPU layer's device, as its
+// --cpu-moe does; the other weights keep the type it chose, as a resident model's do) and the
+// mapping is not prefetched.
 //   name: the weight's GGUF name; buft: llama.cpp's choice for it. Returns the type to use.
 struct ggml_backend_buffer_type * moecache_hook_weight_buft(const char * name, struct ggml_backend_buffer_type * buft);
 bool moecache_hook_mmap_prefetch(void);

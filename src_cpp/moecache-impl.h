@@ -251,6 +251,8 @@ void    moecache_residency_free(moecache & mc);
 ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
                                             ggml_tensor * b, ggml_tensor * ids);
 void moecache_residency_graph_begin(moecache & mc);
+// places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
+ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids
 // for a STREAM decode, the ids otherwise
 void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode);

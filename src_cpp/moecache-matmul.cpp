@@ -225,7 +225,7 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
             }
             L.graph.arrival = ggml_custom_4d(ctx, GGML_TYPE_F32, n_out, 1, 1, 1, args, n_args, op_arrival,
                                              GGML_N_TASKS_MAX, &L);
-            ggml_format_name(L.graph.arrival, "moecache_arrival-%d", L.il);
+            ggml_format_name(moecache_graph_on_cpu(L.graph.arrival), "moecache_arrival-%d", L.il);
         }
         size_t off = 0;
         for (int32_t j = 2; j < GGML_MAX_SRC && L.graph.arrival->src[j]; j++) {
@@ -243,7 +243,7 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
         ggml_tensor * args[2] = { slots, L.graph.arrival };
         L.graph.ready = ggml_custom_4d(ctx, GGML_TYPE_I32, slots->ne[0], slots->ne[1], 1, 1, args,
                                        L.graph.arrival ? 2 : 1, op_ready, 1, &L);
-        ggml_format_name(L.graph.ready, "moecache_ready-%d", L.il);
+        ggml_format_name(moecache_graph_on_cpu(L.graph.ready), "moecache_ready-%d", L.il);
     }
     return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ready);
 }

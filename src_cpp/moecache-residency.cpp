@@ -538,8 +538,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             if (!moecache_tensor_is_mapped(t) || t->extra != nullptr) {
                 err = "the experts of layer " + std::to_string(il) + " are not memory-mapped from the file in its layout (" +
                       (t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "no buffer") +
-                      "): " + mode + " residency needs the model loaded with mmap, on the CPU (n_gpu_layers = 0), "
-                      "after moecache_set_load_residency (pymoecache.Llama does this)";
+                      "): " + mode + " residency needs the model loaded with mmap after moecache_set_load_residency, "
+                      "which keeps them there beside GPU layers too (pymoecache.Llama does this)";
                 break;
             }
             moecache_expert_tensor x;

@@ -368,15 +368,30 @@ def test_bad_sampling_and_runtime_options(args, msg):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_gpu_layers_with_streaming_say_what_to_do():
-    r = cli("run", "-ngl", "99", "--cache-size", "0.5", "-n", "1")
-    assert r.returncode == 2
-    for what in ("not built yet", "--residency none", "-ngl 0"):
-        assert what in r.stderr, r.stderr
-    # all resident: -ngl goes to llama.cpp as usual (this CPU build has no GPU to offload to)
+def test_gpu_layers_with_streaming_run_without_a_gpu():
+    # no GPU device in this build: llama.cpp offloads nothing and the run is the CPU's
+    r0 = cli("run", "-p", "ROMEO:", "--cache-size", "0.5", "-n", "6", "--temp", "0", "--json")
+    r = cli("run", "-p", "ROMEO:", "-ngl", "99", "--cache-size", "0.5", "-n", "6", "--temp", "0", "--json")
+    assert r.returncode == 0 and r0.returncode == 0, r.stderr + r0.stderr
+    assert json.loads(r.stdout)["text"] == json.loads(r0.stdout)["text"]
     r = cli("run", "-ngl", "99", "--residency", "none", "--cache-size", "0.5", "-n", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["generated_tokens"] == 4
+
+
+def test_gpu_layers_on_an_rpc_server_from_the_command_line():
+    from pymoecache import rpc
+
+    with rpc.LocalServer(register=False) as server:  # (the runs below register it, in their processes)
+        args = ("run", "-p", "ROMEO:", "--prior", "0.5", "--cache-size", "0.25", "-n", "8", "--temp", "0", "--json")
+        r0 = cli(*args)
+        r = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "-v")
+    assert r.returncode == 0 and r0.returncode == 0, r.stderr + r0.stderr
+    assert "layers to GPU" in r.stderr and f"RPC0[{server.endpoint}]" in r.stderr
+    got, ref = json.loads(r.stdout), json.loads(r0.stdout)
+    assert got["text"] == ref["text"] and got["generated_tokens"] == 8
+    bad = cli("run", "-n", "1", "-ngl", "99", "--rpc", "localhost")
+    assert bad.returncode == 2 and "--rpc" in bad.stderr and "HOST:PORT" in bad.stderr, bad.stderr
 
 
 def test_bench_prompt_file_and_sampling(fixture_dir, tmp_path):
@@ -598,7 +613,7 @@ def test_llama_cpp_flags_reach_llama_as_llama_cpp_means_them(argv, key, value):
 @pytest.mark.parametrize("argv,message", [
     (["-ot", "exps=CUDA0"], "buffer type 'CUDA0' is not available"),
     (["-ot", "exps"], "expected PATTERN=BUFFER_TYPE"),
-    (["--cpu-moe", "-ngl", "4"], "GPU layers with experts in CPU memory are not built"),
+    (["--cpu-moe", "-ngl", "4", "--residency", "none"], "--residency mmap keeps them in CPU memory"),
     (["--mlock", "--no-mlock"], "not both"),
     (["-ub", "0"], "--ubatch-size must be >= 1"),
     (["-fa", "maybe"], "expected on, off or auto"),

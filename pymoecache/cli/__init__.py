@@ -7,11 +7,12 @@
     pymoecache ppl MODEL --text FILE --sweep prior=0,0.25,0.5,1 --plot pareto.png
     pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
     pymoecache serve MODEL --prior 0.5 --port 8080
+    pymoecache rpc-server --port 50052 ; pymoecache run MODEL -ngl 99 --rpc 127.0.0.1:50052
 
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
 Never a traceback otherwise. One module per group of commands (generate: run, bench, info; chat;
-evaluation: ppl, trace, plot-timeline, simulate; serve), their shared options in ``options``.
+evaluation: ppl, trace, plot-timeline, simulate; serve: serve, rpc-server), their shared options in ``options``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_command(sub)         # chat
     evaluation.add_commands(sub)  # ppl, trace, plot-timeline, simulate
     serve.add_command(sub)        # serve
+    serve.add_rpc_command(sub)    # rpc-server
     return ap
 
 

@@ -189,17 +189,21 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                         "llama-cpp-python's choice)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
                    metavar="N|all|auto",
-                   help="layers to offload to a GPU, as in llama.cpp: a number, all, or auto (as many as fit: none on "
-                        "this CPU build) (default 0). Only with --residency none: streamed experts live in CPU "
-                        "memory, and moving them to a GPU is not built yet")
+                   help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
+                        "(0 here) (default 0). With --residency stream or mmap their dense part (attention, "
+                        "norms, routers, shared experts) goes to the device and the routed experts stay in this "
+                        "process's cache, as llama.cpp's --cpu-moe places them")
+    p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
+                   help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
+                        "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
     p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
                    help="keep the experts in CPU memory, as llama.cpp: what this runtime does anyway (they are "
-                        "streamed or cached in RAM); refused with -ngl > 0 until GPU layers are built")
+                        "streamed or cached in RAM, also beside -ngl layers)")
     p.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=int, default=None, metavar="N",
                    help="keep the experts of the first N layers in CPU memory: as --cpu-moe, all of them are")
     p.add_argument("-ot", "--override-tensor", dest="override_tensor", default=None, metavar="PATTERN=BUFT,...",
-                   help="llama.cpp's tensor buffer overrides: only =CPU is meaningful here (every tensor is in CPU "
-                        "memory and the expert cache places the experts); other buffer types are refused")
+                   help="llama.cpp's tensor buffer overrides: only =CPU is meaningful here (the expert cache places "
+                        "the experts in CPU memory, -ngl the other weights); other buffer types are refused")
     p.add_argument("--mlock", action="store_true",
                    help="lock the model in RAM, as llama.cpp; the expert cache and the dense part are locked by "
                         "default already, this adds the rest with --residency none (default: off)")
@@ -261,9 +265,10 @@ def runtime_kwargs(args) -> dict:
     """Keyword arguments of ``pymoecache.Llama`` for the runtime options; UserError for a flag that
     cannot mean anything with the residency in force (said before anything loads)."""
     ngl = getattr(args, "n_gpu_layers", 0) or 0
-    if (getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None)) and ngl:
-        raise UserError("--cpu-moe / --n-cpu-moe with -ngl: GPU layers with experts in CPU memory are not built "
-                        "yet; run on the CPU (-ngl 0), where the experts are in CPU memory already")
+    if (getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None)) and ngl and \
+            getattr(args, "residency", None) == "none":
+        raise UserError("--cpu-moe / --n-cpu-moe with -ngl and --residency none: resident experts go where llama.cpp "
+                        "puts them; --residency mmap keeps them in CPU memory beside the GPU layers")
     if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
         raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
     for item in (getattr(args, "override_tensor", None) or "").split(","):
@@ -273,8 +278,8 @@ def runtime_kwargs(args) -> dict:
         if not eq or not pattern:
             raise UserError(f"-ot {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
         if buft.strip().upper() != "CPU":
-            raise UserError(f"-ot {item}: buffer type {buft!r} is not available: this build has only the CPU, where "
-                            "every tensor already is (the expert cache places the experts)")
+            raise UserError(f"-ot {item}: buffer type {buft!r} is not available: only =CPU is (the expert cache places "
+                            "the experts in CPU memory, -ngl the other weights of its layers on the GPU)")
     if getattr(args, "mlock", False) and getattr(args, "no_mlock", False):
         raise UserError("give either --mlock or --no-mlock, not both")
     for name in ("threads_batch", "batch_size", "ubatch_size"):
@@ -295,6 +300,13 @@ def runtime_kwargs(args) -> dict:
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
         kw["use_mmap"] = False
+    if getattr(args, "rpc", None):
+        from ..rpc import parse_endpoints
+
+        try:
+            kw["rpc_servers"] = parse_endpoints(args.rpc)
+        except Error as e:
+            raise UserError(f"--rpc: {e}") from None
     return kw
 
 

@@ -1,7 +1,9 @@
 """``pymoecache serve``: llama-cpp-python's OpenAI-compatible server on ``pymoecache.Llama`` (the
-app is built by pymoecache.server, imported only when the command runs).
+app is built by pymoecache.server, imported only when the command runs); ``pymoecache rpc-server``:
+this machine's CPU as a ggml RPC device (pymoecache.rpc).
 
     pymoecache serve model.gguf --prior 0.5 --cache-size 0.5 --port 8080
+    pymoecache rpc-server --port 50052
 """
 
 from __future__ import annotations
@@ -112,3 +114,31 @@ def add_command(subparsers) -> None:
     add_hub_options(s)
     add_routing_options(s, profile=True)
     s.set_defaults(func=cmd_serve)
+
+
+def cmd_rpc_server(args) -> int:
+    from .. import rpc
+
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    _check_port(args.host, args.port)
+    print(f"pymoecache rpc-server: serving this machine's CPU at {args.host}:{args.port} (Ctrl-C to stop); "
+          f"offload to it with -ngl N --rpc {args.host}:{args.port}", file=sys.stderr, flush=True)
+    rpc.serve(f"{args.host}:{args.port}", threads=args.threads)
+    return 0
+
+
+def add_rpc_command(subparsers) -> None:
+    """Register ``rpc-server`` (called from cli.build_parser)."""
+    s = subparsers.add_parser(
+        "rpc-server", help="serve this machine's CPU as a ggml RPC device (what -ngl N --rpc HOST:PORT offloads to)",
+        description="Serve this machine's CPU as a ggml RPC device, as llama.cpp's rpc-server does with its CPU "
+                    "backend: another process offloads GPU layers to it with -ngl N --rpc HOST:PORT (its dense part "
+                    "goes there, the experts stay in that process's cache). A machine with a GPU runs llama.cpp's "
+                    "own rpc-server instead. No authentication: only on a trusted network.")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s, this machine only)")
+    s.add_argument("--port", type=int, default=50052, metavar="N", help="TCP port (default %(default)s, as llama.cpp)")
+    s.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads computing the offloaded layers (default: half of the cores)")
+    s.set_defaults(func=cmd_rpc_server)

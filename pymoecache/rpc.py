@@ -1,0 +1,214 @@
+"""GPU layers on a ggml RPC server: ``Llama(n_gpu_layers=N, rpc_servers="HOST:PORT")``.
+
+ggml's RPC backend is a real second backend with its own device buffers, reached over TCP: a
+machine with a GPU runs llama.cpp's ``rpc-server`` (or ``pymoecache rpc-server``, which serves
+this machine's CPU) and another process offloads layers to it as to a local GPU. With residency
+stream or mmap the offloaded layers' dense part (attention, norms, routers, shared experts) goes
+to the device and the routed experts stay in this process's cache, as llama.cpp's ``--cpu-moe``
+places them; the routing, the counters and the reads are the CPU run's.
+
+The tests use it as the GPU they do not have: a local server on the loopback.
+
+>>> import pymoecache.rpc as rpc
+>>> rpc.parse_endpoints("127.0.0.1:50052, gpu-box:50052")
+['127.0.0.1:50052', 'gpu-box:50052']
+>>> with rpc.LocalServer() as server:                                      # doctest: +SKIP
+...     llm = pymoecache.Llama("model.gguf", n_gpu_layers=99, rpc_servers=server.endpoint)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from ctypes import c_char_p, c_int, c_size_t, c_void_p
+from typing import List, Optional
+
+from ._lib import find_lib_dir
+from .errors import ConfigError, MissingDependencyError
+
+# --- ctypes: ggml-rpc.h and the two ggml-backend.h calls it needs ---------------------------
+
+_libs: Optional[tuple] = None
+_lock = threading.Lock()
+_added: List[str] = []  # endpoints registered in this process, in order
+
+
+def _load():
+    """(libggml, libggml-rpc) of our build, declared; MissingDependencyError where RPC was left out."""
+    global _libs
+    if _libs is None:
+        d = find_lib_dir()
+        ext = {"darwin": ".dylib", "win32": ".dll"}.get(sys.platform, ".so")
+        pre = "" if sys.platform == "win32" else "lib"
+        rpc_path = d / f"{pre}ggml-rpc{ext}"
+        if not rpc_path.exists():
+            raise MissingDependencyError(f"this pymoecache was built without ggml's RPC backend ({rpc_path} is missing): "
+                                         "rebuild without -DGGML_RPC=OFF")
+        ggml = ctypes.CDLL(str(d / f"{pre}ggml{ext}"), mode=ctypes.RTLD_GLOBAL)
+        rpc = ctypes.CDLL(str(rpc_path), mode=ctypes.RTLD_GLOBAL)
+        # GGML_BACKEND_API ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+        rpc.ggml_backend_rpc_add_server.argtypes = [c_char_p]
+        rpc.ggml_backend_rpc_add_server.restype = c_void_p
+        # GGML_BACKEND_API void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir,
+        #                                                     size_t n_threads, size_t n_devices, ggml_backend_dev_t * devices);
+        rpc.ggml_backend_rpc_start_server.argtypes = [c_char_p, c_char_p, c_size_t, c_size_t, ctypes.POINTER(c_void_p)]
+        rpc.ggml_backend_rpc_start_server.restype = None
+        # GGML_API void ggml_backend_register(ggml_backend_reg_t reg);
+        ggml.ggml_backend_register.argtypes = [c_void_p]
+        ggml.ggml_backend_register.restype = None
+        # GGML_API ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+        ggml.ggml_backend_dev_by_type.argtypes = [c_int]
+        ggml.ggml_backend_dev_by_type.restype = c_void_p
+        _libs = (ggml, rpc)
+    return _libs
+
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+# --- Python layer ---------------------------------------------------------------------------
+
+def parse_endpoints(servers: "str | List[str]") -> List[str]:
+    """``"host:port,host:port"`` (llama.cpp's ``--rpc``) or a list of them, checked; ConfigError otherwise.
+
+    >>> parse_endpoints(["localhost:1"])
+    ['localhost:1']
+    >>> parse_endpoints("gpu-box")
+    Traceback (most recent call last):
+    ...
+    pymoecache.errors.ConfigError: rpc server 'gpu-box': expected HOST:PORT, e.g. 127.0.0.1:50052
+    """
+    items = servers.split(",") if isinstance(servers, str) else list(servers)
+    out = []
+    for item in items:
+        e = str(item).strip()
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"rpc server {e!r}: expected HOST:PORT, e.g. 127.0.0.1:50052")
+        out.append(e)
+    if not out:
+        raise ConfigError("rpc_servers is empty: expected HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+def _check_reachable(endpoint: str, why: str = "") -> None:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"rpc server {endpoint}{why} is not reachable ({e}): start one there "
+                          "(`pymoecache rpc-server --port PORT`, or llama.cpp's rpc-server)") from None
+
+
+def add_server(endpoint: str) -> None:
+    """Make the devices of the RPC server at ``endpoint`` available to models loaded from now on
+    (llama.cpp then offloads ``n_gpu_layers`` to them, as to a local GPU). Once per process and
+    endpoint; the server must be reachable now (ConfigError otherwise, instead of ggml's abort)."""
+    (endpoint,) = parse_endpoints([endpoint])
+    with _lock:
+        if endpoint in _added:
+            return
+        _check_reachable(endpoint)
+        ggml, rpc = _load()
+        reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+        if not reg:
+            raise ConfigError(f"rpc server {endpoint}: ggml could not add it (see the log above)")
+        ggml.ggml_backend_register(reg)
+        _added.append(endpoint)
+
+
+def servers() -> List[str]:
+    """The RPC endpoints registered in this process so far."""
+    return list(_added)
+
+
+def check_servers() -> None:
+    """ConfigError if a server registered earlier is gone. ggml cannot unregister a device, and
+    llama.cpp asks every registered device for its memory when it loads a model, GPU layers or
+    not: ggml-rpc would abort the process on the connection that fails, so
+    :class:`pymoecache.Llama` asks first. (Start the server again, or load in a new process.)"""
+    for endpoint in servers():
+        _check_reachable(endpoint, " (registered earlier in this process: llama.cpp cannot load a model "
+                                   "here while it is gone)")
+
+
+def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None) -> None:
+    """Serve this machine's CPU as an RPC device at ``endpoint`` (blocks; llama.cpp's rpc-server with
+    its CPU backend). Only for trusted networks: the protocol has no authentication."""
+    (endpoint,) = parse_endpoints([endpoint])
+    ggml, rpc = _load()
+    dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise MissingDependencyError("ggml has no CPU device")
+    devices = (c_void_p * 1)(dev)
+    n = threads if threads else max(1, (os.cpu_count() or 2) // 2)
+    rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, n, 1, devices)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """An RPC server of this machine's CPU in a child process on the loopback, for as long as the
+    ``with`` block lasts (its ``endpoint`` is ``127.0.0.1:PORT``, a free port by default).
+
+    The devices it serves are registered with :func:`add_server` on entry (unless ``register=False``).
+    ggml cannot remove them again: after the block, loading a model in this process is refused
+    (:func:`check_servers`): llama.cpp would ask the dead server, and ggml abort. Keep it for the
+    life of the process, or run the work that offloads to it in a process of its own."""
+
+    def __init__(self, port: int = 0, *, threads: int = 1, host: str = "127.0.0.1", timeout: float = 30.0,
+                 register: bool = True):
+        self.host, self.port, self.threads, self.timeout = host, port, threads, timeout
+        self.register = register  # False: only serve (another process offloads to it)
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> "LocalServer":
+        self.port = self.port or _free_port(self.host)
+        self._log = tempfile.TemporaryFile()  # (its log, for the message if it does not start)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--host", self.host,
+                                      "--port", str(self.port), "--threads", str(self.threads)],
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this package)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")
+                raise MissingDependencyError(f"the RPC server exited with {self.proc.returncode}: {err.strip()}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.__exit__(None, None, None)
+                    raise MissingDependencyError(f"the RPC server did not listen on {self.endpoint} "
+                                                 f"within {self.timeout:g} s") from None
+                time.sleep(0.05)
+        if self.register:
+            add_server(self.endpoint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+            self.proc = None

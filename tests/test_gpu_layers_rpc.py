@@ -1,0 +1,150 @@
+"""GPU layers beside streamed and mmapped experts, through a real second ggml backend: RPC to a
+local server (`pymoecache rpc-server`, the CPU of this machine behind TCP on the loopback). With
+``n_gpu_layers=99`` the dense part of every layer lives in the server's device buffers and is
+computed there; the routed experts stay in this process's cache; the routing ops, the reads and
+the expert matmuls run on this process's CPU. The run must be the CPU run: the same tokens, the
+same logits within the backend's tolerance, the same counters and the same cache contents."""
+
+import numpy as np
+import pytest
+
+import pymoecache
+from pymoecache import CacheConfig, rpc
+from pymoecache.errors import ConfigError
+from conftest import MOE_FIXTURES, ROOT, model_path
+
+KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)
+PROMPT = list(range(300, 340))   # 40 tokens: prompt ubatches of 32 and 8
+DECODES = list(range(1000, 1024))  # 24 one-token decodes
+TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "models" / "tiny-shakespeare-mixtral-8x2.gguf"]
+# the RPC server computes with the same CPU kernels; the tolerance is the one a GPU backend would need
+RTOL, ATOL = 1e-3, 1e-3
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """A local RPC server for the whole session (its device stays registered in this process)."""
+    with rpc.LocalServer(threads=1) as server:
+        yield server.endpoint
+
+
+def paths(fixture_dir):
+    out = {name: model_path(fixture_dir, name) for name in MOE_FIXTURES}
+    out.update({p.stem: p for p in TRAINED if p.exists()})
+    return out
+
+
+def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8):
+    """Logits of PROMPT then DECODES, then `greedy` tokens decoded greedily; the stats of the decodes
+    and each layer's cache contents."""
+    kw = dict(KW, n_gpu_layers=n_gpu_layers)
+    if n_gpu_layers:
+        kw["rpc_servers"] = endpoint
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, prefetch="off"),
+                           routing=routing, **kw)
+    llm.reset()
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    tokens = []
+    for _ in range(greedy):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    logits = np.array(llm.scores[: llm.n_tokens])
+    st = llm.moe_stats()
+    cached = [llm.moecache.cached(il) for il in st.moe_layers]
+    llm.close()
+    return logits, tokens, st, cached
+
+
+@pytest.mark.parametrize("residency", ["stream", "mmap"])
+@pytest.mark.parametrize("routing,size", [("lru", 0.25), ("prior:0.5", 0.5)])
+@pytest.mark.parametrize("name", MOE_FIXTURES + [p.stem for p in TRAINED])
+def test_rpc_gpu_layers_run_as_the_cpu_does(fixture_dir, gpu, name, routing, size, residency):
+    path = paths(fixture_dir).get(name)
+    if path is None:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    ref, ref_tokens, st_ref, cached_ref = run(path, residency, routing, size, 0, gpu)
+    got, tokens, st, cached = run(path, residency, routing, size, 99, gpu)
+    assert np.isfinite(ref).all() and st_ref.misses > 0
+    assert np.allclose(got, ref, rtol=RTOL, atol=ATOL), f"max |diff| = {np.abs(got - ref).max()}"
+    assert tokens == ref_tokens
+    assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
+    assert cached == cached_ref
+    rs, rs_ref = st.residency, st_ref.residency
+    assert rs.residency == residency and rs.decode_loads == rs_ref.decode_loads
+    assert rs.decode_bytes_read == rs_ref.decode_bytes_read
+    # the dense part is on the device: what the CPU run locks in the mapping is not mapped here
+    # (the token embeddings, which llama.cpp keeps on the CPU, may be)
+    assert rs_ref.dense_locked_bytes > 0 and rs.dense_locked_bytes < rs_ref.dense_locked_bytes / 2
+
+
+def test_rpc_layers_are_on_the_device_and_the_experts_stay_in_the_cache(fixture_dir, gpu, capfd):
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency="stream", prefetch="off"),
+                           routing="prior:0.5", **dict(KW, verbose=True, n_gpu_layers=99, rpc_servers=gpu))
+    llm.eval(PROMPT[:4])
+    llm.reset_moe_stats()
+    for t in DECODES[:4]:
+        llm.eval([t])
+    st = llm.moe_stats()
+    llm.close()
+    log = capfd.readouterr().err
+    n_layer = pymoecache.model_info(path).n_layer
+    assert f"offloaded {n_layer + 1}/{n_layer + 1} layers to GPU" in log
+    assert f"RPC0[{gpu}] model buffer size" in log
+    assert st.misses > 0 and st.residency.decode_loads == st.misses  # every miss read from the file here
+
+
+def test_partial_offload_runs_as_the_cpu_does(fixture_dir, gpu):
+    # -ngl 2: layers split between the CPU and the device, graph splits in between
+    path = model_path(fixture_dir, "mixtral-8x2")
+    ref, ref_tokens, st_ref, cached_ref = run(path, "stream", "prior:0.5", 0.5, 0, gpu)
+    got, tokens, st, cached = run(path, "stream", "prior:0.5", 0.5, 2, gpu)
+    assert np.allclose(got, ref, rtol=RTOL, atol=ATOL) and tokens == ref_tokens
+    assert (st.hits, st.misses) == (st_ref.hits, st_ref.misses) and cached == cached_ref
+
+
+def test_rpc_endpoints_are_checked(fixture_dir):
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        pymoecache.Llama(str(path), n_gpu_layers=99, rpc_servers="no-port", **KW)
+    port = rpc._free_port("127.0.0.1")  # nothing listens there
+    with pytest.raises(ConfigError, match="not reachable"):
+        pymoecache.Llama(str(path), n_gpu_layers=99, rpc_servers=f"127.0.0.1:{port}", **KW)
+    assert f"127.0.0.1:{port}" not in rpc.servers()
+
+
+GONE_SCRIPT = r"""
+import sys
+import pymoecache
+from pymoecache import rpc
+from pymoecache.errors import ConfigError
+path = sys.argv[1]
+with rpc.LocalServer() as server:
+    pymoecache.Llama(path, n_gpu_layers=99, n_ctx=64, verbose=False).close()
+for ngl in (99, 0):  # the server is gone, its device cannot be unregistered: refused instead of ggml's abort
+    try:
+        pymoecache.Llama(path, n_gpu_layers=ngl, n_ctx=64, verbose=False)
+        print("loaded")
+    except ConfigError as e:
+        print("refused:", e)
+with rpc.LocalServer(port=int(server.endpoint.rpartition(":")[2])):  # back at the same address: loads again
+    pymoecache.Llama(path, n_gpu_layers=0, n_ctx=64, verbose=False).close()
+print("ok again")
+"""
+
+
+def test_a_server_that_is_gone_is_refused_not_an_abort(fixture_dir):
+    import subprocess
+    import sys
+
+    # in a process of its own: the dead server's device stays registered there
+    r = subprocess.run([sys.executable, "-c", GONE_SCRIPT, str(model_path(fixture_dir, "mixtral-8x2"))], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 3 and all("refused: rpc server 127.0.0.1:" in x and "registered earlier" in x
+                                   for x in lines[:2]), r.stdout
+    assert lines[2] == "ok again"
