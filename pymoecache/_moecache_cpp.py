@@ -55,6 +55,8 @@ class moecache_cache_params(ctypes.Structure):
         ("eviction_decay", c_float),
         ("router_record", c_int32),
         ("router_record_input", c_bool),
+        ("n_vram", c_int32),
+        ("vram_fill", c_int32),
     ]
 
 
@@ -114,6 +116,12 @@ class moecache_residency_stats(ctypes.Structure):
         ("decode_t_read_ms", c_double),
         ("load_bytes_read", c_int64),
         ("load_t_io_ms", c_double),
+        ("vram_bytes", c_int64),
+        ("vram_hits", c_int64),
+        ("vram_copies", c_int64),
+        ("vram_copy_bytes", c_int64),
+        ("vram_cpu", c_int64),
+        ("vram_t_copy_ms", c_double),
     ]
 
 

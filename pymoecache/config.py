@@ -36,6 +36,9 @@ PREFETCH_NAMES = {v: k for k, v in PREFETCHES.items()}
 # per layer, adaptive (it switches itself off where it loses); off with the other residencies
 PREFETCH_AUTO_SPARE = 2
 
+# CacheConfig.vram_fill -> enum moecache_vram_fill
+VRAM_FILLS = {"auto": C.MOECACHE_VRAM_FILL_AUTO, "copy": C.MOECACHE_VRAM_FILL_COPY, "cpu": C.MOECACHE_VRAM_FILL_CPU}
+
 # CacheConfig.eviction -> enum moecache_eviction
 EVICTIONS = {"lru": C.MOECACHE_EVICTION_LRU, "lfu": C.MOECACHE_EVICTION_LFU,
              "activation": C.MOECACHE_EVICTION_ACTIVATION, "freq-prob": C.MOECACHE_EVICTION_FREQ_PROB,
@@ -574,6 +577,15 @@ class CacheConfig:
     "decayed" values, in (0, 1] (default 0.95: a memory of about 20 tokens). Ties go to the least
     recently used expert; a token's own experts and pinned ones are never evicted for it.
 
+    vram_size: beside GPU layers (``n_gpu_layers``), with ``stream``: this many experts per layer
+    also live in GPU memory (a VRAM tier over the host cache, for the layers whose dense part is
+    on a discrete GPU or an RPC server), and a decoded token computes those there. A selected
+    expert that is not there: vram_fill ``"copy"`` copies it up from its host slot (into a free
+    device slot, else the least recently used one), ``"cpu"`` computes it on the CPU (only free
+    device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at
+    most the measured CPU time of an expert times (1 + device hits per copy so far). The host
+    cache, its routing, hits, misses and reads are the same with or without the tier.
+
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
     >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
@@ -602,6 +614,8 @@ class CacheConfig:
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
     router_record_input: bool = False  # router_record: also keep each router's input (n_embd floats per token and layer)
     predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
+    vram_size: int = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM tier
+    vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -642,6 +656,9 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
+        check_int("vram_size (experts per layer in GPU memory)", self.vram_size, 0, C.MOECACHE_MAX_EXPERTS)
+        if self.vram_fill not in VRAM_FILLS:
+            raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
         if self.predictor is not None and not os.path.isfile(self.predictor):
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 

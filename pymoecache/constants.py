@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 15
+MOECACHE_ABI_VERSION = 16
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -42,6 +42,11 @@ MOECACHE_EVICTION_LFU = 1
 MOECACHE_EVICTION_ACTIVATION = 2
 MOECACHE_EVICTION_FREQ_PROB = 3
 MOECACHE_EVICTION_ROUTER_MASS = 4
+
+# enum moecache_vram_fill
+MOECACHE_VRAM_FILL_AUTO = 0
+MOECACHE_VRAM_FILL_COPY = 1
+MOECACHE_VRAM_FILL_CPU = 2
 
 # enum moecache_policy
 MOECACHE_POLICY_TOPK = 0

@@ -26,7 +26,8 @@ import numpy as np
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
-from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES, CacheConfig,
+from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
+                     VRAM_FILLS, CacheConfig,
                      ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
@@ -253,6 +254,8 @@ class MoECache:
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)
         cp.router_record_input = bool(cache.router_record_input)
+        cp.n_vram = int(cache.vram_size)
+        cp.vram_fill = VRAM_FILLS[cache.vram_fill]
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -401,7 +404,10 @@ class MoECache:
                               prefetch_wasted=rs.prefetch_wasted, predicted_selected=rs.predicted_selected,
                               predicted_total=rs.predicted_total, decode_t_read_ms=rs.decode_t_read_ms,
                               prefetch_tokens_on=rs.prefetch_tokens_on, load_bytes_read=rs.load_bytes_read,
-                              load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch)
+                              load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch, vram_bytes=rs.vram_bytes,
+                              vram_hits=rs.vram_hits, vram_copies=rs.vram_copies,
+                              vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu,
+                              vram_t_copy_ms=rs.vram_t_copy_ms)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

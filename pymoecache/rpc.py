@@ -37,6 +37,7 @@ from .errors import ConfigError, MissingDependencyError
 _libs: Optional[tuple] = None
 _lock = threading.Lock()
 _added: List[str] = []  # endpoints registered in this process, in order
+_stopped: set = set()  # those a LocalServer of this process served and stopped (check_servers)
 
 
 def _load():
@@ -97,12 +98,12 @@ def parse_endpoints(servers: "str | List[str]") -> List[str]:
     return out
 
 
-def _check_reachable(endpoint: str, why: str = "") -> None:
+def _check_reachable(endpoint: str) -> None:
     host, _, port = endpoint.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
-        raise ConfigError(f"rpc server {endpoint}{why} is not reachable ({e}): start one there "
+        raise ConfigError(f"rpc server {endpoint} is not reachable ({e}): start one there "
                           "(`pymoecache rpc-server --port PORT`, or llama.cpp's rpc-server)") from None
 
 
@@ -129,13 +130,16 @@ def servers() -> List[str]:
 
 
 def check_servers() -> None:
-    """ConfigError if a server registered earlier is gone. ggml cannot unregister a device, and
-    llama.cpp asks every registered device for its memory when it loads a model, GPU layers or
-    not: ggml-rpc would abort the process on the connection that fails, so
-    :class:`pymoecache.Llama` asks first. (Start the server again, or load in a new process.)"""
-    for endpoint in servers():
-        _check_reachable(endpoint, " (registered earlier in this process: llama.cpp cannot load a model "
-                                   "here while it is gone)")
+    """ConfigError if a :class:`LocalServer` registered in this process has stopped. ggml cannot
+    unregister a device, and llama.cpp asks every registered device for its memory when it loads
+    a model, GPU layers or not: ggml-rpc would abort the process on the connection that fails, so
+    :class:`pymoecache.Llama` asks first. (A remote server that goes away is not checked: a new
+    connection to a server busy with this process's one would wait, as its server takes one
+    client at a time. Then ggml aborts at the next load, as llama.cpp does.)"""
+    for endpoint in _stopped:
+        raise ConfigError(f"rpc server {endpoint} (a LocalServer registered earlier in this process) has stopped: "
+                          "llama.cpp cannot load a model here while it is gone; start it again at the same "
+                          "address, or load in a new process")
 
 
 def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None) -> None:
@@ -163,8 +167,8 @@ class LocalServer:
 
     The devices it serves are registered with :func:`add_server` on entry (unless ``register=False``).
     ggml cannot remove them again: after the block, loading a model in this process is refused
-    (:func:`check_servers`): llama.cpp would ask the dead server, and ggml abort. Keep it for the
-    life of the process, or run the work that offloads to it in a process of its own."""
+    (:func:`check_servers`): llama.cpp would ask the stopped server, and ggml abort. Keep it for
+    the life of the process, or run the work that offloads to it in a process of its own."""
 
     def __init__(self, port: int = 0, *, threads: int = 1, host: str = "127.0.0.1", timeout: float = 30.0,
                  register: bool = True):
@@ -200,9 +204,12 @@ class LocalServer:
                 time.sleep(0.05)
         if self.register:
             add_server(self.endpoint)
+            _stopped.discard(self.endpoint)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.endpoint in _added:
+            _stopped.add(self.endpoint)
         if self.proc is not None:
             self.proc.terminate()
             try:

@@ -68,6 +68,7 @@ struct moecache_layer_graph {
     ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
+    ggml_tensor * vram_ids       = nullptr; // VRAM tier: the device slot of each selection (moecache-vram.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
@@ -87,6 +88,22 @@ struct moecache_layer_residency {
     std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
     std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
     std::unique_ptr<moecache_io_req[]> slot_req; // STREAM: [n_slots] the reads filling each slot (moecache-io.h)
+};
+
+// the VRAM tier of one layer (moecache-vram.cpp): device slots over the host slots, n = 0 where the
+// layer has none. Slot n of each tensor (and host slot res.n_slots) is all zeros: a selection
+// computed on the other side runs there, so the two sides' outputs add up to the CPU run's.
+struct moecache_layer_vram {
+    int32_t n = 0;                         // device slots per expert tensor
+    struct ggml_backend_buffer_type * buft = nullptr; // the device memory of the layer's dense part
+    ggml_context *              ctx = nullptr;
+    struct ggml_backend_buffer * buf = nullptr;
+    std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1] in device memory
+    std::vector<int32_t> slot_expert;      // [n] expert held, -1 = none
+    std::vector<int32_t> expert_slot;      // [n_expert] its slot (valid only if slot_expert agrees)
+    std::vector<int64_t> slot_used;        // [n] stamp of the last selection it served (larger = more recent)
+    int64_t              clock = 0;
+    std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
 };
 
 // prefetch bookkeeping of one layer (moecache-slots.cpp, moecache-route.cpp)
@@ -135,6 +152,7 @@ struct moecache_layer {
     moecache_layer_residency res;
     moecache_layer_prefetch  pf;
     moecache_layer_usage     use;
+    moecache_layer_vram      vram;
 
     std::vector<float> router_rec;    // cache params router_record: [n_rec][3][n_expert] z, p, s per token
     int32_t            n_rec = 0;
@@ -217,6 +235,9 @@ struct moecache {
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;
     int64_t t_io_prompt_us    = 0;
+    int64_t t_vram_copy_us    = 0;             // VRAM tier: time spent copying up
+    double  vram_us_per_byte  = 0.0;           //   measured: a copy's time per byte (0 = not yet)
+    double  vram_cpu_us       = 0.0;           //   measured: one expert's matmuls on the CPU (0 = not yet)
     int64_t load_bytes        = 0;             // read by moecache_slots_fill_all (moecache_residency_stats)
     int64_t t_io_load_us      = 0;
     mutable moecache_timeline timeline;       // moecache_timeline_start; the reader threads record into it too
@@ -253,6 +274,18 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
 void moecache_residency_graph_begin(moecache & mc);
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
+// moecache-vram.cpp: the VRAM tier. plan: which layers get one (before the slot arena, which then
+// gives them a zero slot); init: their device slots; decode: one token's selections of layer L,
+// after its host slots (out: host slot ids, set to the zero slot for those computed on the device);
+// mul_mat_id: the device side of an expert matmul added to the CPU side
+void          moecache_vram_plan(moecache & mc, const struct llama_model * model);
+int32_t       moecache_vram_init(moecache & mc);
+void          moecache_vram_free(moecache & mc);
+void          moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n);
+ggml_tensor * moecache_vram_mul_mat_id(moecache & mc, moecache_layer & L, ggml_context * ctx,
+                                       const moecache_expert_tensor & x, ggml_tensor * b, ggml_tensor * cpu);
+int64_t       moecache_vram_bytes(const moecache & mc);
+inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) { return L.vram.n > 0 && s == L.res.n_slots; }
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids
 // for a STREAM decode, the ids otherwise
 void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode);

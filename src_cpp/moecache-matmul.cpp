@@ -126,6 +126,19 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
             }
             const int64_t t0 = ith == 0 ? moecache_time_us() : 0;
             float * out = (float *) dst->data;
+            if (moecache_is_zero_slot(L, slot[i])) { // computed on the device (VRAM tier): 0 here
+                for (int32_t j = 0; j < n_x; j++) {
+                    const int64_t ne01 = dst->src[j + 2]->ne[1];
+                    const int64_t r0 = ne01 * ith / nth;
+                    const int64_t r1 = ne01 * (ith + 1) / nth;
+                    memset(out + i * ne01 + r0, 0, (size_t) (r1 - r0) * sizeof(float));
+                    out += ne01 * K;
+                }
+                done[i] = 1;
+                left -= 1;
+                ran = true;
+                continue;
+            }
             for (int32_t j = 0; j < n_x; j++) {
                 const ggml_tensor * w  = dst->src[j + 2];
                 const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(w->type);
@@ -143,7 +156,12 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 out += ne01 * K;
             }
             if (ith == 0) {
-                graph_event(mc, L, MOECACHE_EVENT_EXPERT, L.res.slot_expert[slot[i]], t0, moecache_time_us());
+                const int64_t t1 = moecache_time_us();
+                graph_event(mc, L, MOECACHE_EVENT_EXPERT, L.res.slot_expert[slot[i]], t0, t1);
+                if (L.vram.n > 0) { // (VRAM tier, AUTO: what an expert costs the CPU; down is the other third)
+                    const double us = 1.5 * (double) (t1 - t0);
+                    mc.vram_cpu_us = mc.vram_cpu_us > 0.0 ? 0.9 * mc.vram_cpu_us + 0.1 * us : us;
+                }
             }
             done[i] = 1;
             left -= 1;

@@ -325,6 +325,9 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     drop_pending(mc, il_prompt);
     if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
         moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts);
+        if (decode && L.vram.n > 0) {
+            moecache_vram_decode(mc, L, ids, out, n_ids); // (the selections computed on the device: the zero slot)
+        }
     } else {
         uint64_t end = 0;
         for (const moecache_expert_tensor & x : L.res.xt) {
@@ -491,6 +494,17 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return moecache_fail_residency("prefetch_spare = " + std::to_string(cp.prefetch_spare) +
                                        " must be in [0, N = " + std::to_string(mc.n_expert) + "]");
     }
+    if (cp.n_vram < 0 || cp.n_vram > mc.n_expert) {
+        return moecache_fail_residency("n_vram = " + std::to_string(cp.n_vram) + " must be in [0, N = " +
+                                       std::to_string(mc.n_expert) + "]");
+    }
+    if (cp.n_vram > 0 && cp.residency != MOECACHE_RESIDENCY_STREAM) {
+        return moecache_fail_residency("n_vram (a VRAM tier) needs stream residency: its device slots are filled "
+                                       "from the host slots");
+    }
+    if (cp.vram_fill < MOECACHE_VRAM_FILL_AUTO || cp.vram_fill > MOECACHE_VRAM_FILL_CPU) {
+        return moecache_fail_residency("unknown vram_fill " + std::to_string((int) cp.vram_fill));
+    }
     const std::string mode = names[cp.residency];
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
@@ -609,7 +623,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
 
-    const int32_t rc = moecache_slots_init(mc);
+    moecache_vram_plan(mc, model); // (before the arena: a layer with a VRAM tier gets a zero slot)
+    int32_t rc = moecache_slots_init(mc);
+    rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
     return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
 }
 
@@ -633,6 +649,7 @@ void moecache_residency_free(moecache & mc) {
     }
     delete mc.io;
     mc.io = nullptr;
+    moecache_vram_free(mc);
     if (mc.slots_buf) {
         ggml_backend_buffer_free(mc.slots_buf);
         mc.slots_buf = nullptr;

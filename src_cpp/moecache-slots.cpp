@@ -32,16 +32,17 @@ int32_t moecache_slots_init(moecache & mc) {
         }
         L.res.n_slots = std::max(L.capacity, mc.n_expert_used) +
                         (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
+        const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 ? 1 : 0); // (VRAM tier: and the zero slot)
         for (moecache_expert_tensor & x : L.res.xt) {
             const bool in_place = mc.fd_direct >= 0 && x.nb2 % MOECACHE_IO_ALIGN == 0 && x.nb2 >= MOECACHE_IN_PLACE_MIN;
             x.slot_head = in_place ? (size_t) (x.file_off % MOECACHE_IO_ALIGN) : 0;
             x.slot_nb2  = x.nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
-            total += moecache_round_up((size_t) L.res.n_slots * x.slot_nb2, moecache_page_size());
+            total += moecache_round_up((size_t) n_alloc * x.slot_nb2, moecache_page_size());
             n_xt++;
         }
-        L.res.slot_expert.assign(L.res.n_slots, -1);
+        L.res.slot_expert.assign(n_alloc, -1);
         L.res.expert_slot.assign(mc.n_expert, -1);
-        L.res.slot_req.reset(new moecache_io_req[L.res.n_slots]);
+        L.res.slot_req.reset(new moecache_io_req[n_alloc]);
     }
     void * arena = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (arena == MAP_FAILED) {
@@ -67,17 +68,18 @@ int32_t moecache_slots_init(moecache & mc) {
     ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     char * p = mc.arena;
     for (moecache_layer & L : mc.layers) {
+        const int32_t n_alloc = (int32_t) L.res.slot_expert.size();
         for (moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], L.res.n_slots);
+            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], n_alloc);
             ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
             const bool same_rows = x.slots_t->nb[2] == x.nb2;
             x.slots_t->nb[2] = x.slot_nb2; // (mul_mat_id and the arrival op step from expert to expert by nb[2])
-            x.slots_t->nb[3] = x.slot_nb2 * (size_t) L.res.n_slots;
+            x.slots_t->nb[3] = x.slot_nb2 * (size_t) n_alloc;
             if (!same_rows || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p + x.slot_head) != GGML_STATUS_SUCCESS) {
                 return moecache_fail_residency(std::string("cannot place the slots of ") + t->name);
             }
-            p += moecache_round_up((size_t) L.res.n_slots * x.slot_nb2, moecache_page_size());
+            p += moecache_round_up((size_t) n_alloc * x.slot_nb2, moecache_page_size()); // (anonymous: zero slot is 0)
         }
     }
     return MOECACHE_OK;

@@ -78,6 +78,8 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.eviction_decay     = 0.95f;
     p.router_record      = 0;
     p.router_record_input = false;
+    p.n_vram             = 0;
+    p.vram_fill          = MOECACHE_VRAM_FILL_AUTO;
     return p;
 }
 
@@ -195,6 +197,7 @@ void moecache_reset_stats(struct moecache * mc) {
     mc->t_route_decode_us = 0;
     mc->t_io_decode_us    = 0;
     mc->t_io_prompt_us    = 0;
+    mc->t_vram_copy_us    = 0;
     for (moecache_layer & L : mc->layers) {
         L.decode_tokens = 0;
     }
@@ -519,6 +522,8 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->prompt_t_io_ms    = (double) mc->t_io_prompt_us / 1000.0;
     out->load_bytes_read   = mc->load_bytes;
     out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
+    out->vram_bytes        = moecache_vram_bytes(*mc);
+    out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
     int64_t decode_tokens = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {

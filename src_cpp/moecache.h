@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 15
+#define MOECACHE_ABI_VERSION 16
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -145,6 +145,21 @@ enum moecache_eviction {
     MOECACHE_EVICTION_ROUTER_MASS = 4, // lowest decayed sum of router probability (every expert, every token)
 };
 
+// VRAM tier (n_vram > 0, STREAM): what happens when a decoded token selects an expert that its
+// layer's device slots do not hold (moecache-vram.cpp). A layer has the tier when its router weight
+// is in device memory that is not host memory (n_gpu_layers: a discrete GPU, or an RPC server).
+enum moecache_vram_fill {
+    MOECACHE_VRAM_FILL_AUTO = 0, // copy it up (as COPY) when the measured copy time of its bytes is at
+                                 //   most the measured CPU time of one expert x (1 + the device hits per
+                                 //   copy so far); otherwise compute it on the CPU. A free device slot is
+                                 //   always filled; the first copy and the first CPU expert measure
+    MOECACHE_VRAM_FILL_COPY = 1, // copy it from its host slot into a device slot (a free one, else the
+                                 //   least recently used one no selection of this token holds) and
+                                 //   compute it there
+    MOECACHE_VRAM_FILL_CPU  = 2, // compute it on the CPU from its host slot; only free device slots are
+                                 //   filled (the first experts used stay)
+};
+
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
 // the change takes effect on the next token, no graph rebuild, no reload.
 struct moecache_routing_params {
@@ -220,6 +235,12 @@ struct moecache_cache_params {
                                   //   MOECACHE_MAX_TRACE; default 0
     bool    router_record_input;  // router_record: also keep each router's input, n_embd floats per token and
                                   //   layer (moecache_get_router_input; pymoecache.tune.fit_predictor); default false
+    int32_t n_vram;               // STREAM: experts per MoE layer kept in device memory, for the layers whose
+                                  //   dense part is on a GPU (n_gpu_layers), in [0, N]. A decoded token's
+                                  //   experts held there are computed on the device; the others as
+                                  //   vram_fill says. The host cache (routing, hits, misses, reads) is
+                                  //   the same with or without it; 0 = none; default 0
+    enum moecache_vram_fill vram_fill; // default MOECACHE_VRAM_FILL_AUTO
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -286,6 +307,15 @@ struct moecache_residency_stats {
     // reset by moecache_reset_stats)
     int64_t load_bytes_read;      // bytes read into the slots then
     double  load_t_io_ms;         // the time it took
+    // VRAM tier (n_vram > 0): the tiers of a decoded token's selections in layers that have it.
+    // vram_hits + vram_copies + vram_cpu = those selections; with the host cache's hits and misses
+    // (and decode_loads, reads from the file) they say where each expert came from
+    int64_t vram_bytes;           // device memory of the tier (every layer's slots and one zero slot)
+    int64_t vram_hits;            // selections computed on the device from the expert already there
+    int64_t vram_copies;          // selections copied up from their host slot, then computed on the device
+    int64_t vram_copy_bytes;      // bytes copied up
+    int64_t vram_cpu;             // selections computed on the CPU (vram_fill)
+    double  vram_t_copy_ms;       // time the decode spent copying up (waiting for the host reads first)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

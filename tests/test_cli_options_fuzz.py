@@ -42,6 +42,7 @@ def _argv(fixture_dir, command, option, value, tmp_path):
         "simulate": [command, m, "--text", text, "--tokens", "16", "--no-progress"],
         "serve": [command, m],
         "info": [command, m],
+        "rpc-server": [command],
     }[command]
     return base + [option, value]
 
@@ -54,6 +55,7 @@ def test_out_of_range_numbers_exit_2_with_one_line(fixture_dir, tmp_path, monkey
         raise AssertionError("the server would start: the value was accepted")
 
     monkeypatch.setattr(uvicorn, "run", no_server)
+    monkeypatch.setattr("pymoecache.rpc.serve", no_server)
     monkeypatch.setattr("sys.stdin", io.StringIO("/quit\n"))
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

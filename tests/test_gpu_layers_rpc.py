@@ -145,6 +145,99 @@ def test_a_server_that_is_gone_is_refused_not_an_abort(fixture_dir):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 3 and all("refused: rpc server 127.0.0.1:" in x and "registered earlier" in x
+    assert len(lines) == 3 and all("refused: rpc server 127.0.0.1:" in x and "has stopped" in x
                                    for x in lines[:2]), r.stdout
     assert lines[2] == "ok again"
+
+
+# --- the VRAM tier (CacheConfig.vram_size): device slots over the host cache ---------------------
+
+def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu_layers=99):
+    kw = dict(KW, n_gpu_layers=n_gpu_layers)
+    if n_gpu_layers:
+        kw["rpc_servers"] = endpoint
+    cache = CacheConfig(size=size, residency="stream", prefetch="off", vram_size=n_vram, vram_fill=fill, trace=4096)
+    llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    logits = np.array(llm.scores[: llm.n_tokens])
+    st = llm.moe_stats()
+    trace = llm.moecache.trace()
+    llm.close()
+    return logits, st, trace
+
+
+def replay_vram(trace, n_vram, fill, n_tokens):
+    """The tier's counters as moecache.h defines them, from the decoded tokens' selections: LRU
+    device slots, free ones first; a slot serving this token is never taken for it; "cpu" only
+    fills free slots."""
+    hits = copies = cpu = 0
+    for layer in np.unique(trace["layer"]):
+        rows = trace[trace["layer"] == layer]
+        rows = rows[np.argsort(rows["token"], kind="stable")][-n_tokens:]  # the decodes (the prompt came first)
+        held, used, clock = [-1] * n_vram, [0] * n_vram, 0
+        for r in rows:
+            start = clock
+            for e in r["experts"][: r["n_selected"]]:
+                if e in held:
+                    s = held.index(e)
+                    hits += 1
+                else:
+                    free = [s for s in range(n_vram) if held[s] < 0]
+                    old = [s for s in range(n_vram) if held[s] >= 0 and used[s] <= start]
+                    if free:
+                        s = free[0]
+                    elif fill == "copy" and old:
+                        s = min(old, key=lambda s: (used[s], s))
+                    else:
+                        cpu += 1
+                        continue
+                    held[s] = int(e)
+                    copies += 1
+                clock += 1
+                used[s] = clock
+    return hits, copies, cpu
+
+
+@pytest.mark.parametrize("fill", ["copy", "cpu", "auto"])
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2", "deepseek2-sigmoid-64x6"])
+def test_vram_tier_runs_as_the_cpu_does(fixture_dir, gpu, name, fill):
+    path = model_path(fixture_dir, name)
+    K = pymoecache.model_info(path).n_expert_used
+    ref, st_ref, _ = run_vram(path, gpu, fill, 0, n_gpu_layers=0)
+    got, st, _ = run_vram(path, gpu, fill, K + 1)
+    assert np.allclose(got, ref, rtol=RTOL, atol=ATOL), f"max |diff| = {np.abs(got - ref).max()}"
+    # the host tier is the same: routing, hits, misses, reads from the file
+    assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
+    rs = st.residency
+    assert rs.decode_loads == st_ref.residency.decode_loads
+    # every selection of a decoded token was computed in exactly one tier
+    assert rs.vram_hits + rs.vram_copies + rs.vram_cpu == st.selections_per_layer.sum()
+    assert rs.vram_copy_bytes == rs.vram_copies * rs.expert_bytes
+    assert rs.vram_bytes > 0 and st_ref.residency.vram_bytes == 0
+    assert rs.vram_hits > 0 and rs.vram_copies >= len(st.moe_layers)  # (each layer filled a slot at least)
+
+
+@pytest.mark.parametrize("fill", ["copy", "cpu"])
+@pytest.mark.parametrize("n_vram", [2, 6])
+def test_vram_tier_decisions_follow_the_policy(fixture_dir, gpu, fill, n_vram):
+    path = model_path(fixture_dir, "qwen2moe-60x4")  # K = 4: 2 device slots hold less than a token
+    _, st, trace = run_vram(path, gpu, fill, n_vram, routing="lru")
+    rs = st.residency
+    want = replay_vram(trace, n_vram, fill, len(DECODES))
+    assert (rs.vram_hits, rs.vram_copies, rs.vram_cpu) == want
+    if fill == "cpu":  # the first experts used stay: one copy per device slot, no more
+        assert rs.vram_copies == n_vram * len(st.moe_layers)
+
+
+def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
+    path = model_path(fixture_dir, "mixtral-8x2")
+    # no GPU layers: no layer has device memory, nothing changes
+    _, st, _ = run_vram(path, gpu, "copy", 4, n_gpu_layers=0)
+    assert st.residency.vram_bytes == 0 and st.residency.vram_hits + st.residency.vram_copies == 0
+    with pytest.raises(ConfigError, match="needs stream residency"):
+        pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap", vram_size=2), **KW)
+    with pytest.raises(ConfigError, match="vram_fill"):
+        CacheConfig(vram_size=2, vram_fill="gpu")

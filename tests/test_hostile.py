@@ -396,7 +396,8 @@ PARAM_API_CASES = [
     ("llama-seed-wraps", lambda d: _llama(d, seed=2**40)()),
     ("llama-batch-0", lambda d: _llama(d, n_batch=0)()),
     ("llama-scope-bogus", lambda d: _llama(d, routing_scope="sometimes")()),
-    ("llama-gpu-layers-with-stream", lambda d: _llama(d, n_gpu_layers=10, cache=CacheConfig(size=0.5))()),
+    ("llama-rpc-server-without-port", lambda d: _llama(d, n_gpu_layers=10, rpc_servers="localhost")()),
+    ("llama-vram-with-mmap", lambda d: _llama(d, cache=CacheConfig(size=0.5, residency="mmap", vram_size=2))()),
 ]
 
 

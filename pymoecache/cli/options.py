@@ -160,6 +160,14 @@ def _add_residency_options(c) -> None:
                    help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
                         "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
                         "with and without them in turn)")
+    c.add_argument("--vram-size", type=int, default=0, metavar="N",
+                   help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
+                        "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
+                        "a decoded token computes them (default 0: none, the CPU computes every expert)")
+    c.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
+                   help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting the "
+                        "least recently used one), computed on the CPU (cpu; only free GPU slots are filled), or "
+                        "copied when the measured copy time beats the CPU's time for it (auto, the default)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
                         "cannot drop them and read them back every token; if it refuses, one warning)")
@@ -451,6 +459,7 @@ def cache_from_args(args):
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
                        predictor=getattr(args, "predictor", None),
+                       vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
