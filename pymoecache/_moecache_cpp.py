@@ -118,6 +118,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("load_t_io_ms", c_double),
         ("vram_bytes", c_int64),
         ("vram_hits", c_int64),
+        ("vram_from_ram", c_int64),
+        ("vram_from_file", c_int64),
         ("vram_copies", c_int64),
         ("vram_copy_bytes", c_int64),
         ("vram_cpu", c_int64),

@@ -57,18 +57,21 @@ class ResidencyStats:
     decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
     load_bytes_read: int = 0         # stream: read at load, filling the layers whose cache holds every expert
     load_t_io_ms: float = 0.0
-    # VRAM tier (CacheConfig.vram_size): where the selections of its layers were computed
+    # VRAM tier (CacheConfig.vram_size): the selections of its layers by the tier their expert came
+    # from (hits + from_ram + from_file), and where those not in GPU memory were computed
     vram_bytes: int = 0              # GPU memory of the tier
-    vram_hits: int = 0               # on the GPU, the expert already there
-    vram_copies: int = 0             # copied up from the host slot, then on the GPU
+    vram_hits: int = 0               # in GPU memory: computed there
+    vram_from_ram: int = 0           # not, but in host memory (the cache, or read ahead)
+    vram_from_file: int = 0          # not, read from the file for the token
+    vram_copies: int = 0             # copied up from host memory, then computed on the GPU
     vram_copy_bytes: int = 0
-    vram_cpu: int = 0                # on the CPU
+    vram_cpu: int = 0                # computed on the CPU
     vram_t_copy_ms: float = 0.0
 
     @property
     def vram_hit_rate(self) -> float:
         """Share of the VRAM tier's selections computed from an expert already in GPU memory."""
-        n = self.vram_hits + self.vram_copies + self.vram_cpu
+        n = self.vram_hits + self.vram_from_ram + self.vram_from_file
         return self.vram_hits / n if n else 0.0
 
     @property
@@ -127,7 +130,8 @@ class ResidencyStats:
                 "t_read_ms_per_token": self.decode_t_read_ms / self.decode_tokens if self.decode_tokens else 0.0,
                 "overlap": self.overlap, "major_faults_per_token": self.major_faults_per_token,
                 "load_bytes_read": self.load_bytes_read, "load_t_io_ms": self.load_t_io_ms,
-                "vram_bytes": self.vram_bytes, "vram_hits": self.vram_hits, "vram_copies": self.vram_copies,
+                "vram_bytes": self.vram_bytes, "vram_hits": self.vram_hits, "vram_from_ram": self.vram_from_ram,
+                "vram_from_file": self.vram_from_file, "vram_copies": self.vram_copies,
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
                 "vram_t_copy_ms": self.vram_t_copy_ms}
 
@@ -150,9 +154,10 @@ class ResidencyStats:
                    + (f", read ahead {self.prefetch_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok"
                       if self.residency == "stream" else "")
                    if self.prefetch != "off" else "")
-                + (f" | vram {self.vram_bytes / mib:.0f} MiB: {100 * self.vram_hit_rate:.0f}% of its selections there, "
-                   f"{self.vram_copies} copied up ({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), "
-                   f"{self.vram_cpu} on the CPU" if self.vram_bytes else ""))
+                + (f" | vram {self.vram_bytes / mib:.0f} MiB: selections from vram {self.vram_hits}, ram "
+                   f"{self.vram_from_ram}, file {self.vram_from_file}; {self.vram_copies} copied up "
+                   f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
+                   if self.vram_bytes else ""))
 
 
 @dataclass

@@ -32,19 +32,20 @@ import numpy as np
 EVENT_DTYPE = np.dtype([("kind", "<i4"), ("layer", "<i4"), ("expert", "<i4"), ("thread", "<i4"),
                         ("n_tokens", "<i4"), ("pad", "<i4"), ("t_queued_us", "<i8"), ("t_start_us", "<i8"),
                         ("t_end_us", "<i8"), ("bytes", "<i8")])
-KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy", "expert")
+KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy", "expert", "copy_up")
 KIND = {name: i for i, name in enumerate(KINDS)}
 # one eval call: its span on the same clock, and how many tokens it decoded (1: a generated token)
 TOKEN_DTYPE = np.dtype([("t_start_us", "<i8"), ("t_end_us", "<i8"), ("n_tokens", "<i4")])
 
 _READS = (KIND["read"], KIND["read_ahead"])
-# on the graph thread: routing, waits, and the matmuls of an expert that arrived (overlap_experts)
-_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"])
+# on the graph thread: routing, waits, the matmuls of an expert that arrived (overlap_experts), and
+# copies up to the VRAM tier
+_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"], KIND["copy_up"])
 
 
 def _graph_name(e) -> str:
     """'route L3', 'wait L3' (the residency op), 'wait L3 E12' (a matmul waiting for expert 12),
-    'expert L3 E12' (its matmuls)."""
+    'expert L3 E12' (its matmuls), 'copy_up L3 E12' (copied to the VRAM tier)."""
     return f"{KINDS[e['kind']]} L{int(e['layer'])}" + (f" E{int(e['expert'])}" if e["expert"] >= 0 else "")
 
 
@@ -213,7 +214,8 @@ class Timeline:
         readers = sorted({int(t) for t in ev["thread"] if t > 0})
         lanes = ["graph thread"] + [f"reader {t}" for t in readers]
         color = {"compute": "#9ecae1", "route": "#6a51a3", "wait": "#de2d26", "read": "#fd8d3c",
-                 "read_ahead": "#31a354", "lock": "#756bb1", "copy": "#969696", "expert": "#3182bd"}
+                 "read_ahead": "#31a354", "lock": "#756bb1", "copy": "#969696", "expert": "#3182bd",
+                 "copy_up": "#e7ba52"}
         fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(lanes)))
         ms = lambda t: (t - lo) / 1000.0  # noqa: E731
         for s in spans:  # compute = the span less the graph thread's events

@@ -6,7 +6,8 @@
 // routing, its hits and misses and the reads from the file do not change. On top of it, each
 // selection of a decoded token is computed where its expert is:
 //   in a device slot           -> on the device (vram_hits)
-//   not, vram_fill decides     -> copied up from its host slot into a device slot, then on the
+//   not (vram_from_ram: in a host slot already; vram_from_file: read for this token), vram_fill
+//   decides                    -> copied up from its host slot into a device slot, then on the
 //                                 device (vram_copies), or computed on the CPU from its host slot
 //                                 (vram_cpu)
 // Device slot order is least recently used first; a slot that serves a selection of the current
@@ -149,6 +150,18 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
                                 x.nb2);
     }
     const int64_t t2 = moecache_time_us();
+    if (mc.timeline.on.load(std::memory_order_relaxed)) {
+        moecache_event ev = {};
+        ev.kind        = MOECACHE_EVENT_COPY_UP;
+        ev.layer       = L.il;
+        ev.expert      = e;
+        ev.n_tokens    = 1;
+        ev.t_queued_us = t0;
+        ev.t_start_us  = t1;
+        ev.t_end_us    = t2;
+        ev.bytes       = (int64_t) L.res.expert_bytes;
+        moecache_timeline_add(&mc.timeline, ev);
+    }
     const double per_byte = (double) std::max<int64_t>(t2 - t1, 1) / (double) L.res.expert_bytes;
     mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
     mc.t_vram_copy_us += t2 - t0;
@@ -173,6 +186,7 @@ void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids
         if (vs >= 0 && L.vram.slot_expert[vs] == e) {
             mc.rst.vram_hits += 1;
         } else {
+            (L.res.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
             const moecache_vram_fill fill = mc.cparams.vram_fill;
             const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, L));
             vs = vram_victim(L, token_start, !evict);

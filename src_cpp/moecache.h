@@ -307,14 +307,17 @@ struct moecache_residency_stats {
     // reset by moecache_reset_stats)
     int64_t load_bytes_read;      // bytes read into the slots then
     double  load_t_io_ms;         // the time it took
-    // VRAM tier (n_vram > 0): the tiers of a decoded token's selections in layers that have it.
-    // vram_hits + vram_copies + vram_cpu = those selections; with the host cache's hits and misses
-    // (and decode_loads, reads from the file) they say where each expert came from
+    // VRAM tier (n_vram > 0): the selections of decoded tokens in the layers that have it, by the
+    // tier their expert came from: vram_hits + vram_from_ram + vram_from_file = those selections;
+    // and by what was done with the ones not in device memory: vram_copies + vram_cpu =
+    // vram_from_ram + vram_from_file
     int64_t vram_bytes;           // device memory of the tier (every layer's slots and one zero slot)
-    int64_t vram_hits;            // selections computed on the device from the expert already there
-    int64_t vram_copies;          // selections copied up from their host slot, then computed on the device
+    int64_t vram_hits;            // in device memory: computed there
+    int64_t vram_from_ram;        // not, but in a host slot when the token came (cached, or read ahead)
+    int64_t vram_from_file;       // not, and read from the file for this token
+    int64_t vram_copies;          // copied up from their host slot, then computed on the device
     int64_t vram_copy_bytes;      // bytes copied up
-    int64_t vram_cpu;             // selections computed on the CPU (vram_fill)
+    int64_t vram_cpu;             // computed on the CPU from their host slot (vram_fill)
     double  vram_t_copy_ms;       // time the decode spent copying up (waiting for the host reads first)
 };
 
@@ -335,19 +338,22 @@ enum moecache_event_kind {
     MOECACHE_EVENT_COPY       = 5, // reader thread: a prompt copying an expert out of the mapping into its slot
     MOECACHE_EVENT_EXPERT     = 6, // graph thread, STREAM decode with overlap_experts: the input-side matmuls
                                    //   (up, gate) of the selected expert `expert`, once its bytes were in
+    MOECACHE_EVENT_COPY_UP    = 7, // graph thread, VRAM tier: copying expert `expert` from its host slot into
+                                   //   device memory (`bytes`), after waiting for its read
 };
 
 struct moecache_event {
     int32_t kind;        // enum moecache_event_kind
     int32_t layer;       // the layer
-    int32_t expert;      // READ*, LOCK, COPY, EXPERT: the expert; WAIT: -1 or the expert (above); -1 otherwise
+    int32_t expert;      // READ*, LOCK, COPY, EXPERT, COPY_UP: the expert; WAIT: -1 or the expert (above); -1 otherwise
     int32_t thread;      // 0: the graph thread (or a caller running a job itself); 1..: reader thread
     int32_t n_tokens;    // ROUTE, WAIT, EXPERT: tokens of the ubatch (1: a decode); 0 otherwise
     int32_t pad;
     int64_t t_queued_us; // READ*, LOCK, COPY: when the job was queued; = t_start_us otherwise
     int64_t t_start_us;
     int64_t t_end_us;
-    int64_t bytes;       // READ*, LOCK, COPY: bytes requested from storage (one piece of an expert); 0 otherwise
+    int64_t bytes;       // READ*, LOCK, COPY: bytes requested from storage (one piece of an expert); COPY_UP: bytes
+                         //   copied to the device; 0 otherwise
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis

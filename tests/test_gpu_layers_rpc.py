@@ -59,7 +59,8 @@ def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8):
 
 
 @pytest.mark.parametrize("residency", ["stream", "mmap"])
-@pytest.mark.parametrize("routing,size", [("lru", 0.25), ("prior:0.5", 0.5)])
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5"])
+@pytest.mark.parametrize("size", [0.25, 0.5])
 @pytest.mark.parametrize("name", MOE_FIXTURES + [p.stem for p in TRAINED])
 def test_rpc_gpu_layers_run_as_the_cpu_does(fixture_dir, gpu, name, routing, size, residency):
     path = paths(fixture_dir).get(name)
@@ -213,8 +214,10 @@ def test_vram_tier_runs_as_the_cpu_does(fixture_dir, gpu, name, fill):
     assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
     rs = st.residency
     assert rs.decode_loads == st_ref.residency.decode_loads
-    # every selection of a decoded token was computed in exactly one tier
-    assert rs.vram_hits + rs.vram_copies + rs.vram_cpu == st.selections_per_layer.sum()
+    # every selection of a decoded token came from exactly one tier and was computed on one side
+    assert rs.vram_hits + rs.vram_from_ram + rs.vram_from_file == st.selections_per_layer.sum()
+    assert rs.vram_copies + rs.vram_cpu == rs.vram_from_ram + rs.vram_from_file
+    assert 0 < rs.vram_from_file <= rs.decode_loads and 0 < rs.vram_from_ram <= st.hits
     assert rs.vram_copy_bytes == rs.vram_copies * rs.expert_bytes
     assert rs.vram_bytes > 0 and st_ref.residency.vram_bytes == 0
     assert rs.vram_hits > 0 and rs.vram_copies >= len(st.moe_layers)  # (each layer filled a slot at least)
@@ -230,6 +233,29 @@ def test_vram_tier_decisions_follow_the_policy(fixture_dir, gpu, fill, n_vram):
     assert (rs.vram_hits, rs.vram_copies, rs.vram_cpu) == want
     if fill == "cpu":  # the first experts used stay: one copy per device slot, no more
         assert rs.vram_copies == n_vram * len(st.moe_layers)
+
+
+def test_copies_up_are_on_the_timeline(fixture_dir, gpu, tmp_path):
+    import json
+
+    path = model_path(fixture_dir, "mixtral-8x2")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="stream", prefetch="off", vram_size=2,
+                                                        vram_fill="copy"),
+                           routing="lru", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+    llm.eval(PROMPT[:8])
+    llm.reset_moe_stats()
+    llm.start_timeline()
+    for t in DECODES[:12]:
+        llm.eval([t])
+    rs = llm.moe_stats().residency
+    tl = llm.timeline()
+    llm.close()
+    ups = tl.events[tl.events["kind"] == 7]
+    assert rs.vram_copies > 0 and len(ups) == rs.vram_copies
+    assert (ups["bytes"] == rs.expert_bytes).all() and (ups["t_end_us"] >= ups["t_start_us"]).all()
+    tl.save_chrome(tmp_path / "t.json")
+    names = [e["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]]
+    assert sum(n.startswith("copy_up L") for n in names) == rs.vram_copies
 
 
 def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
