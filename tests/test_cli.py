@@ -386,10 +386,13 @@ def test_gpu_layers_on_an_rpc_server_from_the_command_line():
         args = ("run", "-p", "ROMEO:", "--prior", "0.5", "--cache-size", "0.25", "-n", "8", "--temp", "0", "--json")
         r0 = cli(*args)
         r = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "-v")
-    assert r.returncode == 0 and r0.returncode == 0, r.stderr + r0.stderr
+        rv = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "--vram-size", "6", "--vram-fill", "copy")
+    assert r.returncode == 0 and r0.returncode == 0 and rv.returncode == 0, r.stderr + r0.stderr + rv.stderr
     assert "layers to GPU" in r.stderr and f"RPC0[{server.endpoint}]" in r.stderr
-    got, ref = json.loads(r.stdout), json.loads(r0.stdout)
-    assert got["text"] == ref["text"] and got["generated_tokens"] == 8
+    got, ref, vram = json.loads(r.stdout), json.loads(r0.stdout), json.loads(rv.stdout)
+    assert got["text"] == ref["text"] == vram["text"] and got["generated_tokens"] == 8
+    # (6 device slots, K = 4: copy always finds a slot no selection of the token holds)
+    assert vram["vram_bytes"] > 0 and vram["vram_copies"] > 0 and vram["vram_cpu"] == 0 and ref["vram_bytes"] == 0
     bad = cli("run", "-n", "1", "-ngl", "99", "--rpc", "localhost")
     assert bad.returncode == 2 and "--rpc" in bad.stderr and "HOST:PORT" in bad.stderr, bad.stderr
 
