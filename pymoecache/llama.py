@@ -671,7 +671,8 @@ class Llama(llama_cpp.Llama):
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
-                choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
+                choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
+                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
@@ -692,7 +693,8 @@ class Llama(llama_cpp.Llama):
                                  _plan._available_memory())  # before the load takes its share
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, cp.n_cached, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
-                                         cache.prefetch_spare)
+                                         cache.prefetch_spare,
+                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
                 if short:
                     warnings.warn(f"cache size {cache.size} leaves no room: {short}. The OS will drop the dense "
                                   "part or the runtime's pages and read them back every token (or end the process); "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import time
 from typing import List, Optional
 
@@ -93,12 +94,14 @@ class AutoCacheSize:
     fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
     spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
+    gpu_layers: int = 0    # layers whose dense part and KV cache are on a GPU (n_gpu_layers), not counted above
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
+        on_gpu = f"; the dense part of {self.gpu_layers} layers on the GPU" if self.gpu_layers else ""
         head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
-                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin)")
+                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin{on_gpu})")
         if self.spare:
             head += f"; {self.spare} of them per layer are spare slots for reading ahead"
         if self.n_cached >= self.n_expert:
@@ -120,12 +123,15 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
-def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None) -> AutoCacheSize:
+def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None,
+                    gpu_layers: int = 0) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
     margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
     A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
-    cache is K (those slots keep the last experts read).
+    cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
+    their dense part and KV cache on a GPU (:func:`gpu_layers`): their share of both is not
+    counted against the free memory.
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
@@ -136,10 +142,13 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     39
     >>> auto_cache_size(info, n_ctx=512, available=512 << 20).n_cached  # 1 fits after a 128 MiB margin; K = 4 is the floor
     4
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30, gpu_layers=8).n_cached   # dense part and KV cache on the GPU
+    43
     """
     free = _available_memory() if available is None else available
-    dense = max(0, info.non_expert_bytes)
-    kv = _kv_bytes(info, n_ctx)
+    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
+    dense = int(max(0, info.non_expert_bytes) * host)
+    kv = int(_kv_bytes(info, n_ctx) * host)
     budget = free - dense - kv
     margin = max(128 << 20, budget // 10)
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
@@ -148,11 +157,38 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
         n = min(info.n_expert_used, info.n_expert)
         left = budget - int(n * info.cache_bytes * info.n_moe_layer)
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
-                         dense=dense, kv=kv, margin=margin, fit=fit, left=left)
+                         dense=dense, kv=kv, margin=margin, fit=fit, left=left, gpu_layers=min(max(gpu_layers, 0),
+                                                                                                 info.n_layer))
+
+
+def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
+    """How many of a model's layers llama.cpp will put on a GPU for ``n_gpu_layers`` (-1: all): 0
+    where ggml has no GPU device (this build's backends, and the RPC servers registered so far)."""
+    if not n_gpu_layers:
+        return 0
+    try:
+        import ctypes
+
+        from ._lib import find_lib_dir
+
+        name = {"darwin": "libggml.dylib", "win32": "ggml.dll"}.get(sys.platform, "libggml.so")
+        ggml = ctypes.CDLL(str(find_lib_dir() / name))
+        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        ggml.ggml_backend_dev_type.restype = ctypes.c_int
+        ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        # enum ggml_backend_dev_type: CPU 0, GPU 1, ACCEL 2, IGPU 3
+        if not any(ggml.ggml_backend_dev_type(ggml.ggml_backend_dev_get(i)) in (1, 3)
+                   for i in range(ggml.ggml_backend_dev_count())):
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return n_layer if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layer)
 
 
 def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
-                     available: Optional[int] = None) -> Optional[str]:
+                     available: Optional[int] = None, gpu_layers: int = 0) -> Optional[str]:
     """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
     where it does (or the free memory is unknown): its expert slots (at least K per layer, plus
     ``spare``), the dense part, the KV cache and 64 MiB for the runtime, against what is free.
@@ -171,8 +207,9 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
     if not free:
         return None
     slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
-    dense = max(0, info.non_expert_bytes)
-    kv = _kv_bytes(info, n_ctx)
+    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)  # (the rest is on a GPU)
+    dense = int(max(0, info.non_expert_bytes) * host)
+    kv = int(_kv_bytes(info, n_ctx) * host)
     need = slots + dense + kv + (64 << 20)
     if need <= free:
         return None

@@ -98,6 +98,25 @@ def test_rpc_layers_are_on_the_device_and_the_experts_stay_in_the_cache(fixture_
     assert st.misses > 0 and st.residency.decode_loads == st.misses  # every miss read from the file here
 
 
+def test_auto_cache_size_leaves_out_what_is_on_the_device(fixture_dir, gpu):
+    from pymoecache.plan import auto_cache_size, gpu_layers
+
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    info = pymoecache.model_info(path)
+    assert gpu_layers(0, info.n_layer) == 0 and gpu_layers(2, info.n_layer) == 2  # (the server's device is registered)
+    assert gpu_layers(-1, info.n_layer) == gpu_layers(99, info.n_layer) == info.n_layer
+    # a machine where the dense part matters: 20 experts per layer fit beside it and the 128 MiB margin
+    kv = auto_cache_size(info, 256, available=1 << 40).kv
+    free = info.non_expert_bytes + kv + (128 << 20) + 20 * info.cache_bytes * info.n_moe_layer
+    cpu, half = (auto_cache_size(info, 256, available=free, gpu_layers=g) for g in (0, info.n_layer // 2))
+    assert cpu.n_cached == 20 and half.dense == info.non_expert_bytes // 2 and half.kv == kv // 2
+    assert half.n_cached > cpu.n_cached
+    assert f"the dense part of {info.n_layer // 2} layers on the GPU" in str(half)
+    llm = pymoecache.Llama(str(path), **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+    assert llm.cache_choice.gpu_layers == info.n_layer and llm.cache_choice.dense == 0
+    llm.close()
+
+
 def test_partial_offload_runs_as_the_cpu_does(fixture_dir, gpu):
     # -ngl 2: layers split between the CPU and the device, graph splits in between
     path = model_path(fixture_dir, "mixtral-8x2")
