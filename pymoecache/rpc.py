@@ -136,7 +136,8 @@ def check_servers() -> None:
     :class:`pymoecache.Llama` asks first. (A remote server that goes away is not checked: a new
     connection to a server busy with this process's one would wait, as its server takes one
     client at a time. Then ggml aborts at the next load, as llama.cpp does.)"""
-    for endpoint in _stopped:
+    if _stopped:
+        endpoint = sorted(_stopped)[0]
         raise ConfigError(f"rpc server {endpoint} (a LocalServer registered earlier in this process) has stopped: "
                           "llama.cpp cannot load a model here while it is gone; start it again at the same "
                           "address, or load in a new process")

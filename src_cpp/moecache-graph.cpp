@@ -582,7 +582,7 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         const bool decodes = moecache_layer_decodes(L, ids->ne[1]);
         for (const moecache_expert_tensor & x : L.res.xt) {
             if (x.model_t == as && decodes) { // on the slots (moecache-matmul.cpp), and those of the VRAM tier
-                return moecache_vram_mul_mat_id(mc, L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
+                return moecache_vram_mul_mat_id(L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
             }
             if (x.model_t == as && L.res.all_in_slots) {
                 return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot

@@ -283,8 +283,8 @@ void          moecache_vram_plan(moecache & mc, const struct llama_model * model
 int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
 void          moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n);
-ggml_tensor * moecache_vram_mul_mat_id(moecache & mc, moecache_layer & L, ggml_context * ctx,
-                                       const moecache_expert_tensor & x, ggml_tensor * b, ggml_tensor * cpu);
+ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
+                                       ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);
 inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) { return L.vram.n > 0 && s == L.res.n_slots; }
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids

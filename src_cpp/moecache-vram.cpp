@@ -219,9 +219,8 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
 }
 
-ggml_tensor * moecache_vram_mul_mat_id(moecache & mc, moecache_layer & L, ggml_context * ctx,
-                                       const moecache_expert_tensor & x, ggml_tensor * b, ggml_tensor * cpu) {
-    (void) mc;
+ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
+                                       ggml_tensor * b, ggml_tensor * cpu) {
     size_t j = 0;
     while (j < L.res.xt.size() && L.res.xt[j].model_t != x.model_t) {
         j++;
