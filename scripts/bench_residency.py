@@ -8,6 +8,8 @@
     python scripts/bench_residency.py --eviction lru,router-mass --cache-sizes 0.25 --no-mmap
     python scripts/bench_residency.py --storage-mbps max,300 --timeline timelines/   # slower disks, timelines
     python scripts/bench_residency.py --quant Q4_K_M --cache-sizes 1.0,0.5 --no-mmap     # weights llama.cpp repacks
+    python scripts/bench_residency.py --gpu-layers 99 --cpu-moe --stock --cache-sizes 0.25 --no-mmap --vram-size 8
+                                                           # a GPU: streamed vs --cpu-moe vs all offloaded
 
 The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
 built once into models/_bench/ (--quant: a Q4_K_M or Q4_0 copy of it). Each measurement runs in a fresh process (so its resident set is
@@ -187,11 +189,14 @@ def worker(args) -> None:
     how = drop_page_cache(Path(args.model))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
     prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor)
+    vram = {"vram_size": args.vram_size, "vram_fill": args.vram_fill} if args.residency == "stream" else {}
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
-                                   eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch)
+                                   eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch,
+                                   **vram)
     t0 = time.perf_counter()
     llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
-                           n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
+                           n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False,
+                           **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
     if args.trace_profile and args.prefetch.split(":")[0] == "trace":
         llm.load_profile(args.trace_profile, warm=False)  # past requests to match; the cache starts cold all the same
@@ -220,6 +225,8 @@ def worker(args) -> None:
         "major_faults_per_token": rs.major_faults_per_token,
         "prefetch_on_share": rs.prefetch_tokens_on / max(1, rs.decode_tokens),
         "read_mb_s": rs.decode_bytes_read / 1e6 / (rs.decode_t_read_ms / 1e3) if rs.decode_t_read_ms > 0 else 0.0,
+        "gpu_layers": args.gpu_layers, "vram_hit_rate": rs.vram_hit_rate, "vram_copies": rs.vram_copies,
+        "vram_cpu": rs.vram_cpu,
     }))
     if args.timeline_file:
         tl = llm.timeline()
@@ -267,6 +274,17 @@ def build_trace_profile(model: Path, args) -> str:
     return str(out)
 
 
+def gpu_kwargs(args) -> dict:
+    """n_gpu_layers and the RPC server of --gpu-layers / --rpc for a Llama of the worker."""
+    if not args.gpu_layers:
+        return {}
+    if args.rpc:
+        import pymoecache.rpc
+
+        pymoecache.rpc.add_server(args.rpc)  # (also for llama_cpp.Llama: its devices are registered in the process)
+    return {"n_gpu_layers": args.gpu_layers}
+
+
 def stock_worker(args) -> None:
     """The same measurement with plain llama_cpp.Llama: llama.cpp's own mmap, no moecache."""
     import llama_cpp
@@ -274,7 +292,8 @@ def stock_worker(args) -> None:
     how = drop_page_cache(Path(args.model))
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(args.model, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
-                          n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
+                          n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False,
+                          **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
     dt = decode_text(llm, args)
     with open("/proc/self/statm") as f:
@@ -290,7 +309,8 @@ def stock_worker(args) -> None:
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
         "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
-        "prefetch_on_share": 0.0,
+        "prefetch_on_share": 0.0, "gpu_layers": args.gpu_layers, "vram_hit_rate": 0.0, "vram_copies": 0,
+        "vram_cpu": 0,
     }))
 
 
@@ -300,7 +320,10 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
            "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction,
-           "--storage-label", args.storage_label]
+           "--storage-label", args.storage_label, "--gpu-layers", str(args.gpu_layers),
+           "--vram-size", str(args.vram_size), "--vram-fill", args.vram_fill]
+    if args.rpc:
+        cmd += ["--rpc", args.rpc]
     if args.trace_profile:
         cmd += ["--trace-profile", args.trace_profile]
     if args.predictor:
@@ -359,6 +382,19 @@ def main() -> None:
                     help="the model's weight type: Q4_K_M and Q4_0 are quantized from the Q8_0 model with "
                          "llama.cpp's quantizer (once, kept next to it); llama.cpp repacks them for its faster "
                          "kernels on AVX2 and ARM CPUs (default %(default)s)")
+    ap.add_argument("--gpu-layers", type=int, default=0, metavar="N",
+                    help="n_gpu_layers of every run (-1 or 99: all): the dense part on the GPU, the experts streamed "
+                         "or cached in RAM; the resident row is then the fully offloaded model (default 0)")
+    ap.add_argument("--rpc", metavar="HOST:PORT",
+                    help="offload --gpu-layers to this ggml RPC server; 'local' starts one on this machine's CPU "
+                         "for the run (what the tests use as their GPU: no GPU speed)")
+    ap.add_argument("--cpu-moe", action="store_true",
+                    help="also run llama.cpp's --cpu-moe placement: every expert in RAM (mmap residency, cache 1.0), "
+                         "the dense part on the GPU with --gpu-layers")
+    ap.add_argument("--vram-size", type=int, default=0, metavar="N",
+                    help="stream runs with --gpu-layers: N experts per layer also in GPU memory (default 0)")
+    ap.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
+                    help="what a stream run does with an expert not in GPU memory (default %(default)s)")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -410,6 +446,8 @@ def main() -> None:
     settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings
                 for pf in (prefetches if res == "stream" else ["off"])
                 for ev in (evictions if res == "stream" else ["lru"])]
+    if args.cpu_moe:
+        settings.append(("mmap", "lru", "1.0", "off", "lru"))
     if not args.no_resident:
         settings.append(("none", "lru", "1.0", "off", "lru"))
     if args.stock:
@@ -419,6 +457,12 @@ def main() -> None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
     results = []
+    local_rpc = None
+    if args.rpc == "local":
+        import pymoecache.rpc
+
+        local_rpc = pymoecache.rpc.LocalServer(threads=args.threads, register=False).__enter__()
+        args.rpc = local_rpc.endpoint
     try:
         for mbps in storages:
             args.storage_label = "max" if mbps is None else f"{mbps:g}MBps"
@@ -436,6 +480,8 @@ def main() -> None:
     finally:
         for m in held or []:
             m.close()
+        if local_rpc is not None:
+            local_rpc.__exit__(None, None, None)
     for label, runs, probes in results:
         report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes, label)
 
@@ -496,7 +542,10 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
           f"medians of {args.reps} runs, {args.prompt_tokens}-token prompt, {args.tokens} decode tokens each, "
           f"page cache dropped before every run{left}; storage {storage}: the disk gave expert-sized O_DIRECT reads "
-          f"{probe_summary(probes[0])} before the runs, {probe_summary(probes[1])} after\n")
+          f"{probe_summary(probes[0])} before the runs, {probe_summary(probes[1])} after"
+          + (f"; {args.gpu_layers} GPU layers" + (f" on the RPC server {args.rpc}" if args.rpc else "")
+             + (f", {args.vram_size} experts per layer in GPU memory ({args.vram_fill})" if args.vram_size else "")
+             + " (resident: every layer offloaded)" if args.gpu_layers else "") + "\n")
     disk = max(max(probes[0].values()), max(probes[1].values()))  # MB/s: the best the disk gave the probe
     bw = disk * 1e6 / MiB
     print(f"overlap bound: the tok/s if every read overlapped compute, 1 / max(compute + routing, MiB read / "
@@ -506,15 +555,19 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
     print("| residency | routing | cache | prefetch | eviction | decode tok/s | of resident | overlap bound | of bound | "
           "prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | reads in flight ms | "
-          "read MB/s (of disk) | overlap | major faults/token | routing ms | RSS MiB | peak RSS MiB | slots MiB |")
-    print("|---" * 24 + "|")
+          "read MB/s (of disk) | overlap | major faults/token | routing ms | RSS MiB | peak RSS MiB | slots MiB |"
+          + (" in VRAM | copied up/token | on the CPU/token |" if args.vram_size else ""))
+    print("|---" * (24 + (3 if args.vram_size else 0)) + "|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
         bound_ms = max(med(rows, "compute_ms") + med(rows, "route_ms"), 1e3 * med(rows, "mib_read_per_token") / bw)
         bound = f"{1e3 / bound_ms:.2f} | {100 * med(rows, 'tok_s') * bound_ms / 1e3:.0f}%" if s[0] == "stream" \
             else "- | -"
-        print(f"| {s[0]} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
+        label = "mmap (--cpu-moe)" if args.cpu_moe and s[:3] == ("mmap", "lru", "1.0") else s[0]
+        vram = (f" {100 * med(rows, 'vram_hit_rate'):.0f}% | {med(rows, 'vram_copies') / args.tokens:.2f} | "
+                f"{med(rows, 'vram_cpu') / args.tokens:.2f} |" if args.vram_size else "")
+        print(f"| {label} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
               f"{med(rows, 'tok_s'):.2f} | "
               f"{share} | {bound} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
               f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "
@@ -522,7 +575,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
               f"{100 * med(rows, 'recall'):.0f}% | {med(rows, 'compute_ms'):.2f} | {med(rows, 'io_ms'):.2f} | "
               f"{med(rows, 'read_ms'):.2f} | {med(rows, 'read_mb_s'):.0f} ({100 * med(rows, 'read_mb_s') / disk:.0f}%) | "
               f"{100 * med(rows, 'overlap'):.0f}% | {med(rows, 'major_faults_per_token'):.1f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
-              f"{med(rows, 'arena_mib'):.0f} |")
+              f"{med(rows, 'arena_mib'):.0f} |" + vram)
     print()
     if resident:
         warm = med(rows_of(("none", "lru", "1.0", "off", "lru")), "prefill_warm_tok_s")
