@@ -689,6 +689,14 @@ class Llama(llama_cpp.Llama):
                                               info.n_moe_layer, model_path=str(model_path),
                                               n_expert_used=info.n_expert_used)
             residency = RESIDENCY_NAMES[cp.residency]
+            if cache.vram_size and residency != "stream":
+                if cache.residency != "auto":
+                    raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
+                                      f"from the streamed cache's host slots), not {residency!r}")
+                warnings.warn(f"vram_size={cache.vram_size} ignored: every expert fits in memory (residency "
+                              f"'{residency}'), and with n_gpu_layers llama.cpp puts them on the GPU itself", stacklevel=2)
+                cache = dataclasses.replace(cache, vram_size=0)
+                cp.n_vram = 0
             self._plan_inputs = (cp.n_cached, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory())  # before the load takes its share
             if residency == "stream" and choice is None:

@@ -85,6 +85,8 @@ def parse_endpoints(servers: "str | List[str]") -> List[str]:
     ...
     pymoecache.errors.ConfigError: rpc server 'gpu-box': expected HOST:PORT, e.g. 127.0.0.1:50052
     """
+    if not isinstance(servers, (str, list, tuple)):
+        raise ConfigError(f"rpc_servers must be 'HOST:PORT[,HOST:PORT...]' or a list of them, got {servers!r}")
     items = servers.split(",") if isinstance(servers, str) else list(servers)
     out = []
     for item in items:

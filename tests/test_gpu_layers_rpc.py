@@ -282,7 +282,14 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
     # no GPU layers: no layer has device memory, nothing changes
     _, st, _ = run_vram(path, gpu, "copy", 4, n_gpu_layers=0)
     assert st.residency.vram_bytes == 0 and st.residency.vram_hits + st.residency.vram_copies == 0
-    with pytest.raises(ConfigError, match="needs stream residency"):
+    with pytest.raises(ConfigError, match="needs residency .stream."):
         pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap", vram_size=2), **KW)
     with pytest.raises(ConfigError, match="vram_fill"):
         CacheConfig(vram_size=2, vram_fill="gpu")
+    # every expert fits: residency auto is none and the tier has nothing to do (llama.cpp offloads the experts)
+    with pytest.warns(UserWarning, match="vram_size=2 ignored"):
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), **KW)
+    assert llm.moe_stats().residency.vram_bytes == 0
+    llm.close()
+    with pytest.raises(ConfigError, match="rpc_servers must be"):
+        pymoecache.Llama(str(path), n_gpu_layers=99, rpc_servers=50052, **KW)
