@@ -327,15 +327,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
     }
     if (timeline) {
-        moecache_event e = {};
-        e.kind        = MOECACHE_EVENT_ROUTE;
-        e.layer       = L.il;
-        e.expert      = -1;
-        e.n_tokens    = (int32_t) n_tokens;
-        e.t_queued_us = t0;
-        e.t_start_us  = t0;
-        e.t_end_us    = moecache_time_us();
-        moecache_timeline_add(&mc.timeline, e);
+        moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, (int32_t) n_tokens, t0, t0, moecache_time_us());
     }
 }
 

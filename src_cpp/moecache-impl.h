@@ -260,6 +260,23 @@ inline float moecache_layer_boost(const moecache_layer & L, float lambda) {
     return (float) ((double) lambda * (double) L.prior_scale * moecache_layer_delta(L));
 }
 
+// an event of the graph thread (thread 0) on the timeline, when one is being recorded
+inline void moecache_graph_event(moecache & mc, moecache_event_kind kind, int32_t il, int32_t e, int32_t n_tokens,
+                                 int64_t t_queued, int64_t t_start, int64_t t_end, int64_t bytes = 0) {
+    if (mc.timeline.on.load(std::memory_order_relaxed)) {
+        moecache_event ev = {};
+        ev.kind        = kind;
+        ev.layer       = il;
+        ev.expert      = e;
+        ev.n_tokens    = n_tokens;
+        ev.t_queued_us = t_queued;
+        ev.t_start_us  = t_start;
+        ev.t_end_us    = t_end;
+        ev.bytes       = bytes;
+        moecache_timeline_add(&mc.timeline, ev);
+    }
+}
+
 // moecache.cpp
 void moecache_set_error(const std::string & msg);
 

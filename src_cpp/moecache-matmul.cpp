@@ -60,17 +60,7 @@ static inline void cpu_relax(void) {
 // a WAIT (for expert e) or EXPERT (e's matmuls) event of a decoded token on the graph thread
 static void graph_event(moecache & mc, const moecache_layer & L, moecache_event_kind kind, int32_t e, int64_t t0,
                         int64_t t1) {
-    if (mc.timeline.on.load(std::memory_order_relaxed)) {
-        moecache_event ev = {};
-        ev.kind        = kind;
-        ev.layer       = L.il;
-        ev.expert      = e;
-        ev.n_tokens    = 1;
-        ev.t_queued_us = t0;
-        ev.t_start_us  = t0;
-        ev.t_end_us    = t1;
-        moecache_timeline_add(&mc.timeline, ev);
-    }
+    moecache_graph_event(mc, kind, L.il, e, 1, t0, t0, t1);
 }
 
 #ifndef MOECACHE_NO_CPU_TRAITS

@@ -357,17 +357,8 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     }
     const int64_t t1 = moecache_time_us();
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0;
-    if (mc.timeline.on.load(std::memory_order_relaxed)) {
-        moecache_event e = {};
-        e.kind        = MOECACHE_EVENT_WAIT;
-        e.layer       = L.il;
-        e.expert      = -1;
-        e.n_tokens    = decode ? 1 : (int32_t) (n_ids / std::max(1, mc.n_expert_used));
-        e.t_queued_us = t0;
-        e.t_start_us  = t0;
-        e.t_end_us    = t1;
-        moecache_timeline_add(&mc.timeline, e);
-    }
+    moecache_graph_event(mc, MOECACHE_EVENT_WAIT, L.il, -1, decode ? 1 : (int32_t) (n_ids / std::max(1, mc.n_expert_used)),
+                         t0, t0, t1);
 }
 
 // --- the dense part ------------------------------------------------------------------------

@@ -150,18 +150,7 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
                                 x.nb2);
     }
     const int64_t t2 = moecache_time_us();
-    if (mc.timeline.on.load(std::memory_order_relaxed)) {
-        moecache_event ev = {};
-        ev.kind        = MOECACHE_EVENT_COPY_UP;
-        ev.layer       = L.il;
-        ev.expert      = e;
-        ev.n_tokens    = 1;
-        ev.t_queued_us = t0;
-        ev.t_start_us  = t1;
-        ev.t_end_us    = t2;
-        ev.bytes       = (int64_t) L.res.expert_bytes;
-        moecache_timeline_add(&mc.timeline, ev);
-    }
+    moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, e, 1, t0, t1, t2, (int64_t) L.res.expert_bytes);
     const double per_byte = (double) std::max<int64_t>(t2 - t1, 1) / (double) L.res.expert_bytes;
     mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
     mc.t_vram_copy_us += t2 - t0;
