@@ -584,7 +584,8 @@ class CacheConfig:
     device slot, else the least recently used one), ``"cpu"`` computes it on the CPU (only free
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at
     most the measured CPU time of an expert times (1 + device hits per copy so far). The host
-    cache, its routing, hits, misses and reads are the same with or without the tier.
+    cache, its routing, hits, misses and reads are the same with or without the tier. Memory:
+    vram_size + 1 experts per layer on the GPU, one more per layer in RAM (the zero slots).
 
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
