@@ -581,7 +581,7 @@ class CacheConfig:
     also live in GPU memory (a VRAM tier over the host cache, for the layers whose dense part is
     on a discrete GPU or an RPC server), and a decoded token computes those there. A selected
     expert that is not there: vram_fill ``"copy"`` copies it up from its host slot (into a free
-    device slot, else the least recently used one), ``"cpu"`` computes it on the CPU (only free
+    device slot, else the one the ``eviction`` policy frees), ``"cpu"`` computes it on the CPU (only free
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at
     most the measured CPU time of an expert times (1 + device hits per copy so far). The host
     cache, its routing, hits, misses and reads are the same with or without the tier. Memory:

@@ -546,6 +546,14 @@ class MoECache:
             _check(n)
         return list(buf[:n])
 
+    def vram_cached(self, il: int) -> list:
+        """Experts in layer ``il``'s GPU slots (``CacheConfig.vram_size``), least recently used first."""
+        buf = (ctypes.c_int32 * self.n_expert)()
+        n = C.moecache_get_vram_cached(self._h, il, buf, self.n_expert)
+        if n < 0:
+            _check(n)
+        return list(buf[:n])
+
     def trace(self) -> np.ndarray:
         """The per-token trace (oldest first) as a numpy structured array: layer, token,
         n_selected, experts[32], hit_mask, top_k_mask. Empty unless ``CacheConfig(trace=N)``."""

@@ -4,8 +4,9 @@
 // pymoecache/reference.py (LayerCache) is the same cache in numpy; tests/test_route_property.py
 // checks that both evict the same experts under every policy. Change them together.
 //
-// Every eviction is decided in pick_victim below. The usage it scores is updated once per routed
-// token (moecache_layer_observe), before the token's misses are inserted, whatever the policy.
+// Every eviction is decided in moecache_layer_pick_victim below, the host cache's and the VRAM
+// tier's (moecache-vram.cpp). The usage it scores is updated once per routed token
+// (moecache_layer_observe), before the token's misses are inserted, whatever the policy.
 
 #include "moecache-impl.h"
 
@@ -87,10 +88,12 @@ template <typename T> static double row_sum(const T * row, int32_t n) {
     return sum;
 }
 
-// the expert to evict: the cached one with the lowest score that is not pinned and, if possible,
-// not in use (in_use may be NULL); ties (and LRU, whose score is always 0) by least recent use.
-// Pinned experts go only if every cached expert is pinned.
-static int32_t pick_victim(const moecache_layer & L, const uint8_t * in_use) {
+// the expert to evict from a set of L's experts (stamp[e] >= 0: held, the larger the more recently
+// used): the one with the lowest score of the eviction policy that is not pinned and, if possible,
+// not in use (pinned and in_use may be NULL); ties (and LRU, whose score is always 0) by least
+// recent use. Pinned experts go only if every held expert is pinned.
+int32_t moecache_layer_pick_victim(const moecache_layer & L, const int64_t * stamp, const uint8_t * pinned,
+                                   const uint8_t * in_use) {
     const moecache & mc = *L.mc;
     const int32_t N = (int32_t) L.last_use.size();
     const enum moecache_eviction policy = mc.cparams.eviction;
@@ -126,11 +129,11 @@ static int32_t pick_victim(const moecache_layer & L, const uint8_t * in_use) {
     // pass 0: neither in use nor pinned; 1: not pinned (the cache is smaller than K); 2: any
     for (int32_t pass = 0; pass < 3 && victim < 0; pass++) {
         for (int32_t e = 0; e < N; e++) {
-            if (L.last_use[e] < 0 || (pass < 2 && L.use.pinned[e]) || (pass == 0 && in_use && in_use[e])) {
+            if (stamp[e] < 0 || (pass < 2 && pinned && pinned[e]) || (pass == 0 && in_use && in_use[e])) {
                 continue;
             }
             const double s = score(e);
-            if (victim < 0 || s < best || (s == best && L.last_use[e] < L.last_use[victim])) {
+            if (victim < 0 || s < best || (s == best && stamp[e] < stamp[victim])) {
                 victim = e;
                 best   = s;
             }
@@ -144,7 +147,7 @@ bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use
         return false;
     }
     if (L.occupancy >= L.capacity) {
-        const int32_t victim = pick_victim(L, in_use);
+        const int32_t victim = moecache_layer_pick_victim(L, L.last_use.data(), L.use.pinned.data(), in_use);
         L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[victim]);
         L.st.lifetime_count += 1;
         L.st.evictions      += 1;

@@ -102,7 +102,9 @@ struct moecache_layer_vram {
     std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1] in device memory
     std::vector<int32_t> slot_expert;      // [n] expert held, -1 = none
     std::vector<int32_t> expert_slot;      // [n_expert] its slot (valid only if slot_expert agrees)
-    std::vector<int64_t> slot_used;        // [n] stamp of the last selection it served (larger = more recent)
+    std::vector<int64_t> stamp;            // [n_expert] held: the stamp of its last selection (larger = more
+                                           //   recent); -1 = not held (the eviction policy's recency)
+    std::vector<uint8_t> in_use;           // [n_expert] scratch: selected by the current token
     int64_t              clock = 0;
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
 };
@@ -388,6 +390,8 @@ void moecache_layer_observe(moecache_layer & L, const float * p, const int32_t *
 // those whose in_use[] entry is 0 (in_use may be NULL) and that are not pinned. Returns false if
 // the capacity is 0.
 bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use);
+int32_t moecache_layer_pick_victim(const moecache_layer & L, const int64_t * stamp, const uint8_t * pinned,
+                                   const uint8_t * in_use);
 // a prediction for the next token of layer T: pred[0:n] (most likely first) are inserted into its
 // cache unless cached already, each evicting by the policy an expert that is not predicted (an
 // evicted prefetch never selected counts as wasted). inserted: out, the experts to read. Returns their count.

@@ -10,8 +10,8 @@
 //   decides                    -> copied up from its host slot into a device slot, then on the
 //                                 device (vram_copies), or computed on the CPU from its host slot
 //                                 (vram_cpu)
-// Device slot order is least recently used first; a slot that serves a selection of the current
-// token is never taken for another one of it.
+// A full tier evicts by the cache's eviction policy (moecache_layer_pick_victim: the same scores
+// as the host cache, recency from the tier's own uses), never an expert the current token selected.
 //
 // Graph of one expert matmul (gate, up, gate_up or down) of a layer with the tier, decode:
 //   cpu  = the stream path (moecache-matmul.cpp) on the host slots; a selection computed on the
@@ -80,7 +80,8 @@ int32_t moecache_vram_init(moecache & mc) {
         }
         L.vram.slot_expert.assign(L.vram.n, -1);
         L.vram.expert_slot.assign(mc.n_expert, -1);
-        L.vram.slot_used.assign(L.vram.n, 0);
+        L.vram.stamp.assign(mc.n_expert, -1);
+        L.vram.in_use.assign(mc.n_expert, 0);
         L.vram.tok_slot.assign(MOECACHE_MAX_USED, L.vram.n);
     }
     return MOECACHE_OK;
@@ -106,20 +107,19 @@ int64_t moecache_vram_bytes(const moecache & mc) {
     return bytes;
 }
 
-// the device slot expert e may take for this token: a free one, else the least recently used one
-// that no selection of this token (stamps after `token_start`) holds; -1 if none (free_only: no eviction)
-static int32_t vram_victim(const moecache_layer & L, int64_t token_start, bool free_only) {
-    int32_t best = -1;
+// the device slot a selected expert may take: a free one, else that of the expert the eviction
+// policy picks among those the current token did not select; -1 if none (free_only: no eviction)
+static int32_t vram_victim(const moecache_layer & L, bool free_only) {
     for (int32_t s = 0; s < L.vram.n; s++) {
         if (L.vram.slot_expert[s] < 0) {
             return s;
         }
-        if (!free_only && L.vram.slot_used[s] <= token_start &&
-            (best < 0 || L.vram.slot_used[s] < L.vram.slot_used[best])) {
-            best = s;
-        }
     }
-    return best;
+    if (free_only) {
+        return -1;
+    }
+    const int32_t e = moecache_layer_pick_victim(L, L.vram.stamp.data(), nullptr, L.vram.in_use.data());
+    return e >= 0 && !L.vram.in_use[e] ? L.vram.expert_slot[e] : -1;
 }
 
 // AUTO: copy e up when copying its bytes costs at most computing it on the CPU, times what a copy
@@ -158,6 +158,7 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
     const int32_t old = L.vram.slot_expert[vs];
     if (old >= 0) {
         L.vram.expert_slot[old] = -1;
+        L.vram.stamp[old]       = -1;
     }
     L.vram.slot_expert[vs] = e;
     L.vram.expert_slot[e]  = vs;
@@ -167,8 +168,11 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
 }
 
 void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n) {
-    const int64_t token_start = L.vram.clock;
     const int32_t zero = L.res.n_slots;
+    std::fill(L.vram.in_use.begin(), L.vram.in_use.end(), 0);
+    for (int64_t i = 0; i < n; i++) {
+        L.vram.in_use[ids[i]] = 1;
+    }
     for (int64_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
         const int32_t e = ids[i];
         int32_t vs = L.vram.expert_slot[e];
@@ -178,7 +182,7 @@ void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids
             (L.res.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
             const moecache_vram_fill fill = mc.cparams.vram_fill;
             const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, L));
-            vs = vram_victim(L, token_start, !evict);
+            vs = vram_victim(L, !evict);
             if (vs >= 0 && !vram_copy_up(mc, L, e, out[i], vs)) {
                 vs = -1;
             }
@@ -188,7 +192,7 @@ void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids
                 continue;
             }
         }
-        L.vram.slot_used[vs] = ++L.vram.clock;
+        L.vram.stamp[e]      = ++L.vram.clock;
         L.vram.tok_slot[i]   = vs;
         out[i]               = zero; // (the host side computes 0 for it)
     }

@@ -295,15 +295,12 @@ int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * o
     return MOECACHE_OK;
 }
 
-int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
-    if (il < 0 || il >= mc->n_layer) {
-        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
-    }
-    const moecache_layer & L = mc->layers[il];
+// the experts with a stamp >= 0, least recently used (smallest stamp) first
+static int32_t held_by_recency(const std::vector<int64_t> & stamp, int32_t * ids, int32_t cap) {
     std::vector<std::pair<int64_t, int32_t>> v;
-    for (int32_t e = 0; e < (int32_t) L.last_use.size(); e++) {
-        if (L.last_use[e] >= 0) {
-            v.emplace_back(L.last_use[e], e);
+    for (int32_t e = 0; e < (int32_t) stamp.size(); e++) {
+        if (stamp[e] >= 0) {
+            v.emplace_back(stamp[e], e);
         }
     }
     std::sort(v.begin(), v.end());
@@ -311,6 +308,20 @@ int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * id
         ids[i] = v[i].second;
     }
     return (int32_t) v.size();
+}
+
+int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
+    if (il < 0 || il >= mc->n_layer) {
+        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
+    }
+    return held_by_recency(mc->layers[il].last_use, ids, cap);
+}
+
+int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
+    if (il < 0 || il >= mc->n_layer) {
+        return fail(MOECACHE_ERR_INVALID, "layer index out of range");
+    }
+    return held_by_recency(mc->layers[il].vram.stamp, ids, cap);
 }
 
 int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,

@@ -153,8 +153,9 @@ enum moecache_vram_fill {
                                  //   most the measured CPU time of one expert x (1 + the device hits per
                                  //   copy so far); otherwise compute it on the CPU. A free device slot is
                                  //   always filled; the first copy and the first CPU expert measure
-    MOECACHE_VRAM_FILL_COPY = 1, // copy it from its host slot into a device slot (a free one, else the
-                                 //   least recently used one no selection of this token holds) and
+    MOECACHE_VRAM_FILL_COPY = 1, // copy it from its host slot into a device slot (a free one, else that
+                                 //   of the expert the cache's eviction policy picks among those the
+                                 //   token did not select, recency from the tier's own uses) and
                                  //   compute it there
     MOECACHE_VRAM_FILL_CPU  = 2, // compute it on the CPU from its host slot; only free device slots are
                                  //   filled (the first experts used stay)
@@ -429,6 +430,8 @@ MOECACHE_API int32_t moecache_get_layer_stats(const struct moecache * mc, int32_
 
 // Experts cached in layer il, least recently used first. Returns how many (<= cap are written).
 MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
+// The same for the experts in layer il's device slots (the VRAM tier, n_vram); 0 where it has none.
+MOECACHE_API int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
 
 MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out);
 

@@ -172,11 +172,12 @@ def test_a_server_that_is_gone_is_refused_not_an_abort(fixture_dir):
 
 # --- the VRAM tier (CacheConfig.vram_size): device slots over the host cache ---------------------
 
-def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu_layers=99):
+def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu_layers=99, **more):
     kw = dict(KW, n_gpu_layers=n_gpu_layers)
     if n_gpu_layers:
         kw["rpc_servers"] = endpoint
-    cache = CacheConfig(size=size, residency="stream", prefetch="off", vram_size=n_vram, vram_fill=fill, trace=4096)
+    cache = CacheConfig(size=size, residency="stream", prefetch="off", vram_size=n_vram, vram_fill=fill, trace=4096,
+                        **more)
     llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
     llm.eval(PROMPT)
     llm.reset_moe_stats()
@@ -185,28 +186,29 @@ def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu
     logits = np.array(llm.scores[: llm.n_tokens])
     st = llm.moe_stats()
     trace = llm.moecache.trace()
+    st.held = {il: (llm.moecache.cached(il), llm.moecache.vram_cached(il)) for il in st.moe_layers}
     llm.close()
     return logits, st, trace
 
 
 def replay_vram(trace, n_vram, fill, n_tokens):
-    """The tier's counters as moecache.h defines them, from the decoded tokens' selections: LRU
-    device slots, free ones first; a slot serving this token is never taken for it; "cpu" only
-    fills free slots."""
+    """The tier's counters as moecache.h defines them, from the decoded tokens' selections, under
+    LRU: free device slots first, then the least recently used expert the token did not select;
+    "cpu" only fills free slots."""
     hits = copies = cpu = 0
     for layer in np.unique(trace["layer"]):
         rows = trace[trace["layer"] == layer]
         rows = rows[np.argsort(rows["token"], kind="stable")][-n_tokens:]  # the decodes (the prompt came first)
         held, used, clock = [-1] * n_vram, [0] * n_vram, 0
         for r in rows:
-            start = clock
+            token = set(int(x) for x in r["experts"][: r["n_selected"]])
             for e in r["experts"][: r["n_selected"]]:
                 if e in held:
                     s = held.index(e)
                     hits += 1
                 else:
                     free = [s for s in range(n_vram) if held[s] < 0]
-                    old = [s for s in range(n_vram) if held[s] >= 0 and used[s] <= start]
+                    old = [s for s in range(n_vram) if held[s] >= 0 and held[s] not in token]
                     if free:
                         s = free[0]
                     elif fill == "copy" and old:
@@ -252,6 +254,18 @@ def test_vram_tier_decisions_follow_the_policy(fixture_dir, gpu, fill, n_vram):
     assert (rs.vram_hits, rs.vram_copies, rs.vram_cpu) == want
     if fill == "cpu":  # the first experts used stay: one copy per device slot, no more
         assert rs.vram_copies == n_vram * len(st.moe_layers)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "router-mass"])
+def test_a_vram_tier_as_large_as_the_cache_holds_what_it_holds(fixture_dir, gpu, eviction):
+    # the same eviction policy over the same usage, the same size, both empty at the first decode
+    # (prompts leave the cache alone here): every selection the cache inserts, the tier copies up,
+    # and each evicts the same expert
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    _, st, _ = run_vram(path, gpu, "copy", 15, routing="lru", size=15, eviction=eviction, update_on_prompt=False)
+    for il, (cached, vram) in st.held.items():
+        assert sorted(vram) == sorted(cached), f"layer {il}"
+    assert st.evictions > 0 and st.residency.vram_copies == st.misses
 
 
 def test_copies_up_are_on_the_timeline(fixture_dir, gpu, tmp_path):

@@ -165,8 +165,8 @@ def _add_residency_options(c) -> None:
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
                         "a decoded token computes them (default 0: none, the CPU computes every expert)")
     c.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
-                   help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting the "
-                        "least recently used one), computed on the CPU (cpu; only free GPU slots are filled), or "
+                   help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
+                        "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
