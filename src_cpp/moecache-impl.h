@@ -302,6 +302,7 @@ void          moecache_vram_plan(moecache & mc, const struct llama_model * model
 int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
 void          moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n);
+void          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);

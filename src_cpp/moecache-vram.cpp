@@ -167,6 +167,46 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
     return true;
 }
 
+// a warm start (moecache_profile_warm): the device slots of each layer get its n hottest experts of
+// the usage profile (never-selected ones stay out), copied from the model's mapping; the hottest is
+// the most recent. Their pages are dropped from memory again once the layer next runs.
+void moecache_vram_warm(moecache & mc) {
+    const int32_t N = mc.n_expert;
+    std::vector<int32_t> hot(N);
+    for (moecache_layer & L : mc.layers) {
+        if (L.vram.n == 0 || mc.profile_counts.empty()) {
+            continue;
+        }
+        const double * c = &mc.profile_counts[(size_t) L.il * N];
+        int32_t n_hot = 0;
+        for (int32_t e = 0; e < N; e++) {
+            if (c[e] > 0.0) {
+                hot[n_hot++] = e;
+            }
+        }
+        std::sort(hot.begin(), hot.begin() + n_hot, [c](int32_t a, int32_t b) { // as the host cache's warm start
+            return c[a] != c[b] ? c[a] > c[b] : a < b;
+        });
+        n_hot = std::min(n_hot, L.vram.n);
+        std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
+        std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
+        std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
+        for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest last: the most recent
+            const int32_t e = hot[i];
+            const int32_t s = n_hot - 1 - i;
+            for (size_t j = 0; j < L.res.xt.size(); j++) {
+                const moecache_expert_tensor & x = L.res.xt[j];
+                ggml_backend_tensor_set(L.vram.t[j], (const char *) x.model_t->data + (size_t) e * x.nb2,
+                                        (size_t) s * L.vram.t[j]->nb[2], x.nb2);
+            }
+            L.vram.slot_expert[s] = e;
+            L.vram.expert_slot[e] = s;
+            L.vram.stamp[e]       = ++L.vram.clock;
+            mc.drop_pending.emplace_back(L.il, e);
+        }
+    }
+}
+
 void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n) {
     const int32_t zero = L.res.n_slots;
     std::fill(L.vram.in_use.begin(), L.vram.in_use.end(), 0);

@@ -468,7 +468,11 @@ extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
     if (!mc) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_warm: NULL moecache");
     }
-    return moecache_profile_warm_start(*mc, n_pin);
+    const int32_t pinned = moecache_profile_warm_start(*mc, n_pin);
+    if (pinned >= 0) {
+        moecache_vram_warm(*mc); // (and the VRAM tier's device slots with the hottest of each layer)
+    }
+    return pinned;
 }
 
 // ---------------------------------------------------------------------------------------------

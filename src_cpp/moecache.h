@@ -505,8 +505,9 @@ MOECACHE_API int32_t moecache_profile_get(const struct moecache * mc, int32_t il
 // profile (at most its capacity; never-selected experts stay out; the hottest is the most recent),
 // and its n_pin hottest are pinned: never evicted until moecache_clear or the next warm start.
 // n_pin is capped per layer at capacity - K (a token's misses always find room). STREAM reads the
-// experts on the next decode (or copies them from the mapping on the next prompt). Returns the
-// number of experts pinned over all layers, or an error (n_pin < 0).
+// experts on the next decode (or copies them from the mapping on the next prompt). A VRAM tier
+// (n_vram) gets each layer's n_vram hottest in its device slots now, read from the mapping. Returns
+// the number of experts pinned over all layers, or an error (n_pin < 0).
 MOECACHE_API int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 
 // Routes n_tokens tokens of layer il exactly as the graph op does and updates the cache and

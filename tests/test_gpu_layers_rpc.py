@@ -268,6 +268,36 @@ def test_a_vram_tier_as_large_as_the_cache_holds_what_it_holds(fixture_dir, gpu,
     assert st.evictions > 0 and st.residency.vram_copies == st.misses
 
 
+def test_a_warm_start_fills_the_vram_tier_with_the_hottest_experts(fixture_dir, gpu, tmp_path):
+    path, profile = model_path(fixture_dir, "qwen2moe-60x4"), tmp_path / "p.moeprofile"
+    kw = dict(KW, n_gpu_layers=99, rpc_servers=gpu)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency="stream", prefetch="off"), routing="lru", **kw)
+    llm.eval(PROMPT)
+    for t in DECODES:
+        llm.eval([t])
+    llm.save_profile(profile)
+    llm.close()
+    logits = {}
+    for ngl in (99, 0):  # the same warm start on the CPU: the same logits
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency="stream", prefetch="off", vram_size=6,
+                                                            vram_fill="cpu"), routing="lru", **dict(kw, n_gpu_layers=ngl))
+        llm.load_profile(profile, warm=True)
+        if ngl:
+            counts = llm.moecache.profile_counts()
+            for il in pymoecache.model_info(path).moe_layers:  # the six most selected, ties by the lower id,
+                hottest = sorted(range(counts.shape[1]), key=lambda e: (-counts[il, e], e))[:6]  # the hottest the
+                assert llm.moecache.vram_cached(il) == hottest[::-1]                            # most recent
+        llm.reset_moe_stats()
+        for t in DECODES[:8]:
+            llm.eval([t])
+        logits[ngl] = np.array(llm.scores[: llm.n_tokens])
+        rs = llm.moe_stats().residency
+        llm.close()
+        if ngl:
+            assert rs.vram_copies == 0 and rs.vram_hits > 0  # (cpu: a full tier keeps what the warm start put there)
+    assert np.allclose(logits[99], logits[0], rtol=RTOL, atol=ATOL)
+
+
 def test_copies_up_are_on_the_timeline(fixture_dir, gpu, tmp_path):
     import json
 
