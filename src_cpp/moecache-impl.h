@@ -413,6 +413,8 @@ bool    moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float 
 int32_t moecache_profile_write(const moecache & mc, const char * path);
 int32_t moecache_profile_read(moecache & mc, const char * path);
 int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin);
+// layer il's experts the usage profile counts, most selected first (ties by the lower id) in hot[0:n]; returns n
+int32_t moecache_profile_hottest(const moecache & mc, int32_t il, std::vector<int32_t> & hot);
 
 // moecache-state.cpp: file helpers shared with moecache-profile.cpp (native endianness)
 template <typename T> inline void moecache_put(std::vector<uint8_t> & b, const T & v) {

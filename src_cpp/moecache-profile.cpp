@@ -213,30 +213,38 @@ int32_t moecache_profile_read(moecache & mc, const char * path) {
     return MOECACHE_OK;
 }
 
+int32_t moecache_profile_hottest(const moecache & mc, int32_t il, std::vector<int32_t> & hot) {
+    const int32_t N = mc.n_expert;
+    hot.resize(N);
+    if (mc.profile_counts.empty()) {
+        return 0;
+    }
+    const double * c = &mc.profile_counts[(size_t) il * N];
+    int32_t n_hot = 0;
+    for (int32_t e = 0; e < N; e++) {
+        if (c[e] > 0.0) {
+            hot[n_hot++] = e;
+        }
+    }
+    // most selected first, ties by lower id
+    std::sort(hot.begin(), hot.begin() + n_hot, [c](int32_t a, int32_t b) {
+        return c[a] != c[b] ? c[a] > c[b] : a < b;
+    });
+    return n_hot;
+}
+
 int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin) {
     if (n_pin < 0) {
         return fail(MOECACHE_ERR_INVALID, "n_pin = " + std::to_string(n_pin) + " must be >= 0");
     }
-    const int32_t N = mc.n_expert;
     int32_t pinned = 0;
-    std::vector<int32_t> hot(N);
+    std::vector<int32_t> hot;
     for (moecache_layer & L : mc.layers) {
         moecache_layer_empty(L);
         if (mc.profile_counts.empty()) {
             continue;
         }
-        const double * c = &mc.profile_counts[(size_t) L.il * N];
-        int32_t n_hot = 0;
-        for (int32_t e = 0; e < N; e++) {
-            if (c[e] > 0.0) {
-                hot[n_hot++] = e;
-            }
-        }
-        // most selected first, ties by lower id
-        std::sort(hot.begin(), hot.begin() + n_hot, [c](int32_t a, int32_t b) {
-            return c[a] != c[b] ? c[a] > c[b] : a < b;
-        });
-        n_hot = std::min(n_hot, L.capacity);
+        const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.capacity);
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest is inserted last: the most recent
             moecache_layer_insert(L, hot[i], nullptr);
         }

@@ -171,23 +171,12 @@ static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t h
 // the usage profile (never-selected ones stay out), copied from the model's mapping; the hottest is
 // the most recent. Their pages are dropped from memory again once the layer next runs.
 void moecache_vram_warm(moecache & mc) {
-    const int32_t N = mc.n_expert;
-    std::vector<int32_t> hot(N);
+    std::vector<int32_t> hot;
     for (moecache_layer & L : mc.layers) {
         if (L.vram.n == 0 || mc.profile_counts.empty()) {
             continue;
         }
-        const double * c = &mc.profile_counts[(size_t) L.il * N];
-        int32_t n_hot = 0;
-        for (int32_t e = 0; e < N; e++) {
-            if (c[e] > 0.0) {
-                hot[n_hot++] = e;
-            }
-        }
-        std::sort(hot.begin(), hot.begin() + n_hot, [c](int32_t a, int32_t b) { // as the host cache's warm start
-            return c[a] != c[b] ? c[a] > c[b] : a < b;
-        });
-        n_hot = std::min(n_hot, L.vram.n);
+        const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.vram.n);
         std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
         std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
         std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
