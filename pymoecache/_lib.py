@@ -60,3 +60,51 @@ def load_llama_cpp():
             "Import pymoecache before llama_cpp, or set LLAMA_CPP_LIB_PATH to "
             f"{lib_dir}.")
     return lib
+
+
+_ggml = None
+
+
+def _shared_lib_name(base: str) -> str:
+    """``libggml.so`` / ``libggml.dylib`` / ``ggml.dll`` for base ``ggml``."""
+    return {"darwin": f"lib{base}.dylib", "win32": f"{base}.dll"}.get(sys.platform, f"lib{base}.so")
+
+
+def load_ggml():
+    """Our libggml (the one libllama uses: its backend registry), with the ggml-backend.h calls the
+    package makes declared."""
+    global _ggml
+    if _ggml is None:
+        import ctypes
+        from ctypes import c_int, c_size_t, c_void_p
+
+        ggml = ctypes.CDLL(str(find_lib_dir() / _shared_lib_name("ggml")), mode=ctypes.RTLD_GLOBAL)
+        # GGML_API void ggml_backend_register(ggml_backend_reg_t reg);
+        ggml.ggml_backend_register.argtypes = [c_void_p]
+        ggml.ggml_backend_register.restype = None
+        # GGML_API ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+        ggml.ggml_backend_dev_by_type.argtypes = [c_int]
+        ggml.ggml_backend_dev_by_type.restype = c_void_p
+        # GGML_API size_t ggml_backend_dev_count(void);
+        ggml.ggml_backend_dev_count.argtypes = []
+        ggml.ggml_backend_dev_count.restype = c_size_t
+        # GGML_API ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+        ggml.ggml_backend_dev_get.argtypes = [c_size_t]
+        ggml.ggml_backend_dev_get.restype = c_void_p
+        # GGML_API enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+        ggml.ggml_backend_dev_type.argtypes = [c_void_p]
+        ggml.ggml_backend_dev_type.restype = c_int
+        _ggml = ggml
+    return _ggml
+
+
+# enum ggml_backend_dev_type
+GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 3
+
+
+def has_gpu_device() -> bool:
+    """ggml has a GPU device now: this build's GPU backends, and the RPC servers registered so far."""
+    ggml = load_ggml()
+    return any(ggml.ggml_backend_dev_type(ggml.ggml_backend_dev_get(i)) in
+               (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU)
+               for i in range(ggml.ggml_backend_dev_count()))

@@ -538,21 +538,20 @@ class MoECache:
         _check(min(n, 0))
         return n
 
-    def cached(self, il: int) -> list:
-        """Experts cached in layer ``il``, least recently used first."""
+    def _held(self, get, il: int) -> list:
         buf = (ctypes.c_int32 * self.n_expert)()
-        n = C.moecache_get_cached(self._h, il, buf, self.n_expert)
+        n = get(self._h, il, buf, self.n_expert)
         if n < 0:
             _check(n)
         return list(buf[:n])
 
+    def cached(self, il: int) -> list:
+        """Experts cached in layer ``il``, least recently used first."""
+        return self._held(C.moecache_get_cached, il)
+
     def vram_cached(self, il: int) -> list:
         """Experts in layer ``il``'s GPU slots (``CacheConfig.vram_size``), least recently used first."""
-        buf = (ctypes.c_int32 * self.n_expert)()
-        n = C.moecache_get_vram_cached(self._h, il, buf, self.n_expert)
-        if n < 0:
-            _check(n)
-        return list(buf[:n])
+        return self._held(C.moecache_get_vram_cached, il)
 
     def trace(self) -> np.ndarray:
         """The per-token trace (oldest first) as a numpy structured array: layer, token,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import sys
 import time
 from typing import List, Optional
 
@@ -166,21 +165,10 @@ def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
     where ggml has no GPU device (this build's backends, and the RPC servers registered so far)."""
     if not n_gpu_layers:
         return 0
+    from ._lib import has_gpu_device  # (the library, only when GPU layers are asked for)
+
     try:
-        import ctypes
-
-        from ._lib import find_lib_dir
-
-        name = {"darwin": "libggml.dylib", "win32": "ggml.dll"}.get(sys.platform, "libggml.so")
-        ggml = ctypes.CDLL(str(find_lib_dir() / name))
-        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        ggml.ggml_backend_dev_type.restype = ctypes.c_int
-        ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        # enum ggml_backend_dev_type: CPU 0, GPU 1, ACCEL 2, IGPU 3
-        if not any(ggml.ggml_backend_dev_type(ggml.ggml_backend_dev_get(i)) in (1, 3)
-                   for i in range(ggml.ggml_backend_dev_count())):
+        if not has_gpu_device():
             return 0
     except (OSError, AttributeError):
         return 0

@@ -26,13 +26,13 @@ import sys
 import tempfile
 import threading
 import time
-from ctypes import c_char_p, c_int, c_size_t, c_void_p
+from ctypes import c_char_p, c_size_t, c_void_p
 from typing import List, Optional
 
-from ._lib import find_lib_dir
+from ._lib import GGML_BACKEND_DEVICE_TYPE_CPU, _shared_lib_name, find_lib_dir, load_ggml
 from .errors import ConfigError, MissingDependencyError
 
-# --- ctypes: ggml-rpc.h and the two ggml-backend.h calls it needs ---------------------------
+# --- ctypes: ggml-rpc.h (ggml-backend.h's calls: pymoecache._lib.load_ggml) ------------------
 
 _libs: Optional[tuple] = None
 _lock = threading.Lock()
@@ -44,14 +44,11 @@ def _load():
     """(libggml, libggml-rpc) of our build, declared; MissingDependencyError where RPC was left out."""
     global _libs
     if _libs is None:
-        d = find_lib_dir()
-        ext = {"darwin": ".dylib", "win32": ".dll"}.get(sys.platform, ".so")
-        pre = "" if sys.platform == "win32" else "lib"
-        rpc_path = d / f"{pre}ggml-rpc{ext}"
+        rpc_path = find_lib_dir() / _shared_lib_name("ggml-rpc")
         if not rpc_path.exists():
             raise MissingDependencyError(f"this pymoecache was built without ggml's RPC backend ({rpc_path} is missing): "
                                          "rebuild without -DGGML_RPC=OFF")
-        ggml = ctypes.CDLL(str(d / f"{pre}ggml{ext}"), mode=ctypes.RTLD_GLOBAL)
+        ggml = load_ggml()
         rpc = ctypes.CDLL(str(rpc_path), mode=ctypes.RTLD_GLOBAL)
         # GGML_BACKEND_API ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
         rpc.ggml_backend_rpc_add_server.argtypes = [c_char_p]
@@ -60,17 +57,8 @@ def _load():
         #                                                     size_t n_threads, size_t n_devices, ggml_backend_dev_t * devices);
         rpc.ggml_backend_rpc_start_server.argtypes = [c_char_p, c_char_p, c_size_t, c_size_t, ctypes.POINTER(c_void_p)]
         rpc.ggml_backend_rpc_start_server.restype = None
-        # GGML_API void ggml_backend_register(ggml_backend_reg_t reg);
-        ggml.ggml_backend_register.argtypes = [c_void_p]
-        ggml.ggml_backend_register.restype = None
-        # GGML_API ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
-        ggml.ggml_backend_dev_by_type.argtypes = [c_int]
-        ggml.ggml_backend_dev_by_type.restype = c_void_p
         _libs = (ggml, rpc)
     return _libs
-
-
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 
 # --- Python layer ---------------------------------------------------------------------------

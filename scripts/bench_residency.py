@@ -38,6 +38,7 @@ reads of one expert's size at random offsets, 1, 8 and 32 in flight (scripts/sto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -457,12 +458,11 @@ def main() -> None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
     results = []
-    local_rpc = None
+    servers = contextlib.ExitStack()  # (--rpc local: the server, for the whole run)
     if args.rpc == "local":
         import pymoecache.rpc
 
-        local_rpc = pymoecache.rpc.LocalServer(threads=args.threads, register=False).__enter__()
-        args.rpc = local_rpc.endpoint
+        args.rpc = servers.enter_context(pymoecache.rpc.LocalServer(threads=args.threads, register=False)).endpoint
     try:
         for mbps in storages:
             args.storage_label = "max" if mbps is None else f"{mbps:g}MBps"
@@ -480,8 +480,7 @@ def main() -> None:
     finally:
         for m in held or []:
             m.close()
-        if local_rpc is not None:
-            local_rpc.__exit__(None, None, None)
+        servers.close()
     for label, runs, probes in results:
         report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes, label)
 

@@ -87,7 +87,6 @@ struct moecache_layer_residency {
     std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
     std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)
     std::vector<uint8_t> keep;         // [n_expert] scratch: cached or used by the current token
-    std::vector<uint8_t> fresh;        // [n_expert] STREAM decode: read from the file for the current token
     std::unique_ptr<moecache_io_req[]> slot_req; // STREAM: [n_slots] the reads filling each slot (moecache-io.h)
 };
 
@@ -105,6 +104,7 @@ struct moecache_layer_vram {
     std::vector<int64_t> stamp;            // [n_expert] held: the stamp of its last selection (larger = more
                                            //   recent); -1 = not held (the eviction policy's recency)
     std::vector<uint8_t> in_use;           // [n_expert] scratch: selected by the current token
+    std::vector<uint8_t> fresh;            // [n_expert] scratch: read from the file for the current token
     int64_t              clock = 0;
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
 };

@@ -175,7 +175,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     for (int64_t i = 0; i < n_ids; i++) {
         L.res.keep[ids[i]] = 1;
     }
-    L.res.fresh.assign(mc.n_expert, 0);
+    if (L.vram.n > 0) { // (the VRAM tier counts where each selection came from)
+        std::fill(L.vram.fresh.begin(), L.vram.fresh.end(), 0);
+    }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
@@ -191,7 +193,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
         moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(), -1.0f);
         mc.rst.decode_loads += 1;
-        L.res.fresh[e] = 1;
+        if (L.vram.n > 0) {
+            L.vram.fresh[e] = 1;
+        }
     }
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];

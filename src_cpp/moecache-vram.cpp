@@ -82,6 +82,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.expert_slot.assign(mc.n_expert, -1);
         L.vram.stamp.assign(mc.n_expert, -1);
         L.vram.in_use.assign(mc.n_expert, 0);
+        L.vram.fresh.assign(mc.n_expert, 0);
         L.vram.tok_slot.assign(MOECACHE_MAX_USED, L.vram.n);
     }
     return MOECACHE_OK;
@@ -208,7 +209,7 @@ void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids
         if (vs >= 0 && L.vram.slot_expert[vs] == e) {
             mc.rst.vram_hits += 1;
         } else {
-            (L.res.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
+            (L.vram.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
             const moecache_vram_fill fill = mc.cparams.vram_fill;
             const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, L));
             vs = vram_victim(L, !evict);
