@@ -57,6 +57,7 @@ class moecache_cache_params(ctypes.Structure):
         ("router_record_input", c_bool),
         ("n_vram", c_int32),
         ("vram_fill", c_int32),
+        ("unified", c_int32),
     ]
 
 
@@ -124,6 +125,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("vram_copy_bytes", c_int64),
         ("vram_cpu", c_int64),
         ("vram_t_copy_ms", c_double),
+        ("unified_bytes", c_int64),
+        ("unified_layers", c_int32),
     ]
 
 

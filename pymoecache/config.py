@@ -38,6 +38,8 @@ PREFETCH_AUTO_SPARE = 2
 
 # CacheConfig.vram_fill -> enum moecache_vram_fill
 VRAM_FILLS = {"auto": C.MOECACHE_VRAM_FILL_AUTO, "copy": C.MOECACHE_VRAM_FILL_COPY, "cpu": C.MOECACHE_VRAM_FILL_CPU}
+# CacheConfig.unified -> enum moecache_unified
+UNIFIED = {"auto": C.MOECACHE_UNIFIED_AUTO, "off": C.MOECACHE_UNIFIED_OFF, "on": C.MOECACHE_UNIFIED_ON}
 
 # CacheConfig.eviction -> enum moecache_eviction
 EVICTIONS = {"lru": C.MOECACHE_EVICTION_LRU, "lfu": C.MOECACHE_EVICTION_LFU,
@@ -587,6 +589,14 @@ class CacheConfig:
     cache, its routing, hits, misses and reads are the same with or without the tier. Memory:
     vram_size + 1 experts per layer on the GPU, one more per layer in RAM (the zero slots).
 
+    unified: beside GPU layers, with ``stream``: whether the GPU computes a layer's experts in place
+    on the host slots, which ggml wraps as GPU buffers (Metal; Vulkan with host-pointer import):
+    no copies, the reads fill the slots and the GPU reads them there. ``"auto"`` (the default) does
+    so where the GPU shares the host's memory (Apple silicon, an integrated GPU); ``"on"`` also on a
+    discrete GPU that can wrap host memory (its matmuls then read over the bus; a GPU that cannot is
+    an error); ``"off"`` leaves the experts to the CPU (llama.cpp's ``--cpu-moe``). A layer computed
+    in place has no VRAM tier. The host cache, routing, hits, misses and reads do not change.
+
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
     >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
@@ -617,6 +627,7 @@ class CacheConfig:
     predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
     vram_size: int = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM tier
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
+    unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -660,6 +671,8 @@ class CacheConfig:
         check_int("vram_size (experts per layer in GPU memory)", self.vram_size, 0, C.MOECACHE_MAX_EXPERTS)
         if self.vram_fill not in VRAM_FILLS:
             raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
+        if self.unified not in UNIFIED:
+            raise ConfigError(f"unified must be one of {', '.join(UNIFIED)}, got {self.unified!r}")
         if self.predictor is not None and not os.path.isfile(self.predictor):
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 

@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
-                     VRAM_FILLS, CacheConfig,
+                     VRAM_FILLS, UNIFIED, CacheConfig,
                      ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
@@ -256,6 +256,7 @@ class MoECache:
         cp.router_record_input = bool(cache.router_record_input)
         cp.n_vram = int(cache.vram_size)
         cp.vram_fill = VRAM_FILLS[cache.vram_fill]
+        cp.unified = UNIFIED[cache.unified]
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
@@ -408,7 +409,8 @@ class MoECache:
                               vram_hits=rs.vram_hits, vram_from_ram=rs.vram_from_ram,
                               vram_from_file=rs.vram_from_file, vram_copies=rs.vram_copies,
                               vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu,
-                              vram_t_copy_ms=rs.vram_t_copy_ms)
+                              vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
+                              unified_layers=rs.unified_layers)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""
@@ -704,6 +706,14 @@ class Llama(llama_cpp.Llama):
                               f"'{residency}'), and with n_gpu_layers llama.cpp puts them on the GPU itself", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0)
                 cp.n_vram = 0
+            if cache.unified == "on" and residency != "stream":
+                if cache.residency != "auto":
+                    raise ConfigError(f"unified='on' needs residency 'stream' (the GPU computes on its host slots), "
+                                      f"not {residency!r}")
+                warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
+                              f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
+                cache = dataclasses.replace(cache, unified="auto")
+                cp.unified = UNIFIED["auto"]
             self._plan_inputs = (cp.n_cached, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory())  # before the load takes its share
             if residency == "stream" and choice is None:

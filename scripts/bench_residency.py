@@ -190,7 +190,8 @@ def worker(args) -> None:
     how = drop_page_cache(Path(args.model))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
     prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor)
-    vram = {"vram_size": args.vram_size, "vram_fill": args.vram_fill} if args.residency == "stream" else {}
+    vram = ({"vram_size": args.vram_size, "vram_fill": args.vram_fill, "unified": args.unified}
+            if args.residency == "stream" else {})
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
                                    eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch,
                                    **vram)
@@ -322,7 +323,7 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
            "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction,
            "--storage-label", args.storage_label, "--gpu-layers", str(args.gpu_layers),
-           "--vram-size", str(args.vram_size), "--vram-fill", args.vram_fill]
+           "--vram-size", str(args.vram_size), "--vram-fill", args.vram_fill, "--unified", args.unified]
     if args.rpc:
         cmd += ["--rpc", args.rpc]
     if args.trace_profile:
@@ -396,6 +397,9 @@ def main() -> None:
                     help="stream runs with --gpu-layers: N experts per layer also in GPU memory (default 0)")
     ap.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
                     help="what a stream run does with an expert not in GPU memory (default %(default)s)")
+    ap.add_argument("--unified", choices=["auto", "on", "off"], default="auto",
+                    help="stream runs with --gpu-layers: the GPU computes the experts in place on the host slots "
+                         "(on), where it shares the host's memory (auto, the default), or never (off)")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f vendor/llama.cpp/include/llama.h ] || { echo "check_warnings: vendor/llama.cpp missing" >&2; exit 2; }
 
-INC=(-Isrc_cpp -Ivendor/llama.cpp/include -Ivendor/llama.cpp/ggml/include -Ivendor/llama.cpp/src)
+INC=(-Isrc_cpp -Ivendor/llama.cpp/include -Ivendor/llama.cpp/ggml/include -Ivendor/llama.cpp/src
+     -Ivendor/llama.cpp/ggml/src)
 FILES=(src_cpp/*.cpp tools/moecache-run.cpp
        tests/cpp/test-moecache.cpp)
 # name | compiler and target flags

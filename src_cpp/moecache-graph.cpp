@@ -573,10 +573,16 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
         const bool decodes = moecache_layer_decodes(L, ids->ne[1]);
         for (const moecache_expert_tensor & x : L.res.xt) {
-            if (x.model_t == as && decodes) { // on the slots (moecache-matmul.cpp), and those of the VRAM tier
+            if (x.model_t != as) {
+                continue;
+            }
+            if (!L.uni.t.empty() && (decodes || L.res.all_in_slots)) { // on the device, in place (moecache-unified.cpp)
+                return moecache_unified_mul_mat_id(L, ctx, x, b, decodes ? moecache_matmul_ready(L, ctx) : L.graph.ids_out);
+            }
+            if (decodes) { // on the slots (moecache-matmul.cpp), and those of the VRAM tier
                 return moecache_vram_mul_mat_id(L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
             }
-            if (x.model_t == as && L.res.all_in_slots) {
+            if (L.res.all_in_slots) {
                 return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot
             }
         }

@@ -109,6 +109,15 @@ struct moecache_layer_vram {
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
 };
 
+// unified memory (moecache-unified.cpp): the layer's host slots wrapped as buffers of the device of
+// its dense part, which computes its expert matmuls there in place; dev = nullptr where it does not
+struct moecache_layer_unified {
+    struct ggml_backend_device * dev = nullptr;
+    ggml_context *               ctx = nullptr;
+    std::vector<struct ggml_backend_buffer *> buf; // one per expert tensor: its region of the arena
+    std::vector<ggml_tensor *>   t;   // parallel to res.xt: the slots [ne0, ne1, n_slots] seen by the device
+};
+
 // prefetch bookkeeping of one layer (moecache-slots.cpp, moecache-route.cpp)
 struct moecache_layer_prefetch {
     std::vector<uint8_t> predicted;  // [n_expert] named by the last prediction for this layer, until it routes
@@ -156,6 +165,7 @@ struct moecache_layer {
     moecache_layer_prefetch  pf;
     moecache_layer_usage     use;
     moecache_layer_vram      vram;
+    moecache_layer_unified   uni;
 
     std::vector<float> router_rec;    // cache params router_record: [n_rec][3][n_expert] z, p, s per token
     int32_t            n_rec = 0;
@@ -307,6 +317,17 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);
 inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) { return L.vram.n > 0 && s == L.res.n_slots; }
+// moecache-unified.cpp: unified memory. plan: which layers their device computes in place (before
+// the VRAM tier's plan: those get no tier); init: wraps their regions of the arena (after it exists);
+// mul_mat_id: an expert matmul on the wrapped slots, nullptr where the layer has none
+int32_t       moecache_unified_plan(moecache & mc, const struct llama_model * model);
+int32_t       moecache_unified_init(moecache & mc);
+void          moecache_unified_free(moecache & mc);
+ggml_tensor * moecache_unified_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
+                                          ggml_tensor * b, ggml_tensor * ids);
+int64_t       moecache_unified_bytes(const moecache & mc, int32_t * n_layers);
+// moecache-matmul.cpp: the slot ids of a STREAM decode once every selected expert's read is in
+ggml_tensor * moecache_matmul_ready(moecache_layer & L, ggml_context * ctx);
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids
 // for a STREAM decode, the ids otherwise
 void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids, bool decode);

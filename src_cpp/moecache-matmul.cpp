@@ -247,11 +247,16 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
         }
     }
 #endif
-    if (!L.graph.ready) { // down, or a matmul the arrival op does not cover: after every read
+    return ggml_mul_mat_id(ctx, x.slots_t, b, moecache_matmul_ready(L, ctx)); // down, or one arrival does not cover
+}
+
+ggml_tensor * moecache_matmul_ready(moecache_layer & L, ggml_context * ctx) {
+    if (!L.graph.ready) { // after every read (and after the arrival op, where there is one)
+        ggml_tensor * slots   = L.graph.ids_out;
         ggml_tensor * args[2] = { slots, L.graph.arrival };
         L.graph.ready = ggml_custom_4d(ctx, GGML_TYPE_I32, slots->ne[0], slots->ne[1], 1, 1, args,
                                        L.graph.arrival ? 2 : 1, op_ready, 1, &L);
         ggml_format_name(moecache_graph_on_cpu(L.graph.ready), "moecache_ready-%d", L.il);
     }
-    return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ready);
+    return L.graph.ready;
 }

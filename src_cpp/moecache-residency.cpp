@@ -496,6 +496,12 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     if (cp.vram_fill < MOECACHE_VRAM_FILL_AUTO || cp.vram_fill > MOECACHE_VRAM_FILL_CPU) {
         return moecache_fail_residency("unknown vram_fill " + std::to_string((int) cp.vram_fill));
     }
+    if (cp.unified < MOECACHE_UNIFIED_AUTO || cp.unified > MOECACHE_UNIFIED_ON) {
+        return moecache_fail_residency("unknown unified " + std::to_string((int) cp.unified));
+    }
+    if (cp.unified == MOECACHE_UNIFIED_ON && cp.residency != MOECACHE_RESIDENCY_STREAM) {
+        return moecache_fail_residency("unified = on needs stream residency: the device computes on the host slots");
+    }
     const std::string mode = names[cp.residency];
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
@@ -614,8 +620,13 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
 
+    int32_t rc = moecache_unified_plan(mc, model); // (a layer computed in place gets no VRAM tier)
+    if (rc != MOECACHE_OK) {
+        return rc;
+    }
     moecache_vram_plan(mc, model); // (before the arena: a layer with a VRAM tier gets a zero slot)
-    int32_t rc = moecache_slots_init(mc);
+    rc = moecache_slots_init(mc);
+    rc = rc == MOECACHE_OK ? moecache_unified_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
     return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
 }
@@ -641,6 +652,7 @@ void moecache_residency_free(moecache & mc) {
     delete mc.io;
     mc.io = nullptr;
     moecache_vram_free(mc);
+    moecache_unified_free(mc); // (before the arena it wraps)
     if (mc.slots_buf) {
         ggml_backend_buffer_free(mc.slots_buf);
         mc.slots_buf = nullptr;

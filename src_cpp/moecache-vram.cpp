@@ -50,7 +50,7 @@ static ggml_backend_buffer_type_t layer_device_buft(const llama_model * model, i
 void moecache_vram_plan(moecache & mc, const llama_model * model) {
     const int32_t n = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc.cparams.n_vram : 0;
     for (moecache_layer & L : mc.layers) {
-        L.vram.buft = n > 0 && !L.res.xt.empty() ? layer_device_buft(model, L.il) : nullptr;
+        L.vram.buft = n > 0 && !L.res.xt.empty() && !L.uni.dev ? layer_device_buft(model, L.il) : nullptr;
         L.vram.n    = L.vram.buft ? n : 0;
     }
 }

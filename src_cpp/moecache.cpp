@@ -80,6 +80,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.router_record_input = false;
     p.n_vram             = 0;
     p.vram_fill          = MOECACHE_VRAM_FILL_AUTO;
+    p.unified            = MOECACHE_UNIFIED_AUTO;
     return p;
 }
 
@@ -539,6 +540,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
     out->vram_bytes        = moecache_vram_bytes(*mc);
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
+    out->unified_bytes     = moecache_unified_bytes(*mc, &out->unified_layers);
     int64_t decode_tokens = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 16
+#define MOECACHE_ABI_VERSION 17
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -161,6 +161,18 @@ enum moecache_vram_fill {
                                  //   filled (the first experts used stay)
 };
 
+// Unified memory (STREAM, GPU layers): whether the device of a layer's dense part computes the
+// layer's expert matmuls in place, on the host slot arena wrapped as a device buffer (ggml's
+// buffer_from_host_ptr: Metal, Vulkan with VK_EXT_external_memory_host). No copies: the reads
+// fill the slots and the device's matmuls read them there (moecache-unified.cpp).
+enum moecache_unified {
+    MOECACHE_UNIFIED_AUTO = 0, // where the device shares the host's memory (an integrated GPU, Apple
+                               //   silicon) and can wrap the arena; elsewhere the CPU computes the experts
+    MOECACHE_UNIFIED_OFF  = 1, // never: the CPU computes the routed experts (llama.cpp's --cpu-moe)
+    MOECACHE_UNIFIED_ON   = 2, // on any device that can wrap the arena, a discrete GPU too (its matmuls
+                               //   then read host memory over the bus); a device that cannot is an error
+};
+
 // Routing: how the selection is changed. May be changed at run time (moecache_set_routing);
 // the change takes effect on the next token, no graph rebuild, no reload.
 struct moecache_routing_params {
@@ -242,6 +254,9 @@ struct moecache_cache_params {
                                   //   vram_fill says. The host cache (routing, hits, misses, reads) is
                                   //   the same with or without it; 0 = none; default 0
     enum moecache_vram_fill vram_fill; // default MOECACHE_VRAM_FILL_AUTO
+    enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on
+                                  //   the host slots; a layer computed so has no VRAM tier (n_vram);
+                                  //   default MOECACHE_UNIFIED_AUTO
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -320,6 +335,9 @@ struct moecache_residency_stats {
     int64_t vram_copy_bytes;      // bytes copied up
     int64_t vram_cpu;             // computed on the CPU from their host slot (vram_fill)
     double  vram_t_copy_ms;       // time the decode spent copying up (waiting for the host reads first)
+    int64_t unified_bytes;        // host slots wrapped as device buffers (unified): their device computes
+                                  //   those layers' experts in place; 0 = none
+    int32_t unified_layers;       // MoE layers computed so
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

@@ -34,14 +34,16 @@ def paths(fixture_dir):
     return out
 
 
-def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8):
+def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unified="auto", vram_size=0):
     """Logits of PROMPT then DECODES, then `greedy` tokens decoded greedily; the stats of the decodes
-    and each layer's cache contents."""
+    and each layer's cache contents. endpoint: the RPC server of the GPU layers (None: the process's
+    own GPU device, tests/vulkan_worker.py)."""
     kw = dict(KW, n_gpu_layers=n_gpu_layers)
-    if n_gpu_layers:
+    if n_gpu_layers and endpoint:
         kw["rpc_servers"] = endpoint
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=size, residency=residency, prefetch="off"),
-                           routing=routing, **kw)
+    cache = CacheConfig(size=size, residency=residency, prefetch="off", vram_size=vram_size,
+                        **({"unified": unified} if residency == "stream" else {}))
+    llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
     llm.reset()
     llm.eval(PROMPT)
     llm.reset_moe_stats()

@@ -168,6 +168,11 @@ def _add_residency_options(c) -> None:
                    help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
                         "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
+    c.add_argument("--unified", choices=["auto", "on", "off"], default="auto",
+                   help="with -ngl and stream residency: the GPU computes the experts in place on the host slots, "
+                        "wrapped as GPU buffers (no copies): auto (the default) where the GPU shares the host's memory "
+                        "(Apple silicon, integrated GPUs), on also for a discrete GPU that can wrap host memory "
+                        "(Vulkan), off leaves them to the CPU as llama.cpp's --cpu-moe")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
                         "cannot drop them and read them back every token; if it refuses, one warning)")
@@ -460,6 +465,7 @@ def cache_from_args(args):
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
+                       unified=getattr(args, "unified", "auto"),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
