@@ -40,7 +40,9 @@ struct moecache_expert_tensor {
     // pages (at least MOECACHE_IN_PLACE_MIN) but the file's experts start mid-page, each slot starts
     // slot_head = file_off % 4096 bytes into its own pages (slot_nb2 = nb2 + 4096): the aligned
     // window around an expert in the file is read straight into those pages (direct I/O), with no
-    // bounce buffer and no copy. pymoecache/model_info.py (slot_bytes) sizes caches the same way
+    // bounce buffer and no copy. pymoecache/model_info.py (slot_bytes) sizes caches the same way.
+    // Not in a layer its device computes in place (unified) where a page is not whole blocks of the
+    // type: a device's kernels step from expert to expert in blocks (its reads then take a bounce buffer)
     size_t        slot_nb2  = 0;
     size_t        slot_head = 0;
 };

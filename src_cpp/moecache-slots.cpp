@@ -34,7 +34,12 @@ int32_t moecache_slots_init(moecache & mc) {
                         (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
         const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 ? 1 : 0); // (VRAM tier: and the zero slot)
         for (moecache_expert_tensor & x : L.res.xt) {
-            const bool in_place = mc.fd_direct >= 0 && x.nb2 % MOECACHE_IO_ALIGN == 0 && x.nb2 >= MOECACHE_IN_PLACE_MIN;
+            // a device computing the layer in place (moecache-unified.cpp) steps from expert to expert
+            // and finds the first in whole blocks of the type: the padded layout only where those are whole
+            const size_t block  = ggml_type_size(x.model_t->type);
+            const bool   blocks = !L.uni.dev || (MOECACHE_IO_ALIGN % block == 0 && x.file_off % MOECACHE_IO_ALIGN % block == 0);
+            const bool in_place = mc.fd_direct >= 0 && x.nb2 % MOECACHE_IO_ALIGN == 0 && x.nb2 >= MOECACHE_IN_PLACE_MIN &&
+                                  blocks;
             x.slot_head = in_place ? (size_t) (x.file_off % MOECACHE_IO_ALIGN) : 0;
             x.slot_nb2  = x.nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
             total += moecache_round_up((size_t) n_alloc * x.slot_nb2, moecache_page_size());

@@ -34,14 +34,14 @@ def paths(fixture_dir):
     return out
 
 
-def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unified="auto", vram_size=0):
+def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unified="auto", vram_size=0, trace=None):
     """Logits of PROMPT then DECODES, then `greedy` tokens decoded greedily; the stats of the decodes
     and each layer's cache contents. endpoint: the RPC server of the GPU layers (None: the process's
-    own GPU device, tests/vulkan_worker.py)."""
+    own GPU device, tests/vulkan_worker.py). trace: a list that gets the decodes' trace records."""
     kw = dict(KW, n_gpu_layers=n_gpu_layers)
     if n_gpu_layers and endpoint:
         kw["rpc_servers"] = endpoint
-    cache = CacheConfig(size=size, residency=residency, prefetch="off", vram_size=vram_size,
+    cache = CacheConfig(size=size, residency=residency, prefetch="off", vram_size=vram_size, trace=4096 if trace is not None else 0,
                         **({"unified": unified} if residency == "stream" else {}))
     llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
     llm.reset()
@@ -56,6 +56,8 @@ def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unifie
     logits = np.array(llm.scores[: llm.n_tokens])
     st = llm.moe_stats()
     cached = [llm.moecache.cached(il) for il in st.moe_layers]
+    if trace is not None:
+        trace.extend(llm.moecache.trace())
     llm.close()
     return logits, tokens, st, cached
 
@@ -339,3 +341,26 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
     llm.close()
     with pytest.raises(ConfigError, match="rpc_servers must be"):
         pymoecache.Llama(str(path), n_gpu_layers=99, rpc_servers=50052, **KW)
+
+
+def test_unified_memory_needs_a_device_that_wraps_host_memory(fixture_dir, gpu):
+    """unified="on" puts the experts of GPU layers on their device, in place on the host slots; an
+    RPC server cannot wrap this process's memory, so "on" is refused with the reason, and "auto"
+    leaves the experts to the CPU (the run of the tests above). Without GPU layers nothing changes."""
+    path = model_path(fixture_dir, "mixtral-8x2")
+    with pytest.raises(ConfigError, match="cannot wrap host memory"):
+        pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="stream", unified="on"), n_gpu_layers=99,
+                         rpc_servers=gpu, **KW)
+    for unified, ngl in [("auto", 99), ("off", 99), ("on", 0)]:
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="stream", unified=unified),
+                               n_gpu_layers=ngl, **(dict(rpc_servers=gpu) if ngl else {}), **KW)
+        llm.eval(PROMPT[:4])
+        rs = llm.moe_stats().residency
+        assert (rs.unified_layers, rs.unified_bytes) == (0, 0) and "unified" not in rs.summary()
+        llm.close()
+    with pytest.raises(ConfigError, match="unified must be one of"):
+        CacheConfig(unified="yes")
+    with pytest.raises(ConfigError, match="unified='on' needs residency 'stream'"):
+        pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap", unified="on"), **KW)
+    with pytest.warns(UserWarning, match="unified='on' ignored"):
+        pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, unified="on"), **KW).close()

@@ -13,6 +13,7 @@ both where it can); skipped otherwise. The Vulkan runs happen in tests/vulkan_wo
 per model: the device must be visible before ggml registers its backends, and a process that sees
 one offloads large prompt matmuls to it even for the CPU reference."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,9 +23,11 @@ import sys
 import numpy as np
 import pytest
 
+import pymoecache
+import synth
 from pymoecache import _lib
 from conftest import MOE_FIXTURES, ROOT
-from test_gpu_layers_rpc import DECODES, TRAINED, paths, run
+from test_gpu_layers_rpc import DECODES, PROMPT, TRAINED, paths, run
 
 LVP = sorted(glob.glob("/usr/share/vulkan/icd.d/lvp_icd*.json"))
 # the worker turns Vulkan's f16 arithmetic off (GGML_VK_DISABLE_F16): with it, routing decisions
@@ -61,6 +64,16 @@ def runs_for(path):
     return out
 
 
+def on_lavapipe(runs, d):
+    """The worker's results for `runs`, computed in its own process on lavapipe, in directory d."""
+    (d / "runs.json").write_text(json.dumps(runs))
+    env = dict(os.environ, VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vulkan_worker.py"), str(d / "runs.json"),
+                           str(d / "out.npz")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(np.load(d / "out.npz"))
+
+
 @pytest.fixture(scope="module")
 def vulkan_results(fixture_dir, tmp_path_factory):
     """name -> the worker's npz (computed on first use, one worker process per model)."""
@@ -71,14 +84,7 @@ def vulkan_results(fixture_dir, tmp_path_factory):
             path = paths(fixture_dir).get(name)
             if path is None:
                 pytest.skip(f"{name}.gguf is not in this checkout")
-            d = tmp_path_factory.mktemp(f"vk-{name}")
-            (d / "runs.json").write_text(json.dumps(runs_for(path)))
-            env = dict(os.environ, VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
-            proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vulkan_worker.py"), str(d / "runs.json"),
-                                   str(d / "out.npz")], env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=900)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            cache[name] = (path, dict(np.load(d / "out.npz")))
+            cache[name] = (path, on_lavapipe(runs_for(path), tmp_path_factory.mktemp(f"vk-{name}")))
         return cache[name]
 
     return get
@@ -119,15 +125,53 @@ def test_vulkan_gpu_layers_run_as_the_cpu_does(vulkan_results, name):
 def test_vulkan_experts_in_place_run_as_on_the_cpu(vulkan_results, name):
     """The unified-memory path against the --cpu-moe placement on the same device (the dense part's
     arithmetic the same): experts computed by Vulkan in place on the host slots give the same
-    tokens, exactly the same counters and cache contents, and logits within a few thousandths of
-    their scale (measured: at most 0.1% but for one decoded token of the trained qwen2moe at a
-    quarter cache, 3.6%, deterministic)."""
+    tokens, exactly the same counters and cache contents, and logits within 0.1% of their scale
+    up to the first decoded token whose selections differ, if one does: a near-tie between two
+    cached experts that the two sides' rounding breaks differently (seen once, on the trained
+    qwen2moe at a quarter cache: the counters stayed the same, the logits moved by 3.6% of their
+    scale at that token, then converged)."""
     path, got = vulkan_results(name)
     for size in SIZES:
         on, off = f"stream-on-prior:0.5-{size}", f"stream-off-prior:0.5-{size}"
         d, scale = row_diffs(got[f"{on}/logits"], got[f"{off}/logits"]), np.abs(got[f"{off}/logits"]).max()
-        assert np.median(d) <= 1e-3 * scale and d.max() <= 5e-2 * scale, f"{on}: max |diff| {d.max()}"
+        sel_on, sel_off = got[f"{on}/selected"], got[f"{off}/selected"]
+        assert sel_on.shape == sel_off.shape and len(sel_on) > 0
+        differ = np.nonzero((sel_on != sel_off).any(axis=1))[0]
+        first = len(PROMPT) + (int(sel_on[differ[0], 0]) if len(differ) else len(d))  # its logits row
+        assert d[:first].max() <= 1e-3 * scale, f"{on}: max |diff| {d[:first].max()} before row {first}"
+        assert d.max() <= 5e-2 * scale, f"{on}: max |diff| {d.max()}"
         assert got[f"{on}/tokens"].tolist() == got[f"{off}/tokens"].tolist()
         assert got[f"{on}/counters"][:5].tolist() == got[f"{off}/counters"][:5].tolist()
         assert got[f"{on}/counters"][5] > 0 and got[f"{off}/counters"][5] == 0
         assert (got[f"{on}/cached"] == got[f"{off}/cached"]).all()
+
+
+def test_vulkan_in_place_on_quantized_experts_of_whole_pages(tmp_path):
+    """Q8_0 experts of whole pages that start mid-page in the file: the CPU's slots are padded by a
+    page so that direct I/O reads land in place (moecache-slots.cpp), a stride between experts
+    that is not a whole number of Q8_0 blocks. A device steps in blocks: a layer it computes in
+    place keeps the plain layout (the first version did not, and its logits were NaN).
+
+    The CPU computes Q8_0 with its activations rounded to 8 bits, Vulkan does not: the experts in
+    place are compared with Vulkan computing them from its own buffers (residency none, every
+    expert on the device): the same greedy tokens, decoded tokens' logits within 1% of their scale
+    (measured 0.3%) up to the first selection that differs."""
+    spec = dataclasses.replace(synth.BENCH_SPEC, name="inplace-qwen2moe-8x2", n_layer=2, n_embd=256, n_head=4,
+                               n_head_kv=4, n_ctx=256, n_ff=512, n_expert=8, n_expert_used=2, n_ff_exp=256,
+                               n_ff_shexp=256)
+    path = synth.build_model(spec, tmp_path / "inplace.gguf")
+    info = pymoecache.model_info(path)
+    assert info.slot_bytes > info.expert_bytes, "the model should start its expert tensors mid-page"
+    runs = [dict(key=k, path=str(path), residency=res, routing="lru", size=0.5, unified=u)
+            for k, res, u in [("on", "stream", "on"), ("off", "stream", "off"), ("device", "none", "auto")]]
+    got = on_lavapipe(runs, tmp_path)
+    on, device = got["on/logits"], got["device/logits"]
+    assert np.isfinite(on).all()
+    assert got["on/tokens"].tolist() == got["device/tokens"].tolist()
+    assert got["on/tokens"][0] == got["off/tokens"][0]  # (with the CPU's rounding, lru's near-ties go other ways later)
+    assert got["on/counters"][5] == 2 and got["off/counters"][5] == 0  # every MoE layer in place, or none
+    sel_on, sel_device = got["on/selected"], got["device/selected"]
+    differ = np.nonzero((sel_on != sel_device).any(axis=1))[0]
+    first = len(PROMPT) + (int(sel_on[differ[0], 0]) if len(differ) else len(DECODES) + 8)
+    d = row_diffs(on, device)[len(PROMPT):first]
+    assert len(d) > 0 and d.max() <= 1e-2 * np.abs(device).max(), f"max |diff| {d.max()}"

@@ -6,7 +6,8 @@ so the CPU reference runs in the pytest process, which does not see one.
     python tests/vulkan_worker.py RUNS.json OUT.npz
 
 RUNS.json: a list of {"key", "path", "residency", "routing", "size", "unified", "vram_size"}; OUT.npz gets,
-per key, the logits, the greedy tokens, the counters and each layer's cache contents."""
+per key, the logits, the greedy tokens, the counters, the decodes' selections and each layer's cache
+contents."""
 
 import json
 import sys
@@ -22,8 +23,9 @@ from test_gpu_layers_rpc import run  # noqa: E402  (the same run as the RPC test
 def main(spec: str, out: str) -> None:
     arrays = {}
     for r in json.loads(Path(spec).read_text()):
+        trace = []
         logits, tokens, st, cached = run(Path(r["path"]), r["residency"], r["routing"], r["size"], 99, None,
-                                         unified=r["unified"], vram_size=r.get("vram_size", 0))
+                                         unified=r["unified"], vram_size=r.get("vram_size", 0), trace=trace)
         k = r["key"]
         arrays[f"{k}/logits"] = logits
         arrays[f"{k}/tokens"] = np.array(tokens)
@@ -31,6 +33,9 @@ def main(spec: str, out: str) -> None:
         arrays[f"{k}/counters"] = np.array([st.hits, st.misses, st.evictions, rs.decode_loads, rs.decode_bytes_read,
                                             rs.unified_layers, rs.unified_bytes, rs.vram_hits + rs.vram_from_ram +
                                             rs.vram_from_file])
+        # the decodes' selections: [token, layer, the K experts] per record, in order
+        arrays[f"{k}/selected"] = np.array(sorted([int(t["token"]), int(t["layer"])] +
+                                                  t["experts"][:st.n_expert_used].tolist() for t in trace))
         arrays[f"{k}/cached"] = np.array([np.array(c + [-1] * (st.n_expert - len(c))) for c in cached])
         print(k, flush=True)
     np.savez(out, **arrays)
