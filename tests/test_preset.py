@@ -48,7 +48,9 @@ def test_llama_resolves_the_preset_and_runs_as_the_explicit_setting(fixture_dir,
     for r, cache in (("preset:balanced", CacheConfig(size=size, prefetch="off")),
                      (routing, CacheConfig(size=size, prefetch="off",
                                            eviction="router-mass" if size < 60 else "lru"))):
-        llm = pymoecache.Llama(path, cache=cache, routing=r, n_ctx=64, verbose=False)
+        # logits_all: without it llama-cpp-python leaves `scores` as it allocated it, uninitialized
+        # (np.ndarray), and two runs compared whatever memory they were given
+        llm = pymoecache.Llama(path, cache=cache, routing=r, n_ctx=64, logits_all=True, verbose=False)
         llm.eval(tokens)
         st = llm.moe_stats()
         runs.append(((llm.moecache.routing, llm.cache_config.eviction, st.misses, st.hits),
