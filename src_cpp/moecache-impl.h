@@ -306,6 +306,8 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
 void moecache_residency_graph_begin(moecache & mc);
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
+// where layer il's dense part lives: its router weight's buffer type; nullptr where there is none
+struct ggml_backend_buffer_type * moecache_layer_buft(const struct llama_model * model, int32_t il);
 // moecache-vram.cpp: the VRAM tier. plan: which layers get one (before the slot arena, which then
 // gives them a zero slot); init: their device slots; decode: one token's selections of layer L,
 // after its host slots (out: host slot ids, set to the zero slot for those computed on the device);

@@ -23,20 +23,13 @@
 #include "ggml-backend.h"
 #include "ggml-backend-impl.h" // whether a device implements buffer_from_host_ptr at all
 #include "llama-impl.h"        // LLAMA_LOG_INFO
-#include "llama-model.h"       // llama_layer: where the layer's router weight lives
 
 #include <string>
 
 // the device of layer il's dense part (its router weight's buffer), nullptr for the CPU
 static ggml_backend_dev_t layer_device(const llama_model * model, int32_t il) {
-    if (!model || il >= (int32_t) model->layers.size()) {
-        return nullptr;
-    }
-    const ggml_tensor * r = model->layers[il].ffn_gate_inp;
-    if (!r || !r->buffer) {
-        return nullptr;
-    }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(r->buffer));
+    ggml_backend_buffer_type_t buft = moecache_layer_buft(model, il);
+    ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
     return dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU ? dev : nullptr;
 }
 

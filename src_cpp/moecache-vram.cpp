@@ -34,17 +34,19 @@
 #include <algorithm>
 #include <string>
 
-// the device memory of layer il's dense part: its router weight's buffer type, when that is not
-// host memory (a discrete GPU, an RPC server; unified memory needs no tier); nullptr otherwise
-static ggml_backend_buffer_type_t layer_device_buft(const llama_model * model, int32_t il) {
+ggml_backend_buffer_type_t moecache_layer_buft(const llama_model * model, int32_t il) {
     if (!model || il >= (int32_t) model->layers.size()) {
         return nullptr;
     }
     const ggml_tensor * r = model->layers[il].ffn_gate_inp;
-    if (!r || !r->buffer || ggml_backend_buffer_is_host(r->buffer)) {
-        return nullptr;
-    }
-    return ggml_backend_buffer_get_type(r->buffer);
+    return r && r->buffer ? ggml_backend_buffer_get_type(r->buffer) : nullptr;
+}
+
+// the device memory of layer il's dense part, when that is not host memory (a discrete GPU, an RPC
+// server; unified memory needs no tier); nullptr otherwise
+static ggml_backend_buffer_type_t layer_device_buft(const llama_model * model, int32_t il) {
+    ggml_backend_buffer_type_t buft = moecache_layer_buft(model, il);
+    return buft && !ggml_backend_buft_is_host(buft) ? buft : nullptr;
 }
 
 void moecache_vram_plan(moecache & mc, const llama_model * model) {
