@@ -58,6 +58,7 @@ class moecache_cache_params(ctypes.Structure):
         ("n_vram", c_int32),
         ("vram_fill", c_int32),
         ("unified", c_int32),
+        ("vram_copy", c_int32),
     ]
 
 

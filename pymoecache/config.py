@@ -38,6 +38,8 @@ PREFETCH_AUTO_SPARE = 2
 
 # CacheConfig.vram_fill -> enum moecache_vram_fill
 VRAM_FILLS = {"auto": C.MOECACHE_VRAM_FILL_AUTO, "copy": C.MOECACHE_VRAM_FILL_COPY, "cpu": C.MOECACHE_VRAM_FILL_CPU}
+# CacheConfig.vram_copy -> enum moecache_vram_copy
+VRAM_COPIES = {"async": C.MOECACHE_VRAM_COPY_ASYNC, "sync": C.MOECACHE_VRAM_COPY_SYNC}
 # CacheConfig.unified -> enum moecache_unified
 UNIFIED = {"auto": C.MOECACHE_UNIFIED_AUTO, "off": C.MOECACHE_UNIFIED_OFF, "on": C.MOECACHE_UNIFIED_ON}
 
@@ -536,7 +538,9 @@ class CacheConfig:
     drop them when memory runs short and read them back every token; same refusal rule.
     overlap_experts: (``stream``) a decoded token's expert matmuls take each selected expert as
     soon as its bytes arrive: the cached experts compute while the misses are read. False waits
-    for every read of a layer first (as before); the logits are the same either way.
+    for every read of a layer first (as before); the logits are the same either way. With a
+    VRAM tier (vram_size), the copies up then overlap the CPU's matmuls too: they go to a second
+    backend of the GPU (its own stream), waited for just before the GPU's expert matmuls.
 
     prefetch: ``"auto"`` (the default: with ``stream`` residency, ``"gate"`` reading ahead into
     ``PREFETCH_AUTO_SPARE`` = 2 spare slots per layer, adaptive, so routing and the logits are
@@ -588,6 +592,9 @@ class CacheConfig:
     most the measured CPU time of an expert times (1 + device hits per copy so far). The host
     cache, its routing, hits, misses and reads are the same with or without the tier. Memory:
     vram_size + 1 experts per layer on the GPU, one more per layer in RAM (the zero slots).
+    vram_copy: ``"async"`` queues a token's copies up on a second stream of the GPU while the CPU
+    computes its own selections, and waits for them just before the GPU's expert matmuls (the
+    default); ``"sync"`` makes each copy before any matmul. The results are the same.
 
     unified: beside GPU layers, with ``stream``: whether the GPU computes a layer's experts in place
     on the host slots, which ggml wraps as GPU buffers (Metal; Vulkan with host-pointer import):
@@ -627,6 +634,7 @@ class CacheConfig:
     predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
     vram_size: int = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM tier
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
+    vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
 
     def __post_init__(self):
@@ -671,6 +679,8 @@ class CacheConfig:
         check_int("vram_size (experts per layer in GPU memory)", self.vram_size, 0, C.MOECACHE_MAX_EXPERTS)
         if self.vram_fill not in VRAM_FILLS:
             raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
+        if self.vram_copy not in VRAM_COPIES:
+            raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
         if self.unified not in UNIFIED:
             raise ConfigError(f"unified must be one of {', '.join(UNIFIED)}, got {self.unified!r}")
         if self.predictor is not None and not os.path.isfile(self.predictor):

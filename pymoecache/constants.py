@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 17
+MOECACHE_ABI_VERSION = 18
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -47,6 +47,10 @@ MOECACHE_EVICTION_ROUTER_MASS = 4
 MOECACHE_VRAM_FILL_AUTO = 0
 MOECACHE_VRAM_FILL_COPY = 1
 MOECACHE_VRAM_FILL_CPU = 2
+
+# enum moecache_vram_copy
+MOECACHE_VRAM_COPY_ASYNC = 0
+MOECACHE_VRAM_COPY_SYNC = 1
 
 # enum moecache_unified
 MOECACHE_UNIFIED_AUTO = 0

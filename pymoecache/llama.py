@@ -27,7 +27,7 @@ from . import _moecache_cpp as C  # first: it finds our libllama (a clear error 
 import llama_cpp  # noqa: E402
 from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
-                     VRAM_FILLS, UNIFIED, CacheConfig,
+                     VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig,
                      ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
 from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
@@ -257,6 +257,7 @@ class MoECache:
         cp.n_vram = int(cache.vram_size)
         cp.vram_fill = VRAM_FILLS[cache.vram_fill]
         cp.unified = UNIFIED[cache.unified]
+        cp.vram_copy = VRAM_COPIES[cache.vram_copy]
         keep = None
         if cache.per_layer is not None:
             keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])

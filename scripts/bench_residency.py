@@ -85,7 +85,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None)
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
-    its reads before its matmuls), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
+    its reads before its matmuls), ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
     predictors of --predictor instead of the routers), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
     def fitted(v: str):
         if v in ("0", "false", "no"):
@@ -99,12 +99,13 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None)
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
              "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),
+             "c": ("vram_copy", str),
              "f": ("predictor", fitted)}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
-                             "f=0|1)")
+                             "c=async|sync, f=0|1)")
         out[names[key][0]] = names[key][1](value)
     return out
 
@@ -228,7 +229,7 @@ def worker(args) -> None:
         "prefetch_on_share": rs.prefetch_tokens_on / max(1, rs.decode_tokens),
         "read_mb_s": rs.decode_bytes_read / 1e6 / (rs.decode_t_read_ms / 1e3) if rs.decode_t_read_ms > 0 else 0.0,
         "gpu_layers": args.gpu_layers, "vram_hit_rate": rs.vram_hit_rate, "vram_copies": rs.vram_copies,
-        "vram_cpu": rs.vram_cpu,
+        "vram_cpu": rs.vram_cpu, "vram_copy_ms": rs.vram_t_copy_ms / max(1, rs.decode_tokens),
     }))
     if args.timeline_file:
         tl = llm.timeline()
@@ -312,7 +313,7 @@ def stock_worker(args) -> None:
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
         "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
         "prefetch_on_share": 0.0, "gpu_layers": args.gpu_layers, "vram_hit_rate": 0.0, "vram_copies": 0,
-        "vram_cpu": 0,
+        "vram_cpu": 0, "vram_copy_ms": 0.0,
     }))
 
 
@@ -352,6 +353,7 @@ def main() -> None:
                          "gate:d=2 (distance), gate:s=2 (2 spare slots per layer: read ahead without inserting), "
                          "gate:s=2:a=0 (always on), gate:s=2:f=1 (the fitted predictors of --predictor), off:o=0 "
                          "(overlap_experts off: each layer waits for all its reads before its matmuls), "
+                         "off:c=async (with --vram-size: copies up on a second stream; c=sync: one after the other), "
                          "gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
     ap.add_argument("--predictor", help="fitted predictors (scripts/fit_predictor.py) for the prefetch entries with f=1")
@@ -559,8 +561,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
           "prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | reads in flight ms | "
           "read MB/s (of disk) | overlap | major faults/token | routing ms | RSS MiB | peak RSS MiB | slots MiB |"
-          + (" in VRAM | copied up/token | on the CPU/token |" if args.vram_size else ""))
-    print("|---" * (24 + (3 if args.vram_size else 0)) + "|")
+          + (" in VRAM | copied up/token | copy-up ms/token | on the CPU/token |" if args.vram_size else ""))
+    print("|---" * (24 + (4 if args.vram_size else 0)) + "|")
     for s in settings:
         rows = rows_of(s)
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
@@ -569,7 +571,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
             else "- | -"
         label = "mmap (--cpu-moe)" if args.cpu_moe and s[:3] == ("mmap", "lru", "1.0") else s[0]
         vram = (f" {100 * med(rows, 'vram_hit_rate'):.0f}% | {med(rows, 'vram_copies') / args.tokens:.2f} | "
-                f"{med(rows, 'vram_cpu') / args.tokens:.2f} |" if args.vram_size else "")
+                f"{med(rows, 'vram_copy_ms'):.2f} | {med(rows, 'vram_cpu') / args.tokens:.2f} |" if args.vram_size else "")
         print(f"| {label} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
               f"{med(rows, 'tok_s'):.2f} | "
               f"{share} | {bound} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "

@@ -22,6 +22,7 @@
 struct ggml_context;
 struct ggml_tensor;
 struct ggml_backend_buffer;
+struct ggml_backend;
 
 // largest K (experts per token) the graph op handles
 #define MOECACHE_MAX_USED 64
@@ -109,6 +110,13 @@ struct moecache_layer_vram {
     std::vector<uint8_t> fresh;            // [n_expert] scratch: read from the file for the current token
     int64_t              clock = 0;
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
+    struct ggml_backend * copier = nullptr;// a second backend of the device (its own stream): the copies up,
+                                           //   queued without waiting (overlap_experts); owned by moecache
+    std::vector<int32_t> copy_e, copy_hs;  // the current token's copies up: expert, host slot (parallel to
+    std::vector<int32_t> copy_vs;          //   copy_vs, its device slot); sent once its read is in
+    std::vector<int64_t> copy_t;           //   when each was sent (us; 0 = not, or its read failed)
+    int32_t              copy_sent = 0;    // how many of them are sent
+    int64_t              copy_t0   = 0;    // when the first was decided (us)
 };
 
 // unified memory (moecache-unified.cpp): the layer's host slots wrapped as buffers of the device of
@@ -315,7 +323,8 @@ struct ggml_backend_buffer_type * moecache_layer_buft(const struct llama_model *
 void          moecache_vram_plan(moecache & mc, const struct llama_model * model);
 int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
-void          moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n);
+int64_t       moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
+                                   int64_t n); // the time it spent copying up, not waiting for reads (us)
 void          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);

@@ -320,13 +320,14 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         }
     }
     const int64_t t0 = moecache_time_us();
+    int64_t t_copy = 0; // copying up (VRAM tier): not I/O
     const int32_t il_prompt = decode ? -1 : L.il;
     finish_read_ahead(mc, il_prompt);
     drop_pending(mc, il_prompt);
     if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
         moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts);
         if (decode && L.vram.n > 0) {
-            moecache_vram_decode(mc, L, ids, out, n_ids); // (the selections computed on the device: the zero slot)
+            t_copy = moecache_vram_decode(mc, L, ids, out, n_ids); // (those computed on the device: the zero slot)
         }
     } else {
         uint64_t end = 0;
@@ -356,7 +357,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         moecache_warn_mlock_once(L.res.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     const int64_t t1 = moecache_time_us();
-    (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0;
+    (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0 - t_copy;
     moecache_graph_event(mc, MOECACHE_EVENT_WAIT, L.il, -1, decode ? 1 : (int32_t) (n_ids / std::max(1, mc.n_expert_used)),
                          t0, t0, t1);
 }
@@ -495,6 +496,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     }
     if (cp.vram_fill < MOECACHE_VRAM_FILL_AUTO || cp.vram_fill > MOECACHE_VRAM_FILL_CPU) {
         return moecache_fail_residency("unknown vram_fill " + std::to_string((int) cp.vram_fill));
+    }
+    if (cp.vram_copy < MOECACHE_VRAM_COPY_ASYNC || cp.vram_copy > MOECACHE_VRAM_COPY_SYNC) {
+        return moecache_fail_residency("unknown vram_copy " + std::to_string((int) cp.vram_copy));
     }
     if (cp.unified < MOECACHE_UNIFIED_AUTO || cp.unified > MOECACHE_UNIFIED_ON) {
         return moecache_fail_residency("unknown unified " + std::to_string((int) cp.unified));

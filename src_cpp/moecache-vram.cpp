@@ -22,7 +22,13 @@
 // The activation between up/gate and down is computed from those sums, so each side's down
 // matmul gets the activations of its own selections. Per layer the router's logits, the ids and
 // the FFN's small activations cross between the backends; expert bytes cross only when copied up.
-// Copies are made by the CPU op before the matmuls (ggml_backend_tensor_set), not overlapped.
+//
+// Copies up (vram_copy ASYNC): the routing op decides them and sends each one whose read is in
+// to a second backend of the device (`copier`, its own stream: ggml_backend_tensor_set_async),
+// which takes it while the CPU computes its own selections; the ids op, which runs after those
+// matmuls (its src[1]), sends the rest as their reads come in and waits for the copier, before
+// the device's matmuls. SYNC, or where the device gives no second backend: the routing op makes
+// each copy itself (ggml_backend_tensor_set) before anything else runs.
 
 #include "moecache-impl.h"
 
@@ -80,6 +86,15 @@ int32_t moecache_vram_init(moecache & mc) {
         for (ggml_tensor * v : L.vram.t) { // the zero slot
             ggml_backend_tensor_memset(v, 0, (size_t) L.vram.n * v->nb[2], v->nb[2]);
         }
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(L.vram.buft);
+        if (dev && mc.cparams.vram_copy == MOECACHE_VRAM_COPY_ASYNC) { // one copier per device, for its layers
+            for (const moecache_layer & P : mc.layers) {
+                if (&P != &L && P.vram.copier && ggml_backend_get_device(P.vram.copier) == dev) {
+                    L.vram.copier = P.vram.copier;
+                }
+            }
+            L.vram.copier = L.vram.copier ? L.vram.copier : ggml_backend_dev_init(dev, nullptr);
+        }
         L.vram.slot_expert.assign(L.vram.n, -1);
         L.vram.expert_slot.assign(mc.n_expert, -1);
         L.vram.stamp.assign(mc.n_expert, -1);
@@ -91,6 +106,13 @@ int32_t moecache_vram_init(moecache & mc) {
 }
 
 void moecache_vram_free(moecache & mc) {
+    std::vector<ggml_backend_t> copiers;
+    for (moecache_layer & L : mc.layers) {
+        if (L.vram.copier && std::find(copiers.begin(), copiers.end(), L.vram.copier) == copiers.end()) {
+            ggml_backend_synchronize(L.vram.copier); // (copies of a graph that was stopped)
+            copiers.push_back(L.vram.copier);
+        }
+    }
     for (moecache_layer & L : mc.layers) {
         if (L.vram.buf) {
             ggml_backend_buffer_free(L.vram.buf);
@@ -99,6 +121,9 @@ void moecache_vram_free(moecache & mc) {
             ggml_free(L.vram.ctx);
         }
         L.vram = moecache_layer_vram();
+    }
+    for (ggml_backend_t be : copiers) {
+        ggml_backend_free(be);
     }
 }
 
@@ -138,36 +163,80 @@ static bool vram_auto_copies(const moecache & mc, const moecache_layer & L) {
     return mc.vram_us_per_byte * (double) L.res.expert_bytes <= mc.vram_cpu_us * (1.0 + reuse);
 }
 
-// copies expert e from host slot hs into device slot vs; false if its read failed
-static bool vram_copy_up(moecache & mc, moecache_layer & L, int32_t e, int32_t hs, int32_t vs) {
-    const int64_t t0 = moecache_time_us();
-    const int64_t waited = moecache_slots_wait(mc, L, &hs, 1); // (the miss's own read, queued by the host tier)
-    if (mc.io_failed.load() || L.res.slot_expert[hs] != e) {
-        return false;
+// sends the token's copies up from copy_sent on, each once its read is in: to the copier, or made
+// now where there is none; wait = false stops at the first whose read is still out. Returns the
+// time spent sending (us); t_wait gets the time spent waiting for reads
+static int64_t vram_send(moecache & mc, moecache_layer & L, bool wait, int64_t & t_wait) {
+    moecache_layer_vram & V = L.vram;
+    int64_t t_send = 0;
+    for (; V.copy_sent < (int32_t) V.copy_e.size(); V.copy_sent++) {
+        const int32_t e = V.copy_e[V.copy_sent], hs = V.copy_hs[V.copy_sent], vs = V.copy_vs[V.copy_sent];
+        if (!wait && !moecache_io_idle(*mc.io, L.res.slot_req[hs])) {
+            break;
+        }
+        const int64_t t0 = moecache_time_us();
+        t_wait += moecache_slots_wait(mc, L, &hs, 1); // (the miss's own read, queued by the host tier)
+        if (mc.io_failed.load() || L.res.slot_expert[hs] != e) { // (the decode is being stopped)
+            V.slot_expert[vs] = -1;
+            V.expert_slot[e]  = -1;
+            V.stamp[e]        = -1;
+            continue;
+        }
+        const int64_t t1 = moecache_time_us();
+        V.copy_t[V.copy_sent] = t1;
+        for (size_t j = 0; j < L.res.xt.size(); j++) {
+            const moecache_expert_tensor & x = L.res.xt[j];
+            ggml_tensor * v = V.t[j];
+            const char * src = (const char *) x.slots_t->data + (size_t) hs * x.slot_nb2;
+            if (V.copier) {
+                ggml_backend_tensor_set_async(V.copier, v, src, (size_t) vs * v->nb[2], x.nb2);
+            } else {
+                ggml_backend_tensor_set(v, src, (size_t) vs * v->nb[2], x.nb2);
+            }
+        }
+        const int64_t t2 = moecache_time_us();
+        t_send += t2 - t1;
+        mc.t_vram_copy_us += t2 - t1; // (its read's wait is I/O)
+        if (!V.copier) { // made: on the timeline now (the copier's: once it is waited for)
+            moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, e, 1, t0, t1, t2, (int64_t) L.res.expert_bytes);
+        }
     }
-    const int64_t t1 = moecache_time_us();
-    for (size_t j = 0; j < L.res.xt.size(); j++) {
-        const moecache_expert_tensor & x = L.res.xt[j];
-        ggml_tensor * v = L.vram.t[j];
-        ggml_backend_tensor_set(v, (const char *) x.slots_t->data + (size_t) hs * x.slot_nb2, (size_t) vs * v->nb[2],
-                                x.nb2);
+    return t_send;
+}
+
+// the end of the token's copies up: the rest sent, the copier waited for. The measured cost (the
+// sending, and the copier's time that the CPU's matmuls did not hide) feeds AUTO. t_send: the
+// time spent sending them so far. Returns the time spent copying (us), not waiting for reads,
+// which t_wait gets
+static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, int64_t & t_wait) {
+    moecache_layer_vram & V = L.vram;
+    if (V.copy_e.empty()) {
+        return 0;
     }
-    const int64_t t2 = moecache_time_us();
-    moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, e, 1, t0, t1, t2, (int64_t) L.res.expert_bytes);
-    const double per_byte = (double) std::max<int64_t>(t2 - t1, 1) / (double) L.res.expert_bytes;
+    const int64_t t_before = t_send;
+    t_send += vram_send(mc, L, true, t_wait);
+    if (V.copier) {
+        const int64_t t_sync = moecache_time_us();
+        ggml_backend_synchronize(V.copier);
+        const int64_t t1 = moecache_time_us();
+        t_send            += t1 - t_sync;
+        mc.t_vram_copy_us += t1 - t_sync;
+        for (size_t i = 0; i < V.copy_e.size(); i++) {
+            if (V.copy_t[i] > 0) { // (0: its read failed)
+                moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, V.copy_e[i], 1, V.copy_t0, V.copy_t[i], t1,
+                                     (int64_t) L.res.expert_bytes);
+            }
+        }
+    }
+    const double bytes    = (double) L.res.expert_bytes * (double) V.copy_e.size();
+    const double per_byte = (double) std::max<int64_t>(t_send, 1) / bytes;
     mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
-    mc.t_vram_copy_us += t2 - t0;
-    mc.t_io_decode_us += waited;
-    const int32_t old = L.vram.slot_expert[vs];
-    if (old >= 0) {
-        L.vram.expert_slot[old] = -1;
-        L.vram.stamp[old]       = -1;
-    }
-    L.vram.slot_expert[vs] = e;
-    L.vram.expert_slot[e]  = vs;
-    mc.rst.vram_copies     += 1;
-    mc.rst.vram_copy_bytes += (int64_t) L.res.expert_bytes;
-    return true;
+    V.copy_e.clear();
+    V.copy_hs.clear();
+    V.copy_vs.clear();
+    V.copy_t.clear();
+    V.copy_sent = 0;
+    return t_send - t_before;
 }
 
 // a warm start (moecache_profile_warm): the device slots of each layer get its n hottest experts of
@@ -199,45 +268,66 @@ void moecache_vram_warm(moecache & mc) {
     }
 }
 
-void moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n) {
+int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n) {
+    moecache_layer_vram & V = L.vram;
+    int64_t t_wait = 0;
+    int64_t t_copy = vram_finish(mc, L, 0, t_wait); // (a graph stopped before its ids op: its copies end now)
     const int32_t zero = L.res.n_slots;
-    std::fill(L.vram.in_use.begin(), L.vram.in_use.end(), 0);
+    std::fill(V.in_use.begin(), V.in_use.end(), 0);
     for (int64_t i = 0; i < n; i++) {
-        L.vram.in_use[ids[i]] = 1;
+        V.in_use[ids[i]] = 1;
     }
+    V.copy_t0 = moecache_time_us();
     for (int64_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
         const int32_t e = ids[i];
-        int32_t vs = L.vram.expert_slot[e];
-        if (vs >= 0 && L.vram.slot_expert[vs] == e) {
+        int32_t vs = V.expert_slot[e];
+        if (vs >= 0 && V.slot_expert[vs] == e) {
             mc.rst.vram_hits += 1;
         } else {
-            (L.vram.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
+            (V.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
             const moecache_vram_fill fill = mc.cparams.vram_fill;
             const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, L));
             vs = vram_victim(L, !evict);
-            if (vs >= 0 && !vram_copy_up(mc, L, e, out[i], vs)) {
-                vs = -1;
-            }
             if (vs < 0) {
-                L.vram.tok_slot[i] = L.vram.n; // on the CPU, from its host slot
-                mc.rst.vram_cpu   += 1;
+                V.tok_slot[i] = V.n; // on the CPU, from its host slot
+                mc.rst.vram_cpu += 1;
                 continue;
             }
+            const int32_t old = V.slot_expert[vs];
+            if (old >= 0) {
+                V.expert_slot[old] = -1;
+                V.stamp[old]       = -1;
+            }
+            V.slot_expert[vs] = e; // (its bytes: vram_send)
+            V.expert_slot[e]  = vs;
+            V.copy_e.push_back(e);
+            V.copy_hs.push_back(out[i]);
+            V.copy_vs.push_back(vs);
+            V.copy_t.push_back(0);
+            mc.rst.vram_copies     += 1;
+            mc.rst.vram_copy_bytes += (int64_t) L.res.expert_bytes;
         }
-        L.vram.stamp[e]      = ++L.vram.clock;
-        L.vram.tok_slot[i]   = vs;
-        out[i]               = zero; // (the host side computes 0 for it)
+        V.stamp[e]    = ++V.clock;
+        V.tok_slot[i] = vs;
+        out[i]        = zero; // (the host side computes 0 for it)
     }
+    const int64_t t_send = vram_send(mc, L, !V.copier, t_wait); // the copier takes those already read
+    t_copy += t_send + (V.copier ? 0 : vram_finish(mc, L, t_send, t_wait));
+    return t_copy;
 }
 
 // dst: I32 [K, 1] = the device slot of each selection of the token (n: the zero slot, computed on
-// the CPU); src[0]: the host slot ids (moecache_experts), which ran moecache_vram_decode
+// the CPU), once its copies up are on the device; src[0]: the host slot ids (moecache_experts), which
+// ran moecache_vram_decode; src[1]: the CPU's side of the first expert matmul (runs before)
 static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
         return;
     }
-    const moecache_layer & L = *(const moecache_layer *) userdata;
+    moecache_layer & L = *(moecache_layer *) userdata;
+    int64_t t_wait = 0;
+    vram_finish(*L.mc, L, 0, t_wait);
+    L.mc->t_io_decode_us += t_wait;
     int32_t * out = (int32_t *) dst->data;
     for (int64_t i = 0; i < ggml_nelements(dst); i++) {
         out[i] = i < MOECACHE_MAX_USED ? L.vram.tok_slot[i] : L.vram.n;
@@ -254,8 +344,8 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
         return cpu;
     }
     if (!L.graph.vram_ids) {
-        ggml_tensor * slots = L.graph.ids_out;
-        L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, slots->ne[0], slots->ne[1], 1, 1, &slots, 1,
+        ggml_tensor * args[2] = { L.graph.ids_out, cpu }; // (after the CPU's matmuls: the copies overlap them)
+        L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, args[0]->ne[0], args[0]->ne[1], 1, 1, args, 2,
                                           op_vram_ids, 1, &L);
         ggml_format_name(moecache_graph_on_cpu(L.graph.vram_ids), "moecache_vram_ids-%d", L.il);
     }

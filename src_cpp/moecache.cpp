@@ -81,6 +81,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.n_vram             = 0;
     p.vram_fill          = MOECACHE_VRAM_FILL_AUTO;
     p.unified            = MOECACHE_UNIFIED_AUTO;
+    p.vram_copy          = MOECACHE_VRAM_COPY_ASYNC;
     return p;
 }
 

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 17
+#define MOECACHE_ABI_VERSION 18
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -161,6 +161,16 @@ enum moecache_vram_fill {
                                  //   filled (the first experts used stay)
 };
 
+// VRAM tier: how a decoded token's copies up reach the device (moecache-vram.cpp)
+enum moecache_vram_copy {
+    MOECACHE_VRAM_COPY_ASYNC = 0, // queued on a second backend of the device (its own stream: ggml's
+                                  //   set_tensor_async) while the CPU computes its own selections, and
+                                  //   waited for just before the device's expert matmuls; SYNC where the
+                                  //   device gives no second backend
+    MOECACHE_VRAM_COPY_SYNC  = 1, // made by the layer's routing op (ggml_backend_tensor_set), one after
+                                  //   the other, before any expert matmul
+};
+
 // Unified memory (STREAM, GPU layers): whether the device of a layer's dense part computes the
 // layer's expert matmuls in place, on the host slot arena wrapped as a device buffer (ggml's
 // buffer_from_host_ptr: Metal, Vulkan with VK_EXT_external_memory_host). No copies: the reads
@@ -257,6 +267,7 @@ struct moecache_cache_params {
     enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on
                                   //   the host slots; a layer computed so has no VRAM tier (n_vram);
                                   //   default MOECACHE_UNIFIED_AUTO
+    enum moecache_vram_copy vram_copy; // n_vram: default MOECACHE_VRAM_COPY_ASYNC
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -334,7 +345,9 @@ struct moecache_residency_stats {
     int64_t vram_copies;          // copied up from their host slot, then computed on the device
     int64_t vram_copy_bytes;      // bytes copied up
     int64_t vram_cpu;             // computed on the CPU from their host slot (vram_fill)
-    double  vram_t_copy_ms;       // time the decode spent copying up (waiting for the host reads first)
+    double  vram_t_copy_ms;       // time the decode spent copying up (ASYNC: sending, and the copies'
+                                  //   time that the CPU's matmuls did not hide); its waits for the host
+                                  //   reads are I/O time, not this
     int64_t unified_bytes;        // host slots wrapped as device buffers (unified): their device computes
                                   //   those layers' experts in place; 0 = none
     int32_t unified_layers;       // MoE layers computed so
@@ -358,7 +371,10 @@ enum moecache_event_kind {
     MOECACHE_EVENT_EXPERT     = 6, // graph thread, STREAM decode with overlap_experts: the input-side matmuls
                                    //   (up, gate) of the selected expert `expert`, once its bytes were in
     MOECACHE_EVENT_COPY_UP    = 7, // graph thread, VRAM tier: copying expert `expert` from its host slot into
-                                   //   device memory (`bytes`), after waiting for its read
+                                   //   device memory (`bytes`): t_queued_us when the copy was decided or
+                                   //   its read waited for, t_start_us when it was sent, t_end_us when
+                                   //   the device had it (vram_copy ASYNC: when the layer's copies were
+                                   //   waited for, after the CPU's matmuls; they start at the decision)
 };
 
 struct moecache_event {

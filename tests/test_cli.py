@@ -386,7 +386,8 @@ def test_gpu_layers_on_an_rpc_server_from_the_command_line():
         args = ("run", "-p", "ROMEO:", "--prior", "0.5", "--cache-size", "0.25", "-n", "8", "--temp", "0", "--json")
         r0 = cli(*args)
         r = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "-v")
-        rv = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "--vram-size", "6", "--vram-fill", "copy")
+        rv = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "--vram-size", "6", "--vram-fill", "copy",
+                 "--vram-copy", "async")
     assert r.returncode == 0 and r0.returncode == 0 and rv.returncode == 0, r.stderr + r0.stderr + rv.stderr
     assert "layers to GPU" in r.stderr and f"RPC0[{server.endpoint}]" in r.stderr
     got, ref, vram = json.loads(r.stdout), json.loads(r0.stdout), json.loads(rv.stdout)

@@ -325,6 +325,43 @@ def test_copies_up_are_on_the_timeline(fixture_dir, gpu, tmp_path):
     assert sum(n.startswith("copy_up L") for n in names) == rs.vram_copies
 
 
+def test_copies_up_overlap_the_cpu_matmuls_and_change_nothing(fixture_dir, gpu):
+    # vram_copy="async": each copy up goes to a second backend of the device and is waited for after
+    # the CPU computed its own selections; "sync": the routing op makes it. The same results.
+    path = model_path(fixture_dir, "qwen2moe-60x4")  # K = 4 over 2 device slots: both sides compute
+    got = {}
+    for mode in ("async", "sync"):
+        cache = CacheConfig(size=0.5, residency="stream", prefetch="off", vram_size=2, vram_fill="copy", vram_copy=mode)
+        llm = pymoecache.Llama(str(path), cache=cache, routing="lru", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+        llm.eval(PROMPT)
+        llm.reset_moe_stats()
+        llm.start_timeline()
+        for t in DECODES:
+            llm.eval([t])
+        st, ev = llm.moe_stats(), llm.timeline().events
+        held = [llm.moecache.vram_cached(il) for il in st.moe_layers]
+        got[mode] = (np.array(llm.scores[: llm.n_tokens]), st.residency, held, ev)
+        llm.close()
+    logits, rs, held, _ = got["async"]
+    assert rs.vram_copies > 0 and rs.vram_cpu > 0
+    assert np.array_equal(got["sync"][0], logits) and got["sync"][2] == held
+    for k in ("vram_hits", "vram_from_ram", "vram_from_file", "vram_copies", "vram_cpu", "vram_copy_bytes"):
+        assert getattr(got["sync"][1], k) == getattr(rs, k), k
+    for mode, (_, _, _, events) in got.items():
+        ups = events[events["kind"] == 7]
+        assert len(ups) == rs.vram_copies
+        assert (ups["t_queued_us"] <= ups["t_start_us"]).all() and (ups["t_start_us"] <= ups["t_end_us"]).all()
+        ops = events[(events["kind"] == 1) & (events["expert"] == -1)]  # each layer's routing op
+        for u in ups:
+            op_end = ops[(ops["layer"] == u["layer"]) & (ops["t_start_us"] <= u["t_start_us"])]["t_end_us"].max()
+            if mode == "async":  # waited for after the op, once the CPU's matmuls of the layer ran
+                inside = events[(events["kind"] == 6) & (events["layer"] == u["layer"]) &
+                                (events["t_start_us"] >= op_end) & (events["t_end_us"] <= u["t_end_us"])]
+                assert u["t_end_us"] > op_end and len(inside) > 0, mode
+            else:  # made by the op
+                assert u["t_end_us"] <= op_end, mode
+
+
 def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
     path = model_path(fixture_dir, "mixtral-8x2")
     # no GPU layers: no layer has device memory, nothing changes
@@ -334,6 +371,8 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
         pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap", vram_size=2), **KW)
     with pytest.raises(ConfigError, match="vram_fill"):
         CacheConfig(vram_size=2, vram_fill="gpu")
+    with pytest.raises(ConfigError, match="vram_copy must be one of async, sync"):
+        CacheConfig(vram_size=2, vram_copy="dma")
     # every expert fits: residency auto is none and the tier has nothing to do (llama.cpp offloads the experts)
     with pytest.warns(UserWarning, match="vram_size=2 ignored"):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), **KW)

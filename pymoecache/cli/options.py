@@ -168,6 +168,10 @@ def _add_residency_options(c) -> None:
                    help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
                         "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
+    c.add_argument("--vram-copy", choices=["async", "sync"], default="async",
+                   help="with --vram-size: copies up go to a second GPU stream while the CPU computes its own "
+                        "experts, waited for just before the GPU's (async, the default), or are made one after the "
+                        "other before any expert matmul (sync)")
     c.add_argument("--unified", choices=["auto", "on", "off"], default="auto",
                    help="with -ngl and stream residency: the GPU computes the experts in place on the host slots, "
                         "wrapped as GPU buffers (no copies): auto (the default) where the GPU shares the host's memory "
@@ -465,7 +469,7 @@ def cache_from_args(args):
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
-                       unified=getattr(args, "unified", "auto"),
+                       unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
