@@ -403,3 +403,31 @@ def test_unified_memory_needs_a_device_that_wraps_host_memory(fixture_dir, gpu):
         pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="mmap", unified="on"), **KW)
     with pytest.warns(UserWarning, match="unified='on' ignored"):
         pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, unified="on"), **KW).close()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "deepseek2-sigmoid-64x6"])
+def test_rpc_prior_routing_decides_as_the_reference_on_the_devices_router_outputs(fixture_dir, gpu, name):
+    """With the routers on the device, the prior routing (on the CPU) decides from the router
+    outputs the device computed exactly as the numpy reference does on those outputs: the same
+    experts for every token and layer, the same misses."""
+    from pymoecache.simulate import RouterTrace, replay
+
+    path = model_path(fixture_dir, name)
+    size = pymoecache.model_info(path).n_expert // 4
+    cache = CacheConfig(size=size, residency="stream", prefetch="off", router_record=len(DECODES), trace=4096)
+    llm = pymoecache.Llama(str(path), cache=cache, routing="prior:0.5", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+    for t in DECODES:  # token by token from an empty cache, as the replay runs
+        llm.eval([t])
+    z, p, s, rank_on_logits = llm.moecache.router_record()
+    trace, st, K = llm.moecache.trace(), llm.moe_stats(), llm.moecache.n_expert_used
+    llm.close()
+    res = replay(RouterTrace(z, n_expert_used=K, probs=p, scores=s, rank_on_logits=rank_on_logits), "prior:0.5",
+                 cache_size=size, engine="reference")
+    assert len(trace) == len(DECODES) * len(st.moe_layers)
+    for j, il in enumerate(st.moe_layers):
+        rows = trace[trace["layer"] == il]
+        rows = rows[np.argsort(rows["token"], kind="stable")]
+        live = np.array([r["experts"][: r["n_selected"]] for r in rows])
+        np.testing.assert_array_equal(live, res.selected[j], err_msg=f"layer {il}")
+    np.testing.assert_array_equal(res.misses_per_layer, st.misses_per_layer)  # (per MoE layer)
+    assert st.misses > 0 and st.hits > 0
