@@ -111,7 +111,7 @@ struct moecache_layer_vram {
     int64_t              clock = 0;
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
     struct ggml_backend * copier = nullptr;// a second backend of the device (its own stream): the copies up,
-                                           //   queued without waiting (overlap_experts); owned by moecache
+                                           //   queued without waiting (vram_copy ASYNC); owned by moecache
     std::vector<int32_t> copy_e, copy_hs;  // the current token's copies up: expert, host slot (parallel to
     std::vector<int32_t> copy_vs;          //   copy_vs, its device slot); sent once its read is in
     std::vector<int64_t> copy_t;           //   when each was sent (us; 0 = not, or its read failed)

@@ -248,6 +248,8 @@ void moecache_vram_warm(moecache & mc) {
         if (L.vram.n == 0 || mc.profile_counts.empty()) {
             continue;
         }
+        int64_t t_wait = 0;
+        vram_finish(mc, L, 0, t_wait); // (copies of a graph that was stopped: before the slots change hands)
         const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.vram.n);
         std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
         std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
