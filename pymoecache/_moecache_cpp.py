@@ -125,6 +125,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("vram_copies", c_int64),
         ("vram_copy_bytes", c_int64),
         ("vram_cpu", c_int64),
+        ("vram_ahead", c_int64),
+        ("vram_ahead_used", c_int64),
         ("vram_t_copy_ms", c_double),
         ("unified_bytes", c_int64),
         ("unified_layers", c_int32),

@@ -594,7 +594,9 @@ class CacheConfig:
     vram_size + 1 experts per layer on the GPU, one more per layer in RAM (the zero slots).
     vram_copy: ``"async"`` queues a token's copies up on a second stream of the GPU while the CPU
     computes its own selections, and waits for them just before the GPU's expert matmuls (the
-    default); ``"sync"`` makes each copy before any matmul. The results are the same.
+    default); with ``prefetch``, it also copies up ahead the predicted experts of the next layer
+    that its cache holds, beside this layer's GPU work. ``"sync"`` makes each copy before any
+    matmul, and none ahead. The results are the same.
 
     unified: beside GPU layers, with ``stream``: whether the GPU computes a layer's experts in place
     on the host slots, which ggml wraps as GPU buffers (Metal; Vulkan with host-pointer import):

@@ -409,7 +409,8 @@ class MoECache:
                               load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch, vram_bytes=rs.vram_bytes,
                               vram_hits=rs.vram_hits, vram_from_ram=rs.vram_from_ram,
                               vram_from_file=rs.vram_from_file, vram_copies=rs.vram_copies,
-                              vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu,
+                              vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu, vram_ahead=rs.vram_ahead,
+                              vram_ahead_used=rs.vram_ahead_used,
                               vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
                               unified_layers=rs.unified_layers)
 

@@ -66,6 +66,8 @@ class ResidencyStats:
     vram_copies: int = 0             # copied up from host memory, then computed on the GPU
     vram_copy_bytes: int = 0
     vram_cpu: int = 0                # computed on the CPU
+    vram_ahead: int = 0              # copied up ahead of their layer's routing (prefetch's prediction)
+    vram_ahead_used: int = 0         #   of those, selected by the token they were copied for
     vram_t_copy_ms: float = 0.0
     unified_bytes: int = 0           # CacheConfig.unified: host slots the GPU computes on in place
     unified_layers: int = 0          #   and the MoE layers computed so
@@ -135,6 +137,7 @@ class ResidencyStats:
                 "vram_bytes": self.vram_bytes, "vram_hits": self.vram_hits, "vram_from_ram": self.vram_from_ram,
                 "vram_from_file": self.vram_from_file, "vram_copies": self.vram_copies,
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
+                "vram_ahead": self.vram_ahead, "vram_ahead_used": self.vram_ahead_used,
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
                 "unified_layers": self.unified_layers}
 
@@ -159,7 +162,8 @@ class ResidencyStats:
                    if self.prefetch != "off" else "")
                 + (f" | vram {self.vram_bytes / mib:.0f} MiB: selections from vram {self.vram_hits}, ram "
                    f"{self.vram_from_ram}, file {self.vram_from_file}; {self.vram_copies} copied up "
-                   f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
+                   + (f"and {self.vram_ahead} ahead ({self.vram_ahead_used} used) " if self.vram_ahead else "")
+                   + f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "
                    f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else ""))

@@ -241,17 +241,17 @@ void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred)
             read_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
         }
     }
-    if (m == 0 || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM || !mc.io) {
-        return;
+    if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
+        if (spare) { // queued by this layer's residency op once its own reads are (they must not wait behind these)
+            mc.spec_pending.target = T.il;
+            mc.spec_pending.n      = m;
+            std::copy(read, read + m, mc.spec_pending.ids);
+            std::copy(read_score, read_score + m, mc.spec_pending.score);
+        } else {
+            moecache_slots_prefetch(mc, T, read, read_score, m, false);
+        }
     }
-    if (spare) { // queued by this layer's residency op once its own reads are (they must not wait behind these)
-        mc.spec_pending.target = T.il;
-        mc.spec_pending.n      = m;
-        std::copy(read, read + m, mc.spec_pending.ids);
-        std::copy(read_score, read_score + m, mc.spec_pending.score);
-    } else {
-        moecache_slots_prefetch(mc, T, read, read_score, m, false);
-    }
+    moecache_vram_ahead(mc, T, ids, n); // (the VRAM tier: those its host cache holds, copied up ahead)
 }
 
 // dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run

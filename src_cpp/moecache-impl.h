@@ -117,6 +117,7 @@ struct moecache_layer_vram {
     std::vector<int64_t> copy_t;           //   when each was sent (us; 0 = not, or its read failed)
     int32_t              copy_sent = 0;    // how many of them are sent
     int64_t              copy_t0   = 0;    // when the first was decided (us)
+    std::vector<uint8_t> ahead;            // [n_expert] copied up ahead of the next routing (vram_ahead)
 };
 
 // unified memory (moecache-unified.cpp): the layer's host slots wrapped as buffers of the device of
@@ -326,6 +327,10 @@ void          moecache_vram_free(moecache & mc);
 int64_t       moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
                                    int64_t n); // the time it spent copying up, not waiting for reads (us)
 void          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
+// the predicted experts of T that its host cache holds, copied up ahead of T's routing (prefetch);
+// begin: at T's residency op, before its host slots change, the copies up made for T end
+void          moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n);
+int64_t       moecache_vram_begin(moecache & mc, moecache_layer & L); // the time it spent copying up (us)
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);
@@ -368,6 +373,7 @@ void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t *
 // waits until slots[0:n] of L hold their experts; a failed read sets the I/O error (the decode
 // stops) and frees its slot. Returns the microseconds it waited
 int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * slots, int64_t n);
+int32_t moecache_slots_holding(const moecache_layer & L, int32_t e); // the slot holding e's bytes, or -1
 // moecache-matmul.cpp: a STREAM decode's matmul over expert tensor x of L with activations b, on
 // the slots (ids: L.graph.ids_out): with overlap_experts, each expert as soon as its bytes arrive
 ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, ggml_context * ctx,

@@ -234,6 +234,10 @@ int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * s
     return waited;
 }
 
+int32_t moecache_slots_holding(const moecache_layer & L, int32_t e) {
+    return slot_holds(L, e) ? L.res.expert_slot[e] : -1;
+}
+
 void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n,
                              bool spare) {
     if (T.res.xt.empty() || T.res.n_slots == 0) {

@@ -29,6 +29,13 @@
 // matmuls (its src[1]), sends the rest as their reads come in and waits for the copier, before
 // the device's matmuls. SYNC, or where the device gives no second backend: the routing op makes
 // each copy itself (ggml_backend_tensor_set) before anything else runs.
+//
+// Copies up ahead (ASYNC, with prefetch): when layer L predicts what layer T = L + d will select,
+// the predicted experts that T's host cache holds and its device slots do not are given device
+// slots (as a miss would be, never evicting a predicted one) and queued as T's copies; L's ids op
+// sends them once its own copies are waited for, so they run beside L's device matmuls. T's
+// residency op waits for them first (moecache_vram_begin), before its host slots can change: the
+// host cache does not evict a predicted expert, so their bytes stay put until then.
 
 #include "moecache-impl.h"
 
@@ -100,6 +107,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.stamp.assign(mc.n_expert, -1);
         L.vram.in_use.assign(mc.n_expert, 0);
         L.vram.fresh.assign(mc.n_expert, 0);
+        L.vram.ahead.assign(mc.n_expert, 0);
         L.vram.tok_slot.assign(MOECACHE_MAX_USED, L.vram.n);
     }
     return MOECACHE_OK;
@@ -270,10 +278,65 @@ void moecache_vram_warm(moecache & mc) {
     }
 }
 
+// a device slot for e, claimed (its bytes: vram_send from host slot hs); the victim's bookkeeping
+static void vram_claim(moecache & mc, moecache_layer & L, int32_t e, int32_t hs, int32_t vs) {
+    moecache_layer_vram & V = L.vram;
+    const int32_t old = V.slot_expert[vs];
+    if (old >= 0) {
+        V.expert_slot[old] = -1;
+        V.stamp[old]       = -1;
+        V.ahead[old]       = 0;
+    }
+    V.slot_expert[vs] = e;
+    V.expert_slot[e]  = vs;
+    V.stamp[e]        = ++V.clock;
+    V.copy_e.push_back(e);
+    V.copy_hs.push_back(hs);
+    V.copy_vs.push_back(vs);
+    V.copy_t.push_back(0);
+    mc.rst.vram_copy_bytes += (int64_t) L.res.expert_bytes;
+}
+
+void moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n) {
+    moecache_layer_vram & V = T.vram;
+    if (V.n == 0 || !V.copier || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM) {
+        return;
+    }
+    const moecache_vram_fill fill = mc.cparams.vram_fill;
+    const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, T));
+    std::fill(V.in_use.begin(), V.in_use.end(), 0); // (scratch: the victims are not predicted ones)
+    for (int32_t i = 0; i < n; i++) {
+        V.in_use[ids[i]] = 1;
+    }
+    if (V.copy_e.empty()) {
+        V.copy_t0 = moecache_time_us();
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e  = ids[i];
+        const int32_t hs = T.last_use[e] >= 0 ? moecache_slots_holding(T, e) : -1; // cached: stays put
+        const int32_t at = V.expert_slot[e];
+        if (hs < 0 || (at >= 0 && V.slot_expert[at] == e)) {
+            continue;
+        }
+        const int32_t vs = vram_victim(T, !evict);
+        if (vs < 0) {
+            return;
+        }
+        vram_claim(mc, T, e, hs, vs);
+        V.ahead[e] = 1;
+        mc.rst.vram_ahead += 1;
+    }
+}
+
+int64_t moecache_vram_begin(moecache & mc, moecache_layer & L) {
+    int64_t t_wait = 0;
+    return vram_finish(mc, L, 0, t_wait); // (its waits for reads are the residency op's I/O)
+}
+
 int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n) {
     moecache_layer_vram & V = L.vram;
     int64_t t_wait = 0;
-    int64_t t_copy = vram_finish(mc, L, 0, t_wait); // (a graph stopped before its ids op: its copies end now)
+    int64_t t_copy = 0;
     const int32_t zero = L.res.n_slots;
     std::fill(V.in_use.begin(), V.in_use.end(), 0);
     for (int64_t i = 0; i < n; i++) {
@@ -284,7 +347,8 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
         const int32_t e = ids[i];
         int32_t vs = V.expert_slot[e];
         if (vs >= 0 && V.slot_expert[vs] == e) {
-            mc.rst.vram_hits += 1;
+            mc.rst.vram_hits       += 1;
+            mc.rst.vram_ahead_used += V.ahead[e];
         } else {
             (V.fresh[e] ? mc.rst.vram_from_file : mc.rst.vram_from_ram) += 1;
             const moecache_vram_fill fill = mc.cparams.vram_fill;
@@ -295,24 +359,14 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
                 mc.rst.vram_cpu += 1;
                 continue;
             }
-            const int32_t old = V.slot_expert[vs];
-            if (old >= 0) {
-                V.expert_slot[old] = -1;
-                V.stamp[old]       = -1;
-            }
-            V.slot_expert[vs] = e; // (its bytes: vram_send)
-            V.expert_slot[e]  = vs;
-            V.copy_e.push_back(e);
-            V.copy_hs.push_back(out[i]);
-            V.copy_vs.push_back(vs);
-            V.copy_t.push_back(0);
-            mc.rst.vram_copies     += 1;
-            mc.rst.vram_copy_bytes += (int64_t) L.res.expert_bytes;
+            vram_claim(mc, L, e, out[i], vs);
+            mc.rst.vram_copies += 1;
         }
         V.stamp[e]    = ++V.clock;
         V.tok_slot[i] = vs;
         out[i]        = zero; // (the host side computes 0 for it)
     }
+    std::fill(V.ahead.begin(), V.ahead.end(), 0); // (a copy ahead is for the next token only)
     const int64_t t_send = vram_send(mc, L, !V.copier, t_wait); // the copier takes those already read
     t_copy += t_send + (V.copier ? 0 : vram_finish(mc, L, t_send, t_wait));
     return t_copy;
@@ -327,9 +381,16 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
         return;
     }
     moecache_layer & L = *(moecache_layer *) userdata;
+    moecache & mc = *L.mc;
     int64_t t_wait = 0;
-    vram_finish(*L.mc, L, 0, t_wait);
-    L.mc->t_io_decode_us += t_wait;
+    vram_finish(mc, L, 0, t_wait);
+    mc.t_io_decode_us += t_wait;
+    for (moecache_layer & T : mc.layers) { // copies up ahead for the next layers, beside this one's matmuls
+        if (&T != &L && T.vram.copy_sent < (int32_t) T.vram.copy_e.size()) {
+            int64_t t_later = 0; // (never waits: wait = false)
+            vram_send(mc, T, false, t_later);
+        }
+    }
     int32_t * out = (int32_t *) dst->data;
     for (int64_t i = 0; i < ggml_nelements(dst); i++) {
         out[i] = i < MOECACHE_MAX_USED ? L.vram.tok_slot[i] : L.vram.n;

@@ -345,6 +345,10 @@ struct moecache_residency_stats {
     int64_t vram_copies;          // copied up from their host slot, then computed on the device
     int64_t vram_copy_bytes;      // bytes copied up
     int64_t vram_cpu;             // computed on the CPU from their host slot (vram_fill)
+    int64_t vram_ahead;           // copied up ahead of their layer's routing (prefetch's prediction for the
+                                  //   layer, vram_copy ASYNC: the predicted experts that the host cache
+                                  //   holds), in vram_copy_bytes too
+    int64_t vram_ahead_used;      // of those, selected by the token they were copied for (vram_hits)
     double  vram_t_copy_ms;       // time the decode spent copying up (ASYNC: sending, and the copies'
                                   //   time that the CPU's matmuls did not hide); its waits for the host
                                   //   reads are I/O time, not this

@@ -176,11 +176,11 @@ def test_a_server_that_is_gone_is_refused_not_an_abort(fixture_dir):
 
 # --- the VRAM tier (CacheConfig.vram_size): device slots over the host cache ---------------------
 
-def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu_layers=99, **more):
+def run_vram(path, endpoint, fill, n_vram, routing="prior:0.5", size=0.25, n_gpu_layers=99, prefetch="off", **more):
     kw = dict(KW, n_gpu_layers=n_gpu_layers)
     if n_gpu_layers:
         kw["rpc_servers"] = endpoint
-    cache = CacheConfig(size=size, residency="stream", prefetch="off", vram_size=n_vram, vram_fill=fill, trace=4096,
+    cache = CacheConfig(size=size, residency="stream", prefetch=prefetch, vram_size=n_vram, vram_fill=fill, trace=4096,
                         **more)
     llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
     llm.eval(PROMPT)
@@ -431,3 +431,44 @@ def test_rpc_prior_routing_decides_as_the_reference_on_the_devices_router_output
         np.testing.assert_array_equal(live, res.selected[j], err_msg=f"layer {il}")
     np.testing.assert_array_equal(res.misses_per_layer, st.misses_per_layer)  # (per MoE layer)
     assert st.misses > 0 and st.hits > 0
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2"])
+def test_copies_up_ahead_of_the_routing_change_nothing_but_the_tier(fixture_dir, gpu, name):
+    # with prefetch, the predicted experts of the next layer that its host cache holds are copied up
+    # ahead of its routing (vram_copy="async"): the run is still the CPU run, the host tier's
+    # counters are its counters, and the copies ahead are sent before their layer's routing op
+    path = model_path(fixture_dir, name)
+    ref, st_ref, _ = run_vram(path, gpu, "copy", 0, n_gpu_layers=0, prefetch="gate")
+    got, tl = {}, {}
+    for mode in ("async", "sync"):
+        cache = CacheConfig(size=0.25, residency="stream", prefetch="gate", vram_size=6, vram_fill="copy",
+                            vram_copy=mode)
+        llm = pymoecache.Llama(str(path), cache=cache, routing="prior:0.5", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+        llm.eval(PROMPT)
+        llm.reset_moe_stats()
+        llm.start_timeline()
+        for t in DECODES:
+            llm.eval([t])
+        got[mode] = (np.array(llm.scores[: llm.n_tokens]), llm.moe_stats())
+        tl[mode] = llm.timeline().events
+        llm.close()
+    for mode, (logits, st) in got.items():
+        assert np.allclose(logits, ref, rtol=RTOL, atol=ATOL), f"{mode}: max |diff| = {np.abs(logits - ref).max()}"
+        assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions), mode
+        rs = st.residency
+        assert rs.vram_hits + rs.vram_from_ram + rs.vram_from_file == st.selections_per_layer.sum()
+        assert rs.vram_copies + rs.vram_cpu == rs.vram_from_ram + rs.vram_from_file
+        assert rs.vram_copy_bytes == (rs.vram_copies + rs.vram_ahead) * rs.expert_bytes
+        ev = tl[mode]
+        ups, ops = ev[ev["kind"] == 7], ev[(ev["kind"] == 1) & (ev["expert"] == -1)]
+        assert len(ups) == rs.vram_copies + rs.vram_ahead
+        early = 0  # sent before the routing op of their layer in which they ended began
+        for u in ups:
+            op_start = ops[(ops["layer"] == u["layer"]) & (ops["t_start_us"] <= u["t_end_us"])]["t_start_us"].max()
+            early += int(u["t_start_us"] < op_start)
+        if mode == "async":
+            assert 0 < rs.vram_ahead_used <= rs.vram_ahead and rs.vram_ahead_used <= rs.vram_hits
+            assert 0 < early <= rs.vram_ahead
+        else:
+            assert rs.vram_ahead == rs.vram_ahead_used == early == 0

@@ -170,7 +170,8 @@ def _add_residency_options(c) -> None:
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
     c.add_argument("--vram-copy", choices=["async", "sync"], default="async",
                    help="with --vram-size: copies up go to a second GPU stream while the CPU computes its own "
-                        "experts, waited for just before the GPU's (async, the default), or are made one after the "
+                        "experts, waited for just before the GPU's, and with prefetch the next layer's predicted "
+                        "experts go up ahead of its routing (async, the default); or they are made one after the "
                         "other before any expert matmul (sync)")
     c.add_argument("--unified", choices=["auto", "on", "off"], default="auto",
                    help="with -ngl and stream residency: the GPU computes the experts in place on the host slots, "
