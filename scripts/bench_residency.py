@@ -230,6 +230,7 @@ def worker(args) -> None:
         "read_mb_s": rs.decode_bytes_read / 1e6 / (rs.decode_t_read_ms / 1e3) if rs.decode_t_read_ms > 0 else 0.0,
         "gpu_layers": args.gpu_layers, "vram_hit_rate": rs.vram_hit_rate, "vram_copies": rs.vram_copies,
         "vram_cpu": rs.vram_cpu, "vram_copy_ms": rs.vram_t_copy_ms / max(1, rs.decode_tokens),
+        "vram_ahead": rs.vram_ahead,
     }))
     if args.timeline_file:
         tl = llm.timeline()
@@ -313,7 +314,7 @@ def stock_worker(args) -> None:
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
         "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
         "prefetch_on_share": 0.0, "gpu_layers": args.gpu_layers, "vram_hit_rate": 0.0, "vram_copies": 0,
-        "vram_cpu": 0, "vram_copy_ms": 0.0,
+        "vram_cpu": 0, "vram_copy_ms": 0.0, "vram_ahead": 0,
     }))
 
 
@@ -561,7 +562,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
           "prefill tok/s | miss rate | "
           "MiB read/token (demand + ahead) | wasted MiB/token | recall | compute ms | I/O wait ms | reads in flight ms | "
           "read MB/s (of disk) | overlap | major faults/token | routing ms | RSS MiB | peak RSS MiB | slots MiB |"
-          + (" in VRAM | copied up/token | copy-up ms/token | on the CPU/token |" if args.vram_size else ""))
+          + (" in VRAM | copied up/token (+ ahead) | copy-up ms/token | on the CPU/token |" if args.vram_size else ""))
     print("|---" * (24 + (4 if args.vram_size else 0)) + "|")
     for s in settings:
         rows = rows_of(s)
@@ -570,7 +571,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         bound = f"{1e3 / bound_ms:.2f} | {100 * med(rows, 'tok_s') * bound_ms / 1e3:.0f}%" if s[0] == "stream" \
             else "- | -"
         label = "mmap (--cpu-moe)" if args.cpu_moe and s[:3] == ("mmap", "lru", "1.0") else s[0]
-        vram = (f" {100 * med(rows, 'vram_hit_rate'):.0f}% | {med(rows, 'vram_copies') / args.tokens:.2f} | "
+        vram = (f" {100 * med(rows, 'vram_hit_rate'):.0f}% | {med(rows, 'vram_copies') / args.tokens:.2f} "
+                f"(+ {med(rows, 'vram_ahead') / args.tokens:.2f}) | "
                 f"{med(rows, 'vram_copy_ms'):.2f} | {med(rows, 'vram_cpu') / args.tokens:.2f} |" if args.vram_size else "")
         print(f"| {label} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
               f"{med(rows, 'tok_s'):.2f} | "
