@@ -325,6 +325,21 @@ def test_copies_up_are_on_the_timeline(fixture_dir, gpu, tmp_path):
     assert sum(n.startswith("copy_up L") for n in names) == rs.vram_copies
 
 
+def run_vram_timeline(path, endpoint, cache, routing):
+    """PROMPT, then DECODES on the timeline: logits, stats, each MoE layer's device slots, events."""
+    llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **dict(KW, n_gpu_layers=99, rpc_servers=endpoint))
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    llm.start_timeline()
+    for t in DECODES:
+        llm.eval([t])
+    st, ev = llm.moe_stats(), llm.timeline().events
+    held = [llm.moecache.vram_cached(il) for il in st.moe_layers]
+    logits = np.array(llm.scores[: llm.n_tokens])
+    llm.close()
+    return logits, st, held, ev
+
+
 def test_copies_up_overlap_the_cpu_matmuls_and_change_nothing(fixture_dir, gpu):
     # vram_copy="async": each copy up goes to a second backend of the device and is waited for after
     # the CPU computed its own selections; "sync": the routing op makes it. The same results.
@@ -332,16 +347,8 @@ def test_copies_up_overlap_the_cpu_matmuls_and_change_nothing(fixture_dir, gpu):
     got = {}
     for mode in ("async", "sync"):
         cache = CacheConfig(size=0.5, residency="stream", prefetch="off", vram_size=2, vram_fill="copy", vram_copy=mode)
-        llm = pymoecache.Llama(str(path), cache=cache, routing="lru", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
-        llm.eval(PROMPT)
-        llm.reset_moe_stats()
-        llm.start_timeline()
-        for t in DECODES:
-            llm.eval([t])
-        st, ev = llm.moe_stats(), llm.timeline().events
-        held = [llm.moecache.vram_cached(il) for il in st.moe_layers]
-        got[mode] = (np.array(llm.scores[: llm.n_tokens]), st.residency, held, ev)
-        llm.close()
+        logits, st, held, ev = run_vram_timeline(path, gpu, cache, "lru")
+        got[mode] = (logits, st.residency, held, ev)
     logits, rs, held, _ = got["async"]
     assert rs.vram_copies > 0 and rs.vram_cpu > 0
     assert np.array_equal(got["sync"][0], logits) and got["sync"][2] == held
@@ -444,15 +451,8 @@ def test_copies_up_ahead_of_the_routing_change_nothing_but_the_tier(fixture_dir,
     for mode in ("async", "sync"):
         cache = CacheConfig(size=0.25, residency="stream", prefetch="gate", vram_size=6, vram_fill="copy",
                             vram_copy=mode)
-        llm = pymoecache.Llama(str(path), cache=cache, routing="prior:0.5", **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
-        llm.eval(PROMPT)
-        llm.reset_moe_stats()
-        llm.start_timeline()
-        for t in DECODES:
-            llm.eval([t])
-        got[mode] = (np.array(llm.scores[: llm.n_tokens]), llm.moe_stats())
-        tl[mode] = llm.timeline().events
-        llm.close()
+        logits, st, _, tl[mode] = run_vram_timeline(path, gpu, cache, "prior:0.5")
+        got[mode] = (logits, st)
     for mode, (logits, st) in got.items():
         assert np.allclose(logits, ref, rtol=RTOL, atol=ATOL), f"{mode}: max |diff| = {np.abs(logits - ref).max()}"
         assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions), mode
