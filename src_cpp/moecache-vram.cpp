@@ -262,6 +262,7 @@ void moecache_vram_warm(moecache & mc) {
         std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
         std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
         std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
+        std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest last: the most recent
             const int32_t e = hot[i];
             const int32_t s = n_hot - 1 - i;
