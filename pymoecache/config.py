@@ -538,9 +538,7 @@ class CacheConfig:
     drop them when memory runs short and read them back every token; same refusal rule.
     overlap_experts: (``stream``) a decoded token's expert matmuls take each selected expert as
     soon as its bytes arrive: the cached experts compute while the misses are read. False waits
-    for every read of a layer first (as before); the logits are the same either way. With a
-    VRAM tier (vram_size), the copies up then overlap the CPU's matmuls too: they go to a second
-    backend of the GPU (its own stream), waited for just before the GPU's expert matmuls.
+    for every read of a layer first (as before); the logits are the same either way.
 
     prefetch: ``"auto"`` (the default: with ``stream`` residency, ``"gate"`` reading ahead into
     ``PREFETCH_AUTO_SPARE`` = 2 spare slots per layer, adaptive, so routing and the logits are
