@@ -19,7 +19,7 @@ import sys as _sys
 from ._lib import find_lib_dir as _find_lib_dir
 from .config import (CacheConfig, CumsumThreshold, DropRank, MaxRank, Preset, Prior, Prune, SwapRank, TopK,
                      parse_cache_size, parse_routing)
-from .errors import (ConcurrentUseError, ConfigError, Error, GrammarError, ModelFileError, ModelLoadError,
+from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ConfigError, Error, GrammarError, ModelFileError, ModelLoadError,
                      ModelNotFoundError, MoECacheError, MoECacheIOError, StateFileError)
 from .model_info import ModelInfo, model_info
 from .models import default_model_path
@@ -56,7 +56,7 @@ def native_version() -> str:
 
 
 __all__ = [
-    "CacheConfig", "ConcurrentUseError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
+    "CacheConfig", "ClosedError", "ConcurrentUseError", "DeviceLostError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
     "MaxRank",
     "MoECache", "MoECacheError", "MoECacheIOError", "MoEStats", "ModelFileError", "ModelInfo", "ModelLoadError",
     "ModelNotFoundError", "Preset", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",

@@ -72,13 +72,21 @@ def _shared_lib_name(base: str) -> str:
 
 def load_ggml():
     """Our libggml (the one libllama uses: its backend registry), with the ggml-backend.h calls the
-    package makes declared."""
+    package makes declared.
+
+    The symbols are looked up through libllama's own handle: dlsym on a handle searches that library
+    and the libraries it was linked with, so they are always those of the libggml that libllama
+    loaded. Opening ``lib/libggml.so`` by its path instead would load a second ggml, with its own
+    device registry, wherever that file is a copy of the one libllama needs (``libggml.so.0``): an
+    installed wheel holds copies, not links, and an RPC server registered there was never seen by
+    llama.cpp (issue 41)."""
     global _ggml
     if _ggml is None:
         import ctypes
         from ctypes import c_int, c_size_t, c_void_p
 
-        ggml = ctypes.CDLL(str(find_lib_dir() / _shared_lib_name("ggml")), mode=ctypes.RTLD_GLOBAL)
+        # the same path llama-cpp-python opens (LLAMA_CPP_LIB_PATH, set by load_llama_cpp): one handle
+        ggml = ctypes.CDLL(str(find_lib_dir() / _LIB_NAME), mode=ctypes.RTLD_GLOBAL)
         # GGML_API void ggml_backend_register(ggml_backend_reg_t reg);
         ggml.ggml_backend_register.argtypes = [c_void_p]
         ggml.ggml_backend_register.restype = None

@@ -14,3 +14,17 @@ def require_matplotlib():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_image_path(path, what: str = "plot") -> None:
+    """EvalError unless matplotlib can write a picture to ``path`` by its extension (.png, .svg,
+    .pdf, ...): said before any work, not after it."""
+    import os
+
+    plt = require_matplotlib()
+    kinds = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    ext = os.path.splitext(str(path))[1].lower().lstrip(".")
+    if ext not in kinds:
+        raise EvalError(f"{what} {path}: matplotlib writes {', '.join('.' + k for k in sorted(kinds))}; "
+                        f"{('.' + ext) if ext else 'a name without an extension'} is none of them")

@@ -9,7 +9,9 @@
     ├── MoECacheError        the native cache refused a call
     │   ├── StateFileError       a cache state or calibration file is unreadable, damaged or for another model
     │   ├── MoECacheIOError      an expert could not be read, or the model file changed during a run
-    │   └── ConcurrentUseError   one Llama used from two threads at once
+    │   ├── ConcurrentUseError   one Llama used from two threads at once
+    │   ├── ClosedError          a Llama used after close()
+    │   └── DeviceLostError      an RPC server holding the model's layers went away
     ├── EvalError            an evaluation cannot run as asked (text, context, sweep spec)
     └── (hub.HubError)
 
@@ -72,3 +74,12 @@ class MoECacheIOError(MoECacheError):
 
 class ConcurrentUseError(MoECacheError):
     """A ``Llama`` was used from a second thread while a first one was decoding with it."""
+
+
+class ClosedError(MoECacheError):
+    """A ``Llama`` was used after :meth:`~pymoecache.Llama.close` (or the end of its ``with`` block)."""
+
+
+class DeviceLostError(MoECacheError):
+    """A device the model's layers were on is gone (an RPC server that stopped). That ``Llama`` is
+    closed for good; the process and other models go on."""

@@ -133,8 +133,23 @@ def split_repo(spec: str):
     ('ggml-org/Some-MoE-GGUF', 'Q8_0')
     >>> split_repo("ggml-org/Some-MoE-GGUF")
     ('ggml-org/Some-MoE-GGUF', None)
+    >>> split_repo("https://huggingface.co/ggml-org/Some-MoE-GGUF")   # a repository's address, as copied
+    ('ggml-org/Some-MoE-GGUF', None)
+    >>> split_repo("https")
+    Traceback (most recent call last):
+    ...
+    pymoecache.hub.HubError: -hf 'https': expected OWNER/REPO[:QUANT], e.g. ggml-org/Some-MoE-GGUF:Q4_K_M
     """
-    repo, _, quant = spec.partition(":")
+    import re
+
+    s = str(spec).strip()
+    url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(.*)$", s, re.IGNORECASE)
+    if url:  # https://huggingface.co/OWNER/REPO[/tree/main...]
+        parts = url.group(1).split("/")
+        s = "/".join(parts[:2]) if len(parts) >= 2 else url.group(1)
+    repo, _, quant = s.partition(":")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", repo) or "://" in s:
+        raise HubError(f"-hf {spec!r}: expected OWNER/REPO[:QUANT], e.g. ggml-org/Some-MoE-GGUF:Q4_K_M")
     return repo, (quant.upper() or None)
 
 

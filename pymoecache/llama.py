@@ -30,7 +30,8 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCI
                      VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig,
                      ConfigError, Preset, Prior, Routing, TopK, check_eviction, check_int, default_top_j, parse_routing,
                      resolved_top_j)
-from .errors import ConcurrentUseError, ModelFileError, MoECacheError, MoECacheIOError, ModelLoadError, StateFileError
+from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
+                     ModelLoadError, StateFileError)
 from ._logtail import LINES, take_log_lines
 from .files import write_atomic
 from .grammar import check_grammar
@@ -289,6 +290,7 @@ class MoECache:
         h = C.moecache_init_synthetic(n_layer, n_expert, n_expert_used, cp, rp)
         mc = cls(h, n_layer, n_expert, n_expert_used, trace_capacity=cp.trace_capacity)
         mc.routing, mc.scope = routing, scope
+        mc._check_layer_scale(routing)
         mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]
         mc.eviction = (cache or CacheConfig(size=0.5)).eviction
@@ -304,6 +306,7 @@ class MoECache:
         h = C.moecache_init(model_ptr, cp, rp)
         mc = cls(h, info.n_layer, info.n_expert, info.n_expert_used, info.expert_bytes, cp.trace_capacity)
         mc.routing, mc.scope, mc.moe_layers = routing, scope, tuple(info.moe_layers)
+        mc._check_layer_scale(routing)
         mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]  # ("auto" resolved)
         mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
@@ -329,9 +332,23 @@ class MoECache:
         """Change the policy (and optionally the scope); the next token uses it."""
         routing = _as_routing(routing)
         scope = self.scope if scope is None else scope
-        _check(C.moecache_set_routing(self._h, self._routing_params(routing, scope, self.n_expert_used)))
+        rp = self._routing_params(routing, scope, self.n_expert_used)  # everything is checked before anything
+        self._check_layer_scale(routing)                                 # changes: a refused setting applies nowhere
+        _check(C.moecache_set_routing(self._h, rp))
         self.routing, self.scope = routing, scope
         self._apply_layer_scale(routing)
+
+    def _check_layer_scale(self, routing: Routing) -> None:
+        """ConfigError for more per-layer prior scales (Prior.layers) than the model has layers; fewer
+        are taken as the first layers' with a warning that says what the others get (scale 1)."""
+        scale = getattr(routing, "layers", None) if isinstance(routing, Prior) else None
+        if scale is None or len(scale) == self.n_layer:
+            return
+        if len(scale) > self.n_layer:
+            raise ConfigError(f"{routing.spec()} gives {len(scale)} per-layer scales; the model has {self.n_layer} "
+                              "layers: give at most one scale per layer")
+        warnings.warn(f"{routing.spec()} gives {len(scale)} per-layer scales for {self.n_layer} layers: layers "
+                      f"{len(scale)} to {self.n_layer - 1} keep scale 1 (the flat prior)", stacklevel=4)
 
     def _apply_layer_scale(self, routing: Routing) -> None:
         """The prior's per-layer scales (Prior.layers), or 1 everywhere for any other routing."""
@@ -339,9 +356,6 @@ class MoECache:
         if scale is None:
             _check(C.moecache_set_prior_scale(self._h, None, 0))
             return
-        if len(scale) > self.n_layer:
-            raise ConfigError(f"{routing.spec()} gives {len(scale)} per-layer scales; the model has {self.n_layer} "
-                              "layers")
         arr = (ctypes.c_float * len(scale))(*scale)
         _check(C.moecache_set_prior_scale(self._h, arr, len(scale)))
 
@@ -672,13 +686,29 @@ class Llama(llama_cpp.Llama):
         if routing is None:  # the default: a preset (top-k where every expert is cached)
             routing = Preset.default_for(cache)
         preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
+        self._eviction_decay = float(cache.eviction_decay)  # the user's: what a preset without a decay keeps
         if preset is None:
             routing = _as_routing(routing)
         _check_llama_kwargs(kwargs)
+        asked = []
         if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
-            for endpoint in rpc.parse_endpoints(kwargs.pop("rpc_servers")):
+            asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))
+            for endpoint in asked:
                 rpc.add_server(endpoint)
-        rpc.check_servers()  # (llama.cpp asks every registered device at load: ggml aborts on a server that is gone)
+        # llama.cpp asks every registered device for its memory at load, and ggml aborts on a server that
+        # is gone (it cannot unregister one): a load then names the devices that are still there
+        gone = rpc.gone_servers() if rpc.servers() else []
+        for endpoint in asked:
+            if endpoint in gone:
+                raise ConfigError(f"rpc server {endpoint} is gone: " + (
+                    "a model of this process lost it, and ggml keeps that dead connection; load in a new process"
+                    if rpc.was_lost(endpoint) else "start it at that address again, or load in a new process"))
+        devices = rpc.live_devices(gone) if gone else None
+        if gone and kwargs.get("n_gpu_layers"):
+            warnings.warn(f"rpc server {gone[0]} is gone: its device is left out of this load"
+                          + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=2)
+        # the servers whose devices take this model's layers: each decode first checks that they are there
+        self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
@@ -753,6 +783,16 @@ class Llama(llama_cpp.Llama):
             C.moecache_set_load_residency(RESIDENCIES[residency])
             formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter
             llama_cpp.llama_chat_format.Jinja2ChatFormatter = _TolerantChatFormatter
+            default_params = llama_cpp.llama_cpp.llama_model_default_params
+            if devices is not None:  # llama.cpp's model params have a devices list llama-cpp-python leaves unset
+                dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+
+                def params_with_devices():
+                    p = default_params()
+                    p.devices = ctypes.cast(dev_list, ctypes.c_void_p)
+                    return p
+
+                llama_cpp.llama_cpp.llama_model_default_params = params_with_devices
             try:
                 super().__init__(model_path=str(model_path), **kwargs)
             except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
@@ -768,6 +808,7 @@ class Llama(llama_cpp.Llama):
             finally:
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
                 llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
+                llama_cpp.llama_cpp.llama_model_default_params = default_params
         # a truncation of the mapped file faults in the middle of a matmul: the guard answers with
         # zeros and counts, eval() refuses the decode (moecache-guard.cpp)
         self._guard = -1
@@ -843,6 +884,8 @@ class Llama(llama_cpp.Llama):
         :class:`ConcurrentUseError`."""
         self._enter()
         try:
+            if self._rpc_used:
+                self._check_rpc()
             self._check_file()
             with self._token_lock:
                 t0 = C.moecache_time_now_us() if self._timeline_spans is not None else 0
@@ -866,6 +909,32 @@ class Llama(llama_cpp.Llama):
             raise e
         finally:
             self._busy.release()
+
+    def _check_rpc(self) -> None:
+        """DeviceLostError when an RPC server this model's layers are on is gone. ggml would abort the
+        process on its first command to it, and again on freeing the buffers there: this Llama is
+        given up instead, its memory kept until the process ends (docs/reliability.md)."""
+        gone = [e for e in self._rpc_used if rpc.server_gone(e)]
+        if not gone:
+            return
+        why = (f"rpc server {gone[0]} is gone: this model's layers there are lost and this Llama cannot run "
+               "again (its memory stays allocated until the process ends; ggml cannot free buffers on a server "
+               "that is gone). Load the model again: without -ngl here, or with the server back")
+        rpc.mark_lost(gone)
+        self._abandon(why)
+        raise DeviceLostError(why)
+
+    def _abandon(self, why: str) -> None:
+        """Close this Llama without freeing anything native (ggml aborts on freeing buffers of a gone
+        RPC server): the handles stay referenced by nothing and their frees are dropped."""
+        for part in (getattr(self, "_model", None), getattr(self, "_ctx", None), getattr(self, "_batch", None)):
+            if part is not None and hasattr(part, "_exit_stack"):
+                part._exit_stack.pop_all()
+        self._stack.pop_all()
+        if self.moecache is not None:
+            self.moecache._h = None
+        self._closed_why = why
+        object.__setattr__(self, "__class__", _ClosedLlama)
 
     def _check_vocab(self) -> None:
         if self._no_vocab:  # llama.cpp asserts (aborts) on text with a vocabulary of type none
@@ -914,6 +983,27 @@ class Llama(llama_cpp.Llama):
                 return super().sample(*args, **kwargs)
         finally:
             self._busy.release()
+
+    def close(self) -> None:
+        """Free the model, the context and the expert cache now (a second call does nothing). Every
+        use after it raises :class:`ClosedError`; ``with Llama(...) as llm:`` calls it at the end."""
+        if not hasattr(self, "_stack"):  # __init__ failed before llama_cpp.Llama set it up
+            return
+        busy = getattr(self, "_busy", None)
+        if busy is not None and not busy.acquire(blocking=False):
+            raise ConcurrentUseError("close() while another thread decodes with this Llama: wait for it first")
+        try:
+            super().close()
+        finally:
+            object.__setattr__(self, "__class__", _ClosedLlama)  # every public name now raises
+            if busy is not None:
+                busy.release()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # __init__ may have failed before llama_cpp.Llama set it up
@@ -989,18 +1079,22 @@ class Llama(llama_cpp.Llama):
         if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
             n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
             routing, eviction, decay = routing.resolve_all(cache.n_expert_used, n / cache.n_expert)
-            self.set_eviction(eviction, decay)
+            with self._token_lock:  # as at load: the preset's decay, else the CacheConfig's (never the last one's)
+                cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
+                cache.set_routing(routing, scope)
+            return
         with self._token_lock:
             cache.set_routing(routing, scope)
 
     def set_eviction(self, eviction: str, decay: Optional[float] = None) -> None:
-        """Change the eviction policy (``CacheConfig.eviction``); the next eviction uses it.
+        """Change the eviction policy (``CacheConfig.eviction``); the next eviction uses it. Without
+        ``decay``, the one the ``CacheConfig`` gave at load (default 0.95), as a fresh load would run it.
 
         >>> llm.set_eviction("router-mass")   # doctest: +SKIP
         """
         cache = self._require_cache()
         with self._token_lock:
-            cache.set_eviction(eviction, decay)
+            cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
 
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (which experts every request so far selected, this one included,
@@ -1056,3 +1150,28 @@ class Llama(llama_cpp.Llama):
         cache = self._require_cache()
         with self._token_lock:
             cache.load(path)
+
+
+class _ClosedLlama(Llama):
+    """What a :class:`Llama` becomes when it is closed: its model and context are freed, so any
+    public attribute or method raises :class:`ClosedError` instead of reaching freed memory (a
+    segmentation fault in llama.cpp). A live Llama never pays for the check: only a closed one has
+    this class."""
+
+    _OPEN = frozenset({"close", "model_path", "model_info", "cache_config", "cache_choice", "preset"})
+
+    def __getattribute__(self, name: str):
+        if name.startswith("_") or name in _ClosedLlama._OPEN:
+            return object.__getattribute__(self, name)
+        why = object.__getattribute__(self, "__dict__").get("_closed_why")
+        raise ClosedError(f"Llama.{name}: " + (why or "this Llama was closed (close(), or the end of its with "
+                                                      "block): load the model again"))
+
+    def close(self) -> None:
+        """Closed already: nothing to do."""
+
+    def __enter__(self):
+        raise ClosedError("this Llama was closed: load the model again")
+
+    def __del__(self) -> None:
+        pass

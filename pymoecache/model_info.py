@@ -269,23 +269,25 @@ class _Header:
         return value in values
 
     def _duplicate_string(self, key: str):
-        """(index, text) of the first string of array ``key`` equal to an earlier one, or None.
-        llama.cpp aborts the process on a vocabulary with a repeated token (GGML_ASSERT in
-        llama_vocab::load), so model_info reads this one array."""
+        """(earlier index, index, text) of the first string of array ``key`` equal to an earlier one as llama.cpp
+        reads them, or None. llama.cpp aborts the process on a vocabulary with a repeated token
+        (GGML_ASSERT in llama_vocab::load), so model_info reads this one array the way it does: a
+        string ends at its first NUL byte (a C string), and an empty one is named ``[EMPTY_i]``."""
         if key not in self.array_at or self.kv[key].etype != self._STRING:
             return None
         self.pos = self.array_at[key] + 12
-        seen = set()
+        seen = {}
         buf, size = self.buf, self.size
         for i in range(self.kv[key].count):
             (n,) = self.unpack_from("<Q", buf, self.pos)
-            b = bytes(buf[self.pos + 8:self.pos + 8 + n])
+            b = bytes(buf[self.pos + 8:self.pos + 8 + n]).split(b"\0", 1)[0]
             self.pos += 8 + n
             if self.pos > size:
                 break
+            b = b or b"[EMPTY_%d]" % i
             if b in seen:
-                return i, b.decode("utf-8", "replace")
-            seen.add(b)
+                return seen[b], i, b.decode("utf-8", "replace")
+            seen[b] = i
         return None
 
     def _read(self, fmt: str):
@@ -404,9 +406,9 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         raise ModelFileError(f"{p}: a '{tokenizer}' (WordPiece) vocabulary with byte tokens (token type 6): "
                              "llama.cpp aborts on this file")
     if h.duplicate_token is not None:
-        i, text = h.duplicate_token
-        raise ModelFileError(f"{p}: the vocabulary repeats token {text[:40]!r} (id {i}): llama.cpp aborts on such a "
-                             "file")
+        first, i, text = h.duplicate_token
+        raise ModelFileError(f"{p}: the vocabulary has token {text[:40]!r} twice, as ids {first} and {i} (as llama.cpp "
+                             "reads them: a token ends at a NUL byte); llama.cpp aborts on such a file")
     arch = kv_str("general.architecture")
     if not arch:
         raise ModelFileError(f"{p} has no general.architecture key: not a llama.cpp model")

@@ -29,7 +29,8 @@ import time
 from ctypes import c_char_p, c_size_t, c_void_p
 from typing import List, Optional
 
-from ._lib import GGML_BACKEND_DEVICE_TYPE_CPU, _shared_lib_name, find_lib_dir, load_ggml
+from ._lib import (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU,
+                   find_lib_dir, load_ggml)
 from .errors import ConfigError, MissingDependencyError
 
 # --- ctypes: ggml-rpc.h (ggml-backend.h's calls: pymoecache._lib.load_ggml) ------------------
@@ -37,19 +38,21 @@ from .errors import ConfigError, MissingDependencyError
 _libs: Optional[tuple] = None
 _lock = threading.Lock()
 _added: List[str] = []  # endpoints registered in this process, in order
-_stopped: set = set()  # those a LocalServer of this process served and stopped (check_servers)
+_stopped: set = set()  # those a LocalServer of this process served and stopped (gone_servers)
+_lost: set = set()  # those a Llama lost (DeviceLostError): ggml keeps their dead connection for good
 
 
 def _load():
-    """(libggml, libggml-rpc) of our build, declared; MissingDependencyError where RPC was left out."""
+    """(libggml, libggml-rpc) of our build, declared; MissingDependencyError where RPC was left out.
+    Both are libllama's handle (pymoecache._lib.load_ggml): libggml-rpc is one of the libraries it
+    was linked with, and a copy of it opened by path would be a second one."""
     global _libs
     if _libs is None:
-        rpc_path = find_lib_dir() / _shared_lib_name("ggml-rpc")
-        if not rpc_path.exists():
-            raise MissingDependencyError(f"this pymoecache was built without ggml's RPC backend ({rpc_path} is missing): "
-                                         "rebuild without -DGGML_RPC=OFF")
         ggml = load_ggml()
-        rpc = ctypes.CDLL(str(rpc_path), mode=ctypes.RTLD_GLOBAL)
+        rpc = ctypes.CDLL(ggml._name, mode=ctypes.RTLD_GLOBAL)  # (a second handle object: its own declarations)
+        if not hasattr(rpc, "ggml_backend_rpc_add_server"):
+            raise MissingDependencyError(f"this pymoecache was built without ggml's RPC backend ({find_lib_dir()} "
+                                         "has no libggml-rpc): rebuild without -DGGML_RPC=OFF")
         # GGML_BACKEND_API ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
         rpc.ggml_backend_rpc_add_server.argtypes = [c_char_p]
         rpc.ggml_backend_rpc_add_server.restype = c_void_p
@@ -119,18 +122,96 @@ def servers() -> List[str]:
     return list(_added)
 
 
-def check_servers() -> None:
-    """ConfigError if a :class:`LocalServer` registered in this process has stopped. ggml cannot
-    unregister a device, and llama.cpp asks every registered device for its memory when it loads
-    a model, GPU layers or not: ggml-rpc would abort the process on the connection that fails, so
-    :class:`pymoecache.Llama` asks first. (A remote server that goes away is not checked: a new
-    connection to a server busy with this process's one would wait, as its server takes one
-    client at a time. Then ggml aborts at the next load, as llama.cpp does.)"""
-    if _stopped:
-        endpoint = sorted(_stopped)[0]
-        raise ConfigError(f"rpc server {endpoint} (a LocalServer registered earlier in this process) has stopped: "
-                          "llama.cpp cannot load a model here while it is gone; start it again at the same "
-                          "address, or load in a new process")
+def _peer(endpoint: str) -> set:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return {(a[4][0], int(port)) for a in socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)}
+    except OSError:
+        return set()
+
+
+def _connections(peers: set) -> List[int]:
+    """This process's open TCP connections (file descriptors) to any of ``peers`` ((address, port))."""
+    import stat
+
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    out = []
+    for name in os.listdir(fd_dir):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.type == socket.SOCK_STREAM and tuple(sock.getpeername()[:2]) in peers:
+                    out.append(fd)
+        except OSError:
+            continue
+    return out
+
+
+def server_gone(endpoint: str) -> bool:
+    """The RPC server at ``endpoint`` closed the connection ggml holds to it, or (where ggml holds
+    none now) refuses a new one. A server that died or was stopped closes its connections at once;
+    one behind a network that went silent is not seen here (ggml would wait for it)."""
+    peers = _peer(endpoint)
+    conns = _connections(peers)
+    for fd in conns:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b"":
+                    return False  # (bytes waiting: alive)
+        except BlockingIOError:
+            return False  # nothing to read, the connection open: alive
+        except OSError:
+            continue  # reset: gone
+    if conns:
+        return True
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        return False
+    except OSError:
+        return True
+
+
+def gone_servers() -> List[str]:
+    """The registered endpoints whose server is gone (:func:`server_gone`)."""
+    return [e for e in _added if e in _stopped or e in _lost or server_gone(e)]
+
+
+def mark_lost(endpoints: List[str]) -> None:
+    """These servers went away under a loaded model: ggml keeps its connection to them, dead, for
+    the life of the process (a server back at the same address cannot be used from this process)."""
+    _lost.update(endpoints)
+
+
+def was_lost(endpoint: str) -> bool:
+    """A model of this process lost the server at ``endpoint`` (:func:`mark_lost`)."""
+    return endpoint in _lost
+
+
+def live_devices(gone: List[str]) -> list:
+    """The GPU devices llama.cpp may use while the servers ``gone`` (:func:`gone_servers`) are gone
+    (those of the live servers first, then the build's own GPUs, as llama.cpp orders them), to be
+    given to a load instead of its default of every registered device: ggml would abort asking a
+    gone server for its memory, and it cannot unregister a device."""
+    gone = set(gone)
+    ggml = load_ggml()
+    ggml.ggml_backend_dev_description.argtypes = [c_void_p]
+    ggml.ggml_backend_dev_description.restype = c_char_p
+    rpc_devs, gpus, igpus = [], [], []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        kind = ggml.ggml_backend_dev_type(dev)
+        desc = (ggml.ggml_backend_dev_description(dev) or b"").decode(errors="replace")
+        if desc in _added:
+            if desc not in gone:
+                rpc_devs.append(dev)
+        elif kind == GGML_BACKEND_DEVICE_TYPE_GPU:
+            gpus.append(dev)
+        elif kind == GGML_BACKEND_DEVICE_TYPE_IGPU:
+            igpus.append(dev)
+    return rpc_devs + gpus + (igpus if not gpus else [])
 
 
 def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None) -> None:
@@ -157,9 +238,9 @@ class LocalServer:
     ``with`` block lasts (its ``endpoint`` is ``127.0.0.1:PORT``, a free port by default).
 
     The devices it serves are registered with :func:`add_server` on entry (unless ``register=False``).
-    ggml cannot remove them again: after the block, loading a model in this process is refused
-    (:func:`check_servers`): llama.cpp would ask the stopped server, and ggml abort. Keep it for
-    the life of the process, or run the work that offloads to it in a process of its own."""
+    ggml cannot remove them again: after the block, a model loaded in this process is given the
+    devices that are still there (:func:`live_devices`), and a Llama whose layers were on it raises
+    :class:`~pymoecache.errors.DeviceLostError` at its next decode."""
 
     def __init__(self, port: int = 0, *, threads: int = 1, host: str = "127.0.0.1", timeout: float = 30.0,
                  register: bool = True):

@@ -21,13 +21,37 @@ The text must not be the one you evaluate on: tune on one part, measure on anoth
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .config import ConfigError, Prior
+from .config import ConfigError, Prior, check_int
+from .constants import MOECACHE_MAX_EXPERTS, MOECACHE_MAX_LAYERS
 from .predictors import load_predictor, save_predictor  # noqa: F401  (the files fit_predictor's result goes to)
 
 SCALES = (0.5, 1.0, 1.5, 2.5, 5.0)  # per-layer multiples of the base strength that are measured
+
+
+def _number(what: str, v, lo: float = 0.0, hi: float = math.inf, lo_open: bool = False) -> float:
+    """``v`` as a float when it is a finite real number in [lo, hi] (``(lo, hi]`` with lo_open);
+    ConfigError otherwise (NaN, inf, a string, a bool)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+            or not (v > lo if lo_open else v >= lo) or v > hi:
+        raise ConfigError(f"{what} must be a finite number {'>' if lo_open else '>='} {lo:g}"
+                          + (f" and <= {hi:g}" if hi != math.inf else "") + f", got {v!r}")
+    return float(v)
+
+
+def _rates(what: str, rates) -> Dict[int, float]:
+    """``{int: rate in [0, 1]}`` checked (a miss rate per layer, or per cache size)."""
+    if not isinstance(rates, Mapping) or not rates:
+        raise ConfigError(f"{what} must be a non-empty mapping, got {rates!r}")
+    out = {}
+    for key, v in rates.items():
+        check_int(f"a key of {what}", key, 0, MOECACHE_MAX_EXPERTS)
+        out[key] = _number(f"{what}[{key}]", v, 0.0, 1.0)
+    return out
 
 
 def allocate_slots(miss: Mapping[int, Mapping[int, float]], total: int, k: int) -> List[int]:
@@ -37,12 +61,20 @@ def allocate_slots(miss: Mapping[int, Mapping[int, float]], total: int, k: int) 
     rate is interpolated linearly. Every layer starts at its smallest measured size (at least
     ``k``: a token's K experts must fit), then each further slot goes to the layer whose miss
     rate it lowers most (ties: the smaller layer, then the lower one), never past a layer's largest measured size while
-    another layer can still grow. ConfigError if ``total < k * layers``.
+    another layer can still grow. ConfigError if ``total < k * layers``, for more than a cache can
+    hold (``MOECACHE_MAX_EXPERTS`` per layer), and for rates that are not in [0, 1].
     """
+    if not isinstance(miss, Mapping) or not miss:
+        raise ConfigError("allocate_slots: no layers (miss must map each layer to {cache size: miss rate})")
+    if len(miss) > MOECACHE_MAX_LAYERS:
+        raise ConfigError(f"allocate_slots: {len(miss)} layers; at most {MOECACHE_MAX_LAYERS}")
+    for il in miss:
+        check_int("a layer of miss", il, 0, MOECACHE_MAX_LAYERS)
+    miss = {il: _rates(f"miss[{il}]", m) for il, m in miss.items()}
     layers = list(miss)
-    if not layers:
-        raise ConfigError("allocate_slots: no layers")
-    if k < 1 or total < k * len(layers):
+    check_int("k", k, 1, MOECACHE_MAX_EXPERTS)
+    check_int("total", total, 0, MOECACHE_MAX_EXPERTS * len(layers))
+    if total < k * len(layers):
         raise ConfigError(f"{total} slots cannot give {len(layers)} layers K = {k} each")
 
     def rate(il: int, c: int) -> float:
@@ -94,10 +126,19 @@ def choose_layer_scales(sens: Sensitivity, budget: float, mu: Optional[float] = 
     With ``mu`` given, each layer takes the point that minimises miss + mu x cost instead (the
     Lagrangian step; a larger mu is more careful). Without it, the smallest mu that fits is searched.
     """
-    layers = sorted(sens.base_miss)
-    opts = {il: [(0.0, 0.0, sens.base_miss[il])] for il in layers}
+    budget = _number("the perplexity budget", budget)
+    if mu is not None:
+        mu = _number("mu", mu)
+    base_ppl = _number("the base perplexity", sens.base_ppl, lo_open=True)
+    base_miss = _rates("the base miss rates", sens.base_miss)
+    layers = sorted(base_miss)
+    opts = {il: [(0.0, 0.0, base_miss[il])] for il in layers}
     for p in sens.points:
-        opts[p.layer].append((p.scale, max(0.0, p.ppl / sens.base_ppl - 1.0), p.miss))
+        if p.layer not in opts:
+            raise ConfigError(f"a measured point is for layer {p.layer}, which has no base miss rate")
+        opts[p.layer].append((_number("a scale", p.scale), max(0.0, _number("a perplexity", p.ppl, lo_open=True)
+                                                                / base_ppl - 1.0),
+                              _number("a miss rate", p.miss, 0.0, 1.0)))
 
     def pick(m: float) -> Dict[int, tuple]:
         return {il: min(opts[il], key=lambda o: (o[2] + m * o[1], o[1])) for il in layers}
@@ -124,18 +165,40 @@ def layer_sensitivity(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]
     """Measures each layer's cost: ``evaluate(routing) -> (perplexity, {layer: miss rate})`` runs the
     calibration text; first with the prior off everywhere (scale 0), then for each layer and scale
     with the prior at ``scale x strength`` on that layer alone."""
+    check_int("n_layer", n_layer, 1, MOECACHE_MAX_LAYERS)
+    layers = list(layers)
+    if not layers:
+        raise ConfigError("no layers to measure")
+    for il in layers:
+        check_int("a layer", il, 0, n_layer - 1)
+    scales = [_number("a scale", x, lo_open=True) for x in scales]
     off = Prior(strength, top_j=top_j, layers=(0.0,) * n_layer)
-    base_ppl, base_miss = evaluate(off)
+    base_ppl, base_miss = _measured(evaluate, off, layers)
     sens = Sensitivity(base_ppl, {il: base_miss[il] for il in layers})
     todo = [(il, s) for il in layers for s in scales]
     for i, (il, s) in enumerate(todo):
         one = [0.0] * n_layer
         one[il] = float(s)
-        ppl, miss = evaluate(Prior(strength, top_j=top_j, layers=tuple(one)))
+        ppl, miss = _measured(evaluate, Prior(strength, top_j=top_j, layers=tuple(one)), layers)
         sens.points.append(LayerPoint(il, float(s), ppl, miss[il]))
         if progress:
             progress(i + 1, len(todo))
     return sens
+
+
+def _measured(evaluate, routing: Prior, layers: Sequence[int]) -> "tuple[float, Dict[int, float]]":
+    """``evaluate(routing)``, checked: a finite perplexity > 0 and a miss rate in [0, 1] for each layer."""
+    got = evaluate(routing)
+    try:
+        ppl, miss = got
+        ppl = _number("the perplexity evaluate returned", ppl, lo_open=True)
+        miss = {il: _number(f"the miss rate evaluate returned for layer {il}", miss[il], 0.0, 1.0) for il in layers}
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"evaluate must return (perplexity, {{layer: miss rate}}) for layers {list(layers)}, "
+                          f"got {got!r:.200}") from None
+    return ppl, miss
 
 
 @dataclass
@@ -158,8 +221,8 @@ def tune_layer_scales(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]
     calibration text; where it costs more than ``budget`` (the layers' costs do not add up
     exactly), the budget given to the choice shrinks by a quarter and the choice is checked again,
     at most ``max_tries`` times; the last one that fits wins (the flat-off router if none)."""
-    if not budget > 0:
-        raise ConfigError(f"the perplexity budget must be > 0, got {budget!r}")
+    budget = _number("the perplexity budget", budget, lo_open=True)
+    check_int("max_tries", max_tries, 1, 1000)
     sens = layer_sensitivity(evaluate, strength, top_j, layers, n_layer, scales, progress)
     b = budget
     best = None
@@ -169,7 +232,7 @@ def tune_layer_scales(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]
         for il, s in chosen.items():
             scale[il] = s
         routing = Prior(strength, top_j=top_j, layers=tuple(scale))
-        ppl, miss = evaluate(routing)
+        ppl, miss = _measured(evaluate, routing, layers)
         mean_miss = sum(miss[il] for il in layers) / len(layers)
         if ppl <= sens.base_ppl * (1 + budget):
             best = TuneResult(routing, budget, sens.base_ppl, ppl, mean_miss, sens, t)
@@ -243,6 +306,10 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         raise ConfigError(f"lam must be a positive number, got {lam!r}")
     llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=n, router_record_input=True),
                 routing="lru", n_ctx=max(len(c) for c in contexts) + 8, n_threads=n_threads, verbose=False)
+    bad = [t for c in contexts for t in c if not (isinstance(t, numbers.Integral) and 0 <= t < llm.n_vocab())]
+    if bad:
+        llm.close()
+        raise ConfigError(f"tokens must be token ids in [0, {llm.n_vocab()}) of this model, got {bad[0]!r}")
     for c in contexts:
         llm.reset()
         for t in c:  # one at a time: every layer routes (and records) every token

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a Debian/Ubuntu machine without a GPU to build and test pymoecache's Vulkan path on
 # Mesa's lavapipe (a Vulkan driver that runs shaders on the CPU): tests/test_gpu_layers_vulkan.py.
-# Installs glslc, the Vulkan loader and headers and lavapipe with apt (as root), and where the
+# Installs glslc, the Vulkan loader and headers, SPIR-V headers (ggml-vulkan's find_package(SPIRV-Headers))
+# and lavapipe with apt (as root), and where the
 # distribution's headers are older than ggml's Vulkan backend needs (VK_EXT_layer_settings, from
 # Vulkan-Headers 1.3.272; Debian 12 has 1.3.239) fetches Debian 13's libvulkan-dev package and
 # unpacks only its headers into build/vulkan-headers (the system's apt sources are not touched).
@@ -14,17 +15,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "vulkan_lavapipe: $*" >&2; }
 
+# every Debian package the Vulkan build and its tests need; has_all checks one file of each
+PKGS=(glslc libvulkan-dev spirv-headers mesa-vulkan-drivers)
 has_all() {
     command -v glslc >/dev/null && [ -f /usr/include/vulkan/vulkan_core.h ] &&
+        compgen -G "/usr/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake" >/dev/null &&
         ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1
 }
 if ! has_all; then
     command -v apt-get >/dev/null || { say "no apt-get: install glslc, the Vulkan headers and lavapipe yourself"; exit 1; }
-    [ "$(id -u)" = 0 ] || { say "not root: cannot apt-get install glslc libvulkan-dev mesa-vulkan-drivers"; exit 1; }
-    say "apt-get install glslc libvulkan-dev mesa-vulkan-drivers"
+    [ "$(id -u)" = 0 ] || { say "not root: cannot apt-get install ${PKGS[*]}"; exit 1; }
+    say "apt-get install ${PKGS[*]}"
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        glslc libvulkan-dev mesa-vulkan-drivers; } >&2 || { say "apt-get failed"; exit 1; }
-    has_all || { say "still missing glslc, the headers or lavapipe after apt-get"; exit 1; }
+        "${PKGS[@]}"; } >&2 || { say "apt-get failed"; exit 1; }
+    has_all || { say "still missing glslc, the Vulkan or SPIR-V headers or lavapipe after apt-get"; exit 1; }
 fi
 
 INC=/usr/include

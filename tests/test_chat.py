@@ -318,3 +318,70 @@ def test_clear_regen_read_save_and_a_printed_random_seed(tmp_path):
     assert r2.returncode == 0, r2.stderr
     first = json.loads((tmp_path / "d.json").read_text())["messages"][2]["content"]
     assert first == json.loads((tmp_path / "a0.json").read_text())["messages"][2]["content"]
+
+
+# --- files a user names: refused before they are read whole (issue 41 items 4 and 5) -----------------
+
+def _sparse(path, size: int):
+    """A file of ``size`` bytes that takes no disk (a hole): a huge text for the size checks."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_read_refuses_devices_fifos_and_texts_the_context_cannot_hold(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: reading it would wait for ever
+    big = _sparse(tmp_path / "big.txt", 300 << 20)
+    note = tmp_path / "note.txt"
+    note.write_text("FROMFILE")
+    lines = ["/read /dev/zero", "/read /dev/full", f"/read {fifo}", f"/read {tmp_path}", f"/read {big}",
+             f"/read {note}", f"/save {tmp_path / 'c.json'}"]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", "-n", "2", "--temp", "0", "-c", "256"],
+                       cwd=ROOT, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 100  # (each refusal said at once, none read until memory ran out)
+    assert r.stderr.count("not a regular file") == 3 and "is a directory" in r.stderr, r.stderr
+    assert f"{big} is too long for the context: more than {256 * 256} bytes cannot fit 256 tokens" in r.stderr
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["FROMFILE"]  # the chat went on
+
+
+@pytest.mark.parametrize("flag", ["-sysf", "-f"])
+def test_prompt_files_that_cannot_fit_or_are_not_files_are_refused_in_one_line(tmp_path, flag):
+    big = _sparse(tmp_path / "big.txt", 100 << 20)
+    for path, says in ((big, "too long for the context"), ("/dev/zero", "not a regular file")):
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", flag, str(path), "-c", "512"],
+                           cwd=ROOT, input="", capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert len([ln for ln in r.stderr.splitlines() if "error" in ln]) == 1
+        assert time.monotonic() - t0 < 60
+
+
+def test_run_file_bounded_by_the_models_context_without_c(tmp_path):
+    """Without -c the bound is the model's training context, read from its header before the load."""
+    from pymoecache import default_model_path, model_info
+
+    n = model_info(default_model_path()).n_ctx_train
+    big = _sparse(tmp_path / "big.txt", 100 << 20)
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-f", str(big), "-n", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"more than {n * 256} bytes cannot fit {n} tokens" in r.stderr, r.stderr[-2000:]
+
+
+def test_ctrl_c_while_a_long_read_is_taken_in_returns_to_the_prompt(term, tmp_path):
+    """A /read of a few MiB takes seconds to tokenize: Ctrl-C then drops that message, not the chat."""
+    text = tmp_path / "long.txt"
+    text.write_text("To be or not to be, that is the question. " * 140_000)  # 5.9 MB: about 5 s of tokenizing
+    t = term("-n", "4", "--temp", "0", "-c", "32768")
+    t.send(f"/read {text}\r")
+    t.expect(r"characters sent as your message\]")
+    time.sleep(1.0)
+    t.send("\x03")
+    t.expect(r"\(interrupted: that message was not sent")
+    t.expect(r"> ")
+    assert ask(t, "Hello")  # the chat goes on and answers
+    t.key_at_prompt("\x04")
+    assert t.wait() == 0

@@ -71,6 +71,31 @@ def _kv(key, vtype, value):
     return _edit(lambda g: g.set(key, vtype, value))
 
 
+def _tokens(fn):
+    """Edit the vocabulary: ``fn`` takes and returns the list of token strings (bytes)."""
+    def edit(g):
+        i, (key, vtype, raw) = next((i, e) for i, e in enumerate(g.kv) if e[0] == "tokenizer.ggml.tokens")
+        etype, count = struct.unpack_from("<IQ", raw, 0)
+        toks, p = [], 12
+        for _ in range(count):
+            (n,) = struct.unpack_from("<Q", raw, p)
+            toks.append(raw[p + 8:p + 8 + n])
+            p += 8 + n
+        toks = fn(toks)
+        g.kv[i] = (key, vtype, struct.pack("<IQ", etype, len(toks)) + b"".join(struct.pack("<Q", len(t)) + t
+                                                                              for t in toks))
+    return _edit(edit)
+
+
+def _set_tokens(**at):
+    """Token ``i`` (``t{i}=``) set to the bytes given, or to a function of the old vocabulary."""
+    def fn(toks):
+        for k, v in at.items():
+            toks[int(k[1:])] = v(toks) if callable(v) else v
+        return toks
+    return _tokens(fn)
+
+
 def _tensor(pattern, **changes):
     def fn(g):
         t = g.tensor(pattern)
@@ -142,6 +167,10 @@ FILE_CASES = [
     ("nested-array", _kv("custom.nested", ge.ARRAY, (ge.ARRAY, [])), 2, "nested"),
     ("unknown-value-type", _edit(lambda g: g.kv.append(("custom.x", 99, b""))), 2, "value type"),
     ("duplicate-key", _edit(lambda g: g.kv.append(g.kv[0])), 2, "repeated"),
+    # a vocabulary with a token twice: llama.cpp's GGML_ASSERT in llama_vocab::load (it reads C strings)
+    ("vocab-token-twice", _set_tokens(t70=lambda t: t[65]), 2, "ids 65 and 70"),
+    ("vocab-token-twice-after-nul", _set_tokens(t70=lambda t: t[65] + b"\0tail"), 2, "ids 65 and 70"),
+    ("vocab-empty-token-named-like-another", _set_tokens(t65=b"", t70=b"[EMPTY_65]"), 2, "ids 65 and 70"),
     ("empty-key", _kv("", ge.UINT32, 1), 2, "key"),
     ("key-count-lie", _extra(extra_kv_count=5), 2, ""),
     ("tensor-count-lie", _extra(extra_tensor_count=3), 2, ""),
@@ -1027,3 +1056,16 @@ def test_http_grammar_with_parentheses_in_literals_is_served(hostile_server):
     code, text = _http(base, C, {"prompt": "x", "max_tokens": 2, "grammar": grammar, "temperature": 0})
     assert code == 200, text[:300]
     assert set(json.loads(text)["choices"][0]["text"]) <= set("()b")  # the grammar held
+
+
+def test_two_empty_tokens_are_not_a_repeat(fixture_dir, tmp_path):
+    """llama.cpp names an empty token [EMPTY_i], so two of them differ: the door lets the file in, and
+    it loads and generates."""
+    p = tmp_path / "two-empty.gguf"
+    p.write_bytes(_set_tokens(t65=b"", t70=b"")(model_path(fixture_dir, BASE).read_bytes()))
+    assert pymoecache.model_info(p).n_expert > 0
+    llm = pymoecache.Llama(str(p), n_ctx=64, verbose=False)
+    try:
+        assert llm("Hello", max_tokens=2)["usage"]["completion_tokens"] >= 1
+    finally:
+        llm.close()

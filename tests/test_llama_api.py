@@ -122,3 +122,94 @@ except pymoecache.ConfigError as e:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-1000:]
     assert "ConfigError not enough memory for a context of n_ctx=200000" in r.stdout, r.stdout
+
+
+# --- the object's life cycle (issue 41 item 9) ----------------------------------------------------
+
+def test_with_block_closes_and_every_use_after_close_raises(fixture_dir):
+    """``with Llama(...) as llm`` closes it at the end; after close() every method and attribute of the
+    API raises ClosedError (a pymoecache.Error) instead of reaching freed memory (a segfault)."""
+    path = str(model_path(fixture_dir, QWEN))
+    with pymoecache.Llama(path, cache=CacheConfig(size=0.5), n_ctx=64, verbose=False) as llm:
+        assert llm("The cat", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert isinstance(llm, pymoecache.Llama)
+    calls = [lambda: llm("The cat", max_tokens=2), lambda: llm.eval([1, 2]), lambda: llm.tokenize(b"x"),
+             lambda: llm.detokenize([1]), lambda: llm.moe_stats(), lambda: llm.set_routing("lru"),
+             lambda: llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}]),
+             lambda: llm.n_ctx(), lambda: llm.save_state(), lambda: llm.reset(), lambda: llm.ctx,
+             lambda: llm.save_cache_state("x"), lambda: llm.memory_plan(), lambda: llm.set_eviction("lfu")]
+    for call in calls:
+        with pytest.raises(pymoecache.ClosedError, match="closed"):
+            call()
+    llm.close()  # a second close does nothing
+    with pytest.raises(pymoecache.ClosedError):
+        with llm:
+            pass
+    assert llm.model_path == path  # what describes the file stays readable
+
+
+def test_close_waits_for_no_one_and_a_dense_llama_closes_too(fixture_dir):
+    llm = pymoecache.Llama(str(model_path(fixture_dir, QWEN)), cache=CacheConfig(size=0.5), n_ctx=64, verbose=False)
+    llm.close()
+    with pytest.raises(pymoecache.Error):
+        llm.eval([1])
+    del llm  # (no second free at collection)
+
+
+# --- a setting is validated whole before it applies, and the same given at load or later (item 6) ---
+
+def _misses(llm, tokens):
+    llm.moecache.clear()
+    llm.reset_moe_stats()
+    llm.reset()
+    for t in tokens:
+        llm.eval([t])
+    return llm.moe_stats().misses_per_layer.tolist()
+
+
+def test_a_refused_routing_applies_nowhere(fixture_dir, llm):
+    before = llm.moecache.routing
+    n = llm.moecache.n_layer
+    bad = "prior:0.2:j=1:layers=" + "/".join(["1"] * (n + 1))
+    with pytest.raises(pymoecache.ConfigError, match="per-layer scales"):
+        llm.set_routing(bad)
+    assert llm.moecache.routing == before
+    # what the C side routes with is still the old policy: the same selections as a fresh one
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, llm.n_vocab(), 24)]
+    now = _misses(llm, tokens)
+    llm.set_routing(before)
+    assert _misses(llm, tokens) == now
+    with pytest.warns(UserWarning, match=f"keep scale 1"):
+        llm.set_routing("prior:0.2:j=1:layers=0")
+    llm.set_routing(before)
+
+
+def test_every_preset_and_eviction_changed_later_equals_a_fresh_load(fixture_dir):
+    """After every other setting, each preset (and each eviction) set on a loaded model routes and
+    evicts as a fresh load with it: the previous one's decay does not carry over."""
+    path = str(model_path(fixture_dir, QWEN))
+    kw = dict(n_ctx=96, verbose=False)
+    tokens = [int(t) for t in np.random.default_rng(2).integers(3, 1000, 48)]
+    settings = [("routing", "preset:quality"), ("routing", "preset:balanced"), ("routing", "preset:speed"),
+                ("eviction", "lru"), ("eviction", "lfu"), ("eviction", "router-mass"), ("eviction", "freq-prob")]
+
+    def fresh(kind, value):
+        cache = CacheConfig(size=0.25, residency="none", **({"eviction": value} if kind == "eviction" else {}))
+        with pymoecache.Llama(path, cache=cache, routing=value if kind == "routing" else "prior:0.5", **kw) as m:
+            return _misses(m, tokens), m.moecache.eviction, m.moecache.eviction_decay
+
+    want = {s: fresh(*s) for s in settings}
+    with pymoecache.Llama(path, cache=CacheConfig(size=0.25, residency="none"), routing="prior:0.5", **kw) as llm:
+        for first in settings:
+            for then in settings:
+                if first == then:
+                    continue
+                for kind, value in (first, then):
+                    if kind == "routing":
+                        llm.set_routing(value)
+                    else:
+                        llm.set_eviction(value)
+                if then[0] == "eviction":
+                    llm.set_routing("prior:0.5")  # (the fresh load with an eviction routes with prior:0.5)
+                got = (_misses(llm, tokens), llm.moecache.eviction, llm.moecache.eviction_decay)
+                assert got == want[then], (first, then, got[1:], want[then][1:])

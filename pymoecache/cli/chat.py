@@ -256,6 +256,12 @@ def cmd_chat(args) -> int:
         except UserError as e:
             say(f"error: {e}")
             return
+        except KeyboardInterrupt:  # Ctrl-C before the answer streamed (a long message being read in)
+            out.write("\n")
+            if conv.messages and conv.messages[-1]["role"] == "user":
+                conv.messages.pop()
+            say("(interrupted: that message was not sent; Ctrl-D or /quit leaves)")
+            return
         conv.messages.append({"role": "assistant", "content": reply})
         answered += 1
 
@@ -326,7 +332,7 @@ def cmd_chat(args) -> int:
                 say("/read needs a file: /read notes.txt")
                 continue
             try:
-                text = read_text_file(rest, "file")
+                text = read_text_file(rest, "file", llm.n_ctx())
             except UserError as e:
                 say(f"error: {e}")
                 continue

@@ -9,6 +9,7 @@ policies on the same prompts, describe a GGUF from its header.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -95,9 +96,11 @@ def check_timeline_args(args) -> None:
         if path is not None:
             writable_target(path, what, Error)
     if args.timeline_plot is not None:
-        from .._mpl import require_matplotlib
+        from .._mpl import check_image_path
 
-        require_matplotlib()
+        check_image_path(args.timeline_plot, "--timeline-plot")
+        if args.timeline is not None and os.path.realpath(args.timeline) == os.path.realpath(args.timeline_plot):
+            raise UserError(f"--timeline and --timeline-plot both name {args.timeline}: one would overwrite the other")
 
 
 def write_timeline(args, llm) -> None:

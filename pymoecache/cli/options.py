@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Optional
 
@@ -289,12 +290,19 @@ def runtime_kwargs(args) -> dict:
                         "puts them; --residency mmap keeps them in CPU memory beside the GPU layers")
     if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
         raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
-    for item in (getattr(args, "override_tensor", None) or "").split(","):
+    ot = getattr(args, "override_tensor", None)
+    if ot is not None and not ot.replace(",", "").strip():
+        raise UserError(f"-ot {ot!r}: expected PATTERN=BUFFER_TYPE[,...], e.g. exps=CPU")
+    for item in (ot or "").split(","):
         if not item.strip():
             continue
         pattern, eq, buft = item.partition("=")
         if not eq or not pattern:
             raise UserError(f"-ot {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+        try:
+            re.compile(pattern)  # (llama.cpp takes it as a regular expression over tensor names)
+        except re.error as e:
+            raise UserError(f"-ot {item!r}: {pattern!r} is not a regular expression ({e})") from None
         if buft.strip().upper() != "CPU":
             raise UserError(f"-ot {item}: buffer type {buft!r} is not available: only =CPU is (the expert cache places "
                             "the experts in CPU memory, -ngl the other weights of its layers on the GPU)")
@@ -318,7 +326,7 @@ def runtime_kwargs(args) -> dict:
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
         kw["use_mmap"] = False
-    if getattr(args, "rpc", None):
+    if getattr(args, "rpc", None) is not None:
         from ..rpc import parse_endpoints
 
         try:
@@ -396,7 +404,7 @@ def text_or_file(args, text: str, file: str, flags: str, what: str) -> Optional[
         return t
     if t is not None:
         raise UserError(f"give either {flags}, not both")
-    return read_text_file(f, what)
+    return read_text_file(f, what, context_tokens(args))
 
 
 def system_prompt(args) -> Optional[str]:
@@ -410,15 +418,60 @@ def prompt_text(args) -> Optional[str]:
     return text_or_file(args, "prompt", "file", "-p/--prompt or -f/--file", "prompt file")
 
 
-def read_text_file(path: str, what: str) -> str:
-    """A UTF-8 text file the user named (a prompt), as one string; UserError when it cannot be read."""
+# No token of any vocabulary we know is longer than this many bytes: a text of more than
+# n_ctx x this cannot fit a context of n_ctx tokens, and is refused before it is read whole
+# (llama.cpp's tokenizer would otherwise allocate for all of it: std::bad_alloc aborts).
+MAX_TOKEN_BYTES = 256
+
+
+def read_text_file(path: str, what: str, max_tokens: int = 0) -> str:
+    """A UTF-8 text file the user named (a prompt), as one string; UserError when it cannot be read,
+    is not a regular file (a FIFO would block, /dev/zero never end), or is longer than a context of
+    ``max_tokens`` tokens could hold (0: no bound)."""
+    import stat
+
+    limit = max_tokens * MAX_TOKEN_BYTES if max_tokens > 0 else None
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # (a FIFO's open must not wait for a writer)
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
+        raise UserError(f"{what} {path} is {kind}: give a text file")
+    with os.fdopen(fd, "rb") as f:
+        too_long = (f"{what} {path} is too long for the context: more than {limit} bytes cannot fit {max_tokens} "
+                    f"tokens; use a shorter file or a larger context (-c)")
+        if limit is not None and st.st_size > limit:
+            raise UserError(too_long)
+        try:
+            data = f.read(limit + 1 if limit is not None else -1)
+        except OSError as e:
+            raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+        if limit is not None and len(data) > limit:  # (it grew while we read)
+            raise UserError(too_long)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8 text") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # (universal newlines, as text mode reads it)
+
+
+def context_tokens(args) -> int:
+    """The context the command will have, in tokens, as far as it is known before the model loads:
+    -c N, else the local model's training context (its header), else 262144 (no larger is common)."""
+    if getattr(args, "ctx", 0):
+        return int(args.ctx)
+    path = model_arg(args) if not (getattr(args, "hf_repo", None) or getattr(args, "hf_file", None)) else None
+    try:
+        from ..model_info import model_info
+        from ..models import default_model_path
+
+        n = model_info(path or default_model_path()).n_ctx_train
+    except Exception:  # (no such file, or not a model: the load says so, with its own message)
+        n = 0
+    return int(n) if n and n > 0 else 262144
 
 
 def add_hub_options(p: argparse.ArgumentParser) -> None:
@@ -513,6 +566,9 @@ def resolve_model(path: Optional[str], args=None) -> str:
     if args is not None:
         path = model_arg(args)
     repo, file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
+    for flag, v in (("-hf/--hf-repo", repo), ("-hff/--hf-file", file)):
+        if v is not None and not v.strip():
+            raise UserError(f"{flag} is empty: give OWNER/REPO[:QUANT] (and a file name for -hff)")
     if repo or file:
         if path:
             raise UserError("give either MODEL or --hf-repo/--hf-file, not both")

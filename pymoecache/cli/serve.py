@@ -8,6 +8,7 @@ this machine's CPU as a ggml RPC device (pymoecache.rpc).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -116,16 +117,58 @@ def add_command(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def rpc_listen_address(host: str, port: int) -> str:
+    """The IPv4 address ggml's RPC server is to listen on for ``--host`` (a name is resolved here:
+    ggml takes only a dotted IPv4 address, and returns without serving for anything else); UserError
+    for a port out of range, a name that does not resolve to IPv4, or an IPv6 address."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise UserError(f"--port {port}: give a TCP port from 1 to 65535 (ggml's RPC server takes no port 0: "
+                        "clients need to know it)")
+    try:
+        socket.inet_pton(socket.AF_INET6, host.strip("[]"))
+        raise UserError(f"--host {host}: ggml's RPC server listens on IPv4 addresses only (e.g. 127.0.0.1 or 0.0.0.0)")
+    except OSError:
+        pass
+    try:
+        return socket.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError) as e:
+        raise UserError(f"--host {host}: no IPv4 address for it ({getattr(e, 'strerror', None) or e}); "
+                        "ggml's RPC server listens on IPv4 addresses only") from None
+
+
 def cmd_rpc_server(args) -> int:
+    import threading
+
     from .. import rpc
 
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    _check_port(args.host, args.port)
-    print(f"pymoecache rpc-server: serving this machine's CPU at {args.host}:{args.port} (Ctrl-C to stop); "
+    addr = rpc_listen_address(args.host, args.port)
+    _check_port(addr, args.port)
+    shown = args.host if addr == args.host else f"{args.host} ({addr})"
+    print(f"pymoecache rpc-server: serving this machine's CPU at {shown}:{args.port} (Ctrl-C to stop); "
           f"offload to it with -ngl N --rpc {args.host}:{args.port}", file=sys.stderr, flush=True)
-    rpc.serve(f"{args.host}:{args.port}", threads=args.threads)
-    return 0
+    # ggml's server blocks in accept() and returns only when it cannot serve: it runs in a thread
+    # of its own, so that this one takes Ctrl-C (a signal reaches Python code, never a C call)
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            rpc.serve(f"{addr}:{args.port}", threads=args.threads)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rpc-server", daemon=True).start()
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        print("pymoecache rpc-server: stopped", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # (the server thread sits in accept(): nothing to join)
+    raise UserError(f"ggml's RPC server at {addr}:{args.port} stopped without serving (see its lines above)")
 
 
 def add_rpc_command(subparsers) -> None:

@@ -1,0 +1,197 @@
+"""ggml RPC as a user reaches it (issue 41, items 1 to 3): the installed package, in a fresh process
+started outside the source tree, with nothing registered beforehand: the flag or the keyword alone.
+
+The source tree's build directory holds libggml.so as a link to the libggml.so.0 that libllama
+loads, which hid that an installed wheel (copies, not links) registered RPC servers with a second
+ggml. Here the layers must be seen on the device: llama.cpp's "using device RPC0" and an RPC0 model
+buffer in the log. A server that goes away must cost the model that used it, not the process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, free_port, http_request, model_path
+
+from pymoecache import rpc
+
+MODEL = "qwen2moe-60x4"
+
+
+def installed_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYMOECACHE_LIB_DIR", "LLAMA_CPP_LIB_PATH")}
+    return env
+
+
+def installed(tmp_path, *args, timeout=300, **kw):
+    """``python -m pymoecache ARGS`` from a directory outside the source tree: the installed package."""
+    return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=tmp_path, env=installed_env(),
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def on_device(log: str, endpoint: str) -> bool:
+    """llama.cpp's log says the model's layers went to the RPC server's device."""
+    return (f"using device RPC0 ({endpoint})" in log and f"RPC0[{endpoint}] model buffer size" in log
+            and "layers to GPU" in log)
+
+
+def test_the_tests_see_the_installed_package(tmp_path):
+    """The processes below import the package pip installed, not this checkout."""
+    r = subprocess.run([sys.executable, "-c", "import pymoecache, pymoecache._lib as l; print(pymoecache.__file__); "
+                        "print(l.find_lib_dir())"], cwd=tmp_path, env=installed_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pkg, lib = r.stdout.split()
+    assert "site-packages" in pkg and not pkg.startswith(str(ROOT / "pymoecache")), r.stdout
+    assert lib.endswith(os.path.join("site-packages", "pymoecache", "lib")), r.stdout
+
+
+@pytest.fixture()
+def server():
+    """An RPC server in a child process; this test process registers nothing."""
+    with rpc.LocalServer(register=False) as s:
+        yield s.endpoint
+
+
+@pytest.mark.parametrize("command", [
+    ("run", "-p", "ROMEO:", "-n", "4"),
+    ("chat", "-p", "Hello", "-n", "4", "--single-turn"),
+    ("bench", "-n", "4", "--reps", "1", "--routing", "lru"),
+])
+def test_rpc_flag_offloads_the_layers(fixture_dir, tmp_path, server, command):
+    model = model_path(fixture_dir, MODEL)
+    r = installed(tmp_path, command[0], "-m", model, *command[1:], "-ngl", "99", "--rpc", server, "-v",
+                  "--cache-size", "0.5", input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+
+
+def test_rpc_servers_keyword_offloads_the_layers(fixture_dir, tmp_path, server):
+    script = ("import sys, pymoecache\n"
+              "llm = pymoecache.Llama(sys.argv[1], n_gpu_layers=99, rpc_servers=sys.argv[2], n_ctx=64, verbose=True)\n"
+              "print(llm('ROMEO:', max_tokens=4)['usage']['completion_tokens'])\n")
+    r = subprocess.run([sys.executable, "-c", script, str(model_path(fixture_dir, MODEL)), server], cwd=tmp_path,
+                       env=installed_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+
+
+def test_serve_with_rpc_offloads_the_layers(fixture_dir, tmp_path, server):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", "-m", str(model_path(fixture_dir, MODEL)),
+                                 "--port", str(port), "-ngl", "99", "--rpc", server, "-v", "-c", "256"],
+                                cwd=tmp_path, env=installed_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                status, _ = http_request(f"http://127.0.0.1:{port}/health", timeout=5)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.25)
+        status, _ = http_request(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4})
+        assert status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert on_device(log.read_text(), server), log.read_text()[-4000:]
+
+
+GONE_SCRIPT = r"""
+import sys
+import pymoecache
+from pymoecache import rpc
+from pymoecache.errors import ClosedError, ConfigError, DeviceLostError
+path, how = sys.argv[1], sys.argv[2]
+server = rpc.LocalServer(register=False).__enter__()
+llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=server.endpoint, n_ctx=128, verbose=False)
+print("tokens", llm("ROMEO:", max_tokens=3, temperature=0)["usage"]["completion_tokens"], flush=True)
+try:
+    if how == "between":
+        server.__exit__(None, None, None)
+        llm("ROMEO:", max_tokens=3)
+    else:  # mid-stream: between two chunks of a streamed answer
+        stream = llm("ROMEO:", max_tokens=16, stream=True)
+        next(stream)
+        server.__exit__(None, None, None)
+        for _ in stream:
+            pass
+    print("no error")
+except DeviceLostError as e:
+    print("lost:", e, flush=True)
+try:
+    llm("ROMEO:", max_tokens=1)
+except ClosedError as e:
+    print("closed:", e, flush=True)
+cpu = pymoecache.Llama(path, n_gpu_layers=0, n_ctx=128, verbose=False)   # the process goes on, on the CPU
+print("cpu tokens", cpu("ROMEO:", max_tokens=3)["usage"]["completion_tokens"], flush=True)
+cpu.close()
+try:
+    pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=server.endpoint, n_ctx=128, verbose=False)
+    print("loaded on a gone server")
+except ConfigError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["between", "mid-stream"])
+def test_a_server_that_goes_away_costs_the_model_not_the_process(fixture_dir, tmp_path, how):
+    r = subprocess.run([sys.executable, "-c", GONE_SCRIPT, str(model_path(fixture_dir, MODEL)), how], cwd=tmp_path,
+                       env=installed_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "tokens 3", r.stdout
+    assert lines[1].startswith("lost: rpc server 127.0.0.1:") and "is gone" in lines[1], r.stdout
+    assert lines[2].startswith("closed: ") and "is gone" in lines[2], r.stdout
+    assert lines[3] == "cpu tokens 3", r.stdout
+    assert lines[4].startswith("refused: rpc server 127.0.0.1:") and "new process" in lines[4], r.stdout
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_rpc_server_resolves_names_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--host", "localhost", "--port", str(port)],
+                            cwd=tmp_path, env=installed_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "localhost (127.0.0.1)" in err and "stopped" in err, err
+    assert not _listening(port)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--host", "::1"), "IPv4"),
+    (("--host", "no-such-host.invalid"), "no IPv4 address"),
+    (("--port", "0"), "from 1 to 65535"),
+])
+def test_rpc_server_refuses_what_ggml_cannot_serve(tmp_path, args, says):
+    r = installed(tmp_path, "rpc-server", *args, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "serving" not in r.stderr, r.stderr
