@@ -378,8 +378,13 @@ class MoECache:
         p = np.ascontiguousarray(softmax_f32(z) if probs is None else probs, dtype=np.float32)
         s = None if scores is None else np.ascontiguousarray(scores, dtype=np.float32)
         n_tokens, n_expert = z.shape
-        if p.shape != z.shape or (s is not None and s.shape != z.shape):
-            raise ValueError("logits, probs and scores must have the same shape [n_tokens, n_expert]")
+        if z.ndim != 2 or p.shape != z.shape or (s is not None and s.shape != z.shape):
+            raise ConfigError("logits, probs and scores must have the same shape [n_tokens, n_expert]")
+        allowed = np.count_nonzero(~np.isnan(z) & (z > -np.inf), axis=1)  # NaN and -inf mask an expert out
+        if n_tokens and allowed.min() < self.n_expert_used:
+            t = int(np.argmin(allowed))
+            raise ConfigError(f"token {t}: {int(allowed[t])} of its {n_expert} router logits are numbers (not NaN or "
+                              f"-inf); K = {self.n_expert_used} experts cannot be chosen")
         sel = np.empty((n_tokens, self.n_expert_used), dtype=np.int32)
         hits = np.empty((n_tokens, self.n_expert_used), dtype=np.int8)
         fp = ctypes.POINTER(ctypes.c_float)
@@ -603,15 +608,19 @@ class MoECache:
         d = read_json_file(path, "prior calibration")
         if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
             raise StateFileError(f"{path} is not a pymoecache prior calibration file")
-        if d.get("version") != 1:
+        def whole(v) -> bool:  # a JSON integer: not 4.0, not true
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not whole(d.get("version")) or d.get("version") != 1:
             raise StateFileError(f"{path}: unsupported prior calibration version {d.get('version')!r}")
-        if d.get("n_layer") != self.n_layer or d.get("n_expert") != self.n_expert:
+        if not (whole(d.get("n_layer")) and whole(d.get("n_expert"))) or \
+                d.get("n_layer") != self.n_layer or d.get("n_expert") != self.n_expert:
             raise StateFileError(f"{path} is not a prior calibration for this model "
-                                 f"({self.n_layer} layers, {self.n_expert} experts)")
+                                 f"({self.n_layer} layers, {self.n_expert} experts as integers)")
         delta = d.get("delta")
         if (not isinstance(delta, list) or len(delta) != self.n_layer
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                           and 0 <= x < 3.4e38 for x in delta)):
+                or not all((whole(x) or (isinstance(x, float) and math.isfinite(x))) and 0 <= x < 3.4e38
+                           for x in delta)):
             raise StateFileError(f"{path}: 'delta' must hold {self.n_layer} finite numbers >= 0, one per layer")
         self.set_prior_delta(np.asarray(delta, dtype=np.float32))
 
@@ -710,6 +719,9 @@ class Llama(llama_cpp.Llama):
         # the servers whose devices take this model's layers: each decode first checks that they are there
         self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"
+        if info.is_moe and cache.vram_size > info.n_expert:
+            raise ConfigError(f"vram_size={cache.vram_size}: the model has {info.n_expert} experts per layer; a VRAM "
+                              f"tier holds at most that many")
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),

@@ -464,8 +464,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         app_mod._llama_proxy = None
     proxy = app_mod._llama_proxy = MoELlamaProxy(models=[model_settings])  # loads the model
 
+    # with an API key the documentation is behind it too, as every endpoint but /health (added below)
+    docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pymoecache", version=__version__,
-                  middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))])
+                  middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))], **docs)
     choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
     app.state.cache_choice = str(choice) if choice is not None else None
     app.state.memory_plan = proxy().memory_plan()
@@ -488,6 +490,16 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     queue = _Queue(max_queue, n_parallel)
     auth = [Depends(app_mod.authenticate)]
+    if api_key is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+        async def openapi_behind_the_key():
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=auth)
+        async def docs_behind_the_key():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="pymoecache")
 
     # The stock completion endpoints again, behind validate_request and without their response
     # models (which would drop the "moecache" field); registered first, so they answer these paths.
@@ -549,6 +561,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                                                    inner_send_chan=send_chan, body=body, body_model=body.model,
                                                    llama_call=call, kwargs=kwargs))
 
+    from starlette.requests import ClientDisconnect
+
     def checked(endpoint):
         async def handler(request: Request):
             gone, watcher = threading.Event(), None
@@ -567,6 +581,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                     return await endpoint(request=request, body=body)
                 finally:
                     queue.active -= 1
+            except ClientDisconnect:  # the client hung up before its request was in: nothing was started
+                _log.info("client of %s disconnected before its request arrived", request.url.path)
+                return Response(status_code=499)
             except _ClientGone:
                 _log.info("client of %s disconnected: generation stopped", request.url.path)
                 return JSONResponse({"error": {"message": "client disconnected", "type": "client_gone",

@@ -306,10 +306,11 @@ def fit_predictor(model_path, tokens, *, lam: float = 1000.0, n_threads: Optiona
         raise ConfigError(f"lam must be a positive number, got {lam!r}")
     llm = Llama(str(model_path), cache=CacheConfig(size=1.0, residency="none", router_record=n, router_record_input=True),
                 routing="lru", n_ctx=max(len(c) for c in contexts) + 8, n_threads=n_threads, verbose=False)
-    bad = [t for c in contexts for t in c if not (isinstance(t, numbers.Integral) and 0 <= t < llm.n_vocab())]
+    n_vocab = llm.n_vocab()
+    bad = [t for c in contexts for t in c if not (isinstance(t, numbers.Integral) and 0 <= t < n_vocab)]
     if bad:
         llm.close()
-        raise ConfigError(f"tokens must be token ids in [0, {llm.n_vocab()}) of this model, got {bad[0]!r}")
+        raise ConfigError(f"tokens must be token ids in [0, {n_vocab}) of this model, got {bad[0]!r}")
     for c in contexts:
         llm.reset()
         for t in c:  # one at a time: every layer routes (and records) every token

@@ -320,6 +320,16 @@ PARAM_CLI_CASES = [
     ("prompt-longer-than-context", ["-p", "word " * 400, "--ctx", "64"], "context"),
     ("unknown-option", ["--frobnicate"], "unrecognized"),
     ("hf-file-without-repo", ["-hff", "m.gguf"], "needs --hf-repo"),
+    # said before any work (issue 41 item 8)
+    ("rpc-empty", ["--rpc", ""], "--rpc"),
+    ("hf-empty", ["-hf", ""], "-hf/--hf-repo is empty"),
+    ("ot-empty", ["-ot", ""], "-ot"),
+    ("ot-not-a-regex", ["-ot", "([=CPU"], "not a regular expression"),
+    ("vram-size-above-n", ["--vram-size", "1000"], "vram_size=1000"),
+    ("timeline-plot-unknown-type", ["--timeline-plot", "/tmp/pymoecache-x.foo"], ".foo is none of them"),
+    ("timeline-and-plot-same-file", ["--timeline", "/tmp/pymoecache-same.png", "--timeline-plot",
+                                     "/tmp/pymoecache-same.png"], "overwrite"),
+    ("prior-more-scales-than-layers", ["--routing", "prior:0.2:layers=" + "/".join(["1"] * 40)], "per-layer scales"),
 ]
 
 
@@ -738,6 +748,10 @@ CAL_CASES = [
     ("delta-bools", _cal(delta=lambda d: [True] * d["n_layer"]), "delta"),
     ("delta-dict", _cal(delta={"0": 1.0}), "delta"),
     ("delta-above-float32", _cal(delta=lambda d: [1e39] * d["n_layer"]), "delta"),
+    ("delta-huge-integer", _cal(delta=lambda d: [10 ** 400] * d["n_layer"]), "delta"),
+    ("n-layer-float", _cal(n_layer=lambda d: float(d["n_layer"])), "not a prior calibration for this model"),
+    ("n-expert-float", _cal(n_expert=lambda d: float(d["n_expert"])), "not a prior calibration for this model"),
+    ("version-float", _cal(version=1.0), "version"),
 ]
 
 

@@ -147,3 +147,27 @@ def test_profile_saved_at_shutdown_and_loaded_warm(fixture_dir, tmp_path):
         st = json.loads(_request(base + "/moecache/stats")[1])
         assert st["pinned"] == 3 * len(st["moe_layers"])
         assert "usage profile" in (tmp_path / "log2").read_text()
+
+
+def test_a_client_that_hangs_up_before_its_body_leaves_no_traceback(fixture_dir, tmp_path):
+    """A request whose client leaves halfway through sending it is logged as one line, not a traceback,
+    and the server goes on."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    log = tmp_path / "server.log"
+    with running_server(model_path(fixture_dir, "qwen2moe-60x4"), log, "-c", "256") as (base, _):
+        host, port = urlparse(base).hostname, urlparse(base).port
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            with socket.create_connection((host, port)) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: 100\r\n\r\n{{\"prompt\":".encode())
+                time.sleep(0.3)
+            time.sleep(0.3)
+        assert http_request(base + "/health")[0] == 200
+        status, text = http_request(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200
+    text = log.read_text()
+    assert "Traceback" not in text and "ClientDisconnect" not in text, text[-3000:]
+    assert "failed" not in text, text[-3000:]

@@ -64,7 +64,7 @@ def test_api_key_alias_props_slots_health(keyed, fixture_dir):
     base, log = keyed
     n_ctx_train = model_info(model_path(fixture_dir, MODEL)).n_ctx_train
     assert _get(base + "/health")[0] == 200  # public, as llama-server's
-    for path in ("/v1/models", "/props", "/slots", "/metrics", "/moecache/stats"):
+    for path in ("/v1/models", "/props", "/slots", "/metrics", "/moecache/stats", "/docs", "/openapi.json"):
         with pytest.raises(urllib.error.HTTPError) as e:
             _get(base + path)
         assert e.value.code == 401, path
@@ -74,6 +74,8 @@ def test_api_key_alias_props_slots_health(keyed, fixture_dir):
     with pytest.raises(urllib.error.HTTPError) as e:
         _post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert e.value.code == 401
+    assert json.loads(_get(base + "/openapi.json", KEY)[2])["info"]["title"] == "pymoecache"
+    assert "swagger" in _get(base + "/docs", KEY)[2].lower()
     models = json.loads(_get(base + "/v1/models", KEY)[2])
     assert [m["id"] for m in models["data"]] == ["tiny-moe"]
     res = json.loads(_post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, KEY)[1])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pymoecache import CacheConfig, Llama, MoECache
 from pymoecache.config import ConfigError, Prior, parse_routing
+from pymoecache import tune
 from pymoecache.tune import (LayerPoint, Sensitivity, allocate_slots, choose_layer_scales, ppl_evaluator,
                              tune_layer_scales)
 
@@ -140,3 +141,60 @@ def test_per_layer_scales_through_a_model(fixture_dir):
         assert evaluate(Prior(0.5, top_j=1, layers=(2.0,) * n)) == flat
     finally:
         llm.close()
+
+
+# --- bad input is a ConfigError, said at once (issue 41 item 8) -----------------------------------
+
+def _ev(ppl=10.0, miss=0.5):
+    return lambda routing: (ppl, {il: miss for il in range(4)})
+
+
+_BAD_CALLS = {
+    "slots-nan-rate": lambda: tune.allocate_slots({0: {2: float("nan")}}, 4, 2),
+    "slots-negative-rate": lambda: tune.allocate_slots({0: {2: -0.1}}, 4, 2),
+    "slots-rate-above-1": lambda: tune.allocate_slots({0: {2: 1.5}}, 4, 2),
+    "slots-huge-total": lambda: tune.allocate_slots({0: {2: 0.5, 8: 0.1}}, 10 ** 12, 2),
+    "slots-no-layers": lambda: tune.allocate_slots({}, 4, 2),
+    "slots-layer-without-sizes": lambda: tune.allocate_slots({0: {}}, 4, 2),
+    "slots-fractional-total": lambda: tune.allocate_slots({0: {2: 0.5}}, 4.5, 2),
+    "slots-k-0": lambda: tune.allocate_slots({0: {2: 0.5}}, 4, 0),
+    "slots-size-not-a-number": lambda: tune.allocate_slots({0: {"a": 0.5}}, 4, 2),
+    "choose-base-ppl-0": lambda: tune.choose_layer_scales(tune.Sensitivity(0.0, {0: 0.5}), 0.01),
+    "choose-point-of-unknown-layer": lambda: tune.choose_layer_scales(
+        tune.Sensitivity(10.0, {0: 0.5}, [tune.LayerPoint(1, 1.0, 11.0, 0.3)]), 0.01),
+    "choose-nan-budget": lambda: tune.choose_layer_scales(tune.Sensitivity(10.0, {0: 0.5}), float("nan")),
+    "choose-negative-budget": lambda: tune.choose_layer_scales(tune.Sensitivity(10.0, {0: 0.5}), -1),
+    "choose-negative-mu": lambda: tune.choose_layer_scales(tune.Sensitivity(10.0, {0: 0.5}), 0.01, mu=-1),
+    "sensitivity-layer-out-of-range": lambda: tune.layer_sensitivity(_ev(), 0.5, 1, [5], 2),
+    "sensitivity-evaluate-misses-a-layer": lambda: tune.layer_sensitivity(lambda r: (10.0, {}), 0.5, 1, [0], 1),
+    "sensitivity-evaluate-returns-none": lambda: tune.layer_sensitivity(lambda r: None, 0.5, 1, [0], 1),
+    "sensitivity-nan-ppl": lambda: tune.layer_sensitivity(_ev(ppl=float("nan")), 0.5, 1, [0], 1),
+    "sensitivity-negative-scale": lambda: tune.layer_sensitivity(_ev(), 0.5, 1, [0], 1, scales=(-1.0,)),
+    "tune-no-layers": lambda: tune.tune_layer_scales(_ev(), 0.5, 1, [], 1, 0.01),
+    "tune-nan-budget": lambda: tune.tune_layer_scales(_ev(), 0.5, 1, [0], 1, float("nan")),
+    "tune-negative-budget": lambda: tune.tune_layer_scales(_ev(), 0.5, 1, [0], 1, -0.01),
+    "tune-max-tries-0": lambda: tune.tune_layer_scales(_ev(), 0.5, 1, [0], 1, 0.01, max_tries=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_CALLS))
+def test_tune_refuses_bad_input_with_a_config_error(name):
+    with pytest.raises(ConfigError):
+        _BAD_CALLS[name]()
+
+
+def test_fit_predictor_refuses_token_ids_outside_the_vocabulary(fixture_dir):
+    with pytest.raises(ConfigError, match="token ids"):
+        tune.fit_predictor(str(fixture_dir / "qwen2moe-60x4.gguf"), [1, 2, 10 ** 9])
+
+
+def test_route_refuses_a_token_with_fewer_than_k_experts_to_choose():
+    mc = MoECache.synthetic(1, 8, 2, cache=CacheConfig(size=4))
+    try:
+        with pytest.raises(ConfigError, match="K = 2 experts cannot be chosen"):
+            mc.route(0, np.full((1, 8), np.nan, dtype=np.float32))
+        z = np.full((2, 8), -np.inf, dtype=np.float32)
+        z[:, :2] = 1.0  # two numbers: K = 2 can be chosen, the rest is masked
+        assert sorted(mc.route(0, z)[0][0].tolist()) == [0, 1]
+    finally:
+        mc.close()

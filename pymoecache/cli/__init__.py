@@ -136,6 +136,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.print_help()
         return EXIT_USAGE
     where = f"pymoecache {args.command}"
+    import warnings
+
+    # a warning of the package is one line in the CLI's words, not Python's "file:line: UserWarning:" and source
+    warnings.formatwarning = lambda message, category, *_a, **_k: f"{where}: warning: {message}\n"
     try:
         _validate(args)
         if args.command == "run" and args.conversation:  # llama-cli -cnv: a conversation, -p its first message
