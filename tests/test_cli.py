@@ -704,3 +704,12 @@ def test_an_unknown_option_gets_a_did_you_mean(typo, meant):
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "--zzzzzz"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "did you mean" not in r.stderr  # nothing close: no guess
+
+
+def test_a_warning_is_one_line_in_the_clis_words(fixture_dir):
+    """Python's "file:line: UserWarning:" and the source line never reach the user."""
+    r = cli("run", model_path(fixture_dir, QWEN), "-n", "1", "--vram-size", "30", "--cache-size", "1.0")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "vram_size=30" in ln]
+    assert lines and lines[0].startswith("pymoecache run: warning: vram_size=30 ignored"), r.stderr
+    assert "UserWarning" not in r.stderr and ".py:" not in r.stderr, r.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import List, Optional
 
 from ..errors import Error
@@ -136,10 +137,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.print_help()
         return EXIT_USAGE
     where = f"pymoecache {args.command}"
-    import warnings
-
     # a warning of the package is one line in the CLI's words, not Python's "file:line: UserWarning:" and source
-    warnings.formatwarning = lambda message, category, *_a, **_k: f"{where}: warning: {message}\n"
+    python_format, warnings.formatwarning = warnings.formatwarning, \
+        lambda message, category, *_a, **_k: f"{where}: warning: {message}\n"
+    try:
+        return _main(args, where)
+    finally:
+        warnings.formatwarning = python_format  # (main called in a process that goes on: tests, scripts)
+
+
+def _main(args, where: str) -> int:
     try:
         _validate(args)
         if args.command == "run" and args.conversation:  # llama-cli -cnv: a conversation, -p its first message
