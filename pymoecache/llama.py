@@ -347,8 +347,10 @@ class MoECache:
         if len(scale) > self.n_layer:
             raise ConfigError(f"{routing.spec()} gives {len(scale)} per-layer scales; the model has {self.n_layer} "
                               "layers: give at most one scale per layer")
-        warnings.warn(f"{routing.spec()} gives {len(scale)} per-layer scales for {self.n_layer} layers: layers "
-                      f"{len(scale)} to {self.n_layer - 1} keep scale 1 (the flat prior)", stacklevel=4)
+        rest = (f"layer {len(scale)} keeps" if len(scale) == self.n_layer - 1 else
+                f"layers {len(scale)} to {self.n_layer - 1} keep")
+        warnings.warn(f"{routing.spec()} gives {len(scale)} per-layer scales for {self.n_layer} layers: {rest} "
+                      "scale 1 (the flat prior)", stacklevel=4)
 
     def _apply_layer_scale(self, routing: Routing) -> None:
         """The prior's per-layer scales (Prior.layers), or 1 everywhere for any other routing."""

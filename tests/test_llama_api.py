@@ -179,7 +179,7 @@ def test_a_refused_routing_applies_nowhere(fixture_dir, llm):
     now = _misses(llm, tokens)
     llm.set_routing(before)
     assert _misses(llm, tokens) == now
-    with pytest.warns(UserWarning, match=f"keep scale 1"):
+    with pytest.warns(UserWarning, match=r"keeps? scale 1"):
         llm.set_routing("prior:0.2:j=1:layers=0")
     llm.set_routing(before)
 
