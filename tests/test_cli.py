@@ -713,3 +713,22 @@ def test_a_warning_is_one_line_in_the_clis_words(fixture_dir):
     lines = [ln for ln in r.stderr.splitlines() if "vram_size=30" in ln]
     assert lines and lines[0].startswith("pymoecache run: warning: vram_size=30 ignored"), r.stderr
     assert "UserWarning" not in r.stderr and ".py:" not in r.stderr, r.stderr
+
+
+def test_reverse_prompt_no_warmup_and_gpu_layers_without_a_gpu():
+    """llama.cpp's -r stops where its text appears; --no-warmup is accepted and said to do nothing,
+    once; -ngl without a GPU device says the layers stay on the CPU (issue 43 item 2)."""
+    base = ("run", "-p", "Once upon a time", "-n", "30", "--temp", "0", "--json")
+    full = json.loads(cli(*base).stdout)["text"]
+    assert "POMPEY" in full  # (what the embedded model says greedily)
+    r = cli(*base, "-r", "POMPEY", "--reverse-prompt", "nothing-like-this", "--no-warmup")
+    assert r.returncode == 0, r.stderr
+    cut = json.loads(r.stdout)["text"]
+    assert "POMPEY" not in cut and full.startswith(cut) and len(cut) < len(full)
+    assert r.stderr.count("--no-warmup: pymoecache runs no warm-up pass") == 1, r.stderr
+    probe = subprocess.run([sys.executable, "-c", "from pymoecache._lib import has_gpu_device; print(has_gpu_device())"],
+                           cwd=ROOT, capture_output=True, text=True)
+    r = cli("run", "-p", "Hi", "-n", "1", "-ngl", "99")
+    assert r.returncode == 0, r.stderr
+    said = "-ngl 99: this build has no GPU device" in r.stderr
+    assert said == (probe.stdout.strip() == "False"), (probe.stdout, r.stderr)

@@ -67,3 +67,51 @@ def test_out_of_range_numbers_exit_2_with_one_line(fixture_dir, tmp_path, monkey
     assert rc == 2, f"exit {rc}: {msg[-400:]}"
     assert "internal error" not in msg and "Traceback" not in msg, msg
     assert option.lstrip("-").split("-")[0] in msg or "argument" in msg or "must" in msg, msg
+
+
+# --- no option is taken by a prefix of its name (issue 43 item 2) ----------------------------------
+
+def _prefix_cases():
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, p in sub.choices.items():
+        names = {o for a in p._actions for o in a.option_strings}
+        for a in p._actions:
+            for name in a.option_strings:
+                if not name.startswith("--"):
+                    continue
+                for n in range(3, len(name)):
+                    if name[:n] not in names:
+                        yield command, name, name[:n]
+
+
+PREFIXES = list(_prefix_cases())
+
+
+def test_every_prefix_of_every_option_is_refused_with_the_commands_own_guess(capsys):
+    """llama.cpp takes no prefixes: `run --prio 0.5` must not run prior:0.5. Each proper prefix of every
+    long option of every command exits 2, names the command's --help, and a guess is one of that
+    command's options."""
+    assert len(PREFIXES) > 1000
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    required = {"ppl": ["--text", "t"], "trace": ["--text", "t", "--out", "o"], "simulate": ["--text", "t"],
+                "plot-timeline": ["t.npz"]}
+    for command, name, prefix in PREFIXES:
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args([command, *required.get(command, []), prefix, "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (command, prefix)
+        assert f"pymoecache {command}: error: unrecognized arguments: {prefix}" in err, (command, prefix, err)
+        assert f"(see pymoecache {command} --help)" in err, err
+        guess = err.partition("did you mean ")[2].partition("?")[0]
+        own = {o for a in sub.choices[command]._actions for o in a.option_strings}
+        assert not guess or guess in own, (command, prefix, guess)
+
+
+def test_a_guess_is_never_an_option_the_command_does_not_have(capsys):
+    for argv, wrong in ((["bench", "-p", "x"], "-p"), (["serve", "--jinja"], "--json"), (["info", "--prior", "1"], None)):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert f"(see pymoecache {argv[0]} --help)" in err, err
+        if wrong:
+            assert f"did you mean {wrong}?" not in err, err

@@ -114,6 +114,15 @@ def _validate(args) -> None:
     port = getattr(args, "port", None)
     if port is not None and not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
+    if getattr(args, "no_warmup", False):
+        print(f"pymoecache {args.command}: note: --no-warmup: pymoecache runs no warm-up pass, nothing to skip",
+              file=sys.stderr)
+    if getattr(args, "n_gpu_layers", 0) and getattr(args, "rpc", None) is None:
+        from .._lib import has_gpu_device
+
+        if not has_gpu_device():
+            print(f"pymoecache {args.command}: note: -ngl {args.n_gpu_layers}: this build has no GPU device (no GPU "
+                  "backend found one, and no --rpc server): the layers stay on the CPU", file=sys.stderr)
 
 
 def _one_line(e: BaseException) -> str:

@@ -23,7 +23,22 @@ class UserError(Error):
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (usage stays in --help) and a "did you mean" for an unknown
-    option; subcommands inherit it."""
+    option; subcommands inherit it. As llama.cpp, no option is taken by a prefix of its name
+    (``--prio`` is not ``--prior``), and a subcommand reports its own unknown options: the guess is
+    one of its options, and the error points at its own --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and self._is_subcommand():
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return ns, extras
+
+    def _is_subcommand(self) -> bool:
+        return " " in self.prog  # "pymoecache run": made by add_subparsers
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
@@ -33,13 +48,7 @@ class Parser(argparse.ArgumentParser):
 
         if not message.startswith("unrecognized arguments: "):
             return ""
-        known, parsers = [], [self]
-        while parsers:  # (unknown options are reported by the top parser: look through the commands too)
-            p = parsers.pop()
-            for a in p._actions:
-                known += a.option_strings
-                if isinstance(a, argparse._SubParsersAction):
-                    parsers += list(a.choices.values())
+        known = [o for a in self._actions for o in a.option_strings]  # this command's own options
         for word in message[len("unrecognized arguments: "):].split():
             if word.startswith("-"):
                 close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
@@ -229,6 +238,9 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("--no-mmap", dest="no_mmap", action="store_true",
                    help="read the whole model into memory instead of mapping it, as llama.cpp; only with "
                         "--residency none: streamed and mapped experts are read from the mapped file (default: off)")
+    p.add_argument("--no-warmup", dest="no_warmup", action="store_true",
+                   help="accepted for llama.cpp's command lines: pymoecache runs no warm-up pass, so there is "
+                        "nothing to skip (said once)")
     p.add_argument("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
                    help="print llama.cpp's log on stderr (default: off)")
     p.add_argument("--log-disable", dest="verbose", action="store_false",
@@ -355,6 +367,9 @@ def add_conversation_options(p) -> None:
 def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) -> None:
     """llama.cpp's sampling options (same names, same defaults except where said)."""
     g = p.add_argument_group("sampling")
+    g.add_argument("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=None, metavar="TEXT",
+                   help="stop generating where TEXT appears (not printed), as llama.cpp's -r; may be given more "
+                        "than once (default: none)")
     g.add_argument("--temp", type=float, default=temp_default, metavar="T",
                    help=f"temperature; 0 = greedy, always the most likely token (default {temp_default:g})")
     g.add_argument("--top-k", type=int, default=40, metavar="K",
@@ -376,6 +391,8 @@ def sampling_kwargs(args, llm) -> dict:
     """Keyword arguments of ``Llama.__call__`` / ``create_completion`` for the sampling options."""
     kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
               repeat_penalty=args.repeat_penalty, seed=args.seed)
+    if getattr(args, "reverse_prompt", None):
+        kw["stop"] = list(args.reverse_prompt)
     if args.ignore_eos:
         import llama_cpp
 
