@@ -65,16 +65,20 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
     global _log_last_level
     if sys.is_finalizing():  # a model freed at interpreter exit: logging and imports are gone by now
         return
-    keep = level >= _LOG_LEVEL_WARN if level != _LOG_LEVEL_CONT else _log_last_level >= _LOG_LEVEL_WARN
+    effective = level if level != _LOG_LEVEL_CONT else _log_last_level
     if level != _LOG_LEVEL_CONT:
         _log_last_level = level
-    line = text.decode("utf-8", "replace").strip() if keep and text else ""
+    line = text.decode("utf-8", "replace").strip() if effective >= _LOG_LEVEL_WARN and text else ""
     if line.startswith("moecache: "):  # our own warnings: Python's logging, whatever llama.cpp's verbosity
         _log.warning("%s", line[len("moecache: "):].removeprefix("warning: "))
         return
     if line:
         _LOG_TAIL.append(line)
-    _llama_cpp_log(level, text, user_data)
+    # verbose=True: llama.cpp's whole log, as stock. verbose=False: nothing (llama-cpp-python's own
+    # callback maps an older ggml enum and printed every warning, "n_ctx_seq > n_ctx_train" among them);
+    # warnings and errors stay in the log tail, and a failed load's reason is in its exception
+    if _llama_cpp_logger.logger.level <= logging.DEBUG:
+        _llama_cpp_log(level, text, user_data)
 
 
 _llama_cpp_log = _llama_cpp_logger.llama_log_callback  # bound now: no import inside a callback
@@ -133,6 +137,44 @@ def _check_llama_kwargs(kw: dict) -> None:
         check_int("seed", kw["seed"], -1, 2**32 - 1)
     if "n_gpu_layers" in kw:
         check_int("n_gpu_layers", kw["n_gpu_layers"], -1, INT32_MAX)
+
+
+def _llama_keywords() -> frozenset:
+    """The keywords llama_cpp.Llama takes (its signature), ours, and rpc_servers (taken here)."""
+    import inspect
+
+    sig = inspect.signature(llama_cpp.Llama.__init__).parameters
+    return frozenset(n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD) \
+        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope"}
+
+
+def _check_keywords(kw: dict) -> None:
+    """ConfigError for a keyword neither llama_cpp.Llama nor we take (llama-cpp-python's ``**kwargs``
+    would swallow it: ``cache_size=0.25`` did nothing), with the closest one as a guess."""
+    import difflib
+
+    known = _llama_keywords()
+    for name in kw:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            raise ConfigError(f"Llama() got an unknown keyword {name!r}" + (f"; did you mean {close[0]!r}?" if close
+                                                                                else ""))
+
+
+def _as_cache(cache) -> CacheConfig:
+    """``cache=``: a CacheConfig, or what ``--cache-size`` takes (30, 0.25, "25%", "3GiB", "auto")."""
+    if cache is None:
+        return CacheConfig()
+    if isinstance(cache, CacheConfig):
+        return cache
+    if isinstance(cache, str):
+        from .config import parse_cache_size
+
+        return CacheConfig(size=parse_cache_size(cache))
+    if isinstance(cache, (int, float)) and not isinstance(cache, bool):
+        return CacheConfig(size=cache)
+    raise ConfigError(f"cache must be a pymoecache.CacheConfig or a cache size (30, 0.25, '25%', '3GiB', 'auto'), "
+                      f"got {cache!r}")
 
 
 def _file_signature(path: str) -> Tuple[int, int, int, int]:
@@ -685,13 +727,16 @@ class Llama(llama_cpp.Llama):
     'stream: read 2.54 MiB/tok | per token: compute 20.39 ms, I/O wait 3.69 ms, routing 0.160 ms | rss 1244 MiB ...'
     """
 
-    def __init__(self, model_path: str, *, cache: Optional[CacheConfig] = None,
+    def __init__(self, model_path: Optional[str] = None, *, cache: Union[CacheConfig, int, float, str, None] = None,
                  routing: Union[Routing, str, None] = None, routing_scope: str = "all", **kwargs):
+        _check_keywords(kwargs)
+        if model_path is None:  # as the CLI: the embedded default model
+            from .models import default_model_path
+
+            model_path = str(default_model_path())
         info = model_info(model_path)  # clear errors for missing, non-GGUF, truncated and impossible files
         choice: Optional[AutoCacheSize] = None
-        cache = cache if cache is not None else CacheConfig()
-        if not isinstance(cache, CacheConfig):
-            raise ConfigError(f"cache must be a pymoecache.CacheConfig, got {cache!r}")
+        cache = _as_cache(cache)
         if isinstance(routing, str):
             routing = parse_routing(routing)
         if routing is None:  # the default: a preset (top-k where every expert is cached)
@@ -847,6 +892,30 @@ class Llama(llama_cpp.Llama):
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
         if cache.predictor is not None:
             self.load_predictor(cache.predictor)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: Optional[str] = None, **kwargs) -> "Llama":
+        """``llama_cpp.Llama.from_pretrained``: a GGUF of a Hugging Face Hub repository (``filename``
+        may be a glob), downloaded once, then loaded as :class:`Llama` with ``kwargs``. Any failure of
+        the download (offline, no such repository or file) is a :class:`pymoecache.hub.HubError` of
+        one line; a missing huggingface-hub a :class:`MissingDependencyError`.
+
+        >>> llm = Llama.from_pretrained("OWNER/SOME-MOE-GGUF", "*Q4_K_M.gguf", cache="50%")  # doctest: +SKIP
+        """
+        from .errors import Error, MissingDependencyError
+        from .hub import HubError
+
+        try:
+            return super().from_pretrained(repo_id, filename, **kwargs)
+        except Error:
+            raise
+        except ImportError:
+            raise MissingDependencyError("Llama.from_pretrained needs huggingface-hub: pip install "
+                                         "'pymoecache[hub]'") from None
+        except Exception as e:  # huggingface_hub's and httpx's errors, llama-cpp-python's ValueError
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise HubError(f"cannot get {filename or 'a GGUF'} of {repo_id} from the Hugging Face Hub: "
+                           f"{why[:300]}") from None
 
     _plan_inputs = None
     _plan = None

@@ -218,3 +218,17 @@ def test_run_hf_repo_with_a_quant_picks_the_file_llama_cpp_would(tmp_path, fixtu
     assert "moe-Q8_0.gguf" in r.stderr  # says what there is
     r, _ = run("-hf", "own/unknown")
     assert r.returncode == 2 and "no file of own/unknown is in the local cache" in r.stderr
+
+
+def test_from_pretrained_offline_is_one_pymoecache_error(tmp_path):
+    """llama-cpp-python's from_pretrained raised huggingface_hub's and httpx's own errors; ours is a
+    pymoecache.Error of one line (issue 43 item 3)."""
+    code = ("import pymoecache\n"
+            "try:\n    pymoecache.Llama.from_pretrained('own/moe', '*.gguf', n_ctx=64)\n"
+            "except pymoecache.Error as e:\n    print(type(e).__name__, '|', e)\n")
+    for env in (dict(_hub_env(tmp_path, f"http://127.0.0.1:{_closed_port()}"), HF_HUB_OFFLINE="1"),
+                _hub_env(tmp_path, f"http://127.0.0.1:{_closed_port()}")):
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        kind, _, msg = r.stdout.strip().partition(" | ")
+        assert kind == "HubError" and "own/moe" in msg and "\n" not in r.stdout.strip(), r.stdout

@@ -213,3 +213,41 @@ def test_every_preset_and_eviction_changed_later_equals_a_fresh_load(fixture_dir
                     llm.set_routing("prior:0.5")  # (the fresh load with an eviction routes with prior:0.5)
                 got = (_misses(llm, tokens), llm.moecache.eviction, llm.moecache.eviction_decay)
                 assert got == want[then], (first, then, got[1:], want[then][1:])
+
+
+# --- the Python object as llama-cpp-python users expect it (issue 43 item 3) ------------------------
+
+def test_no_path_is_the_default_model_and_cache_takes_what_the_cli_takes(tmp_path):
+    with pymoecache.Llama(cache="25%", n_ctx=64, verbose=False) as llm:
+        assert llm.model_path == str(pymoecache.default_model_path())
+        assert llm.cache_config.size == 0.25
+        assert llm.moecache.layer_row(llm.model_info.moe_layers[0])[0][1] == llm.model_info.n_expert // 4
+    for size, want in ((30, 30), (0.5, 0.5), ("30", 30), ("auto", None)):
+        with pymoecache.Llama(cache=size, n_ctx=64, verbose=False) as llm:
+            assert want is None or llm.cache_config.size == want
+    with pytest.raises(pymoecache.ConfigError, match="cache size"):
+        pymoecache.Llama(cache="lots", n_ctx=64, verbose=False)
+    with pytest.raises(pymoecache.ConfigError, match="cache must be"):
+        pymoecache.Llama(cache=[1], n_ctx=64, verbose=False)
+
+
+def test_unknown_keywords_are_refused_with_a_guess():
+    with pytest.raises(pymoecache.ConfigError, match="unknown keyword 'cache_size'; did you mean 'cache'"):
+        pymoecache.Llama(cache_size=0.25)
+    with pytest.raises(pymoecache.ConfigError, match="unknown keyword 'n_gpu_layer'; did you mean 'n_gpu_layers'"):
+        pymoecache.Llama(n_gpu_layer=1)
+
+
+def test_verbose_false_is_quiet():
+    """llama.cpp's warnings (here: a context longer than the model was trained for) stay unprinted."""
+    import subprocess
+    import sys
+
+    code = ("import pymoecache\n"
+            "llm = pymoecache.Llama(n_ctx=4096, verbose=False)\n"
+            "llm('Once', max_tokens=2)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", code.replace("False", "True")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert "n_ctx_seq (4096) > n_ctx_train" in r.stderr  # verbose=True: llama.cpp's whole log, as stock
