@@ -252,6 +252,15 @@ def validate_request(llm, path: str, raw: bytes):
     if opts is not None and not d.get("stream"):
         raise RequestError("'stream_options' is only allowed with \"stream\": true", 400, "stream_options")
     n_ctx = llm.n_ctx()
+    # what current OpenAI SDKs send (max_completion_tokens) and llama-server's n_predict (-1: no limit)
+    # are max_tokens by other names: one of them, or the same value in each
+    given = {k: d.pop(k) for k in ("max_completion_tokens", "n_predict", "max_tokens") if d.get(k) is not None}
+    if given.get("n_predict") == -1:
+        given["n_predict"] = None
+    if len({json.dumps(v) for v in given.values()}) > 1:
+        raise RequestError(f"{' and '.join(sorted(given))} differ ({given}): give one limit", 400, sorted(given)[0])
+    if given:
+        d["max_tokens"] = next(iter(given.values()))
     mt = d.get("max_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
         raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",

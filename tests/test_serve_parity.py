@@ -190,6 +190,30 @@ def test_openai_client_streams_with_include_usage(keyed):
     assert all(c.usage is None for c in without)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="the openai client is not installed")
+def test_max_completion_tokens_and_n_predict_are_limits(keyed):
+    """What current OpenAI SDKs send (max_completion_tokens) and llama-server's n_predict limit the
+    answer as max_tokens does; two different limits are a 400 (issue 43 item 1)."""
+    import openai
+
+    base, _ = keyed
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    chat = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "Hello"}],
+                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert 1 <= chat.usage.completion_tokens <= 3
+    chunks = list(client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "Hello"}],
+                                                 max_completion_tokens=4, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens <= 4
+    for body in ({"prompt": "Once upon a time", "n_predict": 3}, {"prompt": "Once upon a time", "max_completion_tokens": 3},
+                 {"prompt": "Once upon a time", "max_tokens": 3, "n_predict": 3}):
+        res = json.loads(_post(base + "/v1/completions", dict(body, temperature=0, logit_bias={}), KEY)[1])
+        assert 1 <= res["usage"]["completion_tokens"] <= 3, (body, res)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "max_completion_tokens": 5}, KEY)
+    assert e.value.code == 400 and "give one limit" in e.value.read().decode()
+
+
 def test_serve_context_is_capped_by_memory():
     from pymoecache.cli.serve import serve_context
     from pymoecache.model_info import ModelInfo
