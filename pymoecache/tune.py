@@ -43,14 +43,21 @@ def _number(what: str, v, lo: float = 0.0, hi: float = math.inf, lo_open: bool =
     return float(v)
 
 
+def _int(what: str, v, lo: int, hi: int) -> int:
+    """``v`` as an int when it is a whole number (Python's or numpy's, not a bool) in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        check_int(what, v, lo, hi)  # (raises, saying what was expected)
+    check_int(what, int(v), lo, hi)
+    return int(v)
+
+
 def _rates(what: str, rates) -> Dict[int, float]:
     """``{int: rate in [0, 1]}`` checked (a miss rate per layer, or per cache size)."""
     if not isinstance(rates, Mapping) or not rates:
         raise ConfigError(f"{what} must be a non-empty mapping, got {rates!r}")
     out = {}
     for key, v in rates.items():
-        check_int(f"a key of {what}", key, 0, MOECACHE_MAX_EXPERTS)
-        out[key] = _number(f"{what}[{key}]", v, 0.0, 1.0)
+        out[_int(f"a key of {what}", key, 0, MOECACHE_MAX_EXPERTS)] = _number(f"{what}[{key}]", v, 0.0, 1.0)
     return out
 
 
@@ -68,12 +75,10 @@ def allocate_slots(miss: Mapping[int, Mapping[int, float]], total: int, k: int) 
         raise ConfigError("allocate_slots: no layers (miss must map each layer to {cache size: miss rate})")
     if len(miss) > MOECACHE_MAX_LAYERS:
         raise ConfigError(f"allocate_slots: {len(miss)} layers; at most {MOECACHE_MAX_LAYERS}")
-    for il in miss:
-        check_int("a layer of miss", il, 0, MOECACHE_MAX_LAYERS)
-    miss = {il: _rates(f"miss[{il}]", m) for il, m in miss.items()}
+    miss = {_int("a layer of miss", il, 0, MOECACHE_MAX_LAYERS): _rates(f"miss[{il}]", m) for il, m in miss.items()}
     layers = list(miss)
-    check_int("k", k, 1, MOECACHE_MAX_EXPERTS)
-    check_int("total", total, 0, MOECACHE_MAX_EXPERTS * len(layers))
+    k = _int("k", k, 1, MOECACHE_MAX_EXPERTS)
+    total = _int("total", total, 0, MOECACHE_MAX_EXPERTS * len(layers))
     if total < k * len(layers):
         raise ConfigError(f"{total} slots cannot give {len(layers)} layers K = {k} each")
 
@@ -165,12 +170,10 @@ def layer_sensitivity(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]
     """Measures each layer's cost: ``evaluate(routing) -> (perplexity, {layer: miss rate})`` runs the
     calibration text; first with the prior off everywhere (scale 0), then for each layer and scale
     with the prior at ``scale x strength`` on that layer alone."""
-    check_int("n_layer", n_layer, 1, MOECACHE_MAX_LAYERS)
-    layers = list(layers)
+    n_layer = _int("n_layer", n_layer, 1, MOECACHE_MAX_LAYERS)
+    layers = [_int("a layer", il, 0, n_layer - 1) for il in layers]
     if not layers:
         raise ConfigError("no layers to measure")
-    for il in layers:
-        check_int("a layer", il, 0, n_layer - 1)
     scales = [_number("a scale", x, lo_open=True) for x in scales]
     off = Prior(strength, top_j=top_j, layers=(0.0,) * n_layer)
     base_ppl, base_miss = _measured(evaluate, off, layers)
@@ -222,7 +225,7 @@ def tune_layer_scales(evaluate: Callable[[Prior], "tuple[float, Dict[int, float]
     exactly), the budget given to the choice shrinks by a quarter and the choice is checked again,
     at most ``max_tries`` times; the last one that fits wins (the flat-off router if none)."""
     budget = _number("the perplexity budget", budget, lo_open=True)
-    check_int("max_tries", max_tries, 1, 1000)
+    max_tries = _int("max_tries", max_tries, 1, 1000)
     sens = layer_sensitivity(evaluate, strength, top_j, layers, n_layer, scales, progress)
     b = budget
     best = None
