@@ -1,5 +1,6 @@
 """Files the package writes (calibrations, CSV and JSON results, router traces): written whole or
-not at all, and only over regular files.
+not at all, and only over regular files; and the one reader of the files a user names to be read
+(:func:`read_regular_file`: prompts, state as JSON).
 
 A uniquely named temporary file is created beside the target (O_EXCL | O_NOFOLLOW: a link planted
 at its name is never followed), written, synced, then renamed over the target. The target must be
@@ -24,11 +25,46 @@ import os
 import re
 import secrets
 import stat
-from typing import Type
+from typing import Optional, Type
 
 from .errors import Error, StateFileError
 
 _TMP = ".tmp."  # <dir>/.<name>.tmp.<pid>.<random>
+
+
+class NotARegularFile(Exception):
+    """:func:`read_regular_file`: the path is a directory (``is_dir``), FIFO, socket or device."""
+
+    def __init__(self, is_dir: bool):
+        super().__init__("a directory" if is_dir else "not a regular file")
+        self.is_dir = is_dir
+
+
+class FileTooLarge(Exception):
+    """:func:`read_regular_file`: the file holds more than the bytes allowed (``size``: at least)."""
+
+    def __init__(self, size: int):
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
+def read_regular_file(path: str, max_bytes: Optional[int] = None) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``max_bytes`` (None: any size).
+    It is opened without waiting (a FIFO without a writer would block ``open``), checked before
+    anything is read (``/dev/zero`` never ends), and read once. OSError where it cannot be opened or
+    read, :class:`NotARegularFile`, :class:`FileTooLarge` (also for a file that grew while read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
+        os.close(fd)  # (before fdopen, which refuses a directory with an error of its own)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFile(stat.S_ISDIR(st.st_mode))
+        raise FileTooLarge(st.st_size)
+    with os.fdopen(fd, "rb") as f:  # (closes fd)
+        data = f.read(max_bytes + 1 if max_bytes is not None else -1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise FileTooLarge(len(data))
+    return data
 
 
 def _pid_alive(pid: int) -> bool:

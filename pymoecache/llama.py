@@ -33,7 +33,7 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCI
 from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
                      ModelLoadError, StateFileError)
 from ._logtail import LINES, take_log_lines
-from .files import write_atomic
+from .files import FileTooLarge, NotARegularFile, read_regular_file, write_atomic
 from .grammar import check_grammar
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from . import plan as _plan
@@ -195,21 +195,17 @@ def _checked_path(path: "os.PathLike[str] | str", what: str) -> bytes:
 
 def read_json_file(path: "os.PathLike[str] | str", what: str):
     """Parse a small JSON file; StateFileError for anything but a readable regular file of valid JSON."""
-    import stat
-
     p = os.fsdecode(_checked_path(path, what))
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO never blocks us
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_BYTES:
-            os.close(fd)
-            raise StateFileError(f"{what} {p} is not a regular file" if not stat.S_ISREG(st.st_mode)
-                                 else f"{what} {p} is too large ({st.st_size} bytes)")
-        with os.fdopen(fd, "rb") as f:  # closes fd
-            raw = f.read(_MAX_JSON_BYTES + 1)
-        return json.loads(raw.decode("utf-8"))
+        raw = read_regular_file(p, _MAX_JSON_BYTES)
     except OSError as e:
         raise StateFileError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    except NotARegularFile:
+        raise StateFileError(f"{what} {p} is not a regular file") from None
+    except FileTooLarge as e:
+        raise StateFileError(f"{what} {p} is too large ({e.size} bytes)") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON (json.JSONDecodeError is a ValueError)
         raise StateFileError(f"{what} {p} is not valid JSON: {str(e)[:200]}") from None
 

@@ -445,29 +445,19 @@ def read_text_file(path: str, what: str, max_tokens: int = 0) -> str:
     """A UTF-8 text file the user named (a prompt), as one string; UserError when it cannot be read,
     is not a regular file (a FIFO would block, /dev/zero never end), or is longer than a context of
     ``max_tokens`` tokens could hold (0: no bound)."""
-    import stat
+    from ..files import FileTooLarge, NotARegularFile, read_regular_file
 
     limit = max_tokens * MAX_TOKEN_BYTES if max_tokens > 0 else None
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # (a FIFO's open must not wait for a writer)
+        data = read_regular_file(path, limit)
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
-        raise UserError(f"{what} {path} is {kind}: give a text file")
-    with os.fdopen(fd, "rb") as f:
-        too_long = (f"{what} {path} is too long for the context: more than {limit} bytes cannot fit {max_tokens} "
-                    f"tokens; use a shorter file or a larger context (-c)")
-        if limit is not None and st.st_size > limit:
-            raise UserError(too_long)
-        try:
-            data = f.read(limit + 1 if limit is not None else -1)
-        except OSError as e:
-            raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
-        if limit is not None and len(data) > limit:  # (it grew while we read)
-            raise UserError(too_long)
+    except NotARegularFile as e:
+        kind = "a directory" if e.is_dir else "not a regular file (a FIFO, socket or device)"
+        raise UserError(f"{what} {path} is {kind}: give a text file") from None
+    except FileTooLarge:
+        raise UserError(f"{what} {path} is too long for the context: more than {limit} bytes cannot fit {max_tokens} "
+                        f"tokens; use a shorter file or a larger context (-c)") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
