@@ -99,6 +99,9 @@ def load_ggml():
         # GGML_API ggml_backend_dev_t ggml_backend_dev_get(size_t index);
         ggml.ggml_backend_dev_get.argtypes = [c_size_t]
         ggml.ggml_backend_dev_get.restype = c_void_p
+        # GGML_API const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+        ggml.ggml_backend_dev_description.argtypes = [c_void_p]
+        ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
         # GGML_API enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
         ggml.ggml_backend_dev_type.argtypes = [c_void_p]
         ggml.ggml_backend_dev_type.restype = c_int

@@ -21,9 +21,10 @@ def check_image_path(path, what: str = "plot") -> None:
     .pdf, ...): said before any work, not after it."""
     import os
 
-    plt = require_matplotlib()
-    kinds = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(str(path))[1].lower().lstrip(".")
     if ext not in kinds:
         raise EvalError(f"{what} {path}: matplotlib writes {', '.join('.' + k for k in sorted(kinds))}; "

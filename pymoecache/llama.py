@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -139,6 +140,7 @@ def _check_llama_kwargs(kw: dict) -> None:
         check_int("n_gpu_layers", kw["n_gpu_layers"], -1, INT32_MAX)
 
 
+@functools.lru_cache(maxsize=1)
 def _llama_keywords() -> frozenset:
     """The keywords llama_cpp.Llama takes (its signature), ours, and rpc_servers (taken here)."""
     import inspect

@@ -197,8 +197,6 @@ def live_devices(gone: List[str]) -> list:
     gone server for its memory, and it cannot unregister a device."""
     gone = set(gone)
     ggml = load_ggml()
-    ggml.ggml_backend_dev_description.argtypes = [c_void_p]
-    ggml.ggml_backend_dev_description.restype = c_char_p
     rpc_devs, gpus, igpus = [], [], []
     for i in range(ggml.ggml_backend_dev_count()):
         dev = ggml.ggml_backend_dev_get(i)

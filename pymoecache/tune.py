@@ -26,7 +26,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .config import ConfigError, Prior, check_int
+from .config import ConfigError, Prior
 from .constants import MOECACHE_MAX_EXPERTS, MOECACHE_MAX_LAYERS
 from .predictors import load_predictor, save_predictor  # noqa: F401  (the files fit_predictor's result goes to)
 
@@ -45,9 +45,8 @@ def _number(what: str, v, lo: float = 0.0, hi: float = math.inf, lo_open: bool =
 
 def _int(what: str, v, lo: int, hi: int) -> int:
     """``v`` as an int when it is a whole number (Python's or numpy's, not a bool) in [lo, hi]."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        check_int(what, v, lo, hi)  # (raises, saying what was expected)
-    check_int(what, int(v), lo, hi)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+        raise ConfigError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
     return int(v)
 
 

@@ -118,9 +118,9 @@ def _validate(args) -> None:
         print(f"pymoecache {args.command}: note: --no-warmup: pymoecache runs no warm-up pass, nothing to skip",
               file=sys.stderr)
     if getattr(args, "n_gpu_layers", 0) and getattr(args, "rpc", None) is None:
-        from .._lib import has_gpu_device
+        from ..plan import gpu_layers
 
-        if not has_gpu_device():
+        if gpu_layers(args.n_gpu_layers, 1) == 0:  # (0 where ggml has no GPU device)
             print(f"pymoecache {args.command}: note: -ngl {args.n_gpu_layers}: this build has no GPU device (no GPU "
                   "backend found one, and no --rpc server): the layers stay on the CPU", file=sys.stderr)
 
