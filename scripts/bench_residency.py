@@ -41,8 +41,10 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -338,7 +340,14 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
         cmd += ["--timeline-file", str(Path(args.timeline) / name)]
     r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=args.throttle.join)
     if r.returncode != 0:
-        sys.exit(f"bench_residency: {residency} {routing} {cache} {prefetch} {eviction} failed:\n{r.stderr[-3000:]}")
+        status = (f"killed by {signal.Signals(-r.returncode).name}" if r.returncode < 0
+                  else f"exit status {r.returncode}")
+        message = f"{residency} {routing} {cache} {prefetch} {eviction} failed ({status}):\n{r.stderr[-3000:]}"
+        if not args.keep_going:
+            sys.exit(f"bench_residency: {message}")
+        print(f"bench_residency: {message}", file=sys.stderr, flush=True)
+        args.failed[(residency, routing, cache, prefetch, eviction)] = status
+        return None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -371,6 +380,9 @@ def main() -> None:
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a setting whose process fails is reported as failed (with its exit status and the end of "
+                         "its stderr) and the other settings still run; without it the first failure stops the bench")
     ap.add_argument("--cache-sizes", default="0.5,0.25", help="stream cache sizes, shares of N, or auto (what pymoecache.Llama picks from the free memory) "
                          "(default %(default)s)")
     ap.add_argument("--leave-gib", type=float, default=None,
@@ -413,6 +425,7 @@ def main() -> None:
     ap.add_argument("--timeline-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
+        faulthandler.enable()  # a crash in native code names the Python line that called into it
         args.cache = args.cache if args.cache == "auto" else float(args.cache)
         worker(args)
         return
@@ -465,6 +478,7 @@ def main() -> None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
     results = []
+    args.failed = {}  # setting -> how its process ended (--keep-going)
     servers = contextlib.ExitStack()  # (--rpc local: the server, for the whole run)
     if args.rpc == "local":
         import pymoecache.rpc
@@ -511,6 +525,8 @@ def measure(model: Path, args, settings) -> list:
         order = settings[k:] + settings[:k]  # rotate: no setting always runs first
         for residency, routing, cache, pf, ev in order:
             r = run_one(model, args, residency, routing, cache, pf, ev, rep)
+            if r is None:  # --keep-going: reported, and left out of the table
+                continue
             r["rep"] = rep
             r["storage"] = args.storage_label
             runs.append(r)
@@ -526,6 +542,10 @@ def measure(model: Path, args, settings) -> list:
 
 def report(model: Path, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes,
            storage: str) -> None:
+    if not runs:
+        failed = ", ".join(" ".join(k) + f" ({v})" for k, v in args.failed.items())
+        print(f"\nstorage {storage}: every setting failed: {failed}")
+        return
     if args.csv:
         out = Path(args.csv)
         if runs[0]["storage"] != "max":  # one file per storage setting
@@ -535,14 +555,15 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
             w.writeheader()
             w.writerows(runs)
 
-    def med(rows, key):
-        return statistics.median(r[key] for r in rows)
+    def med(rows, key):  # nan for a setting whose every run failed (--keep-going)
+        return statistics.median(r[key] for r in rows) if rows else float("nan")
 
     def rows_of(s):
         return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
                 (s[0], s[1], s[2] if s[2] == "auto" else str(float(s[2])), s[3], s[4])]
 
     resident = med(rows_of(("none", "lru", "1.0", "off", "lru")), "tok_s") if not args.no_resident else None
+    resident = None if resident != resident else resident  # (nan: the resident runs failed)
     left = f", {args.leave_gib:g} GiB of memory left to the runs ({n_held / 2**30:.1f} GiB held)" \
         if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
@@ -566,6 +587,9 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
     print("|---" * (24 + (4 if args.vram_size else 0)) + "|")
     for s in settings:
         rows = rows_of(s)
+        if not rows:
+            print(f"| {s[0]} | {s[1]} | {s[2]} | {s[3]} | {s[4]} | failed: {args.failed.get(s, '?')} |")
+            continue
         share = f"{100 * med(rows, 'tok_s') / resident:.0f}%" if resident else "-"
         bound_ms = max(med(rows, "compute_ms") + med(rows, "route_ms"), 1e3 * med(rows, "mib_read_per_token") / bw)
         bound = f"{1e3 / bound_ms:.2f} | {100 * med(rows, 'tok_s') * bound_ms / 1e3:.0f}%" if s[0] == "stream" \
@@ -598,7 +622,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
             y = [r for r in rows_of(b) if r["rep"] == rep]
             if x and y:
                 per_rep.append(x[0]["tok_s"] / y[0]["tok_s"])
-        return statistics.median(per_rep), per_rep
+        return (statistics.median(per_rep) if per_rep else float("nan")), per_rep
 
     if args.stock:
         for s in settings:
