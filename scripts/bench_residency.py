@@ -558,6 +558,12 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
     def med(rows, key):  # nan for a setting whose every run failed (--keep-going)
         return statistics.median(r[key] for r in rows) if rows else float("nan")
 
+    def times(m):  # a ratio, or why there is none (--keep-going: a setting failed)
+        return f"{m:.2f}x" if m == m else "- (failed)"
+
+    def pct(x, of):
+        return f"{100 * x / of:.0f}%" if x == x else "failed"
+
     def rows_of(s):
         return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
                 (s[0], s[1], s[2] if s[2] == "auto" else str(float(s[2])), s[3], s[4])]
@@ -612,7 +618,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         warm = med(rows_of(("none", "lru", "1.0", "off", "lru")), "prefill_warm_tok_s")
         print(f"prefill of the {args.prompt_tokens}-token prompt, weights in memory (resident, second time): "
               f"{warm:.1f} tok/s; streamed, share of it: " +
-              ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {100 * med(rows_of(s), 'prefill_tok_s') / warm:.0f}%"
+              ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {pct(med(rows_of(s), 'prefill_tok_s'), warm)}"
                         for s in settings if s[0] == "stream"))
 
     def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
@@ -629,24 +635,24 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
             if s[0] != "stock":
                 m, per = ratio(s, ("stock", "lru", "1.0", "off", "lru"))
                 print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
-                      f"= {m:.2f}x")
+                      f"= {times(m)}")
     for residency, cache in pairs:
         for routing in routings[1:]:
             m, per = ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))
-            print(f"{residency} cache {cache}: decode tok/s {routing} / {routings[0]} = {m:.2f}x "
+            print(f"{residency} cache {cache}: decode tok/s {routing} / {routings[0]} = {times(m)} "
                   f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
         for routing in routings:
             for pf in prefetches:
                 if pf != "off" and residency == "stream":
                     m, per = ratio((residency, routing, cache, pf, "lru"), (residency, routing, cache, "off", "lru"))
-                    print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {m:.2f}x "
+                    print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {times(m)} "
                           f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
             for ev in evictions:
                 if ev != "lru" and residency == "stream":
                     m, per = ratio((residency, routing, cache, "off", ev), (residency, routing, cache, "off", "lru"))
                     a = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", ev)))
                     b = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", "lru")))
-                    print(f"{residency} cache {cache} {routing}: decode tok/s eviction {ev} / lru = {m:.2f}x, "
+                    print(f"{residency} cache {cache} {routing}: decode tok/s eviction {ev} / lru = {times(m)}, "
                           f"MiB read per token {a:.2f} vs {b:.2f} (per repetition: {', '.join(f'{x:.2f}' for x in per)})")
 
 

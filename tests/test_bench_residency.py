@@ -1,0 +1,32 @@
+"""scripts/bench_residency.py as a user runs it: a failed setting is reported, not a lost hour.
+
+(Its speeds are not checked here: benchmarks measure, tests do not time.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, str(ROOT / "scripts" / "bench_residency.py"), "--size-mb", "40", "--reps", "1",
+         "--tokens", "2", "--warmup", "1", "--prompt-tokens", "8", "--cache-sizes", "0.5", "--no-mmap",
+         "--routings", "lru,bogus:1"]
+
+
+def test_keep_going_reports_a_failed_setting_and_runs_the_others():
+    r = subprocess.run(BENCH + ["--keep-going"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split("|")[2].strip(): line for line in r.stdout.splitlines() if line.startswith("| stream")}
+    assert rows["bogus:1"].rstrip().endswith("failed: exit status 1 |")
+    assert float(rows["lru"].split("|")[6]) > 0  # decode tok/s of the setting that ran
+    assert "unknown routing policy 'bogus'" in r.stderr  # the failed process's own message, passed on
+    assert "bogus:1 / lru = - (failed)" in r.stdout
+
+
+def test_without_keep_going_the_first_failure_stops_with_its_status():
+    r = subprocess.run(BENCH, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert "stream bogus:1 0.5 off lru failed (exit status 1)" in r.stderr
+    assert "| stream |" not in r.stdout
