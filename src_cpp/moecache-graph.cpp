@@ -1,6 +1,7 @@
 // moecache-graph.cpp - what patched llama.cpp calls (moecache-hook.h): which moecache belongs
 // to which llama_context, the two ggml custom ops that route a MoE layer, and the op in front of
-// a layer's expert matmuls that makes the residency follow the cache.
+// a layer's expert matmuls that makes the residency follow the cache. What the ops start for the
+// layers ahead is moecache-ahead.cpp's.
 //
 // Graph reuse: llama.cpp reuses a built graph for later ubatches of the same shape. The ops
 // keep only a pointer to their moecache_layer and read the routing parameters when they run,
@@ -17,7 +18,7 @@
 #include "llama-context.h" // llama_context::get_sched: our ops stay on the CPU beside GPU layers
 #include "llama-hparams.h" // llama_expert_gating_func_type
 #include "llama-impl.h"    // LLAMA_LOG_WARN: llama.cpp's logger, which the application controls
-#include "llama-model.h"   // llama_layer: the router of layer il + d (prefetch)
+#include "llama-model.h"   // llama_layer: the router a layer's logits come from
 
 #include <algorithm>
 
@@ -41,218 +42,6 @@ thread_local moecache *                                  g_building = nullptr; /
 // (GPU layers, n_gpu_layers > 0) is built; nullptr otherwise
 thread_local ggml_backend_sched_t                        g_sched    = nullptr;
 thread_local ggml_backend_t                              g_cpu      = nullptr;
-
-const float * row_f32(const ggml_tensor * t, int64_t i1) {
-    return (const float *) ((const char *) t->data + i1 * t->nb[1]);
-}
-
-// How many experts to predict: the stock router runs its top K; a cache-aware policy keeps the
-// cached experts it can and must run only its top J (Top-J) whatever the cache holds: those are
-// the reads to start early
-int32_t prefetch_width(const moecache & mc) {
-    const moecache_routing_params & rp = mc.rparams;
-    const int32_t K = mc.n_expert_used;
-    return rp.policy == MOECACHE_POLICY_TOPK || rp.top_j == 0 ? K : std::min(rp.top_j, K);
-}
-
-// ids/score = the n largest of v[0:N] (NaN last, ties by the lower id) whose predicted probability
-// is at least min_p, score = that probability: from logits, their softmax over all N; otherwise
-// their share of the sum of the positive values, zeros left out. (A distribution that cannot be
-// normalised, e.g. all NaN, gives score 1 and no threshold.) order: [N] scratch. Returns how many.
-int32_t top_predicted(const float * v, int32_t N, int32_t n, bool logits, float min_p, std::vector<int32_t> & order,
-                      int32_t * ids, float * score) {
-    for (int32_t e = 0; e < N; e++) {
-        order[e] = e;
-    }
-    std::partial_sort(order.begin(), order.begin() + n, order.begin() + N, [v](int32_t a, int32_t b) {
-        return v[a] > v[b] || (v[a] == v[b] && a < b) || (std::isnan(v[b]) && !std::isnan(v[a]));
-    });
-    const double top = (double) v[order[0]];
-    auto weight = [&](int32_t e) -> double {
-        const double x = logits ? std::exp((double) v[e] - top) : (double) v[e];
-        return x > 0.0 && std::isfinite(x) ? x : 0.0;
-    };
-    double sum = 0.0;
-    for (int32_t e = 0; e < N; e++) {
-        sum += weight(e);
-    }
-    const bool normal = std::isfinite(sum) && sum > 0.0;
-    int32_t m = 0;
-    for (int32_t i = 0; i < n; i++) {
-        const double x = weight(order[i]);
-        if (!logits && !(x > 0.0)) {
-            break;
-        }
-        const float p = normal ? (float) (x / sum) : 1.0f;
-        if (p < min_p) {
-            break; // (sorted: the rest are less likely still)
-        }
-        ids[m]     = order[i];
-        score[m++] = p;
-    }
-    return m;
-}
-
-// GATE under PRIOR: what T's policy will select given T's cache as it is now (T routes this token
-// next, and only T's own routing changes its cache): the top J of the predicted logits z [N], then
-// the best K - J others after the prior's boost of T's cached experts, as moecache_route_token ranks
-// them. The reads worth starting are the predicted misses; the stock top K would name experts the
-// prior then swaps for cached ones. ids/score as top_predicted (score: softmax of z); order,
-// boosted: [N] scratch. Returns how many (K, fewer with min_p).
-int32_t prior_predicted(const moecache & mc, const moecache_layer & T, const float * z, float min_p,
-                        std::vector<int32_t> & order, std::vector<float> & boosted, int32_t * ids, float * score) {
-    const int32_t N = mc.n_expert;
-    const int32_t K = mc.n_expert_used;
-    const int32_t J = std::min(mc.rparams.top_j, K);
-    const float boost = moecache_layer_boost(T, mc.rparams.prior_lambda);
-    int32_t top[MOECACHE_MAX_USED];
-    float   p_top[MOECACHE_MAX_USED];
-    const int32_t n_top = top_predicted(z, N, K, true, 0.0f, order, top, p_top); // (fills order with r)
-    for (int32_t e = 0; e < N; e++) {
-        boosted[e] = std::isnan(z[e]) ? -INFINITY : (T.last_use[e] >= 0 ? z[e] + boost : z[e]);
-    }
-    for (int32_t i = 0; i < J && i < n_top; i++) {
-        boosted[top[i]] = INFINITY; // Top-J: selected whatever the cache holds
-    }
-    std::partial_sort(order.begin(), order.begin() + K, order.begin() + N, [&boosted](int32_t a, int32_t b) {
-        return boosted[a] > boosted[b] || (boosted[a] == boosted[b] && a < b);
-    });
-    double zmax = -INFINITY;
-    for (int32_t e = 0; e < N; e++) {
-        zmax = std::isfinite(z[e]) ? std::max(zmax, (double) z[e]) : zmax;
-    }
-    double sum = 0.0;
-    for (int32_t e = 0; e < N; e++) {
-        sum += std::isfinite(z[e]) ? std::exp((double) z[e] - zmax) : 0.0;
-    }
-    int32_t m = 0;
-    for (int32_t i = 0; i < K; i++) {
-        const int32_t e = order[i];
-        const float p = sum > 0.0 && std::isfinite(z[e]) ? (float) (std::exp((double) z[e] - zmax) / sum) : 0.0f;
-        if (p < min_p && boosted[e] != INFINITY) {
-            continue;
-        }
-        ids[m]     = e;
-        score[m++] = p;
-    }
-    return m;
-}
-
-#define MOECACHE_SPEC_WINDOW 16   // decoded tokens of the trial on each side: with the reads ahead, and without
-#define MOECACHE_SPEC_RUN    96   // decoded tokens the winner then runs for
-#define MOECACHE_SPEC_MARGIN 0.02 // the reads ahead win only if their median token is this much faster
-
-static int64_t median_of(std::vector<int64_t> & v) {
-    if (v.empty()) {
-        return 0;
-    }
-    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
-    return v[v.size() / 2];
-}
-
-// prefetch_spare with prefetch_adaptive, at the start of each decoded token: the time of the
-// token before goes to the side of the trial it ran on. A trial is 2 x MOECACHE_SPEC_WINDOW
-// tokens with the reads ahead on and off in turn, so both sides see the same disk and machine
-// (on a shared host either drifts by more than the difference being measured within a few
-// tokens); then the winner runs MOECACHE_SPEC_RUN tokens, and a new trial starts. The reads
-// ahead must win by MOECACHE_SPEC_MARGIN of the median token: without them a token reads fewer
-// bytes and spends less CPU on reading, so a tie goes to off.
-void spec_ctl_token(moecache & mc, int64_t now) {
-    auto & c = mc.spec_ctl;
-    if (c.t_last > 0 && c.phase == 0 && c.left > 0) { // (c.on and c.phase are still the previous token's)
-        (c.on ? c.dt_on : c.dt_off).push_back(now - c.t_last);
-    }
-    c.t_last = now;
-    if (c.left > 0) {
-        c.left -= 1;
-    }
-    if (c.left > 0) {
-        if (c.phase == 0) {
-            c.on = !c.on; // the trial alternates
-        }
-        return;
-    }
-    if (c.phase == 0 && !c.dt_on.empty() && !c.dt_off.empty()) {
-        c.on    = (double) median_of(c.dt_on) < (1.0 - MOECACHE_SPEC_MARGIN) * (double) median_of(c.dt_off);
-        c.phase = 1;
-        c.left  = MOECACHE_SPEC_RUN;
-    } else {
-        c.phase = 0;
-        c.left  = 2 * MOECACHE_SPEC_WINDOW;
-        c.on    = true;
-        c.dt_on.clear();
-        c.dt_off.clear();
-    }
-}
-
-// During layer L's decode: predict what layer L + d will select and prefetch it (GATE: from pred,
-// that layer's router logits for this layer's FFN input, [n_expert, 1]; TRACE: from the request's
-// expert counts against past requests; PREVIOUS: what it selected for the previous token)
-void prefetch_ahead(moecache & mc, moecache_layer & L, const ggml_tensor * pred) {
-    const int32_t target = L.il + mc.cparams.prefetch_distance;
-    if (target >= mc.n_layer) {
-        return;
-    }
-    moecache_layer & T = mc.layers[target];
-    int32_t ids[MOECACHE_MAX_USED] = {}; // (zeroed: gcc cannot see that n <= K <= MOECACHE_MAX_USED)
-    float   score[MOECACHE_MAX_USED];
-    int32_t n = 0;
-    // (the scratch of layer L is free once L has routed its token)
-    if (mc.cparams.prefetch == MOECACHE_PREFETCH_GATE) {
-        if (!pred || !L.graph.predicts) {
-            return;
-        }
-        if (mc.rparams.policy == MOECACHE_POLICY_PRIOR && mc.rparams.prior_lambda > 0.0f && T.graph.rank_on_logits &&
-            !mc.rparams.prior_on_probs) {
-            n = prior_predicted(mc, T, row_f32(pred, 0), mc.cparams.prefetch_min_p, L.scratch.order,
-                                L.scratch.boosted, ids, score);
-        } else {
-            n = top_predicted(row_f32(pred, 0), mc.n_expert, prefetch_width(mc), true, mc.cparams.prefetch_min_p,
-                              L.scratch.order, ids, score);
-        }
-    } else if (mc.cparams.prefetch == MOECACHE_PREFETCH_TRACE) {
-        float * sc = L.scratch.boosted.data();
-        if (!moecache_trace_predict(mc, L.il, target, sc)) {
-            return;
-        }
-        n = top_predicted(sc, mc.n_expert, prefetch_width(mc), false, mc.cparams.prefetch_min_p, L.scratch.order, ids,
-                          score);
-    } else {
-        n = T.pf.n_last_sel;
-        for (int32_t i = 0; i < n; i++) {
-            ids[i]   = T.pf.last_sel[i];
-            score[i] = 1.0f;
-        }
-    }
-    if (n == 0) {
-        return;
-    }
-    // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
-    // otherwise they are inserted into it (evicting by its policy) and read
-    const bool spare = mc.cparams.prefetch_spare > 0;
-    if (spare && !mc.spec_ctl.on) {
-        return; // (prefetch_adaptive: off while it loses, or during its trial without)
-    }
-    int32_t read[MOECACHE_MAX_USED];
-    float   read_score[MOECACHE_MAX_USED];
-    const int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
-    for (int32_t i = 0, j = 0; i < n && j < m; i++) { // (read[] keeps the order of ids[])
-        if (ids[i] == read[j]) {
-            read_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
-        }
-    }
-    if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
-        if (spare) { // queued by this layer's residency op once its own reads are (they must not wait behind these)
-            mc.spec_pending.target = T.il;
-            mc.spec_pending.n      = m;
-            std::copy(read, read + m, mc.spec_pending.ids);
-            std::copy(read_score, read_score + m, mc.spec_pending.score);
-        } else {
-            moecache_slots_prefetch(mc, T, read, read_score, m, false);
-        }
-    }
-    moecache_vram_ahead(mc, T, ids, n); // (the VRAM tier: those its host cache holds, copied up ahead)
-}
 
 // dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run
 // (n_active) and SWAP_RANK's replaced expert whose weight the last slot takes (or -1); the
@@ -285,19 +74,19 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
         if (L.n_rec < mc.cparams.router_record) { // the router's outputs, for offline replay (pymoecache.simulate)
             for (const ggml_tensor * x : { z, p, s }) {
-                L.router_rec.insert(L.router_rec.end(), row_f32(x, t), row_f32(x, t) + mc.n_expert);
+                L.router_rec.insert(L.router_rec.end(), moecache_row_f32(x, t), moecache_row_f32(x, t) + mc.n_expert);
             }
             if (L.graph.src_input >= 0 && (L.n_rec == 0 || L.n_embd_in > 0)) { // (and its input, for fitting predictors)
                 const ggml_tensor * x = dst->src[L.graph.src_input];
                 L.n_embd_in = (int32_t) x->ne[0];
-                L.router_in.insert(L.router_in.end(), row_f32(x, t), row_f32(x, t) + x->ne[0]);
+                L.router_in.insert(L.router_in.end(), moecache_row_f32(x, t), moecache_row_f32(x, t) + x->ne[0]);
             } else {
                 L.n_embd_in = 0; // (rows without an input: none is kept)
                 L.router_in.clear();
             }
             L.n_rec += 1;
         }
-        const int32_t n = moecache_route_token(mc, L, rp, row_f32(z, t), row_f32(p, t), row_f32(s, t), st,
+        const int32_t n = moecache_route_token(mc, L, rp, moecache_row_f32(z, t), moecache_row_f32(p, t), moecache_row_f32(s, t), st,
                                                apply, update, out, hit);
         // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)
         for (int64_t i = n; i < K; i++) {
@@ -312,7 +101,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
             mc.spec_pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
             if (mc.cparams.prefetch_adaptive) {
-                spec_ctl_token(mc, t0);
+                moecache_ahead_trial_token(mc, t0);
             }
             mc.rst.prefetch_tokens_on += mc.spec_ctl.on;
         }
@@ -320,7 +109,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             const int32_t * out = (const int32_t *) dst->data;
             moecache_layer_prefetch_outcome(L, out, out[K]);
             const int64_t t1 = moecache_time_us();
-            prefetch_ahead(mc, L, dst->src[4]);
+            moecache_ahead_prefetch(mc, L, dst->src[4]);
             if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
                 mc.t_io_decode_us += moecache_time_us() - t1; // (a slot taken back waits for its stale read)
             }
@@ -363,32 +152,6 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 } // namespace
-
-// GATE prefetch, decode graphs: layer il + d's router applied to layer il's FFN input (the input
-// of this layer's router matmul), [n_expert, 1]; nullptr when there is nothing to predict
-static ggml_tensor * predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il, int64_t n_tokens) {
-    if (mc.cparams.prefetch != MOECACHE_PREFETCH_GATE || !mc.model || n_tokens != 1) {
-        return nullptr;
-    }
-    const int target = il + mc.cparams.prefetch_distance;
-    if (target >= mc.n_layer || target >= (int) mc.model->layers.size()) {
-        return nullptr;
-    }
-    const llama_layer & here = mc.model->layers[il];
-    const llama_layer & next = mc.model->layers[target];
-    ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
-    if (mm->op != GGML_OP_MUL_MAT || mm->src[0] != here.ffn_gate_inp || !next.ffn_gate_inp ||
-        next.ffn_gate_inp->ne[0] != mm->src[1]->ne[0] || next.ffn_gate_inp->ne[1] != mc.n_expert) {
-        return nullptr; // a router of another shape (or none: a dense layer), or an input we do not recognize
-    }
-    const bool fitted = (size_t) target < mc.pred_on.size() && mc.pred_on[target];
-    ggml_tensor * pred = ggml_mul_mat(ctx, fitted ? mc.pred_w[target] : next.ffn_gate_inp, mm->src[1]);
-    if (next.ffn_gate_inp_b) {
-        pred = ggml_add(ctx, pred, next.ffn_gate_inp_b);
-    }
-    ggml_format_name(pred, "moecache_predict-%d", target);
-    return pred;
-}
 
 bool moecache_hook_graph_reusable(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -476,7 +239,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
 
-    ggml_tensor * pred = predict_router(*mc, ctx, logits, il, selected->ne[1]);
+    ggml_tensor * pred = moecache_ahead_predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
     ggml_tensor * args[6] = { selected, logits, probs, selection, pred, nullptr };
     int32_t n_args = pred ? 5 : 4;
@@ -611,8 +374,6 @@ bool moecache_hook_mmap_prefetch(void) {
     return g_load_residency == MOECACHE_RESIDENCY_NONE; // experts are read when a token needs them
 }
 
-// --- fitted predictors (moecache_set_predictor) --------------------------------------------
-
 void moecache_graph_mark_dirty(moecache * mc) {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (mc->ctx) {
@@ -621,71 +382,6 @@ void moecache_graph_mark_dirty(moecache * mc) {
             it->second.dirty = true;
         }
     }
-}
-
-void moecache_graph_free_predictors(moecache & mc) {
-    if (mc.pred_buf) {
-        ggml_backend_buffer_free(mc.pred_buf);
-    }
-    if (mc.pred_ctx) {
-        ggml_free(mc.pred_ctx);
-    }
-    mc.pred_buf = nullptr;
-    mc.pred_ctx = nullptr;
-    mc.pred_w.clear();
-    mc.pred_on.clear();
-}
-
-int32_t moecache_graph_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd) {
-    const ggml_tensor * router = mc.model ? mc.model->layers[il].ffn_gate_inp : nullptr;
-    if (!router || router->ne[1] != mc.n_expert) {
-        moecache_set_error("moecache_set_predictor: layer " + std::to_string(il) + " has no router to stand in for");
-        return MOECACHE_ERR_INVALID;
-    }
-    if (!w) {
-        if ((size_t) il < mc.pred_on.size()) {
-            mc.pred_on[il] = 0;
-        }
-        moecache_graph_mark_dirty(&mc);
-        return MOECACHE_OK;
-    }
-    if (n_embd != router->ne[0]) {
-        moecache_set_error("moecache_set_predictor: layer " + std::to_string(il) + "'s router takes " +
-                           std::to_string(router->ne[0]) + " inputs, the predictor " + std::to_string(n_embd));
-        return MOECACHE_ERR_INVALID;
-    }
-    const size_t n = (size_t) n_embd * (size_t) mc.n_expert;
-    for (size_t i = 0; i < n; i++) {
-        if (!std::isfinite(w[i])) {
-            moecache_set_error("moecache_set_predictor: the predictor has a value that is not finite");
-            return MOECACHE_ERR_INVALID;
-        }
-    }
-    if (!mc.pred_ctx) { // one [n_embd, N] F32 tensor per layer with a router, in one CPU buffer
-        struct ggml_init_params ip = { (size_t) (mc.n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
-        mc.pred_ctx = ggml_init(ip);
-        mc.pred_w.assign(mc.n_layer, nullptr);
-        mc.pred_on.assign(mc.n_layer, 0);
-        for (int32_t l = 0; l < mc.n_layer && mc.pred_ctx; l++) {
-            const ggml_tensor * r = mc.model->layers[l].ffn_gate_inp;
-            if (r && r->ne[1] == mc.n_expert) {
-                mc.pred_w[l] = ggml_new_tensor_2d(mc.pred_ctx, GGML_TYPE_F32, r->ne[0], mc.n_expert);
-                ggml_format_name(mc.pred_w[l], "moecache.predictor-%d", l);
-            }
-        }
-        mc.pred_buf = mc.pred_ctx ? ggml_backend_alloc_ctx_tensors_from_buft(mc.pred_ctx, ggml_backend_cpu_buffer_type())
-                                  : nullptr;
-        if (!mc.pred_buf) {
-            moecache_graph_free_predictors(mc);
-            moecache_set_error("moecache_set_predictor: out of memory");
-            return MOECACHE_ERR_NO_MEMORY;
-        }
-        ggml_backend_buffer_set_usage(mc.pred_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // (its matmul runs where it is)
-    }
-    ggml_backend_tensor_set(mc.pred_w[il], w, 0, n * sizeof(float));
-    mc.pred_on[il] = 1;
-    moecache_graph_mark_dirty(&mc);
-    return MOECACHE_OK;
 }
 
 // --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------

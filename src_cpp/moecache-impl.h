@@ -354,7 +354,19 @@ int32_t moecache_fail_residency(const std::string & msg);           // sets the 
 void    moecache_set_io_error(moecache & mc, const std::string & msg); // the first failed read stops the decode
 void    moecache_warn_mlock_once(size_t bytes, int err);
 bool    moecache_tensor_is_mapped(const ggml_tensor * t); // its data lies in llama.cpp's mapping of the file
+// moecache-mapping.cpp: the experts' pages in llama.cpp's mapping (MMAP residency, every prompt)
 void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
+// before a layer's op (il_prompt: that layer in a prompt ubatch; -1: a decode, or everything at
+// teardown): waits for the prompt's read-ahead of that layer, drops what earlier layers read
+void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
+// a prompt ubatch (either residency) or an MMAP decode: asks for, locks and drops L's pages so
+// they follow L's cache; STREAM prompts copy the cached experts into their slots
+void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
+void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
+void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
+// moecache-dense.cpp: lock_dense, shared by the moecaches of one model
+void    moecache_dense_lock(moecache & mc, const struct llama_model * model);
+void    moecache_dense_unlock(moecache & mc);
 // moecache-slots.cpp: STREAM's slot arena
 int32_t moecache_slots_init(moecache & mc);
 // STREAM, at creation: every layer whose cache holds all N experts reads them all into its slots
@@ -393,9 +405,18 @@ int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
 void    moecache_hook_detach(moecache * mc);
 void    moecache_graph_set_load_residency(enum moecache_residency residency);
 void    moecache_graph_mark_dirty(moecache * mc);  // the attached context builds its next graph afresh
-// moecache_set_predictor (moecache-graph.cpp)
-int32_t moecache_graph_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
-void    moecache_graph_free_predictors(moecache & mc);
+// moecache-ahead.cpp: reads ahead of the layer that needs them
+// GATE prefetch, decode graphs: layer il + d's router (or its fitted predictor) applied to layer il's
+// FFN input, [n_expert, 1]; nullptr when there is nothing to predict
+ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il,
+                                            int64_t n_tokens);
+// during layer L's decode, after it routed: predict what layer L + d selects, read the misses
+// (pred: moecache_ahead_predict_router's output, computed; nullptr without GATE)
+void          moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tensor * pred);
+void          moecache_ahead_trial_token(moecache & mc, int64_t now); // prefetch_adaptive: a decoded token starts
+int32_t       moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
+void          moecache_ahead_free_predictors(moecache & mc);
+const float * moecache_row_f32(const ggml_tensor * t, int64_t i1); // row i1 of a 2-d F32 tensor on the host
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
 
 // moecache-route.cpp

@@ -137,7 +137,7 @@ void moecache_free(struct moecache * mc) {
     }
     moecache_hook_detach(mc);
     moecache_residency_free(*mc);
-    moecache_graph_free_predictors(*mc);
+    moecache_ahead_free_predictors(*mc);
     delete mc;
 }
 
@@ -366,7 +366,7 @@ int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w
     if (!mc || il < 0 || il >= mc->n_layer) {
         return fail(MOECACHE_ERR_INVALID, "moecache_set_predictor: layer out of range");
     }
-    return moecache_graph_set_predictor(*mc, il, w, n_embd);
+    return moecache_ahead_set_predictor(*mc, il, w, n_embd);
 }
 
 int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap) {

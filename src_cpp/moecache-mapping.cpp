@@ -1,0 +1,294 @@
+// moecache-mapping.cpp - the routed experts' pages in llama.cpp's mapping of the GGUF: what MMAP
+// residency locks and drops as the cache changes, and what every prompt reads through the mapping,
+// asked for a few MoE layers ahead (as far as the free memory allows) and dropped behind.
+
+#include "moecache-impl.h"
+#include "moecache-io.h"
+
+#include "ggml.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+// the mapping of a truncated file raises SIGBUS: check the file still covers `end` before touching it
+static bool file_covers(moecache & mc, uint64_t end) {
+    struct stat st;
+    if (fstat(mc.fd, &st) != 0) {
+        moecache_set_io_error(mc, "model file '" + mc.path + "' cannot be read any more: " + strerror(errno));
+        return false;
+    }
+    if ((uint64_t) st.st_size < end) {
+        moecache_set_io_error(mc, "model file '" + mc.path + "' was truncated to " + std::to_string((long long) st.st_size) +
+                         " bytes while in use (the experts need " + std::to_string((unsigned long long) end) + ")");
+        return false;
+    }
+    return true;
+}
+
+// pages that lie entirely inside expert e's bytes of tensor x (neighbours are never touched)
+static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, size_t * len) {
+    const uintptr_t b0 = (uintptr_t) x.model_t->data + (uintptr_t) e * x.nb2;
+    const uintptr_t p0 = moecache_round_up(b0, moecache_page_size());
+    const uintptr_t p1 = (b0 + x.nb2) / moecache_page_size() * moecache_page_size();
+    if (p1 <= p0) {
+        return false;
+    }
+    *a   = (char *) p0;
+    *len = p1 - p0;
+    return true;
+}
+
+// ask the kernel to read expert e's pages now, in large requests (the expert regions are
+// MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
+void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
+    if (L.il <= L.mc->ahead_last) {
+        return; // asked for by the read-ahead of this prompt
+    }
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        moecache_io_willneed((const char *) x.model_t->data + (size_t) e * x.nb2, x.nb2);
+    }
+}
+
+// drop expert e's pages from this process and from the page cache
+static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unlock) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        char * a;
+        size_t len;
+        if (!inner_pages(x, e, &a, &len)) {
+            continue;
+        }
+        if (unlock) {
+            munlock(a, len);
+        }
+        madvise(a, len, MADV_DONTNEED);
+#ifdef __linux__
+        const uint64_t off = x.file_off + (uint64_t) ((uintptr_t) a - (uintptr_t) x.model_t->data);
+        posix_fadvise(mc.fd, (off_t) off, (off_t) len, POSIX_FADV_DONTNEED);
+#endif
+    }
+}
+
+// drops what was read through the mapping, but for the layers from `il` to the last one read
+// ahead (il = -1: everything)
+static void drop_pending(moecache & mc, int32_t il) {
+    size_t n_kept = 0; // (kept in place: no allocation per layer)
+    for (size_t i = 0; i < mc.drop_pending.size(); i++) {
+        const std::pair<int32_t, int32_t> le = mc.drop_pending[i];
+        if (il >= 0 && le.first >= il && le.first <= mc.ahead_last) {
+            mc.drop_pending[n_kept++] = le;
+            continue;
+        }
+        moecache_layer & L = mc.layers[le.first];
+        const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.res.locked[le.second];
+        if (!keep) {
+            drop_expert(mc, L, le.second, false);
+        }
+    }
+    mc.drop_pending.resize(n_kept);
+}
+
+#define MOECACHE_READ_AHEAD 2                 // MoE layers a prompt reads ahead of the one computing
+#define MOECACHE_READ_AHEAD_RESERVE (64 << 20) // bytes of free memory a read-ahead leaves alone
+
+// bytes a prompt may read into the page cache now: what the OS can give (Linux: MemAvailable)
+// less MOECACHE_READ_AHEAD_RESERVE; -1 where unknown
+static int64_t read_room() {
+    int64_t kib = -1;
+#if defined(__linux__)
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof(line), f)) {
+            long long v;
+            if (sscanf(line, "MemAvailable: %lld kB", &v) == 1) {
+                kib = (int64_t) v;
+                break;
+            }
+        }
+        fclose(f);
+    }
+#endif
+    return kib < 0 ? -1 : kib * 1024 - MOECACHE_READ_AHEAD_RESERVE;
+}
+
+static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
+    return (int64_t) L.res.expert_bytes * mc.n_expert;
+}
+
+// the reader threads ask the kernel for all experts of layer il (MADV_WILLNEED: large read
+// requests instead of a page per fault), to be dropped once the prompt is past that layer
+static void ask_layer(moecache & mc, int32_t il) {
+    const moecache_layer & next = mc.layers[il];
+    for (int32_t e = 0; e < mc.n_expert; e++) {
+        if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
+            continue;
+        }
+        for (const moecache_expert_tensor & x : next.res.xt) {
+            moecache_io_job j = {};
+            j.kind = MOECACHE_IO_AHEAD;
+            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+            j.len  = x.nb2;
+            j.il   = il;
+            j.e    = e;
+            moecache_io_submit(*mc.io, mc.ahead_req[il], j, (float) (mc.n_layer - il)); // nearest first
+        }
+        mc.drop_pending.emplace_back(il, e);
+    }
+    mc.ahead_last = il;
+}
+
+// A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
+// too: they are asked for while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead, as
+// far as the free memory holds them beside this layer's (on a small device, pages read ahead and
+// dropped again before their layer runs would be read twice, and then a page per fault)
+static void read_ahead(moecache & mc, const moecache_layer & L) {
+    int64_t room = read_room(); // (the page cache of layers asked for counts as available: less them)
+    if (room >= 0) {
+        room -= layer_file_bytes(mc, L);
+        for (int32_t il = L.il + 1; il <= mc.ahead_last; il++) {
+            room -= mc.layers[il].res.xt.empty() ? 0 : layer_file_bytes(mc, mc.layers[il]);
+        }
+    }
+    int32_t n_ahead = 0;
+    for (int32_t il = L.il + 1; il < mc.n_layer && n_ahead < MOECACHE_READ_AHEAD; il++) {
+        const moecache_layer & next = mc.layers[il];
+        if (next.res.xt.empty() || next.res.all_in_slots) {
+            continue; // (all in slots: its prompts read nothing)
+        }
+        n_ahead++;
+        if (il <= mc.ahead_last) {
+            continue; // asked for already
+        }
+        if (room >= 0 && (room -= layer_file_bytes(mc, next)) < 0) {
+            break; // asked for by its own layer then (moecache_residency_sync)
+        }
+        ask_layer(mc, il);
+    }
+}
+
+// before layer il's prompt (il = -1: a decode) the read-ahead of il is waited for; at the
+// start of a ubatch or a decode, what an interrupted ubatch left queued is dropped
+static void finish_read_ahead(moecache & mc, int32_t il) {
+    if (il < 0 || il <= mc.prompt_il_last) {
+        for (int32_t a = 0; a <= mc.ahead_last; a++) {
+            moecache_io_cancel(*mc.io, mc.ahead_req[a]);
+        }
+        mc.ahead_last = -1; // (its pages are dropped with the rest of drop_pending)
+    } else if (il <= mc.ahead_last) {
+        moecache_io_wait(*mc.io, mc.ahead_req[il]); // (a failed hint is no error: the matmul faults the pages in)
+    }
+    mc.prompt_il_last = il;
+}
+
+// --- MMAP: the cached experts locked, the others dropped ------------------------------------
+
+// MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
+static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
+    const int32_t N = mc.n_expert;
+    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    jobs.clear();
+    for (int32_t e = 0; e < N; e++) {
+        const bool want = L.last_use[e] >= 0;
+        if (want && !L.res.locked[e]) {
+            for (const moecache_expert_tensor & x : L.res.xt) {
+                moecache_io_job j = {};
+                j.kind = MOECACHE_IO_LOCK;
+                j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
+                j.len  = x.nb2;
+                j.il   = L.il;
+                j.e    = e;
+                jobs.push_back(j);
+            }
+            L.res.locked[e] = 1;
+        } else if (!want && L.res.locked[e]) {
+            drop_expert(mc, L, e, true);
+            L.res.locked[e] = 0;
+        }
+    }
+    moecache_io_run(*mc.io, jobs);
+    int64_t bytes = 0;
+    for (const moecache_io_job & j : jobs) {
+        bytes += (int64_t) j.bytes_io;
+    }
+    std::fill(L.res.keep.begin(), L.res.keep.end(), 0);
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int32_t e = ids[i];
+        if (!L.res.locked[e] && !L.res.keep[e]) {
+            L.res.keep[e] = 1;
+            moecache_willneed_expert(L, e);
+            bytes += (int64_t) L.res.expert_bytes; // faulted in by the matmul
+            mc.drop_pending.emplace_back(L.il, e);
+        }
+    }
+    if (decode) {
+        mc.rst.decode_bytes_read += bytes;
+        mc.rst.decode_loads      += (int64_t) (jobs.size() / std::max<size_t>(1, L.res.xt.size()));
+    } else {
+        mc.rst.prompt_bytes_read += bytes;
+    }
+}
+
+// --- the calls of moecache-residency.cpp -------------------------------------------------------
+
+void moecache_mapping_begin(moecache & mc, int32_t il_prompt) {
+    finish_read_ahead(mc, il_prompt);
+    drop_pending(mc, il_prompt);
+}
+
+void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
+    uint64_t end = 0;
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        end = std::max<uint64_t>(end, x.file_off + (uint64_t) x.nb2 * mc.n_expert);
+    }
+    if (!file_covers(mc, end)) {
+        return;
+    }
+    if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead_last) {
+        // not read ahead (the first layer, or no room): all at once now, where it fits
+        const int64_t room = read_room();
+        if (room < 0 || room >= layer_file_bytes(mc, L)) {
+            ask_layer(mc, L.il);
+            moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
+        }
+    }
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+        moecache_slots_prompt(mc, L, ids, n_ids);
+    } else {
+        mmap_sync(mc, L, ids, n_ids, decode);
+    }
+    if (!decode && n_ids >= mc.n_expert) { // (n_ids = tokens x K)
+        read_ahead(mc, L);
+    }
+}
+
+// MMAP decodes fault the experts in: no readahead beyond them. (STREAM decodes read with pread;
+// its prompts fault through the mapping and are better off with the kernel's readahead where the
+// memory is too short to ask for a whole layer.)
+void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        char * a;
+        size_t len;
+        moecache_expert_tensor all = x;
+        all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
+        if (inner_pages(all, 0, &a, &len)) {
+            madvise(a, len, MADV_RANDOM);
+        }
+    }
+}
+
+void moecache_mapping_unlock_all(moecache & mc) {
+    for (moecache_layer & L : mc.layers) {
+        for (int32_t e = 0; e < (int32_t) L.res.locked.size(); e++) {
+            if (L.res.locked[e]) {
+                drop_expert(mc, L, e, true);
+            }
+        }
+    }
+}
