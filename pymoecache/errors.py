@@ -4,7 +4,8 @@
     ├── ConfigError          a routing or cache parameter is out of range or cannot be parsed
     ├── ModelFileError       the model file is missing, not a GGUF file, damaged or impossible
     │   ├── ModelNotFoundError   (also a FileNotFoundError)
-    │   └── ModelLoadError       llama.cpp refused the file; the message carries its reason
+    │   ├── ModelLoadError       llama.cpp refused the file; the message carries its reason
+    │   └── (lowbit.CompanionError)  a low-bit companion missing, damaged or for another model
     ├── MissingDependencyError  an optional extra (server, hub, plot) is not installed
     ├── MoECacheError        the native cache refused a call
     │   ├── StateFileError       a cache state or calibration file is unreadable, damaged or for another model

@@ -59,6 +59,7 @@ _log = logging.getLogger("pymoecache")  # the library's warnings (mlock refused,
                                         # so they reach stderr through logging's last resort unless configured
 _LOG_LEVEL_WARN, _LOG_LEVEL_CONT = 3, 5   # enum ggml_log_level (ggml.h)
 _log_last_level = 0
+_log_listeners: list = []  # callables (level, text) that see every line (pymoecache.lowbit: its progress bar)
 
 
 @llama_cpp.llama_log_callback
@@ -66,6 +67,8 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
     global _log_last_level
     if sys.is_finalizing():  # a model freed at interpreter exit: logging and imports are gone by now
         return
+    for listen in _log_listeners:
+        listen(level, text)
     effective = level if level != _LOG_LEVEL_CONT else _log_last_level
     if level != _LOG_LEVEL_CONT:
         _log_last_level = level

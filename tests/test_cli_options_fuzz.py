@@ -43,6 +43,7 @@ def _argv(fixture_dir, command, option, value, tmp_path):
         "serve": [command, m],
         "info": [command, m],
         "rpc-server": [command],
+        "lowbit": [command, m, "-o", str(tmp_path / "c.gguf")],
     }[command]
     return base + [option, value]
 

@@ -8,11 +8,13 @@
     pymoecache trace MODEL --text FILE --out trace.npz ; pymoecache plot-timeline trace.npz --layer 1 out.png
     pymoecache serve MODEL --prior 0.5 --port 8080
     pymoecache rpc-server --port 50052 ; pymoecache run MODEL -ngl 99 --rpc 127.0.0.1:50052
+    pymoecache lowbit MODEL [--type Q4_K]       # the routed experts at a lower type, in a companion file
 
 User errors (bad files, parameters, state files, I/O) print one line and exit with code 2; an
 internal error prints one line and exits with code 1 (PYMOECACHE_DEBUG=1 adds the traceback).
 Never a traceback otherwise. One module per group of commands (generate: run, bench, info; chat;
-evaluation: ppl, trace, plot-timeline, simulate; serve: serve, rpc-server), their shared options in ``options``.
+evaluation: ppl, trace, plot-timeline, simulate; serve: serve, rpc-server; lowbit), their shared options in
+``options``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import warnings
 from typing import List, Optional
 
 from ..errors import Error
-from . import chat, evaluation, generate, serve
+from . import chat, evaluation, generate, lowbit, serve
 from .options import EXIT_INTERNAL, EXIT_USAGE, Parser, UserError  # noqa: F401  (UserError: for callers)
 
 
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_commands(sub)  # ppl, trace, plot-timeline, simulate
     serve.add_command(sub)        # serve
     serve.add_rpc_command(sub)    # rpc-server
+    lowbit.add_command(sub)       # lowbit
     return ap
 
 

@@ -1,0 +1,52 @@
+"""``pymoecache lowbit``: a model's routed experts again at a lower type, in a companion file."""
+
+from __future__ import annotations
+
+import sys
+
+from .options import UserError, add_model_argument, model_arg
+
+
+def cmd_lowbit(args) -> int:
+    from .. import lowbit
+
+    model = model_arg(args)
+    if not model:
+        raise UserError("give the model whose experts to copy: pymoecache lowbit MODEL.gguf")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"-t/--threads must be at least 1, got {args.threads}")
+    if args.check:
+        if args.type or args.threads:
+            raise UserError("--check reads a companion; --type and -t are for making one")
+        print(lowbit.check_companion(model, args.output).summary())
+        return 0
+    c = lowbit.make_companion(model, args.output, type=args.type, threads=args.threads,
+                              progress=sys.stderr.isatty() and not args.verbose, verbose=args.verbose)
+    print(c.summary())
+    return 0
+
+
+def add_command(sub) -> None:
+    from ..lowbit import TYPES
+
+    p = sub.add_parser(
+        "lowbit", help="write a low-bit companion: every routed expert of MODEL at a lower type",
+        description="Copies every routed expert matrix of MODEL at a lower ggml type into a companion GGUF, "
+                    "through llama.cpp's own quantizer (the rest of the model is not copied). The companion "
+                    "records the model it belongs to (file size, a hash of its tensor table) and is refused "
+                    "for any other. Default type: about half the experts' bits (Q8_0 -> Q4_K, 4-6 bit -> Q2_K). "
+                    "Tensors whose rows are not a multiple of the type's block (256 for K-quants) get "
+                    "llama.cpp's fallback type; the summary says which.",
+        epilog="examples:\n  pymoecache lowbit model.gguf\n  pymoecache lowbit model.gguf --type Q3_K -o small.gguf\n"
+               "  pymoecache lowbit model.gguf --check")
+    add_model_argument(p)
+    p.add_argument("--type", metavar="TYPE", type=str.upper,
+                   help=f"the experts' type in the companion: {', '.join(TYPES)} (default: from the model's)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="the companion file (default: MODEL.lowbit-TYPE.gguf beside the model; with --check: "
+                        "the one found there)")
+    p.add_argument("-t", "--threads", type=int, metavar="N", help="quantizer threads (default: every core)")
+    p.add_argument("--check", action="store_true",
+                   help="check an existing companion against MODEL and describe it, instead of making one")
+    p.add_argument("-v", "--verbose", action="store_true", help="print llama.cpp's quantizer log (a line per tensor)")
+    p.set_defaults(func=cmd_lowbit)

@@ -1,0 +1,324 @@
+"""Low-bit companions: every routed expert of a model again, at a lower type, in a file of its own.
+
+A miss that reads the low-bit copy waits for a fraction of the bytes (HOBBIT, EdgeMoE). The copy
+is made by llama.cpp's own quantizer (``llama_model_quantize``, with a tensor-type override for the
+routed expert matrices), and only those tensors go into the companion. The companion records the
+model it belongs to: the model file's size and a hash of its tensor table (names, types, shapes,
+offsets). :func:`check_companion` refuses a companion that is foreign, stale, truncated or not
+lower-typed, with the reason.
+
+    pymoecache lowbit model.gguf                    # model.lowbit-Q4_K.gguf beside it (Q8_0 experts: Q4_K)
+    pymoecache lowbit model.gguf --type Q3_K -o small.gguf
+    pymoecache lowbit model.gguf --check            # is the companion beside it usable?
+
+>>> default_type("Q8_0"), default_type("Q4_K")
+('Q4_K', 'Q2_K')
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .errors import ModelFileError
+from .model_info import _EXPS_RE, _Header, check_gguf_file, model_info
+
+FORMAT_VERSION = 1
+KEY = "moecache.lowbit."  # the companion's own keys: KEY + version, type, parent.name, parent.size, parent.tensor_hash
+
+# The type a model's experts get by default, from their own type: about half the bits (a Q8_0 model's
+# experts at Q4_K, a 4-6 bit model's at Q2_K). Provisional: the measured table of types (issue 42
+# item 4, a model with 256-wide rows) decides.
+_DEFAULT = {"F32": "Q4_K", "F16": "Q4_K", "BF16": "Q4_K", "Q8_0": "Q4_K",
+            "Q6_K": "Q3_K", "Q5_K": "Q2_K", "Q5_0": "Q2_K", "Q5_1": "Q2_K", "Q4_K": "Q2_K", "Q4_0": "Q2_K",
+            "Q4_1": "Q2_K", "IQ4_NL": "Q2_K", "IQ4_XS": "Q2_K"}
+# what --type takes: llama.cpp makes these without an importance matrix (IQ1_*, IQ2_XXS, IQ2_XS and
+# IQ2_S need one: llama_model_quantize refuses them without)
+TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS",
+         "Q2_K")
+_NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+
+
+class CompanionError(ModelFileError):
+    """A low-bit companion is missing, damaged, for another model, or cannot be made as asked."""
+
+
+@dataclass
+class Companion:
+    """A checked companion: what it holds and what one expert costs in it."""
+
+    path: str
+    model: str
+    type: str                            # the type asked for
+    types: Dict[str, int] = field(default_factory=dict)  # type -> expert tensors llama.cpp made at it
+    expert_bytes: float = 0.0            # one expert of one layer (its gate, up and down) in the companion
+    model_expert_bytes: float = 0.0      # the same in the model
+
+    @property
+    def ratio(self) -> float:
+        """How many times fewer bytes a miss reads from the companion."""
+        return self.model_expert_bytes / self.expert_bytes if self.expert_bytes else 0.0
+
+    def summary(self) -> str:
+        used = ", ".join(f"{n} at {t}" for t, n in sorted(self.types.items()))
+        fell = [t for t in self.types if t != self.type]
+        note = (f" (llama.cpp's fallback for rows that are not a multiple of {self.type}'s block: {', '.join(fell)})"
+                if fell else "")
+        return (f"{self.path}: low-bit experts of {Path(self.model).name}, {used}{note}; one expert "
+                f"{self.expert_bytes / 2**20:.3f} MiB against {self.model_expert_bytes / 2**20:.3f} MiB in the model: "
+                f"a miss reads {self.ratio:.2f}x fewer bytes")
+
+
+def default_path(model: "os.PathLike[str] | str", type: Optional[str] = None) -> Path:
+    """Where :func:`make_companion` writes and ``--lowbit`` looks by default: beside the model."""
+    m = Path(model)
+    stem = m.name[:-5] if m.name.endswith(".gguf") else m.name
+    if type is None:
+        found = sorted(m.parent.glob(f"{_glob_escape(stem)}.lowbit-*.gguf"))
+        if found:
+            return found[0]
+        type = default_type(model_info(m).expert_types[0]) if m.exists() else "Q4_K"
+    return m.with_name(f"{stem}.lowbit-{type}.gguf")
+
+
+def _glob_escape(s: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", s)
+
+
+def default_type(expert_type: str) -> str:
+    """The companion type for experts of ``expert_type`` (a ggml type name)."""
+    t = _DEFAULT.get(expert_type)
+    if t is None:
+        raise CompanionError(f"experts of type {expert_type} have no lower type that llama.cpp makes without an "
+                             f"importance matrix; --type takes {', '.join(TYPES)}")
+    return t
+
+
+def _bits(type_name: str) -> float:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return 8.0 * size / block
+
+
+def tensor_table_hash(path: "os.PathLike[str] | str") -> str:
+    """sha256 of a GGUF file's tensor table (name, type, shape, offset of each tensor, and where the data
+    starts): it changes whenever a tensor does in any way a companion could notice."""
+    h = _Header(Path(path))
+    d = hashlib.sha256()
+    for name, t, shape, off in h.tensors:
+        d.update(f"{name}\t{t}\t{','.join(map(str, shape))}\t{off}\n".encode())
+    d.update(f"data\t{h.data_start}\n".encode())
+    return d.hexdigest()
+
+
+def _expert_matrices(h: "_Header") -> List[tuple]:
+    return [(name, t, shape, off) for name, t, shape, off in h.tensors
+            if (m := _EXPS_RE.match(name)) and m.group(3) == "weight"]
+
+
+def _type_name(t: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(t).name
+    except ValueError:
+        return f"type {t}"
+
+
+def _n_bytes(t: int, shape: List[int]) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)]
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size
+
+
+def check_companion(model: "os.PathLike[str] | str", companion: "os.PathLike[str] | str | None" = None) -> Companion:
+    """Check that ``companion`` (default: the one beside ``model``) holds ``model``'s routed experts at
+    a lower type, made from this very file; raise :class:`CompanionError` with the reason otherwise.
+
+    >>> check_companion("missing.gguf")
+    Traceback (most recent call last):
+    ...
+    pymoecache.errors.ModelNotFoundError: model file not found: missing.gguf
+    """
+    info = model_info(model)
+    m = Path(info.path)
+    c = Path(companion) if companion is not None else default_path(m)
+    if not c.exists():
+        raise CompanionError(f"no low-bit companion at {c}: make one with `pymoecache lowbit {m}`")
+    try:
+        check_gguf_file(c)
+        h = _Header(c)
+    except ModelFileError as e:
+        raise CompanionError(f"{c} is not a usable low-bit companion: {e}") from None
+    version = h.kv.get(KEY + "version")
+    if version is None:
+        raise CompanionError(f"{c} is not a low-bit companion (no {KEY}version key): make one with "
+                             f"`pymoecache lowbit {m}`")
+    if version != FORMAT_VERSION:
+        raise CompanionError(f"{c} is a companion of format {version}; this pymoecache reads format {FORMAT_VERSION}: "
+                             f"make it again with `pymoecache lowbit {m}`")
+    parent, size, digest = (h.kv.get(KEY + "parent.name"), h.kv.get(KEY + "parent.size"),
+                            h.kv.get(KEY + "parent.tensor_hash"))
+    if size != m.stat().st_size or digest != tensor_table_hash(m):
+        same_name = parent == m.name
+        raise CompanionError(
+            f"{c} was made from {'an earlier version of ' if same_name else ''}{parent!r} "
+            f"({size} bytes), not from {m} as it is now ({m.stat().st_size} bytes"
+            + (", same size, other tensors" if size == m.stat().st_size else "") + "): "
+            + (f"the model changed since; make it again with `pymoecache lowbit {m}`" if same_name
+               else "it belongs to another model"))
+    try:
+        end = max((h.data_start + off + _n_bytes(t, shape) for _, t, shape, off in h.tensors), default=0)
+    except (KeyError, ValueError):
+        raise CompanionError(f"{c} has a tensor of a type that is not a ggml type") from None
+    if end > c.stat().st_size:
+        raise CompanionError(f"{c} is truncated: its tensors need {end} bytes, the file has {c.stat().st_size}")
+    theirs = {name: (t, list(shape), off) for name, t, shape, off in h.tensors}
+    mine = _expert_matrices(_Header(m))
+    types: Dict[str, int] = {}
+    low = full = 0
+    for name, t, shape, _ in mine:
+        if name not in theirs:
+            raise CompanionError(f"{c} has no tensor {name!r}: not a complete companion of {m}")
+        ct, cshape, _ = theirs.pop(name)
+        if cshape != list(shape):
+            raise CompanionError(f"{c}: tensor {name!r} has shape {cshape}, the model's has {list(shape)}")
+        try:
+            cbits, bits = _bits(_type_name(ct)), _bits(_type_name(t))
+        except KeyError:
+            raise CompanionError(f"{c}: tensor {name!r} has a type ({_type_name(ct)}) that is not a ggml type") from None
+        if cbits >= bits:
+            raise CompanionError(f"{c}: tensor {name!r} is {_type_name(ct)} ({cbits:.2f} bits per weight), not lower than "
+                                 f"the model's {_type_name(t)} ({bits:.2f})")
+        types[_type_name(ct)] = types.get(_type_name(ct), 0) + 1
+        low += _n_bytes(ct, cshape)
+        full += _n_bytes(t, shape)
+    if theirs:
+        raise CompanionError(f"{c} holds tensors the model's routed experts do not: {sorted(theirs)[:3]}")
+    n = max(1, info.n_expert * info.n_moe_layer)
+    return Companion(path=str(c), model=str(m), type=str(h.kv.get(KEY + "type", "")), types=types,
+                     expert_bytes=low / n, model_expert_bytes=full / n)
+
+
+def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str | None" = None, *,
+                   type: Optional[str] = None, threads: Optional[int] = None, progress: bool = True,
+                   verbose: bool = False) -> Companion:
+    """Write ``model``'s routed experts at ``type`` (default: :func:`default_type` of theirs) into a
+    companion GGUF (default: :func:`default_path`), through llama.cpp's quantizer; returns it checked.
+
+    The file appears whole or not at all (written beside, then renamed); a companion already there is
+    replaced. llama.cpp falls back to another type for tensors whose rows are not a multiple of
+    ``type``'s block (256 for K-quants): the companion records what it made. ``verbose``: llama.cpp's
+    quantizer log (a line per tensor) on stderr; otherwise a progress bar (``progress``) and nothing else.
+    """
+    info = model_info(model)
+    m = Path(info.path)
+    if not info.is_moe:
+        raise CompanionError(f"{m} has no routed experts: a low-bit companion is for MoE models")
+    expert_type = info.expert_types[0]
+    if type is None:
+        type = default_type(expert_type)
+    type = type.upper()
+    if type in _NEEDS_IMATRIX:
+        raise CompanionError(f"--type {type} needs an importance matrix, which pymoecache lowbit does not make; "
+                             f"take one of {', '.join(TYPES)}")
+    if type not in TYPES:
+        raise CompanionError(f"unknown or unsupported --type {type!r}; take one of {', '.join(TYPES)}")
+    lowest = min(info.expert_types, key=_bits)
+    if _bits(type) >= _bits(lowest):
+        raise CompanionError(f"{type} ({_bits(type):.2f} bits per weight) is not lower than the model's experts "
+                             f"({lowest}, {_bits(lowest):.2f}): a companion must be smaller")
+    out = Path(out) if out is not None else default_path(m, type)
+    if out.resolve() == m.resolve():
+        raise CompanionError(f"-o {out} is the model itself")
+    if out.is_dir():
+        raise CompanionError(f"-o {out} is a directory; give a file name")
+    full = out.with_name(out.name + ".quantized.tmp")  # llama.cpp's whole output, of which the experts are kept
+    part = out.with_name(out.name + ".tmp")
+    try:
+        _quantize(m, full, type, threads, progress, verbose, len(_Header(m).tensors))
+        _write_experts(m, full, part, type, progress)
+        os.replace(part, out)
+    finally:
+        full.unlink(missing_ok=True)
+        part.unlink(missing_ok=True)
+    return check_companion(m, out)
+
+
+def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progress: bool, verbose: bool,
+              n_tensors: int) -> None:
+    """llama_model_quantize of the whole model, the routed expert matrices overridden to ``type``."""
+    import gguf
+
+    from . import llama as _llama  # loads our libllama; its log callback lets us count tensors
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0  # the rest of the model is thrown away: the cheapest choice
+    params.allow_requantize = True
+    params.nthread = threads or os.cpu_count() or 1
+    pattern = ctypes.c_char_p(rb"^blk\.[0-9]+\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+    overrides = (llama_cpp.llama_model_tensor_override * 2)()
+    overrides[0].pattern = pattern
+    overrides[0].type = int(gguf.GGMLQuantizationType[type])
+    overrides[1].pattern = None
+    params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_tensors, unit="tensor", desc=f"quantizing experts to {type}", leave=False)
+    done = re.compile(rb"^\[\s*\d+/\s*\d+\]")
+
+    def count(level: int, text: bytes) -> None:
+        if bar is not None and text and done.match(text):
+            bar.update(1)
+
+    logger = _llama._llama_cpp_logger.logger  # what llama.cpp's log reaches stderr through
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.CRITICAL + 1)
+    _llama._log_listeners.append(count)
+    try:
+        rc = llama_cpp.llama_model_quantize(str(model).encode(), str(dst).encode(), ctypes.byref(params))
+    finally:
+        _llama._log_listeners.remove(count)
+        logger.setLevel(level)
+        if bar is not None:
+            bar.close()
+    if rc != 0 or not dst.is_file():
+        tail = " | ".join(list(_llama._LOG_TAIL)[-3:])
+        raise CompanionError(f"llama.cpp's quantizer failed on {model} (status {rc})" + (f": {tail}" if tail else ""))
+
+
+def _write_experts(model: Path, quantized: Path, dst: Path, type: str, progress: bool) -> None:
+    """The companion: the routed expert matrices of ``quantized``, and the keys naming ``model``."""
+    import gguf
+
+    reader = gguf.GGUFReader(quantized)
+    arch = model_info(model).arch
+    writer = gguf.GGUFWriter(dst, arch)
+    writer.add_uint32(KEY + "version", FORMAT_VERSION)
+    writer.add_string(KEY + "type", type)
+    writer.add_string(KEY + "parent.name", model.name)
+    writer.add_uint64(KEY + "parent.size", model.stat().st_size)
+    writer.add_string(KEY + "parent.tensor_hash", tensor_table_hash(model))
+    for t in reader.tensors:
+        m = _EXPS_RE.match(t.name)
+        if m and m.group(3) == "weight":
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()

@@ -1,0 +1,166 @@
+"""Low-bit companions (issue 42 item 1): `pymoecache lowbit` as a user runs it, what the file holds,
+and every companion that must be refused, refused with its reason."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import model_path
+from pymoecache import lowbit
+from pymoecache.model_info import model_info
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERT_MATRIX = lowbit._EXPS_RE
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "pymoecache", "lowbit", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture()
+def model(fixture_dir, tmp_path) -> Path:
+    """A Q8_0 MoE model of its own (companions are written beside it)."""
+    m = tmp_path / "qwen.gguf"
+    shutil.copy(model_path(fixture_dir, "qwen2moe-60x4", ".Q8_0"), m)
+    return m
+
+
+def expert_tensors(path):
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(path).tensors if (x := EXPERT_MATRIX.match(t.name)) and x.group(3) == "weight"}
+
+
+def dequantized(t) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+
+
+def test_the_cli_writes_the_experts_beside_the_model_at_a_lower_type(model):
+    r = cli(model)
+    assert r.returncode == 0, r.stderr
+    out = model.with_name("qwen.lowbit-Q4_K.gguf")  # Q8_0 experts: Q4_K by default
+    assert out.is_file() and sorted(p.name for p in model.parent.iterdir()) == ["qwen.gguf", "qwen.lowbit-Q4_K.gguf"]
+    assert str(out.name) in r.stdout and "fewer bytes" in r.stdout
+    full, low = expert_tensors(model), expert_tensors(out)
+    compared = False
+    import gguf
+
+    assert set(low) == set(full) and len(low) == 3 * model_info(model).n_moe_layer  # the experts, nothing else
+    assert {t.name for t in gguf.GGUFReader(out).tensors} == set(low)
+    for name, t in low.items():
+        assert list(t.shape) == list(full[name].shape)
+        # the fixture's rows of 64 are not a multiple of Q4_K's 256: llama.cpp's fallback, said in the summary
+        assert t.tensor_type.name == "Q5_0" and "Q5_0" in r.stdout
+        a, b = dequantized(full[name]), dequantized(t)
+        err = np.abs(a - b).max()
+        assert 0 < err < 0.1 * np.abs(a).max()  # the same weights, rounded coarser
+        if "ffn_gate_exps" in name:  # and not another tensor's (its layer's up matrix has the same shape)
+            other = dequantized(full[name.replace("gate", "up")])
+            assert np.abs(other - b).max() > 4 * err
+            compared = True
+    assert compared
+    c = lowbit.check_companion(model)  # found beside the model
+    assert c.path == str(out) and c.types == {"Q5_0": len(low)} and c.ratio > 1.5
+
+
+def test_type_choice_and_the_python_api(model, tmp_path):
+    out = tmp_path / "elsewhere" / "small.gguf"
+    out.parent.mkdir()
+    c = lowbit.make_companion(model, out, type="q4_0", progress=False)
+    assert c.types == {"Q4_0": 3 * model_info(model).n_moe_layer} and c.type == "Q4_0"
+    assert c.ratio == pytest.approx(34 / 18, rel=0.01)  # Q8_0 -> Q4_0: 34 bytes per 32 weights -> 18
+    assert sorted(p.name for p in out.parent.iterdir()) == ["small.gguf"]  # no temporary file left
+    r = cli(model, "--check", "-o", out)
+    assert r.returncode == 0 and "Q4_0" in r.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--type", "Q8_0"], "unsupported --type 'Q8_0'"),
+    (["--type", "IQ2_XS"], "needs an importance matrix"),
+    (["--type", "nonsense"], "take one of"),
+    (["-t", "0"], "at least 1"),
+    (["--check", "--type", "Q4_0"], "--type and -t are for making one"),
+])
+def test_bad_requests_are_one_line_errors(model, args, says):
+    r = cli(model, *args)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in model.parent.iterdir()) == ["qwen.gguf"]
+
+
+def test_a_model_that_cannot_have_one(fixture_dir, model, tmp_path):
+    r = cli(model_path(fixture_dir, "dense-llama"), "-o", tmp_path / "x.gguf")
+    assert r.returncode == 2 and "no routed experts" in r.stderr
+    r = cli(model, "-o", model)
+    assert r.returncode == 2 and "is the model itself" in r.stderr
+    q4 = tmp_path / "q4.gguf"
+    shutil.copy(model_path(fixture_dir, "qwen2moe-60x4", ".Q4_K_M"), q4)
+    r = cli(q4, "--type", "Q5_K")
+    assert r.returncode == 2 and "not lower than the model's experts" in r.stderr
+
+
+def test_companions_that_do_not_fit_are_refused_with_the_reason(fixture_dir, model, tmp_path):
+    import gguf
+
+    good = lowbit.make_companion(model, tmp_path / "good.gguf", type="Q4_0", progress=False).path
+
+    def refused(companion, *words):
+        with pytest.raises(lowbit.CompanionError) as e:
+            lowbit.check_companion(model, companion)
+        for w in words:
+            assert w in str(e.value)
+
+    refused(tmp_path / "none.gguf", "no low-bit companion at", "pymoecache lowbit")
+    refused(model, "not a low-bit companion")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(good).read_bytes()[:-1000])
+    refused(cut, "truncated")
+    # another model's companion
+    other = tmp_path / "mixtral.gguf"
+    shutil.copy(model_path(fixture_dir, "mixtral-8x2", ".Q8_0"), other)
+    refused(lowbit.make_companion(other, progress=False).path, "another model", "'mixtral.gguf'")
+    # the model changed after its companion was made (same name)
+    with open(model, "ab") as f:
+        f.write(b"\0" * 64)
+    refused(good, "an earlier version of 'qwen.gguf'", "changed since")
+    model.write_bytes(model.read_bytes()[:-64])
+    assert lowbit.check_companion(model, good).types  # back as it was: accepted again
+
+    def forged(name, change):  # the good companion with one tensor changed, keys kept
+        r = gguf.GGUFReader(good)
+        w = gguf.GGUFWriter(tmp_path / name, "qwen2moe")
+        for k in ("version", "type", "parent.name", "parent.size", "parent.tensor_hash"):
+            f = r.fields[lowbit.KEY + k]
+            v = f.contents()
+            (w.add_uint32 if k == "version" else w.add_uint64 if k == "parent.size" else w.add_string)(lowbit.KEY + k, v)
+        full = expert_tensors(model)
+        for i, t in enumerate(r.tensors):
+            if i == 0:
+                change(w, t, full[t.name])
+            else:
+                w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    refused(forged("same-type.gguf", lambda w, t, f: w.add_tensor(t.name, f.data, raw_shape=f.data.shape,
+                                                                   raw_dtype=f.tensor_type)),
+            "is Q8_0", "not lower than the model's Q8_0")
+    refused(forged("missing.gguf", lambda w, t, f: None), "has no tensor")
+    refused(forged("shape.gguf", lambda w, t, f: w.add_tensor(t.name, t.data[:-1], raw_shape=t.data[:-1].shape,
+                                                               raw_dtype=t.tensor_type)),
+            "has shape", "the model's has")
+    refused(forged("extra.gguf", lambda w, t, f: (w.add_tensor(t.name, t.data, raw_shape=t.data.shape,
+                                                               raw_dtype=t.tensor_type),
+                                                  w.add_tensor("output.weight", np.zeros(64, np.float32)))),
+            "tensors the model's routed experts do not")
