@@ -19,11 +19,16 @@ Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat
   request past that gets 503 with ``Retry-After``. Nothing is cut: a streamed answer is not
   interrupted by the next request. A client that disconnects frees its place, and its generation
   stops at the next token.
+* llama-server's own ``POST /completion`` (its fields, streamed or not, with ``timings`` and our
+  ``moecache``), ``/tokenize`` and ``/detokenize`` (server_native.py); ``max_completion_tokens`` and
+  ``n_predict`` limit an OpenAI answer as ``max_tokens`` does.
 * request bodies are checked before the model sees them: malformed JSON, wrong types, bad roles,
   ``max_tokens`` outside [1, n_ctx], a prompt longer than the context, a grammar (or JSON schema)
-  llama.cpp cannot parse all get 400/422 with an OpenAI-style JSON error, never a 500 or a crash;
-  an internal error is a 500 without details (the traceback goes to the server's log).
-  /v1/embeddings answers 400: the server runs a generation model.
+  llama.cpp cannot parse, token ids outside the vocabulary all get 400/422, never a 500 or a crash;
+  an internal error is a 500 without details (the traceback goes to the server's log). Every error,
+  whatever its status (401, 404, 405, 501, 503 too), is OpenAI's ``{"error": {"message", "type",
+  "param", "code"}}``. /embedding and /v1/embeddings answer 501, as llama-server without
+  ``--embeddings``: the server runs a generation model.
 * a ``"moecache"`` object in every completion and chat completion response, and in the last
   chunk of a streamed completion: the counters of that request alone (tokens, hits, misses,
   rates, bytes loaded). Streamed chats have none: llama_cpp.server runs them through
@@ -36,6 +41,7 @@ starlette-context and pydantic-settings (see ``PIP_SERVER``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import importlib.util
@@ -81,12 +87,8 @@ class _Queue:
         return self.active >= self.n_parallel + self.max_queue
 
     def busy_response(self):
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse({"error": {"message": f"the server is busy: {self.n_parallel} slot(s) and "
-                                                  f"{self.max_queue} places in the queue are taken; retry later",
-                                       "type": "server_busy", "param": None, "code": None}},
-                            status_code=503, headers={"Retry-After": "1"})
+        return error_response(503, f"the server is busy: {self.n_parallel} slot(s) and {self.max_queue} places in "
+                                   "the queue are taken; retry later", "server_busy", headers={"Retry-After": "1"})
 
 
 async def _watch_disconnect(request, gone: threading.Event) -> None:
@@ -97,23 +99,30 @@ async def _watch_disconnect(request, gone: threading.Event) -> None:
         await asyncio.sleep(0.2)
 
 
-def metrics_text(llm, generating: bool, waiting: int) -> str:
-    """``GET /metrics``: llama-server's counters (prompt and predicted tokens, their seconds and
-    rates, requests in flight and waiting) from llama.cpp's own timings, and the expert cache's
-    (hits, misses, hit rate, bytes read, I/O wait), in Prometheus' text format."""
+def perf_counters(llm) -> tuple:
+    """llama.cpp's cumulative counters of the context: (prompt tokens, prompt ms, decoded tokens, decode ms)."""
     import llama_cpp
 
-    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # cumulative since load: the server never resets it
-    t_p, t_e = perf.t_p_eval_ms / 1e3, perf.t_eval_ms / 1e3
+    p = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    return p.n_p_eval, p.t_p_eval_ms, p.n_eval, p.t_eval_ms
+
+
+def metrics_text(llm, generating: bool, waiting: int, since: tuple = (0, 0.0, 0, 0.0)) -> str:
+    """``GET /metrics``: llama-server's counters (prompt and predicted tokens, their seconds and
+    rates, requests in flight and waiting) from llama.cpp's own timings since ``since`` (the
+    perf_counters when the server started: what the load itself decoded does not count), and the
+    expert cache's (hits, misses, hit rate, bytes read, I/O wait), in Prometheus' text format."""
+    n_p, ms_p, n_e, ms_e = (a - b for a, b in zip(perf_counters(llm), since))
+    t_p, t_e = ms_p / 1e3, ms_e / 1e3
     rows = [
-        ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens processed.", perf.n_p_eval),
+        ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens processed.", n_p),
         ("llamacpp:prompt_seconds_total", "counter", "Prompt process time.", t_p),
-        ("llamacpp:tokens_predicted_total", "counter", "Generated tokens (decoded).", perf.n_eval),
+        ("llamacpp:tokens_predicted_total", "counter", "Generated tokens (decoded).", n_e),
         ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time.", t_e),
         ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
-         perf.n_p_eval / t_p if t_p > 0 else 0.0),
+         n_p / t_p if t_p > 0 else 0.0),
         ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-         perf.n_eval / t_e if t_e > 0 else 0.0),
+         n_e / t_e if t_e > 0 else 0.0),
         ("llamacpp:requests_processing", "gauge", "Requests generating.", int(generating)),
         ("llamacpp:requests_deferred", "gauge", "Requests waiting in the queue.", waiting),
     ]
@@ -136,6 +145,24 @@ def metrics_text(llm, generating: bool, waiting: int) -> str:
     return "\n".join(out) + "\n"
 
 
+# the error type of each status, as OpenAI and llama-server name them
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 499: "client_gone", 500: "server_error", 501: "not_supported_error",
+                503: "unavailable_error"}
+
+
+def error_response(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
+                   headers: Optional[dict] = None):
+    """Every error this server answers: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with
+    llama-server's numeric ``code`` (the HTTP status)."""
+    from fastapi.responses import JSONResponse
+
+    kind = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
 class RequestError(Exception):
     """A client error in a request body: status 400 or 422 and an OpenAI-style error object."""
 
@@ -144,10 +171,7 @@ class RequestError(Exception):
         self.status, self.param = status, param
 
     def response(self):
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse({"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                                       "code": None}}, status_code=self.status)
+        return error_response(self.status, str(self), param=self.param)
 
 
 def _field_error(errors: list) -> RequestError:
@@ -441,6 +465,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from starlette_context.middleware import RawContextMiddleware
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette_context.plugins import RequestIdPlugin
 
     from . import __version__
@@ -491,13 +516,17 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed
         return _field_error(exc.errors()).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):  # 401, 404, 405, ...: the same body as every other error
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
     @app.exception_handler(Exception)
     async def internal_error(request, exc):
         _log.error("request to %s failed: %r", request.url.path, exc)
-        return JSONResponse({"error": {"message": "internal server error", "type": "server_error", "param": None,
-                                       "code": None}}, status_code=500)
+        return error_response(500, "internal server error")
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     queue = _Queue(max_queue, n_parallel)
+    perf0 = perf_counters(proxy())  # /metrics counts from here: the load's own decodes are not requests
     auth = [Depends(app_mod.authenticate)]
     if api_key is not None:
         from fastapi.openapi.docs import get_swagger_ui_html
@@ -572,18 +601,22 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     from starlette.requests import ClientDisconnect
 
-    def checked(endpoint):
+    def checked(endpoint, validate=validate_request, stream=None):
+        """A completion endpoint behind the checks, the queue and the disconnect watch; ``validate(llm,
+        path, raw)`` builds its body, ``stream(request, body, raw)`` its streamed response."""
+        stream = stream or (lambda request, body, raw: stream_response(request, body, _include_usage(raw)))
+
         async def handler(request: Request):
             gone, watcher = threading.Event(), None
             reset = _CLIENT_GONE.set(gone)
             try:
                 raw = await request.body()
-                body = validate_request(proxy(), request.url.path, raw)
+                body = validate(proxy(), request.url.path, raw)
                 if queue.full():
                     return queue.busy_response()
                 proxy()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
                 if body.stream:  # the generation runs while the response is sent, after this handler
-                    return StopWhenGone(stream_response(request, body, _include_usage(raw)), request, gone)
+                    return StopWhenGone(stream(request, body, raw), request, gone)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))
                 queue.active += 1
                 try:
@@ -595,22 +628,19 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 return Response(status_code=499)
             except _ClientGone:
                 _log.info("client of %s disconnected: generation stopped", request.url.path)
-                return JSONResponse({"error": {"message": "client disconnected", "type": "client_gone",
-                                               "param": None, "code": None}}, status_code=499)
+                return error_response(499, "client disconnected")
             except RequestError as e:
                 return e.response()
             except Error as e:  # the model cannot serve (its file changed, NaN weights, an I/O error): say so
                 _log.error("request to %s failed: %s", request.url.path, e)
-                return JSONResponse({"error": {"message": str(e), "type": "model_error", "param": None,
-                                               "code": None}}, status_code=503)
+                return error_response(503, str(e), "model_error")
             except HTTPException:
                 raise
             except ValueError as e:  # llama-cpp-python's own checks of a request (context window, ...)
                 return RequestError(" ".join(str(e).split())[:300]).response()
             except Exception:  # ours or upstream's bug: logged here, no details to the client
                 _log.exception("request to %s failed", request.url.path)
-                return JSONResponse({"error": {"message": "internal server error", "type": "server_error",
-                                               "param": None, "code": None}}, status_code=500)
+                return error_response(500, "internal server error")
             finally:
                 if watcher is not None:
                     watcher.cancel()
@@ -623,10 +653,74 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         ours.add_api_route(path, checked(endpoint), methods=["POST"], response_model=None, include_in_schema=False,
                            dependencies=[Depends(app_mod.authenticate)])
 
-    @ours.post("/v1/embeddings", include_in_schema=False)
-    def embeddings_refused():
-        return RequestError("this server runs a generation model without embeddings: /v1/embeddings is not "
-                            "available", 400).response()
+    # llama-server's own endpoints (server_native.py): /completion (and its alias /completions),
+    # /tokenize, /detokenize; /embedding(s) refused as llama-server refuses them without --embeddings
+    from . import server_native
+
+    noted = []
+
+    def validate_native(llm, path, raw):
+        req = server_native.NativeCompletion(llm, raw)
+        if req.ignored and not noted:
+            noted.append(True)
+            _log.info("/completion: %s accepted and ignored (the context always keeps the longest common prefix)",
+                      ", ".join(req.ignored))
+        return req
+
+    def native_stream(request, req, raw):
+        import anyio
+        from sse_starlette.sse import EventSourceResponse
+        from starlette.concurrency import iterate_in_threadpool
+
+        async def publish(chan):
+            async with contextlib.asynccontextmanager(app_mod.get_llama_proxy)() as lp:
+                async with chan:
+                    async for piece in iterate_in_threadpool(server_native.generate(lp(), req)):
+                        await chan.send(dict(data=json.dumps(piece)))
+
+        send_chan, recv_chan = anyio.create_memory_object_stream(10)
+        return EventSourceResponse(recv_chan, sep="\n", ping_message_factory=app_mod._ping_message_factory,
+                                   data_sender_callable=functools.partial(publish, send_chan))
+
+    async def native_completion(request, body):
+        from starlette.concurrency import run_in_threadpool
+
+        async with contextlib.asynccontextmanager(app_mod.get_llama_proxy)() as lp:
+            return JSONResponse(await run_in_threadpool(server_native.complete, lp(), body))
+
+    for path in ("/completion", "/completions"):
+        ours.add_api_route(path, checked(native_completion, validate_native, native_stream), methods=["POST"],
+                           response_model=None, summary="Completion (llama-server's /completion)",
+                           tags=["llama-server"], dependencies=auth)
+
+    def native(fn):
+        async def handler(request: Request):
+            try:
+                return JSONResponse(fn(proxy(), await request.body()))
+            except RequestError as e:
+                return e.response()
+        handler.__annotations__ = {"request": Request}
+        return handler
+
+    ours.add_api_route("/tokenize", native(server_native.tokenize), methods=["POST"], tags=["llama-server"],
+                       summary="Tokenize (llama-server's /tokenize)", dependencies=auth)
+    ours.add_api_route("/detokenize", native(server_native.detokenize), methods=["POST"], tags=["llama-server"],
+                       summary="Detokenize (llama-server's /detokenize)", dependencies=auth)
+
+    def extras_detokenize(llm, raw):  # llama-cpp-python's {"tokens"} -> {"text"}, ids checked, bytes replaced
+        return {"text": server_native.detokenize(llm, raw)["content"]}
+
+    ours.add_api_route("/extras/detokenize", native(extras_detokenize), methods=["POST"], tags=["Extras"],
+                       summary="Detokenize", dependencies=auth)
+
+    async def embeddings_refused(request: Request):
+        return error_response(501, "this server runs a generation model and does not compute embeddings "
+                                   f"({request.url.path}); llama-server answers the same without --embeddings",
+                              headers={"x-should-retry": "false"})  # (the openai client would retry a 5xx)
+    embeddings_refused.__annotations__ = {"request": Request}
+
+    for path in ("/v1/embeddings", "/embedding", "/embeddings"):
+        ours.add_api_route(path, embeddings_refused, methods=["POST"], include_in_schema=False, dependencies=auth)
 
     def load() -> tuple:
         # generating: llama_cpp.server's lock is held; waiting: the other completion requests in the server
@@ -668,7 +762,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     @ours.get("/metrics", summary="Prometheus metrics (llama-server's names, and the expert cache's)",
               tags=["pymoecache"], dependencies=auth)
     def prometheus_metrics():
-        return Response(metrics_text(proxy(), *load()), media_type="text/plain; version=0.0.4")
+        return Response(metrics_text(proxy(), *load(), since=perf0), media_type="text/plain; version=0.0.4")
 
     @ours.get("/moecache/stats", summary="Expert cache statistics", tags=["pymoecache"], dependencies=auth)
     def moecache_stats() -> dict:
@@ -683,7 +777,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     # The other stock endpoints (/v1/models, /extras/tokenize, ...) on plain routes: upstream's route
     # class turns any error, a malformed body included, into a 500 carrying its traceback.
     for r in app_mod.router.routes:
-        if r.path in _COMPLETION_PATHS or r.path == "/v1/embeddings":
+        if r.path in _COMPLETION_PATHS or r.path in ("/v1/embeddings", "/extras/detokenize"):
             continue
         ours.add_api_route(r.path, r.endpoint, methods=sorted(r.methods), response_model=r.response_model,
                            dependencies=r.dependencies, summary=r.summary, tags=r.tags,

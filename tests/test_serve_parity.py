@@ -71,9 +71,12 @@ def test_api_key_alias_props_slots_health(keyed, fixture_dir):
         with pytest.raises(urllib.error.HTTPError) as e:
             _get(base + path, key="wrong")
         assert e.value.code == 401, path
-    with pytest.raises(urllib.error.HTTPError) as e:
-        _post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    assert e.value.code == 401
+    for path in ("/v1/completions", "/completion", "/tokenize", "/detokenize", "/embedding"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(base + path, {"prompt": "Hi", "max_tokens": 2})
+        assert e.value.code == 401, path
+        err = json.loads(e.value.read())["error"]  # OpenAI's error body, as every status
+        assert err["type"] == "authentication_error" and err["code"] == 401 and err["message"]
     assert json.loads(_get(base + "/openapi.json", KEY)[2])["info"]["title"] == "pymoecache"
     assert "swagger" in _get(base + "/docs", KEY)[2].lower()
     models = json.loads(_get(base + "/v1/models", KEY)[2])

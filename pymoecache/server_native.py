@@ -1,0 +1,217 @@
+"""llama-server's own endpoints on ``pymoecache serve``: ``POST /completion``, ``/tokenize``, ``/detokenize``.
+
+Their request and response fields are llama-server's (tools/server/README.md of the pinned llama.cpp);
+``create_app`` (server.py) routes them through the same API key, queue and model lock as the OpenAI
+endpoints. Nothing here imports the server extras.
+
+``/completion`` takes ``prompt`` (a string or token ids), ``n_predict`` (-1: until the end of text or
+the context), ``stream``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
+``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``grammar``; ``cache_prompt`` is
+accepted and has no effect (the context always reuses the longest common prefix, as llama-cpp-python
+does). It answers ``content``, ``stop``, ``stop_type`` (eos, limit, word), ``stopping_word``,
+``tokens_predicted``, ``tokens_evaluated``, ``timings`` (llama.cpp's own prompt and decode counters
+for this request) and our ``moecache`` (the request's cache counters).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+import time
+from typing import Dict, Iterator, List, Optional
+
+from .server import RequestError, check_grammar
+
+# llama-server's /completion defaults (tools/server/README.md)
+_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
+             "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 1e6),
+           "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6)}
+IGNORED = ("cache_prompt",)  # accepted, no effect (said once in the server's log)
+
+
+def _json_object(raw: bytes) -> dict:
+    if not raw.strip():
+        raise RequestError("the request body is empty: send a JSON object")
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise RequestError("the request body must be a JSON object", 422)
+    return d
+
+
+def _token_ids(llm, v, field: str) -> List[int]:
+    n_vocab = llm.n_vocab()
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        raise RequestError(f"'{field}' must be a list of token ids", 422, field)
+    for t in v:
+        if not 0 <= t < n_vocab:
+            raise RequestError(f"'{field}' has {t}, which is not a token id of this model (0 to {n_vocab - 1})", 400,
+                               field)
+    return v
+
+
+class NativeCompletion:
+    """A checked ``/completion`` request: the prompt's tokens and the sampling settings."""
+
+    def __init__(self, llm, raw: bytes):
+        d = _json_object(raw)
+        self.ignored = [k for k in IGNORED if k in d]
+        prompt = d.get("prompt", "")
+        if isinstance(prompt, str):
+            self.tokens = llm.tokenize(prompt.encode("utf-8", "surrogatepass"), add_bos=True, special=True)
+        elif isinstance(prompt, list):
+            self.tokens = _token_ids(llm, prompt, "prompt")
+        else:
+            raise RequestError("'prompt' must be a string or a list of token ids", 422, "prompt")
+        if not self.tokens:
+            raise RequestError("'prompt' is empty", 400, "prompt")
+        n_ctx = llm.n_ctx()
+        n = d.get("n_predict", -1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise RequestError(f"'n_predict' must be an integer >= -1 (-1: no limit), got {n!r}", 422, "n_predict")
+        room = n_ctx - len(self.tokens)
+        if room < 1:
+            raise RequestError(f"the prompt ({len(self.tokens)} tokens) fills the context of {n_ctx} tokens", 400,
+                               "prompt")
+        self.n_predict = room if n == -1 else min(n, room)
+        self.sampling: Dict[str, float] = {}
+        for name, default in _DEFAULTS.items():
+            v = d.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise RequestError(f"'{name}' must be a number, got {v!r}", 422, name)
+            if name in _RANGES and not _RANGES[name][0] <= v <= _RANGES[name][1]:
+                lo, hi = _RANGES[name]
+                raise RequestError(f"'{name}' must be in [{lo:g}, {hi:g}], got {v}", 400, name)
+            self.sampling[name] = v
+        if not self.sampling["top_k"] == int(self.sampling["top_k"]) or self.sampling["top_k"] < 0:
+            raise RequestError(f"'top_k' must be an integer >= 0, got {self.sampling['top_k']}", 400, "top_k")
+        seed = d.get("seed", -1)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed <= 2**32 - 1:
+            raise RequestError(f"'seed' must be an integer in [-1, {2**32 - 1}] (-1: random), got {seed!r}", 422,
+                               "seed")
+        self.seed = seed
+        stop = d.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError("'stop' must be a string or a list of strings", 422, "stop")
+        self.stop = [s for s in stop if s]
+        self.grammar = d.get("grammar") or None
+        if self.grammar is not None:
+            check_grammar(llm, self.grammar)
+        self.stream = d.get("stream", False)
+        if not isinstance(self.stream, bool):
+            raise RequestError("'stream' must be true or false", 422, "stream")
+
+
+def generate(llm, req: NativeCompletion) -> Iterator[dict]:
+    """The answer of a ``/completion`` request, as llama-server streams it: ``{"content": piece, "stop":
+    false}`` per piece of text, then one ``"stop": true`` object with the totals. A piece that could
+    begin a stop word is held back until it cannot; bytes of an unfinished UTF-8 character wait for
+    the rest."""
+    import llama_cpp
+
+    from .server import request_stats
+
+    if req.seed != -1:
+        llm.set_seed(req.seed)
+    grammar = llama_cpp.LlamaGrammar.from_string(req.grammar, verbose=False) if req.grammar else None
+    stats0 = llm.moecache.stats() if llm.moecache is not None else None
+    perf0 = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    llm._begin_request()
+    vocab = llm._model.vocab
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text, sent, n, stop_type, word = "", 0, 0, "limit", ""
+    s = req.sampling
+    tokens = llm.generate(req.tokens, top_k=int(s["top_k"]), top_p=s["top_p"], min_p=s["min_p"], temp=s["temperature"],
+                          repeat_penalty=s["repeat_penalty"], presence_penalty=s["presence_penalty"],
+                          frequency_penalty=s["frequency_penalty"], grammar=grammar)
+    hold = max((len(w) for w in req.stop), default=1) - 1
+    t0 = time.perf_counter()
+    t1 = None  # when the first token was sampled: the prompt is evaluated by then
+    for tok in tokens:
+        t1 = t1 or time.perf_counter()
+        if llama_cpp.llama_vocab_is_eog(vocab, tok):
+            stop_type = "eos"
+            break
+        n += 1
+        text += decoder.decode(llm.detokenize([tok], special=False))
+        # the earliest stop word (none can start in text already sent: the last `hold` characters wait)
+        hits = [(i, w) for w in req.stop if (i := text.find(w, sent)) >= 0]
+        if hits:
+            i, word = min(hits)
+            text, stop_type = text[:i], "word"
+            break
+        if n >= req.n_predict:
+            break
+        safe = len(text) - hold if req.stop else len(text)
+        if safe > sent:
+            yield {"content": text[sent:safe], "stop": False}
+            sent = safe
+    text += decoder.decode(b"", final=True) if stop_type != "word" else ""
+    if len(text) > sent:
+        yield {"content": text[sent:], "stop": False}
+    t2 = time.perf_counter()
+    t1 = t1 or t2
+    # llama-server's timings: the prompt's tokens llama.cpp evaluated (a prefix kept from the last request
+    # is not) and the time to the first token; then the tokens predicted and the time they took
+    p_n = llama_cpp.llama_perf_context(llm._ctx.ctx).n_p_eval - perf0.n_p_eval
+    p_ms, e_n, e_ms = 1e3 * (t1 - t0), n, 1e3 * (t2 - t1)
+    final = {
+        "content": "", "stop": True, "model": getattr(llm, "model_alias", None) or llm.model_path,
+        "tokens_predicted": n, "tokens_evaluated": len(req.tokens), "stop_type": stop_type, "stopping_word": word,
+        "truncated": False, "generation_settings": {"n_predict": req.n_predict, "seed": req.seed, **req.sampling,
+                                                    "stop": req.stop, "grammar": req.grammar or ""},
+        "timings": {"prompt_n": p_n, "prompt_ms": p_ms, "prompt_per_token_ms": p_ms / p_n if p_n else 0.0,
+                    "prompt_per_second": 1e3 * p_n / p_ms if p_ms > 0 else 0.0,
+                    "predicted_n": e_n, "predicted_ms": e_ms, "predicted_per_token_ms": e_ms / e_n if e_n else 0.0,
+                    "predicted_per_second": 1e3 * e_n / e_ms if e_ms > 0 else 0.0},
+    }
+    if stats0 is not None:
+        final["moecache"] = request_stats(stats0, llm.moecache.stats())
+    yield final
+
+
+def complete(llm, req: NativeCompletion) -> dict:
+    """The non-streamed answer: the streamed pieces joined into the final object's ``content``."""
+    pieces = list(generate(llm, req))
+    final = pieces[-1]
+    final["content"] = "".join(p["content"] for p in pieces[:-1])
+    return final
+
+
+def tokenize(llm, raw: bytes) -> dict:
+    """``POST /tokenize``: ``{"content", "add_special": false, "parse_special": true, "with_pieces": false}`` ->
+    ``{"tokens": [ids]}``, or with pieces ``[{"id", "piece"}]`` (a piece that is not UTF-8 alone: its bytes)."""
+    d = _json_object(raw)
+    content = d.get("content", "")
+    if not isinstance(content, str):
+        raise RequestError("'content' must be a string", 422, "content")
+    flags = {}
+    for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+        flags[name] = d.get(name, default)
+        if not isinstance(flags[name], bool):
+            raise RequestError(f"'{name}' must be true or false", 422, name)
+    ids = llm.tokenize(content.encode("utf-8", "surrogatepass"), add_bos=flags["add_special"],
+                       special=flags["parse_special"]) if content else []
+    if not flags["with_pieces"]:
+        return {"tokens": ids}
+    out = []
+    for t in ids:
+        b = llm.detokenize([t], special=True)
+        try:
+            out.append({"id": t, "piece": b.decode("utf-8")})
+        except UnicodeDecodeError:
+            out.append({"id": t, "piece": list(b)})
+    return {"tokens": out}
+
+
+def detokenize(llm, raw: bytes) -> dict:
+    """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"content": text}``; bytes that do not form UTF-8
+    become U+FFFD, as llama-server's JSON writer replaces them."""
+    d = _json_object(raw)
+    ids = _token_ids(llm, d.get("tokens", []), "tokens")
+    return {"content": llm.detokenize(ids, special=True).decode("utf-8", "replace") if ids else ""}
