@@ -434,7 +434,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
                max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
-               n_parallel: int = 1, **llama_kwargs):
+               n_parallel: int = 1, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
+               **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
@@ -453,6 +454,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     n_parallel: slots, as llama-server's -np: requests held at once besides the queue. One model
     decodes one sequence at a time (the expert cache follows it), so the slots take turns in order
     of arrival; /slots shows which one is decoding.
+
+    chat_template: one of llama.cpp's built-in template names; chat_template_file: a Jinja template
+    file. Default: the model's own template rendered by Jinja (llama-server --jinja), ChatML for a
+    model without one (pymoecache.templates).
 
     >>> app = create_app("model.gguf", routing="prior:0.5", cache=CacheConfig(size=0.5))  # doctest: +SKIP
     """
@@ -479,9 +484,19 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         """The stock model holder, loading our class: its own loader hard-codes ``llama_cpp.Llama``."""
 
         def load_llama_from_model_settings(self, settings):
+            from .templates import ChatTemplate
+
             llm = _ServedLlama(settings.model, cache=cache, routing=routing, routing_scope=routing_scope,
                                n_ctx=n_ctx, n_threads=n_threads, **{"verbose": False, **llama_kwargs})
             llm.model_alias = model_id
+            try:
+                tmpl = ChatTemplate(llm, name=chat_template, file=chat_template_file, default_jinja=True)
+            except Error:
+                llm.close()
+                raise
+            if chat_template or chat_template_file or tmpl.fallback:  # (else llama-cpp-python's own, the same)
+                llm.chat_handler = tmpl.handler()
+            llm.chat_template = tmpl
             return llm
 
     # model_construct: these settings come from our arguments only, not from environment variables
@@ -505,6 +520,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
     app.state.cache_choice = str(choice) if choice is not None else None
     app.state.memory_plan = proxy().memory_plan()
+    app.state.chat_template = proxy().chat_template.label
     app.state.profile_pinned = None
     if profile is not None:
         served = proxy()
@@ -738,12 +754,13 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         llm = proxy()
         import llama_cpp
 
-        tmpl = llama_cpp.llama_model_chat_template(llm._model.model, None)
+        tmpl = llm.chat_template
         return {"default_generation_settings": {"n_ctx": llm.n_ctx(), "model": model_id,
                                                 "params": {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
                                                            "min_p": 0.05, "repeat_penalty": 1.0}},
                 "total_slots": n_parallel, "model_alias": model_id, "model_path": str(model_path),
-                "chat_template": tmpl.decode("utf-8", "replace") if tmpl else "",
+                "chat_template": tmpl.text if tmpl.text is not None else tmpl.name.decode("utf-8", "replace"),
+                "chat_template_source": tmpl.label,
                 "build_info": f"pymoecache {__version__} on llama-cpp-python {llama_cpp.__version__}",
                 "moecache": {"routing": (llm.moecache.routing if llm.moecache is not None else routing).spec(),
                              "preset": llm.preset.name if getattr(llm, "preset", None) is not None else None,

@@ -249,7 +249,7 @@ def test_the_model_chat_template_is_used(tmp_path):
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     # one it does not know: a notice, then ChatML
     prompt, err = _chat_prompt("-m", _with_template(tmp_path, "{{ something only jinja knows }}"))
-    assert "does not know this model's chat template; using ChatML" in err
+    assert "using ChatML: llama.cpp does not know this model's chat template" in err
     assert prompt.startswith("<|im_start|>user\nHello<|im_end|>")
 
 
@@ -268,9 +268,54 @@ def test_a_chat_template_jinja_cannot_parse_does_not_stop_the_load(tmp_path, cap
     llm = pymoecache.Llama(str(path), n_ctx=256, chat_format="chatml", verbose=False)
     assert llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)["choices"]
     llm.close()
+    # run --chat applies templates as chat does: llama.cpp does not know this one, ChatML it is, said so;
+    # --jinja asks for the template itself, which Jinja cannot parse: one line, exit 2
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "--chat", "-p", "Hi", "-n", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "chat template cannot be used" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0 and "using ChatML: llama.cpp does not know this model's chat template" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "--chat", "-p", "Hi", "-n", "2", "--jinja"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not a valid Jinja template" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_template_options_as_llama_cpp_takes_them(tmp_path):
+    """--chat-template NAME (llama.cpp's built-in), --chat-template-file FILE (Jinja), --jinja (the model's,
+    by Jinja) on chat, run and serve (issue 43 item 1)."""
+    prompt, _ = _chat_prompt("--chat-template", "llama3")  # the embedded model has no template of its own
+    assert prompt == ("<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+    prompt, _ = _chat_prompt("--chat-template-file", f, "-sys", "S")
+    assert prompt == "<system>S<user>Hello<assistant>"
+    # --jinja: the model's own template rendered by Jinja (no assistant header: this template has none),
+    # where llama.cpp, recognizing Llama 3's, adds one
+    templated = _with_template(tmp_path, LLAMA3)
+    prompt, _ = _chat_prompt("-m", templated, "--jinja")
+    assert prompt == "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+    # run --chat: the same templates (the prompt's length in tokens tells which ran)
+    import pymoecache
+
+    def run_tokens(*args):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "--chat", "-p", "Hello", "-n", "1", "--json",
+                            *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["prompt_tokens"]
+
+    llm = pymoecache.Llama(n_ctx=256, verbose=False)
+    n_file = len(llm.tokenize(b"<user>Hello<assistant>", add_bos=True, special=True))
+    n_chatml = len(llm.tokenize(b"<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_bos=True,
+                                special=True))
+    llm.close()
+    assert run_tokens("--chat-template-file", f) == n_file and run_tokens("--chat-template", "chatml") == n_chatml
+    for args, says in ((["--chat-template", "chatmk"], "did you mean 'chatml'?"),
+                       (["--chat-template", "chatml", "--chat-template-file", f], "not both"),
+                       (["--chat-template-file", tmp_path / "missing.jinja"], "cannot read --chat-template-file"),
+                       (["--chat-template-file", tmp_path], "not a regular file")):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", *map(str, args)], cwd=ROOT, input="Hi\n",
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_ctrl_d_typed_while_an_answer_streams_leaves(term):

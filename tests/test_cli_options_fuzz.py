@@ -109,7 +109,7 @@ def test_every_prefix_of_every_option_is_refused_with_the_commands_own_guess(cap
 
 
 def test_a_guess_is_never_an_option_the_command_does_not_have(capsys):
-    for argv, wrong in ((["bench", "-p", "x"], "-p"), (["serve", "--jinja"], "--json"), (["info", "--prior", "1"], None)):
+    for argv, wrong in ((["bench", "-p", "x"], "-p"), (["serve", "--jsonl"], "--json"), (["info", "--prior", "1"], None)):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(argv)
         err = capsys.readouterr().err

@@ -154,3 +154,25 @@ def test_openai_client_embeddings_are_refused_at_once(base):
         client.embeddings.create(model="x", input="hello")
     assert e.value.status_code == 501 and "embeddings" in str(e.value.message)
     assert time.monotonic() - t0 < 5  # no retry with back-off
+
+
+def test_chat_templates_on_serve(base, fixture_dir, tmp_path):
+    # a model without a template: ChatML, as llama-server (llama-cpp-python guessed llama-2), said in /props
+    _, props = call(base + "/props")
+    assert props["chat_template"] == "chatml" and props["chat_template_source"] == "ChatML (the model has no chat template)"
+    _, ids = call(base + "/tokenize", {"content": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                       "add_special": True})
+    status, r = call(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    assert status == 200 and r["usage"]["prompt_tokens"] == len(ids["tokens"])
+    # --chat-template-file: that Jinja template renders every chat
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+    log = tmp_path / "server.log"
+    with running_server(model_path(fixture_dir, MODEL), log, "--chat-template-file", str(f)) as (url, _):
+        _, props = call(url + "/props")
+        assert props["chat_template"] == f.read_text() and props["chat_template_source"] == f"{f} (Jinja)"
+        _, ids = call(url + "/tokenize", {"content": "[user] Hi\n[assistant] ", "add_special": True})
+        status, r = call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 1})
+        assert status == 200 and r["usage"]["prompt_tokens"] == len(ids["tokens"])
+    assert f"chat template: {f} (Jinja)" in log.read_text()

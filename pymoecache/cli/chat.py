@@ -13,7 +13,6 @@ messages). When the conversation outgrows the context, the oldest turns are drop
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import select
 import signal
@@ -22,7 +21,8 @@ import threading
 from typing import List, Optional
 
 from .options import (UserError, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
-                      add_runtime_options, add_sampling_options, check_profile_args, load_profile_from_args,
+                      add_runtime_options, add_sampling_options, chat_template_from_args, check_profile_args,
+                      load_profile_from_args,
                       prompt_text, read_text_file, resolve_model, routing_from_args, sampling_kwargs,
                       save_profile_from_args, system_prompt, use_color)
 
@@ -39,52 +39,34 @@ HELP = """commands:
 
 
 class Conversation:
-    """The messages of one conversation, rendered by the model's chat template and kept within
-    the context: :meth:`fit` drops the oldest turns (never the system prompt) when needed."""
+    """The messages of one conversation, rendered by the chat template (pymoecache.templates: the
+    model's own as llama.cpp applies it unless --jinja, --chat-template or --chat-template-file say
+    otherwise) and kept within the context: :meth:`fit` drops the oldest turns (never the system
+    prompt) when needed."""
 
-    def __init__(self, llm, system: Optional[str] = None):
-        import llama_cpp
+    def __init__(self, llm, system: Optional[str] = None, template=None):
+        from ..templates import ChatTemplate
 
         self.llm = llm
         self.system = system
         self.messages: List[dict] = []
         self.n_answers = 0  # answers drawn so far (each draws with its own seed)
-        tmpl = llama_cpp.llama_model_chat_template(llm._model.model, None)
-        self.template: Optional[bytes] = tmpl or None  # None: llama.cpp uses ChatML
-        if self.template is not None and self._apply([{"role": "user", "content": "x"}], self.template) is None:
-            print("pymoecache chat: llama.cpp does not know this model's chat template; using ChatML",
-                  file=sys.stderr)
-            self.template = None
+        self.template = template if template is not None else ChatTemplate(llm)
+        if self.template.fallback:
+            print(f"pymoecache chat: using {self.template.label}", file=sys.stderr)
 
     def all_messages(self) -> List[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
 
-    @staticmethod
-    def _apply(messages: List[dict], template: Optional[bytes]) -> Optional[str]:
-        import llama_cpp
-
-        keep = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]  # alive during the call
-        chat = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(r, c) for r, c in keep])
-        size = 2 * sum(len(r) + len(c) for r, c in keep) + 1024
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
-            if n < 0:
-                return None
-            if n <= size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n + 1
-        return None
-
     def prompt(self) -> str:
         """The whole conversation so far, ending where the assistant's answer begins."""
-        text = self._apply(self.all_messages(), self.template)
-        if text is None:
-            raise UserError("llama.cpp could not apply the chat template")
-        return text
+        return self.template.render(self.all_messages())[0]
+
+    def tokens(self) -> List[int]:
+        return self.template.tokens(self.all_messages())
 
     def n_tokens(self) -> int:
-        return len(self.llm.tokenize(self.prompt().encode("utf-8"), add_bos=True, special=True))
+        return len(self.tokens())
 
     def fit(self, reserve: int) -> int:
         """Drop the oldest turns until the prompt plus ``reserve`` tokens fit the context; the number
@@ -174,7 +156,7 @@ def answer(llm, conv: Conversation, args, out, typed: Optional[_TypedAhead] = No
         kw = sampling_kwargs(args, llm)
         kw["seed"] = (args.seed + conv.n_answers) % 2**32  # each answer its own draw, as llama.cpp's one sampler
         conv.n_answers += 1
-        stream = llm.create_completion(prompt, max_tokens=args.n if args.n > 0 else None, stream=True, **kw)
+        stream = llm.create_completion(conv.tokens(), max_tokens=args.n if args.n > 0 else None, stream=True, **kw)
         try:
             for chunk in stream:
                 piece = chunk["choices"][0]["text"]
@@ -229,7 +211,7 @@ def cmd_chat(args) -> int:
     if note:
         say(note)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
-    conv = Conversation(llm, args.system or None)
+    conv = Conversation(llm, args.system or None, chat_template_from_args(args, llm))
     print_plan(llm)
     out = sys.stdout
     interactive = sys.stdin.isatty()

@@ -16,7 +16,7 @@ import time
 from ..config import resolved_top_j
 from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument,
                       add_routing_options, add_runtime_options, add_sampling_options, cache_from_args,
-                      check_profile_args, load_profile_from_args, prompt_text, resolve_model, resolve_seed,
+                      chat_template_from_args, check_profile_args, load_profile_from_args, prompt_text, resolve_model, resolve_seed,
                       routing_from_args, runtime_kwargs, sampling_kwargs, save_profile_from_args, system_prompt,
                       use_color)
 
@@ -157,9 +157,13 @@ def cmd_run(args) -> int:
         llm.eval(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True))
         llama_cpp.llama_synchronize(llm._ctx.ctx)  # llama.cpp counts a prompt's time when it syncs
         pieces = iter(())
-    elif args.chat or args.system is not None:  # one turn through the model's chat template
+    elif args.chat or args.system is not None:  # one turn through the chat template (templates.py)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
+        template = chat_template_from_args(args, llm)
+        if template.fallback:
+            print(f"pymoecache run: using {template.label}", file=sys.stderr)
+        llm.chat_handler = template.handler()
         stream = llm.create_chat_completion(messages=messages, **kw)
         pieces = (c["choices"][0]["delta"].get("content", "") for c in stream)
     else:

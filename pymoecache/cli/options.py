@@ -348,8 +348,35 @@ def runtime_kwargs(args) -> dict:
     return kw
 
 
+def add_template_options(p, serve: bool = False) -> None:
+    """llama.cpp's chat-template options (pymoecache.templates), on ``run``, ``chat`` and ``serve``."""
+    p.add_argument("--jinja", action="store_true",
+                   help="render the model's chat template with Jinja, as llama-server --jinja"
+                        + (" (serve: always the case, the flag is accepted)" if serve else
+                           " (default: llama.cpp applies it, as llama-cli)"))
+    p.add_argument("--chat-template", metavar="NAME", default=None,
+                   help="one of llama.cpp's built-in templates instead of the model's: chatml, llama2, llama3, "
+                        "mistral-v7, gemma, phi3, deepseek3, ... (an unknown name lists them all)")
+    p.add_argument("--chat-template-file", metavar="FILE", default=None,
+                   help="a Jinja chat template file instead of the model's (default: the model's; ChatML for a "
+                        "model without one, said at start)")
+
+
+def chat_template_from_args(args, llm, serve: bool = False):
+    """The ChatTemplate these options choose for ``llm`` (UserError for a bad name or file)."""
+    from ..errors import ConfigError
+    from ..templates import ChatTemplate
+
+    try:
+        return ChatTemplate(llm, name=getattr(args, "chat_template", None), file=getattr(args, "chat_template_file", None),
+                            jinja=getattr(args, "jinja", False), default_jinja=serve)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+
+
 def add_conversation_options(p) -> None:
     """The options of a conversation, shared by ``chat`` and ``run -cnv``."""
+    add_template_options(p)
     p.add_argument("-sys", "--system-prompt", dest="system", default=None, metavar="TEXT",
                    help="system prompt, as llama-cli's -sys (default: none)")
     p.add_argument("-sysf", "--system-prompt-file", dest="system_file", default=None, metavar="FILE",

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      cache_from_args, check_profile_args, resolve_model, routing_from_args, runtime_kwargs)
+                      add_template_options, cache_from_args, check_profile_args, resolve_model, routing_from_args, runtime_kwargs)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -68,7 +68,8 @@ def cmd_serve(args) -> int:
         kw["n_ctx"], ctx_note = serve_context(info)
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
-                     n_parallel=args.parallel, **kw)
+                     n_parallel=args.parallel, chat_template=args.chat_template,
+                     chat_template_file=args.chat_template_file, **kw)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
     plan = app.state.memory_plan
@@ -78,7 +79,8 @@ def cmd_serve(args) -> int:
           f"context {kw['n_ctx']}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
           f"/slots, /metrics, /moecache/stats" + (f"; cache size {choice}" if choice else "")
           + ("; API key required" if args.api_key else "")
-          + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else ""),
+          + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else "")
+          + f"; chat template: {app.state.chat_template}",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -112,6 +114,7 @@ def add_command(subparsers) -> None:
                         "with Retry-After (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
+    add_template_options(s, serve=True)
     add_hub_options(s)
     add_routing_options(s, profile=True)
     s.set_defaults(func=cmd_serve)
