@@ -36,6 +36,7 @@ from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFile
 from ._logtail import LINES, take_log_lines
 from .files import FileTooLarge, NotARegularFile, read_regular_file, write_atomic
 from .grammar import check_grammar
+from .logprobs import StepLogprobs, logits_row
 from .model_info import ModelInfo, _fmt_bytes, model_info
 from . import plan as _plan
 from . import rpc
@@ -1060,13 +1061,62 @@ class Llama(llama_cpp.Llama):
         return super()._init_sampler(*args, grammar=grammar, **kwargs)
 
     def sample(self, *args, **kwargs):
-        """``llama_cpp.Llama.sample`` under the same one-thread guard as :meth:`eval`."""
+        """``llama_cpp.Llama.sample`` under the same one-thread guard as :meth:`eval`; a completion that
+        asked for logprobs records the token's from the logits it was drawn from (pymoecache.logprobs)."""
         self._enter()
         try:
             with self._token_lock:
-                return super().sample(*args, **kwargs)
+                tok = super().sample(*args, **kwargs)
+                if self._step_logprobs is not None:
+                    row = logits_row(self)
+                    if row is not None:
+                        self._step_logprobs.record(row, tok)
+                return tok
         finally:
             self._busy.release()
+
+    _step_logprobs: Optional[StepLogprobs] = None  # the running completion's, when it asked for logprobs
+
+    def create_completion(self, prompt, *args, **kwargs):
+        """``llama_cpp.Llama.create_completion``; ``logprobs=N`` works without ``logits_all`` (each
+        sampled token's log-probability and the top N, from the logits it was drawn from), except with
+        ``echo`` (the prompt's logprobs need every prompt position's logits: ``logits_all=True``).
+
+        >>> llm.create_completion("Once", max_tokens=2, logprobs=3)["choices"][0]["logprobs"]["tokens"]  # doctest: +SKIP
+        [' upon', ' a']
+        """
+        n = kwargs.get("logprobs")
+        if n is None or self._logits_all:
+            return super().create_completion(prompt, *args, **kwargs)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_vocab():
+            raise ConfigError(f"logprobs must be an integer in [0, {self.n_vocab()}], got {n!r}")
+        if kwargs.get("echo"):
+            raise ConfigError("logprobs with echo=True needs logits_all=True (the prompt's own logprobs need the "
+                              "logits of every prompt position)")
+        steps, kwargs["logprobs"] = StepLogprobs(n), None
+        offset = len(prompt) if isinstance(prompt, str) else len(self.detokenize(prompt).decode("utf-8", "ignore"))
+        if kwargs.get("stream"):
+            return self._stream_logprobs(super().create_completion(prompt, *args, **kwargs), steps, offset)
+        self._step_logprobs = steps
+        try:
+            result = super().create_completion(prompt, *args, **kwargs)
+        finally:
+            self._step_logprobs = None
+        choice = result["choices"][0]
+        choice["logprobs"] = steps.completion_logprobs(self, choice["text"], offset)
+        return result
+
+    def _stream_logprobs(self, chunks, steps: StepLogprobs, offset: int):
+        self._step_logprobs = steps
+        try:
+            for chunk in chunks:
+                for c in chunk.get("choices", []):
+                    if c.get("text"):
+                        c["logprobs"] = steps.completion_logprobs(self, c["text"], offset)
+                        offset += len(c["text"])
+                yield chunk
+        finally:
+            self._step_logprobs = None
 
     def close(self) -> None:
         """Free the model, the context and the expert cache now (a second call does nothing). Every

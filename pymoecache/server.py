@@ -21,7 +21,8 @@ Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat
   stops at the next token.
 * llama-server's own ``POST /completion`` (its fields, streamed or not, with ``timings`` and our
   ``moecache``), ``/tokenize`` and ``/detokenize`` (server_native.py); ``max_completion_tokens`` and
-  ``n_predict`` limit an OpenAI answer as ``max_tokens`` does.
+  ``n_predict`` limit an OpenAI answer as ``max_tokens`` does; ``logprobs`` / ``top_logprobs`` are
+  answered without ``logits_all`` (pymoecache.logprobs).
 * request bodies are checked before the model sees them: malformed JSON, wrong types, bad roles,
   ``max_tokens`` outside [1, n_ctx], a prompt longer than the context, a grammar (or JSON schema)
   llama.cpp cannot parse, token ids outside the vocabulary all get 400/422, never a 500 or a crash;
