@@ -19,9 +19,9 @@ import codecs
 import json
 import math
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
-from .server import RequestError, check_grammar
+from .server_requests import RequestError, check_grammar
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -114,7 +114,7 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
     the rest."""
     import llama_cpp
 
-    from .server import request_stats
+    from .server_requests import request_stats
 
     if req.seed != -1:
         llm.set_seed(req.seed)

@@ -28,7 +28,7 @@ class Terminal:
         if self.pid == 0:  # the child: its stdin, stdout and stderr are the terminal
             os.chdir(ROOT)
             os.execv(sys.executable, [sys.executable, "-m", "pymoecache", *args])
-        self.out, self._partial = "", ""
+        self.out, self._partial, self.raw = "", "", ""
 
     def expect(self, pattern: str, timeout: float = 120.0) -> re.Match:
         """Read until ``pattern`` (a regex) appears in what the child printed since the last match."""
@@ -57,6 +57,7 @@ class Terminal:
         self._partial = text[cut:] if cut >= 0 and not ANSI.match(text, cut) and len(text) - cut < 16 else ""
         text = text[:len(text) - len(self._partial)]
         self.out += ANSI.sub("", text).replace("\r\n", "\n")
+        self.raw += text  # (with the colours)
         return True
 
     def send(self, text: str) -> None:
@@ -236,6 +237,18 @@ def _chat_prompt(*args, stdin="Hello\n"):
 
 LLAMA3 = ("{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
           "{{ message['content'] }}<|eot_id|>{% endfor %}")
+
+
+def test_color_shows_the_typed_message_in_green(term):
+    """-co on: the marker and the text typed after it in green, reset before the answer (as llama-cli);
+    the README says so."""
+    t = term("-co", "on", "-n", "2", "--temp", "0")
+    t.send("Hello there\r")
+    t.expect(r"Hello there\n")
+    t.expect(r"> ")  # the answer is out, the next prompt shown
+    assert re.search(r"\x1b\[32m> (\x1b\[[0-9;?]*[A-Za-z]|\r)*Hello there\r?\n\x1b\[0m", t.raw), repr(t.raw[-400:])
+    t.send("\x04")
+    assert t.wait() == 0
 
 
 def test_the_model_chat_template_is_used(tmp_path):

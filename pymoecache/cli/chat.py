@@ -84,16 +84,23 @@ class Conversation:
         return dropped
 
 
-def _read_message(prompt: str) -> str:
-    """One message from the user; a line ending in a backslash continues on the next line."""
+def _read_message(prompt: str, end: str = "") -> str:
+    """One message from the user; a line ending in a backslash continues on the next line. ``end``
+    is written once the message is in (or input stopped): the reset of -co's colour, which the
+    prompt leaves on so that the typed text shows in it, as llama-cli shows it."""
     lines = []
-    while True:
-        line = input(prompt if not lines else "")
-        if line.endswith("\\"):
-            lines.append(line[:-1])
-            continue
-        lines.append(line)
-        return "\n".join(lines)
+    try:
+        while True:
+            line = input(prompt if not lines else "")
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+    finally:
+        if end:
+            sys.stdout.write(end)
+            sys.stdout.flush()
 
 
 class _Interrupt:
@@ -216,7 +223,8 @@ def cmd_chat(args) -> int:
     out = sys.stdout
     interactive = sys.stdin.isatty()
     color = use_color(args)
-    marker = "\001\x1b[32m\002> \001\x1b[0m\002" if color else "> "  # (\001 \002: readline skips them)
+    # -co: the "> " marker and what is typed after it in green, as llama-cli (\001 \002: readline skips them)
+    green, reset = ("\001\x1b[32m\002", "\x1b[0m") if color else ("", "")
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
@@ -255,12 +263,12 @@ def cmd_chat(args) -> int:
         try:
             if pending:
                 line = pending.pop(0)
-                say(f"> {line}")
+                say(f"{green.strip(chr(1) + chr(2))}> {line}{reset}")
             elif typed.lines:
                 line = typed.lines.pop(0)
-                say(f"> {line}")
+                say(f"{green.strip(chr(1) + chr(2))}> {line}{reset}")
             else:
-                line = _read_message(marker)
+                line = _read_message(green + "> ", reset)
             line.encode("utf-8")  # stdin may hand undecodable bytes over as surrogates
         except EOFError:
             out.write("\n")

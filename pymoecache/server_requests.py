@@ -1,0 +1,200 @@
+"""What a request to ``pymoecache serve`` must be: the checks every completion passes before the
+model sees it, and the one error body of every status (OpenAI's ``{"error": {...}}``). Used by
+server.py (the OpenAI endpoints) and server_native.py (llama-server's); the server extras are
+imported only inside the functions that answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .stats import MoEStats
+
+_MAX_BODY = 8 << 20          # bytes of one request body
+_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
+
+
+# the error type of each status, as OpenAI and llama-server name them
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 499: "client_gone", 500: "server_error", 501: "not_supported_error",
+                503: "unavailable_error"}
+
+
+def error_response(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
+                   headers: Optional[dict] = None):
+    """Every error this server answers: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with
+    llama-server's numeric ``code`` (the HTTP status)."""
+    from fastapi.responses import JSONResponse
+
+    kind = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+class RequestError(Exception):
+    """A client error in a request body: status 400 or 422 and an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def response(self):
+        return error_response(self.status, str(self), param=self.param)
+
+
+def _field_error(errors: list) -> RequestError:
+    """422 naming the first invalid field of a pydantic error list (the input is not echoed)."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+    return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where)
+
+
+def check_grammar(llm, text, param: str = "grammar") -> None:
+    """RequestError (400/422) unless ``text`` passes pymoecache.grammar.check_grammar, whose last
+    check is llama.cpp's own parser (the sampler llama-cpp-python would build)."""
+    from .errors import GrammarError
+    from .grammar import check_grammar as check
+
+    if not isinstance(text, str) or not text.strip():
+        raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 422, param)
+    try:
+        check(text, llm._model.vocab)
+    except GrammarError as e:
+        raise RequestError(f"'{param}' " + str(e).removeprefix("grammar: "), 400, param) from None
+
+
+# sampling fields: (lowest, highest); NaN is out of every range (JSON parsers here accept NaN)
+_SAMPLING_RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
+                    "repeat_penalty": (0.0, 1e6), "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6),
+                    "mirostat_tau": (0.0, 1e6), "mirostat_eta": (0.0, 1e6)}
+
+
+def _check_sampling(llm, body) -> None:
+    """400 for what llama-cpp-python would silently misread: NaN or out-of-range sampling numbers,
+    logit_bias ids that are not tokens of the model, more than one choice."""
+    import math
+
+    for name, (lo, hi) in _SAMPLING_RANGES.items():
+        v = getattr(body, name, None)
+        if v is not None and not lo <= v <= hi:
+            raise RequestError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {v}", 400, name)
+    for name in ("n", "best_of"):
+        v = getattr(body, name, None)
+        if v is not None and v != 1:
+            raise RequestError(f"'{name}' must be 1: this server answers one choice per request", 400, name)
+    bias = getattr(body, "logit_bias", None) or {}
+    if bias and getattr(body, "logit_bias_type", None) != "tokens":  # keys are token ids
+        n_vocab = llm.n_vocab()
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                tok = -1
+            if not 0 <= tok < n_vocab:
+                raise RequestError(f"'logit_bias' key {key[:20]!r} is not a token id of this model (0 to {n_vocab - 1})",
+                                   400, "logit_bias")
+            if math.isnan(value):
+                raise RequestError(f"'logit_bias' value for token {tok} is NaN", 400, "logit_bias")
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", 422, "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise RequestError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(_ROLES)}", 422,
+                               "messages")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise RequestError(f"messages[{i}].content must be a string, a list of parts or null", 422, "messages")
+
+
+def _include_usage(raw: bytes) -> bool:
+    """OpenAI's ``stream_options.include_usage`` of a body validate_request has accepted."""
+    opts = json.loads(raw).get("stream_options")
+    return bool(isinstance(opts, dict) and opts.get("include_usage"))
+
+
+def validate_request(llm, path: str, raw: bytes):
+    """The stock request model for ``path`` built from ``raw``, after every check this server makes;
+    RequestError (400/422) otherwise. Nothing here runs the model."""
+    from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+    from pydantic import ValidationError
+
+    if not raw.strip():
+        raise RequestError("the request body is empty: send a JSON object")
+    if len(raw) > _MAX_BODY:
+        raise RequestError(f"the request body is larger than {_MAX_BODY} bytes", 413)
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise RequestError("the request body must be a JSON object", 422)
+    chat = path.endswith("/chat/completions")
+    if chat:
+        _check_messages(d.get("messages"))
+    elif "prompt" in d and not isinstance(d["prompt"], str) and not (
+            isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
+        raise RequestError("'prompt' must be a string (or a list of at most one string)", 422, "prompt")
+    opts = d.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise RequestError("'stream_options' must be an object such as {\"include_usage\": true} or null", 422,
+                           "stream_options")
+    if opts is not None and not d.get("stream"):
+        raise RequestError("'stream_options' is only allowed with \"stream\": true", 400, "stream_options")
+    n_ctx = llm.n_ctx()
+    # what current OpenAI SDKs send (max_completion_tokens) and llama-server's n_predict (-1: no limit)
+    # are max_tokens by other names: one of them, or the same value in each
+    given = {k: d.pop(k) for k in ("max_completion_tokens", "n_predict", "max_tokens") if d.get(k) is not None}
+    if given.get("n_predict") == -1:
+        given["n_predict"] = None
+    if len({json.dumps(v) for v in given.values()}) > 1:
+        raise RequestError(f"{' and '.join(sorted(given))} differ ({given}): give one limit", 400, sorted(given)[0])
+    if given:
+        d["max_tokens"] = next(iter(given.values()))
+    mt = d.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
+        raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",
+                           422, "max_tokens")
+    try:
+        body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
+    except ValidationError as e:
+        raise _field_error(e.errors()) from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
+    _check_sampling(llm, body)
+    if body.grammar is not None:
+        check_grammar(llm, body.grammar)
+    rf = d.get("response_format") if chat else None
+    if isinstance(rf, dict) and rf.get("schema") is not None:
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(rf["schema"]))
+        except Exception as e:  # the converter raises anything from KeyError to RecursionError
+            raise RequestError(f"'response_format.schema' cannot be turned into a grammar: {str(e)[:200]}", 400,
+                               "response_format") from None
+        check_grammar(llm, gbnf, "response_format.schema")
+    if not chat:
+        prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
+        n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
+        if n_prompt + (body.max_tokens or 1) > n_ctx:
+            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({body.max_tokens}) exceed the "
+                               f"context of {n_ctx} tokens", 400, "prompt")
+    return body
+
+
+def request_stats(before: MoEStats, after: MoEStats) -> dict:
+    """Cache counters between two snapshots of the same cache (one request's share).
+
+    >>> st = MoEStats.from_rows([(0, 2, 2, 10, 40, 30, 10, 8, 0, 0, 1.0)], n_expert=8, n_expert_used=4)
+    >>> request_stats(st, st)["tokens"]
+    0
+    """
+
+    d = after.since(before).summary_dict()
+    return {k: d[k] for k in ("tokens", "hits", "misses", "hit_rate", "miss_rate", "misses_per_token",
+                              "bytes_loaded")}
