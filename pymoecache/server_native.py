@@ -16,12 +16,11 @@ for this request) and our ``moecache`` (the request's cache counters).
 from __future__ import annotations
 
 import codecs
-import json
 import math
 import time
 from typing import Dict, Iterator, List
 
-from .server_requests import RequestError, check_grammar
+from .server_requests import RequestError, check_grammar, json_object
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -29,18 +28,6 @@ _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "rep
 _RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 1e6),
            "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6)}
 IGNORED = ("cache_prompt",)  # accepted, no effect (said once in the server's log)
-
-
-def _json_object(raw: bytes) -> dict:
-    if not raw.strip():
-        raise RequestError("the request body is empty: send a JSON object")
-    try:
-        d = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
-    if not isinstance(d, dict):
-        raise RequestError("the request body must be a JSON object", 422)
-    return d
 
 
 def _token_ids(llm, v, field: str) -> List[int]:
@@ -58,7 +45,7 @@ class NativeCompletion:
     """A checked ``/completion`` request: the prompt's tokens and the sampling settings."""
 
     def __init__(self, llm, raw: bytes):
-        d = _json_object(raw)
+        d = json_object(raw)
         self.ignored = [k for k in IGNORED if k in d]
         prompt = d.get("prompt", "")
         if isinstance(prompt, str):
@@ -186,7 +173,7 @@ def complete(llm, req: NativeCompletion) -> dict:
 def tokenize(llm, raw: bytes) -> dict:
     """``POST /tokenize``: ``{"content", "add_special": false, "parse_special": true, "with_pieces": false}`` ->
     ``{"tokens": [ids]}``, or with pieces ``[{"id", "piece"}]`` (a piece that is not UTF-8 alone: its bytes)."""
-    d = _json_object(raw)
+    d = json_object(raw)
     content = d.get("content", "")
     if not isinstance(content, str):
         raise RequestError("'content' must be a string", 422, "content")
@@ -212,6 +199,6 @@ def tokenize(llm, raw: bytes) -> dict:
 def detokenize(llm, raw: bytes) -> dict:
     """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"content": text}``; bytes that do not form UTF-8
     become U+FFFD, as llama-server's JSON writer replaces them."""
-    d = _json_object(raw)
+    d = json_object(raw)
     ids = _token_ids(llm, d.get("tokens", []), "tokens")
     return {"content": llm.detokenize(ids, special=True).decode("utf-8", "replace") if ids else ""}

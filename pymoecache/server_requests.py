@@ -117,12 +117,8 @@ def _include_usage(raw: bytes) -> bool:
     return bool(isinstance(opts, dict) and opts.get("include_usage"))
 
 
-def validate_request(llm, path: str, raw: bytes):
-    """The stock request model for ``path`` built from ``raw``, after every check this server makes;
-    RequestError (400/422) otherwise. Nothing here runs the model."""
-    from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
-    from pydantic import ValidationError
-
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object of at most _MAX_BODY bytes; RequestError otherwise."""
     if not raw.strip():
         raise RequestError("the request body is empty: send a JSON object")
     if len(raw) > _MAX_BODY:
@@ -133,6 +129,16 @@ def validate_request(llm, path: str, raw: bytes):
         raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(d, dict):
         raise RequestError("the request body must be a JSON object", 422)
+    return d
+
+
+def validate_request(llm, path: str, raw: bytes):
+    """The stock request model for ``path`` built from ``raw``, after every check this server makes;
+    RequestError (400/422) otherwise. Nothing here runs the model."""
+    from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+    from pydantic import ValidationError
+
+    d = json_object(raw)
     chat = path.endswith("/chat/completions")
     if chat:
         _check_messages(d.get("messages"))
