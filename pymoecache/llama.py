@@ -34,7 +34,7 @@ from .config import (EVICTIONS, INT32_MAX, PREFETCHES, PREFETCH_NAMES, RESIDENCI
 from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
                      ModelLoadError, StateFileError)
 from ._logtail import LINES, take_log_lines
-from .files import FileTooLarge, NotARegularFile, read_regular_file, write_atomic
+from .files import read_user_text, write_atomic
 from .grammar import check_grammar
 from .logprobs import StepLogprobs, logits_row
 from .model_info import ModelInfo, _fmt_bytes, model_info
@@ -202,17 +202,10 @@ def _checked_path(path: "os.PathLike[str] | str", what: str) -> bytes:
 def read_json_file(path: "os.PathLike[str] | str", what: str):
     """Parse a small JSON file; StateFileError for anything but a readable regular file of valid JSON."""
     p = os.fsdecode(_checked_path(path, what))
+    text = read_user_text(p, what, _MAX_JSON_BYTES, StateFileError)
     try:
-        raw = read_regular_file(p, _MAX_JSON_BYTES)
-    except OSError as e:
-        raise StateFileError(f"cannot read {what} {p}: {e.strerror or e}") from None
-    except NotARegularFile:
-        raise StateFileError(f"{what} {p} is not a regular file") from None
-    except FileTooLarge as e:
-        raise StateFileError(f"{what} {p} is too large ({e.size} bytes)") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON (json.JSONDecodeError is a ValueError)
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
         raise StateFileError(f"{what} {p} is not valid JSON: {str(e)[:200]}") from None
 
 

@@ -150,20 +150,9 @@ class ChatTemplate:
 
 
 def _read_template(path: str) -> str:
-    from .files import FileTooLarge, NotARegularFile, read_regular_file
+    from .files import read_user_text
 
-    try:
-        data = read_regular_file(path, MAX_TEMPLATE_BYTES)
-    except OSError as e:
-        raise ConfigError(f"cannot read --chat-template-file {path}: {e.strerror}") from None
-    except NotARegularFile:
-        raise ConfigError(f"--chat-template-file {path} is not a regular file") from None
-    except FileTooLarge:
-        raise ConfigError(f"--chat-template-file {path} is larger than {MAX_TEMPLATE_BYTES} bytes") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"--chat-template-file {path} is not UTF-8 text") from None
+    text = read_user_text(path, "--chat-template-file", MAX_TEMPLATE_BYTES, ConfigError)
     if not text.strip():
         raise ConfigError(f"--chat-template-file {path} is empty")
     return text

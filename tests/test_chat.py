@@ -325,7 +325,7 @@ def test_chat_template_options_as_llama_cpp_takes_them(tmp_path):
     for args, says in ((["--chat-template", "chatmk"], "did you mean 'chatml'?"),
                        (["--chat-template", "chatml", "--chat-template-file", f], "not both"),
                        (["--chat-template-file", tmp_path / "missing.jinja"], "cannot read --chat-template-file"),
-                       (["--chat-template-file", tmp_path], "not a regular file")):
+                       (["--chat-template-file", tmp_path], "is not a regular file: a directory")):
         r = subprocess.run([sys.executable, "-m", "pymoecache", "chat", *map(str, args)], cwd=ROOT, input="Hi\n",
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
