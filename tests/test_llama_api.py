@@ -8,6 +8,7 @@ import llama_cpp
 
 import pymoecache
 from pymoecache import CacheConfig, Prior, TopK
+from pymoecache.moecache import MoECache
 from conftest import ROOT, model_path
 
 QWEN = "qwen2moe-60x4"
@@ -251,3 +252,36 @@ def test_verbose_false_is_quiet():
     r = subprocess.run([sys.executable, "-c", code.replace("False", "True")], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert "n_ctx_seq (4096) > n_ctx_train" in r.stderr  # verbose=True: llama.cpp's whole log, as stock
+
+
+@pytest.mark.parametrize("routing", ["prior:0.5", "preset:balanced", None])
+def test_a_llama_is_built_from_its_configuration_resolved_once(fixture_dir, monkeypatch, routing):
+    """Issue 43 item 4: the routing spec is parsed once and the native parameters are built once,
+    from the resolved values (it went back and forth between llama.py and config.py)."""
+    import pymoecache.config as config
+    import pymoecache.llama as llama_mod
+    import pymoecache.moecache as moecache_mod
+
+    parses, builds = [], []
+    parse = config.parse_routing
+
+    def counting_parse(spec, *a, **k):
+        parses.append(spec)
+        return parse(spec, *a, **k)
+
+    for mod in (config, llama_mod, moecache_mod):  # every name it is reached by
+        monkeypatch.setattr(mod, "parse_routing", counting_parse)
+    build = MoECache._params
+    monkeypatch.setattr(MoECache, "_params", staticmethod(lambda *a, **k: builds.append(1) or build(*a, **k)))
+    llm = pymoecache.Llama(str(model_path(fixture_dir, "qwen2moe-60x4")), cache=0.5, routing=routing, n_ctx=128,
+                           verbose=False)
+    try:
+        assert parses == ([routing] if routing else [])
+        assert len(builds) == 1
+        if routing == "prior:0.5":
+            assert llm.moecache.routing.spec() == "prior:0.5" and llm.preset is None
+        else:  # a preset (named, or the default), resolved into a policy for this cache
+            assert llm.preset is not None and llm.preset.name == (routing.split(":")[1] if routing else llm.preset.name)
+        assert llm.moe_stats().capacity_per_layer[0] == 30  # built from the resolved size
+    finally:
+        llm.close()
