@@ -119,7 +119,7 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
     hold = max((len(w) for w in req.stop), default=1) - 1
     t0 = time.perf_counter()
     t1 = None  # when the first token was sampled: the prompt is evaluated by then
-    for tok in tokens:
+    for tok in tokens if req.n_predict > 0 else ():  # (n_predict 0: nothing to predict)
         t1 = t1 or time.perf_counter()
         if llama_cpp.llama_vocab_is_eog(vocab, tok):
             stop_type = "eos"

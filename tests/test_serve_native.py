@@ -96,6 +96,8 @@ def test_stop_words_and_token_prompts(base):
     _, ids = call(base + "/tokenize", {"content": "The king", "add_special": True})
     _, t = call(base + "/completion", {"prompt": ids["tokens"], "n_predict": 24, "temperature": 0})
     assert t["content"] == text
+    _, z = call(base + "/completion", {"prompt": "The king", "n_predict": 0})
+    assert z["content"] == "" and z["tokens_predicted"] == 0 and z["stop_type"] == "limit"
 
 
 def test_tokenize_and_detokenize(base):
