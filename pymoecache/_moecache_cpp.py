@@ -59,6 +59,8 @@ class moecache_cache_params(ctypes.Structure):
         ("vram_fill", c_int32),
         ("unified", c_int32),
         ("vram_copy", c_int32),
+        ("lowbit", c_int32),
+        ("lowbit_path", c_char_p),
     ]
 
 
@@ -130,6 +132,10 @@ class moecache_residency_stats(ctypes.Structure):
         ("vram_t_copy_ms", c_double),
         ("unified_bytes", c_int64),
         ("unified_layers", c_int32),
+        ("lowbit_bytes", c_int64),
+        ("lowbit_loads", c_int64),
+        ("lowbit_bytes_read", c_int64),
+        ("lowbit_behind", c_int64),
     ]
 
 

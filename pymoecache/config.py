@@ -40,6 +40,8 @@ PREFETCH_AUTO_SPARE = 2
 VRAM_FILLS = {"auto": C.MOECACHE_VRAM_FILL_AUTO, "copy": C.MOECACHE_VRAM_FILL_COPY, "cpu": C.MOECACHE_VRAM_FILL_CPU}
 # CacheConfig.vram_copy -> enum moecache_vram_copy
 VRAM_COPIES = {"async": C.MOECACHE_VRAM_COPY_ASYNC, "sync": C.MOECACHE_VRAM_COPY_SYNC}
+# CacheConfig.miss -> enum moecache_lowbit ("auto" is resolved by Llama: "lowbit" where a companion is found)
+LOWBITS = {"full": C.MOECACHE_LOWBIT_OFF, "lowbit": C.MOECACHE_LOWBIT_MISS, "lowbit-all": C.MOECACHE_LOWBIT_ALL}
 # CacheConfig.unified -> enum moecache_unified
 UNIFIED = {"auto": C.MOECACHE_UNIFIED_AUTO, "off": C.MOECACHE_UNIFIED_OFF, "on": C.MOECACHE_UNIFIED_ON}
 
@@ -604,6 +606,14 @@ class CacheConfig:
     an error); ``"off"`` leaves the experts to the CPU (llama.cpp's ``--cpu-moe``). A layer computed
     in place has no VRAM tier. The host cache, routing, hits, misses and reads do not change.
 
+    miss: with ``stream``, what a decoded token's miss is computed from. ``"full"`` (the default): its
+    full copy, read now. ``"lowbit"``: its copy in the low-bit companion ``lowbit`` (``pymoecache
+    lowbit MODEL`` makes one; default: the one beside the model), a fraction of the bytes, while the
+    full copy is read behind the token for its next use (HOBBIT's and EdgeMoE's idea). ``"lowbit-all"``:
+    every selection of a decoded token from the companion, no full copy read while decoding.
+    ``"auto"``: ``"lowbit"`` where a usable companion is found, else ``"full"``. The routing, the
+    cache and its hits and misses do not change; only the precision of the experts computed does.
+
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
     >>> CacheConfig(size=0.5).residency_for([30, 30], 60), CacheConfig(size=1.0).residency_for([60, 60], 60)
@@ -636,6 +646,9 @@ class CacheConfig:
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
+    miss: str = "full"  # stream: a decoded token's miss at full precision, from its "lowbit" copy, every selection
+                        #   from it ("lowbit-all"), or "auto" (lowbit where a companion is found)
+    lowbit: Optional[str] = None  # the low-bit companion (pymoecache lowbit); default: the one beside the model
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -683,6 +696,10 @@ class CacheConfig:
             raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
         if self.unified not in UNIFIED:
             raise ConfigError(f"unified must be one of {', '.join(UNIFIED)}, got {self.unified!r}")
+        if self.miss not in LOWBITS and self.miss != "auto":
+            raise ConfigError(f"miss must be one of auto, {', '.join(LOWBITS)}, got {self.miss!r}")
+        if self.lowbit is not None and not isinstance(self.lowbit, (str, os.PathLike)):
+            raise ConfigError(f"lowbit must be the path of a low-bit companion, got {self.lowbit!r}")
         if self.predictor is not None and not os.path.isfile(self.predictor):
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 

@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 18
+MOECACHE_ABI_VERSION = 19
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -51,6 +51,11 @@ MOECACHE_VRAM_FILL_CPU = 2
 # enum moecache_vram_copy
 MOECACHE_VRAM_COPY_ASYNC = 0
 MOECACHE_VRAM_COPY_SYNC = 1
+
+# enum moecache_lowbit
+MOECACHE_LOWBIT_OFF = 0
+MOECACHE_LOWBIT_MISS = 1
+MOECACHE_LOWBIT_ALL = 2
 
 # enum moecache_unified
 MOECACHE_UNIFIED_AUTO = 0

@@ -13,9 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import logging
 import os
-import sys
 import threading
 import warnings
 from typing import Optional, Tuple, Union
@@ -24,12 +22,11 @@ import numpy as np
 
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
-from llama_cpp import _logger as _llama_cpp_logger  # noqa: E402
 from .config import (INT32_MAX, RESIDENCIES, CacheConfig, ConfigError, Preset, Routing,
                      check_int, parse_routing, resolved_top_j)
 from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
                      ModelLoadError)
-from ._logtail import LINES, take_log_lines
+from ._logtail import take_log_lines
 from .grammar import check_grammar
 from .logprobs import StepLogprobs, logits_row
 from .moecache import MoECache, _as_routing  # noqa: F401 (MoECache: also pymoecache.llama.MoECache)
@@ -42,44 +39,7 @@ from .stats import MoEStats
 _MAX_THREADS = 512    # GGML_MAX_N_THREADS
 
 
-# --- llama.cpp's log, kept even when verbose=False -------------------------------------------------
-# llama-cpp-python silences llama.cpp while a model loads with verbose=False, so its reason for
-# refusing a file would be lost. Every line also goes to llama-cpp-python's own callback (which
-# prints or not, as before); warnings and errors stay in a small ring buffer for our messages.
-# Lines of our C++ ("moecache: ...") go to the "pymoecache" logger instead.
-_LOG_TAIL = LINES  # the ring buffer of pymoecache._logtail, filled here
-_log = logging.getLogger("pymoecache")  # the library's warnings (mlock refused, ...): no handler of ours,
-                                        # so they reach stderr through logging's last resort unless configured
-_LOG_LEVEL_WARN, _LOG_LEVEL_CONT = 3, 5   # enum ggml_log_level (ggml.h)
-_log_last_level = 0
-_log_listeners: list = []  # callables (level, text) that see every line (pymoecache.lowbit: its progress bar)
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data) -> None:
-    global _log_last_level
-    if sys.is_finalizing():  # a model freed at interpreter exit: logging and imports are gone by now
-        return
-    for listen in _log_listeners:
-        listen(level, text)
-    effective = level if level != _LOG_LEVEL_CONT else _log_last_level
-    if level != _LOG_LEVEL_CONT:
-        _log_last_level = level
-    line = text.decode("utf-8", "replace").strip() if effective >= _LOG_LEVEL_WARN and text else ""
-    if line.startswith("moecache: "):  # our own warnings: Python's logging, whatever llama.cpp's verbosity
-        _log.warning("%s", line[len("moecache: "):].removeprefix("warning: "))
-        return
-    if line:
-        _LOG_TAIL.append(line)
-    # verbose=True: llama.cpp's whole log, as stock. verbose=False: nothing (llama-cpp-python's own
-    # callback maps an older ggml enum and printed every warning, "n_ctx_seq > n_ctx_train" among them);
-    # warnings and errors stay in the log tail, and a failed load's reason is in its exception
-    if _llama_cpp_logger.logger.level <= logging.DEBUG:
-        _llama_cpp_log(level, text, user_data)
-
-
-_llama_cpp_log = _llama_cpp_logger.llama_log_callback  # bound now: no import inside a callback
-llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+from ._llamalog import log as _log  # noqa: E402  (importing it installs llama.cpp's log callback)
 
 
 # one model load at a time: llama-cpp-python's verbose=False swaps the process's stdout/stderr
@@ -173,6 +133,37 @@ def _as_cache(cache) -> CacheConfig:
         return CacheConfig(size=cache)
     raise ConfigError(f"cache must be a pymoecache.CacheConfig or a cache size (30, 0.25, '25%', '3GiB', 'auto'), "
                       f"got {cache!r}")
+
+
+def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheConfig:
+    """CacheConfig.miss made explicit for this model: "auto" becomes "lowbit" where a usable companion
+    is found (else "full", said once with the reason), and a low-bit mode gets its checked companion.
+    ConfigError / CompanionError for a mode that cannot run (pymoecache.lowbit)."""
+    if cache.miss == "full":
+        if cache.lowbit is not None:
+            raise ConfigError("lowbit= names a companion, which only miss='lowbit', 'lowbit-all' or 'auto' reads")
+        return cache
+    from . import lowbit as lb
+
+    if residency != "stream":
+        if cache.miss == "auto":
+            return dataclasses.replace(cache, miss="full")
+        raise ConfigError(f"miss={cache.miss!r} computes streamed experts from their low-bit copies: it needs "
+                          f"residency 'stream', not {residency!r}")
+    if cache.vram_size or cache.unified == "on":
+        raise ConfigError("miss='lowbit' with a VRAM tier (vram_size) or unified memory is not supported yet")
+    try:
+        companion = lb.check_companion(model_path, cache.lowbit)
+    except lb.CompanionError as e:
+        if cache.miss != "auto" or cache.lowbit is not None:
+            raise
+        warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
+        return dataclasses.replace(cache, miss="full")
+    miss = "lowbit" if cache.miss == "auto" else cache.miss
+    cache = dataclasses.replace(cache, miss=miss, lowbit=companion.path)
+    if miss == "lowbit-all" and cache.prefetch != "off":  # no full copy is read while decoding: nothing ahead
+        cache = dataclasses.replace(cache, prefetch="off", prefetch_spare=0)
+    return cache
 
 
 def _file_signature(path: str) -> Tuple[int, int, int, int]:
@@ -303,6 +294,7 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
                               f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
                 cache = dataclasses.replace(cache, unified="auto")
+            cache = _resolve_miss(cache, residency, str(model_path))
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory())  # before the load takes its share
             if residency == "stream" and choice is None:

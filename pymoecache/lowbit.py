@@ -261,8 +261,9 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
     """llama_model_quantize of the whole model, the routed expert matrices overridden to ``type``."""
     import gguf
 
-    from . import llama as _llama  # loads our libllama; its log callback lets us count tensors
+    from . import _llamalog  # loads our libllama; its log callback lets us count tensors
     import llama_cpp
+    from ._logtail import LINES
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0  # the rest of the model is thrown away: the cheapest choice
@@ -285,20 +286,20 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
         if bar is not None and text and done.match(text):
             bar.update(1)
 
-    logger = _llama._llama_cpp_logger.logger  # what llama.cpp's log reaches stderr through
+    logger = _llamalog.LLAMA_CPP_LOGGER.logger  # what llama.cpp's log reaches stderr through
     level = logger.level
     if not verbose:
         logger.setLevel(logging.CRITICAL + 1)
-    _llama._log_listeners.append(count)
+    _llamalog.LISTENERS.append(count)
     try:
         rc = llama_cpp.llama_model_quantize(str(model).encode(), str(dst).encode(), ctypes.byref(params))
     finally:
-        _llama._log_listeners.remove(count)
+        _llamalog.LISTENERS.remove(count)
         logger.setLevel(level)
         if bar is not None:
             bar.close()
     if rc != 0 or not dst.is_file():
-        tail = " | ".join(list(_llama._LOG_TAIL)[-3:])
+        tail = " | ".join(list(LINES)[-3:])
         raise CompanionError(f"llama.cpp's quantizer failed on {model} (status {rc})" + (f": {tail}" if tail else ""))
 
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _moecache_cpp as C
-from .config import (EVICTIONS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
+from .config import (EVICTIONS, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
                      VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig, ConfigError, Preset, Prior, Routing, TopK,
                      check_eviction, check_int, default_top_j, parse_routing)
 from .errors import MoECacheError, StateFileError
@@ -141,10 +141,15 @@ class MoECache:
         cp.vram_fill = VRAM_FILLS[cache.vram_fill]
         cp.unified = UNIFIED[cache.unified]
         cp.vram_copy = VRAM_COPIES[cache.vram_copy]
+        cp.lowbit = LOWBITS.get(cache.miss, C.MOECACHE_LOWBIT_OFF)  # (Llama resolves "auto", finds the companion)
         keep = None
+        if cache.lowbit is not None:
+            keep = [os.fsencode(cache.lowbit)]  # alive while cp is (the native side reads it at init)
+            cp.lowbit_path = keep[0]
         if cache.per_layer is not None:
-            keep = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
-            cp.n_cached_per_layer = keep
+            sizes = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
+            cp.n_cached_per_layer = sizes
+            keep = (keep or []) + [sizes]
             cp.n_layer_sizes = len(cache.per_layer)
         rp = MoECache._routing_params(routing, scope, n_expert_used)
         return cp, rp, keep
@@ -318,7 +323,9 @@ class MoECache:
                               vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu, vram_ahead=rs.vram_ahead,
                               vram_ahead_used=rs.vram_ahead_used,
                               vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
-                              unified_layers=rs.unified_layers)
+                              unified_layers=rs.unified_layers, lowbit_bytes=rs.lowbit_bytes,
+                              lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
+                              lowbit_behind=rs.lowbit_behind)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

@@ -71,6 +71,11 @@ class ResidencyStats:
     vram_t_copy_ms: float = 0.0
     unified_bytes: int = 0           # CacheConfig.unified: host slots the GPU computes on in place
     unified_layers: int = 0          #   and the MoE layers computed so
+    # low-bit misses (CacheConfig.miss): decoded tokens' selections computed from the low-bit companion
+    lowbit_bytes: int = 0            # memory of the low-bit pools
+    lowbit_loads: int = 0            # selections computed from the companion
+    lowbit_bytes_read: int = 0       #   bytes read from it for them (on the token's critical path)
+    lowbit_behind: int = 0           #   full copies read behind those tokens
 
     @property
     def vram_hit_rate(self) -> float:
@@ -139,7 +144,9 @@ class ResidencyStats:
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
                 "vram_ahead": self.vram_ahead, "vram_ahead_used": self.vram_ahead_used,
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
-                "unified_layers": self.unified_layers}
+                "unified_layers": self.unified_layers, "lowbit_bytes": self.lowbit_bytes,
+                "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
+                "lowbit_behind": self.lowbit_behind}
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -166,7 +173,10 @@ class ResidencyStats:
                    + f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "
-                   f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else ""))
+                   f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else "")
+                + (f" | low-bit: {self.lowbit_loads / max(1, self.decode_tokens):.2f} experts/tok from the companion "
+                   f"({self.lowbit_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok), "
+                   f"{self.lowbit_behind} full copies read behind" if self.lowbit_bytes else ""))
 
 
 @dataclass

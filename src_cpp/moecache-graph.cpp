@@ -312,6 +312,7 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.arrival  = nullptr;
         L.graph.ready    = nullptr;
         L.graph.vram_ids = nullptr;
+        L.graph.low_ids  = nullptr;
         L.graph.n_ubatch = 0;
     }
 }
@@ -342,8 +343,9 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
             if (!L.uni.t.empty() && (decodes || L.res.all_in_slots)) { // on the device, in place (moecache-unified.cpp)
                 return moecache_unified_mul_mat_id(L, ctx, x, b, decodes ? moecache_matmul_ready(L, ctx) : L.graph.ids_out);
             }
-            if (decodes) { // on the slots (moecache-matmul.cpp), and those of the VRAM tier
-                return moecache_vram_mul_mat_id(L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
+            if (decodes) { // on the slots (moecache-matmul.cpp), the low-bit pool's and the VRAM tier's
+                ggml_tensor * host = moecache_lowbit_mul_mat_id(L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
+                return moecache_vram_mul_mat_id(L, ctx, x, b, host);
             }
             if (L.res.all_in_slots) {
                 return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot

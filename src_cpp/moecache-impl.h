@@ -72,6 +72,7 @@ struct moecache_layer_graph {
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     ggml_tensor * vram_ids       = nullptr; // VRAM tier: the device slot of each selection (moecache-vram.cpp)
+    ggml_tensor * low_ids        = nullptr; // low-bit misses: the pool slot of each selection (moecache-lowbit.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
@@ -118,6 +119,19 @@ struct moecache_layer_vram {
     int32_t              copy_sent = 0;    // how many of them are sent
     int64_t              copy_t0   = 0;    // when the first was decided (us)
     std::vector<uint8_t> ahead;            // [n_expert] copied up ahead of the next routing (vram_ahead)
+};
+
+// low-bit misses (moecache-lowbit.cpp): K slots of the companion's copies per expert tensor, and a zero
+// slot; n = 0 where the layer has none
+struct moecache_layer_lowbit {
+    int32_t n = 0;                         // slots per expert tensor (K)
+    ggml_context *              ctx = nullptr;
+    struct ggml_backend_buffer * buf = nullptr;
+    std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1], the companion's type
+    std::vector<uint64_t>       off;       // parallel to res.xt: the companion's file offset of expert 0
+    std::vector<size_t>         nb2;       //   and the bytes of one expert
+    std::vector<uint8_t>        fresh;     // [n_expert] scratch: a selection whose full read starts now
+    int32_t                     tok_slot[MOECACHE_MAX_USED] = {}; // this token's selections: low-bit slot, n = full
 };
 
 // unified memory (moecache-unified.cpp): the layer's host slots wrapped as buffers of the device of
@@ -177,6 +191,7 @@ struct moecache_layer {
     moecache_layer_usage     use;
     moecache_layer_vram      vram;
     moecache_layer_unified   uni;
+    moecache_layer_lowbit    low;
 
     std::vector<float> router_rec;    // cache params router_record: [n_rec][3][n_expert] z, p, s per token
     int32_t            n_rec = 0;
@@ -226,6 +241,7 @@ struct moecache {
     std::string   path;                       // the GGUF
     int           fd        = -1;             // buffered reads, fadvise
     int           fd_direct = -1;             // O_DIRECT reads, or -1
+    int           fd_lowbit = -1;             // the low-bit companion (cache params lowbit), or -1
     moecache_io * io        = nullptr;        // reader threads
     char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
     size_t        arena_size = 0;
@@ -334,7 +350,9 @@ int64_t       moecache_vram_begin(moecache & mc, moecache_layer & L); // the tim
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);
-inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) { return L.vram.n > 0 && s == L.res.n_slots; }
+inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) {
+    return (L.vram.n > 0 || L.low.n > 0) && s == L.res.n_slots;
+}
 // moecache-unified.cpp: unified memory. plan: which layers their device computes in place (before
 // the VRAM tier's plan: those get no tier); init: wraps their regions of the arena (after it exists);
 // mul_mat_id: an expert matmul on the wrapped slots, nullptr where the layer has none
@@ -364,6 +382,18 @@ void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
 void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
+// moecache-lowbit.cpp: low-bit misses (cache params lowbit)
+void          moecache_lowbit_plan(moecache & mc);  // before the arena: a layer with a pool gets a zero slot
+int32_t       moecache_lowbit_init(moecache & mc);  // opens and checks the companion, allocates the pools
+void          moecache_lowbit_free(moecache & mc);
+// STREAM decode, after moecache_slots_decode chose out[] (slot ids): the selections the mode computes
+// from the companion are read into the pool and their out[i] becomes the zero slot
+void          moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
+                                     int64_t n_ids);
+// a decode's expert matmul: `full` (the slots' result) + the pool's matmul; `full` where L has no pool
+ggml_tensor * moecache_lowbit_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
+                                         ggml_tensor * b, ggml_tensor * full);
+int64_t       moecache_lowbit_bytes(const moecache & mc);
 // moecache-dense.cpp: lock_dense, shared by the moecaches of one model
 void    moecache_dense_lock(moecache & mc, const struct llama_model * model);
 void    moecache_dense_unlock(moecache & mc);

@@ -170,6 +170,7 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
     mc->cparams       = cp;
     mc->cparams.n_cached_per_layer = nullptr; // not kept: resolved into the layers
     mc->cparams.model_path         = nullptr; // copied into mc->path by moecache_residency_init
+    mc->cparams.lowbit_path        = nullptr; // read by moecache_lowbit_init only
     mc->rparams       = rp;
     mc->layers.resize(n_layer);
     for (int32_t il = 0; il < n_layer; il++) {
@@ -213,9 +214,11 @@ moecache * moecache_new(const llama_model * model, moecache_cache_params cparams
     mc->desc     = std::string(arch) + " | " + desc;
     mc->n_params = llama_model_n_params(model);
     mc->model    = model;
-    mc->cparams.model_path = cparams.model_path;
+    mc->cparams.model_path  = cparams.model_path;
+    mc->cparams.lowbit_path = cparams.lowbit_path;
     const int32_t rc = moecache_residency_init(*mc, model);
-    mc->cparams.model_path = nullptr;
+    mc->cparams.model_path  = nullptr;
+    mc->cparams.lowbit_path = nullptr;
     if (rc != MOECACHE_OK) {
         const std::string msg = moecache_last_error();
         owner.reset();

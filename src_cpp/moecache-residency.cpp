@@ -286,9 +286,11 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return rc;
     }
     moecache_vram_plan(mc, model); // (before the arena: a layer with a VRAM tier gets a zero slot)
+    moecache_lowbit_plan(mc);      // (and one with a low-bit pool)
     rc = moecache_slots_init(mc);
     rc = rc == MOECACHE_OK ? moecache_unified_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
+    rc = rc == MOECACHE_OK ? moecache_lowbit_init(mc) : rc;
     return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
 }
 
@@ -306,6 +308,7 @@ void moecache_residency_free(moecache & mc) {
     delete mc.io;
     mc.io = nullptr;
     moecache_vram_free(mc);
+    moecache_lowbit_free(mc);
     moecache_unified_free(mc); // (before the arena it wraps)
     if (mc.slots_buf) {
         ggml_backend_buffer_free(mc.slots_buf);

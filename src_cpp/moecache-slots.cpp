@@ -32,7 +32,7 @@ int32_t moecache_slots_init(moecache & mc) {
         }
         L.res.n_slots = std::max(L.capacity, mc.n_expert_used) +
                         (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
-        const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 ? 1 : 0); // (VRAM tier: and the zero slot)
+        const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 || L.low.n > 0 ? 1 : 0); // (and a zero slot)
         for (moecache_expert_tensor & x : L.res.xt) {
             // a device computing the layer in place (moecache-unified.cpp) steps from expert to expert
             // and finds the first in whole blocks of the type: the padded layout only where those are whole
@@ -183,6 +183,19 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     if (L.vram.n > 0) { // (the VRAM tier counts where each selection came from)
         std::fill(L.vram.fresh.begin(), L.vram.fresh.end(), 0);
     }
+    if (L.low.n > 0 && mc.cparams.lowbit == MOECACHE_LOWBIT_ALL) { // every selection from the companion
+        for (int64_t i = 0; i < n_ids; i++) {
+            out[i] = L.res.n_slots;
+        }
+        moecache_lowbit_decode(mc, L, ids, out, n_ids);
+        return;
+    }
+    if (L.low.n > 0) {
+        std::fill(L.low.fresh.begin(), L.low.fresh.end(), 0);
+        for (int64_t i = 0; i < n_ids; i++) {
+            L.low.fresh[ids[i]] = !slot_holds(L, ids[i]); // (a miss: its full read starts now, behind the token)
+        }
+    }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
@@ -196,7 +209,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         }
         jobs.clear();
         slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
-        moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(), -1.0f);
+        // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
+        moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(),
+                           L.low.n > 0 && L.low.fresh[e] ? 0.0f : -1.0f);
         mc.rst.decode_loads += 1;
         if (L.vram.n > 0) {
             L.vram.fresh[e] = 1;
@@ -205,6 +220,11 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];
         out[i] = s >= 0 && s < L.res.n_slots && L.res.slot_expert[s] == ids[i] ? s : 0; // (0: only after the error above)
+    }
+    if (L.low.n > 0) { // the misses from the companion: their full side on the zero slot, not waited for
+        moecache_lowbit_decode(mc, L, ids, out, n_ids);
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
         moecache_io_promote(*mc.io, L.res.slot_req[out[i]]); // (a read ahead of a selected expert is needed now)
     }
     if (mc.spec_pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own

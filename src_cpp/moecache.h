@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 18
+#define MOECACHE_ABI_VERSION 19
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -171,6 +171,20 @@ enum moecache_vram_copy {
                                   //   the other, before any expert matmul
 };
 
+// Low-bit misses (STREAM; HOBBIT, EdgeMoE): a decoded token's expert is computed from its copy in
+// a low-bit companion GGUF (`pymoecache lowbit`: every routed expert tensor of the model at a lower
+// type, same names and shapes), read into a small pool of K slots per layer (moecache-lowbit.cpp).
+// Each selection is computed from one copy or the other, never both: the other side's matmul runs
+// on a zero slot and adds exactly 0. The routing, the cache and its hits and misses are unchanged.
+enum moecache_lowbit {
+    MOECACHE_LOWBIT_OFF  = 0, // every expert at full precision
+    MOECACHE_LOWBIT_MISS = 1, // a miss whose full copy is neither in a slot nor being read is computed from
+                              //   the companion; its full copy is read behind the token (at the lowest
+                              //   prefetch priority) and a later selection of it is a full-precision hit
+    MOECACHE_LOWBIT_ALL  = 2, // every selection of a decoded token is computed from the companion; no full
+                              //   copy is read while decoding (the memory-poor extreme, and a reference)
+};
+
 // Unified memory (STREAM, GPU layers): whether the device of a layer's dense part computes the
 // layer's expert matmuls in place, on the host slot arena wrapped as a device buffer (ggml's
 // buffer_from_host_ptr: Metal, Vulkan with VK_EXT_external_memory_host). No copies: the reads
@@ -268,6 +282,11 @@ struct moecache_cache_params {
                                   //   the host slots; a layer computed so has no VRAM tier (n_vram);
                                   //   default MOECACHE_UNIFIED_AUTO
     enum moecache_vram_copy vram_copy; // n_vram: default MOECACHE_VRAM_COPY_ASYNC
+    enum moecache_lowbit lowbit;  // STREAM: which selections of a decoded token are computed from the low-bit
+                                  //   companion; default MOECACHE_LOWBIT_OFF (a VRAM tier or unified memory
+                                  //   with it: refused)
+    const char * lowbit_path;     // lowbit != OFF: the companion GGUF (checked against the model at init:
+                                  //   every routed expert tensor, same shape, a smaller type); default NULL
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -355,6 +374,11 @@ struct moecache_residency_stats {
     int64_t unified_bytes;        // host slots wrapped as device buffers (unified): their device computes
                                   //   those layers' experts in place; 0 = none
     int32_t unified_layers;       // MoE layers computed so
+    // low-bit misses (lowbit != OFF): the selections of decoded tokens computed from the companion
+    int64_t lowbit_bytes;         // memory of the low-bit pools (every layer's K slots and a zero slot)
+    int64_t lowbit_loads;         // selections computed from the companion (each read from it for its token)
+    int64_t lowbit_bytes_read;    // bytes read from the companion for them (on the token's critical path)
+    int64_t lowbit_behind;        // full copies read behind those tokens (in decode_loads too)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

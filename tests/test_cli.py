@@ -448,7 +448,7 @@ def test_a_reader_that_leaves_early_is_no_error(fixture_dir):
 def test_exit_after_a_run_prints_no_ignored_exception(fixture_dir):
     """A model still open at interpreter exit logs while Python shuts down; the log callback must
     neither import nor raise then (it printed "Exception ignored ... sys.meta_path is None")."""
-    code = ("import sys, pymoecache, pymoecache.llama as L\n"
+    code = ("import sys, pymoecache, pymoecache._llamalog as L\n"
             f"llm = pymoecache.Llama({str(model_path(fixture_dir, QWEN))!r}, cache=pymoecache.CacheConfig(size=0.5))\n"
             "llm('Hello', max_tokens=4)\n"
             "# what shutdown does to the import system, then a log line, as a model freed at exit sends one\n"

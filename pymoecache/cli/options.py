@@ -178,6 +178,14 @@ def _add_residency_options(c) -> None:
                    help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
                         "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
+    c.add_argument("--miss", choices=["full", "lowbit", "lowbit-all", "auto"], default="full",
+                   help="with streaming, what a decoded token's miss is computed from: its full copy, read now "
+                        "(full, the default); its copy in the low-bit companion, a fraction of the bytes, the full "
+                        "copy read behind the token for its next use (lowbit); every selection from the companion "
+                        "(lowbit-all); lowbit where a usable companion is found (auto). Make one with "
+                        "`pymoecache lowbit MODEL`")
+    c.add_argument("--lowbit", metavar="FILE", default=None,
+                   help="the low-bit companion --miss reads (default: MODEL.lowbit-*.gguf beside the model)")
     c.add_argument("--vram-copy", choices=["async", "sync"], default="async",
                    help="with --vram-size: copies up go to a second GPU stream while the CPU computes its own "
                         "experts, waited for just before the GPU's, and with prefetch the next layer's predicted "
@@ -558,6 +566,7 @@ def cache_from_args(args):
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
+                       miss=getattr(args, "miss", "full"), lowbit=getattr(args, "lowbit", None),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))

@@ -1,0 +1,234 @@
+// moecache-lowbit.cpp - low-bit misses (cache params lowbit; HOBBIT, EdgeMoE): a decoded token's
+// expert computed from its copy in a low-bit companion GGUF instead of waiting for its full copy.
+//
+// The companion (`pymoecache lowbit`) holds every routed expert tensor of the model under the same
+// name and shape, at a smaller type. Each MoE layer gets a pool of K slots per expert tensor, and a
+// zero slot, in host memory. For a decoded token, after the slots have chosen what to read
+// (moecache_slots_decode), moecache_lowbit_decode picks the selections to compute from the
+// companion (MISS: those whose full read starts now, at the lowest prefetch priority, behind the
+// token; ALL: every one), reads their copies into the pool and points their full-side slot id at
+// the zero slot. The graph of each expert matmul of the layer then sums both sides:
+//   full = the stream path on the slots (moecache-matmul.cpp): 0 for the pool's selections
+//   ids  = moecache_lowbit_ids(slots)          // I32 [K, 1]: pool slot, or n (its zero slot)
+//   low  = mul_mat_id(pool, b, ids)             // 0 for the full side's selections
+//   out  = full + low                           // one side is exactly 0 for every selection
+// so each selection is computed by ggml's own mul_mat_id on exactly one copy; the activation
+// between up/gate and down is computed from those sums. Prompts do not use the pool.
+
+#include "moecache-impl.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "gguf.h"
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void moecache_lowbit_plan(moecache & mc) {
+    const bool on = mc.cparams.lowbit != MOECACHE_LOWBIT_OFF && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
+    for (moecache_layer & L : mc.layers) {
+        L.low.n = on && !L.res.xt.empty() ? mc.n_expert_used : 0;
+    }
+}
+
+static int32_t fail(const std::string & msg) {
+    return moecache_fail_residency("low-bit companion: " + msg);
+}
+
+int32_t moecache_lowbit_init(moecache & mc) {
+    const moecache_cache_params & cp = mc.cparams;
+    if (cp.lowbit == MOECACHE_LOWBIT_OFF) {
+        return MOECACHE_OK;
+    }
+    if (cp.lowbit != MOECACHE_LOWBIT_MISS && cp.lowbit != MOECACHE_LOWBIT_ALL) {
+        return fail("unknown lowbit mode " + std::to_string((int) cp.lowbit));
+    }
+    if (cp.residency != MOECACHE_RESIDENCY_STREAM) {
+        return fail("lowbit needs stream residency (it computes a streamed miss from the companion)");
+    }
+    if (!cp.lowbit_path || !cp.lowbit_path[0]) {
+        return fail("lowbit is on but lowbit_path names no file (make one with `pymoecache lowbit MODEL`)");
+    }
+    for (const moecache_layer & L : mc.layers) {
+        if (L.vram.n > 0 || !L.uni.t.empty()) {
+            return fail("lowbit with a VRAM tier or unified memory is not supported");
+        }
+    }
+    const std::string path = cp.lowbit_path;
+    struct gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    struct gguf_context * g = gguf_init_from_file(path.c_str(), gp);
+    if (!g) {
+        return fail("'" + path + "' cannot be read as a GGUF file (missing, truncated or damaged)");
+    }
+    struct stat st;
+    mc.fd_lowbit = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (mc.fd_lowbit < 0 || fstat(mc.fd_lowbit, &st) != 0) {
+        const std::string why = strerror(errno);
+        gguf_free(g);
+        return fail("cannot open '" + path + "': " + why);
+    }
+    const uint64_t data = gguf_get_data_offset(g);
+    int32_t rc = MOECACHE_OK;
+    for (moecache_layer & L : mc.layers) {
+        if (L.low.n == 0 || rc != MOECACHE_OK) {
+            continue;
+        }
+        struct ggml_init_params ip = { (L.res.xt.size() + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
+        L.low.ctx = ggml_init(ip);
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            const ggml_tensor * t = x.model_t;
+            const int64_t id = gguf_find_tensor(g, t->name);
+            if (id < 0) {
+                rc = fail("'" + path + "' has no tensor " + t->name + ": not a companion of this model");
+                break;
+            }
+            const ggml_type type = gguf_get_tensor_type(g, id);
+            if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size(type) == 0 || t->ne[0] % ggml_blck_size(type)) {
+                rc = fail(std::string("tensor ") + t->name + " has a type that does not fit rows of " +
+                          std::to_string(t->ne[0]));
+                break;
+            }
+            const size_t nb2 = ggml_row_size(type, t->ne[0]) * (size_t) t->ne[1];
+            if (gguf_get_tensor_size(g, id) != nb2 * (size_t) t->ne[2]) {
+                rc = fail(std::string("tensor ") + t->name + " is not of the model's shape");
+                break;
+            }
+            if (nb2 >= x.nb2) {
+                rc = fail(std::string("tensor ") + t->name + " is " + ggml_type_name(type) + ", not smaller than the " +
+                          "model's " + ggml_type_name(t->type));
+                break;
+            }
+            const uint64_t off = data + gguf_get_tensor_offset(g, id);
+            if ((uint64_t) st.st_size < off + nb2 * (uint64_t) t->ne[2]) {
+                rc = fail("'" + path + "' is truncated (tensor " + t->name + " lies past its end)");
+                break;
+            }
+            ggml_tensor * v = ggml_new_tensor_3d(L.low.ctx, type, t->ne[0], t->ne[1], L.low.n + 1);
+            ggml_format_name(v, "moecache.%s.lowbit", t->name);
+            L.low.t.push_back(v);
+            L.low.off.push_back(off);
+            L.low.nb2.push_back(nb2);
+        }
+        if (rc != MOECACHE_OK) {
+            break;
+        }
+        L.low.buf = ggml_backend_alloc_ctx_tensors_from_buft(L.low.ctx, ggml_backend_cpu_buffer_type());
+        if (!L.low.buf) {
+            rc = fail("out of memory for the pool of layer " + std::to_string(L.il));
+            break;
+        }
+        ggml_backend_buffer_clear(L.low.buf, 0); // (the zero slot: a block of zero bytes is 0 in every type)
+        L.low.fresh.assign(mc.n_expert, 0);
+    }
+    gguf_free(g);
+    return rc;
+}
+
+void moecache_lowbit_free(moecache & mc) {
+    for (moecache_layer & L : mc.layers) {
+        if (L.low.buf) {
+            ggml_backend_buffer_free(L.low.buf);
+        }
+        if (L.low.ctx) {
+            ggml_free(L.low.ctx);
+        }
+        L.low = moecache_layer_lowbit();
+    }
+    if (mc.fd_lowbit >= 0) {
+        close(mc.fd_lowbit);
+        mc.fd_lowbit = -1;
+    }
+}
+
+int64_t moecache_lowbit_bytes(const moecache & mc) {
+    int64_t bytes = 0;
+    for (const moecache_layer & L : mc.layers) {
+        bytes += L.low.buf ? (int64_t) ggml_backend_buffer_get_size(L.low.buf) : 0;
+    }
+    return bytes;
+}
+
+// expert e's companion copy into pool slot j of every expert tensor of L; false after a failed read
+static bool read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j) {
+    for (size_t k = 0; k < L.low.t.size(); k++) {
+        char *         dst = (char *) L.low.t[k]->data + (size_t) j * L.low.t[k]->nb[2];
+        const size_t   len = L.low.nb2[k];
+        const uint64_t off = L.low.off[k] + (uint64_t) e * len;
+        for (size_t got = 0; got < len;) {
+            const ssize_t r = pread(mc.fd_lowbit, dst + got, len - got, (off_t) (off + got));
+            if (r <= 0) {
+                if (r < 0 && errno == EINTR) {
+                    continue;
+                }
+                moecache_set_io_error(mc, "reading the low-bit copy of expert " + std::to_string(e) + " of layer " +
+                                      std::to_string(L.il) + " failed: " +
+                                      (r < 0 ? strerror(errno) : "the companion ends early (truncated?)"));
+                return false;
+            }
+            got += (size_t) r;
+        }
+        mc.rst.lowbit_bytes_read += (int64_t) len;
+    }
+    return true;
+}
+
+void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
+    const bool all = mc.cparams.lowbit == MOECACHE_LOWBIT_ALL;
+    int32_t j = 0;
+    for (int64_t i = 0; i < n_ids && i < MOECACHE_MAX_USED; i++) {
+        L.low.tok_slot[i] = L.low.n;
+        const int32_t e = ids[i];
+        if (!(all || L.low.fresh[e]) || j >= L.low.n || mc.io_failed.load()) {
+            continue;
+        }
+        if (!read_copy(mc, L, e, j)) {
+            break;
+        }
+        mc.rst.lowbit_loads  += 1;
+        mc.rst.lowbit_behind += all ? 0 : 1;
+        L.low.tok_slot[i] = j++;
+        out[i] = L.res.n_slots; // the zero slot: the full side adds 0
+    }
+}
+
+// dst: I32 [K, 1] = the pool slot of each selection of the decoded token (n: its zero slot); src[0]:
+// the residency op's output, so that this runs after it chose them
+static void op_lowbit_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const moecache_layer & L = *(const moecache_layer *) userdata;
+    int32_t * o = (int32_t *) dst->data;
+    for (int64_t i = 0; i < ggml_nelements(dst); i++) {
+        o[i] = i < MOECACHE_MAX_USED ? L.low.tok_slot[i] : L.low.n;
+    }
+}
+
+ggml_tensor * moecache_lowbit_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
+                                         ggml_tensor * b, ggml_tensor * full) {
+    if (L.low.n == 0 || !full) {
+        return full;
+    }
+    size_t k = 0;
+    while (k < L.res.xt.size() && L.res.xt[k].model_t != x.model_t) {
+        k++;
+    }
+    if (k == L.res.xt.size()) {
+        return full;
+    }
+    if (!L.graph.low_ids) {
+        ggml_tensor * src = L.graph.ids_out;
+        L.graph.low_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, src->ne[0], src->ne[1], 1, 1, &src, 1, op_lowbit_ids, 1, &L);
+        ggml_format_name(moecache_graph_on_cpu(L.graph.low_ids), "moecache_lowbit_ids-%d", L.il);
+    }
+    ggml_tensor * low = ggml_mul_mat_id(ctx, L.low.t[k], b, L.graph.low_ids);
+    ggml_format_name(low, "moecache_lowbit-%d", L.il);
+    return ggml_add(ctx, full, low);
+}
