@@ -43,7 +43,6 @@ import csv
 import dataclasses
 import faulthandler
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -82,13 +81,15 @@ def vm_hwm() -> int:
     return proc_kib_field("/proc/self/status", "VmHWM")  # peak resident set of this process
 
 
-def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None) -> dict:
+def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None, lowbit: "str | None" = None) -> dict:
     """A --prefetch entry as CacheConfig fields: ``gate`` -> prefetch="gate"; after the mode,
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
     its reads before its matmuls), ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
-    predictors of --predictor instead of the routers), e.g. ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``."""
+    predictors of --predictor instead of the routers), ``:m=lowbit`` CacheConfig.miss (``lowbit``,
+    ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type), e.g.
+    ``gate:p=0.3:t=0``, ``gate:s=2``, ``off:o=0``, ``off:m=lowbit``."""
     def fitted(v: str):
         if v in ("0", "false", "no"):
             return None
@@ -102,13 +103,16 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None)
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
              "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),
              "c": ("vram_copy", str),
-             "f": ("predictor", fitted)}
+             "f": ("predictor", fitted),
+             "m": ("miss", str)}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
-                             "c=async|sync, f=0|1)")
+                             "c=async|sync, f=0|1, m=lowbit|lowbit-all)")
         out[names[key][0]] = names[key][1](value)
+    if out.get("miss", "full") != "full":
+        out["lowbit"] = lowbit
     return out
 
 
@@ -192,7 +196,7 @@ def worker(args) -> None:
         return
     how = drop_page_cache(Path(args.model))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
-    prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor)
+    prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor, args.lowbit)
     vram = ({"vram_size": args.vram_size, "vram_fill": args.vram_fill, "unified": args.unified}
             if args.residency == "stream" else {})
     cache = pymoecache.CacheConfig(size=args.cache, residency=args.residency, io_threads=args.io_threads,
@@ -233,6 +237,11 @@ def worker(args) -> None:
         "gpu_layers": args.gpu_layers, "vram_hit_rate": rs.vram_hit_rate, "vram_copies": rs.vram_copies,
         "vram_cpu": rs.vram_cpu, "vram_copy_ms": rs.vram_t_copy_ms / max(1, rs.decode_tokens),
         "vram_ahead": rs.vram_ahead,
+        # the low-bit miss path (m=lowbit): experts per token from the companion, and what a token's reads on
+        # its critical path were: the companion's copies and the full copies it demanded (not those read behind)
+        "lowbit_per_token": rs.lowbit_loads / max(1, rs.decode_tokens),
+        "critical_mib_per_token": (rs.lowbit_bytes_read + rs.demand_bytes_read - rs.lowbit_behind * rs.expert_bytes)
+                                  / max(1, rs.decode_tokens) / MiB,
     }))
     if args.timeline_file:
         tl = llm.timeline()
@@ -334,6 +343,8 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
         cmd += ["--trace-profile", args.trace_profile]
     if args.predictor:
         cmd += ["--predictor", str(args.predictor)]
+    if args.lowbit:
+        cmd += ["--lowbit", str(args.lowbit)]
     if args.timeline and residency not in ("stock", "probe"):
         name = "-".join([args.storage_label, residency, routing.replace(":", ""), cache, prefetch.replace(":", "_"),
                          eviction, f"rep{rep}"]) + ".json"
@@ -367,6 +378,10 @@ def main() -> None:
                          "gate:p=0.2:t=2 (default %(default)s)")
     ap.add_argument("--prefetch-distance", type=int, default=1, help="prefetch distance d (default %(default)s)")
     ap.add_argument("--predictor", help="fitted predictors (scripts/fit_predictor.py) for the prefetch entries with f=1")
+    ap.add_argument("--lowbit-type", default="Q4_K", metavar="TYPE",
+                    help="the prefetch entries with m=lowbit or m=lowbit-all read misses from a companion of the model "
+                         "at this type, made once beside it with pymoecache lowbit (default %(default)s)")
+    ap.add_argument("--lowbit", help=argparse.SUPPRESS)  # (the companion, given to the workers)
     ap.add_argument("--trace-requests", type=int, default=8,
                     help="prefetch trace: past requests it matches against, run once before the measurements on "
                          "the text after the measured tokens and loaded by every trace run (default %(default)s)")
@@ -444,7 +459,8 @@ def main() -> None:
 
     for p in prefetches:  # a typo fails now, not after an hour of runs
         try:
-            CacheConfig(io_threads=args.io_threads, **parse_prefetch(p, args.prefetch_distance, args.predictor))
+            CacheConfig(io_threads=args.io_threads, **{k: v for k, v in parse_prefetch(
+                p, args.prefetch_distance, args.predictor, "x").items() if k != "lowbit"})
         except (ValueError, ConfigError) as e:
             sys.exit(f"bench_residency: --prefetch {p}: {e}")
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
@@ -458,6 +474,17 @@ def main() -> None:
             synth.quantize(model, quantized, args.quant)
         model = quantized
     print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
+    if any(":m=" in p and ":m=full" not in p for p in prefetches):  # a companion of the model, made once
+        from pymoecache import lowbit
+
+        companion = lowbit.default_path(model, args.lowbit_type.upper())
+        try:
+            lowbit.check_companion(model, companion)
+        except lowbit.CompanionError:
+            print(f"making the low-bit companion {companion.name} (once) ...", file=sys.stderr)
+            lowbit.make_companion(model, companion, type=args.lowbit_type)
+        args.lowbit = str(companion)
+        print(lowbit.check_companion(model, companion).summary(), file=sys.stderr)
     if any(p.split(":")[0] == "trace" for p in prefetches):
         if args.trace_requests < 1:
             sys.exit("bench_residency: --trace-requests must be at least 1 for --prefetch trace")
@@ -620,6 +647,16 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
               f"{warm:.1f} tok/s; streamed, share of it: " +
               ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {pct(med(rows_of(s), 'prefill_tok_s'), warm)}"
                         for s in settings if s[0] == "stream"))
+
+    for s in settings:  # the low-bit miss path: what a token waited for, in bytes, against the same full-precision row
+        rows = rows_of(s)
+        if rows and ":m=" in s[3] and rows[0].get("lowbit_per_token") is not None:
+            ref = rows_of((s[0], s[1], s[2], s[3].split(":m=")[0], s[4]))
+            print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: {med(rows, 'lowbit_per_token'):.2f} experts/token from "
+                  f"the companion; critical-path MiB/token {med(rows, 'critical_mib_per_token'):.2f}"
+                  + (f" against {med(ref, 'critical_mib_per_token'):.2f} at full precision "
+                     f"({med(ref, 'critical_mib_per_token') / max(1e-9, med(rows, 'critical_mib_per_token')):.2f}x fewer)"
+                     if ref else ""))
 
     def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
         per_rep = []

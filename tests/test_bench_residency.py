@@ -30,3 +30,15 @@ def test_without_keep_going_the_first_failure_stops_with_its_status():
     assert r.returncode != 0
     assert "stream bogus:1 0.5 off lru failed (exit status 1)" in r.stderr
     assert "| stream |" not in r.stdout
+
+
+def test_the_low_bit_miss_path_is_a_setting_of_its_own():
+    """m=lowbit after a prefetch mode: the misses from a companion the bench makes once beside its
+    model, with what a token's reads on the critical path were against the full-precision row."""
+    r = subprocess.run(BENCH[:BENCH.index("--routings")] + ["--routings", "lru", "--no-resident",
+                                                            "--prefetch", "off,off:m=lowbit"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| stream | lru | 30/60 | off:m=lowbit | lru |" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if "experts/token from the companion" in x)
+    assert "x fewer)" in line and float(line.split(": ")[1].split()[0]) > 0
