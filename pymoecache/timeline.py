@@ -32,7 +32,7 @@ import numpy as np
 EVENT_DTYPE = np.dtype([("kind", "<i4"), ("layer", "<i4"), ("expert", "<i4"), ("thread", "<i4"),
                         ("n_tokens", "<i4"), ("pad", "<i4"), ("t_queued_us", "<i8"), ("t_start_us", "<i8"),
                         ("t_end_us", "<i8"), ("bytes", "<i8")])
-KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy", "expert", "copy_up")
+KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy", "expert", "copy_up", "lowbit")
 KIND = {name: i for i, name in enumerate(KINDS)}
 # one eval call: its span on the same clock, and how many tokens it decoded (1: a generated token)
 TOKEN_DTYPE = np.dtype([("t_start_us", "<i8"), ("t_end_us", "<i8"), ("n_tokens", "<i4")])
@@ -40,7 +40,7 @@ TOKEN_DTYPE = np.dtype([("t_start_us", "<i8"), ("t_end_us", "<i8"), ("n_tokens",
 _READS = (KIND["read"], KIND["read_ahead"])
 # on the graph thread: routing, waits, the matmuls of an expert that arrived (overlap_experts), and
 # copies up to the VRAM tier
-_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"], KIND["copy_up"])
+_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"], KIND["copy_up"], KIND["lowbit"])
 
 
 def _graph_name(e) -> str:
@@ -215,7 +215,7 @@ class Timeline:
         lanes = ["graph thread"] + [f"reader {t}" for t in readers]
         color = {"compute": "#9ecae1", "route": "#6a51a3", "wait": "#de2d26", "read": "#fd8d3c",
                  "read_ahead": "#31a354", "lock": "#756bb1", "copy": "#969696", "expert": "#3182bd",
-                 "copy_up": "#e7ba52"}
+                 "copy_up": "#e7ba52", "lowbit": "#e377c2"}
         fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(lanes)))
         ms = lambda t: (t - lo) / 1000.0  # noqa: E731
         for s in spans:  # compute = the span less the graph thread's events
@@ -237,8 +237,9 @@ class Timeline:
                      f"{o.read_ms / max(1, o.tokens):.1f} ms, waited {o.wait_ms / max(1, o.tokens):.1f} ms, "
                      f"overlap {100 * o.share:.0f}%", fontsize=10)
         ax.legend(handles=[Patch(color=color[k], label=k.replace("_", " ")) for k in
-                           ("compute", "expert", "route", "wait", "read", "read_ahead")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15), ncol=6, fontsize=8)
+                           ("compute", "expert", "route", "wait", "read", "read_ahead")
+                           + (("lowbit",) if (ev["kind"] == KIND["lowbit"]).any() else ())],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15), ncol=7, fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -187,9 +187,15 @@ void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * i
         if (!(all || L.low.fresh[e]) || j >= L.low.n || mc.io_failed.load()) {
             continue;
         }
+        const int64_t t0 = moecache_time_us();
         if (!read_copy(mc, L, e, j)) {
             break;
         }
+        int64_t bytes = 0;
+        for (size_t k = 0; k < L.low.nb2.size(); k++) {
+            bytes += (int64_t) L.low.nb2[k];
+        }
+        moecache_graph_event(mc, MOECACHE_EVENT_LOWBIT, L.il, e, 1, t0, t0, moecache_time_us(), bytes);
         mc.rst.lowbit_loads  += 1;
         mc.rst.lowbit_behind += all ? 0 : 1;
         L.low.tok_slot[i] = j++;

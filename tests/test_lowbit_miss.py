@@ -109,6 +109,21 @@ def test_misses_from_the_companion_read_fewer_bytes_on_the_critical_path(files):
     assert "low-bit:" in rl.summary()
 
 
+def test_the_timeline_marks_the_low_bit_reads(files, tmp_path):
+    from pymoecache.timeline import KIND
+
+    m, _ = files
+    llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, routing="lru",
+                           cache=CacheConfig(size=8, miss="lowbit", prefetch="off"))
+    llm.start_timeline()
+    logits_per_token(llm, llm.tokenize(b"Once upon a time there was", add_bos=True))
+    ev = llm.timeline().events
+    rs = llm.moe_stats().residency
+    llm.close()
+    low = ev[ev["kind"] == KIND["lowbit"]]
+    assert len(low) == rs.lowbit_loads > 0 and (low["thread"] == 0).all() and (low["bytes"] > 0).all()
+
+
 def test_a_missing_or_unusable_companion(files, fixture_dir, tmp_path):
     m, _ = files
     bare = tmp_path / "bare.gguf"
