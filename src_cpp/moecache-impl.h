@@ -410,8 +410,9 @@ int32_t moecache_slots_fill_all(moecache & mc);
 // (prefetch_spare; counted here as issued)
 void    moecache_slots_prefetch(moecache & mc, moecache_layer & target, const int32_t * pred, const float * score,
                                 int32_t n, bool spare);
+// (also a prompt ubatch whose layer holds every expert: decode = false; only a decode uses the low-bit pool)
 void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids,
-                              bool wait);
+                              bool wait, bool decode);
 // waits until slots[0:n] of L hold their experts; a failed read sets the I/O error (the decode
 // stops) and frees its slot. Returns the microseconds it waited
 int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * slots, int64_t n);

@@ -109,7 +109,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         t_copy = moecache_vram_begin(mc, L); // (copies up made ahead for this layer: before its slots change)
     }
     if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
-        moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts);
+        moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts, decode);
         if (decode && L.vram.n > 0) {
             t_copy += moecache_vram_decode(mc, L, ids, out, n_ids); // (those computed on the device: the zero slot)
         }

@@ -175,7 +175,8 @@ static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e,
 // out = slot ids. wait: returns once the selected experts' bytes are in (moecache_slots_wait);
 // otherwise the expert matmuls wait for each expert themselves (moecache-matmul.cpp)
 void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids,
-                           bool wait) {
+                           bool wait, bool decode) {
+    const bool low = decode && L.low.n > 0; // (the low-bit pool serves decoded tokens only)
     keep_cached(L);
     for (int64_t i = 0; i < n_ids; i++) {
         L.res.keep[ids[i]] = 1;
@@ -183,14 +184,14 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     if (L.vram.n > 0) { // (the VRAM tier counts where each selection came from)
         std::fill(L.vram.fresh.begin(), L.vram.fresh.end(), 0);
     }
-    if (L.low.n > 0 && mc.cparams.lowbit == MOECACHE_LOWBIT_ALL) { // every selection from the companion
+    if (low && mc.cparams.lowbit == MOECACHE_LOWBIT_ALL) { // every selection from the companion
         for (int64_t i = 0; i < n_ids; i++) {
             out[i] = L.res.n_slots;
         }
         moecache_lowbit_decode(mc, L, ids, out, n_ids);
         return;
     }
-    if (L.low.n > 0) {
+    if (low) {
         std::fill(L.low.fresh.begin(), L.low.fresh.end(), 0);
         for (int64_t i = 0; i < n_ids; i++) {
             L.low.fresh[ids[i]] = !slot_holds(L, ids[i]); // (a miss: its full read starts now, behind the token)
@@ -211,7 +212,7 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
         // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
         moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(),
-                           L.low.n > 0 && L.low.fresh[e] ? 0.0f : -1.0f);
+                           low && L.low.fresh[e] ? 0.0f : -1.0f);
         mc.rst.decode_loads += 1;
         if (L.vram.n > 0) {
             L.vram.fresh[e] = 1;
@@ -221,7 +222,7 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         const int32_t s = L.res.expert_slot[ids[i]];
         out[i] = s >= 0 && s < L.res.n_slots && L.res.slot_expert[s] == ids[i] ? s : 0; // (0: only after the error above)
     }
-    if (L.low.n > 0) { // the misses from the companion: their full side on the zero slot, not waited for
+    if (low) { // the misses from the companion: their full side on the zero slot, not waited for
         moecache_lowbit_decode(mc, L, ids, out, n_ids);
     }
     for (int64_t i = 0; i < n_ids; i++) {

@@ -147,3 +147,24 @@ def test_a_missing_or_unusable_companion(files, fixture_dir, tmp_path):
         pymoecache.Llama(str(m), cache=CacheConfig(size=8, lowbit=foreign), **kw)
     with pytest.raises(pymoecache.ConfigError, match="miss must be one of"):
         CacheConfig(miss="half")
+
+
+def test_prompts_stay_at_full_precision(files):
+    """A prompt ubatch never uses the pool, also where the layer holds every expert in its slots (its
+    prompts then compute on the slots, through the same code as a decode)."""
+    m, _ = files
+
+    def prompt_logits(miss):
+        import llama_cpp
+
+        llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, routing="lru",
+                               cache=CacheConfig(size=1.0, residency="stream", miss=miss, prefetch="off"))
+        llm.eval(llm.tokenize(b"Once upon a time there was a king", add_bos=True))  # one ubatch
+        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        loads = llm.moe_stats().residency.lowbit_loads
+        llm.close()
+        return out, loads
+
+    full, _ = prompt_logits("full")
+    low, loads = prompt_logits("lowbit-all")
+    assert loads == 0 and np.array_equal(low, full)
