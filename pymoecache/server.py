@@ -139,6 +139,10 @@ def metrics_text(llm, generating: bool, waiting: int, since: tuple = (0, 0.0, 0,
              "decoding).", (rs.load_bytes_read + rs.prompt_bytes_read + rs.decode_bytes_read) if rs else 0),
             ("pymoecache:io_wait_seconds_total", "counter", "Time decoded tokens waited for expert reads.",
              rs.decode_t_io_ms / 1e3 if rs else 0.0),
+            ("pymoecache:lowbit_loads_total", "counter", "Selections of decoded tokens computed from the low-bit "
+             "companion (--miss lowbit).", rs.lowbit_loads if rs else 0),
+            ("pymoecache:lowbit_bytes_read_total", "counter", "Bytes read from the low-bit companion.",
+             rs.lowbit_bytes_read if rs else 0),
         ]
     out = []
     for name, kind, help_, value in rows:

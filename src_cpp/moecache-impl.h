@@ -362,6 +362,8 @@ void          moecache_unified_free(moecache & mc);
 ggml_tensor * moecache_unified_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                           ggml_tensor * b, ggml_tensor * ids);
 int64_t       moecache_unified_bytes(const moecache & mc, int32_t * n_layers);
+// moecache-matmul.cpp: whether ggml's CPU backend has a vec_dot for weights w times activations b (the row-by-row ops compute exactly what its mul_mat_id computes); false without CPU traits
+bool          moecache_matmul_cpu_vec_dot(const ggml_tensor * w, const ggml_tensor * b);
 // moecache-matmul.cpp: the slot ids of a STREAM decode once every selected expert's read is in
 ggml_tensor * moecache_matmul_ready(moecache_layer & L, ggml_context * ctx);
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids

@@ -35,17 +35,23 @@
 static bool input_side(const moecache_expert_tensor & x, const ggml_tensor * b) {
     return strstr(ggml_get_name(x.model_t), "down") == nullptr && x.slots_t->ne[0] == b->ne[0];
 }
+#endif
 
-// what ggml's CPU backend computes mul_mat_id of this type with; false where it has no vec_dot
-// for it (the stock op runs then)
-static bool cpu_vec_dot(enum ggml_type type, enum ggml_type b_type) {
-    const ggml_type_traits_cpu * t = ggml_get_type_traits_cpu(type);
-    if (!t || !t->vec_dot || b_type != GGML_TYPE_F32) {
+// what ggml's CPU backend computes mul_mat_id of these weights with; false where it has no vec_dot
+// for them (the stock op runs then)
+bool moecache_matmul_cpu_vec_dot(const ggml_tensor * w, const ggml_tensor * b) {
+#ifdef MOECACHE_NO_CPU_TRAITS
+    (void) w;
+    (void) b;
+    return false;
+#else
+    const ggml_type_traits_cpu * t = ggml_get_type_traits_cpu(w->type);
+    if (!t || !t->vec_dot || b->type != GGML_TYPE_F32) {
         return false;
     }
     return t->vec_dot_type == GGML_TYPE_F32 || ggml_get_type_traits_cpu(t->vec_dot_type)->from_float != nullptr;
-}
 #endif
+}
 
 #define MOECACHE_SPIN_US 5000 // longest a thread polls for an expert's bytes before it sleeps
 
@@ -219,14 +225,14 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
         return ggml_mul_mat_id(ctx, x.slots_t, b, slots); // (the residency op waited for every read)
     }
 #ifndef MOECACHE_NO_CPU_TRAITS
-    if (input_side(x, b) && cpu_vec_dot(x.slots_t->type, b->type) && slots->ne[1] == 1 &&
+    if (input_side(x, b) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && slots->ne[1] == 1 &&
         (!L.graph.arrival || L.graph.arrival->src[1] == b)) {
         if (!L.graph.arrival) { // the first input-side matmul of the layer: one op for all of them
             ggml_tensor * args[GGML_MAX_SRC] = { slots, b };
             int32_t n_args = 2;
             int64_t n_out  = 0;
             for (const moecache_expert_tensor & y : L.res.xt) {
-                if (n_args < GGML_MAX_SRC && input_side(y, b) && cpu_vec_dot(y.slots_t->type, b->type)) {
+                if (n_args < GGML_MAX_SRC && input_side(y, b) && moecache_matmul_cpu_vec_dot(y.slots_t, b)) {
                     args[n_args++] = y.slots_t;
                     n_out += y.slots_t->ne[1] * slots->ne[0];
                 }

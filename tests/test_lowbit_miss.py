@@ -168,3 +168,30 @@ def test_prompts_stay_at_full_precision(files):
     full, _ = prompt_logits("full")
     low, loads = prompt_logits("lowbit-all")
     assert loads == 0 and np.array_equal(low, full)
+
+
+def test_the_cli_and_the_server_as_users_run_them(files, tmp_path):
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import ROOT, running_server
+
+    m, _ = files
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "--cache-size", "8", "--miss", "lowbit",
+                        "-n", "8", "-p", "Once upon a time"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "low-bit:" in r.stdout and "experts/tok from the companion" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "--cache-size", "8", "--miss", "lowbit",
+                        "--lowbit", str(tmp_path / "none.gguf"), "-n", "2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "no low-bit companion at" in r.stderr and "Traceback" not in r.stderr
+    with running_server(m, tmp_path / "server.log", "--cache-size", "8", "--miss", "lowbit", "--routing", "lru") as (base, _):
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(base + "/completion", data=json.dumps({"prompt": "Once upon a time",
+                                                                            "n_predict": 8}).encode(), method="POST")
+        assert json.loads(opener.open(req, timeout=300).read())["tokens_predicted"] > 0
+        metrics = opener.open(base + "/metrics", timeout=60).read().decode()
+        loads = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pymoecache:lowbit_loads_total ")]
+        assert loads and loads[0] > 0
