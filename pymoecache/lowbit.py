@@ -110,7 +110,10 @@ def _bits(type_name: str) -> float:
 def tensor_table_hash(path: "os.PathLike[str] | str") -> str:
     """sha256 of a GGUF file's tensor table (name, type, shape, offset of each tensor, and where the data
     starts): it changes whenever a tensor does in any way a companion could notice."""
-    h = _Header(Path(path))
+    return _table_hash(_Header(Path(path)))
+
+
+def _table_hash(h: "_Header") -> str:
     d = hashlib.sha256()
     for name, t, shape, off in h.tensors:
         d.update(f"{name}\t{t}\t{','.join(map(str, shape))}\t{off}\n".encode())
@@ -170,7 +173,8 @@ def check_companion(model: "os.PathLike[str] | str", companion: "os.PathLike[str
                              f"make it again with `pymoecache lowbit {m}`")
     parent, size, digest = (h.kv.get(KEY + "parent.name"), h.kv.get(KEY + "parent.size"),
                             h.kv.get(KEY + "parent.tensor_hash"))
-    if size != m.stat().st_size or digest != tensor_table_hash(m):
+    mh = _Header(m)  # (read once: the hash and the expert matrices)
+    if size != m.stat().st_size or digest != _table_hash(mh):
         same_name = parent == m.name
         raise CompanionError(
             f"{c} was made from {'an earlier version of ' if same_name else ''}{parent!r} "
@@ -185,7 +189,7 @@ def check_companion(model: "os.PathLike[str] | str", companion: "os.PathLike[str
     if end > c.stat().st_size:
         raise CompanionError(f"{c} is truncated: its tensors need {end} bytes, the file has {c.stat().st_size}")
     theirs = {name: (t, list(shape), off) for name, t, shape, off in h.tensors}
-    mine = _expert_matrices(_Header(m))
+    mine = _expert_matrices(mh)
     types: Dict[str, int] = {}
     low = full = 0
     for name, t, shape, _ in mine:

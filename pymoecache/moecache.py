@@ -142,14 +142,13 @@ class MoECache:
         cp.unified = UNIFIED[cache.unified]
         cp.vram_copy = VRAM_COPIES[cache.vram_copy]
         cp.lowbit = LOWBITS.get(cache.miss, C.MOECACHE_LOWBIT_OFF)  # (Llama resolves "auto", finds the companion)
-        keep = None
+        keep = []  # what cp points to: alive while cp is (the native side reads it at init)
         if cache.lowbit is not None:
-            keep = [os.fsencode(cache.lowbit)]  # alive while cp is (the native side reads it at init)
-            cp.lowbit_path = keep[0]
+            keep.append(os.fsencode(cache.lowbit))
+            cp.lowbit_path = keep[-1]
         if cache.per_layer is not None:
-            sizes = (ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer])
-            cp.n_cached_per_layer = sizes
-            keep = (keep or []) + [sizes]
+            keep.append((ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer]))
+            cp.n_cached_per_layer = keep[-1]
             cp.n_layer_sizes = len(cache.per_layer)
         rp = MoECache._routing_params(routing, scope, n_expert_used)
         return cp, rp, keep

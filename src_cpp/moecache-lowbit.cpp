@@ -156,8 +156,10 @@ int64_t moecache_lowbit_bytes(const moecache & mc) {
     return bytes;
 }
 
-// expert e's companion copy into pool slot j of every expert tensor of L; false after a failed read
-static bool read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j) {
+// expert e's companion copy into pool slot j of every expert tensor of L: the bytes read, or -1 after
+// a failed read (the decode is stopped with the error)
+static int64_t read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j) {
+    int64_t bytes = 0;
     for (size_t k = 0; k < L.low.t.size(); k++) {
         char *         dst = (char *) L.low.t[k]->data + (size_t) j * L.low.t[k]->nb[2];
         const size_t   len = L.low.nb2[k];
@@ -171,13 +173,14 @@ static bool read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j) {
                 moecache_set_io_error(mc, "reading the low-bit copy of expert " + std::to_string(e) + " of layer " +
                                       std::to_string(L.il) + " failed: " +
                                       (r < 0 ? strerror(errno) : "the companion ends early (truncated?)"));
-                return false;
+                return -1;
             }
             got += (size_t) r;
         }
-        mc.rst.lowbit_bytes_read += (int64_t) len;
+        bytes += (int64_t) len;
     }
-    return true;
+    mc.rst.lowbit_bytes_read += bytes;
+    return bytes;
 }
 
 void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
@@ -189,13 +192,10 @@ void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * i
         if (!(all || L.low.fresh[e]) || j >= L.low.n || mc.io_failed.load()) {
             continue;
         }
-        const int64_t t0 = moecache_time_us();
-        if (!read_copy(mc, L, e, j)) {
+        const int64_t t0    = moecache_time_us();
+        const int64_t bytes = read_copy(mc, L, e, j);
+        if (bytes < 0) {
             break;
-        }
-        int64_t bytes = 0;
-        for (size_t k = 0; k < L.low.nb2.size(); k++) {
-            bytes += (int64_t) L.low.nb2[k];
         }
         moecache_graph_event(mc, MOECACHE_EVENT_LOWBIT, L.il, e, 1, t0, t0, moecache_time_us(), bytes);
         mc.rst.lowbit_loads  += 1;
