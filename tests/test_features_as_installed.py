@@ -1,0 +1,62 @@
+"""This stop's user-facing features as a user reaches them: the installed package, a fresh process
+started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --chat-template,
+llama-server's /completion and /tokenize, logprobs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+from conftest import free_port, http_request, model_path
+from test_rpc_as_installed import installed, installed_env
+
+MODEL = "qwen2moe-60x4"
+
+
+def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
+    r = installed(tmp_path, "lowbit", m)
+    assert r.returncode == 0 and (tmp_path / "model.lowbit-Q4_K.gguf").is_file(), r.stderr
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "-n", "8", "-p", "Once upon a time")
+    assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+
+
+def test_chat_template_flag(fixture_dir, tmp_path):
+    r = installed(tmp_path, "chat", model_path(fixture_dir, MODEL), "--chat-template", "llama3", "--verbose-prompt",
+                  "-st", "-n", "1", input="Hello\n")
+    assert r.returncode == 0, r.stderr
+    assert "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>" in r.stderr
+
+
+def test_serve_native_endpoints_and_logprobs(fixture_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(model_path(fixture_dir, MODEL)),
+                             "--port", str(port)], cwd=tmp_path, env=installed_env(), stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                http_request(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.25)
+        _, text = http_request(base + "/completion", {"prompt": "Once upon a time", "n_predict": 4})
+        r = json.loads(text)
+        assert r["stop"] is True and r["tokens_predicted"] >= 1 and "timings" in r
+        _, text = http_request(base + "/tokenize", {"content": "Hello"})
+        assert json.loads(text)["tokens"]
+        _, text = http_request(base + "/v1/completions", {"prompt": "Once", "max_tokens": 2, "logprobs": 2})
+        assert len(json.loads(text)["choices"][0]["logprobs"]["tokens"]) >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        log.close()
