@@ -274,7 +274,21 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
         # experts brought in per token and layer: the tokens' misses plus the prefetches
         "loads_per_token": (st.misses + (st.residency.prefetch_issued if st.residency else 0))
         / max(1, int(st.tokens_per_layer.sum())),
+        **_miss_path_columns(st),
     }
+
+
+def _miss_path_columns(st) -> dict:
+    """What the low-bit miss path did (streamed runs; zeros otherwise): the miss path, selections per
+    token computed from the companion, and the MiB per token a token waited for: the companion's
+    copies and the full copies read on demand, less those read behind the token."""
+    rs = st.residency
+    if rs is None or rs.residency != "stream":
+        return {"miss_path": "full", "lowbit_per_token": 0.0, "critical_mib_per_token": 0.0}
+    n = max(1, rs.decode_tokens)
+    crit = rs.lowbit_bytes_read + rs.demand_bytes_read - rs.lowbit_behind * rs.expert_bytes
+    return {"miss_path": "lowbit" if rs.lowbit_bytes else "full", "lowbit_per_token": rs.lowbit_loads / n,
+            "critical_mib_per_token": crit / n / 2**20}
 
 
 def with_lru(routings: Iterable[Routing]) -> List[Routing]:
@@ -295,13 +309,19 @@ def with_lru(routings: Iterable[Routing]) -> List[Routing]:
 def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: Optional[int] = None,
                   insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
                   prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95,
-                  per_layer: Optional[Sequence[int]] = None):
+                  per_layer: Optional[Sequence[int]] = None, miss: str = "full", lowbit=None,
+                  stream: bool = False):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
-    perplexity and miss rates do not depend on where the experts live, and all weights stay resident.
+    perplexity and miss rates do not depend on where the experts live, and all weights stay resident;
+    except with a low-bit miss path (``miss`` "lowbit" or "lowbit-all", companion ``lowbit``), which
+    computes streamed misses from their low-bit copies: then the experts stream (evaluate with
+    ``decode=True``: prompts compute every expert at full precision). stream=True streams them with
+    full-precision misses too, so that the rows count the bytes read on each token's critical path.
     per_layer: sizes of single layers (``CacheConfig.per_layer``)."""
-    cache = CacheConfig(size=cache_size, insertion=insertion, residency="none", prefetch=prefetch,
-                        prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
-                        eviction_decay=eviction_decay, per_layer=per_layer)
+    cache = CacheConfig(size=cache_size, insertion=insertion, residency="stream" if stream or miss != "full" else "none",
+                        prefetch=prefetch, prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p,
+                        eviction=eviction, eviction_decay=eviction_decay, per_layer=per_layer, miss=miss,
+                        lowbit=lowbit)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
@@ -312,14 +332,20 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
           *, ctx: int, max_chunks: Optional[int] = None, n_threads: Optional[int] = None, progress: bool = True,
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
           prefetch_distance: int = 1, prefetch_min_p: float = 0.0, eviction: str = "lru",
-          eviction_decay: float = 0.95, on_row=None) -> List[dict]:
+          eviction_decay: float = 0.95, miss: str = "full", lowbit=None, stream: bool = False,
+          on_row=None) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
+
+    miss, lowbit, stream: the low-bit miss path and streamed experts (:func:`load_for_eval`); the
+    miss path acts on decoded tokens only, so it needs ``decode=True``.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
     restarts the prior's running Delta) and the counters are reset, so the rows are independent.
     on_row(rows, total): called before the first row (rows empty) and after each finished row, with
     the rows so far and how many there will be: progress, and rows kept if the sweep is stopped.
     """
+    if miss != "full" and not decode:
+        raise EvalError(f"miss={miss!r} acts on decoded tokens only: evaluate with decode=True")
     text = load_text(text_path)
     routings = with_lru(routings)
     rows: List[dict] = []
@@ -330,7 +356,7 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     for size in cache_sizes:
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
                             prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
-                            eviction_decay=eviction_decay)
+                            eviction_decay=eviction_decay, miss=miss, lowbit=lowbit, stream=stream)
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
@@ -369,14 +395,20 @@ def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = No
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as an aligned text table (policy, eviction, knob, cache, ppl, miss %, hit %, lifetime)."""
-    head = ("policy", "eviction", "knob", "cache", "ppl", "miss %", "hit %", "lifetime")
+    """The rows as an aligned text table (policy, eviction, knob, cache, ppl, miss %, hit %, lifetime;
+    with streamed rows also the miss path, low-bit experts per token and critical-path MiB per token)."""
+    streamed = any(r.get("critical_mib_per_token") or r.get("miss_path", "full") != "full" for r in rows)
+    head = ("policy", "eviction", "knob", "cache", *(("miss path",) if streamed else ()),
+            "ppl", "miss %", "hit %", "lifetime", *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
     body = [(r["policy"], r.get("eviction", "lru"), "-" if r["knob"] is None else f"{r['knob']:g}",
-             f"{r['cache_size']}/{r['n_expert']}",
-             f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}")
+             f"{r['cache_size']}/{r['n_expert']}", *((r.get("miss_path", "full"),) if streamed else ()),
+             f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}",
+             *((f"{r.get('lowbit_per_token', 0.0):.2f}", f"{r.get('critical_mib_per_token', 0.0):.3f}")
+               if streamed else ()))
             for r in rows]
+    n_left = 5 if streamed else 4
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+    lines = ["  ".join(x.ljust(w) if i < n_left else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
              for line in [head, *body]]
     return "\n".join(lines)
 

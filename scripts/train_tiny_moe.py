@@ -15,6 +15,9 @@ Presets (``--preset``):
   renormalisation, one sigmoid-gated shared expert, q/k/v biases, NEOX RoPE.
 * ``B``: Mixtral layout (llama arch with experts): 8 experts, top-2, top-k weights renormalised,
   normal RoPE, no shared expert.
+* ``C``: A's layout with every width a multiple of 256 (hidden 256, 32 routed experts of width
+  256, top-4): llama.cpp's K-quants and IQ2/IQ3 types (256-element blocks) apply to its experts,
+  so the low-bit miss path can be measured at 2-3 bits.
 
 Both are written through tools/synth's GGUF writer (``export_trained``) with the
 sentencepiece vocabulary as a llama-style SPM tokenizer, then checked: llama.cpp must tokenize
@@ -78,6 +81,9 @@ PRESETS = {
                 n_expert=60, n_expert_used=4, n_ff_exp=64, n_ff_shexp=256, qkv_bias=True, norm_topk=False),
     "B": Preset(name="tiny-shakespeare-mixtral-8x2", arch="llama", n_layer=4, n_embd=192, n_head=6,
                 n_expert=8, n_expert_used=2, n_ff_exp=384, n_ff_shexp=0, qkv_bias=False, norm_topk=True),
+    # every width a multiple of 256, so K-quants and IQ2/IQ3 types apply to its experts as they are
+    "C": Preset(name="tiny-shakespeare-qwen2moe-32x4-w256", arch="qwen2moe", n_layer=4, n_embd=256, n_head=8,
+                n_expert=32, n_expert_used=4, n_ff_exp=256, n_ff_shexp=512, qkv_bias=True, norm_topk=False),
 }
 
 

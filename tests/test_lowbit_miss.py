@@ -195,3 +195,38 @@ def test_the_cli_and_the_server_as_users_run_them(files, tmp_path):
         metrics = opener.open(base + "/metrics", timeout=60).read().decode()
         loads = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("pymoecache:lowbit_loads_total ")]
         assert loads and loads[0] > 0
+
+
+def test_ppl_puts_the_low_bit_path_beside_full_precision_misses(files, tmp_path):
+    """`ppl --miss full lowbit`: the quality of the miss path against full-precision misses, the same
+    routing and cache, as a user runs it. Full-precision rows stream too and keep their perplexity."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    m, _ = files
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. It liked to play in the sun with a red ball. " * 30)
+    out = tmp_path / "rows.json"
+    base = [sys.executable, "-m", "pymoecache", "ppl", str(m), "-f", str(text), "--ctx", "32", "--chunks", "3",
+            "--cache-size", "8", "--routing", "lru", "--no-progress"]
+    r = subprocess.run(base + ["--miss", "full", "lowbit", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "critical MiB/tok" in r.stdout and "one token at a time" in r.stderr
+    full, low = json.loads(out.read_text())
+    assert (full["miss_path"], low["miss_path"]) == ("full", "lowbit")
+    assert full["lowbit_per_token"] == 0 and low["lowbit_per_token"] > 0
+    assert 0 < low["critical_mib_per_token"] < full["critical_mib_per_token"]
+    assert low["ppl"] != full["ppl"]  # computed from other weights
+    assert abs(low["ppl"] / full["ppl"] - 1) < 0.1
+    # the same routing without streaming gives full's perplexity (where experts live changes no number)
+    r = subprocess.run(base + ["--decode", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (plain,) = json.loads(out.read_text())
+    assert plain["ppl"] == full["ppl"] and plain["miss_rate"] == full["miss_rate"]
+    r = subprocess.run(base + ["--lowbit", str(tmp_path / "x.gguf")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "--miss lowbit" in r.stderr and "Traceback" not in r.stderr

@@ -57,6 +57,13 @@ def cmd_ppl(args) -> int:
         args.prefetch = "off"  # (auto reads ahead for streamed experts; ppl keeps them resident)
     if args.prefetch != "off" and not args.decode:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
+    misses = list(dict.fromkeys(args.miss or ["full"]))
+    if args.lowbit and misses == ["full"]:
+        raise UserError("--lowbit names a companion, which only --miss lowbit or lowbit-all reads")
+    stream = misses != ["full"]
+    if stream and not args.decode:
+        args.decode = True
+        print("ppl: --miss lowbit acts on decoded tokens: evaluating one token at a time (--decode)", file=sys.stderr)
     t0, done = time.monotonic(), []
 
     def on_row(rows, total):  # "k of N" with an ETA; the files rewritten with every finished row
@@ -70,13 +77,17 @@ def cmd_ppl(args) -> int:
                   file=sys.stderr, flush=True)
 
     model = resolve_model(args.model, args)
+    rows: list = []
     try:
-        rows = sweep(model, args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks,
-                     n_threads=args.threads, progress=not args.no_progress, insertion=args.insertion,
-                     decode=args.decode, prefetch=args.prefetch, prefetch_distance=args.prefetch_distance,
-                     prefetch_min_p=args.prefetch_min_p, eviction=args.eviction or "lru",
-                     eviction_decay=args.eviction_decay,
-                     on_row=on_row)
+        for i, miss in enumerate(misses):  # one sweep per miss path, the rows side by side
+            before = list(rows)
+            rows = before + sweep(
+                model, args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads,
+                progress=not args.no_progress, insertion=args.insertion, decode=args.decode, prefetch=args.prefetch,
+                prefetch_distance=args.prefetch_distance, prefetch_min_p=args.prefetch_min_p,
+                eviction=args.eviction or "lru", eviction_decay=args.eviction_decay, miss=miss,
+                lowbit=args.lowbit if miss != "full" else None, stream=stream,
+                on_row=lambda r, total, before=before: on_row(before + r, total * len(misses)))
     except KeyboardInterrupt:  # Ctrl-C: the finished rows are kept, printed, and said where they are
         if done:
             print(format_table(done))
@@ -169,6 +180,17 @@ def add_commands(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_routing_options(p, multi_cache_size=True, cache_default="0.5")
+    lb = p.add_argument_group("low-bit miss path (quality of `run --miss lowbit`)")
+    lb.add_argument("--miss", nargs="+", choices=["full", "lowbit", "lowbit-all"], default=None, metavar="PATH",
+                    help="what a miss is computed from: full (its full copy), lowbit (its copy in the low-bit "
+                         "companion, the full copy read behind), lowbit-all (every expert from the companion); "
+                         "several give rows side by side, e.g. --miss full lowbit. Anything but full streams the "
+                         "experts, evaluates one token at a time (--decode) and adds the columns low-bit/tok "
+                         "(experts per token from the companion) and critical MiB/tok (what a token waited "
+                         "for) (default: full)")
+    lb.add_argument("--lowbit", metavar="FILE", default=None,
+                    help="the low-bit companion (default: MODEL.lowbit-*.gguf beside the model; make one with "
+                         "`pymoecache lowbit MODEL`)")
     p.set_defaults(func=cmd_ppl)
 
     t = sub.add_parser(
