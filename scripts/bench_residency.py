@@ -11,8 +11,11 @@
     python scripts/bench_residency.py --gpu-layers 99 --cpu-moe --stock --cache-sizes 0.25 --no-mmap --vram-size 8
                                                            # a GPU: streamed vs --cpu-moe vs all offloaded
 
-The model is a synthetic qwen2moe (random Q8_0 weights, 60 experts top-4, 1.7 MB per expert)
-built once into models/_bench/ (--quant: a Q4_K_M or Q4_0 copy of it). Each measurement runs in a fresh process (so its resident set is
+Two benchmark models (--model), each its own table: "random", a synthetic qwen2moe (random Q8_0
+weights, 60 experts top-4, 1.7 MB per expert), and "trained", model C (trained on Tiny Shakespeare,
+32 experts top-4, 4 layers) with every expert widened by zeros to the same 1.7 MB and multiply-adds
+(its logits are model C's; it decodes C's held-out text). Both are built once into models/_bench/
+(--quant: a Q4_K_M or Q4_0 copy). Each measurement runs in a fresh process (so its resident set is
 its own) after the page cache was dropped (as root: /proc/sys/vm/drop_caches; otherwise
 posix_fadvise(DONTNEED) on the file), so every expert a run needs really comes from storage.
 Each process decodes --warmup tokens (not timed: cold cache, non-expert weights paged in), then
@@ -57,6 +60,9 @@ from storage import ReadThrottle, ThrottleError, drop_page_cache, probe, probe_s
 
 MiB = 2.0 ** 20
 TEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+MODEL_C = ROOT / "models" / "tiny-shakespeare-qwen2moe-32x4-w256.gguf"  # trained (scripts/train_tiny_moe.py C)
+TRAINED_WIDTH = 2048  # 256 x 2048 x 3 at Q8_0 = 1024 x 512 x 3: the random benchmark's expert
 TRACE_REQUEST_TOKENS = 96  # a past request of --prefetch trace: half prompt, half one-token decodes
 
 
@@ -66,6 +72,28 @@ def bench_model(size_mb: float) -> Path:
     base = dataclasses.replace(synth.BENCH_SPEC, name="bench-residency", n_ff_exp=512, n_layer=4)
     spec = synth.bench_spec(size_mb, base)
     return synth.build_model(spec, ROOT / "models" / "_bench" / f"bench-residency-{int(size_mb)}mb.gguf")
+
+
+def trained_bench_model() -> Path:
+    """Model C with every routed expert widened by zeros to 2048 (tools/synth/widen.py): the random
+    model's 1.67 MB and multiply-adds per Q8_0 expert, a trained model's routing; its logits are model
+    C's. Built once into models/_bench/."""
+    from synth.widen import widen_experts  # tools/
+
+    out = ROOT / "models" / "_bench" / f"bench-trained-{MODEL_C.stem}-w{TRAINED_WIDTH}.gguf"
+    if not out.exists() or out.stat().st_mtime < MODEL_C.stat().st_mtime:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"widening {MODEL_C.name}'s experts to {TRAINED_WIDTH} (once) ...", file=sys.stderr)
+        widen_experts(MODEL_C, out, TRAINED_WIDTH)
+    return out
+
+
+def text_of(model: "str | Path") -> tuple:
+    """(name, path) of the text a benchmark model decodes: the trained model's held-out Tiny
+    Shakespeare (the text it was trained for), WikiText-2 for the random one."""
+    if Path(model).name.startswith("bench-trained"):
+        return "tinyshakespeare-held-out", SHAKESPEARE
+    return "wikitext-2", TEXT
 
 
 def proc_kib_field(path: str, key: str) -> int:
@@ -124,14 +152,24 @@ def add_decode_options(ap: argparse.ArgumentParser, tokens: int, warmup: int, pr
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
 
 
+def text_label(model) -> str:
+    name, path = text_of(model)
+    return name if path.exists() else "random"
+
+
 def text_tokens(llm, n: int, skip: int = 0) -> list:
-    """n tokens of WikiText-2 after its first ``skip`` ones (fixed pseudo-random tokens without the corpus)."""
+    """n tokens of the model's text (:func:`text_of`) after its first ``skip`` ones (fixed
+    pseudo-random tokens without the corpus)."""
     import numpy as np
 
-    if TEXT.exists():
-        text = TEXT.read_text(encoding="utf-8")[:200_000 * (1 + (skip + n) // 40_000)]
+    name, path = text_of(llm.model_path)
+    if path.exists():
+        text = path.read_text(encoding="utf-8")
+        if name == "tinyshakespeare-held-out":  # the last 10%, from a line start (scripts/train_tiny_moe.py)
+            text = text[text.index("\n", int(len(text) * 0.9)) + 1:]
+        text = text[:200_000 * (1 + (skip + n) // 40_000)]
         return llm.tokenize(text.encode(), add_bos=False)[skip: skip + n]
-    return np.random.default_rng(skip).integers(300, 30000, n).tolist()
+    return np.random.default_rng(skip).integers(300, min(30000, llm.n_vocab()), n).tolist()
 
 
 def decode_text(llm, args) -> float:
@@ -192,9 +230,9 @@ def worker(args) -> None:
         profile_worker(args)
         return
     if args.residency == "probe":  # the disk as this (possibly throttled) process sees it
-        print(json.dumps({str(d): v for d, v in probe(args.model, int(args.cache), (1, 8, 32)).items()}))
+        print(json.dumps({str(d): v for d, v in probe(args.model_file, int(args.cache), (1, 8, 32)).items()}))
         return
-    how = drop_page_cache(Path(args.model))
+    how = drop_page_cache(Path(args.model_file))
     eviction, _, decay = args.eviction.partition(":")  # lfu:0.8 = lfu with decay 0.8
     prefetch = parse_prefetch(args.prefetch, args.prefetch_distance, args.predictor, args.lowbit)
     vram = ({"vram_size": args.vram_size, "vram_fill": args.vram_fill, "unified": args.unified}
@@ -203,7 +241,7 @@ def worker(args) -> None:
                                    eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch,
                                    **vram)
     t0 = time.perf_counter()
-    llm = pymoecache.Llama(args.model, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
+    llm = pymoecache.Llama(args.model_file, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False,
                            **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
@@ -223,7 +261,7 @@ def worker(args) -> None:
         "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
         "rss_mib": rs.rss_bytes / MiB, "peak_rss_mib": vm_hwm() / MiB, "arena_mib": rs.arena_bytes / MiB,
         "non_expert_mib": info.non_expert_bytes / MiB, "file_mib": info.file_bytes / MiB,
-        "locked": rs.locked, "direct_io": rs.direct_io, "tokens": "wikitext-2" if TEXT.exists() else "random",
+        "locked": rs.locked, "direct_io": rs.direct_io, "tokens": text_label(args.model_file),
         "prefetch": args.prefetch, "eviction": args.eviction, "prefill_tok_s": args.prompt_tokens / args.prefill_s,
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "demand_mib_per_token": rs.demand_bytes_read / max(1, rs.decode_tokens) / MiB,
@@ -260,7 +298,7 @@ def profile_worker(args) -> None:
     saved as a usage profile."""
     import pymoecache
 
-    llm = pymoecache.Llama(args.model, cache=pymoecache.CacheConfig(size=0.5, residency="stream"), routing="lru",
+    llm = pymoecache.Llama(args.model_file, cache=pymoecache.CacheConfig(size=0.5, residency="stream"), routing="lru",
                            n_ctx=TRACE_REQUEST_TOKENS + 16, n_threads=args.threads, n_threads_batch=args.threads,
                            seed=0, verbose=False)
     skip = args.prompt_tokens + args.warmup + args.tokens
@@ -279,7 +317,7 @@ def profile_worker(args) -> None:
 def build_trace_profile(model: Path, args) -> str:
     out = model.with_name(model.stem + f".trace-{args.trace_requests}.moeprofile")
     print(f"trace: {args.trace_requests} past requests of {TRACE_REQUEST_TOKENS} tokens into {out}", file=sys.stderr)
-    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", "profile",
+    cmd = [sys.executable, __file__, "--worker", "--model-file", str(model), "--residency", "profile",
            "--cache", "0.5", "--trace-profile", str(out), "--trace-requests", str(args.trace_requests),
            "--threads", str(args.threads),
            "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--warmup", str(args.warmup)]
@@ -304,22 +342,22 @@ def stock_worker(args) -> None:
     """The same measurement with plain llama_cpp.Llama: llama.cpp's own mmap, no moecache."""
     import llama_cpp
 
-    how = drop_page_cache(Path(args.model))
+    how = drop_page_cache(Path(args.model_file))
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(args.model, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
+    llm = llama_cpp.Llama(args.model_file, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                           n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False,
                           **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
     dt = decode_text(llm, args)
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * 4096
-    size = Path(args.model).stat().st_size
+    size = Path(args.model_file).stat().st_size
     print(json.dumps({
         "residency": "stock", "routing": "lru", "cache": 1.0, "cache_size": 0, "n_expert": 0, "page_cache": how,
         "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": 0.0, "mib_read_per_token": 0.0,
         "compute_ms": 0.0, "io_ms": 0.0, "route_ms": 0.0, "rss_mib": rss / MiB, "peak_rss_mib": vm_hwm() / MiB,
         "arena_mib": 0.0, "non_expert_mib": 0.0, "file_mib": size / MiB, "locked": False, "direct_io": False,
-        "tokens": "wikitext-2" if TEXT.exists() else "random", "prefetch": "off", "eviction": "lru",
+        "tokens": text_label(args.model_file), "prefetch": "off", "eviction": "lru",
         "prefill_tok_s": args.prompt_tokens / args.prefill_s, "demand_mib_per_token": 0.0,
         "prefill_warm_tok_s": args.prompt_tokens / args.prefill_warm_s if args.prefill_warm_s else 0.0,
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
@@ -331,7 +369,7 @@ def stock_worker(args) -> None:
 
 def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetch: str = "off",
             eviction: str = "lru", rep: int = 0) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", residency, "--routing", routing,
+    cmd = [sys.executable, __file__, "--worker", "--model-file", str(model), "--residency", residency, "--routing", routing,
            "--cache", cache, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--io-threads", str(args.io_threads),
            "--prefetch", prefetch, "--prefetch-distance", str(args.prefetch_distance), "--eviction", eviction,
@@ -364,7 +402,11 @@ def run_one(model: Path, args, residency: str, routing: str, cache: str, prefetc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mb", type=float, default=2200, help="model file size in MB (default %(default)s)")
+    ap.add_argument("--model", default="random,trained",
+                    help="the benchmark models, each a table: random (random Q8_0 weights, --size-mb) and trained "
+                         "(model C, trained on Tiny Shakespeare, its experts widened with zeros to the random model's "
+                         "1.67 MB: a trained model's routing and predictability) (default %(default)s)")
+    ap.add_argument("--size-mb", type=float, default=2200, help="the random model's file size in MB (default %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every setting (default %(default)s)")
     add_decode_options(ap, tokens=96, warmup=32, prompt_tokens=128)
     ap.add_argument("--io-threads", type=int, default=8, help="reads in flight (default %(default)s)")
@@ -432,7 +474,7 @@ def main() -> None:
                          "(on), where it shares the host's memory (auto, the default), or never (off)")
     ap.add_argument("--csv", help="write every run to this CSV file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model-file", help=argparse.SUPPRESS)
     ap.add_argument("--residency", help=argparse.SUPPRESS)
     ap.add_argument("--routing", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -465,30 +507,12 @@ def main() -> None:
             sys.exit(f"bench_residency: --prefetch {p}: {e}")
     evictions = [e.strip() for e in args.eviction.split(",") if e.strip()]
     evictions = ["lru"] + [e for e in evictions if e != "lru"]  # the reference every ratio is taken against
-    model = bench_model(args.size_mb)
-    if args.quant != "Q8_0":
-        quantized = model.with_name(f"{model.stem}.{args.quant}.gguf")
-        if not quantized.exists():
-            print(f"quantizing {model.name} to {args.quant} (once) ...", file=sys.stderr)
-            import synth  # tools/
-            synth.quantize(model, quantized, args.quant)
-        model = quantized
-    print(f"model: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
-    if any(":m=" in p and ":m=full" not in p for p in prefetches):  # a companion of the model, made once
-        from pymoecache import lowbit
-
-        companion = lowbit.default_path(model, args.lowbit_type.upper())
-        try:
-            lowbit.check_companion(model, companion)
-        except lowbit.CompanionError:
-            print(f"making the low-bit companion {companion.name} (once) ...", file=sys.stderr)
-            lowbit.make_companion(model, companion, type=args.lowbit_type)
-        args.lowbit = str(companion)
-        print(lowbit.check_companion(model, companion).summary(), file=sys.stderr)
-    if any(p.split(":")[0] == "trace" for p in prefetches):
-        if args.trace_requests < 1:
-            sys.exit("bench_residency: --trace-requests must be at least 1 for --prefetch trace")
-        args.trace_profile = build_trace_profile(model, args)  # (before any memory is held)
+    kinds = list(dict.fromkeys(k.strip() for k in args.model.split(",") if k.strip()))
+    if not kinds or any(k not in ("random", "trained") for k in kinds):
+        sys.exit(f"bench_residency: --model {args.model!r}: give random, trained or both (random,trained)")
+    if "trained" in kinds and not MODEL_C.exists():
+        sys.exit(f"bench_residency: --model trained needs {MODEL_C} (scripts/train_tiny_moe.py --preset C)")
+    models = [prepare_model(kind, args, prefetches) for kind in kinds]  # (before any memory is held)
     pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
     routings = [r.strip() for r in args.routings.split(",") if r.strip()]
     settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings
@@ -505,7 +529,6 @@ def main() -> None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
               f"left to the runs", file=sys.stderr)
     results = []
-    args.failed = {}  # setting -> how its process ended (--keep-going)
     servers = contextlib.ExitStack()  # (--rpc local: the server, for the whole run)
     if args.rpc == "local":
         import pymoecache.rpc
@@ -514,30 +537,66 @@ def main() -> None:
     try:
         for mbps in storages:
             args.storage_label = "max" if mbps is None else f"{mbps:g}MBps"
-            try:
-                with ReadThrottle(model, mbps) as throttle:
-                    args.throttle = throttle
-                    p0 = run_probe(model, args)
-                    print(f"storage {throttle}: disk before the runs {probe_summary(p0)}", file=sys.stderr)
-                    runs = measure(model, args, settings)
-                    p1 = run_probe(model, args)
-                    print(f"storage {throttle}: disk after the runs {probe_summary(p1)}", file=sys.stderr)
-            except ThrottleError as e:
-                sys.exit(f"bench_residency: {e}")
-            results.append((str(throttle), runs, (p0, p1)))
+            for kind, model, companion, trace_profile in models:
+                args.lowbit, args.trace_profile = companion, trace_profile
+                args.failed = {}  # setting -> how its process ended (--keep-going)
+                print(f"model {kind}: {model.name}", file=sys.stderr)
+                try:
+                    with ReadThrottle(model, mbps) as throttle:
+                        args.throttle = throttle
+                        p0 = run_probe(model, args)
+                        print(f"storage {throttle}: disk before the runs {probe_summary(p0)}", file=sys.stderr)
+                        runs = measure(model, args, settings)
+                        p1 = run_probe(model, args)
+                        print(f"storage {throttle}: disk after the runs {probe_summary(p1)}", file=sys.stderr)
+                except ThrottleError as e:
+                    sys.exit(f"bench_residency: {e}")
+                results.append((kind, model, str(throttle), runs, (p0, p1), args.failed))
     finally:
         for m in held or []:
             m.close()
         servers.close()
-    for label, runs, probes in results:
+    for kind, model, label, runs, probes, failed in results:
+        args.failed, args.model_tag = failed, kind if len(kinds) > 1 else ""
         report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes, label)
+
+
+def prepare_model(kind: str, args, prefetches) -> tuple:
+    """(kind, model file, its low-bit companion or None, its trace profile or None): the benchmark
+    model of --model KIND at --quant, built once, with what its runs read besides."""
+    model = bench_model(args.size_mb) if kind == "random" else trained_bench_model()
+    if args.quant != "Q8_0":
+        quantized = model.with_name(f"{model.stem}.{args.quant}.gguf")
+        if not quantized.exists():
+            print(f"quantizing {model.name} to {args.quant} (once) ...", file=sys.stderr)
+            import synth  # tools/
+            synth.quantize(model, quantized, args.quant)
+        model = quantized
+    print(f"model {kind}: {model} ({model.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
+    companion = trace_profile = None
+    if any(":m=" in p and ":m=full" not in p for p in prefetches):  # a companion of the model, made once
+        from pymoecache import lowbit
+
+        path = lowbit.default_path(model, args.lowbit_type.upper())
+        try:
+            lowbit.check_companion(model, path)
+        except lowbit.CompanionError:
+            print(f"making the low-bit companion {path.name} (once) ...", file=sys.stderr)
+            lowbit.make_companion(model, path, type=args.lowbit_type)
+        companion = str(path)
+        print(lowbit.check_companion(model, path).summary(), file=sys.stderr)
+    if any(p.split(":")[0] == "trace" for p in prefetches):
+        if args.trace_requests < 1:
+            sys.exit("bench_residency: --trace-requests must be at least 1 for --prefetch trace")
+        trace_profile = build_trace_profile(model, args)
+    return kind, model, companion, trace_profile
 
 
 def run_probe(model: Path, args) -> dict:
     """The disk as the measured processes see it (throttled or not), one expert per read: {depth: MB/s}."""
     from pymoecache import model_info
 
-    cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--residency", "probe",
+    cmd = [sys.executable, __file__, "--worker", "--model-file", str(model), "--residency", "probe",
            "--cache", str(model_info(model).expert_bytes)]
     r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=args.throttle.join)
     if r.returncode != 0:
@@ -577,6 +636,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         out = Path(args.csv)
         if runs[0]["storage"] != "max":  # one file per storage setting
             out = out.with_name(f"{out.stem}-{runs[0]['storage']}{out.suffix}")
+        if args.model_tag:  # and per benchmark model
+            out = out.with_name(f"{out.stem}-{args.model_tag}{out.suffix}")
         with open(out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(runs[0]))
             w.writeheader()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = [sys.executable, str(ROOT / "scripts" / "bench_residency.py"), "--size-mb", "40", "--reps", "1",
+BENCH = [sys.executable, str(ROOT / "scripts" / "bench_residency.py"), "--model", "random", "--size-mb", "40", "--reps", "1",
          "--tokens", "2", "--warmup", "1", "--prompt-tokens", "8", "--cache-sizes", "0.5", "--no-mmap",
          "--routings", "lru,bogus:1"]
 

@@ -65,8 +65,8 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype_name: str) ->
     tmp.replace(dst)
 
     src_card_path = card_path(src)
-    if src_card_path.is_file():
-        src_card = json.loads(src_card_path.read_text())
+    src_card = json.loads(src_card_path.read_text()) if src_card_path.is_file() else {}
+    if "spec" in src_card:  # a synthetic model's card (a trained model's card says other things)
         spec = ModelSpec(**src_card["spec"])
         card = _make_card(spec, dst, src_card["seed"], ftype_name)
         card["spec_hash"] = src_card["spec_hash"]
