@@ -61,6 +61,7 @@ class moecache_cache_params(ctypes.Structure):
         ("vram_copy", c_int32),
         ("lowbit", c_int32),
         ("lowbit_path", c_char_p),
+        ("lowbit_in_ram", c_bool),
     ]
 
 

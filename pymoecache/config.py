@@ -613,6 +613,9 @@ class CacheConfig:
     every selection of a decoded token from the companion, no full copy read while decoding.
     ``"auto"``: ``"lowbit"`` where a usable companion is found, else ``"full"``. The routing, the
     cache and its hits and misses do not change; only the precision of the experts computed does.
+    lowbit_in_ram: with a low-bit miss path, read every expert's low-bit copy into memory at load
+    (the companion's expert bytes, a tier of its own) instead of a few per token from the file: a
+    token computed from them waits for no read at all.
 
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
@@ -649,6 +652,7 @@ class CacheConfig:
     miss: str = "full"  # stream: a decoded token's miss at full precision, from its "lowbit" copy, every selection
                         #   from it ("lowbit-all"), or "auto" (lowbit where a companion is found)
     lowbit: Optional[str] = None  # the low-bit companion (pymoecache lowbit); default: the one beside the model
+    lowbit_in_ram: bool = False  # miss lowbit: every low-bit copy in memory (read once), none read per token
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -700,6 +704,11 @@ class CacheConfig:
             raise ConfigError(f"miss must be one of auto, {', '.join(LOWBITS)}, got {self.miss!r}")
         if self.lowbit is not None and not isinstance(self.lowbit, (str, os.PathLike)):
             raise ConfigError(f"lowbit must be the path of a low-bit companion, got {self.lowbit!r}")
+        if not isinstance(self.lowbit_in_ram, bool):
+            raise ConfigError(f"lowbit_in_ram must be True or False, got {self.lowbit_in_ram!r}")
+        if self.lowbit_in_ram and self.miss == "full":
+            raise ConfigError("lowbit_in_ram keeps the companion's copies in memory for miss='lowbit', 'lowbit-all' "
+                              "or 'auto'; with miss='full' nothing reads them")
         if self.predictor is not None and not os.path.isfile(self.predictor):
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 

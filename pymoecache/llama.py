@@ -147,7 +147,7 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheC
 
     if residency != "stream":
         if cache.miss == "auto":
-            return dataclasses.replace(cache, miss="full")
+            return dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
         raise ConfigError(f"miss={cache.miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
     if cache.vram_size or cache.unified == "on":
@@ -158,7 +158,7 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheC
         if cache.miss != "auto" or cache.lowbit is not None:
             raise
         warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
-        return dataclasses.replace(cache, miss="full")
+        return dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
     miss = "lowbit" if cache.miss == "auto" else cache.miss
     cache = dataclasses.replace(cache, miss=miss, lowbit=companion.path)
     if miss == "lowbit-all" and cache.prefetch != "off":  # no full copy is read while decoding: nothing ahead
@@ -296,7 +296,8 @@ class Llama(llama_cpp.Llama):
                 cache = dataclasses.replace(cache, unified="auto")
             cache = _resolve_miss(cache, residency, str(model_path))
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
-                                 _plan._available_memory())  # before the load takes its share
+                                 _plan._available_memory(),  # before the load takes its share
+                                 cache if cache.miss != "full" else None)
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, n, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          cache.prefetch_spare,
@@ -426,9 +427,14 @@ class Llama(llama_cpp.Llama):
         if self._plan is None and self._plan_inputs is not None:
             from .plan import memory_plan
 
-            n_cached, spare, available = self._plan_inputs
+            n_cached, spare, available, low = self._plan_inputs
             self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
             self._plan = dataclasses.replace(self._plan, budget_from="free")
+            if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
+                from .lowbit import check_companion
+
+                self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,
+                                                 lowbit_bytes=check_companion(self.model_path, low.lowbit).expert_bytes)
         return self._plan
 
     def _enter(self) -> None:

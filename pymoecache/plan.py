@@ -222,6 +222,9 @@ class MemoryPlan:
     slot_bytes: float         # one expert of one layer in the cache
     expert_bytes: float       # one expert of one layer in the file
     disk_bytes_per_s: float   # probed read speed of the model's disk (0: not probed)
+    miss: str = "full"        # what a streamed miss is computed from: "full", "lowbit", "lowbit-all"
+    lowbit_bytes: float = 0.0  # one expert of one layer in the low-bit companion
+    lowbit_in_ram: bool = False  # every low-bit copy in memory (else K slots per layer, read per token)
 
     @property
     def streamed(self) -> bool:
@@ -233,8 +236,16 @@ class MemoryPlan:
         return int(slots * self.slot_bytes * self.n_moe_layer)
 
     @property
+    def lowbit_memory(self) -> int:
+        """The low-bit pools: K slots (every expert with lowbit_in_ram) and a zero slot per layer."""
+        if self.miss == "full" or not self.streamed:
+            return 0
+        slots = (self.n_expert if self.lowbit_in_ram else self.n_expert_used) + 1
+        return int(slots * self.lowbit_bytes * self.n_moe_layer)
+
+    @property
     def headroom(self) -> int:
-        return self.available - self.dense - self.kv - self.cache_bytes
+        return self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory
 
     @property
     def miss_rate(self) -> float:
@@ -244,8 +255,22 @@ class MemoryPlan:
 
     @property
     def read_per_token(self) -> int:
-        """Bytes a decoded token is expected to read at :attr:`miss_rate`."""
+        """Bytes a decoded token is expected to read at :attr:`miss_rate` (with the low-bit miss path
+        the full copies are still read, behind the token; with lowbit-all none is)."""
+        if self.miss == "lowbit-all":
+            return 0 if self.lowbit_in_ram else int(self.n_expert_used * self.lowbit_bytes * self.n_moe_layer)
         return int(self.miss_rate * self.n_expert_used * self.expert_bytes * self.n_moe_layer)
+
+    @property
+    def critical_per_token(self) -> int:
+        """Bytes a decoded token is expected to wait for: its misses' full copies, or with the low-bit
+        miss path their low-bit copies (none in memory)."""
+        if self.miss == "full":
+            return self.read_per_token
+        if self.lowbit_in_ram:
+            return 0
+        share = 1.0 if self.miss == "lowbit-all" else self.miss_rate
+        return int(share * self.n_expert_used * self.lowbit_bytes * self.n_moe_layer)
 
     @property
     def io_tok_s(self) -> float:
@@ -259,17 +284,27 @@ class MemoryPlan:
             return "from memory: every expert is cached, nothing is read while decoding"
         text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
                 "were uniform)")
-        if self.disk_bytes_per_s:
+        if self.disk_bytes_per_s and self.read_per_token:
             text += (f": at most {self.io_tok_s:.1f} tok/s from a disk that reads "
                      f"{self.disk_bytes_per_s / 1e6:.0f} MB/s")
+        if self.miss != "full":
+            text += (f"; misses computed from the low-bit companion ({self.miss}), a token waits for "
+                     + (f"~{_fmt(self.critical_per_token)} of reads" if self.critical_per_token
+                        else "no read (its copies are in memory)"))
         return text
+
+    def lowbit_text(self) -> str:
+        return (f"{_fmt(self.lowbit_memory)}: " + ("every expert's low-bit copy" if self.lowbit_in_ram
+                                                   else f"{self.n_expert_used} low-bit slots per layer")
+                + f" ({_fmt(self.lowbit_bytes)} each) and a zero slot")
 
     def summary(self) -> str:
         """One line: the sum, then the decode's reads."""
         free = "free" if self.budget_from == "free" else "budget"
         cache = f"{self.n_cached} of {self.n_expert} per layer" + (f" + {self.n_spare} spare" if self.n_spare else "")
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
-                f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + headroom "
+                f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
+                + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
                 f"{_fmt(self.headroom)}{' (too little: expect page faults)' if self.headroom < 64 << 20 else ''}; "
                 f"decode {self.decode_text()}")
 
@@ -282,6 +317,7 @@ class MemoryPlan:
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
              + ("" if self.streamed else ", all of them: nothing streamed")),
+            *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),
             ("  headroom", _fmt(self.headroom) + (" (too little: expect page faults)"
                                                   if self.headroom < 64 << 20 else "")),
             ("disk", f"{self.disk_bytes_per_s / 1e6:.0f} MB/s (probed, direct reads of expert size)"
@@ -292,7 +328,8 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(cache_bytes=self.cache_bytes, headroom=self.headroom, streamed=self.streamed,
-                 miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s)
+                 miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s,
+                 lowbit_memory=self.lowbit_memory, critical_per_token=self.critical_per_token)
         return d
 
 

@@ -121,10 +121,10 @@ struct moecache_layer_vram {
     std::vector<uint8_t> ahead;            // [n_expert] copied up ahead of the next routing (vram_ahead)
 };
 
-// low-bit misses (moecache-lowbit.cpp): K slots of the companion's copies per expert tensor, and a zero
-// slot; n = 0 where the layer has none
+// low-bit misses (moecache-lowbit.cpp): K slots of the companion's copies per expert tensor (or, with
+// lowbit_in_ram, N: slot e holds expert e), and a zero slot; n = 0 where the layer has none
 struct moecache_layer_lowbit {
-    int32_t n = 0;                         // slots per expert tensor (K)
+    int32_t n = 0;                         // slots per expert tensor (K, or N in RAM)
     ggml_context *              ctx = nullptr;
     struct ggml_backend_buffer * buf = nullptr;
     std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1], the companion's type

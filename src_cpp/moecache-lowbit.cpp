@@ -7,7 +7,8 @@
 // (moecache_slots_decode), moecache_lowbit_decode picks the selections to compute from the
 // companion (MISS: those whose full read starts now, at the lowest prefetch priority, behind the
 // token; ALL: every one), reads their copies into the pool and points their full-side slot id at
-// the zero slot. The graph of each expert matmul of the layer then sums both sides:
+// the zero slot. With lowbit_in_ram the pool holds every expert's copy (slot e = expert e), read once at
+// init, and a token reads nothing from the companion. The graph of each expert matmul of the layer then sums both sides:
 //   full = the stream path on the slots (moecache-matmul.cpp): 0 for the pool's selections
 //   ids  = moecache_lowbit_ids(slots)          // I32 [K, 1]: pool slot, or n (its zero slot)
 //   low  = mul_mat_id(pool, b, ids)             // 0 for the full side's selections
@@ -35,9 +36,11 @@
 void moecache_lowbit_plan(moecache & mc) {
     const bool on = mc.cparams.lowbit != MOECACHE_LOWBIT_OFF && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     for (moecache_layer & L : mc.layers) {
-        L.low.n = on && !L.res.xt.empty() ? mc.n_expert_used : 0;
+        L.low.n = on && !L.res.xt.empty() ? (mc.cparams.lowbit_in_ram ? mc.n_expert : mc.n_expert_used) : 0;
     }
 }
+
+static int64_t read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j);
 
 static int32_t fail(const std::string & msg) {
     return moecache_fail_residency("low-bit companion: " + msg);
@@ -127,7 +130,14 @@ int32_t moecache_lowbit_init(moecache & mc) {
         }
         ggml_backend_buffer_clear(L.low.buf, 0); // (the zero slot: a block of zero bytes is 0 in every type)
         L.low.fresh.assign(mc.n_expert, 0);
+        for (int32_t e = 0; e < mc.n_expert && cp.lowbit_in_ram; e++) { // slot e = expert e, read once
+            if (read_copy(mc, L, e, e) < 0) {
+                rc = fail(mc.io_error); // (set by read_copy; init runs on one thread)
+                break;
+            }
+        }
     }
+    mc.rst.lowbit_bytes_read = 0; // (what was read at init is not a token's)
     gguf_free(g);
     return rc;
 }
@@ -190,6 +200,13 @@ void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * i
         L.low.tok_slot[i] = L.low.n;
         const int32_t e = ids[i];
         if (!(all || L.low.fresh[e]) || j >= L.low.n || mc.io_failed.load()) {
+            continue;
+        }
+        if (mc.cparams.lowbit_in_ram) { // in memory already: nothing to read
+            mc.rst.lowbit_loads  += 1;
+            mc.rst.lowbit_behind += all ? 0 : 1;
+            L.low.tok_slot[i] = e;
+            out[i] = L.res.n_slots;
             continue;
         }
         const int64_t t0    = moecache_time_us();

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 19
+#define MOECACHE_ABI_VERSION 20
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -173,7 +173,8 @@ enum moecache_vram_copy {
 
 // Low-bit misses (STREAM; HOBBIT, EdgeMoE): a decoded token's expert is computed from its copy in
 // a low-bit companion GGUF (`pymoecache lowbit`: every routed expert tensor of the model at a lower
-// type, same names and shapes), read into a small pool of K slots per layer (moecache-lowbit.cpp).
+// type, same names and shapes), read into a small pool of K slots per layer (moecache-lowbit.cpp),
+// or held in memory whole (lowbit_in_ram).
 // Each selection is computed from one copy or the other, never both: the other side's matmul runs
 // on a zero slot and adds exactly 0. The routing, the cache and its hits and misses are unchanged.
 enum moecache_lowbit {
@@ -287,6 +288,10 @@ struct moecache_cache_params {
                                   //   with it: refused)
     const char * lowbit_path;     // lowbit != OFF: the companion GGUF (checked against the model at init:
                                   //   every routed expert tensor, same shape, a smaller type); default NULL
+    bool lowbit_in_ram;           // lowbit != OFF: every expert's low-bit copy is read into host memory at
+                                  //   init (the companion's expert bytes, in lowbit_bytes), so a selection
+                                  //   computed from it reads nothing on the token's critical path; false:
+                                  //   a pool of K slots per layer, filled from the file per token; default false
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -375,7 +380,8 @@ struct moecache_residency_stats {
                                   //   those layers' experts in place; 0 = none
     int32_t unified_layers;       // MoE layers computed so
     // low-bit misses (lowbit != OFF): the selections of decoded tokens computed from the companion
-    int64_t lowbit_bytes;         // memory of the low-bit pools (every layer's K slots and a zero slot)
+    int64_t lowbit_bytes;         // memory of the low-bit pools (every layer's K slots, or with lowbit_in_ram
+                                  //   its N copies, and a zero slot)
     int64_t lowbit_loads;         // selections computed from the companion (each read from it for its token)
     int64_t lowbit_bytes_read;    // bytes read from the companion for them (on the token's critical path)
     int64_t lowbit_behind;        // full copies read behind those tokens (in decode_loads too)

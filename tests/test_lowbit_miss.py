@@ -109,6 +109,33 @@ def test_misses_from_the_companion_read_fewer_bytes_on_the_critical_path(files):
     assert "low-bit:" in rl.summary()
 
 
+def test_copies_held_in_memory_compute_the_same_and_read_nothing_per_token(files):
+    """lowbit_in_ram: every low-bit copy read once at load; the numbers are those of the pool read per
+    token (the same copies), the misses' full copies still go behind, and no token reads the companion."""
+    m, c = files
+    got = {}
+    for in_ram in (False, True):
+        for miss in ("lowbit-all", "lowbit"):
+            llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
+                                   cache=CacheConfig(size=8, miss=miss, prefetch="off", lowbit_in_ram=in_ram))
+            tokens = llm.tokenize(b"Once upon a time there was a king who ruled the land", add_bos=True)
+            got[in_ram, miss] = (logits_per_token(llm, tokens), llm.moe_stats().residency, llm.memory_plan())
+            llm.close()
+    for miss in ("lowbit-all", "lowbit"):
+        (pool, rp, plan_pool), (ram, rr, plan_ram) = got[False, miss], got[True, miss]
+        assert np.array_equal(pool, ram), miss
+        assert rr.lowbit_loads == rp.lowbit_loads > 0 and rr.lowbit_behind == rp.lowbit_behind
+        assert rr.lowbit_bytes_read == 0 < rp.lowbit_bytes_read
+        n_layers = 4
+        assert rr.lowbit_bytes == (60 + 1) * c.expert_bytes * n_layers  # every copy and the zero slot
+        assert rp.lowbit_bytes == (4 + 1) * c.expert_bytes * n_layers
+        assert plan_ram.lowbit_memory == rr.lowbit_bytes and plan_pool.lowbit_memory == rp.lowbit_bytes
+        assert plan_ram.critical_per_token == 0 < plan_pool.critical_per_token
+        assert "low-bit" in plan_ram.summary() and "no read" in plan_ram.summary()
+    with pytest.raises(pymoecache.ConfigError, match="lowbit_in_ram"):
+        CacheConfig(size=8, lowbit_in_ram=True)
+
+
 def test_the_timeline_marks_the_low_bit_reads(files, tmp_path):
     from pymoecache.timeline import KIND
 
@@ -183,6 +210,12 @@ def test_the_cli_and_the_server_as_users_run_them(files, tmp_path):
                         "-n", "8", "-p", "Once upon a time"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "low-bit:" in r.stdout and "experts/tok from the companion" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "--cache-size", "8", "--miss", "lowbit",
+                        "--lowbit-in-ram", "-n", "4", "-p", "Once upon a time"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "every expert's low-bit copy" in r.stderr and "no read (its copies are in memory)" in r.stderr
+    assert "(0.00 MiB/tok)" in r.stdout  # nothing read from the companion per token
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "--cache-size", "8", "--miss", "lowbit",
                         "--lowbit", str(tmp_path / "none.gguf"), "-n", "2"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)

@@ -186,6 +186,10 @@ def _add_residency_options(c) -> None:
                         "`pymoecache lowbit MODEL`")
     c.add_argument("--lowbit", metavar="FILE", default=None,
                    help="the low-bit companion --miss reads (default: MODEL.lowbit-*.gguf beside the model)")
+    c.add_argument("--lowbit-in-ram", action="store_true",
+                   help="with --miss lowbit: read every expert's low-bit copy into memory at load (costs the "
+                        "companion's size, shown by the plan line) so that a miss computed from it waits for no "
+                        "read (default: a few slots per layer, read from the companion per token)")
     c.add_argument("--vram-copy", choices=["async", "sync"], default="async",
                    help="with --vram-size: copies up go to a second GPU stream while the CPU computes its own "
                         "experts, waited for just before the GPU's, and with prefetch the next layer's predicted "
@@ -567,6 +571,7 @@ def cache_from_args(args):
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
                        miss=getattr(args, "miss", "full"), lowbit=getattr(args, "lowbit", None),
+                       lowbit_in_ram=getattr(args, "lowbit_in_ram", False),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
