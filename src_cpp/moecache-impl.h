@@ -364,6 +364,10 @@ ggml_tensor * moecache_unified_mul_mat_id(moecache_layer & L, ggml_context * ctx
 int64_t       moecache_unified_bytes(const moecache & mc, int32_t * n_layers);
 // moecache-matmul.cpp: whether ggml's CPU backend has a vec_dot for weights w times activations b (the row-by-row ops compute exactly what its mul_mat_id computes); false without CPU traits
 bool          moecache_matmul_cpu_vec_dot(const ggml_tensor * w, const ggml_tensor * b);
+#ifndef MOECACHE_NO_CPU_TRAITS
+// one-token matmul row by row with ggml's vec_dot, as mul_mat_id computes it; slot[i] < 0: 0, skipped
+void          moecache_matmul_rows(ggml_tensor * dst, int ith, int nth, const int32_t * slot);
+#endif
 // moecache-matmul.cpp: the slot ids of a STREAM decode once every selected expert's read is in
 ggml_tensor * moecache_matmul_ready(moecache_layer & L, ggml_context * ctx);
 // makes memory follow the cache for one layer's expert ids (the op of moecache-graph.cpp): out = slot ids

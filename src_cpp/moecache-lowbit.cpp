@@ -238,42 +238,16 @@ static void op_lowbit_ids(ggml_tensor * dst, int ith, int nth, void * userdata) 
 
 #ifndef MOECACHE_NO_CPU_TRAITS
 // dst: F32 [ne01, K, 1] = the pool's matmul for the selections computed from the companion, 0 for the
-// others: what mul_mat_id(pool, b, ids) gives, row by row with ggml's vec_dot as it computes them,
-// without computing the zero slot. src[0]: pool slots I32 [K, 1]; src[1]: b F32 [ne00, ne11, 1]
-// (row i % ne11 for the i-th selection); src[2]: the pool [ne00, ne01, n + 1]
+// others: what mul_mat_id(pool, b, ids) gives (moecache_matmul_rows), without computing the zero
+// slot. src[0]: pool slots I32 [K, 1]; src[1]: b F32 [ne00, ne11, 1]; src[2]: the pool [ne00, ne01, n + 1]
 static void op_lowbit_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const moecache_layer & L = *(const moecache_layer *) userdata;
-    const ggml_tensor * ids = dst->src[0];
-    const ggml_tensor * b   = dst->src[1];
-    const ggml_tensor * w   = dst->src[2];
-    const int32_t * slot = (const int32_t *) ids->data;
-    const int64_t K = ids->ne[0], ne00 = b->ne[0], ne11 = b->ne[1], ne01 = w->ne[1];
-    const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(w->type);
-    const ggml_type vt  = tr->vec_dot_type;
-    const size_t    row = vt == GGML_TYPE_F32 ? 0 : ggml_row_size(vt, ne00);
-    thread_local std::vector<char> xq; // b in the vec_dot type, converted by every thread for itself
-    if (xq.size() < row * (size_t) ne11) {
-        xq.resize(row * (size_t) ne11);
+    const int32_t * ids = (const int32_t *) dst->src[0]->data;
+    int32_t slot[MOECACHE_MAX_USED];
+    for (int64_t i = 0; i < dst->ne[1] && i < MOECACHE_MAX_USED; i++) {
+        slot[i] = ids[i] >= 0 && ids[i] < L.low.n ? ids[i] : -1; // -1: computed from the full copy, 0 here
     }
-    for (int64_t r = 0; r < ne11 && vt != GGML_TYPE_F32; r++) {
-        ggml_get_type_traits_cpu(vt)->from_float((const float *) ((const char *) b->data + r * b->nb[1]),
-                                                 xq.data() + (size_t) r * row, ne00);
-    }
-    const int64_t r0 = ne01 * ith / nth;
-    const int64_t r1 = ne01 * (ith + 1) / nth;
-    for (int64_t i = 0; i < K; i++) {
-        float * o = (float *) ((char *) dst->data + i * dst->nb[1]);
-        if (slot[i] < 0 || slot[i] >= L.low.n) { // computed from the full copy: 0 here
-            memset(o + r0, 0, (size_t) (r1 - r0) * sizeof(float));
-            continue;
-        }
-        const char * rows = (const char *) w->data + (size_t) slot[i] * w->nb[2];
-        const char * xr   = vt == GGML_TYPE_F32 ? (const char *) b->data + (i % ne11) * b->nb[1]
-                                                : xq.data() + (size_t) (i % ne11) * row;
-        for (int64_t r = r0; r < r1; r++) {
-            tr->vec_dot((int) ne00, &o[r], 0, rows + r * w->nb[1], 0, xr, 0, 1);
-        }
-    }
+    moecache_matmul_rows(dst, ith, nth, slot);
 }
 #endif
 
@@ -296,7 +270,8 @@ ggml_tensor * moecache_lowbit_mul_mat_id(moecache_layer & L, ggml_context * ctx,
     }
     ggml_tensor * low = nullptr;
 #ifndef MOECACHE_NO_CPU_TRAITS
-    if (moecache_matmul_cpu_vec_dot(L.low.t[k], b) && b->ne[2] == 1 && L.graph.low_ids->ne[1] == 1) {
+    if (moecache_matmul_cpu_vec_dot(L.low.t[k], b) && b->ne[2] == 1 && L.graph.low_ids->ne[1] == 1 &&
+        L.graph.low_ids->ne[0] <= MOECACHE_MAX_USED) {
         ggml_tensor * args[3] = { L.graph.low_ids, b, L.low.t[k] }; // (only the pool's selections are computed)
         low = ggml_custom_4d(ctx, GGML_TYPE_F32, L.low.t[k]->ne[1], L.graph.low_ids->ne[0], 1, 1, args, 3,
                              op_lowbit_matmul, GGML_N_TASKS_MAX, &L);

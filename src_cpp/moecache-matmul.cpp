@@ -18,7 +18,8 @@
 //   arrival  = moecache_arrival(slots, x, up_slots, gate_slots)  // F32 [n_ff*K + n_ff*K]
 //   up, gate = views of arrival                   // [n_ff, K, 1] each
 //   ready    = moecache_ready(slots, arrival)     // I32 [K, 1] slot ids, every read waited for
-//   down     = mul_mat_id(down_slots, act, ready) // llama.cpp's op
+//   down     = mul_mat_id(down_slots, act, ready) // llama.cpp's op; with a zero slot (low-bit misses,
+//                                                 // VRAM tier) moecache_down, which skips it
 
 #include "moecache-impl.h"
 
@@ -52,6 +53,56 @@ bool moecache_matmul_cpu_vec_dot(const ggml_tensor * w, const ggml_tensor * b) {
     return t->vec_dot_type == GGML_TYPE_F32 || ggml_get_type_traits_cpu(t->vec_dot_type)->from_float != nullptr;
 #endif
 }
+
+#ifndef MOECACHE_NO_CPU_TRAITS
+// dst: F32 [ne01, K, 1] = w's rows in slot[i] times b's row i % ne11 for each selection i, with ggml's
+// vec_dot on b converted to its vec_dot type, as mul_mat_id computes a one-token matmul; 0 where
+// slot[i] < 0 (nothing computed). src[1]: b F32 [ne00, ne11, 1]; src[2]: w [ne00, ne01, n]
+void moecache_matmul_rows(ggml_tensor * dst, int ith, int nth, const int32_t * slot) {
+    const ggml_tensor * b = dst->src[1];
+    const ggml_tensor * w = dst->src[2];
+    const int64_t K = dst->ne[1], ne00 = b->ne[0], ne11 = b->ne[1], ne01 = w->ne[1];
+    const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(w->type);
+    const ggml_type vt  = tr->vec_dot_type;
+    const size_t    row = vt == GGML_TYPE_F32 ? 0 : ggml_row_size(vt, ne00);
+    thread_local std::vector<char> xq; // b in the vec_dot type, converted by every thread for itself
+    if (xq.size() < row * (size_t) ne11) {
+        xq.resize(row * (size_t) ne11);
+    }
+    for (int64_t r = 0; r < ne11 && vt != GGML_TYPE_F32; r++) {
+        ggml_get_type_traits_cpu(vt)->from_float((const float *) ((const char *) b->data + r * b->nb[1]),
+                                                 xq.data() + (size_t) r * row, ne00);
+    }
+    const int64_t r0 = ne01 * ith / nth;
+    const int64_t r1 = ne01 * (ith + 1) / nth;
+    for (int64_t i = 0; i < K; i++) {
+        float * o = (float *) ((char *) dst->data + i * dst->nb[1]);
+        if (slot[i] < 0) {
+            memset(o + r0, 0, (size_t) (r1 - r0) * sizeof(float));
+            continue;
+        }
+        const char * rows = (const char *) w->data + (size_t) slot[i] * w->nb[2];
+        const char * xr   = vt == GGML_TYPE_F32 ? (const char *) b->data + (i % ne11) * b->nb[1]
+                                                : xq.data() + (size_t) (i % ne11) * row;
+        for (int64_t r = r0; r < r1; r++) {
+            tr->vec_dot((int) ne00, &o[r], 0, rows + r * w->nb[1], 0, xr, 0, 1);
+        }
+    }
+}
+
+// dst: F32 [ne01, K, 1] = the down matmul of a layer with a zero slot (low-bit misses, VRAM tier): the
+// stock op's numbers for the selections in the slots, 0 for those computed elsewhere, which are not
+// computed here at all. src[0]: the ready op's slot ids I32 [K, 1] (every read waited for)
+static void op_down(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const moecache_layer & L = *(const moecache_layer *) userdata;
+    const int32_t * ready = (const int32_t *) dst->src[0]->data;
+    int32_t slot[MOECACHE_MAX_USED];
+    for (int64_t i = 0; i < dst->ne[1] && i < MOECACHE_MAX_USED; i++) {
+        slot[i] = moecache_is_zero_slot(L, ready[i]) ? -1 : ready[i];
+    }
+    moecache_matmul_rows(dst, ith, nth, slot);
+}
+#endif
 
 #define MOECACHE_SPIN_US 5000 // longest a thread polls for an expert's bytes before it sleeps
 
@@ -251,6 +302,14 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
             }
             off += (size_t) (w->ne[1] * slots->ne[0]) * sizeof(float);
         }
+    }
+    if ((L.low.n > 0 || L.vram.n > 0) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && slots->ne[1] == 1 &&
+        b->ne[2] == 1 && slots->ne[0] <= MOECACHE_MAX_USED) { // down without computing the zero slot
+        ggml_tensor * args[3] = { moecache_matmul_ready(L, ctx), b, x.slots_t };
+        ggml_tensor * down = ggml_custom_4d(ctx, GGML_TYPE_F32, x.slots_t->ne[1], slots->ne[0], 1, 1, args, 3,
+                                            op_down, GGML_N_TASKS_MAX, &L);
+        ggml_format_name(moecache_graph_on_cpu(down), "moecache_down-%d", L.il);
+        return down;
     }
 #endif
     return ggml_mul_mat_id(ctx, x.slots_t, b, moecache_matmul_ready(L, ctx)); // down, or one arrival does not cover
