@@ -260,9 +260,27 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
     return check_companion(m, out)
 
 
+def quantize_experts(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str", type: str, *,
+                     threads: Optional[int] = None, progress: bool = True) -> Path:
+    """The plain alternative to a companion: ``model`` whole, its routed experts at ``type`` and the
+    rest at the model's own file type (llama.cpp's quantizer), written to ``out`` whole or not at all.
+    A cache of it holds more experts in the same memory; the benchmark compares the two
+    (scripts/bench_residency.py --plain-lowbit)."""
+    m, out = Path(model_info(model).path), Path(out)
+    part = out.with_name(out.name + ".tmp")
+    try:
+        _quantize(m, part, type.upper(), threads, progress, False, len(_Header(m).tensors),
+                  ftype=_Header(m).kv.get("general.file_type"))
+        os.replace(part, out)
+    finally:
+        part.unlink(missing_ok=True)
+    return out
+
+
 def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progress: bool, verbose: bool,
-              n_tensors: int) -> None:
-    """llama_model_quantize of the whole model, the routed expert matrices overridden to ``type``."""
+              n_tensors: int, ftype: Optional[int] = None) -> None:
+    """llama_model_quantize of the whole model, the routed expert matrices overridden to ``type``, the
+    rest at ``ftype`` (default Q8_0)."""
     import gguf
 
     from . import _llamalog  # loads our libllama; its log callback lets us count tensors
@@ -270,7 +288,8 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
     from ._logtail import LINES
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0  # the rest of the model is thrown away: the cheapest choice
+    # (a companion keeps only the experts, the rest is thrown away: Q8_0 is the cheapest choice)
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0 if ftype is None else int(ftype)
     params.allow_requantize = True
     params.nthread = threads or os.cpu_count() or 1
     pattern = ctypes.c_char_p(rb"^blk\.[0-9]+\.ffn_(gate|up|down|gate_up)_exps\.weight$")

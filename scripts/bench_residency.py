@@ -426,6 +426,10 @@ def main() -> None:
                     help="the prefetch entries with m=lowbit or m=lowbit-all read misses from a companion of the model "
                          "at this type, made once beside it with pymoecache lowbit (default %(default)s)")
     ap.add_argument("--lowbit", help=argparse.SUPPRESS)  # (the companion, given to the workers)
+    ap.add_argument("--plain-lowbit", action="store_true",
+                    help="also run each model with every expert at --lowbit-type (the plain alternative to the low-bit "
+                         "miss path), each stream cache size larger by as much as its experts are smaller: the same "
+                         "memory (the prefetch entries with m= are left out there)")
     ap.add_argument("--trace-requests", type=int, default=8,
                     help="prefetch trace: past requests it matches against, run once before the measurements on "
                          "the text after the measured tokens and loaded by every trace run (default %(default)s)")
@@ -514,18 +518,28 @@ def main() -> None:
         sys.exit(f"bench_residency: --model {args.model!r}: give random, trained or both (random,trained)")
     if "trained" in kinds and not MODEL_C.exists():
         sys.exit(f"bench_residency: --model trained needs {MODEL_C} (scripts/train_tiny_moe.py --preset C)")
-    models = [prepare_model(kind, args, prefetches) for kind in kinds]  # (before any memory is held)
-    pairs = [("stream", c.strip()) for c in args.cache_sizes.split(",")] + ([] if args.no_mmap else [("mmap", "0.5")])
+    models = []  # (before any memory is held)
+    for kind in kinds:
+        models.append(prepare_model(kind, args, prefetches))
+        if args.plain_lowbit:
+            models.append(plain_lowbit_model(kind, models[-1][1], args))
     routings = [r.strip() for r in args.routings.split(",") if r.strip()]
-    settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings
-                for pf in (prefetches if res == "stream" else ["off"])
-                for ev in (evictions if res == "stream" else ["lru"])]
-    if args.cpu_moe:
-        settings.append(("mmap", "lru", "1.0", "off", "lru"))
-    if not args.no_resident:
-        settings.append(("none", "lru", "1.0", "off", "lru"))
-    if args.stock:
-        settings.append(("stock", "lru", "1.0", "off", "lru"))
+
+    def plan(scale: float) -> tuple:  # (settings, cache pairs, prefetches) of a model whose experts are scale x smaller
+        caches = [c.strip() if c.strip() == "auto" else f"{min(1.0, float(c) * scale):.4g}"
+                  for c in args.cache_sizes.split(",")]
+        pf_of = prefetches if scale == 1.0 else [p for p in prefetches if ":m=" not in p]
+        pairs = [("stream", c) for c in caches] + ([] if args.no_mmap else [("mmap", "0.5")])
+        settings = [(res, routing, cache, pf, ev) for res, cache in pairs for routing in routings
+                    for pf in (pf_of if res == "stream" else ["off"])
+                    for ev in (evictions if res == "stream" else ["lru"])]
+        if args.cpu_moe:
+            settings.append(("mmap", "lru", "1.0", "off", "lru"))
+        if not args.no_resident:
+            settings.append(("none", "lru", "1.0", "off", "lru"))
+        if args.stock:
+            settings.append(("stock", "lru", "1.0", "off", "lru"))
+        return settings, pairs, pf_of
     held, n_held = hold_memory(int(args.leave_gib * 2**30)) if args.leave_gib is not None else (None, 0)
     if args.leave_gib is not None:
         print(f"holding {n_held / 2**30:.1f} GiB: {proc_kib_field('/proc/meminfo', 'MemAvailable') / 2**30:.2f} GiB "
@@ -539,8 +553,9 @@ def main() -> None:
     try:
         for mbps in storages:
             args.storage_label = "max" if mbps is None else f"{mbps:g}MBps"
-            for kind, model, companion, trace_profile in models:
+            for kind, model, companion, trace_profile, scale in models:
                 args.lowbit, args.trace_profile = companion, trace_profile
+                settings = plan(scale)[0]
                 args.failed = {}  # setting -> how its process ended (--keep-going)
                 print(f"model {kind}: {model.name}", file=sys.stderr)
                 try:
@@ -553,14 +568,18 @@ def main() -> None:
                         print(f"storage {throttle}: disk after the runs {probe_summary(p1)}", file=sys.stderr)
                 except ThrottleError as e:
                     sys.exit(f"bench_residency: {e}")
-                results.append((kind, model, str(throttle), runs, (p0, p1), args.failed))
+                results.append((kind, model, scale, str(throttle), runs, (p0, p1), args.failed))
     finally:
         for m in held or []:
             m.close()
         servers.close()
-    for kind, model, label, runs, probes, failed in results:
-        args.failed, args.model_tag = failed, kind if len(kinds) > 1 else ""
-        report(model, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes, label)
+    for kind, model, scale, label, runs, probes, failed in results:
+        args.failed, args.model_tag = failed, kind.replace("@", "-") if len(models) > 1 else ""
+        settings, pairs, pf_of = plan(scale)
+        if scale != 1.0:
+            print(f"\n{kind}: every expert at {args.lowbit_type}, {scale:.2f}x smaller, the cache sizes {scale:.2f}x "
+                  "larger: the same memory as the rows of the model itself")
+        report(model, args, settings, runs, pairs, pf_of, evictions, routings, n_held, probes, label)
 
 
 def prepare_model(kind: str, args, prefetches) -> tuple:
@@ -591,7 +610,22 @@ def prepare_model(kind: str, args, prefetches) -> tuple:
         if args.trace_requests < 1:
             sys.exit("bench_residency: --trace-requests must be at least 1 for --prefetch trace")
         trace_profile = build_trace_profile(model, args)
-    return kind, model, companion, trace_profile
+    return kind, model, companion, trace_profile, 1.0
+
+
+def plain_lowbit_model(kind: str, model: Path, args) -> tuple:
+    """The plain alternative to the low-bit miss path (--plain-lowbit): the model with every routed
+    expert at --lowbit-type (llama.cpp's quantizer, made once beside it), its caches larger in the
+    proportion its experts are smaller. (kind@TYPE, file, None, None, that proportion)."""
+    from pymoecache import lowbit, model_info
+
+    t = args.lowbit_type.upper()
+    out = model.with_name(f"{model.stem}.experts-{t}.gguf")
+    if not out.exists():
+        print(f"quantizing {model.name}'s experts to {t} (once) ...", file=sys.stderr)
+        lowbit.quantize_experts(model, out, t, progress=False)
+    scale = model_info(model).expert_bytes / model_info(out).expert_bytes
+    return f"{kind}@{t}", out, None, None, scale
 
 
 def run_probe(model: Path, args) -> dict:
