@@ -37,10 +37,10 @@ KIND = {name: i for i, name in enumerate(KINDS)}
 # one eval call: its span on the same clock, and how many tokens it decoded (1: a generated token)
 TOKEN_DTYPE = np.dtype([("t_start_us", "<i8"), ("t_end_us", "<i8"), ("n_tokens", "<i4")])
 
-_READS = (KIND["read"], KIND["read_ahead"])
+_READS = (KIND["read"], KIND["read_ahead"], KIND["lowbit"])  # (lowbit: a low-bit copy read into the pool)
 # on the graph thread: routing, waits, the matmuls of an expert that arrived (overlap_experts), and
 # copies up to the VRAM tier
-_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"], KIND["copy_up"], KIND["lowbit"])
+_GRAPH = (KIND["route"], KIND["wait"], KIND["expert"], KIND["copy_up"])
 
 
 def _graph_name(e) -> str:

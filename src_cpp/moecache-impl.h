@@ -132,6 +132,7 @@ struct moecache_layer_lowbit {
     std::vector<size_t>         nb2;       //   and the bytes of one expert
     std::vector<uint8_t>        fresh;     // [n_expert] scratch: a selection whose full read starts now
     int32_t                     tok_slot[MOECACHE_MAX_USED] = {}; // this token's selections: low-bit slot, n = full
+    std::vector<moecache_io_job> jobs;     // scratch: this token's reads into the pool
 };
 
 // unified memory (moecache-unified.cpp): the layer's host slots wrapped as buffers of the device of
@@ -242,6 +243,7 @@ struct moecache {
     int           fd        = -1;             // buffered reads, fadvise
     int           fd_direct = -1;             // O_DIRECT reads, or -1
     int           fd_lowbit = -1;             // the low-bit companion (cache params lowbit), or -1
+    int           fd_lowbit_direct = -1;      //   and with O_DIRECT (cache params direct_io), or -1
     moecache_io * io        = nullptr;        // reader threads
     char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
     size_t        arena_size = 0;

@@ -12,10 +12,12 @@
 static void io_read(moecache_io & io, moecache_io_job & j) {
     j.err = 0;
     j.got = 0;
-    const bool direct = io.fd_direct >= 0;
+    const int  fd_buffered = j.aux ? io.aux_fd : io.fd;
+    const int  fd_direct   = j.aux ? io.aux_fd_direct : io.fd_direct;
+    const bool direct = fd_direct >= 0;
     if (!direct || (j.off % MOECACHE_IO_ALIGN == 0 && j.len % MOECACHE_IO_ALIGN == 0 &&
                     (uintptr_t) j.dst % MOECACHE_IO_ALIGN == 0)) {
-        const int fd = direct ? io.fd_direct : io.fd;
+        const int fd = direct ? fd_direct : fd_buffered;
         while (j.got < j.len) {
             const ssize_t n = pread(fd, j.dst + j.got, j.len - j.got, (off_t) (j.off + j.got));
             if (n < 0 && errno == EINTR) {
@@ -33,7 +35,7 @@ static void io_read(moecache_io & io, moecache_io_job & j) {
         j.bytes_io = j.len;
 #ifdef __linux__
         if (!direct) {
-            posix_fadvise(io.fd, (off_t) j.off, (off_t) j.len, POSIX_FADV_DONTNEED); // the slot is the only copy
+            posix_fadvise(fd, (off_t) j.off, (off_t) j.len, POSIX_FADV_DONTNEED); // the slot is the only copy
         }
 #endif
         return;
@@ -49,7 +51,7 @@ static void io_read(moecache_io & io, moecache_io_job & j) {
     char * bounce = (char *) moecache_round_up((uintptr_t) bounce_mem.data(), MOECACHE_IO_ALIGN);
     size_t got = 0;
     while (got < win) {
-        const ssize_t n = pread(io.fd_direct, bounce + got, win - got, (off_t) (a0 + got));
+        const ssize_t n = pread(fd_direct, bounce + got, win - got, (off_t) (a0 + got));
         if (n < 0 && errno == EINTR) {
             continue;
         }
@@ -183,7 +185,8 @@ static void io_record(moecache_io & io, const moecache_io_item & it, int32_t thr
     }
     moecache_event e = {};
     switch (it.job.kind) {
-        case MOECACHE_IO_READ:  e.kind = it.ahead || it.req->prefetch ? MOECACHE_EVENT_READ_AHEAD : MOECACHE_EVENT_READ; break;
+        case MOECACHE_IO_READ:  e.kind = it.job.aux ? MOECACHE_EVENT_LOWBIT : it.ahead || it.req->prefetch
+                                    ? MOECACHE_EVENT_READ_AHEAD : MOECACHE_EVENT_READ; break;
         case MOECACHE_IO_AHEAD: e.kind = MOECACHE_EVENT_READ_AHEAD; break;
         case MOECACHE_IO_LOCK:  e.kind = MOECACHE_EVENT_LOCK; break;
         case MOECACHE_IO_COPY:  e.kind = MOECACHE_EVENT_COPY; break;
@@ -208,7 +211,7 @@ static void io_finish(moecache_io & io, const moecache_io_item & it) {
         r.err_len = it.job.len;
     }
     if (it.job.kind == MOECACHE_IO_READ) {
-        (r.prefetch ? io.bytes_prefetch : io.bytes_demand) += (int64_t) it.job.bytes_io;
+        (it.job.aux ? io.bytes_aux : r.prefetch ? io.bytes_prefetch : io.bytes_demand) += (int64_t) it.job.bytes_io;
     }
     if (it.out) {
         *it.out = it.job;

@@ -45,6 +45,7 @@ struct moecache_io_job {
     uint64_t     off;
     size_t       len;
     size_t       tail;      // READ: the last `tail` bytes may lie past the end of the file (an aligned window)
+    bool         aux;       // READ: from the second file (moecache_io::aux_fd, the low-bit companion)
     int32_t      il, e;     // for messages and bookkeeping
     int          err;       // out: 0, an errno, or -1 for a short read
     size_t       got;       // out: bytes read
@@ -100,12 +101,15 @@ struct moecache_io {
     bool              ahead_yield   = true; // read ahead only while no on-demand read runs (above)
     int               fd        = -1;
     int               fd_direct = -1;
+    int               aux_fd        = -1; // a second file READ jobs may name (job.aux), or -1
+    int               aux_fd_direct = -1;
     bool              lock      = true;
     std::atomic<bool> lock_failed{false};
     std::atomic<int>  lock_errno{0};
     // bytes requested from storage by READ jobs, on demand and speculatively (guarded by mu)
     int64_t bytes_demand   = 0;
     int64_t bytes_prefetch = 0;
+    int64_t bytes_aux      = 0;  // (from the second file: in neither of the above)
     uint64_t n_run         = 0;  // jobs run so far; job k (from 1) got seq = k (tests: execution order)
     std::vector<uint64_t> * seq_log = nullptr; // tests: the `off` of each job as it starts, if set
     // wall time with at least one READ job running (the overlap: how much of it the graph waited

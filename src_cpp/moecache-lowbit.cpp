@@ -40,7 +40,8 @@ void moecache_lowbit_plan(moecache & mc) {
     }
 }
 
-static int64_t read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j);
+static void copy_jobs(const moecache_layer & L, int32_t e, int32_t j, std::vector<moecache_io_job> & jobs);
+static int64_t read_copies(moecache & mc, moecache_layer & L, std::vector<moecache_io_job> & jobs);
 
 static int32_t fail(const std::string & msg) {
     return moecache_fail_residency("low-bit companion: " + msg);
@@ -78,6 +79,13 @@ int32_t moecache_lowbit_init(moecache & mc) {
         gguf_free(g);
         return fail("cannot open '" + path + "': " + why);
     }
+#if defined(O_DIRECT)
+    if (cp.direct_io) { // (as the model's reads: the pool is the only copy; none where the file system has none)
+        mc.fd_lowbit_direct = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    }
+#endif
+    mc.io->aux_fd        = mc.fd_lowbit; // the reader threads read the copies
+    mc.io->aux_fd_direct = mc.fd_lowbit_direct;
     const uint64_t data = gguf_get_data_offset(g);
     int32_t rc = MOECACHE_OK;
     for (moecache_layer & L : mc.layers) {
@@ -130,14 +138,17 @@ int32_t moecache_lowbit_init(moecache & mc) {
         }
         ggml_backend_buffer_clear(L.low.buf, 0); // (the zero slot: a block of zero bytes is 0 in every type)
         L.low.fresh.assign(mc.n_expert, 0);
-        for (int32_t e = 0; e < mc.n_expert && cp.lowbit_in_ram; e++) { // slot e = expert e, read once
-            if (read_copy(mc, L, e, e) < 0) {
-                rc = fail(mc.io_error); // (set by read_copy; init runs on one thread)
+        if (cp.lowbit_in_ram) { // slot e = expert e, read once
+            std::vector<moecache_io_job> jobs;
+            for (int32_t e = 0; e < mc.n_expert; e++) {
+                copy_jobs(L, e, e, jobs);
+            }
+            if (read_copies(mc, L, jobs) < 0) {
+                rc = fail(mc.io_error); // (set by read_copies; init runs on one thread)
                 break;
             }
         }
     }
-    mc.rst.lowbit_bytes_read = 0; // (what was read at init is not a token's)
     gguf_free(g);
     return rc;
 }
@@ -156,6 +167,10 @@ void moecache_lowbit_free(moecache & mc) {
         close(mc.fd_lowbit);
         mc.fd_lowbit = -1;
     }
+    if (mc.fd_lowbit_direct >= 0) {
+        close(mc.fd_lowbit_direct);
+        mc.fd_lowbit_direct = -1;
+    }
 }
 
 int64_t moecache_lowbit_bytes(const moecache & mc) {
@@ -166,35 +181,42 @@ int64_t moecache_lowbit_bytes(const moecache & mc) {
     return bytes;
 }
 
-// expert e's companion copy into pool slot j of every expert tensor of L: the bytes read, or -1 after
-// a failed read (the decode is stopped with the error)
-static int64_t read_copy(moecache & mc, moecache_layer & L, int32_t e, int32_t j) {
-    int64_t bytes = 0;
+// the reads of expert e's companion copy into pool slot j of every expert tensor of L
+static void copy_jobs(const moecache_layer & L, int32_t e, int32_t j, std::vector<moecache_io_job> & jobs) {
     for (size_t k = 0; k < L.low.t.size(); k++) {
-        char *         dst = (char *) L.low.t[k]->data + (size_t) j * L.low.t[k]->nb[2];
-        const size_t   len = L.low.nb2[k];
-        const uint64_t off = L.low.off[k] + (uint64_t) e * len;
-        for (size_t got = 0; got < len;) {
-            const ssize_t r = pread(mc.fd_lowbit, dst + got, len - got, (off_t) (off + got));
-            if (r <= 0) {
-                if (r < 0 && errno == EINTR) {
-                    continue;
-                }
-                moecache_set_io_error(mc, "reading the low-bit copy of expert " + std::to_string(e) + " of layer " +
-                                      std::to_string(L.il) + " failed: " +
-                                      (r < 0 ? strerror(errno) : "the companion ends early (truncated?)"));
-                return -1;
-            }
-            got += (size_t) r;
-        }
-        bytes += (int64_t) len;
+        moecache_io_job job = {};
+        job.kind = MOECACHE_IO_READ;
+        job.aux  = true;
+        job.dst  = (char *) L.low.t[k]->data + (size_t) j * L.low.t[k]->nb[2];
+        job.off  = L.low.off[k] + (uint64_t) e * L.low.nb2[k];
+        job.len  = L.low.nb2[k];
+        job.il   = L.il;
+        job.e    = e;
+        jobs.push_back(job);
     }
-    mc.rst.lowbit_bytes_read += bytes;
+}
+
+// runs the reads on the reader threads, ahead of every other read, and waits for them: the bytes
+// read, or -1 after a failed read (the decode is stopped with the error)
+static int64_t read_copies(moecache & mc, moecache_layer & L, std::vector<moecache_io_job> & jobs) {
+    moecache_io_run(*mc.io, jobs);
+    int64_t bytes = 0;
+    for (const moecache_io_job & j : jobs) {
+        if (j.err != 0 || j.got != j.len) {
+            moecache_set_io_error(mc, "reading the low-bit copy of expert " + std::to_string(j.e) + " of layer " +
+                                  std::to_string(L.il) + " failed: " +
+                                  (j.err > 0 ? strerror(j.err) : "the companion ends early (truncated?)"));
+            return -1;
+        }
+        bytes += (int64_t) j.len;
+    }
     return bytes;
 }
 
 void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out, int64_t n_ids) {
     const bool all = mc.cparams.lowbit == MOECACHE_LOWBIT_ALL;
+    std::vector<moecache_io_job> & jobs = L.low.jobs;
+    jobs.clear();
     int32_t j = 0;
     for (int64_t i = 0; i < n_ids && i < MOECACHE_MAX_USED; i++) {
         L.low.tok_slot[i] = L.low.n;
@@ -202,24 +224,18 @@ void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * i
         if (!(all || L.low.fresh[e]) || j >= L.low.n || mc.io_failed.load()) {
             continue;
         }
-        if (mc.cparams.lowbit_in_ram) { // in memory already: nothing to read
-            mc.rst.lowbit_loads  += 1;
-            mc.rst.lowbit_behind += all ? 0 : 1;
-            L.low.tok_slot[i] = e;
-            out[i] = L.res.n_slots;
-            continue;
-        }
-        const int64_t t0    = moecache_time_us();
-        const int64_t bytes = read_copy(mc, L, e, j);
-        if (bytes < 0) {
-            break;
-        }
-        moecache_graph_event(mc, MOECACHE_EVENT_LOWBIT, L.il, e, 1, t0, t0, moecache_time_us(), bytes);
         mc.rst.lowbit_loads  += 1;
         mc.rst.lowbit_behind += all ? 0 : 1;
-        L.low.tok_slot[i] = j++;
         out[i] = L.res.n_slots; // the zero slot: the full side adds 0
+        if (mc.cparams.lowbit_in_ram) { // in memory already: nothing to read
+            L.low.tok_slot[i] = e;
+            continue;
+        }
+        copy_jobs(L, e, j, jobs);
+        L.low.tok_slot[i] = j++;
     }
+    const int64_t bytes = read_copies(mc, L, jobs); // (all of the layer's at once, in parallel)
+    mc.rst.lowbit_bytes_read += bytes > 0 ? bytes : 0;
 }
 
 // dst: I32 [K, 1] = the pool slot of each selection of the decoded token (n: its zero slot); src[0]:

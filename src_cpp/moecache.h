@@ -409,8 +409,8 @@ enum moecache_event_kind {
                                    //   its read waited for, t_start_us when it was sent, t_end_us when
                                    //   the device had it (vram_copy ASYNC: when the layer's copies were
                                    //   waited for, after the CPU's matmuls; they start at the decision)
-    MOECACHE_EVENT_LOWBIT     = 8, // graph thread, lowbit: reading expert `expert`'s low-bit copy from the
-                                   //   companion into its pool slot, for this token (`bytes`)
+    MOECACHE_EVENT_LOWBIT     = 8, // reader thread, lowbit: reading (a piece of) expert `expert`'s low-bit copy
+                                   //   from the companion into its pool slot, for this token (`bytes`)
 };
 
 struct moecache_event {
