@@ -62,6 +62,7 @@ class moecache_cache_params(ctypes.Structure):
         ("lowbit", c_int32),
         ("lowbit_path", c_char_p),
         ("lowbit_in_ram", c_bool),
+        ("lowbit_max_p", c_float),
     ]
 
 

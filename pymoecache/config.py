@@ -615,7 +615,10 @@ class CacheConfig:
     cache and its hits and misses do not change; only the precision of the experts computed does.
     lowbit_in_ram: with a low-bit miss path, read every expert's low-bit copy into memory at load
     (the companion's expert bytes, a tier of its own) instead of a few per token from the file: a
-    token computed from them waits for no read at all.
+    token computed from them waits for no read at all. lowbit_max_p: with miss ``"lowbit"``, a miss
+    whose router probability is at least this is read at full precision on the token's critical
+    path, as without a companion (HOBBIT's rule: the experts that weigh most); 1.0 (the default):
+    every miss from the companion.
 
     >>> CacheConfig(size=30, insertion="bottom-top").insertion
     'bottom-top'
@@ -653,6 +656,7 @@ class CacheConfig:
                         #   from it ("lowbit-all"), or "auto" (lowbit where a companion is found)
     lowbit: Optional[str] = None  # the low-bit companion (pymoecache lowbit); default: the one beside the model
     lowbit_in_ram: bool = False  # miss lowbit: every low-bit copy in memory (read once), none read per token
+    lowbit_max_p: float = 1.0  # miss lowbit: a miss whose router probability is >= this is read at full precision
 
     def __post_init__(self):
         if isinstance(self.size, bool):
@@ -704,6 +708,9 @@ class CacheConfig:
             raise ConfigError(f"miss must be one of auto, {', '.join(LOWBITS)}, got {self.miss!r}")
         if self.lowbit is not None and not isinstance(self.lowbit, (str, os.PathLike)):
             raise ConfigError(f"lowbit must be the path of a low-bit companion, got {self.lowbit!r}")
+        if isinstance(self.lowbit_max_p, bool) or not isinstance(self.lowbit_max_p, (int, float)) \
+                or not 0.0 < self.lowbit_max_p <= 1.0:
+            raise ConfigError(f"lowbit_max_p must be a probability in (0, 1], got {self.lowbit_max_p!r}")
         if not isinstance(self.lowbit_in_ram, bool):
             raise ConfigError(f"lowbit_in_ram must be True or False, got {self.lowbit_in_ram!r}")
         if self.lowbit_in_ram and self.miss == "full":

@@ -310,7 +310,7 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
                   insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
                   prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95,
                   per_layer: Optional[Sequence[int]] = None, miss: str = "full", lowbit=None,
-                  stream: bool = False):
+                  stream: bool = False, lowbit_max_p: float = 1.0):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
     perplexity and miss rates do not depend on where the experts live, and all weights stay resident;
     except with a low-bit miss path (``miss`` "lowbit" or "lowbit-all", companion ``lowbit``), which
@@ -321,7 +321,7 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
     cache = CacheConfig(size=cache_size, insertion=insertion, residency="stream" if stream or miss != "full" else "none",
                         prefetch=prefetch, prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p,
                         eviction=eviction, eviction_decay=eviction_decay, per_layer=per_layer, miss=miss,
-                        lowbit=lowbit)
+                        lowbit=lowbit, lowbit_max_p=lowbit_max_p)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
                      routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
     check_loaded_model(llm, ctx)
@@ -333,11 +333,11 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
           prefetch_distance: int = 1, prefetch_min_p: float = 0.0, eviction: str = "lru",
           eviction_decay: float = 0.95, miss: str = "full", lowbit=None, stream: bool = False,
-          on_row=None) -> List[dict]:
+          lowbit_max_p: float = 1.0, on_row=None) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
-    miss, lowbit, stream: the low-bit miss path and streamed experts (:func:`load_for_eval`); the
-    miss path acts on decoded tokens only, so it needs ``decode=True``.
+    miss, lowbit, lowbit_max_p, stream: the low-bit miss path and streamed experts
+    (:func:`load_for_eval`); the miss path acts on decoded tokens only, so it needs ``decode=True``.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
     restarts the prior's running Delta) and the counters are reset, so the rows are independent.
@@ -356,7 +356,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     for size in cache_sizes:
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
                             prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
-                            eviction_decay=eviction_decay, miss=miss, lowbit=lowbit, stream=stream)
+                            eviction_decay=eviction_decay, miss=miss, lowbit=lowbit, stream=stream,
+                            lowbit_max_p=lowbit_max_p)
         try:
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
@@ -369,7 +370,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
                 rows.append({"model": Path(model_path).name, **result_row(routing, res),
-                             "eviction": llm.moecache.eviction, "prefetch_min_p": prefetch_min_p})
+                             "eviction": llm.moecache.eviction, "prefetch_min_p": prefetch_min_p,
+                             "lowbit_max_p": lowbit_max_p if miss != "full" else None})
                 if on_row is not None:
                     on_row(rows, total)
         finally:
@@ -401,7 +403,9 @@ def format_table(rows: Sequence[dict]) -> str:
     head = ("policy", "eviction", "knob", "cache", *(("miss path",) if streamed else ()),
             "ppl", "miss %", "hit %", "lifetime", *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
     body = [(r["policy"], r.get("eviction", "lru"), "-" if r["knob"] is None else f"{r['knob']:g}",
-             f"{r['cache_size']}/{r['n_expert']}", *((r.get("miss_path", "full"),) if streamed else ()),
+             f"{r['cache_size']}/{r['n_expert']}",
+             *((r.get("miss_path", "full") + (f" p<{r['lowbit_max_p']:g}" if (r.get("lowbit_max_p") or 1) < 1 else ""),)
+               if streamed else ()),
              f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}",
              *((f"{r.get('lowbit_per_token', 0.0):.2f}", f"{r.get('critical_mib_per_token', 0.0):.3f}")
                if streamed else ()))

@@ -147,6 +147,7 @@ class MoECache:
             keep.append(os.fsencode(cache.lowbit))
             cp.lowbit_path = keep[-1]
         cp.lowbit_in_ram = bool(cache.lowbit_in_ram)
+        cp.lowbit_max_p = float(cache.lowbit_max_p)
         if cache.per_layer is not None:
             keep.append((ctypes.c_int32 * len(cache.per_layer))(*[int(x) for x in cache.per_layer]))
             cp.n_cached_per_layer = keep[-1]

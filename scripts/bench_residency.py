@@ -117,7 +117,8 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
     its reads before its matmuls), ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
     predictors of --predictor instead of the routers), ``:m=lowbit`` CacheConfig.miss (``lowbit``,
     ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type), ``:r=1``
-    CacheConfig.lowbit_in_ram (the companion's copies held in memory), e.g. ``gate:p=0.3:t=0``,
+    CacheConfig.lowbit_in_ram (the companion's copies held in memory), ``:w=0.2``
+    CacheConfig.lowbit_max_p (heavier misses at full precision), e.g. ``gate:p=0.3:t=0``,
     ``gate:s=2``, ``off:o=0``, ``off:m=lowbit``, ``off:m=lowbit:r=1``."""
     def fitted(v: str):
         if v in ("0", "false", "no"):
@@ -134,12 +135,13 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
              "c": ("vram_copy", str),
              "f": ("predictor", fitted),
              "m": ("miss", str),
-             "r": ("lowbit_in_ram", lambda v: v not in ("0", "false", "no"))}
+             "r": ("lowbit_in_ram", lambda v: v not in ("0", "false", "no")),
+             "w": ("lowbit_max_p", float)}
     for o in opts:
         key, _, value = o.partition("=")
         if key not in names:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
-                             "c=async|sync, f=0|1, m=lowbit|lowbit-all, r=0|1)")
+                             "c=async|sync, f=0|1, m=lowbit|lowbit-all, r=0|1, w=MAX_P)")
         out[names[key][0]] = names[key][1](value)
     if out.get("miss", "full") != "full":
         out["lowbit"] = lowbit

@@ -132,6 +132,7 @@ struct moecache_layer_lowbit {
     std::vector<size_t>         nb2;       //   and the bytes of one expert
     std::vector<uint8_t>        fresh;     // [n_expert] scratch: a selection whose full read starts now
     int32_t                     tok_slot[MOECACHE_MAX_USED] = {}; // this token's selections: low-bit slot, n = full
+    float                       tok_p[MOECACHE_MAX_USED] = {};    //   and their router probabilities (0: dropped)
     std::vector<moecache_io_job> jobs;     // scratch: this token's reads into the pool
 };
 

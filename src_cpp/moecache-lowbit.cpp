@@ -55,6 +55,9 @@ int32_t moecache_lowbit_init(moecache & mc) {
     if (cp.lowbit != MOECACHE_LOWBIT_MISS && cp.lowbit != MOECACHE_LOWBIT_ALL) {
         return fail("unknown lowbit mode " + std::to_string((int) cp.lowbit));
     }
+    if (!(cp.lowbit_max_p > 0.0f && cp.lowbit_max_p <= 1.0f)) {
+        return fail("lowbit_max_p = " + std::to_string(cp.lowbit_max_p) + " must be in (0, 1]");
+    }
     if (cp.residency != MOECACHE_RESIDENCY_STREAM) {
         return fail("lowbit needs stream residency (it computes a streamed miss from the companion)");
     }

@@ -193,8 +193,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     }
     if (low) {
         std::fill(L.low.fresh.begin(), L.low.fresh.end(), 0);
-        for (int64_t i = 0; i < n_ids; i++) {
-            L.low.fresh[ids[i]] = !slot_holds(L, ids[i]); // (a miss: its full read starts now, behind the token)
+        for (int64_t i = 0; i < n_ids; i++) { // a miss (its full read starts now, behind the token) that
+            const float p = i < MOECACHE_MAX_USED ? L.low.tok_p[i] : 0.0f; // weighs less than lowbit_max_p
+            L.low.fresh[ids[i]] = !slot_holds(L, ids[i]) && p < mc.cparams.lowbit_max_p;
         }
     }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;

@@ -82,6 +82,10 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.vram_fill          = MOECACHE_VRAM_FILL_AUTO;
     p.unified            = MOECACHE_UNIFIED_AUTO;
     p.vram_copy          = MOECACHE_VRAM_COPY_ASYNC;
+    p.lowbit             = MOECACHE_LOWBIT_OFF;
+    p.lowbit_path        = nullptr;
+    p.lowbit_in_ram      = false;
+    p.lowbit_max_p       = 1.0f;
     return p;
 }
 

@@ -292,6 +292,10 @@ struct moecache_cache_params {
                                   //   init (the companion's expert bytes, in lowbit_bytes), so a selection
                                   //   computed from it reads nothing on the token's critical path; false:
                                   //   a pool of K slots per layer, filled from the file per token; default false
+    float lowbit_max_p;           // lowbit MISS: a miss whose router probability is at least this is read at
+                                  //   full precision on the token's critical path, as without the companion
+                                  //   (HOBBIT: the experts that weigh most); in (0, 1]; default 1 (every miss
+                                  //   from the companion)
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).

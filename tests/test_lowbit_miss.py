@@ -136,6 +136,25 @@ def test_copies_held_in_memory_compute_the_same_and_read_nothing_per_token(files
         CacheConfig(size=8, lowbit_in_ram=True)
 
 
+def test_misses_that_weigh_more_than_lowbit_max_p_stay_at_full_precision(files):
+    """HOBBIT's rule: a miss whose router probability is at least lowbit_max_p is read at full
+    precision. Below every probability nothing comes from the companion: the full run's logits."""
+    m, _ = files
+    got = {}
+    for miss, max_p in (("full", 1.0), ("lowbit", 1e-9), ("lowbit", 0.2), ("lowbit", 1.0)):
+        llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
+                               cache=CacheConfig(size=8, miss=miss, prefetch="off", lowbit_max_p=max_p))
+        tokens = llm.tokenize(b"Once upon a time there was a king who ruled the land", add_bos=True)
+        got[miss, max_p] = (logits_per_token(llm, tokens), llm.moe_stats().residency)
+        llm.close()
+    assert np.array_equal(got["lowbit", 1e-9][0], got["full", 1.0][0])
+    assert got["lowbit", 1e-9][1].lowbit_loads == 0
+    loads = [got["lowbit", p][1].lowbit_loads for p in (1e-9, 0.2, 1.0)]
+    assert loads[0] < loads[1] < loads[2], loads
+    with pytest.raises(pymoecache.ConfigError, match="lowbit_max_p"):
+        CacheConfig(size=8, miss="lowbit", lowbit_max_p=0.0)
+
+
 def test_the_timeline_marks_the_low_bit_reads(files, tmp_path):
     from pymoecache.timeline import KIND
 

@@ -58,6 +58,8 @@ def cmd_ppl(args) -> int:
     if args.prefetch != "off" and not args.decode:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
     misses = list(dict.fromkeys(args.miss or ["full"]))
+    if any(not 0.0 < p <= 1.0 for p in args.lowbit_max_p):
+        raise UserError(f"--lowbit-max-p takes probabilities in (0, 1], got {args.lowbit_max_p}")
     if args.lowbit and misses == ["full"]:
         raise UserError("--lowbit names a companion, which only --miss lowbit or lowbit-all reads")
     stream = misses != ["full"]
@@ -78,16 +80,17 @@ def cmd_ppl(args) -> int:
 
     model = resolve_model(args.model, args)
     rows: list = []
+    paths = [(m, p) for m in misses for p in (args.lowbit_max_p if m == "lowbit" else [1.0])]
     try:
-        for i, miss in enumerate(misses):  # one sweep per miss path, the rows side by side
+        for miss, max_p in paths:  # one sweep per miss path, the rows side by side
             before = list(rows)
             rows = before + sweep(
                 model, args.text, routings, sizes, ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads,
                 progress=not args.no_progress, insertion=args.insertion, decode=args.decode, prefetch=args.prefetch,
                 prefetch_distance=args.prefetch_distance, prefetch_min_p=args.prefetch_min_p,
                 eviction=args.eviction or "lru", eviction_decay=args.eviction_decay, miss=miss,
-                lowbit=args.lowbit if miss != "full" else None, stream=stream,
-                on_row=lambda r, total, before=before: on_row(before + r, total * len(misses)))
+                lowbit=args.lowbit if miss != "full" else None, stream=stream, lowbit_max_p=max_p,
+                on_row=lambda r, total, before=before: on_row(before + r, total * len(paths)))
     except KeyboardInterrupt:  # Ctrl-C: the finished rows are kept, printed, and said where they are
         if done:
             print(format_table(done))
@@ -191,6 +194,10 @@ def add_commands(sub) -> None:
     lb.add_argument("--lowbit", metavar="FILE", default=None,
                     help="the low-bit companion (default: MODEL.lowbit-*.gguf beside the model; make one with "
                          "`pymoecache lowbit MODEL`)")
+    lb.add_argument("--lowbit-max-p", type=float, nargs="+", default=[1.0], metavar="P",
+                    help="with --miss lowbit: a miss whose router probability is at least P is read at full "
+                         "precision (HOBBIT's rule); several values give a row each (default 1: every miss from "
+                         "the companion)")
     p.set_defaults(func=cmd_ppl)
 
     t = sub.add_parser(

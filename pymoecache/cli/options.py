@@ -190,6 +190,10 @@ def _add_residency_options(c) -> None:
                    help="with --miss lowbit: read every expert's low-bit copy into memory at load (costs the "
                         "companion's size, shown by the plan line) so that a miss computed from it waits for no "
                         "read (default: a few slots per layer, read from the companion per token)")
+    c.add_argument("--lowbit-max-p", type=float, default=1.0, metavar="P",
+                   help="with --miss lowbit: a miss whose router probability is at least P is read at full "
+                        "precision, on the token's critical path (HOBBIT's rule: the experts that weigh most); "
+                        "1 = every miss from the companion (default %(default)s)")
     c.add_argument("--vram-copy", choices=["async", "sync"], default="async",
                    help="with --vram-size: copies up go to a second GPU stream while the CPU computes its own "
                         "experts, waited for just before the GPU's, and with prefetch the next layer's predicted "
@@ -572,6 +576,7 @@ def cache_from_args(args):
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
                        miss=getattr(args, "miss", "full"), lowbit=getattr(args, "lowbit", None),
                        lowbit_in_ram=getattr(args, "lowbit_in_ram", False),
+                       lowbit_max_p=getattr(args, "lowbit_max_p", 1.0),
                        lock_memory=not getattr(args, "no_mlock", False),
                        lock_dense=not getattr(args, "no_mlock", False),
                        direct_io=not getattr(args, "no_direct_io", False))
