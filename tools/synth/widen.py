@@ -2,7 +2,8 @@
 
 ``widen_experts(src, dst, n_ff_exp)`` copies a GGUF (any weight type) and gives every routed expert
 a hidden width of ``n_ff_exp`` instead of its own: ``ffn_gate_exps`` and ``ffn_up_exps`` get zero
-rows, ``ffn_down_exps`` zero columns, and ``<arch>.expert_feed_forward_length`` the new width.
+rows, ``ffn_down_exps`` zero columns, and ``<arch>.expert_feed_forward_length`` (Mixtral's layout:
+``feed_forward_length``) the new width.
 Each added hidden unit computes silu(0) * 0 = 0 and the down projection multiplies it by 0, so the
 model's outputs do not change; but every expert now has the bytes and the multiply-adds of a wider
 one. From model C (hidden 256, experts 256 wide) at 2048 and Q8_0, an expert is 3 x 256 x 2048 x
@@ -30,6 +31,8 @@ def widen_experts(src: str | os.PathLike, dst: str | os.PathLike, n_ff_exp: int)
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     key = f"{arch}.expert_feed_forward_length"
+    if key not in r.fields:  # (llama-layout MoE, Mixtral: the experts' width is the feed-forward length)
+        key = f"{arch}.feed_forward_length"
     old = int(r.fields[key].contents())
     if n_ff_exp < old:
         raise ValueError(f"{src.name}: experts are {old} wide, cannot narrow them to {n_ff_exp}")
