@@ -236,6 +236,11 @@ def test_the_cli_and_the_server_as_users_run_them(files, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "every expert's low-bit copy" in r.stderr and "no read (its copies are in memory)" in r.stderr
     assert "(0.00 MiB/tok)" in r.stdout  # nothing read from the companion per token
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "info", str(m)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "low-bit companion" in r.stdout and "fewer bytes on the critical path" in r.stdout
+    assert "--lowbit-in-ram" in r.stdout
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(m), "--cache-size", "8", "--miss", "lowbit",
                         "--lowbit", str(tmp_path / "none.gguf"), "-n", "2"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)

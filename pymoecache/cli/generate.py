@@ -392,16 +392,18 @@ def cmd_info(args) -> int:
     if args.ctx is not None and args.ctx < 0:
         raise UserError(f"-c must be >= 0 (0: the model's training context), got {args.ctx}")
     n_ctx = args.ctx or info.n_ctx_train or 512
-    plan = None
+    plan = companion = None
     if info.is_moe:  # what --cache-size auto picks with this budget (default: the free memory), all of it planned
         choice = auto_cache_size(info, n_ctx, available=budget)
         plan = memory_plan(info, n_ctx, choice.n_cached, available=budget)
+        companion = _companion_rows(info)
     if args.json:
         d = {k: v for k, v in vars(info).items()}
         d.update(n_moe_layer=info.n_moe_layer, expert_share=info.expert_share, is_moe=info.is_moe)
         if budget is not None:
             d["cache_size_for_budget"] = plan.n_cached if plan else 0
         d["plan"] = plan.as_dict() if plan else None
+        d["lowbit"] = dict(companion) if companion else None
         print(json.dumps(d, indent=2))
         return 0
     print(info.table())
@@ -411,7 +413,31 @@ def cmd_info(args) -> int:
         rows = plan.rows()
         w = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    if companion:
+        print("\nlow-bit companion (--miss lowbit):")
+        w = max(len(k) for k, _ in companion)
+        print("\n".join(f"{k:<{w}}  {v}" for k, v in companion))
     return 0
+
+
+def _companion_rows(info) -> list:
+    """(what, value) rows of the low-bit companion beside the model: what a miss reads from it and
+    what its pools cost, or how to make one."""
+    from .. import lowbit
+    from ..plan import _fmt
+
+    try:
+        c = lowbit.check_companion(info.path)
+    except lowbit.CompanionError as e:
+        return [("file", f"none usable: {e}")]
+    n = info.n_moe_layer
+    return [("file", f"{c.path} ({', '.join(c.types)})"),
+            ("per miss", f"{_fmt(c.expert_bytes)} against {_fmt(c.model_expert_bytes)} at full precision "
+                         f"({c.ratio:.2f}x fewer bytes on the critical path)"),
+            ("pool", f"{_fmt((info.n_expert_used + 1) * c.expert_bytes * n)}: {info.n_expert_used} slots and a zero "
+                     "slot per layer, read per token"),
+            ("--lowbit-in-ram", f"{_fmt((info.n_expert + 1) * c.expert_bytes * n)}: every copy in memory, no read on "
+                                "the critical path")]
 
 
 def add_commands(sub) -> None:
