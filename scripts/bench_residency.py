@@ -245,7 +245,8 @@ def worker(args) -> None:
                                    eviction=eviction, **({"eviction_decay": float(decay)} if decay else {}), **prefetch,
                                    **vram)
     t0 = time.perf_counter()
-    llm = pymoecache.Llama(args.model_file, cache=cache, routing=args.routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
+    routing = None if args.routing == "default" else args.routing  # default: what a user gets with no routing flag
+    llm = pymoecache.Llama(args.model_file, cache=cache, routing=routing, n_ctx=args.prompt_tokens + args.warmup + args.tokens + 16,
                            n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False,
                            **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
@@ -257,6 +258,7 @@ def worker(args) -> None:
     info = llm.model_info
     print(json.dumps({
         "residency": rs.residency, "routing": args.routing, "cache": args.cache,
+        "routing_used": llm.moecache.routing.spec(), "eviction_used": llm.moecache.eviction,
         "cache_size": int(st.capacity_per_layer[0]), "n_expert": st.n_expert, "page_cache": how,
         "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": st.miss_rate,
         "mib_read_per_token": rs.bytes_read_per_token / MiB,
@@ -440,8 +442,10 @@ def main() -> None:
                     help="comma-separated eviction policies to compare on the stream runs, e.g. lru,router-mass,lfu:0.8 "
                          "(NAME:DECAY sets the decay; default %(default)s)")
     ap.add_argument("--routings", default="lru,prior:0.5",
-                    help="comma-separated routings of the stream and mmap runs; the first is the reference of the "
-                         "routing ratios (default %(default)s)")
+                    help="comma-separated routings of the stream and mmap runs, e.g. lru,prior:0.5,preset:speed; "
+                         "default = no routing given, what pymoecache.Llama picks (the quality preset with its "
+                         "eviction where experts stream); the first is the reference of the routing ratios "
+                         "(default %(default)s)")
     ap.add_argument("--no-mmap", action="store_true", help="skip the mmap residency runs")
     ap.add_argument("--no-resident", action="store_true", help="skip the fully resident reference run")
     ap.add_argument("--stock", action="store_true", help="also run stock llama.cpp (llama_cpp.Llama, its mmap)")
@@ -730,7 +734,9 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         vram = (f" {100 * med(rows, 'vram_hit_rate'):.0f}% | {med(rows, 'vram_copies') / args.tokens:.2f} "
                 f"(+ {med(rows, 'vram_ahead') / args.tokens:.2f}) | "
                 f"{med(rows, 'vram_copy_ms'):.2f} | {med(rows, 'vram_cpu') / args.tokens:.2f} |" if args.vram_size else "")
-        print(f"| {label} | {s[1]} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | {s[4]} | "
+        routing = f"default ({rows[0]['routing_used']})" if s[1] == "default" and "routing_used" in rows[0] else s[1]
+        print(f"| {label} | {routing} | {rows[0]['cache_size']}/{rows[0]['n_expert']} | {s[3]} | "
+              f"{rows[0].get('eviction_used') or s[4]} | "
               f"{med(rows, 'tok_s'):.2f} | "
               f"{share} | {bound} | {med(rows, 'prefill_tok_s'):.1f} | {100 * med(rows, 'miss_rate'):.1f}% | "
               f"{med(rows, 'mib_read_per_token'):.2f} ({med(rows, 'demand_mib_per_token'):.2f} + "

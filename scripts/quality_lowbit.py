@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""What the low-bit miss path costs in quality: perplexity per companion type and policy, against the
+same routing with full-precision misses, against top-k + LRU, and against the plain alternative
+(every expert at the low type, the cache holding as many more as the experts are smaller).
+
+    python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --types Q4_K,Q3_K,Q2_K
+    python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-60x4.gguf --types Q4_0 --max-p 1,0.2
+
+The `ppl` protocol (chunks of --ctx tokens from an empty KV cache, the expert cache carried over),
+each token decoded alone with the experts streamed, since the miss path serves decoded tokens; the
+text is the held-out tenth of Tiny Shakespeare that the trained models never saw (--text for
+another). Companions and plain-alternative models are made once into --work. Prints a markdown
+table: perplexity and its change against the same routing at full precision, the miss rate,
+experts per token from the companion, and the MiB a token waited for (critical path), with the
+ratio against top-k + LRU at full precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def held_out_text(work: Path) -> Path:
+    """The last 10% of Tiny Shakespeare from a line start, as scripts/train_tiny_moe.py holds it out."""
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    out = work / "tinyshakespeare-held-out.txt"
+    out.write_text(text[text.index("\n", int(len(text) * 0.9)) + 1:], encoding="utf-8")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="GGUF model (its experts at Q8_0 or F16)")
+    ap.add_argument("--types", default="Q4_K", help="companion types, comma-separated (default %(default)s)")
+    ap.add_argument("--cache-sizes", default="0.5,0.25", help="cache sizes, shares of N (default %(default)s)")
+    ap.add_argument("--routings", default="lru,preset:quality",
+                    help="routings; lru (top-k + LRU at full precision) is the reference (default %(default)s)")
+    ap.add_argument("--max-p", default="1", help="lowbit_max_p values of the miss path (default %(default)s)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain alternative rows")
+    ap.add_argument("--text", help="text file (default: the held-out tenth of Tiny Shakespeare)")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default=str(ROOT / "models" / "_bench" / "quality"),
+                    help="where companions and plain models are made (default %(default)s)")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+
+    from pymoecache import lowbit, model_info
+    from pymoecache.config import parse_routing
+    from pymoecache.evaluate import sweep
+
+    model = Path(args.model).resolve()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    text = Path(args.text) if args.text else held_out_text(work)
+    sizes = [float(x) for x in args.cache_sizes.split(",")]
+    routings = [parse_routing(r.strip()) for r in args.routings.split(",") if r.strip()]
+    max_ps = [float(x) for x in args.max_p.split(",")]
+    common = dict(ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads, progress=False, decode=True,
+                  stream=True)
+    rows = []
+
+    def run(path, sizes_, label, **kw):
+        got = sweep(path, text, routings, sizes_, **common, **kw)
+        for r in got:
+            r["path"] = label
+            print(f"  {label} {r['spec']} cache {r['cache_size']}/{r['n_expert']}: ppl {r['ppl']:.4f} "
+                  f"miss {100 * r['miss_rate']:.1f}% critical {r['critical_mib_per_token']:.3f} MiB/tok",
+                  file=sys.stderr, flush=True)
+        rows.extend(got)
+
+    print(f"{model.name}: full precision", file=sys.stderr)
+    run(model, sizes, "full")
+    info = model_info(model)
+    for t in args.types.split(","):
+        t = t.strip().upper()
+        companion = work / f"{model.stem}.lowbit-{t}.gguf"
+        try:
+            lowbit.check_companion(model, companion)
+        except lowbit.CompanionError:
+            lowbit.make_companion(model, companion, type=t, progress=False)
+        c = lowbit.check_companion(model, companion)
+        made = "/".join(c.types)
+        for p in max_ps:
+            run(model, sizes, f"lowbit {made}" + (f" p<{p:g}" if p < 1 else ""), miss="lowbit", lowbit=companion,
+                lowbit_max_p=p)
+        if not args.no_plain:
+            plain = work / f"{model.stem}.experts-{t}.gguf"
+            if not plain.exists():
+                lowbit.quantize_experts(model, plain, t, progress=False)
+            scale = info.expert_bytes / model_info(plain).expert_bytes
+            run(plain, [min(1.0, s * scale) for s in sizes], f"plain {made} (cache x{scale:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print(table(rows, sizes, model.name))
+    return 0
+
+
+def table(rows, sizes, name) -> str:
+    """Markdown: one block of rows per cache size (the plain rows: the cache of the same memory)."""
+    full = {(r["cache_size"], r["spec"]): r for r in rows if r["path"] == "full"}
+    caps = sorted({r["cache_size"] for r in rows if r["path"] == "full"}, reverse=True)
+    out = [f"{name}: `ppl --ctx 256 --decode`, Δ against the same routing at full precision; x: critical-path "
+           "bytes of top-k + LRU at full precision ÷ this row's", "",
+           "| cache | routing | misses from | ppl | Δ ppl | Δ vs top-k + LRU | miss rate | low-bit experts/token | "
+           "critical MiB/token | x |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, cap in enumerate(caps):
+        lru = full.get((cap, "lru"))
+        for r in rows:
+            plain = r["path"].startswith("plain")
+            # (a plain row belongs to the size whose memory it has: its i-th cache size)
+            mine = sorted({x["cache_size"] for x in rows if x["path"] == r["path"]}, reverse=True)
+            if (mine.index(r["cache_size"]) if plain else caps.index(r["cache_size"])) != i:
+                continue
+            ref = full.get((cap, r["spec"]))
+            d = f"{100 * (r['ppl'] / ref['ppl'] - 1):+.2f}%" if ref else "-"
+            dl = f"{100 * (r['ppl'] / lru['ppl'] - 1):+.2f}%" if lru else "-"
+            x = (f"{lru['critical_mib_per_token'] / r['critical_mib_per_token']:.2f}x"
+                 if lru and r["critical_mib_per_token"] > 0 else "-")
+            out.append(f"| {r['cache_size']}/{r['n_expert']} | {r['spec']} | {r['path']} | {r['ppl']:.4f} | {d} | "
+                       f"{dl} | {100 * r['miss_rate']:.1f}% | {r['lowbit_per_token']:.2f} | "
+                       f"{r['critical_mib_per_token']:.3f} | {x} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
