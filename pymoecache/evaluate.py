@@ -281,12 +281,14 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
 def _miss_path_columns(st) -> dict:
     """What the low-bit miss path did (streamed runs; zeros otherwise): the miss path, selections per
     token computed from the companion, and the MiB per token a token waited for: the companion's
-    copies and the full copies read on demand, less those read behind the token."""
+    copies and the full copies read on demand, less those read behind the token (prefetches are
+    not counted: a token waits for them only in part)."""
     rs = st.residency
     if rs is None or rs.residency != "stream":
         return {"miss_path": "full", "lowbit_per_token": 0.0, "critical_mib_per_token": 0.0}
     n = max(1, rs.decode_tokens)
-    crit = rs.lowbit_bytes_read + rs.demand_bytes_read - rs.lowbit_behind * rs.expert_bytes
+    # (in expert bytes: the aligned windows of direct reads are not the model's bytes)
+    crit = rs.lowbit_bytes_read + (rs.decode_loads - rs.lowbit_behind) * rs.expert_bytes
     return {"miss_path": "lowbit" if rs.lowbit_bytes else "full", "lowbit_per_token": rs.lowbit_loads / n,
             "critical_mib_per_token": crit / n / 2**20}
 

@@ -284,7 +284,7 @@ def worker(args) -> None:
         # the low-bit miss path (m=lowbit): experts per token from the companion, and what a token's reads on
         # its critical path were: the companion's copies and the full copies it demanded (not those read behind)
         "lowbit_per_token": rs.lowbit_loads / max(1, rs.decode_tokens),
-        "critical_mib_per_token": (rs.lowbit_bytes_read + rs.demand_bytes_read - rs.lowbit_behind * rs.expert_bytes)
+        "critical_mib_per_token": (rs.lowbit_bytes_read + (rs.decode_loads - rs.lowbit_behind) * rs.expert_bytes)
                                   / max(1, rs.decode_tokens) / MiB,
     }))
     if args.timeline_file:
