@@ -42,3 +42,32 @@ def test_the_low_bit_miss_path_is_a_setting_of_its_own():
     assert "| stream | lru | 30/60 | off:m=lowbit | lru |" in r.stdout
     line = next(x for x in r.stdout.splitlines() if "experts/token from the companion" in x)
     assert "x fewer)" in line and float(line.split(": ")[1].split()[0]) > 0
+
+
+def test_both_benchmark_models_side_by_side():
+    """--model random,trained: a table per model; the trained one is model C widened to the random
+    model's expert (its logits are C's: tests/test_widen.py), decoding C's held-out text."""
+    import csv
+
+    out = ROOT / "models" / "_bench" / "test-both.csv"
+    r = subprocess.run(BENCH[:BENCH.index("--model")] + ["--model", "random,trained"]
+                       + BENCH[BENCH.index("--size-mb"):BENCH.index("--routings")]
+                       + ["--routings", "default", "--no-resident", "--csv", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "bench-residency-40mb.gguf:" in r.stdout and "bench-trained-" in r.stdout
+    rows = {}
+    for kind in ("random", "trained"):
+        path = out.with_name(f"{out.stem}-{kind}{out.suffix}")
+        with open(path) as f:
+            rows[kind] = list(csv.DictReader(f))
+        path.unlink()
+    trained, random = rows["trained"][0], rows["random"][0]
+    assert trained["tokens"] == "tinyshakespeare-held-out" and random["tokens"] == "wikitext-2"
+    assert trained["n_expert"] == "32" and random["n_expert"] == "60"
+    # the widened expert has the random model's bytes (1024 x 512 x 3 at Q8_0 = 256 x 2048 x 3)
+    from pymoecache import model_info
+
+    models = ROOT / "models" / "_bench"
+    wide = [p for p in models.glob("bench-trained-*.gguf") if ".lowbit-" not in p.name and ".experts-" not in p.name]
+    assert wide and model_info(wide[0]).expert_bytes == 3 * 256 * 2048 * 34 // 32
