@@ -263,14 +263,16 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
 def quantize_experts(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str", type: str, *,
                      threads: Optional[int] = None, progress: bool = True) -> Path:
     """The plain alternative to a companion: ``model`` whole, its routed experts at ``type`` and the
-    rest at the model's own file type (llama.cpp's quantizer), written to ``out`` whole or not at all.
-    A cache of it holds more experts in the same memory; the benchmark compares the two
-    (scripts/bench_residency.py --plain-lowbit)."""
+    rest at the model's own file type (Q8_0 for an unquantized model: llama.cpp applies tensor-type
+    overrides only under a quantized file type), written to ``out`` whole or not at all. A cache of
+    it holds more experts in the same memory; the benchmark compares the two
+    (scripts/bench_residency.py --plain-lowbit, scripts/quality_lowbit.py)."""
     m, out = Path(model_info(model).path), Path(out)
+    ftype = _Header(m).kv.get("general.file_type")
     part = out.with_name(out.name + ".tmp")
     try:
         _quantize(m, part, type.upper(), threads, progress, False, len(_Header(m).tensors),
-                  ftype=_Header(m).kv.get("general.file_type"))
+                  ftype=None if ftype in (None, 0, 1, 32) else ftype)  # (F32, F16, BF16: Q8_0)
         os.replace(part, out)
     finally:
         part.unlink(missing_ok=True)

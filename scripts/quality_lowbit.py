@@ -45,6 +45,7 @@ def main() -> int:
                     help="routings; lru (top-k + LRU at full precision) is the reference (default %(default)s)")
     ap.add_argument("--max-p", default="1", help="lowbit_max_p values of the miss path (default %(default)s)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain alternative rows")
+    ap.add_argument("--plain-only", action="store_true", help="only the full-precision and plain alternative rows")
     ap.add_argument("--text", help="text file (default: the held-out tenth of Tiny Shakespeare)")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=60)
@@ -90,7 +91,7 @@ def main() -> int:
             lowbit.make_companion(model, companion, type=t, progress=False)
         c = lowbit.check_companion(model, companion)
         made = "/".join(c.types)
-        for p in max_ps:
+        for p in ([] if args.plain_only else max_ps):
             run(model, sizes, f"lowbit {made}" + (f" p<{p:g}" if p < 1 else ""), miss="lowbit", lowbit=companion,
                 lowbit_max_p=p)
         if not args.no_plain:

@@ -1,4 +1,4 @@
-"""The two trained MoE models in models/ (scripts/train_tiny_moe.py): the files match their cards,
+"""The three trained MoE models in models/ (scripts/train_tiny_moe.py): the files match their cards,
 they load in pymoecache and in plain llama-cpp-python, write recognisable text, and beat a
 unigram model on the held-out slice of Tiny Shakespeare by a wide margin.
 
@@ -25,6 +25,7 @@ from conftest import ROOT, SHARED
 MODELS = {  # name: (routed experts, experts per token, shared expert)
     "tiny-shakespeare-qwen2moe-60x4": (60, 4, True),
     "tiny-shakespeare-mixtral-8x2": (8, 2, False),
+    "tiny-shakespeare-qwen2moe-32x4-w256": (32, 4, True),  # model C: widths of 256, Q8_0
 }
 CTX = 256
 N_CHUNKS = 8
@@ -56,6 +57,9 @@ def test_model_file_matches_its_card(name):
     info = pymoecache.model_info(path)
     assert info.is_moe and (info.n_expert, info.n_expert_used) == (n_expert, n_used)
     assert (c["preset"]["n_ff_shexp"] > 0) == shared
+    if name.endswith("-w256"):  # every width a multiple of 256: K-quants and IQ2/IQ3 apply to its experts
+        assert c["preset"]["n_embd"] % 256 == 0 and c["preset"]["n_ff_exp"] % 256 == 0
+        assert info.expert_types == ["Q8_0"]
     # the card's quality numbers are measured again, not read back: test_held_out_perplexity_*
 
 
