@@ -760,7 +760,8 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
             print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: {med(rows, 'lowbit_per_token'):.2f} experts/token from "
                   f"the companion; critical-path MiB/token {med(rows, 'critical_mib_per_token'):.2f}"
                   + (f" against {med(ref, 'critical_mib_per_token'):.2f} at full precision "
-                     f"({med(ref, 'critical_mib_per_token') / max(1e-9, med(rows, 'critical_mib_per_token')):.2f}x fewer)"
+                     + (f"({med(ref, 'critical_mib_per_token') / med(rows, 'critical_mib_per_token'):.2f}x fewer)"
+                        if med(rows, 'critical_mib_per_token') > 1e-6 else "(none on the critical path)")
                      if ref else ""))
 
     def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition

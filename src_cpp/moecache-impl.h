@@ -121,6 +121,10 @@ struct moecache_layer_vram {
     std::vector<uint8_t> ahead;            // [n_expert] copied up ahead of the next routing (vram_ahead)
 };
 
+// the tokens after a low-bit miss that compute the expert from the companion too: its full copy was
+// queued behind the miss, and waiting for it would put a full read back on the critical path
+#define MOECACHE_LOWBIT_HOLD 1
+
 // low-bit misses (moecache-lowbit.cpp): K slots of the companion's copies per expert tensor (or, with
 // lowbit_in_ram, N: slot e holds expert e), and a zero slot; n = 0 where the layer has none
 struct moecache_layer_lowbit {
@@ -130,7 +134,11 @@ struct moecache_layer_lowbit {
     std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1], the companion's type
     std::vector<uint64_t>       off;       // parallel to res.xt: the companion's file offset of expert 0
     std::vector<size_t>         nb2;       //   and the bytes of one expert
-    std::vector<uint8_t>        fresh;     // [n_expert] scratch: a selection whose full read starts now
+    std::vector<uint8_t>        fresh;     // [n_expert] scratch: 1 a miss whose full read starts now (behind the
+                                           //   token), 2 one whose full read went behind the token before
+    std::vector<int64_t>        hold;      // [n_expert] the last token that computes e from the companion after
+                                           //   its miss (MOECACHE_LOWBIT_HOLD later), whatever its full read did
+    int64_t                     tok = 0;   // decoded tokens this layer's pool served
     int32_t                     tok_slot[MOECACHE_MAX_USED] = {}; // this token's selections: low-bit slot, n = full
     float                       tok_p[MOECACHE_MAX_USED] = {};    //   and their router probabilities (0: dropped)
     std::vector<moecache_io_job> jobs;     // scratch: this token's reads into the pool

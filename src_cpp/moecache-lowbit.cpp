@@ -6,7 +6,8 @@
 // zero slot, in host memory. For a decoded token, after the slots have chosen what to read
 // (moecache_slots_decode), moecache_lowbit_decode picks the selections to compute from the
 // companion (MISS: those whose full read starts now, at the lowest prefetch priority, behind the
-// token; ALL: every one), reads their copies into the pool and points their full-side slot id at
+// token, and in the next MOECACHE_LOWBIT_HOLD tokens, whose full reads are not waited for; ALL:
+// every one), reads their copies into the pool and points their full-side slot id at
 // the zero slot. With lowbit_in_ram the pool holds every expert's copy (slot e = expert e), read once at
 // init, and a token reads nothing from the companion. The graph of each expert matmul of the layer then sums both sides:
 //   full = the stream path on the slots (moecache-matmul.cpp): 0 for the pool's selections
@@ -141,6 +142,7 @@ int32_t moecache_lowbit_init(moecache & mc) {
         }
         ggml_backend_buffer_clear(L.low.buf, 0); // (the zero slot: a block of zero bytes is 0 in every type)
         L.low.fresh.assign(mc.n_expert, 0);
+        L.low.hold.assign(mc.n_expert, -1);
         if (cp.lowbit_in_ram) { // slot e = expert e, read once
             std::vector<moecache_io_job> jobs;
             for (int32_t e = 0; e < mc.n_expert; e++) {
@@ -228,7 +230,7 @@ void moecache_lowbit_decode(moecache & mc, moecache_layer & L, const int32_t * i
             continue;
         }
         mc.rst.lowbit_loads  += 1;
-        mc.rst.lowbit_behind += all ? 0 : 1;
+        mc.rst.lowbit_behind += !all && L.low.fresh[e] == 1; // (2: its full read went behind an earlier token)
         out[i] = L.res.n_slots; // the zero slot: the full side adds 0
         if (mc.cparams.lowbit_in_ram) { // in memory already: nothing to read
             L.low.tok_slot[i] = e;

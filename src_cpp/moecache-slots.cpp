@@ -191,11 +191,17 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         moecache_lowbit_decode(mc, L, ids, out, n_ids);
         return;
     }
-    if (low) {
+    if (low) { // which selections the companion computes: a function of the cache and the token count only,
+        L.low.tok += 1; // so that a run's numbers do not depend on when the disk answered
         std::fill(L.low.fresh.begin(), L.low.fresh.end(), 0);
-        for (int64_t i = 0; i < n_ids; i++) { // a miss (its full read starts now, behind the token) that
-            const float p = i < MOECACHE_MAX_USED ? L.low.tok_p[i] : 0.0f; // weighs less than lowbit_max_p
-            L.low.fresh[ids[i]] = !slot_holds(L, ids[i]) && p < mc.cparams.lowbit_max_p;
+        for (int64_t i = 0; i < n_ids; i++) {
+            const int32_t e = ids[i];
+            const float   p = i < MOECACHE_MAX_USED ? L.low.tok_p[i] : 0.0f;
+            if (!slot_holds(L, e)) { // a miss that weighs less than lowbit_max_p: its full read starts now, behind
+                L.low.fresh[e] = p < mc.cparams.lowbit_max_p ? 1 : 0;
+            } else if (L.low.hold[e] >= L.low.tok) { // the token after such a miss: its full read is not waited for
+                L.low.fresh[e] = 2;
+            }
         }
     }
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
@@ -214,6 +220,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
         moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(),
                            low && L.low.fresh[e] ? 0.0f : -1.0f);
+        if (low && L.low.fresh[e] == 1) {
+            L.low.hold[e] = L.low.tok + MOECACHE_LOWBIT_HOLD;
+        }
         mc.rst.decode_loads += 1;
         if (L.vram.n > 0) {
             L.vram.fresh[e] = 1;

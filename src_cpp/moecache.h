@@ -181,7 +181,8 @@ enum moecache_lowbit {
     MOECACHE_LOWBIT_OFF  = 0, // every expert at full precision
     MOECACHE_LOWBIT_MISS = 1, // a miss whose full copy is neither in a slot nor being read is computed from
                               //   the companion; its full copy is read behind the token (at the lowest
-                              //   prefetch priority) and a later selection of it is a full-precision hit
+                              //   prefetch priority) and not waited for by the next token, which computes
+                              //   it from the companion too; a later selection is a full-precision hit
     MOECACHE_LOWBIT_ALL  = 2, // every selection of a decoded token is computed from the companion; no full
                               //   copy is read while decoding (the memory-poor extreme, and a reference)
 };
@@ -388,7 +389,8 @@ struct moecache_residency_stats {
                                   //   its N copies, and a zero slot)
     int64_t lowbit_loads;         // selections computed from the companion (each read from it for its token)
     int64_t lowbit_bytes_read;    // bytes read from the companion for them (on the token's critical path)
-    int64_t lowbit_behind;        // full copies read behind those tokens (in decode_loads too)
+    int64_t lowbit_behind;        // full copies read behind those tokens (in decode_loads too): one per miss;
+                                  //   the token after a miss computes it from the companion again
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
