@@ -24,7 +24,7 @@ needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed
 CTX, CHUNKS = 64, 3
 ROW_KEYS = {"model", "policy", "knob", "top_j", "spec", "cache_size", "n_expert", "ppl", "nll", "miss_rate",
             "hit_rate", "lifetime", "tokens", "chunks", "ctx", "prefetch", "prefetch_recall", "loads_per_token", "eviction",
-            "prefetch_min_p"}
+            "prefetch_min_p", "miss_path", "lowbit_per_token", "critical_mib_per_token", "lowbit_max_p"}
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
@@ -157,6 +157,9 @@ def test_sweep_two_cache_sizes(mixtral, text_file):
     assert [(r["cache_size"], r["spec"]) for r in rows] == [
         (4, "lru"), (4, "prior:0"), (4, "prior:1"), (2, "lru"), (2, "prior:0"), (2, "prior:1")]
     assert all(set(r) == ROW_KEYS for r in rows)
+    # (experts resident: no miss path, nothing read; ppl --miss streams them: test_lowbit_miss.py)
+    assert all((r["miss_path"], r["lowbit_per_token"], r["critical_mib_per_token"], r["lowbit_max_p"]) ==
+               ("full", 0.0, 0.0, None) for r in rows)
     big, small = rows[:3], rows[3:]
     for group in (big, small):
         assert group[1]["ppl"] == group[0]["ppl"] and group[1]["miss_rate"] == group[0]["miss_rate"]
