@@ -1,5 +1,6 @@
 """This stop's user-facing features as a user reaches them: the installed package, a fresh process
-started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --chat-template,
+started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --lowbit-in-ram,
+--lowbit-max-p, info's companion rows, ppl --miss, --chat-template,
 llama-server's /completion and /tokenize, logprobs)."""
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     assert r.returncode == 0 and (tmp_path / "model.lowbit-Q4_K.gguf").is_file(), r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "-n", "8", "-p", "Once upon a time")
     assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-in-ram", "-n", "4")
+    assert r.returncode == 0 and "no read (its copies are in memory)" in r.stderr, r.stderr
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-max-p", "0.3", "-n", "4")
+    assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+    r = installed(tmp_path, "info", m)
+    assert r.returncode == 0 and "low-bit companion" in r.stdout and "--lowbit-in-ram" in r.stdout, r.stderr
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. It liked to play in the sun. " * 20)
+    r = installed(tmp_path, "ppl", m, "-f", text, "--ctx", "32", "--chunks", "2", "--cache-size", "8",
+                  "--routing", "lru", "--miss", "full", "lowbit", "--no-progress")
+    assert r.returncode == 0 and "critical MiB/tok" in r.stdout and "lowbit" in r.stdout, r.stderr
 
 
 def test_chat_template_flag(fixture_dir, tmp_path):
