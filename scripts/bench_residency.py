@@ -168,9 +168,12 @@ def text_tokens(llm, n: int, skip: int = 0) -> list:
 
     name, path = text_of(llm.model_path)
     if path.exists():
-        text = path.read_text(encoding="utf-8")
-        if name == "tinyshakespeare-held-out":  # the last 10%, from a line start (scripts/train_tiny_moe.py)
-            text = text[text.index("\n", int(len(text) * 0.9)) + 1:]
+        if name == "tinyshakespeare-held-out":  # the model's held-out text (scripts/train_tiny_moe.py)
+            from train_tiny_moe import split_text
+
+            text = split_text(path)[1]
+        else:
+            text = path.read_text(encoding="utf-8")
         text = text[:200_000 * (1 + (skip + n) // 40_000)]
         return llm.tokenize(text.encode(), add_bos=False)[skip: skip + n]
     return np.random.default_rng(skip).integers(300, min(30000, llm.n_vocab()), n).tolist()

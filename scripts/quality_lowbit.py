@@ -25,14 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
-
-
 def held_out_text(work: Path) -> Path:
-    """The last 10% of Tiny Shakespeare from a line start, as scripts/train_tiny_moe.py holds it out."""
-    text = SHAKESPEARE.read_text(encoding="utf-8")
+    """The held-out tenth of Tiny Shakespeare, as scripts/train_tiny_moe.py holds it out, in a file."""
+    from train_tiny_moe import split_text
+
     out = work / "tinyshakespeare-held-out.txt"
-    out.write_text(text[text.index("\n", int(len(text) * 0.9)) + 1:], encoding="utf-8")
+    out.write_text(split_text()[1], encoding="utf-8")
     return out
 
 
