@@ -92,8 +92,11 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int64_t i = n; i < K; i++) {
             out[i] = out[0];
         }
-        for (int64_t i = 0; decode && L.low.n > 0 && i < K && i < MOECACHE_MAX_USED; i++) { // (lowbit_max_p)
-            L.low.tok_p[i] = i < n ? moecache_row_f32(p, t)[out[i]] : 0.0f;
+        if (decode && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
+            const float * pr = moecache_row_f32(p, t);
+            for (int64_t i = 0; i < K && i < MOECACHE_MAX_USED; i++) {
+                L.low.tok_p[i] = i < n ? pr[out[i]] : 0.0f;
+            }
         }
         out[K]     = n;
         out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
