@@ -138,6 +138,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("lowbit_loads", c_int64),
         ("lowbit_bytes_read", c_int64),
         ("lowbit_behind", c_int64),
+        ("lowbit", c_int32),
     ]
 
 

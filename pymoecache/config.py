@@ -40,8 +40,10 @@ PREFETCH_AUTO_SPARE = 2
 VRAM_FILLS = {"auto": C.MOECACHE_VRAM_FILL_AUTO, "copy": C.MOECACHE_VRAM_FILL_COPY, "cpu": C.MOECACHE_VRAM_FILL_CPU}
 # CacheConfig.vram_copy -> enum moecache_vram_copy
 VRAM_COPIES = {"async": C.MOECACHE_VRAM_COPY_ASYNC, "sync": C.MOECACHE_VRAM_COPY_SYNC}
-# CacheConfig.miss -> enum moecache_lowbit ("auto" is resolved by Llama: "lowbit" where a companion is found)
-LOWBITS = {"full": C.MOECACHE_LOWBIT_OFF, "lowbit": C.MOECACHE_LOWBIT_MISS, "lowbit-all": C.MOECACHE_LOWBIT_ALL}
+# CacheConfig.miss -> enum moecache_lowbit ("auto" is resolved by Llama: "lowbit-cache" where a companion is found)
+LOWBITS = {"full": C.MOECACHE_LOWBIT_OFF, "lowbit": C.MOECACHE_LOWBIT_MISS, "lowbit-all": C.MOECACHE_LOWBIT_ALL,
+           "lowbit-cache": C.MOECACHE_LOWBIT_SOURCE}
+LOWBIT_NAMES = {code: name for name, code in LOWBITS.items()}  # enum value -> name
 # CacheConfig.unified -> enum moecache_unified
 UNIFIED = {"auto": C.MOECACHE_UNIFIED_AUTO, "off": C.MOECACHE_UNIFIED_OFF, "on": C.MOECACHE_UNIFIED_ON}
 
@@ -610,9 +612,16 @@ class CacheConfig:
     full copy, read now. ``"lowbit"``: its copy in the low-bit companion ``lowbit`` (``pymoecache
     lowbit MODEL`` makes one; default: the one beside the model), a fraction of the bytes, while the
     full copy is read behind the token for its next use (HOBBIT's and EdgeMoE's idea). ``"lowbit-all"``:
-    every selection of a decoded token from the companion, no full copy read while decoding.
-    ``"auto"``: ``"lowbit"`` where a usable companion is found, else ``"full"``. The routing, the
-    cache and its hits and misses do not change; only the precision of the experts computed does.
+    every selection of a decoded token from the companion, no full copy read while decoding. With
+    these the routing, the cache and its hits and misses do not change; only the precision of the
+    experts computed does. ``"lowbit-cache"``: the companion is the cache's source: the cache holds
+    its copies, as many as fit in the memory ``size`` gives the model's experts (a Q4_K copy of a
+    Q8_0 expert is about half its bytes: twice as many cached), and every read is from it; prompts
+    that do not find every expert cached compute from the model file at full precision. It is what
+    a model with every expert at the low type gives, from the same two files, and on the measured
+    models it beats the low-bit miss path in speed and perplexity (docs/results.md). ``"auto"``:
+    ``"lowbit-cache"`` where a usable companion is found and the experts stream (``"lowbit"`` with
+    ``lowbit_in_ram``), else ``"full"``.
     lowbit_in_ram: with a low-bit miss path, read every expert's low-bit copy into memory at load
     (the companion's expert bytes, a tier of its own) instead of a few per token from the file: a
     token computed from them waits for no read at all. lowbit_max_p: with miss ``"lowbit"``, a miss
@@ -653,7 +662,8 @@ class CacheConfig:
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
     miss: str = "full"  # stream: a decoded token's miss at full precision, from its "lowbit" copy, every selection
-                        #   from it ("lowbit-all"), or "auto" (lowbit where a companion is found)
+                        #   from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or "auto"
+                        #   (lowbit-cache where a companion is found)
     lowbit: Optional[str] = None  # the low-bit companion (pymoecache lowbit); default: the one beside the model
     lowbit_in_ram: bool = False  # miss lowbit: every low-bit copy in memory (read once), none read per token
     lowbit_max_p: float = 1.0  # miss lowbit: a miss whose router probability is >= this is read at full precision
@@ -713,9 +723,10 @@ class CacheConfig:
             raise ConfigError(f"lowbit_max_p must be a probability in (0, 1], got {self.lowbit_max_p!r}")
         if not isinstance(self.lowbit_in_ram, bool):
             raise ConfigError(f"lowbit_in_ram must be True or False, got {self.lowbit_in_ram!r}")
-        if self.lowbit_in_ram and self.miss == "full":
-            raise ConfigError("lowbit_in_ram keeps the companion's copies in memory for miss='lowbit', 'lowbit-all' "
-                              "or 'auto'; with miss='full' nothing reads them")
+        if self.lowbit_in_ram and self.miss in ("full", "lowbit-cache"):
+            raise ConfigError(f"lowbit_in_ram keeps the companion's copies in memory beside the cache for "
+                              f"miss='lowbit', 'lowbit-all' or 'auto'; with miss={self.miss!r} "
+                              + ("nothing reads them" if self.miss == "full" else "the cache holds them: size it"))
         if self.predictor is not None and not os.path.isfile(self.predictor):
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 

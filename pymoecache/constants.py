@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 20
+MOECACHE_ABI_VERSION = 21
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status
@@ -56,6 +56,7 @@ MOECACHE_VRAM_COPY_SYNC = 1
 MOECACHE_LOWBIT_OFF = 0
 MOECACHE_LOWBIT_MISS = 1
 MOECACHE_LOWBIT_ALL = 2
+MOECACHE_LOWBIT_SOURCE = 3
 
 # enum moecache_unified
 MOECACHE_UNIFIED_AUTO = 0

@@ -289,7 +289,7 @@ def _miss_path_columns(st) -> dict:
     n = max(1, rs.decode_tokens)
     # (in expert bytes: the aligned windows of direct reads are not the model's bytes)
     crit = rs.lowbit_bytes_read + (rs.decode_loads - rs.lowbit_behind) * rs.expert_bytes
-    return {"miss_path": "lowbit" if rs.lowbit_bytes else "full", "lowbit_per_token": rs.lowbit_loads / n,
+    return {"miss_path": rs.miss, "lowbit_per_token": rs.lowbit_loads / n,
             "critical_mib_per_token": crit / n / 2**20}
 
 

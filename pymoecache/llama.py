@@ -136,12 +136,14 @@ def _as_cache(cache) -> CacheConfig:
 
 
 def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheConfig:
-    """CacheConfig.miss made explicit for this model: "auto" becomes "lowbit" where a usable companion
-    is found (else "full", said once with the reason), and a low-bit mode gets its checked companion.
+    """CacheConfig.miss made explicit for this model: "auto" becomes "lowbit-cache" where a usable
+    companion is found (else "full", said once with the reason; "lowbit" with lowbit_in_ram), and a
+    low-bit mode gets its checked companion.
     ConfigError / CompanionError for a mode that cannot run (pymoecache.lowbit)."""
     if cache.miss == "full":
         if cache.lowbit is not None:
-            raise ConfigError("lowbit= names a companion, which only miss='lowbit', 'lowbit-all' or 'auto' reads")
+            raise ConfigError("lowbit= names a companion, which only miss='lowbit', 'lowbit-all', 'lowbit-cache' "
+                              "or 'auto' reads")
         return cache
     from . import lowbit as lb
 
@@ -151,7 +153,7 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheC
         raise ConfigError(f"miss={cache.miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
     if cache.vram_size or cache.unified == "on":
-        raise ConfigError("miss='lowbit' with a VRAM tier (vram_size) or unified memory is not supported yet")
+        raise ConfigError(f"miss={cache.miss!r} with a VRAM tier (vram_size) or unified memory is not supported yet")
     try:
         companion = lb.check_companion(model_path, cache.lowbit)
     except lb.CompanionError as e:
@@ -159,7 +161,10 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheC
             raise
         warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
         return dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
-    miss = "lowbit" if cache.miss == "auto" else cache.miss
+    # auto: where the plain alternative (every expert at the low type, more of them cached in the same
+    # memory) beats the miss path, and it did on every measured model (docs/results.md), the cache holds
+    # the companion's copies
+    miss = ("lowbit" if cache.lowbit_in_ram else "lowbit-cache") if cache.miss == "auto" else cache.miss
     cache = dataclasses.replace(cache, miss=miss, lowbit=companion.path)
     if miss == "lowbit-all" and cache.prefetch != "off":  # no full copy is read while decoding: nothing ahead
         cache = dataclasses.replace(cache, prefetch="off", prefetch_spare=0)
@@ -385,6 +390,8 @@ class Llama(llama_cpp.Llama):
                                            params=native)
         self.moecache.attach(self._ctx.ctx)
         self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+        if cache.miss == "lowbit-cache":  # a miss reads the companion's copy: what the counters count in bytes
+            self.moecache.expert_bytes = float(self.moecache.residency_stats().expert_bytes)
         if cache.predictor is not None:
             self.load_predictor(cache.predictor)
 
@@ -433,8 +440,13 @@ class Llama(llama_cpp.Llama):
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
                 from .lowbit import check_companion
 
+                low_bytes = check_companion(self.model_path, low.lowbit).expert_bytes
                 self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,
-                                                 lowbit_bytes=check_companion(self.model_path, low.lowbit).expert_bytes)
+                                                 lowbit_bytes=low_bytes)
+                if low.miss == "lowbit-cache" and self.moecache is not None:  # the slots hold the copies: as many
+                    n_cached = int(self.moecache.stats().capacity_per_layer.max())  # as fit in the memory
+                    self._plan = dataclasses.replace(self._plan, n_cached=n_cached, slot_bytes=low_bytes,
+                                                     expert_bytes=low_bytes)
         return self._plan
 
     def _enter(self) -> None:

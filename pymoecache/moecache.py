@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _moecache_cpp as C
-from .config import (EVICTIONS, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
+from .config import (EVICTIONS, LOWBIT_NAMES, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
                      VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig, ConfigError, Preset, Prior, Routing, TopK,
                      check_eviction, check_int, default_top_j, parse_routing)
 from .errors import MoECacheError, StateFileError
@@ -326,7 +326,7 @@ class MoECache:
                               vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
                               unified_layers=rs.unified_layers, lowbit_bytes=rs.lowbit_bytes,
                               lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
-                              lowbit_behind=rs.lowbit_behind)
+                              lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"))
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

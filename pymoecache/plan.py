@@ -222,7 +222,8 @@ class MemoryPlan:
     slot_bytes: float         # one expert of one layer in the cache
     expert_bytes: float       # one expert of one layer in the file
     disk_bytes_per_s: float   # probed read speed of the model's disk (0: not probed)
-    miss: str = "full"        # what a streamed miss is computed from: "full", "lowbit", "lowbit-all"
+    miss: str = "full"        # what a streamed miss is computed from: "full", "lowbit", "lowbit-all", or
+                              #   "lowbit-cache" (the cache holds low-bit copies: slot_bytes and expert_bytes are theirs)
     lowbit_bytes: float = 0.0  # one expert of one layer in the low-bit companion
     lowbit_in_ram: bool = False  # every low-bit copy in memory (else K slots per layer, read per token)
 
@@ -238,7 +239,7 @@ class MemoryPlan:
     @property
     def lowbit_memory(self) -> int:
         """The low-bit pools: K slots (every expert with lowbit_in_ram) and a zero slot per layer."""
-        if self.miss == "full" or not self.streamed:
+        if self.miss in ("full", "lowbit-cache") or not self.streamed:
             return 0
         slots = (self.n_expert if self.lowbit_in_ram else self.n_expert_used) + 1
         return int(slots * self.lowbit_bytes * self.n_moe_layer)
@@ -265,7 +266,7 @@ class MemoryPlan:
     def critical_per_token(self) -> int:
         """Bytes a decoded token is expected to wait for: its misses' full copies, or with the low-bit
         miss path their low-bit copies (none in memory)."""
-        if self.miss == "full":
+        if self.miss in ("full", "lowbit-cache"):
             return self.read_per_token
         if self.lowbit_in_ram:
             return 0
@@ -281,13 +282,16 @@ class MemoryPlan:
 
     def decode_text(self) -> str:
         if not self.streamed:
-            return "from memory: every expert is cached, nothing is read while decoding"
+            return "from memory: every expert is cached, nothing is read while decoding" + (
+                " (every one a low-bit copy from the companion)" if self.miss == "lowbit-cache" else "")
         text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
                 "were uniform)")
         if self.disk_bytes_per_s and self.read_per_token:
             text += (f": at most {self.io_tok_s:.1f} tok/s from a disk that reads "
                      f"{self.disk_bytes_per_s / 1e6:.0f} MB/s")
-        if self.miss != "full":
+        if self.miss == "lowbit-cache":
+            text += "; every expert computed from its low-bit copy in the companion (lowbit-cache)"
+        elif self.miss != "full":
             text += (f"; misses computed from the low-bit companion ({self.miss}), a token waits for "
                      + (f"~{_fmt(self.critical_per_token)} of reads" if self.critical_per_token
                         else "no read (its copies are in memory)"))
@@ -301,7 +305,8 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: the sum, then the decode's reads."""
         free = "free" if self.budget_from == "free" else "budget"
-        cache = f"{self.n_cached} of {self.n_expert} per layer" + (f" + {self.n_spare} spare" if self.n_spare else "")
+        cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
+                 + (f" + {self.n_spare} spare" if self.n_spare else ""))
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
                 f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
                 + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
@@ -315,6 +320,7 @@ class MemoryPlan:
             ("  dense part", _fmt(self.dense)),
             ("  KV cache", f"{_fmt(self.kv)} for {self.n_ctx} tokens (upper bound, F16)"),
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
+             + (" (low-bit copies)" if self.miss == "lowbit-cache" else "")
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
              + ("" if self.streamed else ", all of them: nothing streamed")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),

@@ -76,6 +76,7 @@ class ResidencyStats:
     lowbit_loads: int = 0            # selections computed from the companion
     lowbit_bytes_read: int = 0       #   bytes read from it for them (on the token's critical path)
     lowbit_behind: int = 0           #   full copies read behind those tokens
+    miss: str = "full"               # CacheConfig.miss that runs; "lowbit-cache": the slots hold low-bit copies
 
     @property
     def vram_hit_rate(self) -> float:
@@ -146,7 +147,7 @@ class ResidencyStats:
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
                 "unified_layers": self.unified_layers, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
-                "lowbit_behind": self.lowbit_behind}
+                "lowbit_behind": self.lowbit_behind, "miss": self.miss}
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -174,6 +175,7 @@ class ResidencyStats:
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "
                    f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else "")
+                + (" | low-bit: every expert from the companion (lowbit-cache)" if self.miss == "lowbit-cache" else "")
                 + (f" | low-bit: {self.lowbit_loads / max(1, self.decode_tokens):.2f} experts/tok from the companion "
                    f"({self.lowbit_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok), "
                    f"{self.lowbit_behind} full copies read behind" if self.lowbit_bytes else ""))

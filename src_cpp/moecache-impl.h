@@ -9,6 +9,8 @@
 #include "moecache.h"
 #include "moecache-io.h"
 
+#include "ggml.h" // enum ggml_type
+
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -34,12 +36,17 @@ struct ggml_backend;
 // one routed-expert weight tensor of a layer, [ne0, ne1, N]: expert e is bytes [e * nb2, (e + 1) * nb2)
 struct moecache_expert_tensor {
     ggml_tensor * model_t  = nullptr;  // the model's tensor; its data is the file mapping
-    ggml_tensor * slots_t  = nullptr;  // STREAM: same type and rows, ne[2] = n_slots, data in the arena
+    ggml_tensor * slots_t  = nullptr;  // STREAM: src_type, the same rows, ne[2] = n_slots, data in the arena
     uint64_t      file_off = 0;        // file offset of expert 0
     size_t        nb2      = 0;        // bytes of one expert
-    // STREAM: slot s's bytes start at slots_t->data + s * slot_nb2. Where nb2 is a whole number of
+    // STREAM: what the slots hold and where the reader threads read it (moecache_io::fd): the model's
+    // tensor (its type, file_off, nb2), or with lowbit SOURCE the companion's copy (moecache-lowbit.cpp)
+    ggml_type     src_type = GGML_TYPE_COUNT;
+    uint64_t      src_off  = 0;        // file offset of expert 0 in that file
+    size_t        src_nb2  = 0;        // bytes of one expert there
+    // STREAM: slot s's bytes start at slots_t->data + s * slot_nb2. Where src_nb2 is a whole number of
     // pages (at least MOECACHE_IN_PLACE_MIN) but the file's experts start mid-page, each slot starts
-    // slot_head = file_off % 4096 bytes into its own pages (slot_nb2 = nb2 + 4096): the aligned
+    // slot_head = src_off % 4096 bytes into its own pages (slot_nb2 = src_nb2 + 4096): the aligned
     // window around an expert in the file is read straight into those pages (direct I/O), with no
     // bounce buffer and no copy. pymoecache/model_info.py (slot_bytes) sizes caches the same way.
     // Not in a layer its device computes in place (unified) where a page is not whole blocks of the
@@ -84,6 +91,7 @@ struct moecache_layer_graph {
 struct moecache_layer_residency {
     std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
     size_t  expert_bytes = 0;          // bytes of one expert over all of xt
+    size_t  slot_bytes   = 0;          // STREAM: what one slot holds and a read fills over all of xt (src_nb2)
     int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
     bool    all_in_slots = false;      // STREAM: the cache holds all N experts, read in at creation:
                                        //   prompts compute on the slots too (moecache_slots_fill_all)
@@ -132,7 +140,8 @@ struct moecache_layer_lowbit {
     ggml_context *              ctx = nullptr;
     struct ggml_backend_buffer * buf = nullptr;
     std::vector<ggml_tensor *>  t;         // parallel to res.xt: [ne0, ne1, n + 1], the companion's type
-    std::vector<uint64_t>       off;       // parallel to res.xt: the companion's file offset of expert 0
+    std::vector<ggml_type>      type;      // parallel to res.xt: the companion's type (every lowbit mode)
+    std::vector<uint64_t>       off;       //   its file offset of expert 0
     std::vector<size_t>         nb2;       //   and the bytes of one expert
     std::vector<uint8_t>        fresh;     // [n_expert] scratch: 1 a miss whose full read starts now (behind the
                                            //   token), 2 one whose full read went behind the token before
@@ -249,6 +258,7 @@ struct moecache {
 
     // residency (moecache-residency.cpp)
     std::string   path;                       // the GGUF
+    std::string   src_path;                   // STREAM: the file the slots are read from (path, or the companion)
     int           fd        = -1;             // buffered reads, fadvise
     int           fd_direct = -1;             // O_DIRECT reads, or -1
     int           fd_lowbit = -1;             // the low-bit companion (cache params lowbit), or -1
@@ -401,7 +411,9 @@ void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L);
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
 // moecache-lowbit.cpp: low-bit misses (cache params lowbit)
 void          moecache_lowbit_plan(moecache & mc);  // before the arena: a layer with a pool gets a zero slot
-int32_t       moecache_lowbit_init(moecache & mc);  // opens and checks the companion, allocates the pools
+// before the arena: opens and checks the companion; SOURCE: the slots become the companion's copies
+int32_t       moecache_lowbit_open(moecache & mc);
+int32_t       moecache_lowbit_init(moecache & mc);  // after the arena: allocates the pools (MISS, ALL)
 void          moecache_lowbit_free(moecache & mc);
 // STREAM decode, after moecache_slots_decode chose out[] (slot ids): the selections the mode computes
 // from the companion are read into the pool and their out[i] becomes the zero slot

@@ -25,6 +25,7 @@
 #include "ggml-cpu.h"
 #include "gguf.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -35,7 +36,8 @@
 #include <unistd.h>
 
 void moecache_lowbit_plan(moecache & mc) {
-    const bool on = mc.cparams.lowbit != MOECACHE_LOWBIT_OFF && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
+    const bool on = (mc.cparams.lowbit == MOECACHE_LOWBIT_MISS || mc.cparams.lowbit == MOECACHE_LOWBIT_ALL) &&
+                    mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     for (moecache_layer & L : mc.layers) {
         L.low.n = on && !L.res.xt.empty() ? (mc.cparams.lowbit_in_ram ? mc.n_expert : mc.n_expert_used) : 0;
     }
@@ -48,16 +50,50 @@ static int32_t fail(const std::string & msg) {
     return moecache_fail_residency("low-bit companion: " + msg);
 }
 
-int32_t moecache_lowbit_init(moecache & mc) {
+// the companion's copy of model tensor t (id in g): its type, offset and bytes per expert in L.low;
+// "" or what is wrong with it
+static std::string check_tensor(const gguf_context * g, const std::string & path, uint64_t data, uint64_t size,
+                                const moecache_expert_tensor & x, moecache_layer_lowbit & low) {
+    const ggml_tensor * t = x.model_t;
+    const int64_t id = gguf_find_tensor(g, t->name);
+    if (id < 0) {
+        return "'" + path + "' has no tensor " + t->name + ": not a companion of this model";
+    }
+    const ggml_type type = gguf_get_tensor_type(g, id);
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size(type) == 0 || t->ne[0] % ggml_blck_size(type)) {
+        return std::string("tensor ") + t->name + " has a type that does not fit rows of " + std::to_string(t->ne[0]);
+    }
+    const size_t nb2 = ggml_row_size(type, t->ne[0]) * (size_t) t->ne[1];
+    if (gguf_get_tensor_size(g, id) != nb2 * (size_t) t->ne[2]) {
+        return std::string("tensor ") + t->name + " is not of the model's shape";
+    }
+    if (nb2 >= x.nb2) {
+        return std::string("tensor ") + t->name + " is " + ggml_type_name(type) + ", not smaller than the model's " +
+               ggml_type_name(t->type);
+    }
+    const uint64_t off = data + gguf_get_tensor_offset(g, id);
+    if (size < off + nb2 * (uint64_t) t->ne[2]) {
+        return "'" + path + "' is truncated (tensor " + t->name + " lies past its end)";
+    }
+    low.type.push_back(type);
+    low.off.push_back(off);
+    low.nb2.push_back(nb2);
+    return "";
+}
+
+int32_t moecache_lowbit_open(moecache & mc) {
     const moecache_cache_params & cp = mc.cparams;
     if (cp.lowbit == MOECACHE_LOWBIT_OFF) {
         return MOECACHE_OK;
     }
-    if (cp.lowbit != MOECACHE_LOWBIT_MISS && cp.lowbit != MOECACHE_LOWBIT_ALL) {
+    if (cp.lowbit < MOECACHE_LOWBIT_MISS || cp.lowbit > MOECACHE_LOWBIT_SOURCE) {
         return fail("unknown lowbit mode " + std::to_string((int) cp.lowbit));
     }
     if (!(cp.lowbit_max_p > 0.0f && cp.lowbit_max_p <= 1.0f)) {
         return fail("lowbit_max_p = " + std::to_string(cp.lowbit_max_p) + " must be in (0, 1]");
+    }
+    if (cp.lowbit == MOECACHE_LOWBIT_SOURCE && cp.lowbit_in_ram) {
+        return fail("lowbit_in_ram keeps copies beside the cache; with SOURCE the cache holds them (size it instead)");
     }
     if (cp.residency != MOECACHE_RESIDENCY_STREAM) {
         return fail("lowbit needs stream residency (it computes a streamed miss from the companion)");
@@ -66,7 +102,7 @@ int32_t moecache_lowbit_init(moecache & mc) {
         return fail("lowbit is on but lowbit_path names no file (make one with `pymoecache lowbit MODEL`)");
     }
     for (const moecache_layer & L : mc.layers) {
-        if (L.vram.n > 0 || !L.uni.t.empty()) {
+        if (L.vram.n > 0 || L.uni.dev) {
             return fail("lowbit with a VRAM tier or unified memory is not supported");
         }
     }
@@ -91,6 +127,44 @@ int32_t moecache_lowbit_init(moecache & mc) {
     mc.io->aux_fd        = mc.fd_lowbit; // the reader threads read the copies
     mc.io->aux_fd_direct = mc.fd_lowbit_direct;
     const uint64_t data = gguf_get_data_offset(g);
+    std::string err;
+    for (moecache_layer & L : mc.layers) {
+        for (size_t k = 0; k < L.res.xt.size() && err.empty(); k++) {
+            err = check_tensor(g, path, data, (uint64_t) st.st_size, L.res.xt[k], L.low);
+        }
+    }
+    gguf_free(g);
+    if (!err.empty()) {
+        return fail(err);
+    }
+    if (cp.lowbit != MOECACHE_LOWBIT_SOURCE) {
+        return MOECACHE_OK;
+    }
+    // SOURCE: every slot read is from the companion, and the cache holds as many copies as fit in
+    // the bytes of the experts asked for
+    mc.io->fd        = mc.fd_lowbit;
+    mc.io->fd_direct = mc.fd_lowbit_direct;
+    mc.src_path      = path;
+    for (moecache_layer & L : mc.layers) {
+        if (L.res.xt.empty()) {
+            continue;
+        }
+        L.res.slot_bytes = 0;
+        for (size_t k = 0; k < L.res.xt.size(); k++) {
+            moecache_expert_tensor & x = L.res.xt[k];
+            x.src_type = L.low.type[k];
+            x.src_off  = L.low.off[k];
+            x.src_nb2  = L.low.nb2[k];
+            L.res.slot_bytes += x.src_nb2;
+        }
+        const int64_t fit = (int64_t) ((double) L.capacity * (double) L.res.expert_bytes / (double) L.res.slot_bytes);
+        L.capacity = (int32_t) std::min<int64_t>(mc.n_expert, std::max<int64_t>(fit, L.capacity));
+    }
+    return MOECACHE_OK;
+}
+
+int32_t moecache_lowbit_init(moecache & mc) {
+    const moecache_cache_params & cp = mc.cparams;
     int32_t rc = MOECACHE_OK;
     for (moecache_layer & L : mc.layers) {
         if (L.low.n == 0 || rc != MOECACHE_OK) {
@@ -98,42 +172,11 @@ int32_t moecache_lowbit_init(moecache & mc) {
         }
         struct ggml_init_params ip = { (L.res.xt.size() + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
         L.low.ctx = ggml_init(ip);
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            const ggml_tensor * t = x.model_t;
-            const int64_t id = gguf_find_tensor(g, t->name);
-            if (id < 0) {
-                rc = fail("'" + path + "' has no tensor " + t->name + ": not a companion of this model");
-                break;
-            }
-            const ggml_type type = gguf_get_tensor_type(g, id);
-            if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size(type) == 0 || t->ne[0] % ggml_blck_size(type)) {
-                rc = fail(std::string("tensor ") + t->name + " has a type that does not fit rows of " +
-                          std::to_string(t->ne[0]));
-                break;
-            }
-            const size_t nb2 = ggml_row_size(type, t->ne[0]) * (size_t) t->ne[1];
-            if (gguf_get_tensor_size(g, id) != nb2 * (size_t) t->ne[2]) {
-                rc = fail(std::string("tensor ") + t->name + " is not of the model's shape");
-                break;
-            }
-            if (nb2 >= x.nb2) {
-                rc = fail(std::string("tensor ") + t->name + " is " + ggml_type_name(type) + ", not smaller than the " +
-                          "model's " + ggml_type_name(t->type));
-                break;
-            }
-            const uint64_t off = data + gguf_get_tensor_offset(g, id);
-            if ((uint64_t) st.st_size < off + nb2 * (uint64_t) t->ne[2]) {
-                rc = fail("'" + path + "' is truncated (tensor " + t->name + " lies past its end)");
-                break;
-            }
-            ggml_tensor * v = ggml_new_tensor_3d(L.low.ctx, type, t->ne[0], t->ne[1], L.low.n + 1);
+        for (size_t k = 0; k < L.res.xt.size(); k++) {
+            const ggml_tensor * t = L.res.xt[k].model_t;
+            ggml_tensor * v = ggml_new_tensor_3d(L.low.ctx, L.low.type[k], t->ne[0], t->ne[1], L.low.n + 1);
             ggml_format_name(v, "moecache.%s.lowbit", t->name);
             L.low.t.push_back(v);
-            L.low.off.push_back(off);
-            L.low.nb2.push_back(nb2);
-        }
-        if (rc != MOECACHE_OK) {
-            break;
         }
         L.low.buf = ggml_backend_alloc_ctx_tensors_from_buft(L.low.ctx, ggml_backend_cpu_buffer_type());
         if (!L.low.buf) {
@@ -154,7 +197,6 @@ int32_t moecache_lowbit_init(moecache & mc) {
             }
         }
     }
-    gguf_free(g);
     return rc;
 }
 

@@ -117,7 +117,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         moecache_mapping_sync(mc, L, ids, n_ids, decode);
     }
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        moecache_warn_mlock_once(L.res.expert_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
+        moecache_warn_mlock_once(L.res.slot_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     const int64_t t1 = moecache_time_us();
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0 - t_copy;
@@ -176,7 +176,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
     }
-    mc.path = cp.model_path;
+    mc.path     = cp.model_path;
+    mc.src_path = mc.path;
     mc.fd = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (mc.fd < 0) {
         return moecache_fail_residency("cannot open '" + mc.path + "': " + strerror(errno));
@@ -227,6 +228,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             x.model_t  = t;
             x.file_off = data_off + gguf_get_tensor_offset(gg, id);
             x.nb2      = t->nb[2];
+            x.src_type = t->type; // (the companion's, with lowbit SOURCE: moecache_lowbit_open)
+            x.src_off  = x.file_off;
+            x.src_nb2  = x.nb2;
             if (x.file_off + (uint64_t) x.nb2 * mc.n_expert > (uint64_t) st.st_size) {
                 err = "'" + mc.path + "' is truncated: tensor " + name + " ends past the end of the file";
                 break;
@@ -234,6 +238,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             moecache_layer & L = mc.layers[il];
             L.res.xt.push_back(x);
             L.res.expert_bytes += x.nb2;
+            L.res.slot_bytes   += x.nb2;
             mc.xt_layer[t] = il;
         }
     }
@@ -287,7 +292,8 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     }
     moecache_vram_plan(mc, model); // (before the arena: a layer with a VRAM tier gets a zero slot)
     moecache_lowbit_plan(mc);      // (and one with a low-bit pool)
-    rc = moecache_slots_init(mc);
+    rc = moecache_lowbit_open(mc); // (SOURCE: the slots hold the companion's copies, and more of them)
+    rc = rc == MOECACHE_OK ? moecache_slots_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_unified_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_lowbit_init(mc) : rc;

@@ -36,12 +36,12 @@ int32_t moecache_slots_init(moecache & mc) {
         for (moecache_expert_tensor & x : L.res.xt) {
             // a device computing the layer in place (moecache-unified.cpp) steps from expert to expert
             // and finds the first in whole blocks of the type: the padded layout only where those are whole
-            const size_t block  = ggml_type_size(x.model_t->type);
-            const bool   blocks = !L.uni.dev || (MOECACHE_IO_ALIGN % block == 0 && x.file_off % MOECACHE_IO_ALIGN % block == 0);
-            const bool in_place = mc.fd_direct >= 0 && x.nb2 % MOECACHE_IO_ALIGN == 0 && x.nb2 >= MOECACHE_IN_PLACE_MIN &&
-                                  blocks;
-            x.slot_head = in_place ? (size_t) (x.file_off % MOECACHE_IO_ALIGN) : 0;
-            x.slot_nb2  = x.nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
+            const size_t block  = ggml_type_size(x.src_type);
+            const bool   blocks = !L.uni.dev || (MOECACHE_IO_ALIGN % block == 0 && x.src_off % MOECACHE_IO_ALIGN % block == 0);
+            const bool in_place = mc.io->fd_direct >= 0 && x.src_nb2 % MOECACHE_IO_ALIGN == 0 &&
+                                  x.src_nb2 >= MOECACHE_IN_PLACE_MIN && blocks;
+            x.slot_head = in_place ? (size_t) (x.src_off % MOECACHE_IO_ALIGN) : 0;
+            x.slot_nb2  = x.src_nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
             total += moecache_round_up((size_t) n_alloc * x.slot_nb2, moecache_page_size());
             n_xt++;
         }
@@ -76,9 +76,9 @@ int32_t moecache_slots_init(moecache & mc) {
         const int32_t n_alloc = (int32_t) L.res.slot_expert.size();
         for (moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, t->type, t->ne[0], t->ne[1], n_alloc);
+            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, x.src_type, t->ne[0], t->ne[1], n_alloc);
             ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
-            const bool same_rows = x.slots_t->nb[2] == x.nb2;
+            const bool same_rows = x.slots_t->nb[2] == x.src_nb2;
             x.slots_t->nb[2] = x.slot_nb2; // (mul_mat_id and the arrival op step from expert to expert by nb[2])
             x.slots_t->nb[3] = x.slot_nb2 * (size_t) n_alloc;
             if (!same_rows || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p + x.slot_head) != GGML_STATUS_SUCCESS) {
@@ -119,13 +119,13 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
 // the jobs that fill slot s with expert e: reads from the file, each tensor's bytes (with a
 // slot_head, the page-aligned window around them, read in place) in as few equal pieces of at
 // most MOECACHE_IO_CHUNK as there can be, so a large tensor keeps several reads in flight and a
-// small one is one read; or one copy per tensor from the mapping
+// small one is one read; or one copy per tensor from the mapping (the slots hold the model's type)
 static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
                            std::vector<moecache_io_job> & jobs) {
     for (const moecache_expert_tensor & x : L.res.xt) {
         const bool     window = kind == MOECACHE_IO_READ && x.slot_head > 0;
-        const uint64_t off = x.file_off + (uint64_t) e * x.nb2 - (window ? x.slot_head : 0);
-        const uint64_t len = window ? x.slot_nb2 : x.nb2;
+        const uint64_t off = x.src_off + (uint64_t) e * x.src_nb2 - (window ? x.slot_head : 0);
+        const uint64_t len = window ? x.slot_nb2 : x.src_nb2;
         char *         dst = (char *) x.slots_t->data + (size_t) s * x.slot_nb2 - (window ? x.slot_head : 0);
         const uint64_t n_piece = kind == MOECACHE_IO_READ ? (len + MOECACHE_IO_CHUNK - 1) / MOECACHE_IO_CHUNK : 1;
         const uint64_t piece   = moecache_round_up((size_t) ((len + n_piece - 1) / std::max<uint64_t>(n_piece, 1)),
@@ -135,11 +135,11 @@ static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moeca
             moecache_io_job j = {};
             j.kind = kind;
             j.dst  = dst + (o - off);
-            j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off);
+            j.src  = kind == MOECACHE_IO_COPY ? (const char *) x.model_t->data + (size_t) e * x.nb2 + (o - off) : nullptr;
             j.off  = o;
             j.len  = (size_t) (end - o);
             if (window) { // the padding after the expert may lie past the end of the file
-                const uint64_t expert_end = off + x.slot_head + x.nb2;
+                const uint64_t expert_end = off + x.slot_head + x.src_nb2;
                 j.tail = (size_t) (end - std::max(o, std::min(end, expert_end)));
             }
             j.il   = L.il;
@@ -161,7 +161,7 @@ static void keep_cached(moecache_layer & L) {
 static std::string read_error(const moecache & mc, int32_t il, int32_t e, uint64_t off, size_t len, int err) {
     char buf[512];
     snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-             e, il, mc.path.c_str(), (unsigned long long) off, len,
+             e, il, mc.src_path.c_str(), (unsigned long long) off, len,
              err > 0 ? strerror(err) : "the file ends early (truncated?)");
     return buf;
 }
@@ -335,7 +335,9 @@ int32_t moecache_slots_fill_all(moecache & mc) {
 }
 
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
+// (lowbit SOURCE: read from the companion)
 void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
+    const bool copy = mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE;
     std::vector<uint8_t> touched(L.res.keep.size(), 0); // read through the mapping by this ubatch: dropped later
     for (int64_t i = 0; i < n_ids; i++) {
         touched[ids[i]] = 1;
@@ -350,12 +352,12 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         if (L.res.keep[e] && !slot_holds(L, e)) {
             const int32_t s = take_slot(mc, L, e, cursor);
             if (s >= 0) {
-                slot_fill_jobs(L, e, s, MOECACHE_IO_COPY, jobs);
+                slot_fill_jobs(L, e, s, copy ? MOECACHE_IO_COPY : MOECACHE_IO_READ, jobs);
             }
         }
     }
     for (const moecache_io_job & j : jobs) {
-        touched[j.e] = 1; // (also a cached expert this ubatch does not run, e.g. after a state load)
+        touched[j.e] |= copy; // (also a cached expert this ubatch does not run, e.g. after a state load)
     }
     for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
         if (touched[e]) {
@@ -365,4 +367,11 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         }
     }
     moecache_io_run(*mc.io, jobs);
+    for (const moecache_io_job & j : jobs) {
+        if (!copy && j.err != 0) { // (a copy from the mapping cannot fail)
+            moecache_set_io_error(mc, read_error(mc, j.il, j.e, j.off, j.len, j.err));
+            L.res.slot_expert[L.res.expert_slot[j.e]] = -1;
+        }
+        mc.rst.prompt_bytes_read += copy ? 0 : (int64_t) j.bytes_io;
+    }
 }

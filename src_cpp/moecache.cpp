@@ -529,12 +529,13 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->arena_bytes = (int64_t) mc->arena_size;
     for (const moecache_layer & L : mc->layers) {
         if (!L.res.xt.empty()) {
-            out->expert_bytes = (int64_t) L.res.expert_bytes; // the first MoE layer's
+            out->expert_bytes = (int64_t) (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? L.res.slot_bytes
+                                                                                              : L.res.expert_bytes); // the first MoE layer's
             break;
         }
     }
     out->io_threads = mc->io ? (int32_t) mc->io->workers.size() : 0;
-    out->direct_io  = mc->fd_direct >= 0;
+    out->direct_io  = mc->io && mc->io->fd_direct >= 0;
     out->locked     = mc->cparams.lock_memory &&
                       (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc->arena_locked
                                                                           : (mc->io && !mc->io->lock_failed.load()));
@@ -545,6 +546,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
     out->vram_bytes        = moecache_vram_bytes(*mc);
     out->lowbit_bytes      = moecache_lowbit_bytes(*mc);
+    out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
     out->unified_bytes     = moecache_unified_bytes(*mc, &out->unified_layers);
     int64_t decode_tokens = 0;

@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 20
+#define MOECACHE_ABI_VERSION 21
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -185,6 +185,13 @@ enum moecache_lowbit {
                               //   it from the companion too; a later selection is a full-precision hit
     MOECACHE_LOWBIT_ALL  = 2, // every selection of a decoded token is computed from the companion; no full
                               //   copy is read while decoding (the memory-poor extreme, and a reference)
+    MOECACHE_LOWBIT_SOURCE = 3, // the companion is the cache's source: the slots hold its copies (its type)
+                              //   and every read, decode, prefetch or prompt, is from it. The cache keeps
+                              //   the memory asked for: its size (n_cached, fraction) counts the model's
+                              //   experts, and holds as many companion copies as fit in their bytes (up
+                              //   to N). What a user gets from a model with every expert at the low type,
+                              //   from the same files. Prompts that do not find every expert in a slot
+                              //   compute from the model's mapping, at full precision
 };
 
 // Unified memory (STREAM, GPU layers): whether the device of a layer's dense part computes the
@@ -333,7 +340,8 @@ struct moecache_residency_stats {
     int64_t arena_bytes;          // STREAM: bytes of all slot arenas (n_slots x bytes of one expert, per layer)
     int64_t locked_bytes;         // bytes mlocked now (experts)
     int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
-    int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer)
+    int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer); lowbit
+                                  //   SOURCE: of its companion copy, what a slot holds and a miss reads
     int64_t decode_tokens;        // single-token ubatches routed
     int64_t decode_loads;         // experts read from storage during those
     int64_t decode_bytes_read;    // bytes read from storage during those
@@ -391,6 +399,8 @@ struct moecache_residency_stats {
     int64_t lowbit_bytes_read;    // bytes read from the companion for them (on the token's critical path)
     int64_t lowbit_behind;        // full copies read behind those tokens (in decode_loads too): one per miss;
                                   //   the token after a miss computes it from the companion again
+    int32_t lowbit;               // enum moecache_lowbit that runs (SOURCE: the slots hold the companion's
+                                  //   copies, and expert_bytes, the reads and the misses are theirs)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

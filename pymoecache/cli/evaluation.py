@@ -61,11 +61,12 @@ def cmd_ppl(args) -> int:
     if any(not 0.0 < p <= 1.0 for p in args.lowbit_max_p):
         raise UserError(f"--lowbit-max-p takes probabilities in (0, 1], got {args.lowbit_max_p}")
     if args.lowbit and misses == ["full"]:
-        raise UserError("--lowbit names a companion, which only --miss lowbit or lowbit-all reads")
+        raise UserError("--lowbit names a companion, which only --miss lowbit, lowbit-all or lowbit-cache reads")
     stream = misses != ["full"]
     if stream and not args.decode:
         args.decode = True
-        print("ppl: --miss lowbit acts on decoded tokens: evaluating one token at a time (--decode)", file=sys.stderr)
+        print(f"ppl: --miss {' '.join(m for m in misses if m != 'full')} streams the experts: evaluating one token at a "
+              "time (--decode)", file=sys.stderr)
     t0, done = time.monotonic(), []
 
     def on_row(rows, total):  # "k of N" with an ETA; the files rewritten with every finished row
@@ -184,9 +185,11 @@ def add_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_routing_options(p, multi_cache_size=True, cache_default="0.5")
     lb = p.add_argument_group("low-bit miss path (quality of `run --miss lowbit`)")
-    lb.add_argument("--miss", nargs="+", choices=["full", "lowbit", "lowbit-all"], default=None, metavar="PATH",
+    lb.add_argument("--miss", nargs="+", choices=["full", "lowbit", "lowbit-all", "lowbit-cache"], default=None,
+                    metavar="MODE",
                     help="what a miss is computed from: full (its full copy), lowbit (its copy in the low-bit "
-                         "companion, the full copy read behind), lowbit-all (every expert from the companion); "
+                         "companion, the full copy read behind), lowbit-all (every expert from the companion), "
+                         "lowbit-cache (a cache of the companion's copies in the same memory, every read from it); "
                          "several give rows side by side, e.g. --miss full lowbit. Anything but full streams the "
                          "experts, evaluates one token at a time (--decode) and adds the columns low-bit/tok "
                          "(experts per token from the companion) and critical MiB/tok (what a token waited "
