@@ -116,7 +116,8 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
     its reads before its matmuls), ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
     predictors of --predictor instead of the routers), ``:m=lowbit`` CacheConfig.miss (``lowbit``,
-    ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type), ``:r=1``
+    ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type; ``lowbit-cache``:
+    a cache of its copies in the same memory), ``:r=1``
     CacheConfig.lowbit_in_ram (the companion's copies held in memory), ``:w=0.2``
     CacheConfig.lowbit_max_p (heavier misses at full precision), e.g. ``gate:p=0.3:t=0``,
     ``gate:s=2``, ``off:o=0``, ``off:m=lowbit``, ``off:m=lowbit:r=1``."""
@@ -141,7 +142,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
         key, _, value = o.partition("=")
         if key not in names:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
-                             "c=async|sync, f=0|1, m=lowbit|lowbit-all, r=0|1, w=MAX_P)")
+                             "c=async|sync, f=0|1, m=lowbit|lowbit-all|lowbit-cache, r=0|1, w=MAX_P)")
         out[names[key][0]] = names[key][1](value)
     if out.get("miss", "full") != "full":
         out["lowbit"] = lowbit
@@ -760,8 +761,12 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
         rows = rows_of(s)
         if rows and ":m=" in s[3] and rows[0].get("lowbit_per_token") is not None:
             ref = rows_of((s[0], s[1], s[2], s[3].split(":m=")[0], s[4]))
-            print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: {med(rows, 'lowbit_per_token'):.2f} experts/token from "
-                  f"the companion; critical-path MiB/token {med(rows, 'critical_mib_per_token'):.2f}"
+            source = (f"every expert from the companion, {rows[0]['cache_size']}/{rows[0]['n_expert']} cached in "
+                      "the same memory"
+                      if ":m=lowbit-cache" in s[3] else
+                      f"{med(rows, 'lowbit_per_token'):.2f} experts/token from the companion")
+            print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]}: {source}; critical-path MiB/token "
+                  f"{med(rows, 'critical_mib_per_token'):.2f}"
                   + (f" against {med(ref, 'critical_mib_per_token'):.2f} at full precision "
                      + (f"({med(ref, 'critical_mib_per_token') / med(rows, 'critical_mib_per_token'):.2f}x fewer)"
                         if med(rows, 'critical_mib_per_token') > 1e-6 else "(none on the critical path)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the low-bit miss path costs in quality: perplexity per companion type and policy, against the
 same routing with full-precision misses, against top-k + LRU, and against the plain alternative
-(every expert at the low type, the cache holding as many more as the experts are smaller).
+(every expert at the low type, the cache holding as many more as the experts are smaller), and
+--cache-source: the companion as the cache's source (miss='lowbit-cache', the same memory).
 
     python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --types Q4_K,Q3_K,Q2_K
     python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-60x4.gguf --types Q4_0 --max-p 1,0.2
@@ -44,6 +45,9 @@ def main() -> int:
     ap.add_argument("--max-p", default="1", help="lowbit_max_p values of the miss path (default %(default)s)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain alternative rows")
     ap.add_argument("--plain-only", action="store_true", help="only the full-precision and plain alternative rows")
+    ap.add_argument("--cache-source", action="store_true",
+                    help="also the rows of miss='lowbit-cache': the companion as the cache's source, as many copies "
+                         "as fit in the same memory (what --miss auto runs), beside the plain alternative")
     ap.add_argument("--text", help="text file (default: the held-out tenth of Tiny Shakespeare)")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=60)
@@ -92,6 +96,8 @@ def main() -> int:
         for p in ([] if args.plain_only else max_ps):
             run(model, sizes, f"lowbit {made}" + (f" p<{p:g}" if p < 1 else ""), miss="lowbit", lowbit=companion,
                 lowbit_max_p=p)
+        if args.cache_source:
+            run(model, sizes, f"lowbit-cache {made}", miss="lowbit-cache", lowbit=companion)
         if not args.no_plain:
             plain = work / f"{model.stem}.experts-{t}.gguf"
             if not plain.exists():
@@ -115,8 +121,8 @@ def table(rows, sizes, name) -> str:
     for i, cap in enumerate(caps):
         lru = full.get((cap, "lru"))
         for r in rows:
-            plain = r["path"].startswith("plain")
-            # (a plain row belongs to the size whose memory it has: its i-th cache size)
+            plain = r["path"].startswith(("plain", "lowbit-cache"))
+            # (a plain or lowbit-cache row belongs to the size whose memory it has: its i-th cache size)
             mine = sorted({x["cache_size"] for x in rows if x["path"] == r["path"]}, reverse=True)
             if (mine.index(r["cache_size"]) if plain else caps.index(r["cache_size"])) != i:
                 continue

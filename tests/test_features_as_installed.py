@@ -1,5 +1,5 @@
 """This stop's user-facing features as a user reaches them: the installed package, a fresh process
-started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --lowbit-in-ram,
+started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --miss auto, --lowbit-in-ram,
 --lowbit-max-p, info's companion rows, ppl --miss, --chat-template,
 llama-server's /completion and /tokenize, logprobs)."""
 
@@ -28,13 +28,17 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     assert r.returncode == 0 and "no read (its copies are in memory)" in r.stderr, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-max-p", "0.3", "-n", "4")
     assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "auto", "-n", "4", "-p", "Once upon a time")
+    # (auto: the companion beside the model as the cache's source; the fixture's rows take Q4_K's fallback
+    # Q5_0: 8 Q8_0 experts' bytes hold 12)
+    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stdout, r.stderr
     r = installed(tmp_path, "info", m)
     assert r.returncode == 0 and "low-bit companion" in r.stdout and "--lowbit-in-ram" in r.stdout, r.stderr
     text = tmp_path / "text.txt"
     text.write_text("Once upon a time there was a little cat. It liked to play in the sun. " * 20)
     r = installed(tmp_path, "ppl", m, "-f", text, "--ctx", "32", "--chunks", "2", "--cache-size", "8",
-                  "--routing", "lru", "--miss", "full", "lowbit", "--no-progress")
-    assert r.returncode == 0 and "critical MiB/tok" in r.stdout and "lowbit" in r.stdout, r.stderr
+                  "--routing", "lru", "--miss", "full", "lowbit", "lowbit-cache", "--no-progress")
+    assert r.returncode == 0 and "critical MiB/tok" in r.stdout and "lowbit-cache" in r.stdout, r.stderr
 
 
 def test_chat_template_flag(fixture_dir, tmp_path):

@@ -197,6 +197,72 @@ def test_a_missing_or_unusable_companion(files, fixture_dir, tmp_path):
         CacheConfig(miss="half")
 
 
+def test_a_cache_of_low_bit_copies_equals_llama_cpps_op_on_them_in_the_same_memory(files, tmp_path):
+    """miss='lowbit-cache': the slots hold the companion's copies, as many as fit in the memory of the
+    experts asked for, and every read is from the companion. Each decoded token equals llama.cpp's
+    own op on the low-bit tensors bit for bit, and the larger cache misses less."""
+    m, c = files
+    ref = pymoecache.Llama(str(reference_model(m, c.path, tmp_path / "ref.gguf")), n_ctx=128, verbose=False,
+                           n_threads=2, cache=CacheConfig(size=1.0, residency="none"), routing="lru")
+    tokens = ref.tokenize(b"Once upon a time there was a king who ruled the land", add_bos=True)
+    want = logits_per_token(ref, tokens)
+    ref.close()
+    runs = {}
+    for miss in ("full", "lowbit-cache"):
+        llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
+                               cache=CacheConfig(size=8, miss=miss, prefetch="off"))
+        runs[miss] = (logits_per_token(llm, tokens), llm.moe_stats(), llm.memory_plan())
+        llm.close()
+    (full, st_full, _), (got, st, plan) = runs["full"], runs["lowbit-cache"]
+    assert np.array_equal(got, want)  # bit for bit
+    assert not np.array_equal(full, want)
+    fit = int(8 * st_full.residency.expert_bytes / c.expert_bytes)  # Q8_0 -> Q5_0: 8 experts' bytes hold 12
+    assert fit > 8 and (st.capacity_per_layer == fit).all() and (st_full.capacity_per_layer == 8).all()
+    rs = st.residency
+    assert rs.miss == "lowbit-cache" and rs.expert_bytes == c.expert_bytes and rs.lowbit_loads == 0
+    assert rs.arena_bytes <= st_full.residency.arena_bytes  # the same memory
+    assert 0 < st.misses < st_full.misses
+    assert plan.n_cached == fit and plan.slot_bytes == c.expert_bytes and plan.lowbit_memory == 0
+    assert f"{fit} of 60 per layer low-bit" in plan.summary() and "(lowbit-cache)" in plan.summary()
+    assert "(lowbit-cache)" in rs.summary()
+
+
+def test_a_cache_of_low_bit_copies_after_a_prompt(files):
+    """A prompt computes from the model at full precision and reads the experts it leaves cached from
+    the companion: the decoded tokens after it equal those of a run whose prompt cached nothing (every
+    expert then read by the decodes), bit for bit."""
+    import llama_cpp
+
+    m, c = files
+    got = {}
+    for update in (True, False):
+        llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
+                               cache=CacheConfig(size=8, miss="lowbit-cache", prefetch="off", update_on_prompt=update))
+        llm.eval(llm.tokenize(b"Once upon a time there was a king", add_bos=True))  # one ubatch
+        prompt = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        occupancy = llm.moe_stats().occupancy_per_layer.copy()
+        got[update] = (prompt, logits_per_token(llm, llm.tokenize(b" who ruled the land", add_bos=False)), occupancy)
+        llm.close()
+    assert (got[True][2] > 0).all() and (got[False][2] == 0).all()
+    assert np.array_equal(got[True][0], got[False][0])
+    assert np.array_equal(got[True][1], got[False][1])
+
+
+def test_miss_auto_caches_the_low_bit_copies_where_a_companion_is_found(files):
+    m, _ = files
+    llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=8, miss="auto"))
+    assert llm.cache_config.miss == "lowbit-cache" and llm.moe_stats().residency.miss == "lowbit-cache"
+    llm.close()
+    llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=8, miss="auto", lowbit_in_ram=True))
+    assert llm.cache_config.miss == "lowbit"  # (copies in memory beside the cache: the miss path)
+    llm.close()
+    llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=1.0, miss="auto"))
+    assert llm.cache_config.miss == "full"  # every expert cached at full precision: nothing streams
+    llm.close()
+    with pytest.raises(pymoecache.ConfigError, match="the cache holds them"):
+        CacheConfig(size=8, miss="lowbit-cache", lowbit_in_ram=True)
+
+
 def test_prompts_stay_at_full_precision(files):
     """A prompt ubatch never uses the pool, also where the layer holds every expert in its slots (its
     prompts then compute on the slots, through the same code as a decode)."""
