@@ -608,8 +608,8 @@ class CacheConfig:
     an error); ``"off"`` leaves the experts to the CPU (llama.cpp's ``--cpu-moe``). A layer computed
     in place has no VRAM tier. The host cache, routing, hits, misses and reads do not change.
 
-    miss: with ``stream``, what a decoded token's miss is computed from. ``"full"`` (the default): its
-    full copy, read now. ``"lowbit"``: its copy in the low-bit companion ``lowbit`` (``pymoecache
+    miss: with ``stream``, what a decoded token's miss is computed from. ``"full"``: its full copy,
+    read now. ``"lowbit"``: its copy in the low-bit companion ``lowbit`` (``pymoecache
     lowbit MODEL`` makes one; default: the one beside the model), a fraction of the bytes, while the
     full copy is read behind the token for its next use (HOBBIT's and EdgeMoE's idea). ``"lowbit-all"``:
     every selection of a decoded token from the companion, no full copy read while decoding. With
@@ -620,8 +620,10 @@ class CacheConfig:
     that do not find every expert cached compute from the model file at full precision. It is what
     a model with every expert at the low type gives, from the same two files, and on the measured
     models it beats the low-bit miss path in speed and perplexity (docs/results.md). ``"auto"``:
-    ``"lowbit-cache"`` where a usable companion is found and the experts stream (``"lowbit"`` with
-    ``lowbit_in_ram``), else ``"full"``.
+    ``"lowbit-cache"`` where a usable companion is found and the experts stream on the CPU
+    (``"lowbit"`` with ``lowbit_in_ram``), else ``"full"``, saying why. None (the default): the same,
+    quietly where the model has no companion (a user who made one gets it used; the plan line says
+    which ran).
     lowbit_in_ram: with a low-bit miss path, read every expert's low-bit copy into memory at load
     (the companion's expert bytes, a tier of its own) instead of a few per token from the file: a
     token computed from them waits for no read at all. lowbit_max_p: with miss ``"lowbit"``, a miss
@@ -661,9 +663,9 @@ class CacheConfig:
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
-    miss: str = "full"  # stream: a decoded token's miss at full precision, from its "lowbit" copy, every selection
-                        #   from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or "auto"
-                        #   (lowbit-cache where a companion is found)
+    miss: Optional[str] = None  # stream: a decoded token's miss at "full" precision, from its "lowbit" copy, every
+                                #   selection from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or
+                                #   "auto" (lowbit-cache where a companion is found); None: auto, quietly
     lowbit: Optional[str] = None  # the low-bit companion (pymoecache lowbit); default: the one beside the model
     lowbit_in_ram: bool = False  # miss lowbit: every low-bit copy in memory (read once), none read per token
     lowbit_max_p: float = 1.0  # miss lowbit: a miss whose router probability is >= this is read at full precision
@@ -714,7 +716,7 @@ class CacheConfig:
             raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
         if self.unified not in UNIFIED:
             raise ConfigError(f"unified must be one of {', '.join(UNIFIED)}, got {self.unified!r}")
-        if self.miss not in LOWBITS and self.miss != "auto":
+        if self.miss is not None and self.miss not in LOWBITS and self.miss != "auto":
             raise ConfigError(f"miss must be one of auto, {', '.join(LOWBITS)}, got {self.miss!r}")
         if self.lowbit is not None and not isinstance(self.lowbit, (str, os.PathLike)):
             raise ConfigError(f"lowbit must be the path of a low-bit companion, got {self.lowbit!r}")

@@ -135,36 +135,43 @@ def _as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
-def _resolve_miss(cache: CacheConfig, residency: str, model_path: str) -> CacheConfig:
-    """CacheConfig.miss made explicit for this model: "auto" becomes "lowbit-cache" where a usable
-    companion is found (else "full", said once with the reason; "lowbit" with lowbit_in_ram), and a
-    low-bit mode gets its checked companion.
-    ConfigError / CompanionError for a mode that cannot run (pymoecache.lowbit)."""
-    if cache.miss == "full":
+def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool = False) -> CacheConfig:
+    """CacheConfig.miss made explicit for this model: "auto" (and None, the default) becomes
+    "lowbit-cache" where a usable companion is found ("lowbit" with lowbit_in_ram), else "full":
+    said once with the reason for "auto", quietly for the default unless a companion is there but
+    unusable. gpu: the model has GPU layers (the low-bit paths run on the CPU only). A low-bit mode
+    gets its checked companion. ConfigError / CompanionError for a mode that cannot run."""
+    miss = cache.miss or "auto"
+    if miss == "full":
         if cache.lowbit is not None:
             raise ConfigError("lowbit= names a companion, which only miss='lowbit', 'lowbit-all', 'lowbit-cache' "
                               "or 'auto' reads")
-        return cache
+        return dataclasses.replace(cache, miss="full")
     from . import lowbit as lb
 
+    full = dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
     if residency != "stream":
-        if cache.miss == "auto":
-            return dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
-        raise ConfigError(f"miss={cache.miss!r} computes streamed experts from their low-bit copies: it needs "
+        if miss == "auto" and cache.lowbit is None:
+            return full
+        raise ConfigError(f"miss={miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
-    if cache.vram_size or cache.unified == "on":
-        raise ConfigError(f"miss={cache.miss!r} with a VRAM tier (vram_size) or unified memory is not supported yet")
+    if cache.vram_size or cache.unified == "on" or gpu:
+        if miss == "auto" and cache.lowbit is None:
+            return full
+        raise ConfigError(f"miss={miss!r} with GPU layers, a VRAM tier (vram_size) or unified memory is not "
+                          "supported yet")
     try:
         companion = lb.check_companion(model_path, cache.lowbit)
     except lb.CompanionError as e:
-        if cache.miss != "auto" or cache.lowbit is not None:
+        if miss != "auto" or cache.lowbit is not None:
             raise
-        warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
-        return dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
+        if cache.miss == "auto" or "no low-bit companion" not in str(e):  # (the default: only a bad one is news)
+            warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
+        return full
     # auto: where the plain alternative (every expert at the low type, more of them cached in the same
     # memory) beats the miss path, and it did on every measured model (docs/results.md), the cache holds
     # the companion's copies
-    miss = ("lowbit" if cache.lowbit_in_ram else "lowbit-cache") if cache.miss == "auto" else cache.miss
+    miss = ("lowbit" if cache.lowbit_in_ram else "lowbit-cache") if miss == "auto" else miss
     cache = dataclasses.replace(cache, miss=miss, lowbit=companion.path)
     if miss == "lowbit-all" and cache.prefetch != "off":  # no full copy is read while decoding: nothing ahead
         cache = dataclasses.replace(cache, prefetch="off", prefetch_spare=0)
@@ -299,7 +306,8 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
                               f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
                 cache = dataclasses.replace(cache, unified="auto")
-            cache = _resolve_miss(cache, residency, str(model_path))
+            cache = _resolve_miss(cache, residency, str(model_path),
+                                  gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory(),  # before the load takes its share
                                  cache if cache.miss != "full" else None)

@@ -129,7 +129,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
         return predictor
 
     mode, *opts = spec.split(":")
-    out = {"prefetch": mode, "prefetch_distance": distance}
+    out = {"prefetch": mode, "prefetch_distance": distance, "miss": "full"}  # (not auto: a companion is beside the model)
     names = {"p": ("prefetch_min_p", float), "t": ("prefetch_threads", int), "d": ("prefetch_distance", int),
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
              "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),

@@ -80,7 +80,7 @@ def test_every_selection_from_the_companion_equals_llama_cpps_op_on_it(files, tm
     assert np.array_equal(got, want)  # bit for bit
     assert rs.lowbit_loads == len(tokens) * 4 * 4 and rs.lowbit_behind == 0  # K x MoE layers per token
     full = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
-                            cache=CacheConfig(size=8, prefetch="off"))
+                            cache=CacheConfig(size=8, prefetch="off", miss="full"))
     assert not np.array_equal(logits_per_token(full, tokens), want)  # (the low-bit copies do change the numbers)
     full.close()
 
@@ -134,7 +134,7 @@ def test_copies_held_in_memory_compute_the_same_and_read_nothing_per_token(files
         assert plan_ram.critical_per_token == 0 < plan_pool.critical_per_token
         assert "low-bit" in plan_ram.summary() and "no read" in plan_ram.summary()
     with pytest.raises(pymoecache.ConfigError, match="lowbit_in_ram"):
-        CacheConfig(size=8, lowbit_in_ram=True)
+        CacheConfig(size=8, miss="full", lowbit_in_ram=True)
 
 
 def test_misses_that_weigh_more_than_lowbit_max_p_stay_at_full_precision(files):
@@ -184,6 +184,11 @@ def test_a_missing_or_unusable_companion(files, fixture_dir, tmp_path):
         llm = pymoecache.Llama(str(bare), cache=CacheConfig(size=8, miss="auto"), **kw)
     assert llm.cache_config.miss == "full" and any("pymoecache lowbit" in str(x.message) for x in w)
     llm.close()
+    with warnings.catch_warnings(record=True) as w:  # the default: auto, quietly where there is no companion
+        warnings.simplefilter("always")
+        llm = pymoecache.Llama(str(bare), cache=CacheConfig(size=8), **kw)
+    assert llm.cache_config.miss == "full" and not [x for x in w if "companion" in str(x.message)]
+    llm.close()
     other = tmp_path / "other.gguf"
     shutil.copy(model_path(fixture_dir, "mixtral-8x2", ".Q8_0"), other)
     foreign = lowbit.make_companion(other, progress=False).path
@@ -192,6 +197,8 @@ def test_a_missing_or_unusable_companion(files, fixture_dir, tmp_path):
     with pytest.raises(pymoecache.ConfigError, match="needs residency 'stream'"):
         pymoecache.Llama(str(m), cache=CacheConfig(size=1.0, residency="none", miss="lowbit"), **kw)
     with pytest.raises(pymoecache.ConfigError, match="only miss="):
+        pymoecache.Llama(str(m), cache=CacheConfig(size=8, miss="full", lowbit=foreign), **kw)
+    with pytest.raises(lowbit.CompanionError, match="another model"):  # (the default, auto, reads the one named)
         pymoecache.Llama(str(m), cache=CacheConfig(size=8, lowbit=foreign), **kw)
     with pytest.raises(pymoecache.ConfigError, match="miss must be one of"):
         CacheConfig(miss="half")
@@ -250,9 +257,10 @@ def test_a_cache_of_low_bit_copies_after_a_prompt(files):
 
 def test_miss_auto_caches_the_low_bit_copies_where_a_companion_is_found(files):
     m, _ = files
-    llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=8, miss="auto"))
-    assert llm.cache_config.miss == "lowbit-cache" and llm.moe_stats().residency.miss == "lowbit-cache"
-    llm.close()
+    for miss in ("auto", None):  # (None: the default)
+        llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=8, miss=miss))
+        assert llm.cache_config.miss == "lowbit-cache" and llm.moe_stats().residency.miss == "lowbit-cache"
+        llm.close()
     llm = pymoecache.Llama(str(m), n_ctx=64, verbose=False, cache=CacheConfig(size=8, miss="auto", lowbit_in_ram=True))
     assert llm.cache_config.miss == "lowbit"  # (copies in memory beside the cache: the miss path)
     llm.close()

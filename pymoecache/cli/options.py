@@ -178,14 +178,15 @@ def _add_residency_options(c) -> None:
                    help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
                         "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
                         "copied when the measured copy time beats the CPU's time for it (auto, the default)")
-    c.add_argument("--miss", choices=["full", "lowbit", "lowbit-all", "lowbit-cache", "auto"], default="full",
+    c.add_argument("--miss", choices=["full", "lowbit", "lowbit-all", "lowbit-cache", "auto"], default=None,
                    help="with streaming, what a decoded token's miss is computed from: its full copy, read now "
-                        "(full, the default); its copy in the low-bit companion, a fraction of the bytes, the full "
+                        "(full); its copy in the low-bit companion, a fraction of the bytes, the full "
                         "copy read behind the token for its next use (lowbit); every selection from the companion "
                         "(lowbit-all); a cache of the companion's copies, as many as fit in the cache's memory, "
                         "every read from the companion (lowbit-cache: every expert at the low type; faster and no "
                         "worse than lowbit on every measured model); lowbit-cache where a usable companion is "
-                        "found (auto). Make one with `pymoecache lowbit MODEL`")
+                        "found, else full (auto). Default: auto, quietly where the model has no companion (the plan "
+                        "line says which ran). Make one with `pymoecache lowbit MODEL`")
     c.add_argument("--lowbit", metavar="FILE", default=None,
                    help="the low-bit companion --miss reads (default: MODEL.lowbit-*.gguf beside the model)")
     c.add_argument("--lowbit-in-ram", action="store_true",
@@ -576,7 +577,7 @@ def cache_from_args(args):
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
-                       miss=getattr(args, "miss", "full"), lowbit=getattr(args, "lowbit", None),
+                       miss=getattr(args, "miss", None), lowbit=getattr(args, "lowbit", None),
                        lowbit_in_ram=getattr(args, "lowbit_in_ram", False),
                        lowbit_max_p=getattr(args, "lowbit_max_p", 1.0),
                        lock_memory=not getattr(args, "no_mlock", False),
