@@ -396,7 +396,7 @@ def cmd_info(args) -> int:
     if info.is_moe:  # what --cache-size auto picks with this budget (default: the free memory), all of it planned
         choice = auto_cache_size(info, n_ctx, available=budget)
         plan = memory_plan(info, n_ctx, choice.n_cached, available=budget)
-        companion = _companion_rows(info)
+        companion = _companion_rows(info, choice.n_cached)
     if args.json:
         d = {k: v for k, v in vars(info).items()}
         d.update(n_moe_layer=info.n_moe_layer, expert_share=info.expert_share, is_moe=info.is_moe)
@@ -414,15 +414,15 @@ def cmd_info(args) -> int:
         w = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     if companion:
-        print("\nlow-bit companion (--miss lowbit):")
+        print("\nlow-bit companion (--miss; by default a usable one runs lowbit-cache):")
         w = max(len(k) for k, _ in companion)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in companion))
     return 0
 
 
-def _companion_rows(info) -> list:
-    """(what, value) rows of the low-bit companion beside the model: what a miss reads from it and
-    what its pools cost, or how to make one."""
+def _companion_rows(info, n_cached: "int | None" = None) -> list:
+    """(what, value) rows of the low-bit companion beside the model: what a miss reads from it, what
+    its pools cost, how many copies a cache of ``n_cached`` experts holds, or how to make one."""
     from .. import lowbit
     from ..plan import _fmt
 
@@ -437,7 +437,10 @@ def _companion_rows(info) -> list:
             ("pool", f"{_fmt((info.n_expert_used + 1) * c.expert_bytes * n)}: {info.n_expert_used} slots and a zero "
                      "slot per layer, read per token"),
             ("--lowbit-in-ram", f"{_fmt((info.n_expert + 1) * c.expert_bytes * n)}: every copy in memory, no read on "
-                                "the critical path")]
+                                "the critical path"),
+            ("lowbit-cache", f"the cache holds its copies, {c.ratio:.2f}x as many in the same memory"
+                             + (f": {min(info.n_expert, int(n_cached * c.ratio))} of {info.n_expert} per layer "
+                                f"for the plan's {n_cached}" if n_cached is not None else ""))]
 
 
 def add_commands(sub) -> None:
