@@ -343,6 +343,9 @@ class Llama(llama_cpp.Llama):
         # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
         self._file_sig = (_file_signature(str(model_path))
                           if residency != "none" or kwargs.get("use_mmap", True) else None)
+        # and the low-bit companion it reads (a copy replaced in place would feed other weights)
+        self._lowbit_sig = ((cache.lowbit, _file_signature(cache.lowbit))
+                            if info.is_moe and cache.miss != "full" and cache.lowbit else None)
         with _LOAD_LOCK:
             take_log_lines()  # drop older lines: only this load's reason goes into the message
             # stream and mmap: the experts keep the file's layout and are not read at load time
@@ -429,6 +432,7 @@ class Llama(llama_cpp.Llama):
 
     _plan_inputs = None
     _plan = None
+    _lowbit_sig = None
 
     def memory_plan(self):
         """The :class:`pymoecache.plan.MemoryPlan` of this model as loaded: the memory that was free
@@ -465,21 +469,21 @@ class Llama(llama_cpp.Llama):
                 "at a time; use one Llama per thread, or a lock around calls")
 
     def _check_file(self) -> None:
-        if self._file_sig is None:
-            return
-        path = self.model_path
-        try:
-            now = _file_signature(path)
-        except OSError as e:
-            now, what = None, f"is gone ({e.strerror})"
-        if now == self._file_sig:
-            return
-        if now is not None:
-            (dev0, ino0, size0, _), (dev1, ino1, size1, _) = self._file_sig, now
-            what = ("was replaced by another file" if (dev0, ino0) != (dev1, ino1) else
-                    f"changed size from {size0} to {size1} bytes" if size0 != size1 else "was modified")
-        raise MoECacheIOError(f"the model file {path} {what} since it was loaded: its weights can no longer be "
-                              "trusted; load the model again")
+        files = ([("model file", self.model_path, self._file_sig)] if self._file_sig is not None else []) + (
+            [("low-bit companion", *self._lowbit_sig)] if self._lowbit_sig is not None else [])
+        for kind, path, sig in files:
+            try:
+                now = _file_signature(path)
+            except OSError as e:
+                now, what = None, f"is gone ({e.strerror})"
+            if now == sig:
+                continue
+            if now is not None:
+                (dev0, ino0, size0, _), (dev1, ino1, size1, _) = sig, now
+                what = ("was replaced by another file" if (dev0, ino0) != (dev1, ino1) else
+                        f"changed size from {size0} to {size1} bytes" if size0 != size1 else "was modified")
+            raise MoECacheIOError(f"the {kind} {path} {what} since it was loaded: its weights can no longer be "
+                                  "trusted; load the model again")
 
     def eval(self, tokens) -> None:
         """``llama_cpp.Llama.eval``; a failed expert read, or a model file changed since it was

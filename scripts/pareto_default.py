@@ -58,7 +58,16 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--csv", default=str(ROOT / "docs" / "results" / "pareto_default.csv"))
+    ap.add_argument("--report", action="store_true", help="only the report, from the rows in --csv")
     args = ap.parse_args()
+    if args.report:
+        from pymoecache.config import DEFAULT_PRESET
+
+        with open(args.csv, newline="") as f:
+            rows = [dict(r, cache_size=int(r["cache_size"]), n_expert=int(r["n_expert"]), ppl=float(r["ppl"]),
+                         miss_rate=float(r["miss_rate"])) for r in csv.DictReader(f)]
+        print(report(rows, DEFAULT_PRESET))
+        return 0
 
     from pymoecache.config import DEFAULT_PRESET, PRESET_NAMES, Preset, Prior
     from pymoecache.evaluate import sweep
@@ -125,6 +134,25 @@ def report(rows: list, default: str) -> str:
     for name, cells_by in sorted(beaten.items()):
         lost = [f"{c[0]} {c[1]}/{c[2]}" for c, by in cells_by if by]
         out.append(f"| `{name}` | {len(lost)} of {len(cells_by)}" + (f": {', '.join(lost)}" if lost else "") + " |")
+    # every setting (flat or preset) that nothing dominates in any cell: the candidates for a default,
+    # with what they cost (perplexity against top-k + LRU) and save (misses against it) at worst and best
+    out += ["", "Settings that no row dominates in any cell, with their perplexity cost and their fewer misses "
+            "against top-k + LRU (worst / best over the cells):", "",
+            "| setting | Δ ppl, worst | Δ ppl, best | fewer misses, worst | fewer misses, best |", "|---|---|---|---|---|"]
+    for name in sorted({r["setting"] for r in rows}):
+        costs, saves, ok = [], [], True
+        for cell in cells:
+            mine = [r for r in rows if (r["model_key"], r["cache_size"], r["n_expert"]) == cell]
+            r = next((x for x in mine if x["setting"] == name), None)
+            base = next((x for x in mine if x["setting"] == "lru"), None)
+            if r is None or base is None or dominated(r, mine):
+                ok = False
+                break
+            costs.append(r["ppl"] / base["ppl"] - 1)
+            saves.append(base["miss_rate"] / max(r["miss_rate"], 1e-9))
+        if ok and costs:
+            out.append(f"| `{name}` | {100 * max(costs):+.2f}% | {100 * min(costs):+.2f}% | {min(saves):.2f}x | "
+                       f"{max(saves):.2f}x |")
     return "\n".join(out)
 
 

@@ -271,6 +271,22 @@ def test_miss_auto_caches_the_low_bit_copies_where_a_companion_is_found(files):
         CacheConfig(size=8, miss="lowbit-cache", lowbit_in_ram=True)
 
 
+def test_a_companion_changed_during_a_run_stops_the_next_eval(files, tmp_path):
+    m, c = files
+    model, companion = tmp_path / "model.gguf", tmp_path / "model.lowbit-Q5_0.gguf"
+    shutil.copy(m, model)
+    shutil.copy(c.path, companion)
+    llm = pymoecache.Llama(str(model), n_ctx=64, verbose=False, cache=CacheConfig(size=8, prefetch="off"))
+    assert llm.cache_config.miss == "lowbit-cache"
+    tokens = llm.tokenize(b"Once upon a time", add_bos=True)
+    llm.eval(tokens[:1])
+    with open(companion, "ab") as f:
+        f.write(b"\0" * 64)
+    with pytest.raises(pymoecache.MoECacheIOError, match="low-bit companion .* changed size"):
+        llm.eval(tokens[1:2])
+    llm.close()
+
+
 def test_prompts_stay_at_full_precision(files):
     """A prompt ubatch never uses the pool, also where the layer holds every expert in its slots (its
     prompts then compute on the slots, through the same code as a decode)."""
