@@ -160,13 +160,14 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
             return full
         raise ConfigError(f"miss={miss!r} with GPU layers, a VRAM tier (vram_size) or unified memory is not "
                           "supported yet")
+    if cache.miss is None and cache.lowbit is None and not lb.default_path(model_path).exists():
+        return full  # (the default, and no companion beside the model: nothing to say)
     try:
         companion = lb.check_companion(model_path, cache.lowbit)
     except lb.CompanionError as e:
         if miss != "auto" or cache.lowbit is not None:
             raise
-        if cache.miss == "auto" or "no low-bit companion" not in str(e):  # (the default: only a bad one is news)
-            warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
+        warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
         return full
     # auto: where the plain alternative (every expert at the low type, more of them cached in the same
     # memory) beats the miss path, and it did on every measured model (docs/results.md), the cache holds
