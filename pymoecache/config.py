@@ -563,9 +563,11 @@ class CacheConfig:
     all of them); a miss waits at most for the prefetch chunks these are reading.
     prefetch_spare: 0 (the default) makes a prefetch an insertion, as above. S > 0 gives each MoE
     layer S spare slots (S experts' bytes per layer on top of the cache, ``stream`` only): the
-    predicted experts the layer does not cache are read into them, and the cache is left alone,
-    so routing, hits and misses are exactly those without prefetch, under every policy; a miss
-    whose expert was read ahead only waits for what is still in flight. prefetch_adaptive (default
+    predicted experts the layer does not cache are read into them, and the cache is left alone; a
+    miss whose expert was read ahead only waits for what is still in flight. prefetch_route
+    (default True): the prior counts the experts being read ahead as cached, so a token picks what
+    is in flight over what is not (issue 28's direction 4); False keeps routing, hits and misses
+    exactly those without prefetch, under every policy. prefetch_adaptive (default
     True): with spare slots, the reads ahead switch themselves off where they lose: a trial of 32
     decoded tokens, with and without them in turn, compares the median time per token; they run
     for the next 96 tokens only if they were at least 2% faster, then the trial again
@@ -654,6 +656,7 @@ class CacheConfig:
     prefetch_threads: int = 0
     prefetch_spare: int = 0
     prefetch_adaptive: bool = True
+    prefetch_route: bool = True  # spare slots: the prior counts the experts read ahead as cached
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -704,7 +707,7 @@ class CacheConfig:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
-        for name in ("prefetch_adaptive", "overlap_experts", "router_record_input"):
+        for name in ("prefetch_adaptive", "prefetch_route", "overlap_experts", "router_record_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)

@@ -207,8 +207,8 @@ def main() -> int:
 def inflight(args) -> int:
     """Direction 4 on the first 20 chunks, every token decoded alone with the experts streamed (prefetch
     acts on decoded tokens only): top-k + LRU, then the default preset's routing with no reads ahead, with gate reads
-    ahead into 2 spare slots (the prior does not see them), and with gate reads ahead inserted into the
-    cache (an expert in flight counts as cached for the prior)."""
+    ahead into 2 spare slots (the prior does not see them; then counting them as cached: prefetch_route), and with
+    gate reads ahead inserted into the cache (an expert in flight counts as cached for the prior)."""
     from pymoecache.config import CacheConfig
     from pymoecache.evaluate import check_loaded_model, load_llama, perplexity, tokenize_text
     from train_tiny_moe import split_text
@@ -218,12 +218,14 @@ def inflight(args) -> int:
         model = ROOT / "models" / MODELS[key]
         tokens = None
         for share in (float(s) for s in args.sizes.split(",")):
-            for name, routing, pf, spare in (("top-k + LRU", "lru", "off", 0),
-                                             ("no reads ahead", "preset:quality", "off", 0),
-                                             ("ahead, spare slots", "preset:quality", "gate", 2),
-                                             ("ahead, in the cache", "preset:quality", "gate", 0)):
+            for name, routing, pf, spare, route in (
+                    ("top-k + LRU", "lru", "off", 0, False),
+                    ("no reads ahead", "preset:quality", "off", 0, False),
+                    ("ahead, spare slots", "preset:quality", "gate", 2, False),
+                    ("ahead, spare slots, counted by the prior", "preset:quality", "gate", 2, True),
+                    ("ahead, in the cache", "preset:quality", "gate", 0, False)):
                 cache = CacheConfig(size=share, residency="stream", prefetch=pf, prefetch_spare=spare,
-                                    prefetch_adaptive=False, lock_memory=False)
+                                    prefetch_adaptive=False, prefetch_route=route, lock_memory=False, miss="full")
                 llm = load_llama(model, cache=cache, routing=routing, routing_scope="all", n_ctx=CTX,
                                  n_batch=CTX, logits_all=True)
                 try:
@@ -235,19 +237,23 @@ def inflight(args) -> int:
                     r = {"model": key, "cache": f"{int(st.capacity_per_layer[0])}/{st.n_expert}", "reads ahead": name,
                          "routing": llm.moecache.routing.spec(), "ppl": res.ppl, "miss": st.miss_rate,
                          "reads per selection": (st.misses + rs.prefetch_issued) / n_sel,
-                         "recall": rs.recall}
+                         "recall": rs.recall,
+                         # what a token waited for: the reads on demand (the reads ahead it used are not)
+                         "demand MiB per token": rs.demand_bytes_read / max(1, rs.decode_tokens) / 2**20}
                 finally:
                     llm.close()
                 rows.append(r)
                 print(f"[{key}] {r}", file=sys.stderr, flush=True)
     _write(rows, Path(args.out) / "quarter_inflight.csv")
-    print("| model | cache | routing | reads ahead | ppl | miss rate | fewer misses | expert reads per selection | recall |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | cache | routing | reads ahead | ppl | miss rate | fewer misses | expert reads per selection | recall "
+          "| demand MiB/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["cache"] == r["cache"])
         print(f"| {r['model']} | {r['cache']} | `{r['routing']}` | {r['reads ahead']} | {r['ppl']:.3f} "
               f"({100 * (r['ppl'] / base['ppl'] - 1):+.2f}%) | {100 * r['miss']:.1f}% | "
-              f"{base['miss'] / max(r['miss'], 1e-9):.2f}x | {r['reads per selection']:.3f} | {100 * r['recall']:.0f}% |")
+              f"{base['miss'] / max(r['miss'], 1e-9):.2f}x | {r['reads per selection']:.3f} | {100 * r['recall']:.0f}% | "
+              f"{r['demand MiB per token']:.3f} |")
     return 0
 
 

@@ -27,6 +27,7 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.scratch.chosen.assign(n, 0);
     L.pf.predicted.assign(n, 0);
     L.pf.fetched.assign(n, 0);
+    L.pf.ahead.assign(n, 0);
     L.pf.last_sel.assign(mc.n_expert_used, -1);
     L.use.freq.assign(n, 0.0);
     L.use.mass.assign(n, 0.0);
@@ -37,6 +38,7 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
 void moecache_layer_clear(moecache_layer & L) {
     std::fill(L.last_use.begin(), L.last_use.end(), -1);
     std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
+    std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
     std::fill(L.use.freq.begin(), L.use.freq.end(), 0.0);
     std::fill(L.use.mass.begin(), L.use.mass.end(), 0.0);
     std::fill(L.use.last_p.begin(), L.use.last_p.end(), 0.0f);
@@ -57,6 +59,7 @@ void moecache_layer_empty(moecache_layer & L) {
         L.last_use[e] = -1;
     }
     std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
+    std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
     std::fill(L.use.pinned.begin(), L.use.pinned.end(), 0);
     L.use.n_pinned = 0;
     L.occupancy    = 0;
@@ -228,6 +231,7 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
             f = 0;
         }
     }
+    std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0); // (counted by this routing only)
     L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());
     std::copy(sel, sel + L.pf.n_last_sel, L.pf.last_sel.begin());
 }

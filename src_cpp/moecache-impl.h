@@ -168,6 +168,8 @@ struct moecache_layer_prefetch {
     bool    has_prediction = false;  // a prediction was made for the token this layer routes next
     std::vector<uint8_t> fetched;    // [n_expert] inserted by a prefetch and not selected since (used or wasted);
                                      //   prefetch_spare: read into a spare slot for the layer's next routing
+    std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads (or would
+                                     //   read, with the reads ahead off) into spare slots, until it routes
     std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)
     int32_t n_last_sel = 0;
 };

@@ -118,7 +118,7 @@ static void update_delta(moecache_layer & L, const float * u, const float * s) {
 static void prior_order(moecache_layer & L, const float * u, const float * s, int32_t J, float boost) {
     const int32_t N = (int32_t) L.scratch.rank.size();
     for (int32_t e = 0; e < N; e++) {
-        const bool mask = L.last_use[e] >= 0 || L.scratch.pos[e] < J;
+        const bool mask = L.last_use[e] >= 0 || L.pf.ahead[e] || L.scratch.pos[e] < J; // (ahead: prefetch_route)
         const float b = mask ? u[e] + boost : u[e];
         // NaN (a NaN logit) ranks last like a masked expert: the comparator below needs a total order
         L.scratch.boosted[e] = !is_allowed(s[e]) || std::isnan(b) ? -INFINITY : b;

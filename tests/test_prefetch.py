@@ -206,15 +206,15 @@ def test_trace_prefetch_learns_from_past_requests(paths):
 @pytest.mark.parametrize("routing", ["lru", "prior:0.5", "max-rank:8"])
 @pytest.mark.parametrize("name", ["qwen2moe-60x4", "tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
 def test_spare_slot_prefetch_changes_no_routing_only_reads(paths, name, routing):
-    """prefetch_spare: the predicted experts are read into spare slots and the cache is left alone,
-    so under every policy the logits, hits, misses and evictions are those without prefetch; the
+    """prefetch_spare with prefetch_route off: the predicted experts are read into spare slots and the
+    cache is left alone, so under every policy the logits, hits, misses and evictions are those without prefetch; the
     reads ahead are counted, each either selected by the routing it was read for (used) or not
     (wasted), and the misses it covered read nothing on demand."""
     if name not in paths:
         pytest.skip(f"{name}.gguf is not in this checkout")
     for size in (0.25, 0.5):
         ref, st_ref = run(paths[name], routing, size, "off")
-        got, st = run(paths[name], routing, size, "gate", prefetch_spare=2)
+        got, st = run(paths[name], routing, size, "gate", prefetch_spare=2, prefetch_route=False)
         assert np.array_equal(got, ref), f"max |diff| = {np.abs(got - ref).max()}"
         assert (st.hits, st.misses, st.evictions) == (st_ref.hits, st_ref.misses, st_ref.evictions)
         a, b = st.residency, st_ref.residency
@@ -226,9 +226,30 @@ def test_spare_slot_prefetch_changes_no_routing_only_reads(paths, name, routing)
         if a.prefetch_used:
             assert a.demand_bytes_read < b.demand_bytes_read
         # counters only: the prediction is made (recall counted) and nothing else changes
-        ref2, st2 = run(paths[name], routing, size, "gate", residency="none", prefetch_spare=2)
+        ref2, st2 = run(paths[name], routing, size, "gate", residency="none", prefetch_spare=2)  # (route: stream only)
         assert np.array_equal(ref2, ref) and (st2.hits, st2.misses) == (st_ref.hits, st_ref.misses)
         assert st2.residency.prefetch_issued == 0 and st2.residency.predicted_total > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
+def test_the_prior_counts_the_reads_ahead_as_cached(paths, name):
+    """prefetch_route (the default): the prior boosts the experts a prediction reads into the spare
+    slots, so the tokens select more of them (more reads ahead used), top-k + LRU is untouched, and
+    the run is the same whether the reads ahead run or not (the adaptive trial's timing)."""
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    for size in (0.25, 0.5):
+        ref, st_ref = run(paths[name], "lru", size, "gate", prefetch_spare=2, prefetch_route=False)
+        got, _ = run(paths[name], "lru", size, "gate", prefetch_spare=2)
+        assert np.array_equal(got, ref)  # (no prior: nothing to count)
+        _, off = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2, prefetch_route=False,
+                     prefetch_adaptive=False)
+        on, st = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2, prefetch_adaptive=False)
+        assert st.residency.prefetch_used > off.residency.prefetch_used, (st.residency.prefetch_used,
+                                                                          off.residency.prefetch_used)
+        assert st.residency.demand_bytes_read < off.residency.demand_bytes_read
+        again, _ = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2)  # adaptive: reads on, then off
+        assert np.array_equal(again, on)
 
 
 def test_prefetch_spare_is_checked():

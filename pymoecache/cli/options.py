@@ -170,6 +170,9 @@ def _add_residency_options(c) -> None:
                    help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
                         "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
                         "with and without them in turn)")
+    c.add_argument("--no-prefetch-route", dest="prefetch_route", action="store_false",
+                   help="with --prefetch-spare: the routing does not count the experts being read ahead as cached "
+                        "(default: the prior prefers them, so a token picks what is in flight over what is not)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
@@ -574,6 +577,7 @@ def cache_from_args(args):
                        prefetch_threads=getattr(args, "prefetch_threads", 0),
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
+                       prefetch_route=getattr(args, "prefetch_route", True),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
