@@ -565,9 +565,11 @@ class CacheConfig:
     layer S spare slots (S experts' bytes per layer on top of the cache, ``stream`` only): the
     predicted experts the layer does not cache are read into them, and the cache is left alone; a
     miss whose expert was read ahead only waits for what is still in flight. prefetch_route
-    (default True): the prior counts the experts being read ahead as cached, so a token picks what
-    is in flight over what is not (issue 28's direction 4); False keeps routing, hits and misses
-    exactly those without prefetch, under every policy. prefetch_adaptive (default
+    (default True) where the reads ahead always run (``prefetch_adaptive=False``): the prior counts
+    the experts being read ahead as cached, so a token picks what is in flight over what is not
+    (issue 28's direction 4); not with the adaptive trial (the routing would follow its timing).
+    False, or adaptive: routing, hits and misses exactly those without prefetch, under every
+    policy. prefetch_adaptive (default
     True): with spare slots, the reads ahead switch themselves off where they lose: a trial of 32
     decoded tokens, with and without them in turn, compares the median time per token; they run
     for the next 96 tokens only if they were at least 2% faster, then the trial again
@@ -656,7 +658,7 @@ class CacheConfig:
     prefetch_threads: int = 0
     prefetch_spare: int = 0
     prefetch_adaptive: bool = True
-    prefetch_route: bool = True  # spare slots: the prior counts the experts read ahead as cached
+    prefetch_route: bool = True  # spare slots, not adaptive: the prior counts the experts read ahead as cached
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)

@@ -204,9 +204,10 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
     // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
     // otherwise they are inserted into it (evicting by its policy) and read
     const bool spare = mc.cparams.prefetch_spare > 0;
-    if (spare && mc.cparams.prefetch_route && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
-        // what the reads below fill T's spare slots with, for T's prior to count as cached; marked
-        // with the reads ahead off too, so that the routing does not follow the trial's timing
+    if (spare && mc.cparams.prefetch_route && !mc.cparams.prefetch_adaptive &&
+        mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+        // what the reads below fill T's spare slots with, for T's prior to count as cached (only where
+        // they always run: the routing must not follow the adaptive trial's timing)
         for (int32_t i = 0, m = 0; i < n && m < mc.cparams.prefetch_spare; i++) {
             if (T.last_use[ids[i]] < 0) {
                 T.pf.ahead[ids[i]] = 1;

@@ -274,12 +274,14 @@ struct moecache_cache_params {
                                   //   the median time per token; they run for the next 96 tokens only if
                                   //   they were at least 2% faster, then a new trial; default true (false:
                                   //   always on)
-    bool    prefetch_route;       // prefetch_spare > 0, STREAM: the routing's prior counts the experts a
-                                  //   prediction reads into this layer's spare slots as cached (issue 28's
-                                  //   direction 4, the cache left alone): a token picks what is being read
-                                  //   over what is not. Counted whether the reads run (prefetch_adaptive)
-                                  //   or not, so the routing stays a function of the tokens; default true
-                                  //   (false: routing, hits and misses exactly as without prefetch)
+    bool    prefetch_route;       // prefetch_spare > 0, STREAM, prefetch_adaptive false (the reads ahead
+                                  //   always run): the routing's prior counts the experts a prediction
+                                  //   reads into this layer's spare slots as cached (issue 28's direction
+                                  //   4, the cache left alone): a token picks what is being read over what
+                                  //   is not. Not with the adaptive trial: the routing would follow its
+                                  //   timing, and while the reads are off it pulls tokens toward experts
+                                  //   nobody reads (measured: more misses); default true (false: routing,
+                                  //   hits and misses exactly as without prefetch)
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay

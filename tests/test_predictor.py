@@ -39,9 +39,11 @@ def recorded(path, ids):
 
 
 def decode(path, ids, predictors=None):
-    """Logits and residency stats of a streamed decode reading ahead (gate, 2 spare slots, always on)."""
+    """Logits and residency stats of a streamed decode reading ahead (gate, 2 spare slots, always on;
+    the routing does not count them: prefetch_route off)."""
     llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25 if "60x4" in path.name else 2, residency="stream",
-                                                        prefetch="gate", prefetch_spare=2, prefetch_adaptive=False),
+                                                        prefetch="gate", prefetch_spare=2, prefetch_adaptive=False,
+                                                        prefetch_route=False),
                            routing="prior:0.5", n_ctx=256, n_threads=2, seed=0, logits_all=True, verbose=False)
     if predictors is not None:
         for il, w in predictors.items():

@@ -171,8 +171,9 @@ def _add_residency_options(c) -> None:
                         "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
                         "with and without them in turn)")
     c.add_argument("--no-prefetch-route", dest="prefetch_route", action="store_false",
-                   help="with --prefetch-spare: the routing does not count the experts being read ahead as cached "
-                        "(default: the prior prefers them, so a token picks what is in flight over what is not)")
+                   help="with --prefetch-spare and --no-prefetch-adaptive: the routing does not count the experts "
+                        "being read ahead as cached (default: the prior prefers them, so a token picks what is in "
+                        "flight over what is not; never with the adaptive trial, whose timing it would follow)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
