@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _moecache_cpp as C
-from .config import (EVICTIONS, LOWBIT_NAMES, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES, ROUTING_TYPES,
-                     VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig, ConfigError, Preset, Prior, Routing, TopK,
+from .config import (EVICTIONS, LOWBIT_NAMES, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES,
+                     ROUTING_TYPES, VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig, ConfigError, Preset, Prior, Routing, TopK,
                      check_eviction, check_int, default_top_j, parse_routing)
 from .errors import MoECacheError, StateFileError
 from .files import read_user_text, write_atomic

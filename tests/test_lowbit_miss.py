@@ -65,13 +65,20 @@ def logits_per_token(llm, tokens):
     return np.array(out)
 
 
-def test_every_selection_from_the_companion_equals_llama_cpps_op_on_it(files, tmp_path):
-    m, c = files
+def reference_logits(m, c, tmp_path):
+    """The tokens of a sentence and, for each, the logits of llama.cpp's own op on the companion's
+    tensors (reference_model, every expert resident, top-k)."""
     ref = pymoecache.Llama(str(reference_model(m, c.path, tmp_path / "ref.gguf")), n_ctx=128, verbose=False,
                            n_threads=2, cache=CacheConfig(size=1.0, residency="none"), routing="lru")
     tokens = ref.tokenize(b"Once upon a time there was a king who ruled the land", add_bos=True)
     want = logits_per_token(ref, tokens)
     ref.close()
+    return tokens, want
+
+
+def test_every_selection_from_the_companion_equals_llama_cpps_op_on_it(files, tmp_path):
+    m, c = files
+    tokens, want = reference_logits(m, c, tmp_path)
     llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
                            cache=CacheConfig(size=8, miss="lowbit-all", prefetch="off"))
     got = logits_per_token(llm, tokens)
@@ -209,11 +216,7 @@ def test_a_cache_of_low_bit_copies_equals_llama_cpps_op_on_them_in_the_same_memo
     experts asked for, and every read is from the companion. Each decoded token equals llama.cpp's
     own op on the low-bit tensors bit for bit, and the larger cache misses less."""
     m, c = files
-    ref = pymoecache.Llama(str(reference_model(m, c.path, tmp_path / "ref.gguf")), n_ctx=128, verbose=False,
-                           n_threads=2, cache=CacheConfig(size=1.0, residency="none"), routing="lru")
-    tokens = ref.tokenize(b"Once upon a time there was a king who ruled the land", add_bos=True)
-    want = logits_per_token(ref, tokens)
-    ref.close()
+    tokens, want = reference_logits(m, c, tmp_path)
     runs = {}
     for miss in ("full", "lowbit-cache"):
         llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
