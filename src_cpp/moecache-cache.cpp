@@ -231,7 +231,9 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
             f = 0;
         }
     }
-    std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0); // (counted by this routing only)
+    if (mc.cparams.prefetch_route) {
+        std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0); // (counted by this routing only)
+    }
     L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());
     std::copy(sel, sel + L.pf.n_last_sel, L.pf.last_sel.begin());
 }

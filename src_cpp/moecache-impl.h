@@ -91,7 +91,6 @@ struct moecache_layer_graph {
 struct moecache_layer_residency {
     std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
     size_t  expert_bytes = 0;          // bytes of one expert over all of xt
-    size_t  slot_bytes   = 0;          // STREAM: what one slot holds and a read fills over all of xt (src_nb2)
     int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
     bool    all_in_slots = false;      // STREAM: the cache holds all N experts, read in at creation:
                                        //   prompts compute on the slots too (moecache_slots_fill_all)
@@ -308,6 +307,16 @@ struct moecache {
     std::mutex        io_error_mutex;
     std::string       io_error;
 };
+
+// bytes of one expert as the slots hold it, over all of L's expert tensors: the model's (expert_bytes),
+// or with lowbit SOURCE the companion's copy
+inline size_t moecache_slot_bytes(const moecache_layer & L) {
+    size_t bytes = 0;
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        bytes += x.src_nb2;
+    }
+    return bytes;
+}
 
 // Delta_l the prior uses now: the calibrated value, else the running mean (0 before any token)
 inline double moecache_layer_delta(const moecache_layer & L) {

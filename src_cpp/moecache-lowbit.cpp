@@ -149,15 +149,14 @@ int32_t moecache_lowbit_open(moecache & mc) {
         if (L.res.xt.empty()) {
             continue;
         }
-        L.res.slot_bytes = 0;
         for (size_t k = 0; k < L.res.xt.size(); k++) {
             moecache_expert_tensor & x = L.res.xt[k];
             x.src_type = L.low.type[k];
             x.src_off  = L.low.off[k];
             x.src_nb2  = L.low.nb2[k];
-            L.res.slot_bytes += x.src_nb2;
         }
-        const int64_t fit = (int64_t) ((double) L.capacity * (double) L.res.expert_bytes / (double) L.res.slot_bytes);
+        const int64_t fit = (int64_t) ((double) L.capacity * (double) L.res.expert_bytes /
+                                       (double) moecache_slot_bytes(L));
         L.capacity = (int32_t) std::min<int64_t>(mc.n_expert, std::max<int64_t>(fit, L.capacity));
     }
     return MOECACHE_OK;

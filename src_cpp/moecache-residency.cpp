@@ -117,7 +117,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
         moecache_mapping_sync(mc, L, ids, n_ids, decode);
     }
     if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        moecache_warn_mlock_once(L.res.slot_bytes * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
+        moecache_warn_mlock_once(moecache_slot_bytes(L) * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
     }
     const int64_t t1 = moecache_time_us();
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0 - t_copy;
@@ -238,7 +238,6 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             moecache_layer & L = mc.layers[il];
             L.res.xt.push_back(x);
             L.res.expert_bytes += x.nb2;
-            L.res.slot_bytes   += x.nb2;
             mc.xt_layer[t] = il;
         }
     }

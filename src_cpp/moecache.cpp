@@ -530,8 +530,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->arena_bytes = (int64_t) mc->arena_size;
     for (const moecache_layer & L : mc->layers) {
         if (!L.res.xt.empty()) {
-            out->expert_bytes = (int64_t) (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? L.res.slot_bytes
-                                                                                              : L.res.expert_bytes); // the first MoE layer's
+            out->expert_bytes = (int64_t) moecache_slot_bytes(L); // the first MoE layer's (the companion's: SOURCE)
             break;
         }
     }
