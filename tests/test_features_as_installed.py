@@ -32,6 +32,8 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     # (auto: the companion beside the model as the cache's source; the fixture's rows take Q4_K's fallback
     # Q5_0: 8 Q8_0 experts' bytes hold 12)
     assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stdout, r.stderr
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "4", "-p", "Once upon a time")  # no flag: the default
+    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stdout, r.stderr
     r = installed(tmp_path, "info", m)
     assert r.returncode == 0 and "low-bit companion" in r.stdout and "--lowbit-in-ram" in r.stdout, r.stderr
     text = tmp_path / "text.txt"
