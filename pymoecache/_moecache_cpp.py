@@ -52,6 +52,7 @@ class moecache_cache_params(ctypes.Structure):
         ("prefetch_spare", c_int32),
         ("prefetch_adaptive", c_bool),
         ("prefetch_route", c_bool),
+        ("prefetch_budget", c_float),
         ("eviction", c_int32),
         ("eviction_decay", c_float),
         ("router_record", c_int32),

@@ -574,7 +574,12 @@ class CacheConfig:
     decoded tokens, with and without them in turn, compares the median time per token; they run
     for the next 96 tokens only if they were at least 2% faster, then the trial again
     (``moe_stats().residency.prefetch_tokens_on`` counts the tokens that had them on); False keeps
-    them always on.
+    them always on. prefetch_budget (with ``prefetch_adaptive=False``): the reads ahead of each
+    layer spend a budget that only the routing refills, so a run reads ahead the same experts
+    whatever the disk's timing: each expert read ahead costs one, each one the layer's token then
+    selects earns back ``1 + prefetch_budget``, and every token adds 1/32. The experts read ahead
+    for nothing stay under ``prefetch_budget`` times those used (plus one per 32 tokens); negative
+    (the default) means no budget.
 
     predictor: a file of :func:`pymoecache.tune.save_predictor` for this model: ``gate`` predicts
     with the predictors fitted by :func:`pymoecache.tune.fit_predictor` instead of the next
@@ -659,6 +664,7 @@ class CacheConfig:
     prefetch_spare: int = 0
     prefetch_adaptive: bool = True
     prefetch_route: bool = True  # spare slots, not adaptive: the prior counts the experts read ahead as cached
+    prefetch_budget: float = -1.0  # spare slots, not adaptive: read-ahead experts wasted per used one (< 0: no budget)
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -709,6 +715,10 @@ class CacheConfig:
             raise ConfigError(f"prefetch_min_p must be a probability in [0, 1], got {m!r}")
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
+        b = self.prefetch_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b < 0 or 0.0 <= b <= 64.0) or b != b:
+            raise ConfigError(f"prefetch_budget must be in [0, 64] (experts read ahead for nothing per one used), "
+                              f"or negative for no budget, got {b!r}")
         for name in ("prefetch_adaptive", "prefetch_route", "overlap_experts", "router_record_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -134,6 +134,7 @@ class MoECache:
         cp.prefetch_spare = int(cache.prefetch_spare)
         cp.prefetch_adaptive = bool(cache.prefetch_adaptive)
         cp.prefetch_route = bool(cache.prefetch_route)
+        cp.prefetch_budget = float(cache.prefetch_budget)
         cp.eviction = EVICTIONS[cache.eviction]
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)

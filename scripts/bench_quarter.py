@@ -82,6 +82,9 @@ class Runner:
         return evaluate
 
 
+INFLIGHT_ROWS = "topk,none,spare,route,budget,insert"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="A,B", help="A, B or both (default %(default)s)")
@@ -91,6 +94,10 @@ def main() -> int:
     ap.add_argument("--inflight", action="store_true",
                     help="only direction 4: decoded token by token with streamed experts, prefetch into the cache "
                          "(in flight counts as cached) against reads ahead into spare slots and no reads ahead")
+    ap.add_argument("--inflight-rows", default=INFLIGHT_ROWS,
+                    help="with --inflight: which rows, of topk (top-k + LRU, the reference, always run), none (no reads "
+                         "ahead), spare, route (spare slots counted by the prior), budget (route under "
+                         "prefetch_budget=0), insert (default all)")
     args = ap.parse_args()
     if args.inflight:
         return inflight(args)
@@ -218,14 +225,18 @@ def inflight(args) -> int:
         model = ROOT / "models" / MODELS[key]
         tokens = None
         for share in (float(s) for s in args.sizes.split(",")):
-            for name, routing, pf, spare, route in (
-                    ("top-k + LRU", "lru", "off", 0, False),
-                    ("no reads ahead", "preset:quality", "off", 0, False),
-                    ("ahead, spare slots", "preset:quality", "gate", 2, False),
-                    ("ahead, spare slots, counted by the prior", "preset:quality", "gate", 2, True),
-                    ("ahead, in the cache", "preset:quality", "gate", 0, False)):
+            for key_row, name, routing, pf, spare, route, budget in (
+                    ("topk", "top-k + LRU", "lru", "off", 0, False, -1.0),
+                    ("none", "no reads ahead", "preset:quality", "off", 0, False, -1.0),
+                    ("spare", "ahead, spare slots", "preset:quality", "gate", 2, False, -1.0),
+                    ("route", "ahead, spare slots, counted by the prior", "preset:quality", "gate", 2, True, -1.0),
+                    ("budget", "ahead under a budget (0), counted by the prior", "preset:quality", "gate", 2, True, 0.0),
+                    ("insert", "ahead, in the cache", "preset:quality", "gate", 0, False, -1.0)):
+                if key_row != "topk" and key_row not in args.inflight_rows.split(","):
+                    continue
                 cache = CacheConfig(size=share, residency="stream", prefetch=pf, prefetch_spare=spare,
-                                    prefetch_adaptive=False, prefetch_route=route, lock_memory=False, miss="full")
+                                    prefetch_adaptive=False, prefetch_route=route, prefetch_budget=budget,
+                                    lock_memory=False, miss="full")
                 llm = load_llama(model, cache=cache, routing=routing, routing_scope="all", n_ctx=CTX,
                                  n_batch=CTX, logits_all=True)
                 try:
@@ -244,7 +255,8 @@ def inflight(args) -> int:
                     llm.close()
                 rows.append(r)
                 print(f"[{key}] {r}", file=sys.stderr, flush=True)
-    _write(rows, Path(args.out) / "quarter_inflight.csv")
+    _write(rows, Path(args.out) / ("quarter_inflight.csv" if args.inflight_rows == INFLIGHT_ROWS
+                                   else f"quarter_inflight_{args.inflight_rows.replace(',', '_')}.csv"))
     print("| model | cache | routing | reads ahead | ppl | miss rate | fewer misses | expert reads per selection | recall "
           "| demand MiB/token |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -114,7 +114,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
     alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
-    its reads before its matmuls), ``:v=0`` prefetch_route off, ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
+    its reads before its matmuls), ``:v=0`` prefetch_route off, ``:b=0.5`` prefetch_budget, ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
     predictors of --predictor instead of the routers), ``:m=lowbit`` CacheConfig.miss (``lowbit``,
     ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type; ``lowbit-cache``:
     a cache of its copies in the same memory), ``:r=1``
@@ -134,6 +134,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
              "s": ("prefetch_spare", int), "a": ("prefetch_adaptive", lambda v: v not in ("0", "false", "no")),
              "o": ("overlap_experts", lambda v: v not in ("0", "false", "no")),
              "v": ("prefetch_route", lambda v: v not in ("0", "false", "no")),
+             "b": ("prefetch_budget", float),
              "c": ("vram_copy", str),
              "f": ("predictor", fitted),
              "m": ("miss", str),
@@ -143,7 +144,7 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
         key, _, value = o.partition("=")
         if key not in names:
             raise ValueError(f"unknown prefetch option {o!r} (p=MIN_P, t=THREADS, d=DISTANCE, s=SPARE, a=0|1, o=0|1, "
-                             "v=0|1, c=async|sync, f=0|1, m=lowbit|lowbit-all|lowbit-cache, r=0|1, w=MAX_P)")
+                             "v=0|1, b=BUDGET, c=async|sync, f=0|1, m=lowbit|lowbit-all|lowbit-cache, r=0|1, w=MAX_P)")
         out[names[key][0]] = names[key][1](value)
     if out.get("miss", "full") != "full":
         out["lowbit"] = lowbit

@@ -204,23 +204,23 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
     // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
     // otherwise they are inserted into it (evicting by its policy) and read
     const bool spare = mc.cparams.prefetch_spare > 0;
-    if (spare && mc.cparams.prefetch_route && !mc.cparams.prefetch_adaptive &&
-        mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
-        // what the reads below fill T's spare slots with, for T's prior to count as cached (only where
-        // they always run: the routing must not follow the adaptive trial's timing)
-        for (int32_t i = 0, m = 0; i < n && m < mc.cparams.prefetch_spare; i++) {
-            if (T.last_use[ids[i]] < 0) {
-                T.pf.ahead[ids[i]] = 1;
-                m++;
-            }
-        }
-    }
     if (spare && !mc.spec_ctl.on) {
         return; // (prefetch_adaptive: off while it loses, or during its trial without)
     }
     int32_t read[MOECACHE_MAX_USED];
     float   read_score[MOECACHE_MAX_USED];
-    const int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
+    int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
+    if (spare && !mc.cparams.prefetch_adaptive && mc.cparams.prefetch_budget >= 0.0f) {
+        m = std::min(m, (int32_t) T.pf.credit); // (the most likely first; spent as they are read)
+    }
+    if (spare && mc.cparams.prefetch_route && !mc.cparams.prefetch_adaptive &&
+        mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+        // what these reads fill T's spare slots with, for T's prior to count as cached (only where
+        // the routing alone decides them: it must not follow the adaptive trial's timing)
+        for (int32_t i = 0; i < m; i++) {
+            T.pf.ahead[read[i]] = 1;
+        }
+    }
     for (int32_t i = 0, j = 0; i < n && j < m; i++) { // (read[] keeps the order of ids[])
         if (ids[i] == read[j]) {
             read_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;

@@ -28,6 +28,7 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.pf.predicted.assign(n, 0);
     L.pf.fetched.assign(n, 0);
     L.pf.ahead.assign(n, 0);
+    L.pf.credit = (float) mc.cparams.prefetch_spare;
     L.pf.last_sel.assign(mc.n_expert_used, -1);
     L.use.freq.assign(n, 0.0);
     L.use.mass.assign(n, 0.0);
@@ -39,6 +40,7 @@ void moecache_layer_clear(moecache_layer & L) {
     std::fill(L.last_use.begin(), L.last_use.end(), -1);
     std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
     std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
+    L.pf.credit = (float) L.mc->cparams.prefetch_spare;
     std::fill(L.use.freq.begin(), L.use.freq.end(), 0.0);
     std::fill(L.use.mass.begin(), L.use.mass.end(), 0.0);
     std::fill(L.use.last_p.begin(), L.use.last_p.end(), 0.0f);
@@ -219,12 +221,15 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
         mc.rst.predicted_total += n_sel;
         L.pf.has_prediction = false;
     }
+    const float budget = mc.cparams.prefetch_budget; // (< 0: none; only the spare slots' reads spend it)
     for (int32_t i = 0; i < n_sel; i++) {
         if (L.pf.fetched[sel[i]]) {
             L.pf.fetched[sel[i]] = 0;
             mc.rst.prefetch_used += 1;
+            L.pf.credit += 1.0f + std::max(budget, 0.0f);
         }
     }
+    L.pf.credit = std::min(L.pf.credit + 1.0f / 32.0f, 2.0f * (float) mc.cparams.prefetch_spare);
     if (mc.cparams.prefetch_spare > 0) { // spare slots: read for this routing only; the rest was for nothing
         for (uint8_t & f : L.pf.fetched) {
             mc.rst.prefetch_wasted += f;

@@ -169,6 +169,7 @@ struct moecache_layer_prefetch {
                                      //   prefetch_spare: read into a spare slot for the layer's next routing
     std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads (or would
                                      //   read, with the reads ahead off) into spare slots, until it routes
+    float   credit = 0.0f;           // prefetch_budget: experts this layer may still read ahead
     std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)
     int32_t n_last_sel = 0;
 };

@@ -141,6 +141,11 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
+    if (!(cp.prefetch_budget <= 64.0f)) { // (NaN too; any negative value: no budget)
+        snprintf(buf, sizeof(buf), "prefetch_budget = %g must be in [0, 64], or negative for none", (double) cp.prefetch_budget);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
     if (cp.router_record < 0 || cp.router_record > MOECACHE_MAX_TRACE) {
         snprintf(buf, sizeof(buf), "router_record = %d must be in [0, %d]", cp.router_record, MOECACHE_MAX_TRACE);
         fail(MOECACHE_ERR_INVALID, buf);

@@ -75,6 +75,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.prefetch_spare     = 0;
     p.prefetch_adaptive  = true;
     p.prefetch_route     = true;
+    p.prefetch_budget    = -1.0f;
     p.eviction           = MOECACHE_EVICTION_LRU;
     p.eviction_decay     = 0.95f;
     p.router_record      = 0;

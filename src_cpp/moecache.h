@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 21
+#define MOECACHE_ABI_VERSION 22
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -282,6 +282,16 @@ struct moecache_cache_params {
                                   //   timing, and while the reads are off it pulls tokens toward experts
                                   //   nobody reads (measured: more misses); default true (false: routing,
                                   //   hits and misses exactly as without prefetch)
+    float   prefetch_budget;      // prefetch_spare > 0, prefetch_adaptive false: the reads ahead of each
+                                  //   layer spend a budget that only the routing refills, so a run reads
+                                  //   ahead the same experts whatever the disk's timing: an expert read
+                                  //   ahead costs one expert, one the layer's token then selects earns back
+                                  //   1 + this, and every decoded token adds 1/32 (a retry); the budget
+                                  //   starts at prefetch_spare experts and holds at most 2 x prefetch_spare.
+                                  //   So the experts read ahead for nothing stay under this many times
+                                  //   those a token used, plus one per 32 tokens. In [0, 64]; < 0: no
+                                  //   budget, every predicted miss is read (up to prefetch_spare);
+                                  //   default -1
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay

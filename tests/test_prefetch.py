@@ -256,6 +256,44 @@ def test_the_prior_counts_the_reads_ahead_as_cached(paths, name):
         assert demand[True] < demand[False], demand  # long runs of docs/results.md: 1-6% fewer on A and B)
 
 
+@pytest.mark.parametrize("name", ["tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
+def test_the_reads_ahead_keep_to_their_budget(paths, name):
+    """prefetch_budget: the reads ahead spend a budget that only the routing refills, so the experts
+    read ahead for nothing stay under budget x those used (plus the start and the 1/32 per token),
+    and the run does not depend on the disk's timing: one reader or eight, the same logits, reads
+    and counters."""
+    if name not in paths:
+        pytest.skip(f"{name}.gguf is not in this checkout")
+    S = 2
+    common = dict(prefetch_spare=S, prefetch_adaptive=False)
+    for size in (0.25, 0.5):
+        _, free = run(paths[name], "prior:0.1:j=1", size, "gate", **common)
+        issued = {}
+        for budget in (0.0, 0.5):
+            got, st = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_budget=budget, **common)
+            rs, layers = st.residency, len(st.capacity_per_layer)
+            issued[budget] = rs.prefetch_issued
+            assert rs.prefetch_issued > 0
+            assert rs.prefetch_used + rs.prefetch_wasted <= rs.prefetch_issued
+            start_and_retries = layers * (S + rs.decode_tokens / 32)
+            assert rs.prefetch_wasted <= budget * rs.prefetch_used + start_and_retries
+            again, st1 = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_budget=budget, io_threads=1, **common)
+            assert np.array_equal(again, got)
+            a, b = st1.residency, rs
+            assert (st1.hits, st1.misses, a.prefetch_issued, a.prefetch_used, a.prefetch_wasted, a.demand_bytes_read) == \
+                   (st.hits, st.misses, b.prefetch_issued, b.prefetch_used, b.prefetch_wasted, b.demand_bytes_read)
+        # no budget reads every predicted miss, a budget fewer (the predictions here waste some)
+        assert issued[0.0] <= issued[0.5] <= free.residency.prefetch_issued
+        assert issued[0.0] < free.residency.prefetch_issued
+
+
+def test_prefetch_budget_is_checked():
+    for bad in (True, 65.0, float("nan"), "0.5"):
+        with pytest.raises(pymoecache.ConfigError, match="prefetch_budget"):
+            CacheConfig(prefetch="gate", prefetch_spare=2, prefetch_budget=bad)
+    assert CacheConfig(prefetch_budget=-1).prefetch_budget == -1 and CacheConfig(prefetch_budget=0).prefetch_budget == 0
+
+
 def test_prefetch_spare_is_checked():
     with pytest.raises(pymoecache.ConfigError, match="prefetch_spare"):
         CacheConfig(prefetch="gate", prefetch_spare=-1)

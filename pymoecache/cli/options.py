@@ -174,6 +174,10 @@ def _add_residency_options(c) -> None:
                    help="with --prefetch-spare and --no-prefetch-adaptive: the routing does not count the experts "
                         "being read ahead as cached (default: the prior prefers them, so a token picks what is in "
                         "flight over what is not; never with the adaptive trial, whose timing it would follow)")
+    c.add_argument("--prefetch-budget", type=float, default=-1.0, metavar="W",
+                   help="with --prefetch-spare and --no-prefetch-adaptive: the reads ahead of a layer may waste at "
+                        "most W experts per read-ahead expert a token used (plus one per 32 tokens), whatever the "
+                        "disk's timing, so the same run reads the same experts (default -1: no budget)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
@@ -579,6 +583,7 @@ def cache_from_args(args):
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
                        prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
                        prefetch_route=getattr(args, "prefetch_route", True),
+                       prefetch_budget=getattr(args, "prefetch_budget", -1.0),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
