@@ -1,11 +1,12 @@
 """This stop's user-facing features as a user reaches them: the installed package, a fresh process
 started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --miss auto, --lowbit-in-ram,
---lowbit-max-p, info's companion rows, ppl --miss, --chat-template,
+--lowbit-max-p, info's companion rows, ppl --miss, --no-prefetch-route, --prefetch-budget, --chat-template,
 llama-server's /completion and /tokenize, logprobs)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,32 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     r = installed(tmp_path, "ppl", m, "-f", text, "--ctx", "32", "--chunks", "2", "--cache-size", "8",
                   "--routing", "lru", "--miss", "full", "lowbit", "lowbit-cache", "--no-progress")
     assert r.returncode == 0 and "critical MiB/tok" in r.stdout and "lowbit-cache" in r.stdout, r.stderr
+
+
+def test_reads_ahead_flags(fixture_dir, tmp_path):
+    """--no-prefetch-route and --prefetch-budget, each alone on top of always-on reads ahead: without the
+    prior counting them the hits are those without reads ahead; a budget of 0 reads fewer ahead."""
+    m = model_path(fixture_dir, MODEL)
+    base = ["run", m, "--cache-size", "15", "--residency", "stream", "--routing", "prior:0.5", "--miss", "full",
+            "-n", "24", "-p", "Once upon a time"]
+    ahead = ["--prefetch", "gate", "--prefetch-spare", "2", "--no-prefetch-adaptive"]
+
+    def stats(*flags):
+        r = installed(tmp_path, *base, *flags)
+        assert r.returncode == 0, r.stderr
+        hit = re.search(r"hit rate ([0-9.]+)%", r.stdout)
+        issued = re.search(r"(\d+) issued", r.stdout)
+        return hit.group(1), int(issued.group(1)) if issued else 0
+
+    off = stats("--prefetch", "off")
+    blind = stats(*ahead, "--no-prefetch-route")
+    counted = stats(*ahead)
+    budget = stats(*ahead, "--prefetch-budget", "0")
+    assert blind[0] == off[0] and blind[1] > 0 and counted[1] > 0
+    assert counted[0] != off[0]  # (the prior picks experts in flight: other hits)
+    assert 0 < budget[1] < counted[1]
+    r = installed(tmp_path, *base, *ahead, "--prefetch-budget", "65")
+    assert r.returncode != 0 and "prefetch_budget" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_chat_template_flag(fixture_dir, tmp_path):
