@@ -28,6 +28,7 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.pf.predicted.assign(n, 0);
     L.pf.fetched.assign(n, 0);
     L.pf.ahead.assign(n, 0);
+    L.pf.by_mark.assign(n, 0);
     L.pf.credit = (float) mc.cparams.prefetch_spare;
     L.pf.last_sel.assign(mc.n_expert_used, -1);
     L.use.freq.assign(n, 0.0);
@@ -226,8 +227,10 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
         if (L.pf.fetched[sel[i]]) {
             L.pf.fetched[sel[i]] = 0;
             mc.rst.prefetch_used += 1;
-            L.pf.credit += 1.0f + std::max(budget, 0.0f);
+            // (picked only for its mark: a miss the routing without the reads would not have had)
+            L.pf.credit += L.pf.by_mark[sel[i]] ? 0.0f : 1.0f + std::max(budget, 0.0f);
         }
+        L.pf.by_mark[sel[i]] = 0;
     }
     L.pf.credit = std::min(L.pf.credit + 1.0f / 32.0f, 2.0f * (float) mc.cparams.prefetch_spare);
     if (mc.cparams.prefetch_spare > 0) { // spare slots: read for this routing only; the rest was for nothing

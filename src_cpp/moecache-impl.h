@@ -170,6 +170,8 @@ struct moecache_layer_prefetch {
     std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads (or would
                                      //   read, with the reads ahead off) into spare slots, until it routes
     float   credit = 0.0f;           // prefetch_budget: experts this layer may still read ahead
+    std::vector<uint8_t> by_mark;    // [n_expert] prefetch_route: selected by the last routing only because
+                                     //   a read ahead marked them (moecache-route.cpp marked_picks)
     std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)
     int32_t n_last_sel = 0;
 };

@@ -134,6 +134,37 @@ static void prior_order(moecache_layer & L, const float * u, const float * s, in
     });
 }
 
+// prefetch_route: which selected experts only the mark of a read ahead made the prior pick (it
+// boosted them as if cached; without the mark fewer than n_keep - J others outrank them). Those
+// reads earn no budget back (moecache_layer_prefetch_outcome): the token took an expert that is not
+// cached over one that is, a miss the routing without the reads would not have had.
+static void marked_picks(moecache_layer & L, const float * u, const float * s, int32_t J, int32_t n_keep) {
+    const int32_t N = (int32_t) L.scratch.rank.size();
+    auto unmarked = [&](int32_t f) { // f's boosted score without a mark of its own
+        const bool marked = L.pf.ahead[f] && L.last_use[f] < 0 && L.scratch.pos[f] >= J;
+        if (!marked) {
+            return L.scratch.boosted[f];
+        }
+        return !is_allowed(s[f]) || std::isnan(u[f]) ? -INFINITY : u[f];
+    };
+    for (int32_t e = 0; e < N; e++) {
+        L.pf.by_mark[e] = 0;
+        if (!L.scratch.chosen[e] || !L.pf.ahead[e] || L.last_use[e] >= 0 || L.scratch.pos[e] < J) {
+            continue;
+        }
+        const float ue = unmarked(e);
+        int32_t above = 0;
+        for (int32_t f = 0; f < N; f++) {
+            if (f == e || L.scratch.pos[f] < J) {
+                continue; // (r[0:J] is selected whatever the order)
+            }
+            const float uf = unmarked(f);
+            above += uf > ue || (uf == ue && L.scratch.pos[f] < L.scratch.pos[e]) ? 1 : 0;
+        }
+        L.pf.by_mark[e] = above >= n_keep - J ? 1 : 0;
+    }
+}
+
 // splitmix64: a fixed, portable hash for SWAP_RANK's random choice
 static uint64_t mix64(uint64_t x) {
     x += 0x9e3779b97f4a7c15ull;
@@ -193,6 +224,7 @@ int32_t moecache_route_token(
 
     // 1. the final ranking r' (L.scratch.order) and how many experts run
     int32_t n_keep = K;
+    const float * prior_u = nullptr; // PRIOR: the scale it boosted (L.scratch.boosted), for by_mark below
     L.scratch.swapped_from = -1;
     const enum moecache_policy policy = apply ? rp.policy : MOECACHE_POLICY_TOPK;
     switch (policy) {
@@ -209,9 +241,10 @@ int32_t moecache_route_token(
         case MOECACHE_POLICY_PRIOR:
             if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f && rp.prior_on_probs) {
                 // the probability scale: p for softmax routers, the selection score s (p + bias) otherwise
-                prior_order(L, L.graph.rank_on_logits ? p : s, s, J,
-                            (float) ((double) rp.prior_lambda * (double) L.prior_scale));
+                prior_u = L.graph.rank_on_logits ? p : s;
+                prior_order(L, prior_u, s, J, (float) ((double) rp.prior_lambda * (double) L.prior_scale));
             } else if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
+                prior_u = u;
                 prior_order(L, u, s, J, moecache_layer_boost(L, rp.prior_lambda));
             } else {
                 promote_cached(L, s, 0);
@@ -243,6 +276,9 @@ int32_t moecache_route_token(
             L.scratch.chosen[L.scratch.order[i]] = 1;
             n_sel++;
         }
+    }
+    if (prior_u && update && mc.cparams.prefetch_route) {
+        marked_picks(L, prior_u, s, J, n_keep);
     }
     // output in r order
     int32_t n_out = 0;

@@ -286,7 +286,9 @@ struct moecache_cache_params {
                                   //   layer spend a budget that only the routing refills, so a run reads
                                   //   ahead the same experts whatever the disk's timing: an expert read
                                   //   ahead costs one expert, one the layer's token then selects earns back
-                                  //   1 + this, and every decoded token adds 1/32 (a retry); the budget
+                                  //   1 + this (nothing where prefetch_route's mark alone made the prior
+                                  //   pick it: a miss the routing without the reads would not have had),
+                                  //   and every decoded token adds 1/32 (a retry); the budget
                                   //   starts at prefetch_spare experts and holds at most 2 x prefetch_spare.
                                   //   So the experts read ahead for nothing stay under this many times
                                   //   those a token used, plus one per 32 tokens. In [0, 64]; < 0: no
