@@ -135,40 +135,41 @@ def _as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
-def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool = False) -> CacheConfig:
-    """CacheConfig.miss made explicit for this model: "auto" (and None, the default) becomes
-    "lowbit-cache" where a usable companion is found ("lowbit" with lowbit_in_ram), else "full":
-    said once with the reason for "auto", quietly for the default unless a companion is there but
-    unusable. gpu: the model has GPU layers (the low-bit paths run on the CPU only). A low-bit mode
-    gets its checked companion. ConfigError / CompanionError for a mode that cannot run."""
+def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool = False):
+    """CacheConfig.miss made explicit for this model, and the companion checked for it (None for
+    "full"): "auto" (and None, the default) becomes "lowbit-cache" where a usable companion is
+    found ("lowbit" with lowbit_in_ram), else "full": said once with the reason for "auto",
+    quietly for the default unless a companion is there but unusable. gpu: the model has GPU
+    layers (the low-bit paths run on the CPU only). ConfigError / CompanionError for a mode that
+    cannot run."""
     miss = cache.miss or "auto"
     if miss == "full":
         if cache.lowbit is not None:
             raise ConfigError("lowbit= names a companion, which only miss='lowbit', 'lowbit-all', 'lowbit-cache' "
                               "or 'auto' reads")
-        return dataclasses.replace(cache, miss="full")
+        return dataclasses.replace(cache, miss="full"), None
     from . import lowbit as lb
 
     full = dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
     if residency != "stream":
         if miss == "auto" and cache.lowbit is None:
-            return full
+            return full, None
         raise ConfigError(f"miss={miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
     if cache.vram_size or cache.unified == "on" or gpu:
         if miss == "auto" and cache.lowbit is None:
-            return full
+            return full, None
         raise ConfigError(f"miss={miss!r} with GPU layers, a VRAM tier (vram_size) or unified memory is not "
                           "supported yet")
     if cache.miss is None and cache.lowbit is None and not lb.default_path(model_path).exists():
-        return full  # (the default, and no companion beside the model: nothing to say)
+        return full, None  # (the default, and no companion beside the model: nothing to say)
     try:
         companion = lb.check_companion(model_path, cache.lowbit)
     except lb.CompanionError as e:
         if miss != "auto" or cache.lowbit is not None:
             raise
         warnings.warn(f"miss='auto': {e}; misses are read at full precision", stacklevel=3)
-        return full
+        return full, None
     # auto: where the plain alternative (every expert at the low type, more of them cached in the same
     # memory) beats the miss path, and it did on every measured model (docs/results.md), the cache holds
     # the companion's copies
@@ -176,7 +177,7 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
     cache = dataclasses.replace(cache, miss=miss, lowbit=companion.path)
     if miss == "lowbit-all" and cache.prefetch != "off":  # no full copy is read while decoding: nothing ahead
         cache = dataclasses.replace(cache, prefetch="off", prefetch_spare=0)
-    return cache
+    return cache, companion
 
 
 def _file_signature(path: str) -> Tuple[int, int, int, int]:
@@ -307,11 +308,11 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
                               f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
                 cache = dataclasses.replace(cache, unified="auto")
-            cache = _resolve_miss(cache, residency, str(model_path),
-                                  gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
+            cache, companion = _resolve_miss(cache, residency, str(model_path),
+                                             gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory(),  # before the load takes its share
-                                 cache if cache.miss != "full" else None)
+                                 (cache, companion.expert_bytes) if companion is not None else None)
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, n, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          cache.prefetch_spare,
@@ -451,9 +452,7 @@ class Llama(llama_cpp.Llama):
             self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
             self._plan = dataclasses.replace(self._plan, budget_from="free")
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
-                from .lowbit import check_companion
-
-                low_bytes = check_companion(self.model_path, low.lowbit).expert_bytes
+                low, low_bytes = low
                 self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,
                                                  lowbit_bytes=low_bytes)
                 if low.miss == "lowbit-cache" and self.moecache is not None:  # the slots hold the copies: as many
