@@ -577,7 +577,9 @@ class CacheConfig:
     them always on. prefetch_budget (with ``prefetch_adaptive=False``): the reads ahead of each
     layer spend a budget that only the routing refills, so a run reads ahead the same experts
     whatever the disk's timing: each expert read ahead costs one, each one the layer's token then
-    selects earns back ``1 + prefetch_budget``, and every token adds 1/32. The experts read ahead
+    selects earns back ``1 + prefetch_budget`` (nothing where the prior picked it only because it
+    was being read: a miss the routing without the reads would not have had), and every token
+    adds 1/32. The experts read ahead
     for nothing stay under ``prefetch_budget`` times those used (plus one per 32 tokens); negative
     (the default) means no budget.
 

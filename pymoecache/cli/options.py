@@ -176,8 +176,9 @@ def _add_residency_options(c) -> None:
                         "flight over what is not; never with the adaptive trial, whose timing it would follow)")
     c.add_argument("--prefetch-budget", type=float, default=-1.0, metavar="W",
                    help="with --prefetch-spare and --no-prefetch-adaptive: the reads ahead of a layer may waste at "
-                        "most W experts per read-ahead expert a token used (plus one per 32 tokens), whatever the "
-                        "disk's timing, so the same run reads the same experts (default -1: no budget)")
+                        "most W experts per read-ahead expert a token used (plus one per 32 tokens; one the routing "
+                        "picked only because it was being read counts as unused), whatever the disk's timing, so "
+                        "the same run reads the same experts (default -1: no budget)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
