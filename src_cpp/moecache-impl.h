@@ -167,8 +167,8 @@ struct moecache_layer_prefetch {
     bool    has_prediction = false;  // a prediction was made for the token this layer routes next
     std::vector<uint8_t> fetched;    // [n_expert] inserted by a prefetch and not selected since (used or wasted);
                                      //   prefetch_spare: read into a spare slot for the layer's next routing
-    std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads (or would
-                                     //   read, with the reads ahead off) into spare slots, until it routes
+    std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads into spare
+                                     //   slots (within prefetch_budget), until this layer routes
     float   credit = 0.0f;           // prefetch_budget: experts this layer may still read ahead
     std::vector<uint8_t> by_mark;    // [n_expert] prefetch_route: selected by the last routing only because
                                      //   a read ahead marked them (moecache-route.cpp marked_picks)
