@@ -674,38 +674,73 @@ def measure(model: Path, args, settings) -> list:
     return runs
 
 
+class _Runs:
+    """The runs of one report, looked up by setting (residency, routing, cache, prefetch, eviction)."""
+
+    def __init__(self, runs, reps: int):
+        self.runs, self.reps = runs, reps
+
+    def of(self, s):
+        return [r for r in self.runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
+                (s[0], s[1], s[2] if s[2] == "auto" else str(float(s[2])), s[3], s[4])]
+
+    @staticmethod
+    def med(rows, key):  # nan for a setting whose every run failed (--keep-going)
+        return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+    def ratio(self, a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
+        per_rep = []
+        for rep in range(self.reps):
+            x = [r for r in self.of(a) if r["rep"] == rep]
+            y = [r for r in self.of(b) if r["rep"] == rep]
+            if x and y:
+                per_rep.append(x[0]["tok_s"] / y[0]["tok_s"])
+        return (statistics.median(per_rep) if per_rep else float("nan")), per_rep
+
+
+def _times(m):  # a ratio, or why there is none (--keep-going: a setting failed)
+    return f"{m:.2f}x" if m == m else "- (failed)"
+
+
 def report(model: Path, args, settings, runs, pairs, prefetches, evictions, routings, n_held, probes,
            storage: str) -> None:
+    """One benchmark model's results under one storage setting: the CSV (--csv), the table, the
+    prefill shares, the low-bit rows' critical bytes and the side-by-side ratios."""
     if not runs:
         failed = ", ".join(" ".join(k) + f" ({v})" for k, v in args.failed.items())
         print(f"\nstorage {storage}: every setting failed: {failed}")
         return
     if args.csv:
-        out = Path(args.csv)
-        if runs[0]["storage"] != "max":  # one file per storage setting
-            out = out.with_name(f"{out.stem}-{runs[0]['storage']}{out.suffix}")
-        if args.model_tag:  # and per benchmark model
-            out = out.with_name(f"{out.stem}-{args.model_tag}{out.suffix}")
-        with open(out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(runs[0]))
-            w.writeheader()
-            w.writerows(runs)
-
-    def med(rows, key):  # nan for a setting whose every run failed (--keep-going)
-        return statistics.median(r[key] for r in rows) if rows else float("nan")
-
-    def times(m):  # a ratio, or why there is none (--keep-going: a setting failed)
-        return f"{m:.2f}x" if m == m else "- (failed)"
-
-    def pct(x, of):
-        return f"{100 * x / of:.0f}%" if x == x else "failed"
-
-    def rows_of(s):
-        return [r for r in runs if (r["residency"], r["routing"], str(r["cache"]), r["prefetch"], r["eviction"]) ==
-                (s[0], s[1], s[2] if s[2] == "auto" else str(float(s[2])), s[3], s[4])]
-
-    resident = med(rows_of(("none", "lru", "1.0", "off", "lru")), "tok_s") if not args.no_resident else None
+        _write_csv(args, runs)
+    by = _Runs(runs, args.reps)
+    resident = by.med(by.of(("none", "lru", "1.0", "off", "lru")), "tok_s") if not args.no_resident else None
     resident = None if resident != resident else resident  # (nan: the resident runs failed)
+    _print_table(model, args, settings, by, resident, n_held, probes, storage)
+    if resident:
+        warm = by.med(by.of(("none", "lru", "1.0", "off", "lru")), "prefill_warm_tok_s")
+        share = lambda x: f"{100 * x / warm:.0f}%" if x == x else "failed"  # noqa: E731
+        print(f"prefill of the {args.prompt_tokens}-token prompt, weights in memory (resident, second time): "
+              f"{warm:.1f} tok/s; streamed, share of it: " +
+              ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {share(by.med(by.of(s), 'prefill_tok_s'))}"
+                        for s in settings if s[0] == "stream"))
+    _print_lowbit(settings, by)
+    _print_ratios(args, settings, by, pairs, prefetches, evictions, routings)
+
+
+def _write_csv(args, runs) -> None:
+    out = Path(args.csv)
+    if runs[0]["storage"] != "max":  # one file per storage setting
+        out = out.with_name(f"{out.stem}-{runs[0]['storage']}{out.suffix}")
+    if args.model_tag:  # and per benchmark model
+        out = out.with_name(f"{out.stem}-{args.model_tag}{out.suffix}")
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(runs[0]))
+        w.writeheader()
+        w.writerows(runs)
+
+
+def _print_table(model: Path, args, settings, by: _Runs, resident, n_held, probes, storage: str) -> None:
+    med, runs = by.med, by.runs
     left = f", {args.leave_gib:g} GiB of memory left to the runs ({n_held / 2**30:.1f} GiB held)" \
         if args.leave_gib is not None else ""
     print(f"\n{model.name}: {runs[0]['file_mib']:.0f} MiB file, {runs[0]['non_expert_mib']:.0f} MiB non-expert weights; "
@@ -728,7 +763,7 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
           + (" in VRAM | copied up/token (+ ahead) | copy-up ms/token | on the CPU/token |" if args.vram_size else ""))
     print("|---" * (24 + (4 if args.vram_size else 0)) + "|")
     for s in settings:
-        rows = rows_of(s)
+        rows = by.of(s)
         if not rows:
             print(f"| {s[0]} | {s[1]} | {s[2]} | {s[3]} | {s[4]} | failed: {args.failed.get(s, '?')} |")
             continue
@@ -752,17 +787,15 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
               f"{100 * med(rows, 'overlap'):.0f}% | {med(rows, 'major_faults_per_token'):.1f} | {med(rows, 'route_ms'):.3f} | {med(rows, 'rss_mib'):.0f} | {med(rows, 'peak_rss_mib'):.0f} | "
               f"{med(rows, 'arena_mib'):.0f} |" + vram)
     print()
-    if resident:
-        warm = med(rows_of(("none", "lru", "1.0", "off", "lru")), "prefill_warm_tok_s")
-        print(f"prefill of the {args.prompt_tokens}-token prompt, weights in memory (resident, second time): "
-              f"{warm:.1f} tok/s; streamed, share of it: " +
-              ", ".join(f"{s[1]} {s[2]} {s[3]} {s[4]} {pct(med(rows_of(s), 'prefill_tok_s'), warm)}"
-                        for s in settings if s[0] == "stream"))
 
-    for s in settings:  # the low-bit miss path: what a token waited for, in bytes, against the same full-precision row
-        rows = rows_of(s)
+
+def _print_lowbit(settings, by: _Runs) -> None:
+    """The low-bit miss path: what a token waited for, in bytes, against the same full-precision row."""
+    med = by.med
+    for s in settings:
+        rows = by.of(s)
         if rows and ":m=" in s[3] and rows[0].get("lowbit_per_token") is not None:
-            ref = rows_of((s[0], s[1], s[2], s[3].split(":m=")[0], s[4]))
+            ref = by.of((s[0], s[1], s[2], s[3].split(":m=")[0], s[4]))
             source = (f"every expert from the companion, {rows[0]['cache_size']}/{rows[0]['n_expert']} cached in "
                       "the same memory"
                       if ":m=lowbit-cache" in s[3] else
@@ -774,40 +807,34 @@ def report(model: Path, args, settings, runs, pairs, prefetches, evictions, rout
                         if med(rows, 'critical_mib_per_token') > 1e-6 else "(none on the critical path)")
                      if ref else ""))
 
-    def ratio(a, b):  # median over repetitions of tok/s(a) / tok/s(b), each pair from the same repetition
-        per_rep = []
-        for rep in range(args.reps):
-            x = [r for r in rows_of(a) if r["rep"] == rep]
-            y = [r for r in rows_of(b) if r["rep"] == rep]
-            if x and y:
-                per_rep.append(x[0]["tok_s"] / y[0]["tok_s"])
-        return (statistics.median(per_rep) if per_rep else float("nan")), per_rep
 
+def _print_ratios(args, settings, by: _Runs, pairs, prefetches, evictions, routings) -> None:
+    """Side by side, per repetition: against stock llama.cpp, the routings against the first, the
+    prefetch modes against off, the evictions against lru."""
     if args.stock:
         for s in settings:
             if s[0] != "stock":
-                m, per = ratio(s, ("stock", "lru", "1.0", "off", "lru"))
+                m, per = by.ratio(s, ("stock", "lru", "1.0", "off", "lru"))
                 print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
-                      f"= {times(m)}")
+                      f"= {_times(m)}")
     for residency, cache in pairs:
         for routing in routings[1:]:
-            m, per = ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))
-            print(f"{residency} cache {cache}: decode tok/s {routing} / {routings[0]} = {times(m)} "
+            m, per = by.ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))
+            print(f"{residency} cache {cache}: decode tok/s {routing} / {routings[0]} = {_times(m)} "
                   f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
         for routing in routings:
             for pf in prefetches:
                 if pf != "off" and residency == "stream":
-                    m, per = ratio((residency, routing, cache, pf, "lru"), (residency, routing, cache, "off", "lru"))
-                    print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {times(m)} "
+                    m, per = by.ratio((residency, routing, cache, pf, "lru"), (residency, routing, cache, "off", "lru"))
+                    print(f"{residency} cache {cache} {routing}: decode tok/s prefetch {pf} / off = {_times(m)} "
                           f"(per repetition: {', '.join(f'{x:.2f}' for x in per)})")
             for ev in evictions:
                 if ev != "lru" and residency == "stream":
-                    m, per = ratio((residency, routing, cache, "off", ev), (residency, routing, cache, "off", "lru"))
-                    a = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", ev)))
-                    b = statistics.median(r["mib_read_per_token"] for r in rows_of((residency, routing, cache, "off", "lru")))
-                    print(f"{residency} cache {cache} {routing}: decode tok/s eviction {ev} / lru = {times(m)}, "
+                    m, per = by.ratio((residency, routing, cache, "off", ev), (residency, routing, cache, "off", "lru"))
+                    a = statistics.median(r["mib_read_per_token"] for r in by.of((residency, routing, cache, "off", ev)))
+                    b = statistics.median(r["mib_read_per_token"] for r in by.of((residency, routing, cache, "off", "lru")))
+                    print(f"{residency} cache {cache} {routing}: decode tok/s eviction {ev} / lru = {_times(m)}, "
                           f"MiB read per token {a:.2f} vs {b:.2f} (per repetition: {', '.join(f'{x:.2f}' for x in per)})")
-
 
 if __name__ == "__main__":
     main()
