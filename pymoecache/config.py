@@ -718,7 +718,7 @@ class CacheConfig:
         check_int("prefetch_threads (0 = all io_threads)", self.prefetch_threads, 0, self.io_threads)
         check_int("prefetch_spare (spare slots per layer)", self.prefetch_spare, 0, C.MOECACHE_MAX_EXPERTS)
         b = self.prefetch_budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b < 0 or 0.0 <= b <= 64.0) or b != b:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b < 0 or 0.0 <= b <= 64.0):  # (NaN too)
             raise ConfigError(f"prefetch_budget must be in [0, 64] (experts read ahead for nothing per one used), "
                               f"or negative for no budget, got {b!r}")
         for name in ("prefetch_adaptive", "prefetch_route", "overlap_experts", "router_record_input"):

@@ -210,13 +210,10 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
     int32_t read[MOECACHE_MAX_USED];
     float   read_score[MOECACHE_MAX_USED];
     int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
-    if (spare && !mc.cparams.prefetch_adaptive && mc.cparams.prefetch_budget >= 0.0f) {
+    if (moecache_budgets_ahead(mc)) {
         m = std::min(m, (int32_t) T.pf.credit); // (the most likely first; spent as they are read)
     }
-    if (spare && mc.cparams.prefetch_route && !mc.cparams.prefetch_adaptive &&
-        mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
-        // what these reads fill T's spare slots with, for T's prior to count as cached (only where
-        // the routing alone decides them: it must not follow the adaptive trial's timing)
+    if (moecache_counts_ahead(mc)) { // what these reads fill T's spare slots with, for T's prior to count as cached
         for (int32_t i = 0; i < m; i++) {
             T.pf.ahead[read[i]] = 1;
         }

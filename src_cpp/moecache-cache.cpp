@@ -222,24 +222,26 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
         mc.rst.predicted_total += n_sel;
         L.pf.has_prediction = false;
     }
-    const float budget = mc.cparams.prefetch_budget; // (< 0: none; only the spare slots' reads spend it)
+    const bool budget = moecache_budgets_ahead(mc);
     for (int32_t i = 0; i < n_sel; i++) {
         if (L.pf.fetched[sel[i]]) {
             L.pf.fetched[sel[i]] = 0;
             mc.rst.prefetch_used += 1;
             // (picked only for its mark: a miss the routing without the reads would not have had)
-            L.pf.credit += L.pf.by_mark[sel[i]] ? 0.0f : 1.0f + std::max(budget, 0.0f);
+            L.pf.credit += budget && !L.pf.by_mark[sel[i]] ? 1.0f + mc.cparams.prefetch_budget : 0.0f;
         }
         L.pf.by_mark[sel[i]] = 0;
     }
-    L.pf.credit = std::min(L.pf.credit + 1.0f / 32.0f, 2.0f * (float) mc.cparams.prefetch_spare);
+    if (budget) { // (a retry per 32 tokens, up to twice the spare slots)
+        L.pf.credit = std::min(L.pf.credit + 1.0f / 32.0f, 2.0f * (float) mc.cparams.prefetch_spare);
+    }
     if (mc.cparams.prefetch_spare > 0) { // spare slots: read for this routing only; the rest was for nothing
         for (uint8_t & f : L.pf.fetched) {
             mc.rst.prefetch_wasted += f;
             f = 0;
         }
     }
-    if (mc.cparams.prefetch_route) {
+    if (moecache_counts_ahead(mc)) {
         std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0); // (counted by this routing only)
     }
     L.pf.n_last_sel = std::min<int32_t>(n_sel, (int32_t) L.pf.last_sel.size());

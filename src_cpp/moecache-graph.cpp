@@ -65,7 +65,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool decode = L.graph.n_ubatch == 1;     // (a prompt's last layer routes one token too: its output row)
     const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
     const bool update = decode || mc.cparams.update_on_prompt;
-    if (!decode && mc.cparams.prefetch_route) { // (a prediction is for the next decoded token, not a prompt)
+    if (!decode && moecache_counts_ahead(mc)) { // (a prediction is for the next decoded token, not a prompt)
         std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
     }
 

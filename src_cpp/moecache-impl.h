@@ -311,6 +311,21 @@ struct moecache {
     std::string       io_error;
 };
 
+// prefetch_route in effect: reads ahead into spare slots that always run (no adaptive trial, whose
+// timing the routing must not follow), which the prior counts as cached: moecache-ahead.cpp marks
+// them (L.pf.ahead), moecache-route.cpp reads the marks
+inline bool moecache_counts_ahead(const moecache & mc) {
+    const moecache_cache_params & cp = mc.cparams;
+    return cp.prefetch_route && cp.prefetch != MOECACHE_PREFETCH_OFF && cp.prefetch_spare > 0 && !cp.prefetch_adaptive &&
+           cp.residency == MOECACHE_RESIDENCY_STREAM;
+}
+
+// prefetch_budget in effect: reads ahead into spare slots, no adaptive trial, a budget (L.pf.credit)
+inline bool moecache_budgets_ahead(const moecache & mc) {
+    const moecache_cache_params & cp = mc.cparams;
+    return cp.prefetch_spare > 0 && !cp.prefetch_adaptive && cp.prefetch_budget >= 0.0f;
+}
+
 // bytes of one expert as the slots hold it, over all of L's expert tensors: the model's (expert_bytes),
 // or with lowbit SOURCE the companion's copy
 inline size_t moecache_slot_bytes(const moecache_layer & L) {

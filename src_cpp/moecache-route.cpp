@@ -277,8 +277,8 @@ int32_t moecache_route_token(
             n_sel++;
         }
     }
-    if (prior_u && update && mc.cparams.prefetch_route) {
-        marked_picks(L, prior_u, s, J, n_keep);
+    if (prior_u && update && moecache_counts_ahead(mc) && moecache_budgets_ahead(mc)) {
+        marked_picks(L, prior_u, s, J, n_keep); // (only the budget reads them)
     }
     // output in r order
     int32_t n_out = 0;
