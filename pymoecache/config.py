@@ -33,7 +33,8 @@ PREFETCHES = {"off": C.MOECACHE_PREFETCH_OFF, "gate": C.MOECACHE_PREFETCH_GATE,
 PREFETCH_NAMES = {v: k for k, v in PREFETCHES.items()}
 
 # CacheConfig.prefetch "auto": with stream residency, gate reading ahead into this many spare slots
-# per layer, adaptive (it switches itself off where it loses); off with the other residencies
+# per layer, under prefetch_budget (what it reads for nothing is bounded by what the tokens use), counted
+# as cached by the prior; off with the other residencies
 PREFETCH_AUTO_SPARE = 2
 
 # CacheConfig.vram_fill -> enum moecache_vram_fill
@@ -545,11 +546,11 @@ class CacheConfig:
     for every read of a layer first (as before); the logits are the same either way.
 
     prefetch: ``"auto"`` (the default: with ``stream`` residency, ``"gate"`` reading ahead into
-    ``PREFETCH_AUTO_SPARE`` = 2 spare slots per layer, adaptive, so routing and the logits are
-    those without it and it switches itself off where it loses; where the cache size came from a
-    memory budget or ``"auto"``, the spare slots come out of it, and where fewer than twice top-K
-    experts per layer would stay cached, prefetch is ``"off"``; ``"off"`` with the other
-    residencies), ``"off"``, ``"gate"`` (while layer l decodes a token, layer l + d's
+    ``PREFETCH_AUTO_SPARE`` = 2 spare slots per layer under the budget below, the prior counting
+    them as cached; where the cache size came from a memory budget or ``"auto"``, the spare slots
+    come out of it, and where fewer than twice top-K experts per layer would stay cached, prefetch
+    is ``"off"``; ``"off"`` with the other residencies), ``"off"``, ``"gate"`` (while layer l
+    decodes a token, layer l + d's
     router applied to layer l's FFN input predicts layer l + d's experts; ProMoE) or
     ``"previous"`` (what layer l + d selected for the previous token) or ``"trace"`` (the
     request's expert counts so far matched by cosine against past requests, MoE-Infinity's
@@ -564,24 +565,25 @@ class CacheConfig:
     prefetch_spare: 0 (the default) makes a prefetch an insertion, as above. S > 0 gives each MoE
     layer S spare slots (S experts' bytes per layer on top of the cache, ``stream`` only): the
     predicted experts the layer does not cache are read into them, and the cache is left alone; a
-    miss whose expert was read ahead only waits for what is still in flight. prefetch_route
-    (default True) where the reads ahead always run (``prefetch_adaptive=False``): the prior counts
-    the experts being read ahead as cached, so a token picks what is in flight over what is not
-    (issue 28's direction 4); not with the adaptive trial (the routing would follow its timing).
-    False, or adaptive: routing, hits and misses exactly those without prefetch, under every
-    policy. prefetch_adaptive (default
-    True): with spare slots, the reads ahead switch themselves off where they lose: a trial of 32
-    decoded tokens, with and without them in turn, compares the median time per token; they run
-    for the next 96 tokens only if they were at least 2% faster, then the trial again
-    (``moe_stats().residency.prefetch_tokens_on`` counts the tokens that had them on); False keeps
-    them always on. prefetch_budget (with ``prefetch_adaptive=False``): the reads ahead of each
-    layer spend a budget that only the routing refills, so a run reads ahead the same experts
-    whatever the disk's timing: each expert read ahead costs one, each one the layer's token then
-    selects earns back ``1 + prefetch_budget`` (nothing where the prior picked it only because it
-    was being read: a miss the routing without the reads would not have had), and every token
-    adds 1/32. The experts read ahead
-    for nothing stay under ``prefetch_budget`` times those used (plus one per 32 tokens); negative
-    (the default) means no budget.
+    miss whose expert was read ahead only waits for what is still in flight.
+
+    prefetch_budget (default 0; spare slots): the reads ahead of each layer spend a budget that only
+    the routing refills, so a run reads ahead the same experts whatever the disk's timing: each
+    expert read ahead costs one, each one the layer's token then selects earns back
+    ``1 + prefetch_budget`` (nothing where the prior picked it only because it was being read: a
+    miss the routing without the reads would not have had), and every token adds 1/32. The
+    experts read ahead for nothing stay under ``prefetch_budget`` times those used, plus one per
+    32 tokens and layer: where the predictions are poor the reads ahead fall silent and a slow
+    disk loses little to them. Negative: no budget, every predicted miss is read.
+    prefetch_route (default True; spare slots, not adaptive): the prior counts the experts being
+    read ahead as cached, so a token picks what is in flight over what is not (issue 28's
+    direction 4). False: routing, hits and misses exactly those without prefetch, under every
+    policy. prefetch_adaptive (default False; spare slots): instead of the budget, the reads ahead
+    switch themselves on and off by a timed trial: 32 decoded tokens, with and without them in
+    turn, compare the median time per token; they run for the next 96 tokens only if they were at
+    least 2% faster, then the trial again (``moe_stats().residency.prefetch_tokens_on`` counts the
+    tokens that had them on). The trial follows the clock, so under it the routing does not
+    count the reads (prefetch_route is off) and the budget does not apply.
 
     predictor: a file of :func:`pymoecache.tune.save_predictor` for this model: ``gate`` predicts
     with the predictors fitted by :func:`pymoecache.tune.fit_predictor` instead of the next
@@ -664,9 +666,9 @@ class CacheConfig:
     prefetch_min_p: float = 0.0
     prefetch_threads: int = 0
     prefetch_spare: int = 0
-    prefetch_adaptive: bool = True
+    prefetch_adaptive: bool = False  # spare slots: the timed on/off trial instead of the budget
     prefetch_route: bool = True  # spare slots, not adaptive: the prior counts the experts read ahead as cached
-    prefetch_budget: float = -1.0  # spare slots, not adaptive: read-ahead experts wasted per used one (< 0: no budget)
+    prefetch_budget: float = 0.0  # spare slots, not adaptive: read-ahead experts wasted per used one (< 0: no budget)
     eviction: str = "lru"
     eviction_decay: float = 0.95
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
@@ -750,9 +752,10 @@ class CacheConfig:
             raise ConfigError(f"predictor file {self.predictor!r} not found (pymoecache.tune.save_predictor writes one)")
 
     def resolve_prefetch(self, residency: str, n_cached: int, n_expert_used: int,
-                         from_memory: bool = False) -> "CacheConfig":
+                         from_memory: bool = False, n_expert: int = 0) -> "CacheConfig":
         """This config with prefetch ``"auto"`` made explicit for ``residency`` and ``n_cached`` experts
-        per layer (``from_memory``: the size came from a memory budget, which the spare slots come out of).
+        per layer (``from_memory``: the size came from a memory budget, which the spare slots come out of;
+        ``n_expert``: the model's N, where a cache of every expert reads nothing ahead).
 
         >>> c = CacheConfig(size=30).resolve_prefetch("stream", 30, 4)
         >>> (c.prefetch, c.prefetch_spare, c.size)
@@ -763,13 +766,17 @@ class CacheConfig:
         'off'
         >>> CacheConfig().resolve_prefetch("none", 60, 4).prefetch
         'off'
+        >>> CacheConfig(size=1.0, residency="stream").resolve_prefetch("stream", 60, 4, n_expert=60).prefetch
+        'off'
         """
         if self.prefetch != "auto":
             return self
         spare = self.prefetch_spare or PREFETCH_AUTO_SPARE
         # from a memory budget the spare slots are taken from the cache: not where fewer than 2K experts
-        # would stay cached (measured at 6 of 60, top-4: 4 cached + 2 spare ran 0.94-0.97x of 6 cached)
-        if residency != "stream" or (from_memory and n_cached - spare < 2 * n_expert_used):
+        # would stay cached (measured at 6 of 60, top-4: 4 cached + 2 spare ran 0.94-0.97x of 6 cached);
+        # nor where the cache holds all n_expert experts (no token misses: nothing to read ahead)
+        full = 0 < n_expert <= n_cached and all(0 > c or c >= n_expert for c in self.per_layer or [])
+        if residency != "stream" or full or (from_memory and n_cached - spare < 2 * n_expert_used):
             return dataclasses.replace(self, prefetch="off")
         size = n_cached - spare if from_memory else self.size
         return dataclasses.replace(self, prefetch="gate", prefetch_spare=spare, size=size)

@@ -284,7 +284,8 @@ class Llama(llama_cpp.Llama):
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
                 cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
-                                               from_memory=choice is not None or isinstance(cache.size, str))
+                                               from_memory=choice is not None or isinstance(cache.size, str),
+                                               n_expert=info.n_expert)
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
             if preset is not None:  # routing and eviction from the model's K and the share cached

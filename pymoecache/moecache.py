@@ -107,7 +107,7 @@ class MoECache:
         capacities = cache.capacities(cp.n_cached)
         if cache.prefetch == "auto":  # (Llama resolves it first, taking spare slots out of a memory budget)
             cache = cache.resolve_prefetch(cache.residency_for(capacities, n_expert) if model_path is not None
-                                           else "none", cp.n_cached, n_expert_used)
+                                           else "none", cp.n_cached, n_expert_used, n_expert=n_expert)
         if model_path is not None:
             residency = cache.residency_for(capacities, n_expert)
             if (residency == "stream" and isinstance(cache.size, str) and n_expert_used

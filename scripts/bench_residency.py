@@ -113,8 +113,8 @@ def parse_prefetch(spec: str, distance: int = 1, predictor: "str | None" = None,
     """A --prefetch entry as CacheConfig fields: ``gate`` -> prefetch="gate"; after the mode,
     ``:p=0.3`` sets prefetch_min_p, ``:t=0`` prefetch_threads, ``:d=2`` prefetch_distance
     (``distance`` otherwise), ``:s=2`` prefetch_spare (read into spare slots, the cache left
-    alone), ``:a=0`` prefetch_adaptive off, ``:o=0`` overlap_experts off (a layer waits for all
-    its reads before its matmuls), ``:v=0`` prefetch_route off, ``:b=0.5`` prefetch_budget, ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
+    alone), ``:a=1`` prefetch_adaptive on (the timed trial), ``:o=0`` overlap_experts off (a layer waits for all
+    its reads before its matmuls), ``:v=0`` prefetch_route off, ``:b=0.5`` prefetch_budget (``-1``: none), ``:c=sync`` vram_copy (``async``, ``sync``), ``:f=1`` CacheConfig.predictor = ``predictor`` (the fitted
     predictors of --predictor instead of the routers), ``:m=lowbit`` CacheConfig.miss (``lowbit``,
     ``lowbit-all``: misses from the companion ``lowbit``, made from --lowbit-type; ``lowbit-cache``:
     a cache of its copies in the same memory), ``:r=1``
@@ -426,7 +426,8 @@ def main() -> None:
                     help="comma-separated prefetch modes to compare on the stream runs, e.g. off,previous,gate; "
                          "options after the mode: gate:p=0.2 (prefetch_min_p), gate:t=0 (prefetch_threads), "
                          "gate:d=2 (distance), gate:s=2 (2 spare slots per layer: read ahead without inserting), "
-                         "gate:s=2:a=0 (always on), gate:s=2:f=1 (the fitted predictors of --predictor), off:o=0 "
+                         "auto (as a user gets it: gate:s=2 where the experts stream), gate:s=2:a=1 (the timed on/off trial instead of "
+                         "the budget), gate:s=2:b=-1 (no budget), gate:s=2:f=1 (the fitted predictors of --predictor), off:o=0 "
                          "(overlap_experts off: each layer waits for all its reads before its matmuls), "
                          "off:c=async (with --vram-size: copies up on a second stream; c=sync: one after the other), "
                          "gate:p=0.2:t=2 (default %(default)s)")

@@ -3,7 +3,7 @@
 
     python scripts/miss_anatomy.py                                   # the 2.2 GB bench model, prior:0.5, 1/4 cache
     python scripts/miss_anatomy.py MODEL.gguf --routing lru --cache-size 0.5 --prefetch off
-    python scripts/miss_anatomy.py --prefetch gate:s=2:a=0 --tokens 128 --json
+    python scripts/miss_anatomy.py --prefetch gate:s=2:b=-1 --tokens 128 --json
 
 Every expert a decoded token selects that its layer did not cache (a miss) falls in one class
 of each pair:
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="prior:0.5", help="routing spec (default %(default)s)")
     ap.add_argument("--cache-size", default="0.25", help="experts cached per layer: a count or a share of N "
                                                          "(default %(default)s)")
-    ap.add_argument("--prefetch", default="gate:s=2:a=0",
+    ap.add_argument("--prefetch", default="gate:s=2",
                     help="as bench_residency.py's --prefetch entries (default %(default)s: the gate predictor into "
-                         "2 spare slots, always on)")
+                         "2 spare slots under a budget of 0, as prefetch auto; gate:s=2:b=-1 reads every predicted miss)")
     ap.add_argument("--eviction", default="lru", help="eviction policy (default %(default)s)")
     ap.add_argument("--predictor", help="fitted predictors (scripts/fit_predictor.py) for a --prefetch with f=1")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default %(default)s)")

@@ -3,6 +3,7 @@
 
     python scripts/pareto_default.py                                # A, B and the fixture models, 1/2 and 1/4
     python scripts/pareto_default.py --models A,B,C --sizes 0.25 --chunks 20
+    python scripts/pareto_default.py --streamed --models A,B        # as a user runs it: experts streamed, read ahead
 
 For each model and cache size it runs `ppl`'s sweep (chunks of --ctx tokens of the held-out tenth
 of Tiny Shakespeare, each from an empty KV cache, the expert cache carried over, every token
@@ -13,6 +14,12 @@ cell, the default and every row that dominates it, and per candidate default (ea
 cells where a row dominates it. Rows go to --csv. Models A, B and C are the trained ones (models/);
 the fixture models (tests/fixtures/models, built by the tests) have random weights: their
 perplexity says little about language, but a default must not be beaten there either.
+
+--streamed: every token decoded alone with the experts streamed and the default reads ahead
+(prefetch auto: 2 spare slots per layer under a budget of 0, counted as cached by the prior), as a
+user runs it; a row then dominates another when both the MiB per token read on its critical path
+(the reads a token waits for, not those read ahead that it used) and its perplexity are lower.
+Rows go to pareto_default_streamed.csv.
 """
 
 from __future__ import annotations
@@ -45,9 +52,10 @@ def model_path(key: str) -> Path:
     return path
 
 
-def dominated(row: dict, rows: list) -> list:
-    """The rows with both fewer misses and a lower perplexity than ``row``."""
-    return [r for r in rows if r["miss_rate"] < row["miss_rate"] and r["ppl"] < row["ppl"]]
+def dominated(row: dict, rows: list, cost: str = "miss_rate") -> list:
+    """The rows with both less ``cost`` (fewer misses, or fewer critical-path bytes) and a lower
+    perplexity than ``row``."""
+    return [r for r in rows if r[cost] < row[cost] and r["ppl"] < row["ppl"]]
 
 
 def main() -> int:
@@ -59,17 +67,25 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=60,
                     help="chunks per row (default %(default)s: 15,360 tokens; 20 chunks moved rows by 0.5%% and flipped a verdict)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--csv", default=str(ROOT / "docs" / "results" / "pareto_default.csv"))
+    ap.add_argument("--streamed", action="store_true",
+                    help="decode token by token with the experts streamed and the default reads ahead; compare "
+                         "critical-path MiB per token instead of miss rates")
+    ap.add_argument("--csv", default=None, help="rows (default docs/results/pareto_default.csv, with --streamed "
+                                                "pareto_default_streamed.csv)")
     ap.add_argument("--report", action="store_true", help="only the report, from the rows in --csv (of --models)")
     args = ap.parse_args()
+    args.csv = args.csv or str(ROOT / "docs" / "results" /
+                               ("pareto_default_streamed.csv" if args.streamed else "pareto_default.csv"))
+    cost = "critical_mib_per_token" if args.streamed else "miss_rate"
     if args.report:
         from pymoecache.config import DEFAULT_PRESET
 
         with open(args.csv, newline="") as f:
             keys = set(args.models.split(","))
             rows = [dict(r, cache_size=int(r["cache_size"]), n_expert=int(r["n_expert"]), ppl=float(r["ppl"]),
-                         miss_rate=float(r["miss_rate"])) for r in csv.DictReader(f) if r["model_key"] in keys]
-        print(report(rows, DEFAULT_PRESET))
+                         miss_rate=float(r["miss_rate"]), critical_mib_per_token=float(r.get("critical_mib_per_token") or 0))
+                    for r in csv.DictReader(f) if r["model_key"] in keys]
+        print(report(rows, DEFAULT_PRESET, cost))
         return 0
 
     from pymoecache.config import DEFAULT_PRESET, PRESET_NAMES, Preset, Prior
@@ -86,6 +102,8 @@ def main() -> int:
     for key in args.models.split(","):
         path = model_path(key.strip())
         common = dict(ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads, progress=False)
+        if args.streamed:
+            common.update(decode=True, stream=True, prefetch="auto")
         got = sweep(path, text, [Preset(n) for n in PRESET_NAMES], sizes, **common)
         for i, r in enumerate(got):  # (per size: lru, then the presets in order)
             k = i % (len(PRESET_NAMES) + 1)
@@ -98,61 +116,67 @@ def main() -> int:
         for r in got:
             r["model_key"] = key
             print(f"  [{key}] {r['cache_size']}/{r['n_expert']} {r['setting']:28s} ppl {r['ppl']:.4f} "
-                  f"miss {100 * r['miss_rate']:.1f}%", file=sys.stderr, flush=True)
+                  f"miss {100 * r['miss_rate']:.1f}% critical {r['critical_mib_per_token']:.3f} MiB/tok",
+                  file=sys.stderr, flush=True)
         rows += got
-    fields = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate", "tokens"]
+    fields = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate",
+              "critical_mib_per_token", "tokens"]
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print(report(rows, DEFAULT_PRESET))
+    print(report(rows, DEFAULT_PRESET, cost))
     print(f"\n({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0
 
 
-def report(rows: list, default: str) -> str:
-    """Markdown: per cell the default preset and what dominates it; then, per preset, the cells
-    where it is dominated."""
+def report(rows: list, default: str, cost: str = "miss_rate") -> str:
+    """Markdown: per cell the default preset and what dominates it (by ``cost``: "miss_rate" or
+    "critical_mib_per_token"); then, per preset, the cells where it is dominated."""
+    def fmt(r):
+        return (f"{100 * r['miss_rate']:.1f}%" if cost == "miss_rate"
+                else f"{r['critical_mib_per_token']:.3f} MiB/tok ({100 * r['miss_rate']:.1f}% misses)")
+
+    what = "miss rate" if cost == "miss_rate" else "critical-path MiB per token"
     cells = sorted({(r["model_key"], r["cache_size"], r["n_expert"]) for r in rows},
                    key=lambda c: (c[0], -c[1]))
-    out = [f"Default: `preset:{default}`. A row dominates it when both its miss rate and its perplexity "
+    out = [f"Default: `preset:{default}`. A row dominates it when both its {what} and its perplexity "
            "are lower.", "",
-           "| model | cache | default: routing, eviction | ppl | miss rate | dominated by |", "|---|---|---|---|---|---|"]
+           f"| model | cache | default: routing, eviction | ppl | {what} | dominated by |", "|---|---|---|---|---|---|"]
     beaten = {}
     for cell in cells:
         mine = [r for r in rows if (r["model_key"], r["cache_size"], r["n_expert"]) == cell]
         for r in mine:
             if r["setting"].startswith("preset:"):
-                beaten.setdefault(r["setting"], []).append((cell, dominated(r, mine)))
+                beaten.setdefault(r["setting"], []).append((cell, dominated(r, mine, cost)))
         d = next((r for r in mine if r["setting"] == f"preset:{default}"), None)
         if d is None:
             continue
-        by = dominated(d, mine)
-        out.append(f"| {cell[0]} | {cell[1]}/{cell[2]} | `{d['spec']}` {d['eviction']} | {d['ppl']:.4f} | "
-                   f"{100 * d['miss_rate']:.1f}% | "
-                   + (", ".join(f"`{r['setting']}` ({r['ppl']:.4f}, {100 * r['miss_rate']:.1f}%)" for r in by)
-                      or "nothing") + " |")
+        by = dominated(d, mine, cost)
+        out.append(f"| {cell[0]} | {cell[1]}/{cell[2]} | `{d['spec']}` {d['eviction']} | {d['ppl']:.4f} | {fmt(d)} | "
+                   + (", ".join(f"`{r['setting']}` ({r['ppl']:.4f}, {fmt(r)})" for r in by) or "nothing") + " |")
     out += ["", "| preset | cells where a row dominates it |", "|---|---|"]
     for name, cells_by in sorted(beaten.items()):
         lost = [f"{c[0]} {c[1]}/{c[2]}" for c, by in cells_by if by]
         out.append(f"| `{name}` | {len(lost)} of {len(cells_by)}" + (f": {', '.join(lost)}" if lost else "") + " |")
     # every setting (flat or preset) that nothing dominates in any cell: the candidates for a default,
-    # with what they cost (perplexity against top-k + LRU) and save (misses against it) at worst and best
-    out += ["", "Settings that no row dominates in any cell, with their perplexity cost and their fewer misses "
+    # with what they cost (perplexity against top-k + LRU) and save (misses or bytes against it) at worst and best
+    saved = "fewer misses" if cost == "miss_rate" else "fewer critical bytes"
+    out += ["", f"Settings that no row dominates in any cell, with their perplexity cost and their {saved} "
             "against top-k + LRU (worst / best over the cells):", "",
-            "| setting | Δ ppl, worst | Δ ppl, best | fewer misses, worst | fewer misses, best |", "|---|---|---|---|---|"]
+            f"| setting | Δ ppl, worst | Δ ppl, best | {saved}, worst | {saved}, best |", "|---|---|---|---|---|"]
     for name in sorted({r["setting"] for r in rows}):
         costs, saves, ok = [], [], True
         for cell in cells:
             mine = [r for r in rows if (r["model_key"], r["cache_size"], r["n_expert"]) == cell]
             r = next((x for x in mine if x["setting"] == name), None)
             base = next((x for x in mine if x["setting"] == "lru"), None)
-            if r is None or base is None or dominated(r, mine):
+            if r is None or base is None or dominated(r, mine, cost):
                 ok = False
                 break
             costs.append(r["ppl"] / base["ppl"] - 1)
-            saves.append(base["miss_rate"] / max(r["miss_rate"], 1e-9))
+            saves.append(base[cost] / max(r[cost], 1e-9))
         if ok and costs:
             out.append(f"| `{name}` | {100 * max(costs):+.2f}% | {100 * min(costs):+.2f}% | {min(saves):.2f}x | "
                        f"{max(saves):.2f}x |")

@@ -1,8 +1,9 @@
 // moecache-ahead.cpp - reads ahead of the layer that needs them: during layer il's decode, what
 // layer il + d will select is predicted (GATE: that layer's router, or a fitted predictor standing in
 // for it, applied to this layer's input; TRACE: past requests' expert counts; PREVIOUS: its last
-// token's selection) and the predicted misses are read. With spare slots the reads ahead are on
-// only while a running trial shows that they win (prefetch_adaptive).
+// token's selection) and the predicted misses are read. With spare slots the reads ahead spend a
+// budget that the tokens' use of them refills (prefetch_budget, the default), or are on only while
+// a running trial shows that they win (prefetch_adaptive).
 
 #include "moecache-impl.h"
 
@@ -210,8 +211,12 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
     int32_t read[MOECACHE_MAX_USED];
     float   read_score[MOECACHE_MAX_USED];
     int32_t m = spare ? moecache_layer_speculate(T, ids, n, read) : moecache_layer_prefetch(T, ids, n, read);
-    if (moecache_budgets_ahead(mc)) {
-        m = std::min(m, (int32_t) T.pf.credit); // (the most likely first; spent as they are read)
+    if (moecache_budgets_ahead(mc)) { // (the most likely first; each costs one, read or already in a slot)
+        m = std::min(m, (int32_t) T.pf.credit);
+        for (int32_t i = 0; i < m; i++) {
+            T.pf.spent[read[i]] = 1;
+        }
+        T.pf.credit -= (float) m;
     }
     if (moecache_counts_ahead(mc)) { // what these reads fill T's spare slots with, for T's prior to count as cached
         for (int32_t i = 0; i < m; i++) {

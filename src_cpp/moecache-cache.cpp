@@ -29,6 +29,7 @@ void moecache_layer_init(moecache & mc, moecache_layer & L, int32_t il, int32_t 
     L.pf.fetched.assign(n, 0);
     L.pf.ahead.assign(n, 0);
     L.pf.by_mark.assign(n, 0);
+    L.pf.spent.assign(n, 0);
     L.pf.credit = (float) mc.cparams.prefetch_spare;
     L.pf.last_sel.assign(mc.n_expert_used, -1);
     L.use.freq.assign(n, 0.0);
@@ -41,6 +42,8 @@ void moecache_layer_clear(moecache_layer & L) {
     std::fill(L.last_use.begin(), L.last_use.end(), -1);
     std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
     std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
+    std::fill(L.pf.by_mark.begin(), L.pf.by_mark.end(), 0);
+    std::fill(L.pf.spent.begin(), L.pf.spent.end(), 0);
     L.pf.credit = (float) L.mc->cparams.prefetch_spare;
     std::fill(L.use.freq.begin(), L.use.freq.end(), 0.0);
     std::fill(L.use.mass.begin(), L.use.mass.end(), 0.0);
@@ -63,6 +66,8 @@ void moecache_layer_empty(moecache_layer & L) {
     }
     std::fill(L.pf.fetched.begin(), L.pf.fetched.end(), 0);
     std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
+    std::fill(L.pf.by_mark.begin(), L.pf.by_mark.end(), 0);
+    std::fill(L.pf.spent.begin(), L.pf.spent.end(), 0);
     std::fill(L.use.pinned.begin(), L.use.pinned.end(), 0);
     L.use.n_pinned = 0;
     L.occupancy    = 0;
@@ -227,13 +232,14 @@ void moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, in
         if (L.pf.fetched[sel[i]]) {
             L.pf.fetched[sel[i]] = 0;
             mc.rst.prefetch_used += 1;
-            // (picked only for its mark: a miss the routing without the reads would not have had)
-            L.pf.credit += budget && !L.pf.by_mark[sel[i]] ? 1.0f + mc.cparams.prefetch_budget : 0.0f;
         }
+        // (picked only for its mark: a miss the routing without the reads would not have had)
+        L.pf.credit += budget && L.pf.spent[sel[i]] && !L.pf.by_mark[sel[i]] ? 1.0f + mc.cparams.prefetch_budget : 0.0f;
         L.pf.by_mark[sel[i]] = 0;
     }
     if (budget) { // (a retry per 32 tokens, up to twice the spare slots)
         L.pf.credit = std::min(L.pf.credit + 1.0f / 32.0f, 2.0f * (float) mc.cparams.prefetch_spare);
+        std::fill(L.pf.spent.begin(), L.pf.spent.end(), 0);
     }
     if (mc.cparams.prefetch_spare > 0) { // spare slots: read for this routing only; the rest was for nothing
         for (uint8_t & f : L.pf.fetched) {

@@ -170,6 +170,9 @@ struct moecache_layer_prefetch {
     std::vector<uint8_t> ahead;      // [n_expert] prefetch_route: what the last prediction reads into spare
                                      //   slots (within prefetch_budget), until this layer routes
     float   credit = 0.0f;           // prefetch_budget: experts this layer may still read ahead
+    std::vector<uint8_t> spent;      // [n_expert] prefetch_budget: charged to the credit by the last prediction
+                                     //   (read, or already in a slot), until this layer routes: the budget
+                                     //   follows the cache's contents, never which bytes a slot still holds
     std::vector<uint8_t> by_mark;    // [n_expert] prefetch_route: selected by the last routing only because
                                      //   a read ahead marked them (moecache-route.cpp marked_picks)
     std::vector<int32_t> last_sel;   // the experts this layer selected for the last token (PREVIOUS)

@@ -289,7 +289,6 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
         }
         if (spare) { // (an insertion was counted by moecache_layer_prefetch)
             T.pf.fetched[e] = 1;
-            T.pf.credit    -= moecache_budgets_ahead(mc) ? 1.0f : 0.0f;
             mc.rst.prefetch_issued += 1;
         }
         moecache_io_req & req = T.res.slot_req[s];

@@ -73,9 +73,9 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.prefetch_min_p     = 0.0f;
     p.prefetch_threads   = 0;
     p.prefetch_spare     = 0;
-    p.prefetch_adaptive  = true;
+    p.prefetch_adaptive  = false;
     p.prefetch_route     = true;
-    p.prefetch_budget    = -1.0f;
+    p.prefetch_budget    = 0.0f;
     p.eviction           = MOECACHE_EVICTION_LRU;
     p.eviction_decay     = 0.95f;
     p.router_record      = 0;

@@ -272,8 +272,9 @@ struct moecache_cache_params {
     bool    prefetch_adaptive;    // prefetch_spare > 0: the reads ahead switch themselves off where they lose:
                                   //   a trial of 32 decoded tokens, with and without them in turn, compares
                                   //   the median time per token; they run for the next 96 tokens only if
-                                  //   they were at least 2% faster, then a new trial; default true (false:
-                                  //   always on)
+                                  //   they were at least 2% faster, then a new trial. It follows the clock,
+                                  //   so prefetch_route and prefetch_budget are off under it; default false
+                                  //   (the reads ahead run under prefetch_budget, the same on every run)
     bool    prefetch_route;       // prefetch_spare > 0, STREAM, prefetch_adaptive false (the reads ahead
                                   //   always run): the routing's prior counts the experts a prediction
                                   //   reads into this layer's spare slots as cached (issue 28's direction
@@ -285,7 +286,8 @@ struct moecache_cache_params {
     float   prefetch_budget;      // prefetch_spare > 0, prefetch_adaptive false: the reads ahead of each
                                   //   layer spend a budget that only the routing refills, so a run reads
                                   //   ahead the same experts whatever the disk's timing: an expert read
-                                  //   ahead costs one expert, one the layer's token then selects earns back
+                                  //   ahead (or found still in a slot) costs one expert, one the layer's
+                                  //   token then selects earns back
                                   //   1 + this (nothing where prefetch_route's mark alone made the prior
                                   //   pick it: a miss the routing without the reads would not have had),
                                   //   and every decoded token adds 1/32 (a retry); the budget
@@ -293,7 +295,8 @@ struct moecache_cache_params {
                                   //   So the experts read ahead for nothing stay under this many times
                                   //   those a token used, plus one per 32 tokens. In [0, 64]; < 0: no
                                   //   budget, every predicted miss is read (up to prefetch_spare);
-                                  //   default -1
+                                  //   default 0 (the experts read ahead for nothing are about one per
+                                  //   32 tokens and layer, so a slow disk loses little to them)
     enum moecache_eviction eviction; // default MOECACHE_EVICTION_LRU; moecache_set_eviction changes it
     float   eviction_decay;       // per-token decay of LFU / FREQ_PROB / ROUTER_MASS usage, in (0, 1]; default 0.95
     int32_t router_record;        // tokens of router outputs (z, p, s) kept per MoE layer for offline replay

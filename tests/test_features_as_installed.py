@@ -1,6 +1,6 @@
 """This stop's user-facing features as a user reaches them: the installed package, a fresh process
 started outside the source tree, the flag alone (pymoecache lowbit, --miss lowbit, --miss auto, --lowbit-in-ram,
---lowbit-max-p, info's companion rows, ppl --miss, --no-prefetch-route, --prefetch-budget, --chat-template,
+--lowbit-max-p, info's companion rows, ppl --miss, the reads ahead's flags, --chat-template,
 llama-server's /completion and /tokenize, logprobs)."""
 
 from __future__ import annotations
@@ -45,28 +45,32 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
 
 
 def test_reads_ahead_flags(fixture_dir, tmp_path):
-    """--no-prefetch-route and --prefetch-budget, each alone on top of always-on reads ahead: without the
-    prior counting them the hits are those without reads ahead; a budget of 0 reads fewer ahead."""
+    """The reads ahead as a user gets them with no flag (prefetch auto: 2 spare slots, a budget of 0,
+    counted by the prior), then --prefetch-budget, --no-prefetch-route and --prefetch-adaptive, each
+    alone: without the prior counting the reads (--no-prefetch-route, or the timed trial) the hits are
+    those without reads ahead; no budget reads more ahead than the default's."""
     m = model_path(fixture_dir, MODEL)
     base = ["run", m, "--cache-size", "15", "--residency", "stream", "--routing", "prior:0.5", "--miss", "full",
             "-n", "24", "-p", "Once upon a time"]
-    ahead = ["--prefetch", "gate", "--prefetch-spare", "2", "--no-prefetch-adaptive"]
 
     def stats(*flags):
         r = installed(tmp_path, *base, *flags)
         assert r.returncode == 0, r.stderr
         hit = re.search(r"hit rate ([0-9.]+)%", r.stdout)
         issued = re.search(r"(\d+) issued", r.stdout)
-        return hit.group(1), int(issued.group(1)) if issued else 0
+        on = re.search(r"on for (\d+)/(\d+) tokens", r.stdout)
+        return hit.group(1), int(issued.group(1)) if issued else 0, on and int(on.group(1)) < int(on.group(2))
 
     off = stats("--prefetch", "off")
-    blind = stats(*ahead, "--no-prefetch-route")
-    counted = stats(*ahead)
-    budget = stats(*ahead, "--prefetch-budget", "0")
-    assert blind[0] == off[0] and blind[1] > 0 and counted[1] > 0
-    assert counted[0] != off[0]  # (the prior picks experts in flight: other hits)
-    assert 0 < budget[1] < counted[1]
-    r = installed(tmp_path, *base, *ahead, "--prefetch-budget", "65")
+    default = stats()
+    every = stats("--prefetch-budget", "-1")
+    blind = stats("--no-prefetch-route")
+    trial = stats("--prefetch-adaptive")
+    assert off[1] == 0 and 0 < default[1] < every[1]
+    assert every[0] != off[0]  # (the prior picks experts in flight: other hits)
+    assert blind[0] == off[0] and blind[1] > 0
+    assert trial[0] == off[0] and trial[2] and not default[2]  # (the trial had them on for part of the tokens)
+    r = installed(tmp_path, *base, "--prefetch-budget", "65")
     assert r.returncode != 0 and "prefetch_budget" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

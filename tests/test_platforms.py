@@ -70,8 +70,9 @@ def test_moecache_run_matches_the_python_package(fixture_dir, moecache_run, name
 
     # the same run through pymoecache.Llama: prompt as one batch, then greedy one token at a time,
     # logits of the last position only. Both run without flash attention (llama-cpp-python's
-    # default; moecache-run's too), else near-ties in the router flip and the runs part ways.
-    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=cache, trace=100_000), routing=routing,
+    # default; moecache-run's too), else near-ties in the router flip and the runs part ways. No reads
+    # ahead: moecache-run has none, and the prior counts the package's (tests/test_prefetch.py).
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=cache, trace=100_000, prefetch="off"), routing=routing,
                            n_ctx=512, n_batch=512, n_threads=2, verbose=False)
     tokens = llm.tokenize(PROMPT.encode(), add_bos=True)
     llm.eval(tokens)

@@ -233,24 +233,25 @@ def test_spare_slot_prefetch_changes_no_routing_only_reads(paths, name, routing)
 
 @pytest.mark.parametrize("name", ["tiny-shakespeare-qwen2moe-60x4", "tiny-shakespeare-mixtral-8x2"])
 def test_the_prior_counts_the_reads_ahead_as_cached(paths, name):
-    """prefetch_route (the default, where the reads ahead always run): the prior boosts the experts a
-    prediction reads into the spare slots, so the tokens select more of them, top-k + LRU is
-    untouched; with the adaptive trial it is off, so the routing does not follow the trial's timing."""
+    """prefetch_route (the default): the prior boosts the experts a prediction reads into the spare
+    slots, so the tokens select more of them (here with no budget, so that every predicted miss is
+    read), top-k + LRU is untouched; with the adaptive trial it is off, so the routing does not follow
+    the trial's timing."""
     if name not in paths:
         pytest.skip(f"{name}.gguf is not in this checkout")
     demand = {True: 0, False: 0}
+    every = dict(prefetch_spare=2, prefetch_budget=-1.0)
     for size in (0.25, 0.5):
-        ref, _ = run(paths[name], "lru", size, "gate", prefetch_spare=2, prefetch_route=False)
-        got, _ = run(paths[name], "lru", size, "gate", prefetch_spare=2, prefetch_adaptive=False)
+        ref, _ = run(paths[name], "lru", size, "gate", prefetch_route=False, **every)
+        got, _ = run(paths[name], "lru", size, "gate", **every)
         assert np.array_equal(got, ref)  # (no prior: nothing to count)
-        plain, off = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2, prefetch_route=False,
-                         prefetch_adaptive=False)
-        on, st = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2, prefetch_adaptive=False)
+        plain, off = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_route=False, **every)
+        on, st = run(paths[name], "prior:0.1:j=1", size, "gate", **every)
         assert not np.array_equal(on, plain)
         assert st.residency.prefetch_used >= off.residency.prefetch_used
         demand[True] += st.residency.demand_bytes_read
         demand[False] += off.residency.demand_bytes_read
-        adaptive, _ = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_spare=2)  # reads on, then off
+        adaptive, _ = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_adaptive=True, **every)  # on, then off
         assert np.array_equal(adaptive, plain)
     if name == "tiny-shakespeare-qwen2moe-60x4":  # fewer bytes on demand (on these few tokens A's only; the
         assert demand[True] < demand[False], demand  # long runs of docs/results.md: 1-6% fewer on A and B)
@@ -265,9 +266,9 @@ def test_the_reads_ahead_keep_to_their_budget(paths, name):
     if name not in paths:
         pytest.skip(f"{name}.gguf is not in this checkout")
     S = 2
-    common = dict(prefetch_spare=S, prefetch_adaptive=False)
+    common = dict(prefetch_spare=S)
     for size in (0.25, 0.5):
-        _, free = run(paths[name], "prior:0.1:j=1", size, "gate", **common)
+        _, free = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_budget=-1.0, **common)
         issued = {}
         for budget in (0.0, 0.5):
             got, st = run(paths[name], "prior:0.1:j=1", size, "gate", prefetch_budget=budget, **common)
@@ -291,7 +292,8 @@ def test_prefetch_budget_is_checked():
     for bad in (True, 65.0, float("nan"), "0.5"):
         with pytest.raises(pymoecache.ConfigError, match="prefetch_budget"):
             CacheConfig(prefetch="gate", prefetch_spare=2, prefetch_budget=bad)
-    assert CacheConfig(prefetch_budget=-1).prefetch_budget == -1 and CacheConfig(prefetch_budget=0).prefetch_budget == 0
+    assert CacheConfig(prefetch_budget=-1).prefetch_budget == -1 and CacheConfig(prefetch_budget=0.5).prefetch_budget == 0.5
+    assert CacheConfig().prefetch_budget == 0 and not CacheConfig().prefetch_adaptive  # (the default: a budget of 0)
 
 
 def test_prefetch_spare_is_checked():

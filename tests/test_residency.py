@@ -136,7 +136,9 @@ import numpy as np
 import pymoecache
 from pymoecache import CacheConfig
 path, residency, out = sys.argv[1:4]
-llm = pymoecache.Llama(path, cache=CacheConfig(size=1.0 if residency == "none" else 0.5, residency=residency),
+# (no reads ahead: streamed, the prior would count them, and mmap has none)
+llm = pymoecache.Llama(path, cache=CacheConfig(size=1.0 if residency == "none" else 0.5, residency=residency,
+                                               prefetch="off"),
                        routing="prior:0.5", n_ctx=128, n_threads=2, seed=1, logits_all=True, verbose=True)
 llm.eval(list(range(300, 316)))
 for t in range(1000, 1008):

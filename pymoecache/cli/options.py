@@ -166,19 +166,20 @@ def _add_residency_options(c) -> None:
                    help="gate prefetch: predict the next layers' experts with the predictors in FILE, fitted on a "
                         "text for this model (pymoecache.tune.fit_predictor, scripts/fit_predictor.py), instead of "
                         "their routers; only what is read ahead changes (default: the routers)")
-    c.add_argument("--no-prefetch-adaptive", dest="prefetch_adaptive", action="store_false",
-                   help="with --prefetch-spare: keep the reads ahead on all the time (default: they switch "
-                        "themselves off unless tokens with them ran at least 2%% faster in a trial of 32 tokens, "
-                        "with and without them in turn)")
+    c.add_argument("--prefetch-budget", type=float, default=0.0, metavar="W",
+                   help="with --prefetch-spare (and prefetch auto): the reads ahead of a layer may waste at most W "
+                        "experts per read-ahead expert a token used (plus one per 32 tokens; one the routing picked "
+                        "only because it was being read counts as unused), whatever the disk's timing, so the same "
+                        "run reads the same experts; negative: no budget (default 0)")
     c.add_argument("--no-prefetch-route", dest="prefetch_route", action="store_false",
-                   help="with --prefetch-spare and --no-prefetch-adaptive: the routing does not count the experts "
-                        "being read ahead as cached (default: the prior prefers them, so a token picks what is in "
-                        "flight over what is not; never with the adaptive trial, whose timing it would follow)")
-    c.add_argument("--prefetch-budget", type=float, default=-1.0, metavar="W",
-                   help="with --prefetch-spare and --no-prefetch-adaptive: the reads ahead of a layer may waste at "
-                        "most W experts per read-ahead expert a token used (plus one per 32 tokens; one the routing "
-                        "picked only because it was being read counts as unused), whatever the disk's timing, so "
-                        "the same run reads the same experts (default -1: no budget)")
+                   help="with --prefetch-spare (and prefetch auto): the routing does not count the experts being read "
+                        "ahead as cached (default: the prior prefers them, so a token picks what is in flight over "
+                        "what is not)")
+    c.add_argument("--prefetch-adaptive", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --prefetch-spare (and prefetch auto): instead of --prefetch-budget, the reads ahead switch "
+                        "themselves off unless tokens with them ran at least 2%% faster in a timed trial of 32 tokens, "
+                        "with and without them in turn; the routing then does not count them, since it would follow "
+                        "the clock (default: off)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
@@ -582,9 +583,9 @@ def cache_from_args(args):
                        residency=getattr(args, "residency", "auto"), io_threads=getattr(args, "io_threads", 8),
                        prefetch_threads=getattr(args, "prefetch_threads", 0),
                        prefetch_spare=getattr(args, "prefetch_spare", 0),
-                       prefetch_adaptive=getattr(args, "prefetch_adaptive", True),
+                       prefetch_adaptive=getattr(args, "prefetch_adaptive", False),
                        prefetch_route=getattr(args, "prefetch_route", True),
-                       prefetch_budget=getattr(args, "prefetch_budget", -1.0),
+                       prefetch_budget=getattr(args, "prefetch_budget", 0.0),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
