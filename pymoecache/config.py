@@ -569,7 +569,8 @@ class CacheConfig:
 
     prefetch_budget (default 0; spare slots): the reads ahead of each layer spend a budget that only
     the routing refills, so a run reads ahead the same experts whatever the disk's timing: each
-    expert read ahead costs one, each one the layer's token then selects earns back
+    expert a prediction reads ahead (or finds still in a spare slot) costs one, each one the
+    layer's token then selects earns back
     ``1 + prefetch_budget`` (nothing where the prior picked it only because it was being read: a
     miss the routing without the reads would not have had), and every token adds 1/32. The
     experts read ahead for nothing stay under ``prefetch_budget`` times those used, plus one per

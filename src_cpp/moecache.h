@@ -276,7 +276,7 @@ struct moecache_cache_params {
                                   //   so prefetch_route and prefetch_budget are off under it; default false
                                   //   (the reads ahead run under prefetch_budget, the same on every run)
     bool    prefetch_route;       // prefetch_spare > 0, STREAM, prefetch_adaptive false (the reads ahead
-                                  //   always run): the routing's prior counts the experts a prediction
+                                  //   do not follow the clock): the routing's prior counts the experts a prediction
                                   //   reads into this layer's spare slots as cached (issue 28's direction
                                   //   4, the cache left alone): a token picks what is being read over what
                                   //   is not. Not with the adaptive trial: the routing would follow its
