@@ -144,7 +144,10 @@ def test_slots_take_turns_and_the_queue_holds_the_rest(fixture_dir, tmp_path):
         assert e.value.code == 503 and e.value.headers["Retry-After"]
         for t in threads:
             t.join(timeout=300)
-    assert not errors and sorted(r["usage"]["completion_tokens"] for r in results) == [20, 20, 1500]
+    # (llama-cpp-python finishes a character whose UTF-8 bytes span tokens past max_tokens: up to 3 more)
+    assert not errors and len(results) == 3
+    got = sorted(r["usage"]["completion_tokens"] for r in results)
+    assert 20 <= got[0] <= got[1] <= 23 and 1500 <= got[2] <= 1503, got
 
 
 def test_n_greater_than_one_is_refused(keyed):
