@@ -314,8 +314,8 @@ struct moecache {
     std::string       io_error;
 };
 
-// prefetch_route in effect: reads ahead into spare slots that always run (no adaptive trial, whose
-// timing the routing must not follow), which the prior counts as cached: moecache-ahead.cpp marks
+// prefetch_route in effect: reads ahead into spare slots that do not follow the clock (no adaptive
+// trial, whose timing the routing must not follow), which the prior counts as cached: moecache-ahead.cpp marks
 // them (L.pf.ahead), moecache-route.cpp reads the marks
 inline bool moecache_counts_ahead(const moecache & mc) {
     const moecache_cache_params & cp = mc.cparams;
