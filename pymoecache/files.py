@@ -67,10 +67,10 @@ def read_regular_file(path: str, max_bytes: Optional[int] = None) -> bytes:
     return data
 
 
-def read_user_text(path: str, what: str, max_bytes: Optional[int], error: type) -> str:
+def read_user_text(path: str, what: str, max_bytes: Optional[int], error: type, too_large: str = "") -> str:
     """The UTF-8 text of a file the user named as ``what`` (read by :func:`read_regular_file`);
     ``error(message)`` when it cannot be read, is not a regular file, holds more than ``max_bytes``
-    or is not UTF-8."""
+    (the message then ends with ``too_large`` where given) or is not UTF-8."""
     try:
         data = read_regular_file(path, max_bytes)
     except OSError as e:
@@ -79,7 +79,7 @@ def read_user_text(path: str, what: str, max_bytes: Optional[int], error: type) 
         raise error(f"{what} {path} is not a regular file"
                     + (": a directory" if e.is_dir else " (a FIFO, socket or device)")) from None
     except FileTooLarge:
-        raise error(f"{what} {path} is larger than {max_bytes} bytes") from None
+        raise error(f"{what} {path} " + (too_large or f"is larger than {max_bytes} bytes")) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

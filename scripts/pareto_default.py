@@ -101,7 +101,16 @@ def main() -> int:
     t0 = time.time()
     for key in args.models.split(","):
         path = model_path(key.strip())
-        common = dict(ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads, progress=False)
+        done = [0]
+
+        def on_row(got, total, key=key, done=done):  # one line per finished row: these runs take hours
+            if got:
+                done[0] += 1
+                r = got[-1]
+                print(f"  [{key}] row {done[0]} ({time.time() - t0:.0f} s) {r['cache_size']}/{r['n_expert']} "
+                      f"{r['spec']}: ppl {r['ppl']:.4f}", file=sys.stderr, flush=True)
+
+        common = dict(ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads, progress=False, on_row=on_row)
         if args.streamed:
             common.update(decode=True, stream=True, prefetch="auto")
         got = sweep(path, text, [Preset(n) for n in PRESET_NAMES], sizes, **common)
@@ -119,16 +128,20 @@ def main() -> int:
                   f"miss {100 * r['miss_rate']:.1f}% critical {r['critical_mib_per_token']:.3f} MiB/tok",
                   file=sys.stderr, flush=True)
         rows += got
-    fields = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate",
-              "critical_mib_per_token", "tokens"]
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+        write_rows(args.csv, rows)  # after each model, so a stopped run keeps the models it finished
     print(report(rows, DEFAULT_PRESET, cost))
     print(f"\n({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0
+
+
+def write_rows(path: str, rows: list) -> None:
+    fields = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate",
+              "critical_mib_per_token", "tokens"]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
 
 
 def report(rows: list, default: str, cost: str = "miss_rate") -> str:

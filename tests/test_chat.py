@@ -400,7 +400,7 @@ def test_read_refuses_devices_fifos_and_texts_the_context_cannot_hold(tmp_path):
                        cwd=ROOT, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert time.monotonic() - t0 < 100  # (each refusal said at once, none read until memory ran out)
-    assert r.stderr.count("not a regular file") == 3 and "is a directory" in r.stderr, r.stderr
+    assert r.stderr.count("not a regular file") == 4 and "is not a regular file: a directory" in r.stderr, r.stderr
     assert f"{big} is too long for the context: more than {256 * 256} bytes cannot fit 256 tokens" in r.stderr
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert [m["content"] for m in messages if m["role"] == "user"] == ["FROMFILE"]  # the chat went on

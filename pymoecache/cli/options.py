@@ -501,23 +501,12 @@ def read_text_file(path: str, what: str, max_tokens: int = 0) -> str:
     """A UTF-8 text file the user named (a prompt), as one string; UserError when it cannot be read,
     is not a regular file (a FIFO would block, /dev/zero never end), or is longer than a context of
     ``max_tokens`` tokens could hold (0: no bound)."""
-    from ..files import FileTooLarge, NotARegularFile, read_regular_file
+    from ..files import read_user_text
 
     limit = max_tokens * MAX_TOKEN_BYTES if max_tokens > 0 else None
-    try:
-        data = read_regular_file(path, limit)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
-    except NotARegularFile as e:
-        kind = "a directory" if e.is_dir else "not a regular file (a FIFO, socket or device)"
-        raise UserError(f"{what} {path} is {kind}: give a text file") from None
-    except FileTooLarge:
-        raise UserError(f"{what} {path} is too long for the context: more than {limit} bytes cannot fit {max_tokens} "
-                        f"tokens; use a shorter file or a larger context (-c)") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{what} {path} is not UTF-8 text") from None
+    text = read_user_text(path, what, limit, UserError,
+                          too_large=f"is too long for the context: more than {limit} bytes cannot fit {max_tokens} "
+                                    f"tokens; use a shorter file or a larger context (-c)")
     return text.replace("\r\n", "\n").replace("\r", "\n")  # (universal newlines, as text mode reads it)
 
 
