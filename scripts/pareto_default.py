@@ -179,6 +179,7 @@ def report(rows: list, default: str, cost: str = "miss_rate") -> str:
     out += ["", f"Settings that no row dominates in any cell, with their perplexity cost and their {saved} "
             "against top-k + LRU (worst / best over the cells):", "",
             f"| setting | Δ ppl, worst | Δ ppl, best | {saved}, worst | {saved}, best |", "|---|---|---|---|---|"]
+    candidates = 0
     for name in sorted({r["setting"] for r in rows}):
         costs, saves, ok = [], [], True
         for cell in cells:
@@ -191,8 +192,11 @@ def report(rows: list, default: str, cost: str = "miss_rate") -> str:
             costs.append(r["ppl"] / base["ppl"] - 1)
             saves.append(base[cost] / max(r[cost], 1e-9))
         if ok and costs:
+            candidates += 1
             out.append(f"| `{name}` | {100 * max(costs):+.2f}% | {100 * min(costs):+.2f}% | {min(saves):.2f}x | "
                        f"{max(saves):.2f}x |")
+    if not candidates:  # no default could meet the criterion in these cells: say so, not an empty table
+        out[-2:] = [f"None: in these {len(cells)} cells every setting of the grid is dominated in at least one."]
     return "\n".join(out)
 
 

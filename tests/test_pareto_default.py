@@ -1,0 +1,55 @@
+"""scripts/pareto_default.py --report as a user runs it, on rows written the way the script writes
+them: who dominates the default, and which settings nothing dominates (or that none is left)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "pareto_default.py"
+FIELDS = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate",
+          "critical_mib_per_token", "tokens"]
+
+
+def report(tmp_path, rows, models="M") -> str:
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(FIELDS)
+        for key, size, setting, ppl, miss in rows:
+            w.writerow([key, size, 8, setting, setting, "lru", ppl, miss, 10 * miss, 100])
+    r = subprocess.run([sys.executable, str(SCRIPT), "--report", "--csv", str(path), "--models", models],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def candidates(out: str) -> list:
+    tail = out.split("Settings that no row dominates")[1]
+    return [line.split("`")[1] for line in tail.splitlines() if line.startswith("| `")]
+
+
+def test_the_default_held_and_the_candidates_listed(tmp_path):
+    # cell 4/8: the default has fewer misses than top-k and nothing has both fewer misses and a lower ppl
+    out = report(tmp_path, [("M", 4, "lru", 10.0, 0.40), ("M", 4, "preset:quality", 10.05, 0.30),
+                            ("M", 4, "preset:speed", 10.3, 0.20), ("M", 4, "flat", 10.1, 0.35)])
+    row = next(line for line in out.splitlines() if line.startswith("| M | 4/8"))
+    assert row.endswith("| nothing |")
+    assert candidates(out) == ["lru", "preset:quality", "preset:speed"]  # "flat" is dominated by the default
+    assert "+0.50%" in out  # the default's perplexity cost against top-k + LRU
+
+
+def test_a_dominated_default_is_named_and_none_left_says_so(tmp_path):
+    # two cells; every setting is dominated in one of them (the default in 2/8, the others in 4/8)
+    out = report(tmp_path, [("M", 4, "lru", 10.0, 0.40), ("M", 4, "preset:quality", 9.9, 0.30),
+                            ("M", 4, "flat", 10.1, 0.35),
+                            ("M", 2, "lru", 12.0, 0.60), ("M", 2, "preset:quality", 12.2, 0.55),
+                            ("M", 2, "flat", 12.1, 0.50)])
+    row = next(line for line in out.splitlines() if line.startswith("| M | 2/8"))
+    assert "`flat` (12.1000, 50.0%)" in row
+    assert "| `preset:quality` | 1 of 2: M 2/8 |" in out
+    assert candidates(out) == []
+    assert "None: in these 2 cells every setting of the grid is dominated in at least one." in out
