@@ -83,6 +83,9 @@ class PerplexityResult:
     n_chunks: int
     ctx: int
     stats: MoEStats      # cache counters of this run only
+    ppl_err: float = 0.0 # its standard error, from the spread of the per-token NLLs (as llama-perplexity's "+/-")
+    chunk_nll: List[float] = dataclasses.field(default_factory=list)  # mean NLL of each chunk, in order:
+                                                                        # paired comparisons (paired_delta)
 
 
 def model_context_length(llm) -> int:
@@ -145,21 +148,50 @@ def split_chunks(tokens: Sequence[int], ctx: int, limit_chunks: Optional[int] = 
     return [list(tokens[i * ctx:(i + 1) * ctx]) for i in range(n)]
 
 
+def token_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 128) -> np.ndarray:
+    """-log softmax(logits[i])[targets[i]] for every position i, in float64.
+
+    >>> [round(x, 6) for x in token_nll(np.zeros((2, 4), dtype=np.float32), [0, 3])] == [round(math.log(4), 6)] * 2
+    True
+    """
+    targets = np.asarray(targets)
+    out = np.empty(len(targets), dtype=np.float64)
+    for i in range(0, len(targets), rows):  # slices: [rows, n_vocab] float64 at a time
+        x = np.asarray(logits[i:i + rows], dtype=np.float64)
+        m = x.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+        t = targets[i:i + rows]
+        out[i:i + len(t)] = lse - x[np.arange(len(t)), t]
+    return out
+
+
 def chunk_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 128) -> float:
     """Sum over positions of -log softmax(logits[i])[targets[i]], in float64.
 
     >>> round(chunk_nll(np.zeros((2, 4), dtype=np.float32), [0, 3]), 6) == round(2 * math.log(4), 6)
     True
     """
-    targets = np.asarray(targets)
-    total = 0.0
-    for i in range(0, len(targets), rows):  # slices: [rows, n_vocab] float64 at a time
-        x = np.asarray(logits[i:i + rows], dtype=np.float64)
-        m = x.max(axis=1, keepdims=True)
-        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
-        t = targets[i:i + rows]
-        total += float((lse - x[np.arange(len(t)), t]).sum())
-    return total
+    return float(token_nll(logits, targets, rows).sum())
+
+
+def paired_delta(chunks: Sequence[float], base: Sequence[float]) -> "tuple[float, float]":
+    """How much higher a perplexity is than ``base``'s on the same chunks, and the standard error of that,
+    as fractions (0.01 = +1%): from the per-chunk mean NLLs of both (``PerplexityResult.chunk_nll``, the
+    ``chunk_nll`` of a sweep row), chunk by chunk, so that what the text does to both cancels. The error
+    treats the chunks as independent samples (the expert cache carries over from one to the next, so it
+    is a lower bound); nan with fewer than 2 chunks.
+
+    >>> d, err = paired_delta([2.0, 3.0, 4.0], [1.99, 2.98, 3.99])
+    >>> round(d, 4), round(err, 4)
+    (0.0134, 0.0034)
+    """
+    a, b = np.asarray(chunks, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.shape != b.shape or a.size == 0:
+        raise EvalError(f"paired_delta needs the same chunks on both sides, got {a.size} and {b.size}")
+    d = a - b  # [n_chunks] per-token NLL, this row less the base (equal chunks: their mean is the text's)
+    ratio = math.exp(float(d.mean()))
+    err = ratio * float(d.std(ddof=1)) / math.sqrt(d.size) if d.size > 1 else float("nan")
+    return ratio - 1.0, err
 
 
 def _progress(iterable, enabled: bool, desc: str, unit: str = "chunk"):
@@ -188,7 +220,7 @@ def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
     chunks = split_chunks(tokens, ctx, limit_chunks)
     bos = llm.tokenize(b"", add_bos=True)  # [BOS] or [] for models without one
     llm.moecache.reset_stats()
-    total, n_scored = 0.0, 0
+    total, total2, n_scored, per_chunk = 0.0, 0.0, 0, []
     for chunk in _progress(chunks, progress, desc):
         chunk = bos + chunk[len(bos):]
         llm.reset()  # empty KV cache: eval() removes every position from n_tokens = 0 on
@@ -197,11 +229,15 @@ def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
                 llm.eval([t])
         else:
             llm.eval(chunk)
-        total += chunk_nll(llm.scores[:len(chunk) - 1], chunk[1:])
-        n_scored += len(chunk) - 1
+        nlls = token_nll(llm.scores[:len(chunk) - 1], chunk[1:])
+        total, total2 = total + float(nlls.sum()), total2 + float((nlls * nlls).sum())
+        n_scored += len(nlls)
+        per_chunk.append(float(nlls.mean()))
     nll = total / n_scored
+    var = max(0.0, total2 / n_scored - nll * nll)  # of one token's NLL
+    err = math.exp(nll) * math.sqrt(var / (n_scored - 1)) if n_scored > 1 else 0.0
     return PerplexityResult(ppl=math.exp(nll), nll=nll, n_tokens=n_scored, n_chunks=len(chunks), ctx=ctx,
-                            stats=llm.moecache.stats())
+                            stats=llm.moecache.stats(), ppl_err=err, chunk_nll=per_chunk)
 
 
 # --- sweeps ----------------------------------------------------------------------------------
@@ -262,6 +298,7 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
         "cache_size": int(st.capacity_per_layer[0]) if st.capacity_per_layer.size else 0,
         "n_expert": st.n_expert,
         "ppl": res.ppl,
+        "ppl_err": res.ppl_err,
         "nll": res.nll,
         "miss_rate": st.miss_rate,
         "hit_rate": st.hit_rate,
@@ -275,6 +312,7 @@ def result_row(routing: Routing, res: PerplexityResult) -> dict:
         "loads_per_token": (st.misses + (st.residency.prefetch_issued if st.residency else 0))
         / max(1, int(st.tokens_per_layer.sum())),
         **_miss_path_columns(st),
+        "chunk_nll": [round(x, 6) for x in res.chunk_nll],  # (a CSV cell: space-separated)
     }
 
 
@@ -391,7 +429,8 @@ def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = No
         buf = io.StringIO(newline="")
         w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
         w.writeheader()
-        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        w.writerows({k: ("" if v is None else " ".join(map(str, v)) if isinstance(v, list) else v)
+                     for k, v in r.items()} for r in rows)
         data = buf.getvalue().encode()
     else:
         raise EvalError(f"cannot tell the format of {p}: use a .csv or .json file name")
@@ -399,16 +438,19 @@ def write_rows(rows: Sequence[dict], path: "str | Path", fmt: Optional[str] = No
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as an aligned text table (policy, eviction, knob, cache, ppl, miss %, hit %, lifetime;
-    with streamed rows also the miss path, low-bit experts per token and critical-path MiB per token)."""
+    """The rows as an aligned text table (policy, eviction, knob, cache, ppl and its standard error, the
+    perplexity against top-k + LRU's on the same chunks with its paired standard error, miss %, hit %,
+    lifetime; with streamed rows also the miss path, low-bit experts per token and critical-path MiB
+    per token)."""
     streamed = any(r.get("critical_mib_per_token") or r.get("miss_path", "full") != "full" for r in rows)
     head = ("policy", "eviction", "knob", "cache", *(("miss path",) if streamed else ()),
-            "ppl", "miss %", "hit %", "lifetime", *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
+            "ppl", "±", "vs lru", "miss %", "hit %", "lifetime", *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
     body = [(r["policy"], r.get("eviction", "lru"), "-" if r["knob"] is None else f"{r['knob']:g}",
              f"{r['cache_size']}/{r['n_expert']}",
              *((r.get("miss_path", "full") + (f" p<{r['lowbit_max_p']:g}" if (r.get("lowbit_max_p") or 1) < 1 else ""),)
                if streamed else ()),
-             f"{r['ppl']:.6g}", f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}",
+             f"{r['ppl']:.6g}", f"{r.get('ppl_err', 0.0):.3g}", _vs_lru(r, rows),
+             f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}",
              *((f"{r.get('lowbit_per_token', 0.0):.2f}", f"{r.get('critical_mib_per_token', 0.0):.3f}")
                if streamed else ()))
             for r in rows]
@@ -417,6 +459,19 @@ def format_table(rows: Sequence[dict]) -> str:
     lines = ["  ".join(x.ljust(w) if i < n_left else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
              for line in [head, *body]]
     return "\n".join(lines)
+
+
+def _vs_lru(row: dict, rows: Sequence[dict]) -> str:
+    """``row``'s perplexity against the top-k + LRU row of its cache size and miss path, chunk by chunk
+    (paired_delta): "+0.87% ±0.12"; "-" for that row itself or where there is none."""
+    if row["policy"] == "lru":
+        return "-"
+    same = ("cache_size", "miss_path", "lowbit_max_p")
+    base = next((r for r in rows if r["policy"] == "lru" and all(r.get(k) == row.get(k) for k in same)), None)
+    if base is None or not row.get("chunk_nll") or len(row["chunk_nll"]) != len(base.get("chunk_nll") or []):
+        return "-"
+    d, err = paired_delta(row["chunk_nll"], base["chunk_nll"])
+    return f"{100 * d:+.2f}%" + ("" if math.isnan(err) else f" ±{100 * err:.2f}")
 
 
 # --- traces ----------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def main() -> int:
         with open(args.csv, newline="") as f:
             keys = set(args.models.split(","))
             rows = [dict(r, cache_size=int(r["cache_size"]), n_expert=int(r["n_expert"]), ppl=float(r["ppl"]),
-                         miss_rate=float(r["miss_rate"]), critical_mib_per_token=float(r.get("critical_mib_per_token") or 0))
+                         miss_rate=float(r["miss_rate"]), critical_mib_per_token=float(r.get("critical_mib_per_token") or 0),
+                         chunk_nll=[float(x) for x in (r.get("chunk_nll") or "").split()])
                     for r in csv.DictReader(f) if r["model_key"] in keys]
         print(report(rows, DEFAULT_PRESET, cost))
         return 0
@@ -136,20 +137,35 @@ def main() -> int:
 
 def write_rows(path: str, rows: list) -> None:
     fields = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", "ppl", "miss_rate",
-              "critical_mib_per_token", "tokens"]
+              "critical_mib_per_token", "tokens", "ppl_err", "chunk_nll"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(dict(r, chunk_nll=" ".join(map(str, r.get("chunk_nll") or []))) for r in rows)
+
+
+def by_more_than_noise(r: dict, base: dict) -> str:
+    """``r``'s perplexity against ``base``'s, chunk by chunk (evaluate.paired_delta), and whether the
+    gap is more than twice its standard error: "-0.35% ±0.21, within 2 SE"; "" without the chunks."""
+    from pymoecache.evaluate import paired_delta
+
+    a, b = r.get("chunk_nll") or [], base.get("chunk_nll") or []
+    if len(a) < 2 or len(a) != len(b):
+        return ""
+    d, err = paired_delta(a, b)
+    return f"{100 * d:+.2f}% ±{100 * err:.2f}, " + ("beyond 2 SE" if abs(d) > 2 * err else "within 2 SE")
 
 
 def report(rows: list, default: str, cost: str = "miss_rate") -> str:
     """Markdown: per cell the default preset and what dominates it (by ``cost``: "miss_rate" or
-    "critical_mib_per_token"); then, per preset, the cells where it is dominated."""
-    def fmt(r):
-        return (f"{100 * r['miss_rate']:.1f}%" if cost == "miss_rate"
-                else f"{r['critical_mib_per_token']:.3f} MiB/tok ({100 * r['miss_rate']:.1f}% misses)")
+    "critical_mib_per_token"), with the perplexity gap chunk by chunk and its standard error where the
+    rows have their chunks; then, per preset, the cells where it is dominated."""
+    def fmt(r, d=None):
+        gap = by_more_than_noise(r, d) if d is not None else ""
+        return ((f"{100 * r['miss_rate']:.1f}%" if cost == "miss_rate"
+                 else f"{r['critical_mib_per_token']:.3f} MiB/tok ({100 * r['miss_rate']:.1f}% misses)")
+                + (f"; ppl {gap}" if gap else ""))
 
     what = "miss rate" if cost == "miss_rate" else "critical-path MiB per token"
     cells = sorted({(r["model_key"], r["cache_size"], r["n_expert"]) for r in rows},
@@ -168,7 +184,7 @@ def report(rows: list, default: str, cost: str = "miss_rate") -> str:
             continue
         by = dominated(d, mine, cost)
         out.append(f"| {cell[0]} | {cell[1]}/{cell[2]} | `{d['spec']}` {d['eviction']} | {d['ppl']:.4f} | {fmt(d)} | "
-                   + (", ".join(f"`{r['setting']}` ({r['ppl']:.4f}, {fmt(r)})" for r in by) or "nothing") + " |")
+                   + (", ".join(f"`{r['setting']}` ({r['ppl']:.4f}, {fmt(r, d)})" for r in by) or "nothing") + " |")
     out += ["", "| preset | cells where a row dominates it |", "|---|---|"]
     for name, cells_by in sorted(beaten.items()):
         lost = [f"{c[0]} {c[1]}/{c[2]}" for c, by in cells_by if by]

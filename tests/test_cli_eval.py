@@ -24,7 +24,7 @@ needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed
 CTX, CHUNKS = 64, 3
 ROW_KEYS = {"model", "policy", "knob", "top_j", "spec", "cache_size", "n_expert", "ppl", "nll", "miss_rate",
             "hit_rate", "lifetime", "tokens", "chunks", "ctx", "prefetch", "prefetch_recall", "loads_per_token", "eviction",
-            "prefetch_min_p", "miss_path", "lowbit_per_token", "critical_mib_per_token", "lowbit_max_p"}
+            "prefetch_min_p", "miss_path", "lowbit_per_token", "critical_mib_per_token", "lowbit_max_p", "ppl_err", "chunk_nll"}
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
@@ -80,10 +80,13 @@ def test_ppl_sweep_table_and_files(qwen, text_file, tmp_path):
     r = cli(*args, *(["--plot", out_png] if HAVE_MPL else []))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split() == ["policy", "eviction", "knob", "cache", "ppl", "miss", "%", "hit", "%", "lifetime"]
+    assert lines[0].split() == ["policy", "eviction", "knob", "cache", "ppl", "±", "vs", "lru", "miss", "%", "hit", "%",
+                                "lifetime"]
     assert [ln.split()[:4] for ln in lines[1:]] == [
         [p, "lru", k, c] for c in ("30/60", "15/60") for p, k in (("lru", "-"), ("prior", "0"), ("prior", "0.5"),
                                                                   ("max-rank", "8"))]
+    vs_lru = [ln.split()[6:8] for ln in lines[1:]]  # the perplexity against top-k + LRU's, chunk by chunk
+    assert vs_lru[0][0] == "-" and vs_lru[1] == ["+0.00%", "±0.00"]  # (lambda = 0 routes as top-k)
 
     with open(out_csv, newline="") as f:
         rows_csv = list(csv.DictReader(f))
@@ -92,6 +95,12 @@ def test_ppl_sweep_table_and_files(qwen, text_file, tmp_path):
     assert len(rows) == 8 and all(set(r) == ROW_KEYS for r in rows)
     assert [r["spec"] for r in rows_csv] == [r["spec"] for r in rows]
     assert all(r["tokens"] == CHUNKS * (CTX - 1) and r["chunks"] == CHUNKS for r in rows)
+    for r, rc in zip(rows, rows_csv):  # one mean NLL per chunk, whose mean is the row's; a spread, its error
+        assert len(r["chunk_nll"]) == CHUNKS and [float(x) for x in rc["chunk_nll"].split()] == r["chunk_nll"]
+        assert sum(r["chunk_nll"]) / CHUNKS == pytest.approx(r["nll"], rel=1e-5)
+        assert 0 < r["ppl_err"] < r["ppl"]
+    d, err = evaluate.paired_delta(rows[2]["chunk_nll"], rows[0]["chunk_nll"])  # prior:0.5 against lru at 30/60
+    assert lines[3].split()[6] == f"{100 * d:+.2f}%" and d == pytest.approx(rows[2]["ppl"] / rows[0]["ppl"] - 1, abs=1e-4)
     assert {r["model"] for r in rows} == {"qwen2moe-60x4.gguf"}
 
     by = {(r["cache_size"], r["spec"]): r for r in rows}

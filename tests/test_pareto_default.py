@@ -14,13 +14,15 @@ FIELDS = ["model_key", "cache_size", "n_expert", "setting", "spec", "eviction", 
           "critical_mib_per_token", "tokens"]
 
 
-def report(tmp_path, rows, models="M") -> str:
+def report(tmp_path, rows, models="M", chunks=None) -> str:
     path = tmp_path / "rows.csv"
+    chunks = chunks or {}
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(FIELDS)
+        w.writerow(FIELDS + ["chunk_nll"])
         for key, size, setting, ppl, miss in rows:
-            w.writerow([key, size, 8, setting, setting, "lru", ppl, miss, 10 * miss, 100])
+            w.writerow([key, size, 8, setting, setting, "lru", ppl, miss, 10 * miss, 100,
+                        " ".join(map(str, chunks.get((size, setting), [])))])
     r = subprocess.run([sys.executable, str(SCRIPT), "--report", "--csv", str(path), "--models", models],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -53,3 +55,16 @@ def test_a_dominated_default_is_named_and_none_left_says_so(tmp_path):
     assert "| `preset:quality` | 1 of 2: M 2/8 |" in out
     assert candidates(out) == []
     assert "None: in these 2 cells every setting of the grid is dominated in at least one." in out
+
+
+def test_a_domination_says_whether_it_is_beyond_the_noise(tmp_path):
+    # per-chunk mean NLLs: "near" is lower in two chunks and higher in one (noise), "far" lower in all three
+    base = [4.0, 4.2, 3.9]
+    out = report(tmp_path, [("M", 4, "lru", 10.0, 0.40), ("M", 4, "preset:quality", 10.05, 0.30),
+                            ("M", 4, "near", 10.04, 0.29), ("M", 4, "far", 9.5, 0.28)],
+                 chunks={(4, "preset:quality"): base, (4, "near"): [3.98, 4.23, 3.88],
+                         (4, "far"): [x - 0.05 for x in base], (4, "lru"): base})
+    row = next(line for line in out.splitlines() if line.startswith("| M | 4/8"))
+    near, far = row.split("`near`")[1].split("`far`")
+    assert "within 2 SE" in near and "-0.33%" in near  # exp(-0.01 / 3 * 1) - 1
+    assert "beyond 2 SE" in far and "-4.88%" in far    # exp(-0.05) - 1, the same in every chunk: no spread
