@@ -163,7 +163,10 @@ def add_commands(sub) -> None:
         description="Perplexity and expert-cache miss rate on a text, as in the evaluation protocol: the text is "
                     "cut into chunks of --ctx tokens, each evaluated from an empty KV cache, every token routed "
                     "through the policy, the expert cache carried from chunk to chunk. LRU (stock top-K) is always "
-                    "evaluated as the reference. Prints one table row per (cache size, routing).",
+                    "evaluated as the reference. Prints one table row per (cache size, routing): its perplexity with "
+                    "the standard error of the per-token NLLs (±, as llama-perplexity's +/-), and under \"vs lru\" "
+                    "how much higher it is than LRU's on the same chunks, with the standard error of the chunks' "
+                    "differences (a gap under twice that is within the text's noise).",
         epilog="Example: pymoecache ppl model.gguf --text valid.txt --sweep prior=0,0.25,0.5,1 max-rank=2,4 "
                "--cache-size 0.5 0.25 --csv pareto.csv --plot pareto.png")
     add_model_argument(p)
