@@ -4,6 +4,7 @@
     python scripts/pareto_default.py                                # A, B and the fixture models, 1/2 and 1/4
     python scripts/pareto_default.py --models A,B,C --sizes 0.25 --chunks 20
     python scripts/pareto_default.py --streamed --models A,B        # as a user runs it: experts streamed, read ahead
+    python scripts/pareto_default.py --streamed --models B --sizes 0.5 --only "prior:0.05:j=1 router-mass" --csv b.csv
 
 For each model and cache size it runs `ppl`'s sweep (chunks of --ctx tokens of the held-out tenth
 of Tiny Shakespeare, each from an empty KV cache, the expert cache carried over, every token
@@ -20,6 +21,11 @@ perplexity says little about language, but a default must not be beaten there ei
 user runs it; a row then dominates another when both the MiB per token read on its critical path
 (the reads a token waits for, not those read ahead that it used) and its perplexity are lower.
 Rows go to pareto_default_streamed.csv.
+
+Each row keeps its per-chunk mean NLLs, so the report gives, for every row that dominates the default,
+its perplexity gap chunk by chunk and that gap's standard error (evaluate.paired_delta), and says
+whether the gap is beyond twice the error. --only runs top-k + LRU, the default and the named
+settings alone: one domination checked in minutes instead of the grid's hours.
 """
 
 from __future__ import annotations
@@ -73,7 +79,13 @@ def main() -> int:
     ap.add_argument("--csv", default=None, help="rows (default docs/results/pareto_default.csv, with --streamed "
                                                 "pareto_default_streamed.csv)")
     ap.add_argument("--report", action="store_true", help="only the report, from the rows in --csv (of --models)")
+    ap.add_argument("--only", default=None, metavar="SETTING[,SETTING]",
+                    help="run only top-k + LRU, the default and these settings, named as the report names them "
+                         "(e.g. 'prior:0.05:j=1 router-mass'): one domination checked, with its gap and the "
+                         "gap's standard error, without the whole grid; needs --csv")
     args = ap.parse_args()
+    if args.only is not None and not args.csv and not args.report:
+        ap.error("--only runs a part of the grid: name its --csv (the default file holds the whole grid)")
     args.csv = args.csv or str(ROOT / "docs" / "results" /
                                ("pareto_default_streamed.csv" if args.streamed else "pareto_default.csv"))
     cost = "critical_mib_per_token" if args.streamed else "miss_rate"
@@ -98,6 +110,11 @@ def main() -> int:
     text = held_out_text(work)
     sizes = [float(s) for s in args.sizes.split(",")]
     flat = [Prior(lam, top_j=j) for lam in PRIORS for j in (1, 2)]
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    presets = [n for n in PRESET_NAMES if only is None or n == DEFAULT_PRESET or f"preset:{n}" in only]
+    known = {f"preset:{n}" for n in PRESET_NAMES} | {f"{r.spec()} {ev}" for r in flat for ev, _ in EVICTIONS}
+    if only is not None and only - known:
+        ap.error(f"--only: no such setting in the grid: {', '.join(sorted(only - known))}")
     rows = []
     t0 = time.time()
     for key in args.models.split(","):
@@ -114,12 +131,15 @@ def main() -> int:
         common = dict(ctx=args.ctx, max_chunks=args.chunks, n_threads=args.threads, progress=False, on_row=on_row)
         if args.streamed:
             common.update(decode=True, stream=True, prefetch="auto")
-        got = sweep(path, text, [Preset(n) for n in PRESET_NAMES], sizes, **common)
+        got = sweep(path, text, [Preset(n) for n in presets], sizes, **common)
         for i, r in enumerate(got):  # (per size: lru, then the presets in order)
-            k = i % (len(PRESET_NAMES) + 1)
-            r["setting"] = "lru" if k == 0 else f"preset:{PRESET_NAMES[k - 1]}"
+            k = i % (len(presets) + 1)
+            r["setting"] = "lru" if k == 0 else f"preset:{presets[k - 1]}"
         for ev, decay in EVICTIONS:
-            more = sweep(path, text, flat, sizes, eviction=ev, eviction_decay=decay, **common)
+            mine = [r for r in flat if only is None or f"{r.spec()} {ev}" in only]
+            if not mine:
+                continue
+            more = sweep(path, text, mine, sizes, eviction=ev, eviction_decay=decay, **common)
             for r in more:
                 r["setting"] = f"{r['spec']} {ev}"
             got += [r for r in more if r["spec"] != "lru" or ev != "lru"]  # (top-k + LRU once)

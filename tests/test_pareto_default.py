@@ -68,3 +68,20 @@ def test_a_domination_says_whether_it_is_beyond_the_noise(tmp_path):
     near, far = row.split("`near`")[1].split("`far`")
     assert "within 2 SE" in near and "-0.33%" in near  # exp(-0.01 / 3 * 1) - 1
     assert "beyond 2 SE" in far and "-4.88%" in far    # exp(-0.05) - 1, the same in every chunk: no spread
+
+
+def test_only_runs_the_default_and_the_named_setting_with_their_chunks(tmp_path):
+    out_csv = tmp_path / "only.csv"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--models", "mixtral-8x2", "--sizes", "0.5", "--ctx", "32",
+                        "--chunks", "3", "--only", "prior:0.3:j=1 router-mass", "--csv", str(out_csv)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    with open(out_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(x["setting"] for x in rows) == ["lru", "lru router-mass", "preset:quality",
+                                                  "prior:0.3:j=1 router-mass"]
+    assert all(len(x["chunk_nll"].split()) == 3 and float(x["ppl_err"]) > 0 for x in rows)
+    assert "| mixtral-8x2 | 4/8 |" in r.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--only", "prior:0.3:j=1 router-mass"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "name its --csv" in bad.stderr
