@@ -70,7 +70,8 @@ def test_a_domination_says_whether_it_is_beyond_the_noise(tmp_path):
     assert "beyond 2 SE" in far and "-4.88%" in far    # exp(-0.05) - 1, the same in every chunk: no spread
 
 
-def test_only_runs_the_default_and_the_named_setting_with_their_chunks(tmp_path):
+def test_only_runs_the_default_and_the_named_setting_with_their_chunks(fixture_dir, tmp_path):
+    # (fixture_dir: the fixture models built where the script looks for them, tests/fixtures/models)
     out_csv = tmp_path / "only.csv"
     r = subprocess.run([sys.executable, str(SCRIPT), "--models", "mixtral-8x2", "--sizes", "0.5", "--ctx", "32",
                         "--chunks", "3", "--only", "prior:0.3:j=1 router-mass", "--csv", str(out_csv)],
