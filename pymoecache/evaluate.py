@@ -165,15 +165,6 @@ def token_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 128) -> np
     return out
 
 
-def chunk_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 128) -> float:
-    """Sum over positions of -log softmax(logits[i])[targets[i]], in float64.
-
-    >>> round(chunk_nll(np.zeros((2, 4), dtype=np.float32), [0, 3]), 6) == round(2 * math.log(4), 6)
-    True
-    """
-    return float(token_nll(logits, targets, rows).sum())
-
-
 def paired_delta(chunks: Sequence[float], base: Sequence[float]) -> "tuple[float, float]":
     """How much higher a perplexity is than ``base``'s on the same chunks, and the standard error of that,
     as fractions (0.01 = +1%): from the per-chunk mean NLLs of both (``PerplexityResult.chunk_nll``, the
@@ -192,6 +183,15 @@ def paired_delta(chunks: Sequence[float], base: Sequence[float]) -> "tuple[float
     ratio = math.exp(float(d.mean()))
     err = ratio * float(d.std(ddof=1)) / math.sqrt(d.size) if d.size > 1 else float("nan")
     return ratio - 1.0, err
+
+
+def format_gap(gap: float, err: float) -> str:
+    """A paired_delta as text: "+0.87% ±0.12" (no error part where it is nan).
+
+    >>> format_gap(0.0087, 0.0012), format_gap(-0.01, float("nan"))
+    ('+0.87% ±0.12', '-1.00%')
+    """
+    return f"{100 * gap:+.2f}%" + ("" if math.isnan(err) else f" ±{100 * err:.2f}")
 
 
 def _progress(iterable, enabled: bool, desc: str, unit: str = "chunk"):
@@ -470,8 +470,7 @@ def _vs_lru(row: dict, rows: Sequence[dict]) -> str:
     base = next((r for r in rows if r["policy"] == "lru" and all(r.get(k) == row.get(k) for k in same)), None)
     if base is None or not row.get("chunk_nll") or len(row["chunk_nll"]) != len(base.get("chunk_nll") or []):
         return "-"
-    d, err = paired_delta(row["chunk_nll"], base["chunk_nll"])
-    return f"{100 * d:+.2f}%" + ("" if math.isnan(err) else f" ±{100 * err:.2f}")
+    return format_gap(*paired_delta(row["chunk_nll"], base["chunk_nll"]))
 
 
 # --- traces ----------------------------------------------------------------------------------

@@ -168,13 +168,13 @@ def write_rows(path: str, rows: list) -> None:
 def by_more_than_noise(r: dict, base: dict) -> str:
     """``r``'s perplexity against ``base``'s, chunk by chunk (evaluate.paired_delta), and whether the
     gap is more than twice its standard error: "-0.35% ±0.21, within 2 SE"; "" without the chunks."""
-    from pymoecache.evaluate import paired_delta
+    from pymoecache.evaluate import format_gap, paired_delta
 
     a, b = r.get("chunk_nll") or [], base.get("chunk_nll") or []
     if len(a) < 2 or len(a) != len(b):
         return ""
     d, err = paired_delta(a, b)
-    return f"{100 * d:+.2f}% ±{100 * err:.2f}, " + ("beyond 2 SE" if abs(d) > 2 * err else "within 2 SE")
+    return f"{format_gap(d, err)}, " + ("beyond 2 SE" if abs(d) > 2 * err else "within 2 SE")
 
 
 def report(rows: list, default: str, cost: str = "miss_rate") -> str:
