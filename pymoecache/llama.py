@@ -185,6 +185,32 @@ def _file_signature(path: str) -> Tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+class _Tokenizer(llama_cpp.llama_tokenizer.LlamaTokenizer):
+    """llama-cpp-python's tokenizer of a Llama (``llm.tokenizer()``, ``llm.tokenizer_``), which raises
+    :class:`ClosedError` once that Llama is closed or collected: the model it reads is freed then."""
+
+    def __init__(self, llama: "Llama"):
+        import weakref
+
+        super().__init__(llama)
+        self._llama = weakref.ref(llama)
+
+    def _open(self) -> None:
+        llama = self._llama()
+        if llama is None or type(llama) is _ClosedLlama:
+            why = llama.__dict__.get("_closed_why") if llama is not None else None
+            raise ClosedError("tokenizer: " + (why or "its Llama was closed (close(), or the end of its with block): "
+                                                      "load the model again"))
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True):
+        self._open()
+        return super().tokenize(text, add_bos, special)
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        self._open()
+        return super().detokenize(tokens, prev_tokens, special)
+
+
 class Llama(llama_cpp.Llama):
     """``llama_cpp.Llama`` running on pymoecache's libllama, with a per-layer expert cache.
 
@@ -390,6 +416,8 @@ class Llama(llama_cpp.Llama):
                 self._guard = guard
                 self._stack.callback(C.moecache_guard_remove, guard)  # LIFO: before the model is freed
         self._no_vocab = llama_cpp.llama_vocab_type(self._model.vocab) == llama_cpp.LLAMA_VOCAB_TYPE_NONE
+        if type(self.tokenizer_) is llama_cpp.llama_tokenizer.LlamaTokenizer:  # (not one the caller passed)
+            self.tokenizer_ = _Tokenizer(self)
         self.model_info = info
         self.cache_config = cache
         self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
@@ -403,7 +431,9 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope,
                                            params=native)
         self.moecache.attach(self._ctx.ctx)
-        self._stack.callback(self.moecache.close)  # runs before the context is freed (LIFO)
+        # runs before the context is freed (LIFO); the object stays usable as a name that raises ClosedError
+        self._stack.callback(self.moecache.close, "Llama.moecache: its Llama was closed (close(), or the end of its "
+                                                  "with block): load the model again")
         if cache.miss == "lowbit-cache":  # a miss reads the companion's copy: what the counters count in bytes
             self.moecache.expert_bytes = float(self.moecache.residency_stats().expert_bytes)
         if cache.predictor is not None:
@@ -539,8 +569,9 @@ class Llama(llama_cpp.Llama):
             if part is not None and hasattr(part, "_exit_stack"):
                 part._exit_stack.pop_all()
         self._stack.pop_all()
-        if self.moecache is not None:
-            self.moecache._h = None
+        if self.moecache is not None:  # (dropped, not freed)
+            self.moecache._handle = None
+            self.moecache._closed_why = "Llama.moecache: " + why
         self._closed_why = why
         object.__setattr__(self, "__class__", _ClosedLlama)
 
@@ -548,6 +579,11 @@ class Llama(llama_cpp.Llama):
         if self._no_vocab:  # llama.cpp asserts (aborts) on text with a vocabulary of type none
             raise ModelFileError(f"{self.model_path} has no tokenizer (tokenizer.ggml.model is none or missing): it "
                                  "takes token ids (eval), not text")
+
+    def tokenizer(self) -> "_Tokenizer":
+        """llama-cpp-python's tokenizer of this model; it raises :class:`ClosedError` once this Llama is
+        closed."""
+        return _Tokenizer(self)
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False):
         """``llama_cpp.Llama.tokenize``; ModelFileError for a model without a tokenizer."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .errors import ModelFileError
+from .files import writable_target
 from .model_info import _EXPS_RE, _Header, check_gguf_file, model_info
 
 FORMAT_VERSION = 1
@@ -244,10 +245,13 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
         raise CompanionError(f"{type} ({_bits(type):.2f} bits per weight) is not lower than the model's experts "
                              f"({lowest}, {_bits(lowest):.2f}): a companion must be smaller")
     out = Path(out) if out is not None else default_path(m, type)
+    if os.path.isdir(out):
+        raise CompanionError(f"-o {out} is a directory; give a file name")
+    # a regular file or a new name; a device, FIFO or link loop is refused before anything is written (a
+    # rename over /dev/null would replace the device node); a link to a regular file is written through
+    out = Path(writable_target(out, "companion", CompanionError))
     if out.resolve() == m.resolve():
         raise CompanionError(f"-o {out} is the model itself")
-    if out.is_dir():
-        raise CompanionError(f"-o {out} is a directory; give a file name")
     full = out.with_name(out.name + ".quantized.tmp")  # llama.cpp's whole output, of which the experts are kept
     part = out.with_name(out.name + ".tmp")
     try:
@@ -267,7 +271,10 @@ def quantize_experts(model: "os.PathLike[str] | str", out: "os.PathLike[str] | s
     overrides only under a quantized file type), written to ``out`` whole or not at all. A cache of
     it holds more experts in the same memory; the benchmark compares the two
     (scripts/bench_residency.py --plain-lowbit, scripts/quality_lowbit.py)."""
-    m, out = Path(model_info(model).path), Path(out)
+    m = Path(model_info(model).path)
+    out = Path(writable_target(out, "quantized model", CompanionError))  # (as make_companion's -o)
+    if out.resolve() == m.resolve():
+        raise CompanionError(f"{out} is the model itself")
     ftype = _Header(m).kv.get("general.file_type")
     part = out.with_name(out.name + ".tmp")
     try:

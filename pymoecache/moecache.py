@@ -22,7 +22,7 @@ from . import _moecache_cpp as C
 from .config import (EVICTIONS, LOWBIT_NAMES, LOWBITS, PREFETCHES, PREFETCH_NAMES, RESIDENCIES, RESIDENCY_NAMES,
                      ROUTING_TYPES, VRAM_COPIES, VRAM_FILLS, UNIFIED, CacheConfig, ConfigError, Preset, Prior, Routing, TopK,
                      check_eviction, check_int, default_top_j, parse_routing)
-from .errors import MoECacheError, StateFileError
+from .errors import ClosedError, MoECacheError, StateFileError
 from .files import read_user_text, write_atomic
 from .model_info import ModelInfo, _fmt_bytes
 from .reference import softmax_f32
@@ -84,7 +84,8 @@ class MoECache:
 
     def __init__(self, handle: int, n_layer: int, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0,
                  trace_capacity: int = 0):
-        self._h = handle or None
+        self._handle = handle or None
+        self._closed_why = ""  # set by close(): what a later call says
         self.routing: Routing = TopK()  # what the native cache routes with now (set by the constructors)
         self.scope = "all"
         if not handle:
@@ -212,10 +213,24 @@ class MoECache:
     def detach(self) -> None:
         C.moecache_detach(self._h)
 
-    def close(self) -> None:
-        if getattr(self, "_h", None):
-            C.moecache_free(self._h)
-            self._h = None
+    @property
+    def _h(self):
+        """The native handle; :class:`ClosedError` once it was freed (a call on a freed handle would
+        reach freed memory: a segmentation fault)."""
+        h = self.__dict__.get("_handle")
+        if h is None:
+            raise ClosedError(self.__dict__.get("_closed_why") or "this expert cache was freed (close()): "
+                              "load the model again")
+        return h
+
+    def close(self, why: str = "") -> None:
+        """Free the native cache now (a second call does nothing); every later use raises
+        :class:`ClosedError` (``why``: its message, e.g. that the Llama it came from was closed)."""
+        h = self.__dict__.get("_handle")
+        self._handle = None
+        self._closed_why = why or "this expert cache was freed (close()): load the model again"
+        if h:
+            C.moecache_free(h)
 
     def __del__(self):
         self.close()

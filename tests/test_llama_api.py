@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import llama_cpp
@@ -147,6 +150,60 @@ def test_with_block_closes_and_every_use_after_close_raises(fixture_dir):
         with llm:
             pass
     assert llm.model_path == path  # what describes the file stays readable
+
+
+_KEPT_OBJECTS = r"""
+import sys
+import pymoecache
+from pymoecache import CacheConfig, ClosedError
+
+def uses(mc, tok, tok_):
+    return {
+        "mc.stats": mc.stats, "mc.residency_stats": mc.residency_stats, "mc.trace": mc.trace,
+        "mc.set_routing": lambda: mc.set_routing("lru"), "mc.cached": lambda: mc.cached(0),
+        "mc.clear": mc.clear, "mc.reset_stats": mc.reset_stats, "mc.begin_request": mc.begin_request,
+        "mc.set_eviction": lambda: mc.set_eviction("lfu"), "mc.profile_counts": mc.profile_counts,
+        "mc.timeline_start": mc.timeline_start, "mc.take_io_error": mc.take_io_error,
+        "mc.vram_cached": lambda: mc.vram_cached(0), "mc.detach": mc.detach, "mc.save": lambda: mc.save("x.state"),
+        "tokenizer().tokenize": lambda: tok.tokenize(b"x"), "tokenizer().decode": lambda: tok.decode([1]),
+        "tokenizer_.tokenize": lambda: tok_.tokenize(b"x"), "tokenizer_.detokenize": lambda: tok_.detokenize([1]),
+    }
+
+for how in ("close", "with"):
+    llm = pymoecache.Llama(sys.argv[1], cache=CacheConfig(size=0.5), n_ctx=64, verbose=False)
+    kept = (llm.moecache, llm.tokenizer(), llm.tokenizer_)
+    for name, use in uses(*kept).items():  # all of them work while it is open
+        if name not in ("mc.detach", "mc.clear"):
+            use()
+    if how == "close":
+        llm.close()
+    else:
+        with llm:
+            llm("The cat", max_tokens=2)
+    for name, use in uses(*kept).items():
+        try:
+            use()
+            print(how, name, "returned")
+        except ClosedError as e:
+            print(how, name, "ClosedError", e)
+    del llm, kept
+print("exited normally")
+"""
+
+
+def test_objects_kept_from_a_closed_llama_raise_closed_error(fixture_dir, tmp_path):
+    """Issue 53 item 2: ``mc = llm.moecache; llm.close(); mc.stats()`` was a segmentation fault, and so
+    were set_routing, trace, ``llm.tokenizer().tokenize`` and a kept ``llm.tokenizer_``: each read freed
+    memory. In a fresh process of the installed package, every one of them raises ClosedError after close()
+    and after a with block."""
+    r = subprocess.run([sys.executable, "-c", _KEPT_OBJECTS, str(model_path(fixture_dir, QWEN))], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]  # (-11: a segmentation fault)
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "exited normally"
+    assert len(lines) == 1 + 2 * 19, r.stdout
+    for line in lines[:-1]:
+        assert " ClosedError " in line and "closed" in line, line
 
 
 def test_close_waits_for_no_one_and_a_dense_llama_closes_too(fixture_dir):

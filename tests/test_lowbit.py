@@ -3,6 +3,7 @@ and every companion that must be refused, refused with its reason."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -164,3 +165,51 @@ def test_companions_that_do_not_fit_are_refused_with_the_reason(fixture_dir, mod
                                                                raw_dtype=t.tensor_type),
                                                   w.add_tensor("output.weight", np.zeros(64, np.float32)))),
             "tensors the model's routed experts do not")
+
+
+@pytest.mark.parametrize("target", ["dev-full", "fifo", "link-loop", "directory", "link-to-fifo"])
+def test_output_that_is_not_a_regular_file_is_refused_and_left_as_it_was(model, tmp_path, target):
+    """Issue 53 item 1: `-o /dev/null` run as root turned the device node into a regular file (the atomic
+    rename lands on it); a FIFO was replaced the same way, a link loop was an internal error. Run from
+    outside the tree (the installed package), the CLI and the Python API both refuse with one line."""
+    if target == "dev-full":
+        path = Path("/dev/full")
+        if not path.exists():
+            pytest.skip("no /dev/full")
+    elif target == "fifo":
+        path = tmp_path / "out.gguf"
+        os.mkfifo(path)
+    elif target == "link-loop":
+        path = tmp_path / "loop.gguf"
+        os.symlink(path, path)
+    elif target == "directory":
+        path = tmp_path / "dir.gguf"
+        path.mkdir()
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        path = tmp_path / "link.gguf"
+        os.symlink(tmp_path / "fifo", path)
+    before = os.lstat(path)
+    r = cli(model, "-o", path, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert any(s in r.stderr for s in ("not a regular file", "a link loop", "is a directory")), r.stderr
+    code = ("import sys\nfrom pymoecache import lowbit\ntry:\n    lowbit.make_companion(sys.argv[1], sys.argv[2], "
+            "progress=False)\nexcept lowbit.CompanionError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(model), str(path)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("refused:"), (r.stdout, r.stderr)
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_output_through_a_link_to_a_regular_file_writes_the_file_and_keeps_the_link(model, tmp_path):
+    real = tmp_path / "real.gguf"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(real)
+    r = cli(model, "-o", link, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and real.stat().st_size > 1000
+    assert lowbit.check_companion(model, link).path
