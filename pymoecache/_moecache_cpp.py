@@ -141,6 +141,9 @@ class moecache_residency_stats(ctypes.Structure):
         ("lowbit_bytes_read", c_int64),
         ("lowbit_behind", c_int64),
         ("lowbit", c_int32),
+        ("decode_graphs", c_int64),
+        ("decode_graph_splits", c_int64),
+        ("device_reads", c_int64),
     ]
 
 
@@ -197,6 +200,8 @@ moecache_init_synthetic = _fn("moecache_init_synthetic",
 moecache_set_load_residency = _fn("moecache_set_load_residency", [c_int32], None)
 moecache_get_residency_stats = _fn("moecache_get_residency_stats", [moecache_p, POINTER(moecache_residency_stats)],
                                    c_int32)
+# int32_t moecache_context_graph_splits(const struct llama_context * ctx);
+moecache_context_graph_splits = _fn("moecache_context_graph_splits", [c_void_p], c_int32)
 moecache_take_io_error = _fn("moecache_take_io_error", [moecache_p], c_char_p)
 # int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity);
 moecache_timeline_start = _fn("moecache_timeline_start", [moecache_p, c_int32], c_int32)

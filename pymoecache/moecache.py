@@ -343,7 +343,9 @@ class MoECache:
                               vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
                               unified_layers=rs.unified_layers, lowbit_bytes=rs.lowbit_bytes,
                               lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
-                              lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"))
+                              lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"),
+                              decode_graphs=rs.decode_graphs, decode_graph_splits=rs.decode_graph_splits,
+                              device_reads=rs.device_reads)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

@@ -77,6 +77,21 @@ class ResidencyStats:
     lowbit_bytes_read: int = 0       #   bytes read from it for them (on the token's critical path)
     lowbit_behind: int = 0           #   full copies read behind those tokens
     miss: str = "full"               # CacheConfig.miss that runs; "lowbit-cache": the slots hold low-bit copies
+    # the device path: decoded tokens' graphs, their graph splits (each a copy between backends and a
+    # wait), and the reads of device memory our hooks made after them (one per device where the cache
+    # only counts under top-k routing, instead of a CPU split per MoE layer)
+    decode_graphs: int = 0
+    decode_graph_splits: int = 0
+    device_reads: int = 0
+
+    @property
+    def splits_per_token(self) -> float:
+        """Graph splits per decoded token (1 where one backend computes everything)."""
+        return self.decode_graph_splits / self.decode_graphs if self.decode_graphs else 0.0
+
+    @property
+    def device_reads_per_token(self) -> float:
+        return self.device_reads / self.decode_graphs if self.decode_graphs else 0.0
 
     @property
     def vram_hit_rate(self) -> float:

@@ -268,6 +268,9 @@ def worker(args) -> None:
         "cache_size": int(st.capacity_per_layer[0]), "n_expert": st.n_expert, "page_cache": how,
         "load_s": t_load, "tok_s": args.tokens / dt, "miss_rate": st.miss_rate,
         "mib_read_per_token": rs.bytes_read_per_token / MiB,
+        # the device path per decoded token: graph splits (each a copy between backends and a wait) and the
+        # reads of device memory our hooks made after the graph
+        "splits_per_token": rs.splits_per_token, "device_reads_per_token": rs.device_reads_per_token,
         # the wall time of a decoded token less its I/O wait and routing
         "compute_ms": max(0.0, 1e3 * dt / args.tokens - rs.t_io_ms_per_token - rs.t_route_ms_per_token),
         "io_ms": rs.t_io_ms_per_token, "route_ms": rs.t_route_ms_per_token,
@@ -361,6 +364,9 @@ def stock_worker(args) -> None:
                           **gpu_kwargs(args))
     t_load = time.perf_counter() - t0
     dt = decode_text(llm, args)
+    from pymoecache import _moecache_cpp as C  # (this process's libllama is ours: it counts a stock context's splits)
+
+    splits = C.moecache_context_graph_splits(llm._ctx.ctx)  # the last graph: a decoded token's
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * 4096
     size = Path(args.model_file).stat().st_size
@@ -375,7 +381,8 @@ def stock_worker(args) -> None:
         "ahead_mib_per_token": 0.0, "wasted_mib_per_token": 0.0, "recall": 0.0, "prefetch_issued": 0,
         "prefetch_used": 0, "read_ms": 0.0, "overlap": 0.0, "read_mb_s": 0.0, "major_faults_per_token": 0.0,
         "prefetch_on_share": 0.0, "gpu_layers": args.gpu_layers, "vram_hit_rate": 0.0, "vram_copies": 0,
-        "vram_cpu": 0, "vram_copy_ms": 0.0, "vram_ahead": 0,
+        "vram_cpu": 0, "vram_copy_ms": 0.0, "vram_ahead": 0, "splits_per_token": float(splits),
+        "device_reads_per_token": 0.0,
     }))
 
 
@@ -669,7 +676,8 @@ def measure(model: Path, args, settings) -> list:
                   f"eviction {ev:<11} "
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
                   f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  "
-                  f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB"
+                  f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB  "
+                  f"splits {r.get('splits_per_token', 0):.1f}/tok  device reads {r.get('device_reads_per_token', 0):.1f}/tok"
                   + (f"  prefetch on {100 * r['prefetch_on_share']:.0f}% of tokens" if ":s=" in pf else ""),
                   file=sys.stderr, flush=True)
     return runs
@@ -816,8 +824,12 @@ def _print_ratios(args, settings, by: _Runs, pairs, prefetches, evictions, routi
         for s in settings:
             if s[0] != "stock":
                 m, per = by.ratio(s, ("stock", "lru", "1.0", "off", "lru"))
+                sp = (by.med(by.of(s), "splits_per_token"), by.med(by.of(("stock", "lru", "1.0", "off", "lru")),
+                                                                    "splits_per_token"))
                 print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
-                      f"= {_times(m)}")
+                      f"= {_times(m)} (per repetition: {', '.join(f'{x:.2f}' for x in per)}); graph splits per "
+                      f"token {sp[0]:.1f} against stock's {sp[1]:.1f}, device reads per token "
+                      f"{by.med(by.of(s), 'device_reads_per_token'):.1f}")
     for residency, cache in pairs:
         for routing in routings[1:]:
             m, per = by.ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))

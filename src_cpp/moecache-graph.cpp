@@ -213,6 +213,29 @@ ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t) {
     return t;
 }
 
+void moecache_hook_ubatch_computed(const llama_context * lctx) {
+    moecache * mc = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_ctx.find(lctx);
+        if (it == g_ctx.end() || !it->second.mc) {
+            return;
+        }
+        mc = it->second.mc;
+    }
+    ggml_backend_sched_t sched = lctx->get_sched();
+    if (mc->build_n_ubatch == 1 && sched) { // (the graph that ran was built last: a reused one is that one)
+        mc->rst.decode_graph_splits += ggml_backend_sched_get_n_splits(sched);
+        mc->rst.decode_graphs       += 1;
+    }
+    moecache_device_ubatch_computed(*mc, sched);
+}
+
+int32_t moecache_context_graph_splits(const struct llama_context * lctx) {
+    ggml_backend_sched_t sched = lctx ? lctx->get_sched() : nullptr;
+    return sched ? ggml_backend_sched_get_n_splits(sched) : 0;
+}
+
 void moecache_hook_context_free(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_ctx.find(lctx);
@@ -224,7 +247,7 @@ void moecache_hook_context_free(const llama_context * lctx) {
     }
 }
 
-ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, ggml_tensor * logits,
+ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * selected, ggml_tensor * logits,
                                    ggml_tensor * probs, ggml_tensor * selection, int il, int gating_op,
                                    bool has_bias, bool warmup) {
     moecache * mc = g_building;
@@ -247,6 +270,9 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_tensor * selected, g
     }
     L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
+    if (moecache_device_defer(*mc, ctx, gf, il, selected, logits, probs, selection)) {
+        return selected; // llama.cpp's top-k, on its device; counted after the graph (moecache-device.cpp)
+    }
 
     ggml_tensor * pred = moecache_ahead_predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
@@ -315,6 +341,7 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 void moecache_residency_graph_begin(moecache & mc) {
     mc.build_n_ubatch = 0;
+    moecache_device_graph_begin(mc);
     for (moecache_layer & L : mc.layers) {
         L.graph.ids_in   = nullptr;
         L.graph.ids_out  = nullptr;

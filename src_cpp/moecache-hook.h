@@ -9,8 +9,10 @@
 //   moecache_hook_graph_begin(ctx)     remembers which moecache this thread is building for
 //     build_moe_ffn -> moecache_hook_select / moecache_hook_weights, once per MoE layer
 //   moecache_hook_graph_end(ctx)
+//   (graph computed) moecache_hook_ubatch_computed(ctx)   counts what the graph left to count
 #pragma once
 
+struct ggml_cgraph;
 struct ggml_context;
 struct ggml_tensor;
 struct llama_context;
@@ -29,6 +31,10 @@ bool moecache_hook_graph_reusable(const llama_context * lctx);
 void moecache_hook_graph_begin   (const llama_context * lctx);
 void moecache_hook_graph_end     (const llama_context * lctx);
 void moecache_hook_context_free  (const llama_context * lctx);
+// After a ubatch's graph computed (llama_context::process_ubatch, before its outputs are read):
+// the decoded token's graph splits, and the routing the device path left for after the graph
+// (moecache-device.cpp).
+void moecache_hook_ubatch_computed(const llama_context * lctx);
 
 // Replaces the stock top-k selection with the moecache routing op.
 //   selected:  stock ggml_argsort_top_k result            // I32 [n_expert_used, n_tokens]
@@ -37,8 +43,10 @@ void moecache_hook_context_free  (const llama_context * lctx);
 //   selection: the score the model ranks by (p, p + bias, group-masked with -inf)
 //   gating_op: llama_expert_gating_func_type; has_bias: selection = p + b
 //   warmup:    llama.cpp's warm-up run routes to every expert; never hooked
+//   gf:        the graph being built (the device path adds its copies to it)
 ggml_tensor * moecache_hook_select(
         ggml_context * ctx,
+        ggml_cgraph  * gf,
         ggml_tensor  * selected,
         ggml_tensor  * logits,
         ggml_tensor  * probs,

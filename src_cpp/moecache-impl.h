@@ -10,6 +10,7 @@
 #include "moecache-io.h"
 
 #include "ggml.h" // enum ggml_type
+#include "ggml-backend.h" // the device path's buffers (moecache_device)
 
 #include <atomic>
 #include <chrono>
@@ -225,6 +226,24 @@ struct moecache_layer {
     int32_t            n_embd_in = 0;
 };
 
+// the device path where the cache only counts (moecache-device.cpp): per MoE layer a block in a
+// persistent buffer on its router's device, read once per device after a decoded token's graph
+struct moecache_device {
+    bool ready  = false;                           // the buffers below exist
+    bool failed = false;                           // they could not be had: the CPU op routes
+    ggml_context * ctx = nullptr;                  // the tensors' metadata (no data of its own)
+    std::vector<ggml_backend_dev_t>    devs;       // [n_groups] the devices holding MoE layers' routers
+    std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
+    std::vector<ggml_tensor *>         all;        // [n_groups] the whole buffer, read at once
+    std::vector<std::vector<char>>     host;       // [n_groups] where it is read to
+    std::vector<int32_t>       layer_group;        // [n_layer] the layer's device, -1 = none
+    std::vector<int32_t>       layer_slot;         // [n_layer] its block in that buffer
+    std::vector<ggml_tensor *> ids, zps;           // [n_layer] I32 [K] and F32 [3N] in the block
+    // the graph built last (moecache_device_graph_begin resets them)
+    std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
+    std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no third copy)
+    int32_t n_deferred = 0;
+};
 
 struct moecache {
     // model identity (for state files) and shape
@@ -299,6 +318,7 @@ struct moecache {
         int32_t ids[MOECACHE_MAX_USED];
         float   score[MOECACHE_MAX_USED];
     } spec_pending;
+    moecache_device dev;                       // residency NONE, top-k: routing counted after the graph
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;
     int64_t t_io_decode_us    = 0;
@@ -382,6 +402,13 @@ void    moecache_residency_free(moecache & mc);
 ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
                                             ggml_tensor * b, ggml_tensor * ids);
 void moecache_residency_graph_begin(moecache & mc);
+// moecache-device.cpp: a decoded token whose routing is llama.cpp's top-k, counted after the graph
+bool moecache_device_can_defer(const moecache & mc, int64_t n_tokens);
+bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
+                           ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection);
+void moecache_device_graph_begin(moecache & mc);
+void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
+void moecache_device_free(moecache & mc);
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
 // where layer il's dense part lives: its router weight's buffer type; nullptr where there is none

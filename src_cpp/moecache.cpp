@@ -144,12 +144,16 @@ void moecache_free(struct moecache * mc) {
     moecache_hook_detach(mc);
     moecache_residency_free(*mc);
     moecache_ahead_free_predictors(*mc);
+    moecache_device_free(*mc);
     delete mc;
 }
 
 int32_t moecache_set_routing(struct moecache * mc, struct moecache_routing_params rparams) {
     const int32_t rc = moecache_check_routing(rparams, mc->n_expert_used);
     if (rc == MOECACHE_OK) {
+        if ((rparams.policy == MOECACHE_POLICY_TOPK) != (mc->rparams.policy == MOECACHE_POLICY_TOPK)) {
+            moecache_graph_mark_dirty(mc); // top-k is counted after the graph where the cache only counts
+        }
         mc->rparams = rparams;
     }
     return rc;

@@ -424,6 +424,14 @@ struct moecache_residency_stats {
                                   //   the token after a miss computes it from the companion again
     int32_t lowbit;               // enum moecache_lowbit that runs (SOURCE: the slots hold the companion's
                                   //   copies, and expert_bytes, the reads and the misses are theirs)
+    // the device path, per decoded token's graph (any residency)
+    int64_t decode_graphs;        // graphs computed for decoded tokens (a token's ubatch of one)
+    int64_t decode_graph_splits;  // their graph splits, summed (ggml_backend_sched_get_n_splits: each split
+                                  //   boundary between backends is a copy and a wait; stock llama.cpp's count
+                                  //   for the same model and placement is moecache_context_graph_splits's)
+    int64_t device_reads;         // reads of device memory our hooks made after those graphs (residency
+                                  //   NONE with top-k routing: one per device that holds MoE layers, which
+                                  //   replaces a CPU split per MoE layer)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
@@ -543,6 +551,9 @@ MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il,
 MOECACHE_API int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
 
 MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out);
+// Graph splits of the graph `ctx` computed last (any context of this library, a stock one too: the
+// benchmark prints stock llama.cpp's beside ours); 0 before its first.
+MOECACHE_API int32_t moecache_context_graph_splits(const struct llama_context * ctx);
 
 // A failed or short expert read (file truncated, unreadable) stops the llama_decode that needed
 // it (it returns 2, "aborted", and its output is not used); the expert is read again next time.

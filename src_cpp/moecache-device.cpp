@@ -1,0 +1,230 @@
+// moecache-device.cpp - the device path where the cache only counts: every expert resident
+// (residency NONE) and the routing top-k, so the selection cannot depend on the cache.
+//
+// The routing op of moecache-graph.cpp is CPU code. Beside GPU layers it puts a CPU split in every
+// MoE layer: the router's outputs come to the host, the scheduler waits for them, and the result
+// goes back (two splits and a synchronization per layer). Here, where our decision is llama.cpp's
+// own top-k anyway, a decoded token's graph keeps llama.cpp's selection on the device and only
+// copies, per MoE layer, what the counting reads into one persistent buffer on that layer's
+// device:
+//
+//     [ ids: I32 K | pad | z: F32 N | p: F32 N | s: F32 N (absent where s is p) ]   per layer
+//
+// After the graph, one read per device brings every layer's block to the host, and each layer is
+// counted by moecache_route_token, exactly as op_select counts it (same inputs, same code: the
+// hits, misses, evictions, Delta and trace of the CPU op). A graph with any other routing policy,
+// reads ahead, router recording or a prompt of several tokens keeps the CPU op.
+
+#include "moecache-impl.h"
+#include "moecache-hook.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "llama-context.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+
+// a layer's block in elements (4 bytes each), padded so every block starts 64-byte aligned
+static int64_t device_block(const moecache & mc, int64_t * z_off) {
+    const int64_t k_pad = (mc.n_expert_used + 15) / 16 * 16;
+    *z_off = k_pad;
+    return (k_pad + 3 * (int64_t) mc.n_expert + 15) / 16 * 16;
+}
+
+// the device a layer's router runs on: the one its router weight lives on
+static ggml_backend_dev_t layer_device(const moecache & mc, int il) {
+    const ggml_tensor * w = mc.model ? mc.model->layers[il].ffn_gate_inp : nullptr;
+    if (!w || !w->buffer) {
+        return nullptr;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+    if (!dev && ggml_backend_buffer_is_host(w->buffer)) { // (ggml's CPU buffer types name no device)
+        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
+    return dev;
+}
+
+// the persistent buffers, one per device holding MoE layers; false when one cannot be had
+static bool device_alloc(moecache & mc) {
+    moecache_device & d = mc.dev;
+    if (d.ready || d.failed) {
+        return d.ready;
+    }
+    d.failed = true; // until it succeeds below
+    int64_t z_off = 0;
+    const int64_t block = device_block(mc, &z_off);
+    d.layer_group.assign(mc.n_layer, -1);
+    d.layer_slot.assign(mc.n_layer, -1);
+    std::vector<int32_t> n_in;
+    for (int il = 0; il < mc.n_layer; il++) {
+        ggml_backend_dev_t dev = layer_device(mc, il);
+        if (!dev) {
+            continue;
+        }
+        int32_t g = (int32_t) (std::find(d.devs.begin(), d.devs.end(), dev) - d.devs.begin());
+        if (g == (int32_t) d.devs.size()) {
+            d.devs.push_back(dev);
+            n_in.push_back(0);
+        }
+        d.layer_group[il] = g;
+        d.layer_slot[il]  = n_in[g]++;
+    }
+    const size_t n_tensors = 2 * (size_t) mc.n_layer + d.devs.size() + 1;
+    ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
+    d.ctx = ggml_init(ip);
+    if (!d.ctx) {
+        return false;
+    }
+    d.ids.assign(mc.n_layer, nullptr);
+    d.zps.assign(mc.n_layer, nullptr);
+    for (size_t g = 0; g < d.devs.size(); g++) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
+        ggml_tensor * all = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, block * n_in[g]);
+        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ggml_nbytes(all)) : nullptr;
+        if (!buf) {
+            return false;
+        }
+        d.bufs.push_back(buf);
+        d.all.push_back(all);
+        d.host.emplace_back(ggml_nbytes(all));
+        char * base = (char *) ggml_backend_buffer_get_base(buf);
+        if (ggml_backend_tensor_alloc(buf, all, base) != GGML_STATUS_SUCCESS) {
+            return false;
+        }
+    }
+    for (int il = 0; il < mc.n_layer; il++) {
+        const int32_t g = d.layer_group[il];
+        if (g < 0) {
+            continue;
+        }
+        char * at = (char *) d.all[g]->data + (size_t) d.layer_slot[il] * block * 4;
+        d.ids[il] = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, mc.n_expert_used);
+        d.zps[il] = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, 3 * (int64_t) mc.n_expert);
+        if (ggml_backend_tensor_alloc(d.bufs[g], d.ids[il], at) != GGML_STATUS_SUCCESS ||
+            ggml_backend_tensor_alloc(d.bufs[g], d.zps[il], at + z_off * 4) != GGML_STATUS_SUCCESS) {
+            return false;
+        }
+    }
+    d.ready  = true;
+    d.failed = false;
+    return true;
+}
+
+void moecache_device_free(moecache & mc) {
+    moecache_device & d = mc.dev;
+    for (ggml_backend_buffer_t b : d.bufs) {
+        ggml_backend_buffer_free(b);
+    }
+    if (d.ctx) {
+        ggml_free(d.ctx);
+    }
+    d = moecache_device();
+}
+
+void moecache_device_graph_begin(moecache & mc) {
+    mc.dev.n_deferred = 0;
+    mc.dev.deferred.assign(mc.n_layer, 0);
+    mc.dev.s_is_p.assign(mc.n_layer, 0);
+}
+
+bool moecache_device_can_defer(const moecache & mc, int64_t n_tokens) {
+    return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && mc.rparams.policy == MOECACHE_POLICY_TOPK &&
+           mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && n_tokens == 1 &&
+           mc.build_n_ubatch == 1 && mc.model != nullptr;
+}
+
+bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
+                           ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
+    if (!gf || !moecache_device_can_defer(mc, selected->ne[1]) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
+        !ggml_is_contiguous(logits) || !ggml_is_contiguous(probs) || !ggml_is_contiguous(selection)) {
+        return false;
+    }
+    moecache_device & d = mc.dev;
+    ggml_backend_dev_t dev = d.devs[d.layer_group[il]];
+    const int64_t N = mc.n_expert;
+    const bool s_is_p = selection == probs;
+    ggml_tensor * cpy[4] = {
+        ggml_cpy(ctx, selected, d.ids[il]),
+        ggml_cpy(ctx, logits, ggml_view_1d(ctx, d.zps[il], N, 0)),
+        ggml_cpy(ctx, probs,  ggml_view_1d(ctx, d.zps[il], N, N * sizeof(float))),
+        s_is_p ? nullptr : ggml_cpy(ctx, selection, ggml_view_1d(ctx, d.zps[il], N, 2 * N * sizeof(float))),
+    };
+    for (ggml_tensor * c : cpy) {
+        if (c && !ggml_backend_dev_supports_op(dev, c)) {
+            return false; // (left out of the graph: the CPU op routes this layer)
+        }
+    }
+    for (ggml_tensor * c : cpy) {
+        if (c) {
+            ggml_format_name(c, "moecache_counted-%d", il);
+            ggml_build_forward_expand(gf, c);
+        }
+    }
+    d.deferred[il] = 1;
+    d.s_is_p[il]   = s_is_p;
+    d.n_deferred  += 1;
+    return true;
+}
+
+// the backend of the scheduler that runs `dev`
+static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev_t dev) {
+    const int n = ggml_backend_sched_get_n_backends(sched);
+    for (int i = 0; i < n; i++) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(b) == dev) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
+void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
+    moecache_device & d = mc.dev;
+    if (d.n_deferred == 0 || !sched) {
+        return;
+    }
+    const bool timeline = mc.timeline.on.load(std::memory_order_relaxed);
+    // one read per device, all issued before the first wait
+    std::vector<ggml_backend_t> backends(d.devs.size(), nullptr);
+    for (size_t g = 0; g < d.devs.size(); g++) {
+        backends[g] = sched_backend(sched, d.devs[g]);
+        if (backends[g]) {
+            ggml_backend_tensor_get_async(backends[g], d.all[g], d.host[g].data(), 0, d.host[g].size());
+        } else {
+            ggml_backend_tensor_get(d.all[g], d.host[g].data(), 0, d.host[g].size());
+        }
+        mc.rst.device_reads += 1;
+    }
+    for (ggml_backend_t b : backends) {
+        if (b) {
+            ggml_backend_synchronize(b);
+        }
+    }
+    const int64_t t0 = moecache_time_us(); // (the wait above is the graph's: not counted as routing)
+    int64_t z_off = 0;
+    const int64_t block = device_block(mc, &z_off);
+    const int64_t N = mc.n_expert;
+    const moecache_routing_params rp = mc.rparams;
+    int32_t sel[MOECACHE_MAX_USED];
+    int8_t  hit[MOECACHE_MAX_USED];
+    for (int il = 0; il < mc.n_layer; il++) { // in layer order, as the graph runs the CPU op
+        if (!d.deferred[il]) {
+            continue;
+        }
+        moecache_layer & L = mc.layers[il];
+        const char * at = (const char *) d.host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * block * 4;
+        const int32_t * ids = (const int32_t *) at;
+        const float   * z   = (const float *) (at + z_off * 4);
+        const float   * p   = z + N;
+        const float   * s   = d.s_is_p[il] ? p : p + N;
+        const int64_t t1 = moecache_time_us();
+        moecache_route_token(mc, L, rp, z, p, s, ids, true, true, sel, hit);
+        L.decode_tokens += 1;
+        if (timeline) {
+            moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
+        }
+    }
+    mc.t_route_decode_us += moecache_time_us() - t0;
+}
