@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The device check, in one prepared run on a machine with an NVIDIA GPU (issue 54 item 5):
+# builds pymoecache with CUDA (or uses the build in $GPU_CHECK_PREFIX), then measures decode
+# against stock llama.cpp (llama_cpp.Llama on the same library) with scripts/bench_residency.py:
+#   - every layer and expert on the GPU: stock, and ours with the cache counting (residency none,
+#     top-k: llama.cpp's selection kept on the GPU, one read per token after the graph);
+#   - a quarter of the experts cached, streamed, the dense part on the GPU: top-k and prior:0.5,
+#     beside --cpu-moe placement (every expert in RAM);
+# on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
+# Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
+#
+#   bash scripts/gpu_check.sh                     # build + run (about 8 minutes on 16 cores)
+#   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
+#
+# On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
+# docs, models and tests), and llama-cpp-python, gguf and diskcache on PYTHONPATH, must be there;
+# nothing is fetched (-DMOECACHE_VENDOR=OFF).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${OUT:-.}
+LOG="$OUTDIR/gpu_check.txt"
+PREFIX=${GPU_CHECK_PREFIX:-/tmp/pymoecache-cuda}
+REPS=${GPU_CHECK_REPS:-3}
+SIZE_MB=${GPU_CHECK_SIZE_MB:-1000}
+THREADS=${GPU_CHECK_THREADS:-8}
+PY=${PYTHON:-python3}
+say() { echo "$*" | tee -a "$LOG"; }
+: > "$LOG"
+
+say "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$LOG"
+say "nvcc: $(nvcc --version 2>/dev/null | tail -1); python: $($PY --version 2>&1); cores: $(nproc)"
+
+if [ -n "${GPU_CHECK_VENDOR:-}" ] && [ ! -f vendor/llama.cpp/CMakeLists.txt ]; then
+    mkdir -p vendor && cp -r "$GPU_CHECK_VENDOR" vendor/llama.cpp
+fi
+if [ ! -f "$PREFIX/pymoecache/__init__.py" ]; then
+    t0=$(date +%s)
+    say "building with CUDA into $PREFIX"
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_CUDA_FA=OFF -DMOECACHE_VENDOR=OFF -DGGML_NATIVE=ON" \
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        "$PY" -m pip install -q --no-build-isolation --no-deps --no-compile --target "$PREFIX" . > "$OUTDIR/build.log" 2>&1
+    rc=$?
+    say "build: exit $rc in $(( $(date +%s) - t0 )) s"
+    if [ $rc -ne 0 ]; then
+        tail -40 "$OUTDIR/build.log" | tee -a "$LOG"
+        exit 1
+    fi
+fi
+export PYTHONPATH="$PREFIX${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import pymoecache, llama_cpp; print('pymoecache from', pymoecache.__file__)" 2>&1 | tee -a "$LOG"
+
+bench() { # a titled bench_residency run; its table and ratios into the log
+    local title=$1; shift
+    say ""
+    say "## $title"
+    say "\`python scripts/bench_residency.py $*\`"
+    local t0=$(date +%s)
+    "$PY" scripts/bench_residency.py "$@" > "$OUTDIR/bench.out" 2> "$OUTDIR/bench.err"
+    local rc=$?
+    cat "$OUTDIR/bench.out" >> "$LOG"
+    grep "^\[rep" "$OUTDIR/bench.err" >> "$LOG"
+    [ $rc -ne 0 ] && tail -20 "$OUTDIR/bench.err" | tee -a "$LOG"
+    say "(exit $rc, $(( $(date +%s) - t0 )) s)"
+}
+
+COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routings lru,prior:0.5 --reps $REPS --threads $THREADS --tokens 64 --warmup 8 --keep-going"
+bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
+bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
+say ""
+say "done: $LOG"
