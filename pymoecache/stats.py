@@ -162,10 +162,22 @@ class ResidencyStats:
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
                 "unified_layers": self.unified_layers, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
-                "lowbit_behind": self.lowbit_behind, "miss": self.miss}
+                "lowbit_behind": self.lowbit_behind, "miss": self.miss,
+                "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token}
+
+    def device_summary(self) -> str:
+        """What a decoded token costs across backends (empty where one backend computes everything):
+        graph splits (each a copy and a wait) and our reads of device memory after the graph."""
+        if self.splits_per_token <= 1 and not self.device_reads:
+            return ""
+        return (f"device: {self.splits_per_token:.1f} graph splits/tok"
+                + (f", routing counted after the graph ({self.device_reads_per_token:.1f} reads/tok)"
+                   if self.device_reads else ""))
 
     def summary(self) -> str:
         mib = 2.0 ** 20
+        if self.residency == "none":  # every expert resident: nothing read, only what crosses backends
+            return f"none: {self.device_summary()}" if self.device_summary() else "none"
         return (f"{self.residency}: read {self.bytes_read_per_token / mib:.2f} MiB/tok | "
                 f"per token: compute {self.t_compute_ms_per_token:.2f} ms, I/O wait {self.t_io_ms_per_token:.2f} ms, "
                 f"routing {self.t_route_ms_per_token:.3f} ms"
@@ -193,7 +205,8 @@ class ResidencyStats:
                 + (" | low-bit: every expert from the companion (lowbit-cache)" if self.miss == "lowbit-cache" else "")
                 + (f" | low-bit: {self.lowbit_loads / max(1, self.decode_tokens):.2f} experts/tok from the companion "
                    f"({self.lowbit_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok), "
-                   f"{self.lowbit_behind} full copies read behind" if self.lowbit_bytes else ""))
+                   f"{self.lowbit_behind} full copies read behind" if self.lowbit_bytes else "")
+                + (f" | {self.device_summary()}" if self.device_summary() else ""))
 
 
 @dataclass
@@ -334,5 +347,6 @@ class MoEStats:
                 f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
                 f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
                 + (f" | pinned {self.pinned} experts, {self.pinned_hits} hits" if self.pinned else "")
-                + (f" | {self.residency.summary()}" if self.residency and self.residency.residency != "none" else "")
+                + (f" | {self.residency.summary()}" if self.residency and (self.residency.residency != "none" or
+                                                                       self.residency.device_summary()) else "")
                 if self.tokens else "no tokens routed yet")

@@ -1,0 +1,126 @@
+"""The device path where the cache only counts (issue 54 item 2, src_cpp/moecache-device.cpp).
+
+With every expert resident (residency none) and top-k routing, our routing decision is llama.cpp's
+own, so a decoded token's graph keeps llama.cpp's selection on the device: no CPU split per MoE
+layer, one read of the counted rows per device after the graph. Checked through ggml's RPC backend
+(`pymoecache rpc-server` on the loopback, a real second backend whose splits and copies are real)
+and on the CPU:
+- the graph splits of a decoded token are stock llama.cpp's (same model, same server, same process's
+  library), and one read of device memory per token;
+- what the cache counts (hits, misses, evictions, the trace, each layer's contents) and the logits
+  are the CPU op's (the op path, which recording the router's outputs still takes);
+- a routing that changes the selection goes back to the op path at once, and top-k comes back;
+- as users run it: `pymoecache run -ngl 99 --rpc HOST:PORT` from outside the tree says so."""
+
+import os
+import subprocess
+import sys
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import pymoecache
+from pymoecache import CacheConfig, rpc
+from pymoecache import _moecache_cpp as C
+from conftest import model_path
+
+KW = dict(n_ctx=128, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=1, seed=1)
+PROMPT = list(range(300, 320))
+DECODES = list(range(1000, 1020))
+NAMES = ["qwen2moe-60x4", "mixtral-8x2", "olmoe-64x8", "deepseek2-sigmoid-64x6"]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    with rpc.LocalServer(threads=1) as server:
+        yield server.endpoint
+
+
+def decode(llm):
+    llm.reset()
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    return np.array(llm.scores[: llm.n_tokens])
+
+
+def run(path, endpoint, n_gpu_layers, record=0, routing="lru", size=0.25):
+    kw = dict(KW, n_gpu_layers=n_gpu_layers, **({"rpc_servers": endpoint} if n_gpu_layers else {}))
+    cache = CacheConfig(size=size, residency="none", trace=4096, router_record=record)
+    llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
+    logits = decode(llm)
+    st = llm.moe_stats()
+    out = dict(logits=logits, hits=st.hits, misses=st.misses, evictions=st.evictions,
+               trace=llm.moecache.trace().tobytes(), cached=[llm.moecache.cached(il) for il in st.moe_layers],
+               rs=st.residency)
+    llm.close()
+    return out
+
+
+def stock_splits(path, endpoint, n_gpu_layers):
+    kw = dict(KW, n_gpu_layers=n_gpu_layers)
+    llm = llama_cpp.Llama(str(path), **kw)  # (the RPC server's devices are registered in this process)
+    llm.reset()
+    llm.eval(PROMPT)
+    llm.eval([DECODES[0]])
+    n = C.moecache_context_graph_splits(llm._ctx.ctx)
+    llm.close()
+    return n
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n_gpu_layers", [99, 0])
+def test_top_k_counts_after_the_graph_as_the_op_does(fixture_dir, gpu, name, n_gpu_layers):
+    path = model_path(fixture_dir, name)
+    fast = run(path, gpu, n_gpu_layers)
+    op = run(path, gpu, n_gpu_layers, record=len(PROMPT) + len(DECODES))  # recording keeps the op path
+    rs, rs_op = fast["rs"], op["rs"]
+    # the device path ran: one read per decoded token, and only there
+    assert rs.decode_graphs == len(DECODES) and rs.device_reads == len(DECODES)
+    assert rs_op.device_reads == 0
+    # it counts what the op counts, and llama.cpp computes the same
+    assert fast["misses"] > 0 and fast["evictions"] > 0
+    for key in ("hits", "misses", "evictions", "trace", "cached"):
+        assert fast[key] == op[key], key
+    assert np.array_equal(fast["logits"], op["logits"])
+    if n_gpu_layers:
+        stock = stock_splits(path, gpu, n_gpu_layers)
+        assert rs.splits_per_token == stock, (rs.splits_per_token, stock)
+        assert rs_op.splits_per_token > stock  # a CPU split per MoE layer: what this path removes
+        assert "routing counted after the graph" in rs.summary()
+    else:
+        assert rs.splits_per_token == 1
+
+
+def test_a_routing_that_changes_the_selection_takes_the_op_and_top_k_comes_back(fixture_dir, gpu):
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency="none"), routing="lru",
+                           **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+    decode(llm)
+    reads = llm.moecache.residency_stats().device_reads
+    assert reads == len(DECODES)
+    llm.set_routing("prior:0.5")
+    decode(llm)
+    st = llm.moe_stats()
+    assert st.residency.device_reads == 0 and st.residency.decode_graphs == len(DECODES)
+    assert st.residency.splits_per_token > 2
+    llm.set_routing("lru")
+    decode(llm)
+    assert llm.moe_stats().residency.device_reads == len(DECODES)
+    llm.close()
+
+
+def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, tmp_path):
+    """`pymoecache run MODEL -ngl 99 --rpc HOST:PORT`, the installed package from outside the tree: the
+    model fits, so every expert is resident and the default routing is top-k: the stats line shows the
+    routing counted after the graph, at stock llama.cpp's graph splits."""
+    path = model_path(fixture_dir, "mixtral-8x2")
+    stock = stock_splits(path, gpu, 99)
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-ngl", "99", "--rpc", gpu, "-p",
+                        "The cat", "-n", "12", "--temp", "0"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"device: {stock:.1f} graph splits/tok, routing counted after the graph (1.0 reads/tok)" in r.stdout + r.stderr, \
+        (r.stdout + r.stderr)[-2000:]
