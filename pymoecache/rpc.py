@@ -19,6 +19,7 @@ The tests use it as the GPU they do not have: a local server on the loopback.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import socket
 import subprocess
@@ -149,23 +150,45 @@ def _connections(peers: set) -> List[int]:
     return out
 
 
+_conns: dict = {}  # endpoint -> (its addresses, the connections to it found last): server_gone's per-token check
+
+
+def _probe(fds: List[int], peers: set) -> Optional[bool]:
+    """True: one of these connections is open; False: every one was closed by the server; None: one of
+    the descriptors is no longer a connection to ``peers`` (closed, or reused for something else)."""
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.type != socket.SOCK_STREAM or tuple(sock.getpeername()[:2]) not in peers:
+                    return None
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b"":
+                    return True  # (bytes waiting: alive)
+        except BlockingIOError:
+            return True  # nothing to read, the connection open: alive
+        except OSError as e:
+            if e.errno in (errno.EBADF, errno.ENOTSOCK):
+                return None
+            continue  # reset: gone
+    return False
+
+
 def server_gone(endpoint: str) -> bool:
     """The RPC server at ``endpoint`` closed the connection ggml holds to it, or (where ggml holds
     none now) refuses a new one. A server that died or was stopped closes its connections at once;
-    one behind a network that went silent is not seen here (ggml would wait for it)."""
+    one behind a network that went silent is not seen here (ggml would wait for it). Called before
+    every decode: the connections found are remembered, and only looked for again when one of them
+    is no longer one (a few microseconds a call instead of a scan of every descriptor)."""
+    cached = _conns.get(endpoint)
+    if cached and cached[1]:
+        alive = _probe(cached[1], cached[0])
+        if alive is not None:
+            return not alive
     peers = _peer(endpoint)
     conns = _connections(peers)
-    for fd in conns:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b"":
-                    return False  # (bytes waiting: alive)
-        except BlockingIOError:
-            return False  # nothing to read, the connection open: alive
-        except OSError:
-            continue  # reset: gone
-    if conns:
-        return True
+    _conns[endpoint] = (peers, conns)
+    alive = _probe(conns, peers) if conns else None
+    if alive is not None:
+        return not alive
     host, _, port = endpoint.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()

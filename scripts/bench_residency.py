@@ -185,7 +185,11 @@ def text_tokens(llm, n: int, skip: int = 0) -> list:
 def decode_text(llm, args) -> float:
     """Evaluate a --prompt-tokens prompt, --warmup untimed and --tokens timed one-token decodes of
     WikiText-2 (teacher-forced); returns the seconds of the timed ones. Statistics are reset after
-    the warm-up when ``llm`` is a pymoecache.Llama."""
+    the warm-up when ``llm`` is a pymoecache.Llama. Each timed token ends when its logits can be read
+    (llama_synchronize, as llama-bench times a generated token and as sampling waits for it): a
+    backend that computes asynchronously (CUDA) cannot queue the next token ahead of this one."""
+    import llama_cpp
+
     n = args.prompt_tokens + args.warmup + args.tokens
     stream = text_tokens(llm, n)
     t0 = time.perf_counter()
@@ -206,6 +210,7 @@ def decode_text(llm, args) -> float:
     t0 = time.perf_counter()
     for t in stream[args.prompt_tokens + args.warmup:]:
         llm.eval([t])
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
     return time.perf_counter() - t0
 
 

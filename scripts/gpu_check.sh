@@ -6,6 +6,8 @@
 #     top-k: llama.cpp's selection kept on the GPU, one read per token after the graph);
 #   - a quarter of the experts cached, streamed, the dense part on the GPU: top-k and prior:0.5,
 #     beside --cpu-moe placement (every expert in RAM);
+#   - scripts/bench_device.py: llama_decode and eval per token of stock, ours (device path) and ours
+#     through the CPU routing op, in one process;
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
 #
@@ -48,7 +50,7 @@ if [ ! -f "$PREFIX/pymoecache/__init__.py" ]; then
     fi
 fi
 export PYTHONPATH="$PREFIX${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import pymoecache, llama_cpp; print('pymoecache from', pymoecache.__file__)" 2>&1 | tee -a "$LOG"
+(cd /tmp && "$PY" -c "import pymoecache, llama_cpp; print('pymoecache from', pymoecache.__file__)") 2>&1 | tee -a "$LOG"
 
 bench() { # a titled bench_residency run; its table and ratios into the log
     local title=$1; shift
@@ -66,6 +68,11 @@ bench() { # a titled bench_residency run; its table and ratios into the log
 
 COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routings lru,prior:0.5 --reps $REPS --threads $THREADS --tokens 64 --warmup 8 --keep-going"
 bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
+say ""
+say "## where a token's time goes, every layer on the GPU (model C widened)"
+say "\`python scripts/bench_device.py --model models/_bench/bench-trained-*.gguf --tokens 256 --rounds 5 --threads $THREADS\`"
+"$PY" scripts/bench_device.py --model models/_bench/bench-trained-*.gguf --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
+    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""
 say "done: $LOG"

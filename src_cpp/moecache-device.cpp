@@ -10,9 +10,11 @@
 //
 //     [ ids: I32 K | pad | z: F32 N | p: F32 N | s: F32 N (absent where s is p) ]   per layer
 //
-// After the graph, one read per device brings every layer's block to the host, and each layer is
-// counted by moecache_route_token, exactly as op_select counts it (same inputs, same code: the
-// hits, misses, evictions, Delta and trace of the CPU op). A graph with any other routing policy,
+// After the graph, one read per device is queued behind it, and the token is counted when it has
+// arrived: at the next ubatch, or before the cache is next looked at or changed (every API entry
+// calls moecache_device_flush). No wait is added to the decode: the application's own wait for the
+// logits brings the copies in. Each layer is counted by moecache_route_token, exactly as op_select
+// counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op). A graph with any other routing policy,
 // reads ahead, router recording or a prompt of several tokens keeps the CPU op.
 
 #include "moecache-impl.h"
@@ -113,17 +115,28 @@ static bool device_alloc(moecache & mc) {
 }
 
 void moecache_device_free(moecache & mc) {
+    moecache_device_flush(mc);
     moecache_device & d = mc.dev;
+    for (ggml_backend_event_t e : d.events) {
+        if (e) {
+            ggml_backend_event_free(e);
+        }
+    }
     for (ggml_backend_buffer_t b : d.bufs) {
         ggml_backend_buffer_free(b);
     }
     if (d.ctx) {
         ggml_free(d.ctx);
     }
-    d = moecache_device();
+    d.events.clear();
+    d.bufs.clear();
+    d.all.clear();
+    d.ctx   = nullptr;
+    d.ready = false;
 }
 
 void moecache_device_graph_begin(moecache & mc) {
+    moecache_device_flush(mc); // (before a graph that may route another way)
     mc.dev.n_deferred = 0;
     mc.dev.deferred.assign(mc.n_layer, 0);
     mc.dev.s_is_p.assign(mc.n_layer, 0);
@@ -180,51 +193,80 @@ static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev
     return nullptr;
 }
 
-void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
+// Counts the token whose rows were read (d.pending): once its copies are in, each deferred layer in
+// layer order, as the graph runs the CPU op. The layers, copies and routing are the ones recorded
+// when the read was issued (a graph built since may defer other layers).
+void moecache_device_flush(moecache & mc) {
     moecache_device & d = mc.dev;
-    if (d.n_deferred == 0 || !sched) {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    if (!d.pending) {
         return;
     }
-    const bool timeline = mc.timeline.on.load(std::memory_order_relaxed);
-    // one read per device, all issued before the first wait
-    std::vector<ggml_backend_t> backends(d.devs.size(), nullptr);
-    for (size_t g = 0; g < d.devs.size(); g++) {
-        backends[g] = sched_backend(sched, d.devs[g]);
-        if (backends[g]) {
-            ggml_backend_tensor_get_async(backends[g], d.all[g], d.host[g].data(), 0, d.host[g].size());
-        } else {
-            ggml_backend_tensor_get(d.all[g], d.host[g].data(), 0, d.host[g].size());
-        }
-        mc.rst.device_reads += 1;
-    }
-    for (ggml_backend_t b : backends) {
-        if (b) {
-            ggml_backend_synchronize(b);
+    d.pending = false;
+    for (size_t g = 0; g < d.devs.size(); g++) { // (wait for the copy alone where the device has events)
+        if (d.events[g]) {
+            ggml_backend_event_synchronize(d.events[g]);
+        } else if (d.read_backends[g]) {
+            ggml_backend_synchronize(d.read_backends[g]);
         }
     }
-    const int64_t t0 = moecache_time_us(); // (the wait above is the graph's: not counted as routing)
+    const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
+    const int64_t t0 = moecache_time_us();
     int64_t z_off = 0;
     const int64_t block = device_block(mc, &z_off);
     const int64_t N = mc.n_expert;
-    const moecache_routing_params rp = mc.rparams;
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
-    for (int il = 0; il < mc.n_layer; il++) { // in layer order, as the graph runs the CPU op
-        if (!d.deferred[il]) {
+    for (int il = 0; il < mc.n_layer; il++) {
+        if (!d.read_layers[il]) {
             continue;
         }
         moecache_layer & L = mc.layers[il];
-        const char * at = (const char *) d.host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * block * 4;
+        const char * at = d.host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * block * 4;
         const int32_t * ids = (const int32_t *) at;
         const float   * z   = (const float *) (at + z_off * 4);
         const float   * p   = z + N;
-        const float   * s   = d.s_is_p[il] ? p : p + N;
+        const float   * s   = d.read_s_is_p[il] ? p : p + N;
         const int64_t t1 = moecache_time_us();
-        moecache_route_token(mc, L, rp, z, p, s, ids, true, true, sel, hit);
+        moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
         L.decode_tokens += 1;
         if (timeline) {
             moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
         }
     }
     mc.t_route_decode_us += moecache_time_us() - t0;
+}
+
+void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
+    moecache_device & d = mc.dev;
+    moecache_device_flush(mc); // the token before: its copies arrived while this one's graph was queued
+    if (d.n_deferred == 0 || !sched) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(d.mutex);
+    // one read per device, queued behind the graph; no wait here: the token is counted at the next
+    // ubatch or when the cache is next looked at (moecache_device_flush), by when the application's
+    // own wait for the logits has brought the copies in
+    d.events.resize(d.devs.size(), nullptr);
+    d.read_backends.assign(d.devs.size(), nullptr);
+    for (size_t g = 0; g < d.devs.size(); g++) {
+        ggml_backend_t b = sched_backend(sched, d.devs[g]);
+        d.read_backends[g] = b;
+        if (b) {
+            if (!d.events[g] && !d.no_events) {
+                d.events[g] = ggml_backend_event_new(d.devs[g]); // (NULL where the device has none: the CPU)
+            }
+            ggml_backend_tensor_get_async(b, d.all[g], d.host[g].data(), 0, d.host[g].size());
+            if (d.events[g]) {
+                ggml_backend_event_record(d.events[g], b);
+            }
+        } else {
+            ggml_backend_tensor_get(d.all[g], d.host[g].data(), 0, d.host[g].size());
+        }
+        mc.rst.device_reads += 1;
+    }
+    d.read_layers = d.deferred;
+    d.read_s_is_p = d.s_is_p;
+    d.read_rp     = mc.rparams;
+    d.pending     = true;
 }

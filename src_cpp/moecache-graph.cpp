@@ -241,6 +241,7 @@ void moecache_hook_context_free(const llama_context * lctx) {
     auto it = g_ctx.find(lctx);
     if (it != g_ctx.end()) {
         if (it->second.mc) {
+            moecache_device_flush(*it->second.mc); // (its read is on this context's backends)
             it->second.mc->ctx = nullptr;
         }
         g_ctx.erase(it);
@@ -425,6 +426,7 @@ void moecache_graph_mark_dirty(moecache * mc) {
 // --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------
 
 void moecache_hook_detach(moecache * mc) {
+    moecache_device_flush(*mc); // (its read is on the context's backends)
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!mc->ctx) {
         return;

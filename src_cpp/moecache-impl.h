@@ -243,6 +243,14 @@ struct moecache_device {
     std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
     std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no third copy)
     int32_t n_deferred = 0;
+    // the read queued after the last such graph, counted by moecache_device_flush
+    std::mutex                         mutex;      // the read and its counting (stats may be read from another thread)
+    bool                               pending = false;
+    bool                               no_events = false;
+    std::vector<ggml_backend_event_t>  events;     // [n_groups] marks the read's end on its device (NULL: none)
+    std::vector<ggml_backend_t>        read_backends;
+    std::vector<uint8_t>               read_layers, read_s_is_p; // [n_layer] deferred and s_is_p at the read
+    struct moecache_routing_params     read_rp = {};
 };
 
 struct moecache {
@@ -409,6 +417,7 @@ bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, 
 void moecache_device_graph_begin(moecache & mc);
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
 void moecache_device_free(moecache & mc);
+void moecache_device_flush(moecache & mc);  // count a read still pending (every API entry that reads or changes the cache)
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
 // where layer il's dense part lives: its router weight's buffer type; nullptr where there is none

@@ -19,6 +19,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+// a token the device path counts after its graph (moecache-device.cpp) is counted before any call
+// that reads or changes the cache
+static void moecache_device_flush_c(const struct moecache * mc) {
+    if (mc) {
+        moecache_device_flush(const_cast<moecache &>(*mc));
+    }
+}
+
 #ifndef MOECACHE_VERSION_STR
 #define MOECACHE_VERSION_STR "dev"
 #endif
@@ -149,6 +157,7 @@ void moecache_free(struct moecache * mc) {
 }
 
 int32_t moecache_set_routing(struct moecache * mc, struct moecache_routing_params rparams) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     const int32_t rc = moecache_check_routing(rparams, mc->n_expert_used);
     if (rc == MOECACHE_OK) {
         if ((rparams.policy == MOECACHE_POLICY_TOPK) != (mc->rparams.policy == MOECACHE_POLICY_TOPK)) {
@@ -164,6 +173,7 @@ struct moecache_routing_params moecache_get_routing(const struct moecache * mc) 
 }
 
 int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int32_t n) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (n < 0 || n > mc->n_layer || (n > 0 && !delta)) {
         return fail(MOECACHE_ERR_INVALID, "prior delta: need at most one value per layer");
     }
@@ -175,6 +185,7 @@ int32_t moecache_set_prior_delta(struct moecache * mc, const float * delta, int3
 }
 
 int32_t moecache_set_prior_scale(struct moecache * mc, const float * scale, int32_t n) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (n < 0 || n > mc->n_layer || (n > 0 && !scale)) {
         return fail(MOECACHE_ERR_INVALID, "prior scale: need at most one value per layer");
     }
@@ -190,6 +201,7 @@ int32_t moecache_set_prior_scale(struct moecache * mc, const float * scale, int3
 }
 
 void moecache_reset_stats(struct moecache * mc) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     for (moecache_layer & L : mc->layers) {
         L.st = {};
         // lifetimes restart now for the experts still cached
@@ -216,12 +228,14 @@ void moecache_reset_stats(struct moecache * mc) {
 }
 
 extern "C" void moecache_begin_request(struct moecache * mc) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (mc) {
         moecache_profile_begin_request(*mc);
     }
 }
 
 void moecache_clear(struct moecache * mc) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     for (moecache_layer & L : mc->layers) {
         moecache_layer_empty(L); // the entries leaving now end their lifetimes here
         moecache_layer_clear(L);
@@ -230,6 +244,7 @@ void moecache_clear(struct moecache * mc) {
 }
 
 int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc) {
         return fail(MOECACHE_ERR_INVALID, "moecache_set_eviction: NULL moecache");
     }
@@ -250,6 +265,7 @@ int32_t moecache_n_layer(const struct moecache * mc) {
 }
 
 int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct moecache_layer_stats * out) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (il < 0 || il >= mc->n_layer || !out) {
         return fail(MOECACHE_ERR_INVALID, "layer index out of range");
     }
@@ -272,6 +288,7 @@ int32_t moecache_get_layer_stats(const struct moecache * mc, int32_t il, struct 
 }
 
 int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * out) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!out) {
         return fail(MOECACHE_ERR_INVALID, "out is NULL");
     }
@@ -323,6 +340,7 @@ static int32_t held_by_recency(const std::vector<int64_t> & stamp, int32_t * ids
 }
 
 int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (il < 0 || il >= mc->n_layer) {
         return fail(MOECACHE_ERR_INVALID, "layer index out of range");
     }
@@ -330,6 +348,7 @@ int32_t moecache_get_cached(const struct moecache * mc, int32_t il, int32_t * id
 }
 
 int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (il < 0 || il >= mc->n_layer) {
         return fail(MOECACHE_ERR_INVALID, "layer index out of range");
     }
@@ -380,6 +399,7 @@ int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w
 }
 
 int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_record * out, int32_t cap) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     const int64_t size = (int64_t) mc->trace.size();
     if (size == 0 || cap <= 0) {
         return 0;
@@ -395,6 +415,7 @@ int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_rec
 int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, const float * probs,
                        const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
                        bool rank_on_logits, int32_t * selected, int8_t * hits) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (il < 0 || il >= mc->n_layer) {
         return fail(MOECACHE_ERR_INVALID, "layer index out of range");
     }
@@ -423,6 +444,7 @@ int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, c
 // state files (the format and its checks: moecache-state.cpp)
 
 extern "C" int32_t moecache_state_save(const struct moecache * mc, const char * path) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !path) {
         return fail(MOECACHE_ERR_INVALID, "moecache_state_save: NULL argument");
     }
@@ -434,6 +456,7 @@ extern "C" int32_t moecache_state_save(const struct moecache * mc, const char * 
 }
 
 extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !path) {
         return fail(MOECACHE_ERR_INVALID, "moecache_state_load: NULL argument");
     }
@@ -445,6 +468,7 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
 }
 
 extern "C" int32_t moecache_profile_save(const struct moecache * mc, const char * path) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !path) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_save: NULL argument");
     }
@@ -456,6 +480,7 @@ extern "C" int32_t moecache_profile_save(const struct moecache * mc, const char 
 }
 
 extern "C" int32_t moecache_profile_load(struct moecache * mc, const char * path) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !path) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_load: NULL argument");
     }
@@ -467,6 +492,7 @@ extern "C" int32_t moecache_profile_load(struct moecache * mc, const char * path
 }
 
 extern "C" int32_t moecache_profile_get(const struct moecache * mc, int32_t il, double * counts, int32_t n) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !counts || il < 0 || il >= mc->n_layer || n < mc->n_expert) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_get: layer out of range or counts shorter than N");
     }
@@ -477,6 +503,7 @@ extern "C" int32_t moecache_profile_get(const struct moecache * mc, int32_t il, 
 }
 
 extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_warm: NULL moecache");
     }
@@ -498,6 +525,7 @@ extern "C" int32_t moecache_attach(struct moecache * mc, struct llama_context * 
 }
 
 extern "C" void moecache_detach(struct moecache * mc) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (mc) {
         moecache_hook_detach(mc);
     }
@@ -526,6 +554,7 @@ static int64_t rss_bytes() {
 }
 
 extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !out) {
         moecache_set_error("moecache_get_residency_stats: NULL argument");
         return MOECACHE_ERR_INVALID;
@@ -606,6 +635,7 @@ extern "C" int32_t moecache_timeline_start(struct moecache * mc, int32_t capacit
 
 extern "C" int32_t moecache_timeline_get(const struct moecache * mc, struct moecache_event * out, int32_t cap,
                                          int64_t * n_dropped) {
+    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || cap < 0 || (cap > 0 && !out)) {
         moecache_set_error("moecache_timeline_get: NULL argument or cap < 0");
         return MOECACHE_ERR_INVALID;
