@@ -27,6 +27,7 @@ from .config import (INT32_MAX, RESIDENCIES, CacheConfig, ConfigError, Preset, R
 from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
                      ModelLoadError)
 from ._logtail import take_log_lines
+from .templates import bounded_formatter
 from .grammar import check_grammar
 from .logprobs import StepLogprobs, logits_row
 from .moecache import MoECache, _as_routing  # noqa: F401 (MoECache: also pymoecache.llama.MoECache)
@@ -47,10 +48,11 @@ from ._llamalog import log as _log  # noqa: E402  (importing it installs llama.c
 _LOAD_LOCK = threading.Lock()
 
 
-class _TolerantChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
+class _TolerantChatFormatter(bounded_formatter()):
     """llama-cpp-python compiles every chat template of a GGUF while it loads the model, and a
     template its Jinja cannot parse would abort the load. Installed for the duration of a load
-    (under _LOAD_LOCK): such a template loads, warns once, and fails only when used."""
+    (under _LOAD_LOCK): such a template loads, warns once, and fails only when used. It renders in
+    pymoecache.templates' bounded sandbox; its errors are ConfigErrors."""
 
     def __init__(self, template: str, *args, **kwargs):
         import jinja2
@@ -68,7 +70,11 @@ class _TolerantChatFormatter(llama_cpp.llama_chat_format.Jinja2ChatFormatter):
         if self.error is not None:
             raise ConfigError(f"the model's chat template cannot be used ({self.error}): pass chat_format= "
                               "(e.g. 'chatml') or a chat_handler to pymoecache.Llama")
-        return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:  # the template's own errors, its size and time bounds
+            raise ConfigError(f"the model's chat template could not render the conversation: {type(e).__name__}: "
+                              f"{str(e)[:300]}") from None
 
 
 def _major_faults() -> int:
@@ -94,6 +100,52 @@ def _check_llama_kwargs(kw: dict) -> None:
         check_int("seed", kw["seed"], -1, 2**32 - 1)
     if "n_gpu_layers" in kw:
         check_int("n_gpu_layers", kw["n_gpu_layers"], -1, INT32_MAX)
+    for name in ("type_k", "type_v"):  # (llama.cpp asserts on another type: the process aborts)
+        v = kw.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v not in _KV_TYPES):
+            raise ConfigError(f"{name} must be a ggml type llama.cpp keeps a KV cache in: "
+                              + ", ".join(f"{t} ({n})" for n, t in _KV_TYPES.items()) + f"; got {v!r}")
+    for name in ("lora_path", "lora_base"):  # (a missing adapter loaded, and the first decode crashed)
+        if kw.get(name) is not None:
+            _check_gguf_path(name, kw[name])
+    fmt = kw.get("chat_format")
+    if fmt is not None:
+        import difflib
+
+        known = sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers)
+        if not isinstance(fmt, str) or fmt not in known:
+            close = difflib.get_close_matches(str(fmt), known, n=1, cutoff=0.6)
+            raise ConfigError(f"unknown chat_format {fmt!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                              + f" (one of: {', '.join(known)})")
+    draft = kw.get("draft_model")
+    if draft is not None and not isinstance(draft, llama_cpp.llama_speculative.LlamaDraftModel):
+        raise ConfigError(f"draft_model must be a llama_cpp.llama_speculative.LlamaDraftModel (such as "
+                          f"LlamaPromptLookupDecoding()), got {draft!r}")
+
+
+# the KV cache types llama.cpp takes (-ctk / -ctv): ggml type -> name
+_KV_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 20: "IQ4_NL", 6: "Q5_0", 7: "Q5_1"}
+
+
+def _check_gguf_path(name: str, path) -> None:
+    """ConfigError unless ``path`` is a regular GGUF file (a LoRA adapter, its base model)."""
+    import stat
+
+    try:
+        p = os.fsdecode(path)
+    except TypeError:
+        raise ConfigError(f"{name} must be a path, got {path!r}") from None
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ConfigError(f"{name} {p}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{name} {p} is not a regular file")
+        if os.read(fd, 4) != b"GGUF":
+            raise ConfigError(f"{name} {p} is not a GGUF file")
+    finally:
+        os.close(fd)
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,6 +182,10 @@ def _as_cache(cache) -> CacheConfig:
 
         return CacheConfig(size=parse_cache_size(cache))
     if isinstance(cache, (int, float)) and not isinstance(cache, bool):
+        if cache == 0:  # (the CLI's --cache-size 0, with its message)
+            from .config import parse_cache_size
+
+            parse_cache_size("0")
         return CacheConfig(size=cache)
     raise ConfigError(f"cache must be a pymoecache.CacheConfig or a cache size (30, 0.25, '25%', '3GiB', 'auto'), "
                       f"got {cache!r}")

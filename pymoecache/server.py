@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .config import CacheConfig, Preset, Routing, parse_routing, resolved_top_j
-from .errors import Error, MissingDependencyError
+from .errors import ConfigError, Error, MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
 from .server_requests import (RequestError, _field_error, _include_usage, error_response, request_stats,  # noqa: F401
@@ -467,6 +467,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 return error_response(499, "client disconnected")
             except RequestError as e:
                 return e.response()
+            except ConfigError as e:  # a parameter of the request the model refuses: the client's error
+                return RequestError(str(e)).response()
             except Error as e:  # the model cannot serve (its file changed, NaN weights, an I/O error): say so
                 _log.error("request to %s failed: %s", request.url.path, e)
                 return error_response(503, str(e), "model_error")

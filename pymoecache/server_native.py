@@ -68,13 +68,15 @@ class NativeCompletion:
         self.sampling: Dict[str, float] = {}
         for name, default in _DEFAULTS.items():
             v = d.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
                 raise RequestError(f"'{name}' must be a number, got {v!r}", 422, name)
+            if isinstance(v, float) and math.isinf(v):
+                raise RequestError(f"'{name}' must be a finite number, got {v}", 400, name)
             if name in _RANGES and not _RANGES[name][0] <= v <= _RANGES[name][1]:
                 lo, hi = _RANGES[name]
                 raise RequestError(f"'{name}' must be in [{lo:g}, {hi:g}], got {v}", 400, name)
             self.sampling[name] = v
-        if not self.sampling["top_k"] == int(self.sampling["top_k"]) or self.sampling["top_k"] < 0:
+        if not self.sampling["top_k"] == int(self.sampling["top_k"]) or not 0 <= self.sampling["top_k"] < 2**31:
             raise RequestError(f"'top_k' must be an integer >= 0, got {self.sampling['top_k']}", 400, "top_k")
         seed = d.get("seed", -1)
         if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed <= 2**32 - 1:

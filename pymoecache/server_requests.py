@@ -7,6 +7,7 @@ imported only inside the functions that answer.
 from __future__ import annotations
 
 import json
+import math
 from typing import Optional
 
 from .stats import MoEStats
@@ -68,7 +69,8 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
 # sampling fields: (lowest, highest); NaN is out of every range (JSON parsers here accept NaN)
 _SAMPLING_RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
                     "repeat_penalty": (0.0, 1e6), "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6),
-                    "mirostat_tau": (0.0, 1e6), "mirostat_eta": (0.0, 1e6)}
+                    "mirostat_tau": (0.0, 1e6), "mirostat_eta": (0.0, 1e6),
+                    "top_k": (-2**31, 2**31 - 1), "seed": (-1, 2**32 - 1)}  # (ctypes would wrap larger ones)
 
 
 def _check_sampling(llm, body) -> None:
@@ -79,7 +81,7 @@ def _check_sampling(llm, body) -> None:
     for name, (lo, hi) in _SAMPLING_RANGES.items():
         v = getattr(body, name, None)
         if v is not None and not lo <= v <= hi:
-            raise RequestError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {v}", 400, name)
+            raise RequestError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {str(v)[:40]}", 400, name)
     for name in ("n", "best_of"):
         v = getattr(body, name, None)
         if v is not None and v != 1:
@@ -97,6 +99,19 @@ def _check_sampling(llm, body) -> None:
                                    400, "logit_bias")
             if math.isnan(value):
                 raise RequestError(f"'logit_bias' value for token {tok} is NaN", 400, "logit_bias")
+
+
+def _check_logprobs(llm, d: dict, chat: bool) -> None:
+    """400 for logprobs this server cannot answer (a 503 model_error before, which OpenAI clients retry)."""
+    n_vocab = llm.n_vocab()
+    name = "top_logprobs" if chat else "logprobs"
+    n = d.get(name)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= n_vocab):
+        raise RequestError(f"'{name}' must be an integer in [0, {n_vocab}] (the model's vocabulary), got {n!r}",
+                           400, name)
+    if not chat and n is not None and d.get("echo") and not llm._logits_all:
+        raise RequestError("'logprobs' with 'echo' needs the logits of every prompt position, which this server "
+                           "does not keep (a Llama made with logits_all=True does): ask without 'echo'", 400, "echo")
 
 
 def _check_messages(messages) -> None:
@@ -117,14 +132,41 @@ def _include_usage(raw: bytes) -> bool:
     return bool(isinstance(opts, dict) and opts.get("include_usage"))
 
 
+class _NumberTooLarge(Exception):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19 and abs(int(text)) >= 2**63:  # (no field takes more than 64 bits)
+        raise _NumberTooLarge(text)
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):  # 1e400
+        raise _NumberTooLarge(text)
+    return v
+
+
+def _constant(name: str) -> float:
+    if name != "NaN":  # Infinity, -Infinity (not JSON; the parser here takes them): no field takes one
+        raise _NumberTooLarge(name)
+    return math.nan  # (NaN is out of every range: the field's own check answers 400)
+
+
 def json_object(raw: bytes) -> dict:
-    """A request body that must be one JSON object of at most _MAX_BODY bytes; RequestError otherwise."""
+    """A request body that must be one JSON object of at most _MAX_BODY bytes; RequestError otherwise
+    (also for a number no field can take: an integer beyond 64 bits, one beyond a float, Infinity)."""
     if not raw.strip():
         raise RequestError("the request body is empty: send a JSON object")
     if len(raw) > _MAX_BODY:
         raise RequestError(f"the request body is larger than {_MAX_BODY} bytes", 413)
     try:
-        d = json.loads(raw)
+        d = json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_constant)
+    except _NumberTooLarge as e:
+        raise RequestError(f"the request holds a number no field takes: {str(e)[:40]}"
+                           + ("..." if len(str(e)) > 40 else "") + " (infinite, or beyond 64 bits)") from None
     except (ValueError, RecursionError) as e:
         raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(d, dict):
@@ -172,6 +214,7 @@ def validate_request(llm, path: str, raw: bytes):
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
     _check_sampling(llm, body)
+    _check_logprobs(llm, d, chat)
     if body.grammar is not None:
         check_grammar(llm, body.grammar)
     rf = d.get("response_format") if chat else None

@@ -16,11 +16,108 @@ from __future__ import annotations
 
 import ctypes
 import difflib
+import functools
+import sys
+import time
 from typing import List, Optional
 
 from .errors import ConfigError
 
 MAX_TEMPLATE_BYTES = 1 << 20
+RENDER_SECONDS = 5.0  # a Jinja render's time bound (a template's own loops can run for ever)
+RENDER_MIN_BYTES = 1 << 16  # its size bound is the context's bytes: 32 per position, at least this
+
+
+class TemplateBoundError(Exception):
+    """A Jinja render went past its size or time bound."""
+
+
+def _with_deadline(fn, seconds: float):
+    """``fn()``, stopped with TemplateBoundError after ``seconds``: a line tracer on the template's own
+    code (compiled Jinja, file "<template>") looks at the clock every 256 lines it runs."""
+    deadline = time.monotonic() + seconds
+    n = 0
+
+    def in_template(frame, event, arg):
+        nonlocal n
+        n += 1
+        if not n & 255 and time.monotonic() > deadline:
+            raise TemplateBoundError(f"the render ran past {seconds:g} s")
+        return in_template
+
+    def calls(frame, event, arg):
+        return in_template if frame.f_code.co_filename == "<template>" else None
+
+    old = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        return fn()
+    finally:
+        sys.settrace(old)
+
+
+@functools.lru_cache(maxsize=1)
+def bounded_formatter():
+    """llama-cpp-python's Jinja chat formatter rendering in a sandbox bounded in size and time: a
+    string or list made by ``*`` or ``+``, or an integer argument of a call, past ``max_bytes`` stops
+    the render, and so does a render longer than ``max_seconds``. (A class made on first use: llama_cpp
+    is imported only once pymoecache has loaded its library.)"""
+    import jinja2
+    import llama_cpp
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class _Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "+", "**"])
+        max_bytes = RENDER_MIN_BYTES
+
+        def _size(self, x) -> int:
+            return len(x) if isinstance(x, (str, bytes, list, tuple)) else 0
+
+        def call_binop(self, context, operator, left, right):
+            big = None
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if self._size(seq) and isinstance(n, int) and self._size(seq) * max(n, 0) > self.max_bytes:
+                        big = self._size(seq) * n
+            elif operator == "+" and self._size(left) + self._size(right) > self.max_bytes:
+                big = self._size(left) + self._size(right)
+            elif operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                raise SecurityError(f"{left!r:.20} ** {right}: an exponent past 4096")
+            if big is not None:
+                raise SecurityError(f"a value of {big} items, past the bound of {self.max_bytes}")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, int) and not isinstance(a, bool) and a > __self.max_bytes:
+                    raise SecurityError(f"an argument of {a}, past the bound of {__self.max_bytes}")
+            return super().call(__context, __obj, *args, **kwargs)
+
+    base = llama_cpp.llama_chat_format.Jinja2ChatFormatter
+
+    class BoundedJinjaFormatter(base):
+        max_bytes = RENDER_MIN_BYTES
+        max_seconds = RENDER_SECONDS
+
+        def __init__(self, template: str, *args, **kwargs):
+            super().__init__(template, *args, **kwargs)
+            env = _Sandbox(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                           extensions=[base.IgnoreGenerationTags, jinja2.ext.loopcontrols])
+            env.filters["tojson"] = self.tojson
+            env.max_bytes = self.max_bytes
+            self._sandbox = env
+            self._environment = env.from_string(self.template)
+
+        def bound(self, max_bytes: int) -> None:
+            self.max_bytes = self._sandbox.max_bytes = max_bytes
+
+        def __call__(self, *args, **kwargs):
+            r = _with_deadline(lambda: super(BoundedJinjaFormatter, self).__call__(*args, **kwargs), self.max_seconds)
+            if len(r.prompt) > self.max_bytes:
+                raise TemplateBoundError(f"the prompt of {len(r.prompt)} bytes is past the bound of {self.max_bytes}")
+            return r
+
+    return BoundedJinjaFormatter
 
 
 def builtin_names() -> List[str]:
@@ -102,6 +199,12 @@ class ChatTemplate:
             else:
                 self.name, self.label = model, "the model's chat template"
         self._formatter = self._jinja() if self.kind == "jinja" else None
+        if self._formatter is not None:  # a template that cannot render one user message is refused now
+            try:
+                self.render([{"role": "user", "content": "Hello"}])
+            except ConfigError as e:
+                raise ConfigError(f"{e} (a probe conversation of one user message); give another template "
+                                  "(--chat-template NAME takes one of llama.cpp's)") from None
 
     def _jinja(self):
         import jinja2
@@ -111,23 +214,23 @@ class ChatTemplate:
         piece = (lambda tok: self.llm.detokenize([tok], special=True).decode("utf-8", "replace") if tok >= 0 else "")
         self._bos = piece(llama_cpp.llama_vocab_bos(vocab))
         try:
-            return llama_cpp.llama_chat_format.Jinja2ChatFormatter(
-                template=self.text, eos_token=piece(llama_cpp.llama_vocab_eos(vocab)), bos_token=self._bos,
-                add_generation_prompt=True)
-        except jinja2.TemplateError as e:
+            f = bounded_formatter()(template=self.text, eos_token=piece(llama_cpp.llama_vocab_eos(vocab)),
+                                    bos_token=self._bos, add_generation_prompt=True)
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ConfigError(f"{self.label} is not a valid Jinja template: {type(e).__name__}: {e}") from None
+        f.bound(max(RENDER_MIN_BYTES, 32 * self.llm.n_ctx()))  # (a longer prompt cannot fit the context anyway)
+        return f
 
     def render(self, messages: List[dict]) -> "tuple[str, bool]":
         """(the prompt, whether it already begins with the model's BOS: a Jinja template may write
         ``bos_token`` itself; tokenize without adding one then). ConfigError where the template cannot
         render these messages."""
         if self._formatter is not None:
-            import jinja2
-
             try:
                 r = self._formatter(messages=[{**m, "content": _text(m.get("content"))} for m in messages])
-            except jinja2.TemplateError as e:
-                raise ConfigError(f"{self.label} could not render the conversation: {type(e).__name__}: {e}") from None
+            except Exception as e:  # the template's own errors (raise_exception, 1/0, types), its bounds, recursion
+                what = "ran past its bounds" if isinstance(e, TemplateBoundError) else "could not render the conversation"
+                raise ConfigError(f"{self.label} {what}: {type(e).__name__}: {str(e)[:300]}") from None
             return r.prompt, bool(self._bos) and r.prompt.startswith(self._bos)
         text = apply_builtin(self.name, messages)
         if text is None:

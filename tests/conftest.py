@@ -98,3 +98,14 @@ def running_server(model, log: Path, *args):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """A local RPC server (`pymoecache rpc-server`) for the whole session, the device of the RPC tests:
+    one for all of them (its device stays registered in this process, and llama.cpp would abort a load
+    that finds a registered server gone, or offload to two)."""
+    from pymoecache import rpc
+
+    with rpc.LocalServer(threads=1) as server:
+        yield server.endpoint

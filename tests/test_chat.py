@@ -443,3 +443,64 @@ def test_ctrl_c_while_a_long_read_is_taken_in_returns_to_the_prompt(term, tmp_pa
     assert ask(t, "Hello")  # the chat goes on and answers
     t.key_at_prompt("\x04")
     assert t.wait() == 0
+
+
+_UNBOUNDED = {
+    "huge string": "{{ 'a' * 1000000000 }}",
+    "nested loops": "{% for i in range(10000) %}{% for j in range(10000) %}{% for k in range(10000) %}"
+                    "{% endfor %}{% endfor %}{% endfor %}",
+    "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"
+                "{{ ns.s }}",
+    "a call's argument": "{{ 'a'.ljust(1000000000) }}",
+    "division by zero": "{{ 1 / 0 }}",
+    "raise_exception": "{{ raise_exception('this template refuses') }}",
+    "type error": "{{ messages + 1 }}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+}
+
+
+@pytest.mark.parametrize("cmd", ["run", "chat"])
+@pytest.mark.parametrize("what", list(_UNBOUNDED))
+def test_templates_past_their_bounds_or_that_fail_are_refused_at_start(tmp_path, cmd, what):
+    """Issue 53 item 4: a 1 GB string ended run and chat with std::bad_alloc, three nested range(10000) loops
+    hung, a template that raises was an internal error. The template is rendered in a sandbox bounded in
+    size (the context's bytes) and time, on a probe conversation at start: one line, exit 2, in seconds."""
+    f = tmp_path / "t.jinja"
+    f.write_text(_UNBOUNDED[what])
+    args = ["run", "--chat", "-p", "Hi", "-n", "2"] if cmd == "run" else ["chat"]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pymoecache", *args, "-c", "256", "--chat-template-file", str(f)],
+                       cwd=tmp_path, input="Hi\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "bad_alloc" not in r.stderr
+    assert "a probe conversation" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
+def test_serve_refuses_a_failing_template_at_start_and_answers_400_for_a_conversation_it_cannot_render(tmp_path):
+    from conftest import free_port, http_request, running_server
+
+    f = tmp_path / "bad.jinja"
+    f.write_text(_UNBOUNDED["division by zero"])
+    r = subprocess.run([sys.executable, "-m", "pymoecache", "serve", "--chat-template-file", str(f), "--port", str(free_port())],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "a probe conversation" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # one user message renders; a second one asks for what the template refuses, and the loops past the bound
+    f.write_text("{% if messages|length > 1 %}{% if messages[1].content == 'loop' %}{% for i in range(10000) %}"
+                 "{% for j in range(10000) %}{% for k in range(10000) %}{% endfor %}{% endfor %}{% endfor %}"
+                 "{% endif %}{{ raise_exception('one message only') }}{% endif %}"
+                 "{% for m in messages %}{{ m.content }}{% endfor %}")
+    import urllib.error
+
+    with running_server(ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", tmp_path / "log",
+                        "--chat-template-file", str(f), "-c", "256") as (base, _):
+        ok = http_request(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 2})
+        assert ok[0] == 200
+        for second, says in (("Again", "one message only"), ("loop", "ran past its bounds")):
+            msgs = [{"role": "user", "content": "Hi"}, {"role": "user", "content": second}]
+            with pytest.raises(urllib.error.HTTPError) as e:
+                http_request(base + "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+            text = e.value.read().decode()
+            assert e.value.code == 400 and says in text and "Traceback" not in text, text
+        assert http_request(base + "/health", timeout=5)[0] == 200

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import pymoecache
-from pymoecache import CacheConfig, rpc
+from pymoecache import CacheConfig
 from pymoecache import _moecache_cpp as C
 from conftest import model_path
 
@@ -29,12 +29,6 @@ KW = dict(n_ctx=128, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_
 PROMPT = list(range(300, 320))
 DECODES = list(range(1000, 1020))
 NAMES = ["qwen2moe-60x4", "mixtral-8x2", "olmoe-64x8", "deepseek2-sigmoid-64x6"]
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    with rpc.LocalServer(threads=1) as server:
-        yield server.endpoint
 
 
 def decode(llm):

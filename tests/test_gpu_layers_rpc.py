@@ -21,13 +21,6 @@ TRAINED = [ROOT / "models" / "tiny-shakespeare-qwen2moe-60x4.gguf", ROOT / "mode
 RTOL, ATOL = 1e-3, 1e-3
 
 
-@pytest.fixture(scope="session")
-def gpu():
-    """A local RPC server for the whole session (its device stays registered in this process)."""
-    with rpc.LocalServer(threads=1) as server:
-        yield server.endpoint
-
-
 def paths(fixture_dir):
     out = {name: model_path(fixture_dir, name) for name in MOE_FIXTURES}
     out.update({p.stem: p for p in TRAINED if p.exists()})

@@ -206,6 +206,54 @@ def test_objects_kept_from_a_closed_llama_raise_closed_error(fixture_dir, tmp_pa
         assert " ClosedError " in line and "closed" in line, line
 
 
+_BAD_KEYWORDS = r"""
+import sys
+import pymoecache
+bad = {
+    "lora_path": "/nonexistent.gguf", "lora_base": sys.argv[2], "type_k": 999, "type_v": -1,
+    "chat_format": "nonexistent", "draft_model": 5, "cache": 0,
+}
+for name, value in bad.items():
+    try:
+        pymoecache.Llama(sys.argv[1], verbose=False, n_ctx=64, **{name: value})
+        print(name, "ACCEPTED")
+    except pymoecache.ConfigError as e:
+        print(name, "ConfigError", str(e).splitlines()[0])
+print("exited normally")
+"""
+
+
+def test_keywords_that_reach_llama_cpp_are_checked_at_construction(fixture_dir, tmp_path):
+    """Issue 53 item 3: lora_path to a missing file loaded and the first generation crashed, type_k=999 aborted
+    on a GGML_ASSERT, chat_format="nonexistent" failed later, draft_model=5 and cache=0 were accepted. Each is
+    a ConfigError at construction now, in a fresh process of the installed package."""
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    r = subprocess.run([sys.executable, "-c", _BAD_KEYWORDS, str(model_path(fixture_dir, QWEN)), str(text)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert said.pop("exited") == "normally"
+    assert said == {
+        "lora_path": "ConfigError lora_path /nonexistent.gguf: No such file or directory",
+        "lora_base": f"ConfigError lora_base {text} is not a GGUF file",
+        "type_k": said["type_k"], "type_v": said["type_v"], "chat_format": said["chat_format"],
+        "draft_model": said["draft_model"],
+        "cache": "ConfigError cache size '0' is zero: give at least 1 expert per layer (a streamed token needs K "
+                 "slots anyway), a share such as 0.25, a budget such as 4G, or auto",
+    }, said
+    assert said["type_k"].startswith("ConfigError type_k must be a ggml type") and "F16 (1)" in said["type_k"]
+    assert said["type_v"].startswith("ConfigError type_v must be a ggml type")
+    assert said["chat_format"].startswith("ConfigError unknown chat_format 'nonexistent'") and "chatml" in said["chat_format"]
+    assert said["draft_model"].startswith("ConfigError draft_model must be a llama_cpp.llama_speculative.LlamaDraftModel")
+    # what is valid still loads
+    ok = ("import sys, pymoecache\nllm = pymoecache.Llama(sys.argv[1], verbose=False, n_ctx=64, type_k=8, "
+          "chat_format='chatml', cache=0.5)\nprint(llm('Hi', max_tokens=2)['usage']['completion_tokens'])")
+    r = subprocess.run([sys.executable, "-c", ok, str(model_path(fixture_dir, QWEN))], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
+
+
 def test_close_waits_for_no_one_and_a_dense_llama_closes_too(fixture_dir):
     llm = pymoecache.Llama(str(model_path(fixture_dir, QWEN)), cache=CacheConfig(size=0.5), n_ctx=64, verbose=False)
     llm.close()

@@ -232,3 +232,45 @@ def test_serve_context_is_capped_by_memory():
     n, note = serve_context(info, available=8 << 30)
     assert n == 2048 and "capped by the free memory" in note
     assert serve_context(info, available=1 << 20)[0] == 512  # never below 512
+
+
+def _post_raw(url, raw: bytes, key=None):
+    req = urllib.request.Request(url, data=raw, method="POST", headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=300) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "1e400", "9" * 400])
+def test_numbers_that_overflow_are_400(keyed, path, field, number):
+    """Issue 53 item 6: Infinity or a 400-digit integer in a sampling field was a 500 with an OverflowError
+    traceback; it is a 400 that names the problem, and the server answers the next request."""
+    base, log = keyed
+    head = ('"messages": [{"role": "user", "content": "Hi"}]' if "chat" in path else '"prompt": "Hi"')
+    raw = ("{" + head + f', "max_tokens": 2, "n_predict": 2, "{field}": {number}' + "}").encode()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post_raw(base + path, raw, KEY)
+    text = e.value.read().decode()
+    assert e.value.code == 400, text
+    assert "Traceback" not in text and ("no field takes" in text or field in text), text
+    assert "OverflowError" not in log.read_text()
+    assert http_request(base + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 10 ** 6}, "'top_logprobs' must be an integer in [0, "),
+    ("/v1/completions", {"logprobs": 10 ** 6}, "'logprobs' must be an integer in [0, "),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, "'logprobs' with 'echo' needs the logits"),
+])
+def test_logprobs_a_server_cannot_answer_are_400_not_503(keyed, path, body, says):
+    """Issue 53 item 7: these were 503 model_error, which OpenAI clients retry; they are the client's errors."""
+    base, _ = keyed
+    body = dict(body, max_tokens=2, **({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path
+                                        else {"prompt": "Hi"}))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post(base + path, body, KEY)
+    text = e.value.read().decode()
+    assert e.value.code == 400 and says in text and "model_error" not in text, text
