@@ -31,7 +31,8 @@ from .files import writable_target
 from .model_info import _EXPS_RE, _Header, check_gguf_file, model_info
 
 FORMAT_VERSION = 1
-KEY = "moecache.lowbit."  # the companion's own keys: KEY + version, type, parent.name, parent.size, parent.tensor_hash
+KEY = "moecache.lowbit."  # the companion's own keys: KEY + version, type, parent.name, parent.size, parent.tensor_hash,
+#                            parent.experts_sample (written since 2026-11-28; a companion without it is not checked so)
 
 # The type a model's experts get by default, from their own type: about half the bits (a Q8_0 model's
 # experts at Q4_K, a 4-6 bit model's at Q2_K). Provisional: the measured table of types (issue 42
@@ -122,6 +123,26 @@ def _table_hash(h: "_Header") -> str:
     return d.hexdigest()
 
 
+SAMPLE_BLOCKS, SAMPLE_BYTES = 8, 1024  # per routed expert matrix: 8 windows of 1 KiB, spread over its data
+
+
+def experts_sample_hash(path: Path, h: "_Header") -> str:
+    """sha256 of sampled bytes of every routed expert matrix of ``path`` (SAMPLE_BLOCKS windows of
+    SAMPLE_BYTES, evenly spread): the experts' content, where the tensor table hash sees only their
+    shapes and places. A same-shape fine-tune or a re-quantization in place changes it; reading it is
+    a few hundred KiB at most."""
+    d = hashlib.sha256()
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        for name, t, shape, off in _expert_matrices(h):
+            start, n = h.data_start + off, _n_bytes(t, shape)
+            d.update(name.encode() + b"\0")
+            for i in range(SAMPLE_BLOCKS):
+                at = start + (max(n - SAMPLE_BYTES, 0) * i) // (SAMPLE_BLOCKS - 1)
+                d.update(os.pread(fd, min(SAMPLE_BYTES, n), at))
+    return d.hexdigest()
+
+
 def _expert_matrices(h: "_Header") -> List[tuple]:
     return [(name, t, shape, off) for name, t, shape, off in h.tensors
             if (m := _EXPS_RE.match(name)) and m.group(3) == "weight"]
@@ -183,6 +204,11 @@ def check_companion(model: "os.PathLike[str] | str", companion: "os.PathLike[str
             + (", same size, other tensors" if size == m.stat().st_size else "") + "): "
             + (f"the model changed since; make it again with `pymoecache lowbit {m}`" if same_name
                else "it belongs to another model"))
+    sample = h.kv.get(KEY + "parent.experts_sample")
+    if sample is not None and sample != experts_sample_hash(m, mh):
+        raise CompanionError(f"{c} was made from other expert weights than {m} holds now (same size and tensor "
+                             "table: a fine-tune or a re-quantization in place): its copies are stale; make it "
+                             f"again with `pymoecache lowbit {m}`")
     try:
         end = max((h.data_start + off + _n_bytes(t, shape) for _, t, shape, off in h.tensors), default=0)
     except (KeyError, ValueError):
@@ -324,7 +350,8 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
         logger.setLevel(logging.CRITICAL + 1)
     _llamalog.LISTENERS.append(count)
     try:
-        rc = llama_cpp.llama_model_quantize(str(model).encode(), str(dst).encode(), ctypes.byref(params))
+        rc = _interruptible(lambda: llama_cpp.llama_model_quantize(str(model).encode(), str(dst).encode(),
+                                                                   ctypes.byref(params)))
     finally:
         _llamalog.LISTENERS.remove(count)
         logger.setLevel(level)
@@ -333,6 +360,31 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
     if rc != 0 or not dst.is_file():
         tail = " | ".join(list(LINES)[-3:])
         raise CompanionError(f"llama.cpp's quantizer failed on {model} (status {rc})" + (f": {tail}" if tail else ""))
+
+
+def _interruptible(call):
+    """``call()`` (a long C call) on a thread of its own, waited for here: Ctrl-C raises
+    KeyboardInterrupt in this thread at once. Run here, the C call would take the signal into the
+    log callback, where ctypes prints it and drops it ("Exception ignored"), and quantizing went on.
+    After Ctrl-C the call runs on to its end in the background (C cannot be stopped), writing to a
+    file the caller removes; the process may exit meanwhile."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["rc"] = call()
+        except BaseException as e:  # (re-raised in the caller's thread)
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="pymoecache-quantize", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+    if "error" in out:
+        raise out["error"]
+    return out["rc"]
 
 
 def _write_experts(model: Path, quantized: Path, dst: Path, type: str, progress: bool) -> None:
@@ -347,6 +399,7 @@ def _write_experts(model: Path, quantized: Path, dst: Path, type: str, progress:
     writer.add_string(KEY + "parent.name", model.name)
     writer.add_uint64(KEY + "parent.size", model.stat().st_size)
     writer.add_string(KEY + "parent.tensor_hash", tensor_table_hash(model))
+    writer.add_string(KEY + "parent.experts_sample", experts_sample_hash(model, _Header(model)))
     for t in reader.tensors:
         m = _EXPS_RE.match(t.name)
         if m and m.group(3) == "weight":

@@ -532,9 +532,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                            tags=["llama-server"], dependencies=auth)
 
     def native(fn):
-        async def handler(request: Request):
+        from starlette.concurrency import run_in_threadpool
+
+        async def handler(request: Request):  # (on a worker thread: the event loop answers /health meanwhile)
             try:
-                return JSONResponse(fn(proxy(), await request.body()))
+                return JSONResponse(await run_in_threadpool(fn, proxy(), await request.body()))
             except RequestError as e:
                 return e.response()
         handler.__annotations__ = {"request": Request}

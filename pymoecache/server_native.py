@@ -30,8 +30,11 @@ _RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), 
 IGNORED = ("cache_prompt",)  # accepted, no effect (said once in the server's log)
 
 
-def _token_ids(llm, v, field: str) -> List[int]:
+def _token_ids(llm, v, field: str, limit: int = 0) -> List[int]:
     n_vocab = llm.n_vocab()
+    if limit and isinstance(v, list) and len(v) > limit:
+        raise RequestError(f"'{field}' holds {len(v)} ids, more than this server takes at once ({limit}: 4 times its "
+                           f"context of {llm.n_ctx()} tokens)", 413, field)
     if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
         raise RequestError(f"'{field}' must be a list of token ids", 422, field)
     for t in v:
@@ -172,6 +175,12 @@ def complete(llm, req: NativeCompletion) -> dict:
     return final
 
 
+def _max_ids(llm) -> int:
+    """Token ids a /detokenize (or pieces a /tokenize) answers at once: 4 times the context, as
+    llama-server bounds what it takes by its context."""
+    return 4 * max(llm.n_ctx(), 1024)
+
+
 def tokenize(llm, raw: bytes) -> dict:
     """``POST /tokenize``: ``{"content", "add_special": false, "parse_special": true, "with_pieces": false}`` ->
     ``{"tokens": [ids]}``, or with pieces ``[{"id", "piece"}]`` (a piece that is not UTF-8 alone: its bytes)."""
@@ -188,6 +197,9 @@ def tokenize(llm, raw: bytes) -> dict:
                        special=flags["parse_special"]) if content else []
     if not flags["with_pieces"]:
         return {"tokens": ids}
+    if len(ids) > _max_ids(llm):
+        raise RequestError(f"with_pieces answers at most {_max_ids(llm)} tokens (4 times the context of {llm.n_ctx()}); "
+                           f"this content has {len(ids)}: ask without with_pieces, or in parts", 413, "with_pieces")
     out = []
     for t in ids:
         b = llm.detokenize([t], special=True)
@@ -202,5 +214,5 @@ def detokenize(llm, raw: bytes) -> dict:
     """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"content": text}``; bytes that do not form UTF-8
     become U+FFFD, as llama-server's JSON writer replaces them."""
     d = json_object(raw)
-    ids = _token_ids(llm, d.get("tokens", []), "tokens")
+    ids = _token_ids(llm, d.get("tokens", []), "tokens", _max_ids(llm))
     return {"content": llm.detokenize(ids, special=True).decode("utf-8", "replace") if ids else ""}

@@ -14,6 +14,11 @@ llama_synchronize as llama-bench ends a generated one, and the graph splits of a
 
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_device.py --model bench.gguf --gpu-layers 99 --tokens 200 --rounds 5   # a GPU
+    python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local --count-rpc
+
+--count-rpc (with --rpc): no timing; every context talks to the server through a proxy on the
+loopback that counts the commands ggml's RPC client sends (| cmd: 1 byte | size: 8 bytes | data |),
+and the table gives the commands per decoded token, by kind.
 """
 
 from __future__ import annotations
@@ -28,6 +33,75 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RPC_COMMANDS = ["ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+                "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+                "INIT_TENSOR", "GET_ALLOC_SIZE"]  # ggml-rpc.cpp's enum rpc_cmd, in its order
+
+
+class CommandCounter:
+    """A TCP proxy in front of a ggml RPC server that counts the commands its clients send."""
+
+    def __init__(self, target: str):
+        import socket
+        import threading
+
+        self.target = target
+        self.counts: dict = {}
+        self.lock = threading.Lock()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return dict(self.counts)
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            client, _ = self.listener.accept()
+            host, _, port = self.target.rpartition(":")
+            server = socket.create_connection((host, int(port)))
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+
+    def _pipe(self, src, dst, count: bool) -> None:
+        buf = b""
+        need = 9  # the header of the next command
+        in_data = False
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                for s in (src, dst):
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+                return
+            dst.sendall(data)
+            if not count:
+                continue
+            buf += data
+            while len(buf) >= need:
+                if not in_data:
+                    cmd, size = buf[0], int.from_bytes(buf[1:9], "little")
+                    name = RPC_COMMANDS[cmd] if cmd < len(RPC_COMMANDS) else f"cmd {cmd}"
+                    with self.lock:
+                        self.counts[name] = self.counts.get(name, 0) + 1
+                    buf, need, in_data = buf[9:], size, True
+                else:
+                    buf, need, in_data = buf[need:], 9, False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -37,7 +111,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per timing (default 128)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds, each times every context (default 5)")
+    ap.add_argument("--count-rpc", action="store_true",
+                    help="with --rpc: count the RPC commands per decoded token (through a counting proxy) instead of timing")
     args = ap.parse_args()
+    if args.count_rpc and not args.rpc:
+        ap.error("--count-rpc needs --rpc")
 
     import pymoecache  # (first: it loads our libllama, which llama_cpp then uses)
     import llama_cpp
@@ -47,9 +125,15 @@ def main() -> None:
     servers = contextlib.ExitStack()
     kw = dict(n_ctx=64 + args.tokens * 2 + 16, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
               n_gpu_layers=args.gpu_layers)
+    counter = None
     if args.rpc:
-        endpoint = servers.enter_context(rpc.LocalServer(threads=args.threads)).endpoint if args.rpc == "local" else args.rpc
-        if args.rpc != "local":
+        local = args.rpc == "local"
+        endpoint = servers.enter_context(rpc.LocalServer(threads=args.threads, register=not args.count_rpc and local)
+                                         ).endpoint if local else args.rpc
+        if args.count_rpc:
+            counter = CommandCounter(endpoint)
+            endpoint = counter.endpoint
+        if not local or args.count_rpc:
             rpc.add_server(endpoint)
     n_all = 2 * args.tokens + 8
     contexts = {
@@ -58,6 +142,7 @@ def main() -> None:
         "op": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none", router_record=n_all * 4),
                                routing="lru", **kw),
     }
+    names = list(contexts)
     prompt = list(range(100, 108))
     decodes = [200 + (i * 7) % 500 for i in range(args.tokens)]
 
@@ -81,8 +166,30 @@ def main() -> None:
             llama_cpp.llama_synchronize(llm._ctx.ctx)
         return (time.perf_counter() - t0) / len(decodes) * 1e3
 
+    if counter is not None:
+        per = {}
+        for name, llm in contexts.items():
+            llm.reset()
+            llm.eval(prompt)
+            before = counter.snapshot()
+            for t in decodes:
+                llm.eval([t])
+                llama_cpp.llama_synchronize(llm._ctx.ctx)
+            after = counter.snapshot()
+            per[name] = {k: (after.get(k, 0) - before.get(k, 0)) / len(decodes) for k in after}
+        kinds = sorted({k for d in per.values() for k, v in d.items() if v})
+        print(f"{Path(args.model).name}: -ngl {args.gpu_layers} over RPC, {args.tokens} decoded tokens: RPC commands "
+              "per decoded token (eval, then llama_synchronize)")
+        print("\n| context | all | " + " | ".join(kinds) + " |")
+        print("|---|---|" + "---|" * len(kinds))
+        for name in names:
+            print(f"| {name} | {sum(per[name].values()):.2f} | " + " | ".join(f"{per[name].get(k, 0):.2f}" for k in kinds)
+                  + " |")
+        for llm in contexts.values():
+            llm.close()
+        servers.close()
+        return
     times = {(name, how): [] for name in contexts for how in ("decode", "eval")}
-    names = list(contexts)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:

@@ -16,7 +16,8 @@
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
 # docs, models and tests), and llama-cpp-python, gguf and diskcache on PYTHONPATH, must be there;
-# nothing is fetched (-DMOECACHE_VENDOR=OFF).
+# nothing is fetched (-DMOECACHE_VENDOR=OFF). scripts/gpu_carry.sh prepares them here and says how
+# to call the device tool with them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-.}

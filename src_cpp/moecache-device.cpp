@@ -90,7 +90,12 @@ static bool device_alloc(moecache & mc) {
         }
         d.bufs.push_back(buf);
         d.all.push_back(all);
-        d.host.emplace_back(ggml_nbytes(all));
+        // pinned host memory where the device has it: a read into pageable memory would wait for the graph
+        ggml_backend_buffer_type_t hbt = ggml_backend_dev_host_buffer_type(d.devs[g]);
+        ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, ggml_nbytes(all)) : nullptr;
+        d.host_bufs.push_back(hbuf);
+        d.host_vec.emplace_back(hbuf ? 0 : ggml_nbytes(all));
+        d.host.push_back(hbuf ? (char *) ggml_backend_buffer_get_base(hbuf) : d.host_vec.back().data());
         char * base = (char *) ggml_backend_buffer_get_base(buf);
         if (ggml_backend_tensor_alloc(buf, all, base) != GGML_STATUS_SUCCESS) {
             return false;
@@ -125,6 +130,14 @@ void moecache_device_free(moecache & mc) {
     for (ggml_backend_buffer_t b : d.bufs) {
         ggml_backend_buffer_free(b);
     }
+    for (ggml_backend_buffer_t b : d.host_bufs) {
+        if (b) {
+            ggml_backend_buffer_free(b);
+        }
+    }
+    d.host_bufs.clear();
+    d.host_vec.clear();
+    d.host.clear();
     if (d.ctx) {
         ggml_free(d.ctx);
     }
@@ -203,9 +216,9 @@ void moecache_device_flush(moecache & mc) {
         return;
     }
     d.pending = false;
-    for (size_t g = 0; g < d.devs.size(); g++) { // (wait for the copy alone where the device has events)
-        if (d.events[g]) {
-            ggml_backend_event_synchronize(d.events[g]);
+    for (size_t g = 0; g < d.devs.size(); g++) { // wait for the copy alone where it lands in pinned memory and
+        if (d.events[g] && d.host_bufs[g]) {      // the device has events; else for the backend (Vulkan copies
+            ggml_backend_event_synchronize(d.events[g]); // into pageable memory only when it synchronizes)
         } else if (d.read_backends[g]) {
             ggml_backend_synchronize(d.read_backends[g]);
         }
@@ -222,7 +235,7 @@ void moecache_device_flush(moecache & mc) {
             continue;
         }
         moecache_layer & L = mc.layers[il];
-        const char * at = d.host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * block * 4;
+        const char * at = d.host[d.layer_group[il]] + (size_t) d.layer_slot[il] * block * 4;
         const int32_t * ids = (const int32_t *) at;
         const float   * z   = (const float *) (at + z_off * 4);
         const float   * p   = z + N;
@@ -253,15 +266,15 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
         if (b) {
-            if (!d.events[g] && !d.no_events) {
+            if (!d.events[g] && d.host_bufs[g]) {
                 d.events[g] = ggml_backend_event_new(d.devs[g]); // (NULL where the device has none: the CPU)
             }
-            ggml_backend_tensor_get_async(b, d.all[g], d.host[g].data(), 0, d.host[g].size());
+            ggml_backend_tensor_get_async(b, d.all[g], d.host[g], 0, ggml_nbytes(d.all[g]));
             if (d.events[g]) {
                 ggml_backend_event_record(d.events[g], b);
             }
         } else {
-            ggml_backend_tensor_get(d.all[g], d.host[g].data(), 0, d.host[g].size());
+            ggml_backend_tensor_get(d.all[g], d.host[g], 0, ggml_nbytes(d.all[g]));
         }
         mc.rst.device_reads += 1;
     }

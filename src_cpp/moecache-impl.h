@@ -235,7 +235,11 @@ struct moecache_device {
     std::vector<ggml_backend_dev_t>    devs;       // [n_groups] the devices holding MoE layers' routers
     std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
     std::vector<ggml_tensor *>         all;        // [n_groups] the whole buffer, read at once
-    std::vector<std::vector<char>>     host;       // [n_groups] where it is read to
+    std::vector<char *>                host;       // [n_groups] where it is read to: pinned memory where the device
+                                                   //   has a host buffer type (an asynchronous read lands there
+                                                   //   directly), else host_vec
+    std::vector<ggml_backend_buffer_t> host_bufs;  // [n_groups] that pinned memory, or NULL
+    std::vector<std::vector<char>>     host_vec;   // [n_groups] plain memory where there is none
     std::vector<int32_t>       layer_group;        // [n_layer] the layer's device, -1 = none
     std::vector<int32_t>       layer_slot;         // [n_layer] its block in that buffer
     std::vector<ggml_tensor *> ids, zps;           // [n_layer] I32 [K] and F32 [3N] in the block
@@ -246,7 +250,6 @@ struct moecache_device {
     // the read queued after the last such graph, counted by moecache_device_flush
     std::mutex                         mutex;      // the read and its counting (stats may be read from another thread)
     bool                               pending = false;
-    bool                               no_events = false;
     std::vector<ggml_backend_event_t>  events;     // [n_groups] marks the read's end on its device (NULL: none)
     std::vector<ggml_backend_t>        read_backends;
     std::vector<uint8_t>               read_layers, read_s_is_p; // [n_layer] deferred and s_is_p at the read
@@ -476,6 +479,7 @@ void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
 // they follow L's cache; STREAM prompts copy the cached experts into their slots
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
 void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
+void    moecache_residency_clear(moecache & mc);                               // moecache_clear: no bytes kept from before
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
 // moecache-lowbit.cpp: low-bit misses (cache params lowbit)
 void          moecache_lowbit_plan(moecache & mc);  // before the arena: a layer with a pool gets a zero slot

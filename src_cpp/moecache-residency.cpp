@@ -299,6 +299,39 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
 }
 
+// moecache_clear: the residency as a fresh cache's, so that a miss after a clear reads its expert as
+// the first one did (the rows of ppl --miss, quality_lowbit.py and pareto_default.py --streamed clear
+// between settings). STREAM slots forget the experts they hold (reads in flight cancelled), but for
+// a layer that holds every expert (filled at creation, as a fresh cache is); MMAP unlocks and drops
+// the pages it locked; the VRAM tier empties.
+void moecache_residency_clear(moecache & mc) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && mc.fd >= 0) {
+        moecache_mapping_unlock_all(mc);
+        for (moecache_layer & L : mc.layers) {
+            std::fill(L.res.locked.begin(), L.res.locked.end(), 0);
+        }
+    }
+    for (moecache_layer & L : mc.layers) {
+        if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io && L.res.n_slots > 0 && !L.res.all_in_slots) {
+            for (int32_t s = 0; s < L.res.n_slots; s++) {
+                moecache_io_req & req = L.res.slot_req[s];
+                if (!moecache_io_idle(*mc.io, req)) {
+                    moecache_io_cancel(*mc.io, req);
+                }
+                req.err      = 0;
+                req.prefetch = false;
+                L.res.slot_expert[s] = -1;
+            }
+        }
+        if (L.vram.n > 0) {
+            std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
+            std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
+            std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
+            L.vram.clock = 0;
+        }
+    }
+}
+
 void moecache_residency_free(moecache & mc) {
     moecache_dense_unlock(mc);
     if (mc.io && mc.fd >= 0 && !mc.layers.empty()) {

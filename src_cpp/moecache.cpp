@@ -240,6 +240,7 @@ void moecache_clear(struct moecache * mc) {
         moecache_layer_empty(L); // the entries leaving now end their lifetimes here
         moecache_layer_clear(L);
     }
+    moecache_residency_clear(*mc); // and no expert's bytes stay: a cleared cache reads as a fresh one
     std::fill(mc->req_counts.begin(), mc->req_counts.end(), 0.0f); // the profile of past requests stays
 }
 

@@ -535,7 +535,11 @@ MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and
 MOECACHE_API void    moecache_begin_request(struct moecache * mc);
 MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta,
                                                                  //   the eviction usage, the pins and the current
-                                                                 //   request's counts; the profile stays)
+                                                                 //   request's counts; the profile stays) and its
+                                                                 //   residency: no expert's bytes stay in a slot,
+                                                                 //   a lock or the VRAM tier (a layer filled with
+                                                                 //   every expert at creation keeps them): the next
+                                                                 //   misses read as a fresh cache's do
 
 // Validated like moecache_init (decay in (0, 1]); the next eviction decides by the new policy.
 MOECACHE_API int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay);

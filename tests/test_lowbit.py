@@ -213,3 +213,54 @@ def test_output_through_a_link_to_a_regular_file_writes_the_file_and_keeps_the_l
     assert r.returncode == 0, r.stderr
     assert link.is_symlink() and real.stat().st_size > 1000
     assert lowbit.check_companion(model, link).path
+
+
+def test_a_companion_of_experts_changed_in_place_is_refused(model, tmp_path):
+    """Issue 53 item 8: expert weights changed in place (same size, same tensor table: a same-shape fine-tune or
+    a re-quantization) passed `lowbit --check`, and run computed from the old copies. The companion records a
+    sample of the experts' bytes; a mismatch is refused with the reason, by --check and by run."""
+    r = cli(model, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert cli(model, "--check", cwd=tmp_path).returncode == 0
+    h, table, size = lowbit._Header(model), lowbit.tensor_table_hash(model), model.stat().st_size
+    name, t, shape, off = next(x for x in h.tensors if x[0] == "blk.0.ffn_down_exps.weight")
+    start, n = h.data_start + off, lowbit._n_bytes(t, shape)
+    with open(model, "r+b") as f:  # the tensor's two halves swapped (whole experts: still valid Q8_0)
+        f.seek(start)
+        data = f.read(n)
+        f.seek(start)
+        f.write(data[n // 2:] + data[: n // 2])
+    assert lowbit.tensor_table_hash(model) == table and model.stat().st_size == size  # what the old check saw
+    run = ["run", str(model), "-p", "Hi", "-n", "2", "--cache-size", "0.25"]
+    for args in (["lowbit", str(model), "--check"], run + ["--miss", "lowbit-cache"]):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and "other expert weights" in r.stderr and "make it again" in r.stderr, \
+            (args, r.returncode, r.stderr[-1500:])
+    # the default (miss auto) says why it does not use the companion, and reads at full precision
+    r = subprocess.run([sys.executable, "-m", "pymoecache", *run], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "other expert weights" in r.stderr, r.stderr[-1500:]
+    assert "lowbit-cache" not in r.stdout + r.stderr.replace("miss='auto'", "")
+
+
+def test_ctrl_c_while_quantizing_stops_leaves_no_file_and_exits_130(model, tmp_path):
+    """Issue 53 item 9: Ctrl-C during `lowbit` was sometimes taken by the ctypes log callback ("Exception
+    ignored ... KeyboardInterrupt") and quantizing went on, exit 0. SIGINT once llama.cpp's quantizer has
+    started (its first tensor line): exit 130, no companion, no temporary file."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "pymoecache", "lowbit", str(model), "--verbose", "-t", "1"],
+                         cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in p.stderr:  # (llama.cpp's quantizer log, one line per tensor)
+        seen.append(line)
+        if line.lstrip().startswith("["):
+            p.send_signal(signal.SIGINT)
+            break
+    rest = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, (p.returncode, "".join(seen)[-500:], rest[-1500:])
+    assert "Exception ignored" not in rest
+    time.sleep(0.5)
+    assert sorted(x.name for x in model.parent.iterdir()) == ["qwen.gguf"]

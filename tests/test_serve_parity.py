@@ -274,3 +274,38 @@ def test_logprobs_a_server_cannot_answer_are_400_not_503(keyed, path, body, says
         _post(base + path, body, KEY)
     text = e.value.read().decode()
     assert e.value.code == 400 and says in text and "model_error" not in text, text
+
+
+def test_big_tokenize_and_detokenize_requests_are_bounded_and_health_answers_meanwhile(keyed):
+    """Issue 53 item 5: /detokenize with 2,000,000 ids got no answer in 300 s and /health stopped answering;
+    /tokenize of 7 MiB with pieces blocked /health for minutes. The sizes are bounded by the context (413
+    beyond), the work runs off the event loop, and /health answers within a second while a big request runs."""
+    base, _ = keyed
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post_raw(base + "/detokenize", b'{"tokens": [' + b",".join([b"1"] * 2_000_000) + b"]}", KEY)
+    assert e.value.code == 413 and "more than this server takes at once" in e.value.read().decode()
+    text = "the cat sat on the mat. " * (7 * 2**20 // 24)  # 7 MiB
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _post(base + "/tokenize", {"content": text, "with_pieces": True}, KEY)
+    assert e.value.code == 413 and "with_pieces answers at most" in e.value.read().decode()
+    assert time.monotonic() - t0 < 120
+    # a big request that is answered: /health meanwhile, each within a second
+    done, answer = threading.Event(), {}
+
+    def tokenize():
+        answer["r"] = _post(base + "/tokenize", {"content": text}, KEY)
+        done.set()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    slowest, samples = 0.0, 0
+    while not done.is_set():
+        t = time.monotonic()
+        assert http_request(base + "/health", timeout=5)[0] == 200
+        slowest, samples = max(slowest, time.monotonic() - t), samples + 1
+        time.sleep(0.05)
+    worker.join()
+    assert samples >= 1
+    assert answer["r"][0] == 200 and len(json.loads(answer["r"][1])["tokens"]) > 10**6
+    assert slowest < 1.0, slowest

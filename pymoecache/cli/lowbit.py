@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .options import UserError, add_model_argument, model_arg
@@ -20,8 +21,14 @@ def cmd_lowbit(args) -> int:
             raise UserError("--check reads a companion; --type and -t are for making one")
         print(lowbit.check_companion(model, args.output).summary())
         return 0
-    c = lowbit.make_companion(model, args.output, type=args.type, threads=args.threads,
-                              progress=sys.stderr.isatty() and not args.verbose, verbose=args.verbose)
+    try:
+        c = lowbit.make_companion(model, args.output, type=args.type, threads=args.threads,
+                                  progress=sys.stderr.isatty() and not args.verbose, verbose=args.verbose)
+    except KeyboardInterrupt:  # (its partial files are removed): llama.cpp's quantizer, which cannot be
+        sys.stderr.write("\n")  # stopped, runs on in a thread of its own: leave now, not at its end
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     print(c.summary())
     return 0
 
