@@ -6,6 +6,8 @@ Every layer and expert on the device (-ngl 99, a GPU or ggml's RPC backend), the
 the order; medians over rounds):
   stock   llama_cpp.Llama: no moecache
   device  pymoecache.Llama, top-k: llama.cpp's selection stays on the device, one read per token
+  default pymoecache.Llama with nothing chosen (a model that fits: every expert resident, the
+          default preset, which is top-k where every expert is cached)
   op      pymoecache.Llama, top-k through our CPU routing op (what recording the router keeps): a
           CPU split per MoE layer, the path every routing that changes the selection takes
 Two timings each: `llama_decode` alone (the library: graph, splits, our hooks) and `eval`
@@ -35,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RPC_COMMANDS = ["ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
                 "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
-                "INIT_TENSOR", "GET_ALLOC_SIZE"]  # ggml-rpc.cpp's enum rpc_cmd, in its order
+                "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR"]
+# (ggml-rpc.cpp's enum rpc_cmd, in its order)
 
 
 class CommandCounter:
@@ -80,9 +83,12 @@ class CommandCounter:
                 data = src.recv(1 << 16)
             except OSError:
                 data = b""
-            if not data:
+            if not data:  # (shutdown, not only close: the other direction's thread is blocked reading)
+                import socket
+
                 for s in (src, dst):
                     try:
+                        s.shutdown(socket.SHUT_RDWR)
                         s.close()
                     except OSError:
                         pass
@@ -139,6 +145,7 @@ def main() -> None:
     contexts = {
         "stock": llama_cpp.Llama(args.model, **kw),
         "device": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none"), routing="lru", **kw),
+        "default": pymoecache.Llama(args.model, **kw),  # what a user gets: the cache size and routing chosen
         "op": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none", router_record=n_all * 4),
                                routing="lru", **kw),
     }

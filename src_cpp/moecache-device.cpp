@@ -216,9 +216,9 @@ void moecache_device_flush(moecache & mc) {
         return;
     }
     d.pending = false;
-    for (size_t g = 0; g < d.devs.size(); g++) { // wait for the copy alone where it lands in pinned memory and
-        if (d.events[g] && d.host_bufs[g]) {      // the device has events; else for the backend (Vulkan copies
-            ggml_backend_event_synchronize(d.events[g]); // into pageable memory only when it synchronizes)
+    for (size_t g = 0; g < d.devs.size(); g++) { // wait for the copy alone where the device has events
+        if (d.events[g]) {
+            ggml_backend_event_synchronize(d.events[g]);
         } else if (d.read_backends[g]) {
             ggml_backend_synchronize(d.read_backends[g]);
         }
@@ -266,8 +266,11 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
         if (b) {
-            if (!d.events[g] && d.host_bufs[g]) {
-                d.events[g] = ggml_backend_event_new(d.devs[g]); // (NULL where the device has none: the CPU)
+            // an event where the copy lands in the device's pinned memory, or where the device has none (RPC:
+            // its client writes the answer in place); a device that copies into pageable memory only when it
+            // synchronizes (Vulkan) is waited for whole. NULL where the device has no events: the CPU
+            if (!d.events[g] && (d.host_bufs[g] || !ggml_backend_dev_host_buffer_type(d.devs[g]))) {
+                d.events[g] = ggml_backend_event_new(d.devs[g]);
             }
             ggml_backend_tensor_get_async(b, d.all[g], d.host[g], 0, ggml_nbytes(d.all[g]));
             if (d.events[g]) {
