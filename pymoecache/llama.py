@@ -191,6 +191,19 @@ def _as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
+def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int) -> float:
+    """The share of experts the routing prefers, which a preset is resolved for: the cache's, or where
+    a streamed cache holds every expert and a VRAM tier some, the tier's (the routing then prefers the
+    experts in device memory: src_cpp/moecache-route.cpp).
+
+    >>> _routing_share(CacheConfig(size=1.0, residency="stream", vram_size=15), 60, 60)
+    0.25
+    """
+    if cache.vram_size and cache.residency == "stream" and n_cached >= n_expert:
+        return min(cache.vram_size, n_expert) / n_expert
+    return n_cached / n_expert
+
+
 def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool = False):
     """CacheConfig.miss made explicit for this model, and the companion checked for it (None for
     "full"): "auto" (and None, the default) becomes "lowbit-cache" where a usable companion is
@@ -372,7 +385,7 @@ class Llama(llama_cpp.Llama):
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
             if preset is not None:  # routing and eviction from the model's K and the share cached
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-                routing, eviction, decay = preset.resolve_all(info.n_expert_used, n / info.n_expert)
+                routing, eviction, decay = preset.resolve_all(info.n_expert_used, _routing_share(cache, n, info.n_expert))
                 cache = dataclasses.replace(cache, eviction=eviction,
                                             eviction_decay=cache.eviction_decay if decay is None else decay)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
@@ -827,7 +840,8 @@ class Llama(llama_cpp.Llama):
             routing = parse_routing(routing)
         if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
             n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
-            routing, eviction, decay = routing.resolve_all(cache.n_expert_used, n / cache.n_expert)
+            routing, eviction, decay = routing.resolve_all(cache.n_expert_used,
+                                                           _routing_share(self.cache_config, n, cache.n_expert))
             with self._token_lock:  # as at load: the preset's decay, else the CacheConfig's (never the last one's)
                 cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
                 cache.set_routing(routing, scope)

@@ -360,6 +360,11 @@ inline bool moecache_budgets_ahead(const moecache & mc) {
     return cp.prefetch_spare > 0 && !cp.prefetch_adaptive && cp.prefetch_budget >= 0.0f;
 }
 
+// the layer's cache holds every expert and a VRAM tier holds some: the routing prefers the tier's
+inline bool moecache_layer_routes_to_vram(const moecache_layer & L) {
+    return L.vram.n > 0 && L.res.all_in_slots;
+}
+
 // bytes of one expert as the slots hold it, over all of L's expert tensors: the model's (expert_bytes),
 // or with lowbit SOURCE the companion's copy
 inline size_t moecache_slot_bytes(const moecache_layer & L) {

@@ -53,6 +53,18 @@ static void rank_experts(moecache_layer & L, const float * s, const int32_t * st
     }
 }
 
+// what the routing prefers: the experts the cache holds; where the cache holds every expert of the
+// layer and a VRAM tier holds some (every expert in host memory, the hot ones on the device: the
+// scenario MoE-Infinity, ProMoE and HOBBIT solve), the experts in device memory, which the device
+// computes. The tier's contents before the token routes (moecache-vram.cpp updates them after).
+static bool preferred(const moecache_layer & L, int32_t e) {
+    if (moecache_layer_routes_to_vram(L)) {
+        const int32_t s = L.vram.expert_slot[e];
+        return s >= 0 && L.vram.slot_expert[s] == e;
+    }
+    return L.last_use[e] >= 0;
+}
+
 // moves the members of r[0:m] that are cached (and not masked) to the front, in r order
 static void promote_cached(moecache_layer & L, const float * s, int32_t m) {
     const int32_t N = (int32_t) L.scratch.rank.size();
@@ -60,13 +72,13 @@ static void promote_cached(moecache_layer & L, const float * s, int32_t m) {
     int32_t n = 0;
     for (int32_t i = 0; i < N; i++) {
         const int32_t e = L.scratch.rank[i];
-        if (i < m && L.last_use[e] >= 0 && is_allowed(s[e])) {
+        if (i < m && preferred(L, e) && is_allowed(s[e])) {
             L.scratch.order[n++] = e;
         }
     }
     for (int32_t i = 0; i < N; i++) {
         const int32_t e = L.scratch.rank[i];
-        if (!(i < m && L.last_use[e] >= 0 && is_allowed(s[e]))) {
+        if (!(i < m && preferred(L, e) && is_allowed(s[e]))) {
             L.scratch.order[n++] = e;
         }
     }
@@ -118,7 +130,7 @@ static void update_delta(moecache_layer & L, const float * u, const float * s) {
 static void prior_order(moecache_layer & L, const float * u, const float * s, int32_t J, float boost) {
     const int32_t N = (int32_t) L.scratch.rank.size();
     for (int32_t e = 0; e < N; e++) {
-        const bool mask = L.last_use[e] >= 0 || L.pf.ahead[e] || L.scratch.pos[e] < J; // (ahead: prefetch_route)
+        const bool mask = preferred(L, e) || L.pf.ahead[e] || L.scratch.pos[e] < J; // (ahead: prefetch_route)
         const float b = mask ? u[e] + boost : u[e];
         // NaN (a NaN logit) ranks last like a masked expert: the comparator below needs a total order
         L.scratch.boosted[e] = !is_allowed(s[e]) || std::isnan(b) ? -INFINITY : b;

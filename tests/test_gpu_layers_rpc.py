@@ -471,3 +471,26 @@ def test_copies_up_ahead_of_the_routing_change_nothing_but_the_tier(fixture_dir,
             assert 0 < early <= rs.vram_ahead
         else:
             assert rs.vram_ahead == rs.vram_ahead_used == early == 0
+
+
+def test_every_expert_in_ram_the_routing_prefers_the_experts_in_vram(fixture_dir, gpu):
+    """Issue 54 item 3, the seeds' scenario: the cache holds every expert (streamed into host slots), a VRAM
+    tier a quarter of them. The default routing is then the preset resolved for the tier's share (not top-k,
+    as for a cache of every expert alone), and it prefers the experts in device memory: more selections are
+    computed on the device than under top-k, and than llama.cpp's --n-cpu-moe gives with the same device
+    bytes (a quarter of the MoE layers: 25% of the selections)."""
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    share = {}
+    for routing in (None, "lru"):
+        _, st, _ = run_vram(path, gpu, "auto", 15, routing=routing, size=1.0)
+        rs = st.residency
+        share[routing] = rs.vram_hits / (rs.vram_hits + rs.vram_from_ram + rs.vram_from_file)
+        assert rs.decode_bytes_read == 0  # (every expert in host memory: nothing read while decoding)
+    assert share[None] > share["lru"] > 0.25, share
+    assert share[None] >= 2 * 0.25, share
+    for vram, resolved in ((15, "prior:"), (0, "lru")):  # (no tier: every expert cached, top-k has nothing to prefer)
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="stream", vram_size=vram),
+                               **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+        spec = llm.moecache.routing.spec()
+        llm.close()  # (before asserting: a Llama left open past the session's RPC server cannot be freed)
+        assert spec.startswith(resolved), (vram, spec)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""The seeds' scenario, in counters: every expert in host memory, the device holding a share of
+them, and how many of a decoded token's expert selections the device computes.
+
+Ours: `-ngl 99`, the cache holding every expert (residency stream), a VRAM tier of
+``--share`` of each layer's experts, the default routing (a preset resolved for the tier's share:
+it prefers the experts in device memory) and top-k + LRU. llama.cpp's static split at the same
+device bytes: `--n-cpu-moe` keeps the experts of all but round(share x L) MoE layers in host
+memory, so the device computes the selections of those layers only, whatever the routing: a share
+of (L - n_cpu_moe) / L of every token's selections, counted from the layer count (deterministic).
+Perplexity with `--ppl-chunks` of both routings: the ppl protocol of docs/method.md (the held-out
+tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
+
+    python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rpc", default="local", help="HOST:PORT of a ggml RPC server, or 'local' (default)")
+    ap.add_argument("--share", type=float, default=0.25, help="share of each layer's experts in device memory")
+    ap.add_argument("--tokens", type=int, default=256, help="decoded tokens for the counters (default 256)")
+    ap.add_argument("--ppl-chunks", type=int, default=0, help="also perplexity over this many chunks of 128 tokens")
+    ap.add_argument("--text", help="the text decoded (default: the held-out tenth of Tiny Shakespeare)")
+    ap.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
+                    help="CacheConfig.vram_fill: what a selection outside device memory does (default auto)")
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args()
+
+    import pymoecache
+    from pymoecache import CacheConfig, evaluate, rpc
+
+    servers = contextlib.ExitStack()
+    endpoint = servers.enter_context(rpc.LocalServer(threads=1)).endpoint if args.rpc == "local" else args.rpc
+    info = pymoecache.model_info(args.model)
+    n_vram = max(1, round(args.share * info.n_expert))
+    n_layers = info.n_moe_layer
+    on_device = round(args.share * n_layers)
+    rows = [{"placement": f"--n-cpu-moe {n_layers - on_device} (stock llama.cpp)", "routing": "any",
+             "device_share": on_device / n_layers, "vram_experts_per_layer": 0}]
+    if args.text:
+        text = evaluate.load_text(args.text)
+    else:
+        from train_tiny_moe import split_text
+
+        text = split_text()[1]
+    for routing in (None, "lru"):
+        llm = pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="stream", vram_size=n_vram, prefetch="off",
+                                                                vram_fill=args.vram_fill),
+                               routing=routing, n_gpu_layers=99, rpc_servers=endpoint, n_ctx=512, verbose=False,
+                               logits_all=bool(args.ppl_chunks))
+        used = llm.moecache.routing.spec()
+        tokens = evaluate.tokenize_text(llm, text)
+        llm.reset()
+        llm.eval(tokens[:16])
+        llm.reset_moe_stats()
+        for t in tokens[16:16 + args.tokens]:
+            llm.eval([t])
+        rs = llm.moe_stats().residency
+        n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
+        row = {"placement": f"ours: every expert in RAM, {n_vram}/{info.n_expert} per layer in VRAM",
+               "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
+               "vram_experts_per_layer": n_vram, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
+               "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens)}
+        if args.ppl_chunks:
+            llm.moecache.clear()
+            res = evaluate.perplexity(llm, tokens, 256, limit_chunks=args.ppl_chunks, decode=True, progress=False)
+            row["ppl"] = res.ppl
+        rows.append(row)
+        llm.close()
+    servers.close()
+    base = next(r for r in rows if r["routing"] == "lru")
+    print(f"{Path(args.model).name}: {n_layers} MoE layers, {info.n_expert} experts top-{info.n_expert_used}; device memory "
+          f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
+          f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}")
+    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | ppl | vs top-k |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
+        vs = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and "ppl" in base else "-"
+        print(f"| {r['placement']} | {r['routing']} | {100 * r['device_share']:.1f}% | "
+              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {ppl} | {vs} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
