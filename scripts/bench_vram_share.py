@@ -30,7 +30,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--rpc", default="local", help="HOST:PORT of a ggml RPC server, or 'local' (default)")
+    ap.add_argument("--rpc", default="local",
+                    help="HOST:PORT of a ggml RPC server, 'local' (default: one on this machine's CPU) or 'none' (this "
+                         "machine's own GPU)")
     ap.add_argument("--share", type=float, default=0.25, help="share of each layer's experts in device memory")
     ap.add_argument("--tokens", type=int, default=256, help="decoded tokens for the counters (default 256)")
     ap.add_argument("--ppl-chunks", type=int, default=0, help="also perplexity over this many chunks of 128 tokens")
@@ -45,6 +47,7 @@ def main() -> None:
 
     servers = contextlib.ExitStack()
     endpoint = servers.enter_context(rpc.LocalServer(threads=1)).endpoint if args.rpc == "local" else args.rpc
+    device = {} if args.rpc == "none" else {"rpc_servers": endpoint}
     info = pymoecache.model_info(args.model)
     n_vram = max(1, round(args.share * info.n_expert))
     n_layers = info.n_moe_layer
@@ -60,7 +63,7 @@ def main() -> None:
     for routing in (None, "lru"):
         llm = pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="stream", vram_size=n_vram, prefetch="off",
                                                                 vram_fill=args.vram_fill),
-                               routing=routing, n_gpu_layers=99, rpc_servers=endpoint, n_ctx=512, verbose=False,
+                               routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
                                logits_all=bool(args.ppl_chunks))
         used = llm.moecache.routing.spec()
         tokens = evaluate.tokenize_text(llm, text)

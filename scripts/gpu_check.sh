@@ -76,4 +76,9 @@ say "\`python scripts/bench_device.py --model models/_bench/bench-trained-*.gguf
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""
+say "## every expert in RAM, a quarter in VRAM: selections computed on the GPU against --n-cpu-moe (model C)"
+say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256\`"
+"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256 2>&1 \
+    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+say ""
 say "done: $LOG"
