@@ -14,8 +14,9 @@
 // arrived: at the next ubatch, or before the cache is next looked at or changed (every API entry
 // calls moecache_device_flush). No wait is added to the decode: the application's own wait for the
 // logits brings the copies in. Each layer is counted by moecache_route_token, exactly as op_select
-// counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op). A graph with any other routing policy,
-// reads ahead, router recording or a prompt of several tokens keeps the CPU op.
+// counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op).
+// A graph with any other routing policy, reads ahead, router recording or a prompt of several
+// tokens keeps the CPU op.
 
 #include "moecache-impl.h"
 #include "moecache-hook.h"

@@ -425,7 +425,7 @@ bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, 
 void moecache_device_graph_begin(moecache & mc);
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
 void moecache_device_free(moecache & mc);
-void moecache_device_flush(moecache & mc);  // count a read still pending (every API entry that reads or changes the cache)
+void moecache_device_flush(moecache & mc);  // count a read still pending (each API entry reading or changing the cache)
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
 // where layer il's dense part lives: its router weight's buffer type; nullptr where there is none
@@ -484,7 +484,7 @@ void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
 // they follow L's cache; STREAM prompts copy the cached experts into their slots
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
 void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
-void    moecache_residency_clear(moecache & mc);                               // moecache_clear: no bytes kept from before
+void    moecache_residency_clear(moecache & mc);                               // moecache_clear: no bytes kept
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
 // moecache-lowbit.cpp: low-bit misses (cache params lowbit)
 void          moecache_lowbit_plan(moecache & mc);  // before the arena: a layer with a pool gets a zero slot
