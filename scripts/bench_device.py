@@ -153,25 +153,24 @@ def main() -> None:
     prompt = list(range(100, 108))
     decodes = [200 + (i * 7) % 500 for i in range(args.tokens)]
 
-    def raw(llm) -> float:
+    def timed(llm, step) -> float:  # ms per decoded token, each ended as llama-bench ends one
         llm.reset()
         llm.eval(prompt)
-        batch = llm._batch
         t0 = time.perf_counter()
         for i, t in enumerate(decodes):
-            batch.set_batch([t], n_past=len(prompt) + i, logits_all=False)
-            llm._ctx.decode(batch)
+            step(llm, i, t)
             llama_cpp.llama_synchronize(llm._ctx.ctx)  # (a token is decoded when its logits can be read)
         return (time.perf_counter() - t0) / len(decodes) * 1e3
 
+    def decode_only(llm, i, t):  # llama_decode alone: the library
+        llm._batch.set_batch([t], n_past=len(prompt) + i, logits_all=False)
+        llm._ctx.decode(llm._batch)
+
+    def raw(llm) -> float:
+        return timed(llm, decode_only)
+
     def evals(llm) -> float:
-        llm.reset()
-        llm.eval(prompt)
-        t0 = time.perf_counter()
-        for t in decodes:
-            llm.eval([t])
-            llama_cpp.llama_synchronize(llm._ctx.ctx)
-        return (time.perf_counter() - t0) / len(decodes) * 1e3
+        return timed(llm, lambda llm, i, t: llm.eval([t]))
 
     if counter is not None:
         per = {}

@@ -38,12 +38,12 @@ static int64_t device_block(const moecache & mc, int64_t * z_off) {
 
 // the device a layer's router runs on: the one its router weight lives on
 static ggml_backend_dev_t layer_device(const moecache & mc, int il) {
-    const ggml_tensor * w = mc.model ? mc.model->layers[il].ffn_gate_inp : nullptr;
-    if (!w || !w->buffer) {
+    ggml_backend_buffer_type_t buft = moecache_layer_buft(mc.model, il); // (moecache-vram.cpp)
+    if (!buft) {
         return nullptr;
     }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
-    if (!dev && ggml_backend_buffer_is_host(w->buffer)) { // (ggml's CPU buffer types name no device)
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (!dev && ggml_backend_buft_is_host(buft)) { // (ggml's CPU buffer types name no device)
         dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     }
     return dev;

@@ -109,3 +109,30 @@ def gpu():
 
     with rpc.LocalServer(threads=1) as server:
         yield server.endpoint
+
+
+def not_a_regular_file(tmp_path: Path, kind: str, name: str) -> Path:
+    """``tmp_path / name`` made as something a writer must refuse: "dev-full" (a character device
+    numbered as /dev/full, made by mknod: root only, the test is skipped otherwise), "fifo",
+    "link-loop", "directory" or "link-to-fifo". Made here, in the test's own folder: a test never points
+    a writer at a system path (a broken fix would replace that node)."""
+    import stat
+
+    path = tmp_path / name
+    if kind == "dev-full":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+        except (PermissionError, AttributeError):
+            pytest.skip("making a device node needs root")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-loop":
+        os.symlink(path, path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "link-to-fifo":
+        os.mkfifo(tmp_path / (name + ".fifo"))
+        os.symlink(tmp_path / (name + ".fifo"), path)
+    else:
+        raise ValueError(kind)
+    return path

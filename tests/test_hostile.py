@@ -30,7 +30,7 @@ import pytest
 import pymoecache
 import pymoecache.server
 from pymoecache import CacheConfig, ConfigError, MoECache, StateFileError, cli
-from conftest import ROOT, model_path
+from conftest import ROOT, model_path, not_a_regular_file
 import gguf_edit as ge
 from fuzz_inputs import resum_state
 
@@ -642,19 +642,8 @@ def _savers(llm, tmp_path):
 def test_saves_refuse_targets_that_are_not_regular_files(warm, tmp_path, target):
     """Issue 25 item 9: /dev/full was replaced by a regular file, a FIFO likewise."""
     llm, _, _ = warm
-    if target == "dev-full":
-        path = Path("/dev/full")
-        if not path.exists():
-            pytest.skip("no /dev/full")
-    elif target == "fifo":
-        path = tmp_path / "fifo"
-        os.mkfifo(path)
-    elif target == "link-loop":
-        path = tmp_path / "loop"
-        os.symlink(path, path)
-    else:
-        path = tmp_path / "dir.npz"
-        path.mkdir()
+    path = not_a_regular_file(tmp_path, target, {"dev-full": "full", "fifo": "fifo", "link-loop": "loop",
+                                                 "directory": "dir.npz"}[target])
     mode = os.lstat(path).st_mode
     for name, save in _savers(llm, tmp_path):
         if name == "router-trace" and path.suffix != ".npz":

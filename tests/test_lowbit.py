@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import model_path
+from conftest import model_path, not_a_regular_file
 from pymoecache import lowbit
 from pymoecache.model_info import model_info
 
@@ -172,23 +172,8 @@ def test_output_that_is_not_a_regular_file_is_refused_and_left_as_it_was(model, 
     """Issue 53 item 1: `-o /dev/null` run as root turned the device node into a regular file (the atomic
     rename lands on it); a FIFO was replaced the same way, a link loop was an internal error. Run from
     outside the tree (the installed package), the CLI and the Python API both refuse with one line."""
-    if target == "dev-full":
-        path = Path("/dev/full")
-        if not path.exists():
-            pytest.skip("no /dev/full")
-    elif target == "fifo":
-        path = tmp_path / "out.gguf"
-        os.mkfifo(path)
-    elif target == "link-loop":
-        path = tmp_path / "loop.gguf"
-        os.symlink(path, path)
-    elif target == "directory":
-        path = tmp_path / "dir.gguf"
-        path.mkdir()
-    else:
-        os.mkfifo(tmp_path / "fifo")
-        path = tmp_path / "link.gguf"
-        os.symlink(tmp_path / "fifo", path)
+    path = not_a_regular_file(tmp_path, target, {"dev-full": "full.gguf", "fifo": "out.gguf", "link-loop": "loop.gguf",
+                                                 "directory": "dir.gguf", "link-to-fifo": "link.gguf"}[target])
     before = os.lstat(path)
     r = cli(model, "-o", path, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
