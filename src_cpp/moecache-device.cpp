@@ -208,8 +208,8 @@ static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev
 }
 
 // Counts the token whose rows were read (d.pending): once its copies are in, each deferred layer in
-// layer order, as the graph runs the CPU op. The layers, copies and routing are the ones recorded
-// when the read was issued (a graph built since may defer other layers).
+// layer order, as the graph runs the CPU op, with the routing parameters of the read (the graph's
+// deferred layers are still the read's: moecache_device_graph_begin flushes before it changes them).
 void moecache_device_flush(moecache & mc) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
@@ -232,7 +232,7 @@ void moecache_device_flush(moecache & mc) {
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
     for (int il = 0; il < mc.n_layer; il++) {
-        if (!d.read_layers[il]) {
+        if (!d.deferred[il]) {
             continue;
         }
         moecache_layer & L = mc.layers[il];
@@ -240,7 +240,7 @@ void moecache_device_flush(moecache & mc) {
         const int32_t * ids = (const int32_t *) at;
         const float   * z   = (const float *) (at + z_off * 4);
         const float   * p   = z + N;
-        const float   * s   = d.read_s_is_p[il] ? p : p + N;
+        const float   * s   = d.s_is_p[il] ? p : p + N;
         const int64_t t1 = moecache_time_us();
         moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
         L.decode_tokens += 1;
@@ -282,8 +282,6 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         }
         mc.rst.device_reads += 1;
     }
-    d.read_layers = d.deferred;
-    d.read_s_is_p = d.s_is_p;
-    d.read_rp     = mc.rparams;
+    d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
     d.pending     = true;
 }

@@ -252,8 +252,7 @@ struct moecache_device {
     bool                               pending = false;
     std::vector<ggml_backend_event_t>  events;     // [n_groups] marks the read's end on its device (NULL: none)
     std::vector<ggml_backend_t>        read_backends;
-    std::vector<uint8_t>               read_layers, read_s_is_p; // [n_layer] deferred and s_is_p at the read
-    struct moecache_routing_params     read_rp = {};
+    struct moecache_routing_params     read_rp = {}; // the routing when the read was queued
 };
 
 struct moecache {
