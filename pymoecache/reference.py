@@ -427,11 +427,13 @@ class LayerCache:
         self.request = np.zeros_like(self.request)
 
     def warm(self, n_pin: int, n_expert_used: int) -> int:
-        """Warm start from the profile: empty, then the most selected experts (ties: lower id), at most
-        the capacity, inserted coldest first; the n_pin hottest (at most capacity - K) pinned."""
-        self.empty()
+        """Warm start from the profile: empty, then the most selected experts (ties: the more
+        recently cached, then the more router mass, then the lower id), at most the capacity,
+        inserted coldest first; the n_pin hottest (at most capacity - K) pinned."""
+        recency = {e: i for i, e in enumerate(self.lru)}
         hot = sorted((e for e in range(len(self.profile)) if self.profile[e] > 0),
-                     key=lambda e: (-self.profile[e], e))[:max(0, self.capacity)]
+                     key=lambda e: (-self.profile[e], -recency.get(e, -1), -self.mass[e], e))[:max(0, self.capacity)]
+        self.empty()
         for e in reversed(hot):
             self.insert(e)
         n = min(n_pin, len(hot), max(0, self.capacity - n_expert_used))

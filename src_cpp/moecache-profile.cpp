@@ -226,9 +226,21 @@ int32_t moecache_profile_hottest(const moecache & mc, int32_t il, std::vector<in
             hot[n_hot++] = e;
         }
     }
-    // most selected first, ties by lower id
-    std::sort(hot.begin(), hot.begin() + n_hot, [c](int32_t a, int32_t b) {
-        return c[a] != c[b] ? c[a] > c[b] : a < b;
+    // most selected first; equal counts: the more recently cached, then the more router
+    // probability (decayed), then the lower id: the id decides only what nothing else tells apart
+    // (a profile loaded into a fresh process knows counts alone)
+    const moecache_layer & L = mc.layers[il];
+    std::sort(hot.begin(), hot.begin() + n_hot, [c, &L](int32_t a, int32_t b) {
+        if (c[a] != c[b]) {
+            return c[a] > c[b];
+        }
+        if (L.last_use[a] != L.last_use[b]) {
+            return L.last_use[a] > L.last_use[b];
+        }
+        if (L.use.mass[a] != L.use.mass[b]) {
+            return L.use.mass[a] > L.use.mass[b];
+        }
+        return a < b;
     });
     return n_hot;
 }
@@ -240,11 +252,11 @@ int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin) {
     int32_t pinned = 0;
     std::vector<int32_t> hot;
     for (moecache_layer & L : mc.layers) {
+        const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.capacity); // (before L empties)
         moecache_layer_empty(L);
         if (mc.profile_counts.empty()) {
             continue;
         }
-        const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.capacity);
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest is inserted last: the most recent
             moecache_layer_insert(L, hot[i], nullptr);
         }

@@ -257,6 +257,38 @@ def test_cpp_matches_reference(sc: Scenario):
     drive(sc, [mc, rc], check)
 
 
+@settings(max_examples=300, **SETTINGS)
+@given(sc=scenarios(values=("normal", "peaked"), biases=("none", "normal"),
+                    evictions=("lfu", "activation", "freq-prob", "router-mass", "lru")),
+       relabel_seed=st.integers(0, 2**32 - 1))
+def test_expert_numbering_decides_only_exact_ties(sc: Scenario, relabel_seed: int):
+    """Issue 53 item 12: the same router outputs with the experts numbered otherwise (columns
+    permuted, every float as it was) give the same decisions, renumbered: selections, hits and
+    the cache's order. Only an exact tie (equal floats) may go by expert id (docs/method.md,
+    "Expert numbering"), so the draws here have none."""
+    perm = np.random.default_rng(relabel_seed).permutation(sc.N)  # new expert j is old expert perm[j]
+    mc, mc2 = native(sc), native(sc)
+    rng = np.random.default_rng(sc.seed)
+    bias = [make_bias(rng, sc) for _ in range(sc.n_layer)]
+    for b, T in enumerate(sc.batches):
+        for c in (mc, mc2):
+            if b > 0 and sc.new_requests:
+                c.begin_request()
+            if b == 1 and sc.pin is not None:
+                c.warm_start(sc.pin)
+        for il in range(sc.n_layer):
+            z, p, s = router_outputs(rng, sc, T, bias[il])
+            for row in (z, p, s):
+                if row is not None:  # no exact ties among the allowed experts (and no p underflowing to 0)
+                    assume(all(len(np.unique(r[r > -np.inf])) == np.count_nonzero(r > -np.inf) for r in row))
+            sel, hit = mc.route(il, z, p, s, rank_on_logits=sc.rank_on_logits)
+            sel2, hit2 = mc2.route(il, z[:, perm], p[:, perm], None if s is None else s[:, perm],
+                                   rank_on_logits=sc.rank_on_logits)
+            np.testing.assert_array_equal(np.where(sel2 >= 0, perm[sel2], sel2), sel, err_msg=f"layer {il}: selections")
+            np.testing.assert_array_equal(hit2, hit, err_msg=f"layer {il}: hits")
+            assert [int(perm[e]) for e in mc2.cached(il)] == list(mc.cached(il)), f"layer {il}: cache order"
+
+
 @settings(max_examples=600, **SETTINGS)
 @given(sc=scenarios(kinds=POLICIES + ("drop-rank", "swap-rank"), max_n=40,
                     evictions=("lfu", "activation", "freq-prob", "router-mass", "lru")))
