@@ -484,6 +484,7 @@ void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
 void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
 void    moecache_residency_clear(moecache & mc);                               // moecache_clear: no bytes kept
+void    moecache_residency_hold_all(moecache & mc);                            // slots of every expert: all cached
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages
 // moecache-lowbit.cpp: low-bit misses (cache params lowbit)
 void          moecache_lowbit_plan(moecache & mc);  // before the arena: a layer with a pool gets a zero slot

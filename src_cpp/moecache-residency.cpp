@@ -296,7 +296,11 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     rc = rc == MOECACHE_OK ? moecache_unified_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_lowbit_init(mc) : rc;
-    return rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
+    rc = rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
+    if (rc == MOECACHE_OK) {
+        moecache_residency_hold_all(mc);
+    }
+    return rc;
 }
 
 // moecache_clear: the residency as a fresh cache's, so that a miss after a clear reads its expert as
@@ -328,6 +332,22 @@ void moecache_residency_clear(moecache & mc) {
             std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
             std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
             L.vram.clock = 0;
+        }
+    }
+}
+
+// A layer whose slots hold every expert (filled at creation: moecache_slots_fill_all) caches every
+// expert: none of its selections reads a byte, so none is a miss (the counters of misses and of
+// bytes read agree). After the creation, a clear, a warm start and a loaded cache state.
+void moecache_residency_hold_all(moecache & mc) {
+    for (moecache_layer & L : mc.layers) {
+        if (!L.res.all_in_slots) {
+            continue;
+        }
+        for (int32_t e = 0; e < (int32_t) L.last_use.size(); e++) {
+            if (L.last_use[e] < 0) {
+                moecache_layer_insert(L, e, nullptr); // (capacity >= N: nothing is evicted)
+            }
         }
     }
 }

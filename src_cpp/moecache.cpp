@@ -241,6 +241,7 @@ void moecache_clear(struct moecache * mc) {
         moecache_layer_clear(L);
     }
     moecache_residency_clear(*mc); // and no expert's bytes stay: a cleared cache reads as a fresh one
+    moecache_residency_hold_all(*mc); // (but for the layers whose slots hold every expert, as a fresh cache's)
     std::fill(mc->req_counts.begin(), mc->req_counts.end(), 0.0f); // the profile of past requests stays
 }
 
@@ -462,7 +463,11 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
         return fail(MOECACHE_ERR_INVALID, "moecache_state_load: NULL argument");
     }
     try {
-        return moecache_state_read(*mc, path);
+        const int32_t rc = moecache_state_read(*mc, path);
+        if (rc == MOECACHE_OK) {
+            moecache_residency_hold_all(*mc); // (a state saved with a smaller cache: the slots still hold every expert)
+        }
+        return rc;
     } catch (const std::exception & e) {
         return fail(MOECACHE_ERR_NO_MEMORY, std::string("moecache_state_load: ") + e.what());
     }
@@ -510,6 +515,7 @@ extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
     }
     const int32_t pinned = moecache_profile_warm_start(*mc, n_pin);
     if (pinned >= 0) {
+        moecache_residency_hold_all(*mc); // (a layer whose slots hold every expert caches them all: none is evicted)
         moecache_vram_warm(*mc); // (and the VRAM tier's device slots with the hottest of each layer)
     }
     return pinned;

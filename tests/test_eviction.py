@@ -93,9 +93,10 @@ def test_warm_start_fills_from_the_profile_and_caps_pins(engine):
     z = logits(*[[0.4, 0.3, 0.1, 0.1, 0.05, 0.05]] * 5, [0.05, 0.05, 0.1, 0.1, 0.3, 0.4])
     c.route(0, z)
     c.begin_request()
-    # profile: 0 and 1 five times each, 5 and 4 once: 0 and 1 hottest (ties by id), then 4, 5
+    # profile: 0 and 1 five times each, 5 and 4 once: 0 and 1 hottest, then 4, 5; equal counts go to
+    # the more recently cached (top-bottom: each token's 1 came after its 0; 4 after 5), not to the lower id
     assert c.warm_start(10) == 2  # at most capacity - K = 2 pinned
-    assert c.cached(0) == [5, 4, 1, 0]  # coldest first: the hottest is the most recent
+    assert c.cached(0) == [5, 4, 0, 1]  # coldest first: the hottest is the most recent
     c2 = make(engine, N=6, K=2, cap=4)
     assert c2.warm_start(1) == 0 and c2.cached(0) == []  # no profile: an empty cache, nothing pinned
 
