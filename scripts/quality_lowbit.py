@@ -73,7 +73,11 @@ def main() -> int:
     rows = []
 
     def run(path, sizes_, label, **kw):
-        got = sweep(path, text, routings, sizes_, **common, **kw)
+        got = []
+        for block, size in enumerate(sizes_):  # (block: the i-th size asked, whose memory the row has)
+            for r in sweep(path, text, routings, [size], **common, **kw):
+                r["block"] = block
+                got.append(r)
         for r in got:
             r["path"] = label
             print(f"  {label} {r['spec']} cache {r['cache_size']}/{r['n_expert']}: ppl {r['ppl']:.4f} "
@@ -112,25 +116,23 @@ def main() -> int:
 
 def table(rows, sizes, name) -> str:
     """Markdown: one block of rows per cache size (the plain rows: the cache of the same memory)."""
-    full = {(r["cache_size"], r["spec"]): r for r in rows if r["path"] == "full"}
-    caps = sorted({r["cache_size"] for r in rows if r["path"] == "full"}, reverse=True)
+    full = {(r["block"], r["spec"]): r for r in rows if r["path"] == "full"}
     out = [f"{name}: `ppl --ctx 256 --decode`, Δ against the same routing at full precision; x: critical-path "
            "bytes of top-k + LRU at full precision ÷ this row's", "",
            "| cache | routing | misses from | ppl | Δ ppl | Δ vs top-k + LRU | miss rate | low-bit experts/token | "
            "critical MiB/token | x |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for i, cap in enumerate(caps):
-        lru = full.get((cap, "lru"))
+    for b in sorted(range(len(sizes)), key=lambda b: -sizes[b]):  # (block b: the b-th size asked, largest first)
+        lru = full.get((b, "lru"))
         for r in rows:
-            plain = r["path"].startswith(("plain", "lowbit-cache"))
-            # (a plain or lowbit-cache row belongs to the size whose memory it has: its i-th cache size)
-            mine = sorted({x["cache_size"] for x in rows if x["path"] == r["path"]}, reverse=True)
-            if (mine.index(r["cache_size"]) if plain else caps.index(r["cache_size"])) != i:
+            # a plain or lowbit-cache row belongs to the size whose memory it has: the block of the size it was asked
+            # for, even where two sizes give it the same cache (every expert of a smaller copy fits in both)
+            if r["block"] != b:
                 continue
-            ref = full.get((cap, r["spec"]))
+            ref = full.get((b, r["spec"]))
             d = f"{100 * (r['ppl'] / ref['ppl'] - 1):+.2f}%" if ref else "-"
             dl = f"{100 * (r['ppl'] / lru['ppl'] - 1):+.2f}%" if lru else "-"
-            x = (f"{lru['critical_mib_per_token'] / r['critical_mib_per_token']:.2f}x"
-                 if lru and r["critical_mib_per_token"] > 0 else "-")
+            x = ("-" if not lru else f"{lru['critical_mib_per_token'] / r['critical_mib_per_token']:.2f}x"
+                 if r["critical_mib_per_token"] > 0 else "∞ (reads nothing)")
             out.append(f"| {r['cache_size']}/{r['n_expert']} | {r['spec']} | {r['path']} | {r['ppl']:.4f} | {d} | "
                        f"{dl} | {100 * r['miss_rate']:.1f}% | {r['lowbit_per_token']:.2f} | "
                        f"{r['critical_mib_per_token']:.3f} | {x} |")

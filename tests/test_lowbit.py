@@ -249,3 +249,24 @@ def test_ctrl_c_while_quantizing_stops_leaves_no_file_and_exits_130(model, tmp_p
     assert "Exception ignored" not in rest
     time.sleep(0.5)
     assert sorted(x.name for x in model.parent.iterdir()) == ["qwen.gguf"]
+
+
+def test_quality_lowbit_table_keeps_each_row_in_the_block_of_its_memory():
+    """Issue 53 item 11: scripts/quality_lowbit.py's table. Rows of a smaller copy that caches every
+    expert at both sizes (the same cache_size twice) stay each in the block of the size asked for,
+    and a row that reads nothing shows an infinite x, not '-'."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_lowbit", ROOT / "scripts" / "quality_lowbit.py")
+    q = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(q)
+
+    def row(path, block, cache, ppl, critical):
+        return dict(path=path, block=block, cache_size=cache, n_expert=32, spec="lru", ppl=ppl, miss_rate=0.1,
+                    lowbit_per_token=0.0, critical_mib_per_token=critical)
+
+    rows = [row("full", 0, 16, 10.0, 2.0), row("full", 1, 8, 11.0, 4.0),
+            row("plain Q4_K (cache x4.00)", 0, 32, 10.1, 0.0), row("plain Q4_K (cache x4.00)", 1, 32, 10.2, 0.0)]
+    lines = [x for x in q.table(rows, [0.5, 0.25], "m").splitlines() if x.startswith("| ") and "routing" not in x]
+    assert [x.split(" | ")[3] for x in lines] == ["10.0000", "10.1000", "11.0000", "10.2000"]
+    assert lines[3].endswith("| ∞ (reads nothing) |") and "+1.00%" in lines[1] and "-7.27%" in lines[3]
