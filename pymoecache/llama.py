@@ -755,7 +755,8 @@ class Llama(llama_cpp.Llama):
         if busy is not None and not busy.acquire(blocking=False):
             raise ConcurrentUseError("close() while another thread decodes with this Llama: wait for it first")
         try:
-            super().close()
+            if not self._abandon_if_rpc_lost():  # (ggml would wait forever freeing buffers on a gone server)
+                super().close()
         finally:
             object.__setattr__(self, "__class__", _ClosedLlama)  # every public name now raises
             if busy is not None:
@@ -768,8 +769,23 @@ class Llama(llama_cpp.Llama):
         self.close()
 
     def __del__(self) -> None:
-        if hasattr(self, "_stack"):  # __init__ may have failed before llama_cpp.Llama set it up
-            super().__del__()
+        if hasattr(self, "_stack") and not self._abandon_if_rpc_lost():  # (__init__ may have failed before
+            super().__del__()                                              # llama_cpp.Llama set it up)
+
+    def _abandon_if_rpc_lost(self) -> bool:
+        """Before freeing: where an RPC server this model's layers are on is gone, give this Llama up
+        instead (:meth:`_abandon`), and say so: ggml's RPC client waits forever for the answer to a free
+        sent to a server that died (the process would never exit). True where it did."""
+        try:
+            gone = [e for e in getattr(self, "_rpc_used", None) or [] if rpc.server_gone(e)]
+        except Exception:  # (at interpreter exit the modules may be half torn down: free as usual)
+            return False
+        if not gone:
+            return False
+        rpc.mark_lost(gone)
+        self._abandon(f"rpc server {gone[0]} is gone: this Llama was closed without freeing its memory (ggml cannot "
+                      "free buffers on a server that is gone)")
+        return True
 
     def _require_cache(self) -> MoECache:
         if self.moecache is None:

@@ -116,6 +116,57 @@ def add_server(endpoint: str) -> None:
             raise ConfigError(f"rpc server {endpoint}: ggml could not add it (see the log above)")
         ggml.ggml_backend_register(reg)
         _added.append(endpoint)
+        _catch_rpc_abort()
+
+
+# typedef void (*ggml_abort_callback_t)(const char * error_message);
+_ABORT_CB = ctypes.CFUNCTYPE(None, c_char_p)
+_abort_handler = None  # (kept referenced: ggml holds the pointer for the life of the process)
+
+# the exit status of a process whose RPC server stopped answering during a command (the CLI's for an error)
+EXIT_RPC_LOST = 2
+
+
+def _on_ggml_abort(message: bytes) -> None:
+    """ggml's abort callback (it aborts the process when this returns). ggml's RPC client aborts when a
+    server stops answering during a command, on its own thread, with no error path back to the caller:
+    nothing can be raised to the code that decodes. What it can do is end the process the way an error
+    does: what was printed is flushed, one line says which server and why, exit status EXIT_RPC_LOST, and
+    no core dump or debugger output. Every other abort prints its message and backtrace as before."""
+    text = (message or b"").decode(errors="replace")
+    if "ggml-rpc" not in text.partition(": ")[0]:  # (file:line: message; not ggml-rpc.cpp's)
+        os.write(2, (text + "\n").encode(errors="replace"))
+        try:
+            load_ggml().ggml_print_backtrace()
+        except Exception:
+            pass
+        return
+    try:
+        gone = [e for e in _added if server_gone(e)] or list(_added)
+    except Exception:
+        gone = list(_added)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    reason = text.rpartition(": ")[2].strip() or text
+    os.write(2, (f"pymoecache: error: rpc server {', '.join(gone)} stopped answering during a command (ggml: "
+                 f"{reason}). ggml's RPC client has no way to return this error, so the process ends here (exit "
+                 f"status {EXIT_RPC_LOST}). Start the server again and load the model in a new process, or run "
+                 "without -ngl.\n").encode(errors="replace"))
+    os._exit(EXIT_RPC_LOST)
+
+
+def _catch_rpc_abort() -> None:
+    """Install :func:`_on_ggml_abort` (once per process, when a server is first registered)."""
+    global _abort_handler
+    if _abort_handler is None:
+        ggml = load_ggml()
+        ggml.ggml_set_abort_callback.argtypes = [_ABORT_CB]
+        ggml.ggml_set_abort_callback.restype = c_void_p
+        _abort_handler = _ABORT_CB(_on_ggml_abort)
+        ggml.ggml_set_abort_callback(_abort_handler)
 
 
 def servers() -> List[str]:

@@ -159,6 +159,69 @@ def test_a_server_that_goes_away_costs_the_model_not_the_process(fixture_dir, tm
     assert lines[4].startswith("refused: rpc server 127.0.0.1:") and "new process" in lines[4], r.stdout
 
 
+def test_a_server_that_dies_during_a_decode_ends_the_run_with_an_error_not_an_abort(fixture_dir, tmp_path):
+    """Issue 53 item 10: the server killed while `run` decodes. ggml's RPC client aborts on its own thread
+    with no way back to the caller; the process ends as an error does: the text printed so far is kept,
+    one line names the server, exit status 2 (the CLI's for an error), no abort (SIGABRT, core, debugger
+    output). (A server gone between two tokens is seen before the next one: a DeviceLostError, the same
+    status.)"""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--port", str(port)], cwd=tmp_path,
+                              env=installed_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        run = subprocess.Popen([sys.executable, "-m", "pymoecache", "run", "-m", str(model_path(fixture_dir, MODEL)),
+                                "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-c", "4096", "-n", "4000", "--ignore-eos",
+                                "-p", "ROMEO:", "--cache-size", "0.5"],
+                               cwd=tmp_path, env=installed_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        first = run.stdout.read(64)  # decoding has begun
+        server.kill()
+        out, err = run.communicate(timeout=120)
+    finally:
+        for p in (server, locals().get("run")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    n_out = len(first + out)  # (bytes: the text printed before the death, kept)
+    out, err = (first + out).decode(errors="replace"), err.decode(errors="replace")
+    assert run.returncode == 2, (run.returncode, err[-3000:])
+    assert (f"pymoecache: error: rpc server 127.0.0.1:{port} stopped answering" in err
+            or f"pymoecache run: error: rpc server 127.0.0.1:{port} is gone" in err), err[-3000:]
+    assert out.startswith("ROMEO:") and n_out >= 64 and "in _start" not in out + err, out[-2000:]
+
+
+UNUSED_GONE_SCRIPT = r"""
+import sys
+import pymoecache
+from pymoecache import rpc
+path = sys.argv[1]
+server = rpc.LocalServer(register=False).__enter__()
+llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=server.endpoint, n_ctx=64, verbose=False)
+print("tokens", llm("ROMEO:", max_tokens=2)["usage"]["completion_tokens"])
+server.proc.kill(); server.proc.wait()   # gone; llm is not used again, so nothing has noticed
+cpu = pymoecache.Llama(path, n_gpu_layers=0, n_ctx=64, verbose=False)
+print("cpu tokens", cpu("ROMEO:", max_tokens=2)["usage"]["completion_tokens"])
+cpu.close()
+if sys.argv[2] == "close":
+    llm.close()
+print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_process_whose_server_died_exits(fixture_dir, tmp_path, how):
+    """Issue 53 item 10: a Llama whose server died, closed (or left to the end of the process) without a
+    decode after the death: freeing it would wait forever for the server (llama_free -> ggml's RPC
+    client); it is given up instead, and the process exits."""
+    r = subprocess.run([sys.executable, "-c", UNUSED_GONE_SCRIPT, str(model_path(fixture_dir, MODEL)), how],
+                       cwd=tmp_path, env=installed_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
+    assert r.stdout.split("\n")[:3] == ["tokens 2", "cpu tokens 2", "end"], r.stdout
+
+
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
