@@ -249,6 +249,24 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
     return cache, companion
 
 
+def _lowbit_pool_bytes(cache: CacheConfig, info, model_path: str) -> int:
+    """The low-bit pools decoding will hold beside the cache, for the automatic size: miss "lowbit" or
+    "lowbit-all" (and "auto" with lowbit_in_ram, which becomes "lowbit") keep K + 1 companion copies per
+    MoE layer, N + 1 with lowbit_in_ram; lowbit-cache (the default with a companion) and full precision
+    keep none. 0 where no usable companion is found (_resolve_miss then says why)."""
+    miss = cache.miss or "auto"
+    if miss not in ("lowbit", "lowbit-all") and not (miss == "auto" and cache.lowbit_in_ram):
+        return 0
+    from . import lowbit as lb
+
+    try:
+        companion = lb.check_companion(model_path, cache.lowbit)
+    except (lb.CompanionError, OSError):
+        return 0
+    slots = (info.n_expert if cache.lowbit_in_ram else info.n_expert_used) + 1
+    return int(slots * companion.expert_bytes * info.n_moe_layer)
+
+
 def _file_signature(path: str) -> Tuple[int, int, int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
@@ -374,7 +392,8 @@ class Llama(llama_cpp.Llama):
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
-                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
+                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
+                                         lowbit=_lowbit_pool_bytes(cache, info, str(model_path)))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)

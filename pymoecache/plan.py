@@ -94,13 +94,17 @@ class AutoCacheSize:
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
     spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
     gpu_layers: int = 0    # layers whose dense part and KV cache are on a GPU (n_gpu_layers), not counted above
+    lowbit: int = 0        # bytes of the low-bit pools (miss "lowbit"/"lowbit-all": K + 1 copies per layer, N + 1
+                           #   with lowbit_in_ram), set aside before the cache
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
         on_gpu = f"; the dense part of {self.gpu_layers} layers on the GPU" if self.gpu_layers else ""
+        pools = f", {_mib(self.lowbit)} low-bit pools" if self.lowbit else ""
         head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
-                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache, {_mib(self.margin)} margin{on_gpu})")
+                f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache{pools}, {_mib(self.margin)} margin"
+                f"{on_gpu})")
         if self.spare:
             head += f"; {self.spare} of them per layer are spare slots for reading ahead"
         if self.n_cached >= self.n_expert:
@@ -123,14 +127,15 @@ def _mib(n: int) -> str:
 
 
 def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None,
-                    gpu_layers: int = 0) -> AutoCacheSize:
+                    gpu_layers: int = 0, lowbit: int = 0) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
     margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
     A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
     cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
     their dense part and KV cache on a GPU (:func:`gpu_layers`): their share of both is not
-    counted against the free memory.
+    counted against the free memory. ``lowbit``: bytes of low-bit pools decoding will hold beside
+    the cache (the miss paths "lowbit" and "lowbit-all"), set aside first.
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
@@ -143,12 +148,14 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     4
     >>> auto_cache_size(info, n_ctx=512, available=3 << 30, gpu_layers=8).n_cached   # dense part and KV cache on the GPU
     43
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30, lowbit=8 * 61 * (2 << 20)).n_cached  # every copy in RAM
+    25
     """
     free = _available_memory() if available is None else available
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
     dense = int(max(0, info.non_expert_bytes) * host)
     kv = int(_kv_bytes(info, n_ctx) * host)
-    budget = free - dense - kv
+    budget = free - dense - kv - max(0, lowbit)
     margin = max(128 << 20, budget // 10)
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
     n, left = fit, 0
@@ -157,7 +164,8 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
         left = budget - int(n * info.cache_bytes * info.n_moe_layer)
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
                          dense=dense, kv=kv, margin=margin, fit=fit, left=left, gpu_layers=min(max(gpu_layers, 0),
-                                                                                                 info.n_layer))
+                                                                                                 info.n_layer),
+                         lowbit=max(0, lowbit))
 
 
 def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:

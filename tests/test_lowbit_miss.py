@@ -382,3 +382,32 @@ def test_ppl_puts_the_low_bit_path_beside_full_precision_misses(files, tmp_path)
     r = subprocess.run(base + ["--lowbit", str(tmp_path / "x.gguf")], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "--miss lowbit" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("in_ram", [False, True])
+def test_cache_size_auto_sets_the_low_bit_pools_aside(files, monkeypatch, in_ram):
+    """Issue 53 item 13: the automatic cache size leaves room for what decoding adds beside the cache. The
+    low-bit miss path keeps K + 1 companion copies per layer (N + 1 with lowbit_in_ram): they are set
+    aside before the cache is sized, and the plan says so. lowbit-cache (the default with a companion)
+    keeps none: its slots are the cache."""
+    import pymoecache.plan
+    from pymoecache import auto_cache_size, model_info
+
+    m, comp = files
+    info, c = model_info(m), str(comp.path)
+    per_expert = info.cache_bytes * info.n_moe_layer
+    available = info.non_expert_bytes + 2 * 2 * 256 * info.n_layer * info.n_embd + (128 << 20) + int(
+        info.n_expert // 2 * per_expert)
+    monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda: available)
+    pools = int(((info.n_expert if in_ram else info.n_expert_used) + 1) * comp.expert_bytes * info.n_moe_layer)
+    got = {}
+    for miss in ("lowbit", None):
+        llm = pymoecache.Llama(str(m), n_ctx=256, verbose=False, routing="lru",
+                               cache=CacheConfig(size="auto", miss=miss, lowbit=c if miss else None,
+                                                 lowbit_in_ram=in_ram and miss is not None, prefetch="off"))
+        got[miss] = llm.cache_choice
+        llm.close()
+    assert got["lowbit"].lowbit == pools and got[None].lowbit == 0
+    want = auto_cache_size(info, 256, available=available, lowbit=pools)
+    assert got["lowbit"].n_cached == want.n_cached < got[None].n_cached
+    assert f", {pools / 2**20:.0f} MiB low-bit pools, " in str(got["lowbit"]) and "low-bit" not in str(got[None])
