@@ -394,6 +394,14 @@ class Llama(llama_cpp.Llama):
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
                                          lowbit=_lowbit_pool_bytes(cache, info, str(model_path)))
+                if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
+                    raise ConfigError(
+                        f"the low-bit pools need {choice.lowbit / 2**20:.0f} MiB (" + (
+                            "lowbit_in_ram keeps every expert's low-bit copy in memory" if cache.lowbit_in_ram else
+                            "K + 1 low-bit copies per layer") + f"), more than the "
+                        f"{max(0, choice.available - choice.dense - choice.kv) / 2**20:.0f} MiB free beside the dense part "
+                        "and the KV cache: the process would be killed for memory" + (
+                            "; leave lowbit_in_ram (--lowbit-in-ram) off" if cache.lowbit_in_ram else ""))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
@@ -430,7 +438,7 @@ class Llama(llama_cpp.Llama):
                                  (cache, companion.expert_bytes) if companion is not None else None)
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, n, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
-                                         cache.prefetch_spare,
+                                         cache.prefetch_spare, lowbit=_lowbit_pool_bytes(cache, info, str(model_path)),
                                          gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
                 if short:
                     warnings.warn(f"cache size {cache.size} leaves no room: {short}. The OS will drop the dense "

@@ -184,10 +184,11 @@ def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
 
 
 def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
-                     available: Optional[int] = None, gpu_layers: int = 0) -> Optional[str]:
+                     available: Optional[int] = None, gpu_layers: int = 0, lowbit: int = 0) -> Optional[str]:
     """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
     where it does (or the free memory is unknown): its expert slots (at least K per layer, plus
-    ``spare``), the dense part, the KV cache and 64 MiB for the runtime, against what is free.
+    ``spare``), the low-bit pools (``lowbit`` bytes), the dense part, the KV cache and 64 MiB for the
+    runtime, against what is free.
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
@@ -206,10 +207,11 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)  # (the rest is on a GPU)
     dense = int(max(0, info.non_expert_bytes) * host)
     kv = int(_kv_bytes(info, n_ctx) * host)
-    need = slots + dense + kv + (64 << 20)
+    need = slots + max(0, lowbit) + dense + kv + (64 << 20)
     if need <= free:
         return None
-    return (f"{_mib(slots)} of expert slots + {_mib(dense)} dense part + {_mib(kv)} KV cache + 64 MiB runtime "
+    pools = f" + {_mib(lowbit)} low-bit pools" if lowbit > 0 else ""
+    return (f"{_mib(slots)} of expert slots{pools} + {_mib(dense)} dense part + {_mib(kv)} KV cache + 64 MiB runtime "
             f"= {_mib(need)}, {_mib(free)} free")
 
 

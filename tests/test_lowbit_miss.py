@@ -411,3 +411,21 @@ def test_cache_size_auto_sets_the_low_bit_pools_aside(files, monkeypatch, in_ram
     want = auto_cache_size(info, 256, available=available, lowbit=pools)
     assert got["lowbit"].n_cached == want.n_cached < got[None].n_cached
     assert f", {pools / 2**20:.0f} MiB low-bit pools, " in str(got["lowbit"]) and "low-bit" not in str(got[None])
+
+
+def test_low_bit_copies_in_ram_beyond_the_free_memory_are_refused(files, monkeypatch):
+    """Every expert's low-bit copy kept in memory (lowbit_in_ram) where they alone exceed what is free:
+    a clear error at load, where the process would otherwise be killed for memory while decoding."""
+    import pymoecache.plan
+    from pymoecache import model_info
+    from pymoecache.errors import ConfigError
+
+    m, comp = files
+    info = model_info(m)
+    pools = int((info.n_expert + 1) * comp.expert_bytes * info.n_moe_layer)
+    free = info.non_expert_bytes + 2 * 2 * 256 * info.n_layer * info.n_embd + pools // 2
+    monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda: free)
+    with pytest.raises(ConfigError, match=r"low-bit pools need \d+ MiB \(lowbit_in_ram keeps every expert's low-bit "
+                                          r"copy in memory\), more than the \d+ MiB free.*--lowbit-in-ram"):
+        pymoecache.Llama(str(m), n_ctx=256, verbose=False,
+                         cache=CacheConfig(size="auto", miss="lowbit", lowbit=str(comp.path), lowbit_in_ram=True))
