@@ -108,6 +108,47 @@ def test_every_prefix_of_every_option_is_refused_with_the_commands_own_guess(cap
         assert not guess or guess in own, (command, prefix, guess)
 
 
+def _short_prefix_cases():
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, p in sub.choices.items():
+        names = {o for a in p._actions for o in a.option_strings}
+        for name in sorted(names):
+            if name.startswith("--") or len(name) <= 2:
+                continue
+            for n in range(2, len(name)):
+                if name[:n] not in names:
+                    yield command, name, name[:n]
+
+
+def test_no_single_dash_option_is_taken_by_a_prefix(capsys):
+    """Issue 56 item 1: argparse's allow_abbrev=False still matched single-dash options by a prefix:
+    `run -u 7` ran with -ub 7, `-o exps=CUDA0` was -ot, `run -hf_` printed help and exited 0. Every
+    proper prefix of every single-dash option of every command is refused (exit 2): unknown where its
+    first two characters are no option, else the value of that one-letter option (`-sy` is `-s y`,
+    an invalid seed)."""
+    cases = list(_short_prefix_cases())
+    assert len(cases) > 30
+    required = {"ppl": ["--text", "t"], "trace": ["--text", "t", "--out", "o"], "simulate": ["--text", "t"],
+                "plot-timeline": ["t.npz"]}
+    for command, name, prefix in cases:
+        names = {o for a in cli.build_parser()._subparsers._group_actions[0].choices[command]._actions
+                 for o in a.option_strings}
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args([command, *required.get(command, []), prefix, "exps=CPU"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (command, name, prefix, err)
+        if prefix[:2] not in names:
+            assert f"unrecognized arguments: {prefix}" in err, (command, prefix, err)
+    for argv, says in ((["run", "-p", "x", "-n", "2", "-u", "7", "-v"], "unrecognized arguments: -u "),
+                       (["run", "-o", "exps=CPU"], "unrecognized arguments: -o "),
+                       (["run", "-hf_"], "unrecognized arguments: -hf_; did you mean -hf?")):
+        with pytest.raises(SystemExit) as e:
+            cli.build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err, (argv, err)
+    assert cli.build_parser().parse_args(["run", "-n64"]).n == 64  # (a one-letter option, value attached)
+
+
 def test_a_guess_is_never_an_option_the_command_does_not_have(capsys):
     for argv, wrong in ((["bench", "-p", "x"], "-p"), (["serve", "--jsonl"], "--json"), (["info", "--prior", "1"], None)):
         with pytest.raises(SystemExit):

@@ -109,3 +109,36 @@ def test_serve_native_endpoints_and_logprobs(fixture_dir, tmp_path):
         proc.terminate()
         proc.wait(timeout=15)
         log.close()
+
+
+def test_llama_cpp_names_and_escapes(fixture_dir, tmp_path):
+    """Issue 56 item 1, as a llama-cli user types them: --predict, the penalties over --repeat-last-n,
+    escapes in -p (on by default, as llama-cli; --no-escape takes it as typed), and the names that mean
+    nothing here refused with the reason (serve's --slots and --metrics are accepted, both always on: the
+    port is what that line is refused for)."""
+    m = model_path(fixture_dir, MODEL)
+
+    def text(*args):
+        r = installed(tmp_path, "run", m, "-p", "ROMEO:", "--predict", "48", "--temp", "0", "--stats-stderr", *args)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    plain = text()
+    assert len(plain) > len("ROMEO:") + 20
+    penalized = text("--presence-penalty", "2", "--frequency-penalty", "1")
+    assert penalized != plain  # the penalties reach the sampler
+    assert text("--presence-penalty", "2", "--frequency-penalty", "1", "--repeat-last-n", "0") == plain  # over no token
+    r = installed(tmp_path, "run", m, "-p", r"A:\nB:\x41\q", "-n", "0", "--stats-stderr")
+    assert r.returncode == 0 and r.stdout.startswith("A:\nB:A\\q"), (r.stdout, r.stderr)
+    r = installed(tmp_path, "run", m, "-p", r"A:\nB:", "--no-escape", "-n", "0", "--stats-stderr")
+    assert r.returncode == 0 and r.stdout.startswith("A:\\nB:"), (r.stdout, r.stderr)
+    for args, says in ((("run", m, "--keep", "4"), "never shifts the context"),
+                       (("run", m, "--repeat-last-n", "-2"), "--repeat-last-n must be >= 0"),
+                       (("run", m, "--mirostat", "2"), "llama.cpp's --mirostat is not available here"),
+                       (("run", m, "--temperature", "0.5"), "did you mean --temp?"),
+                       (("run", m, "-u", "7"), "unrecognized arguments: -u"),
+                       (("serve", m, "-n", "64"), "each request says how many tokens"),
+                       (("serve", m, "--embeddings"), "computes no embeddings"),
+                       (("serve", m, "--slots", "--metrics", "--port", "99999"), "--port must be in [0, 65535]")):
+        r = installed(tmp_path, *args)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -95,7 +95,8 @@ def _validate(args) -> None:
     if getattr(args, "routing", None) is not None and not args.routing.strip():
         raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
     for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads",
-                 "top_k", "n_gpu_layers", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe"):
+                 "top_k", "n_gpu_layers", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe", "repeat_last_n",
+                 "keep"):
         v = getattr(args, name, None)
         if v is not None and not -INT32_MAX <= v <= INT32_MAX:
             raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
@@ -106,7 +107,13 @@ def _validate(args) -> None:
         raise UserError(f"-ngl must be >= -1 (-1: all layers), got {args.n_gpu_layers}")
     if getattr(args, "top_k", None) is not None and args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
-    for name, lo, hi in (("temp", 0.0, 1e6), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0), ("repeat_penalty", 1e-6, 1e6)):
+    if getattr(args, "keep", None) is not None:
+        raise UserError("--keep: this runtime never shifts the context (the prompt and -n must fit in -c; chat drops "
+                        "the oldest turns instead), so there are no tokens to keep")
+    if getattr(args, "repeat_last_n", None) is not None and args.repeat_last_n < 0:
+        raise UserError(f"--repeat-last-n must be >= 0 (0: the penalties look at nothing), got {args.repeat_last_n}")
+    for name, lo, hi in (("temp", 0.0, 1e6), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0), ("repeat_penalty", 1e-6, 1e6),
+                         ("presence_penalty", -1e6, 1e6), ("frequency_penalty", -1e6, 1e6)):
         v = getattr(args, name, None)
         if v is not None and not lo <= v <= hi:  # also refuses nan
             raise UserError(f"--{name.replace('_', '-')} must be in [{lo:g}, {hi:g}], got {v}")

@@ -365,7 +365,7 @@ def add_command(sub) -> None:
                         "conversation mode (default: none)")
     c.add_argument("-f", "--file", default=None, metavar="FILE",
                    help="the first user message read from a UTF-8 text file (default: none)")
-    c.add_argument("-n", "--n-predict", dest="n", type=int, default=-1, metavar="N",
+    c.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=-1, metavar="N",
                    help="most tokens per answer; -1 = until the model ends its turn or the context is full "
                         "(default %(default)s)")
     add_conversation_options(c)

@@ -454,7 +454,7 @@ def add_commands(sub) -> None:
     add_model_argument(r)
     r.add_argument("-p", "--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     r.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from a UTF-8 text file (default: none)")
-    r.add_argument("-n", "--n-predict", dest="n", type=int, default=64, metavar="N",
+    r.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64, metavar="N",
                    help="tokens to generate; 0 = evaluate the prompt only (default %(default)s)")
     r.add_argument("--chat", action="store_true",
                    help="send the prompt as one user message with the model's chat template (for a conversation: "
@@ -494,7 +494,7 @@ def add_commands(sub) -> None:
                    help="route every token (all, default) or generated tokens only (decode)")
     b.add_argument("-f", "--file", "--prompts", dest="prompts", metavar="FILE",
                    help="prompts, one per line (default: four built-in prompts)")
-    b.add_argument("-n", "--n-predict", dest="n", type=int, default=64, metavar="N",
+    b.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64, metavar="N",
                    help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
     add_runtime_options(b)

@@ -31,6 +31,13 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def _get_option_tuples(self, option_string):
+        # no option by a prefix of its name, single dash included (allow_abbrev covers "--" only: "-u 7"
+        # was "-ub 7", "-o" was "-ot"), and no one-letter flags run together ("-hf_" was -h: help, exit 0);
+        # what is left is a one-letter option with its value attached ("-n64")
+        return [t for t in super()._get_option_tuples(option_string)
+                if len(t[1]) == 2 and t[1] == option_string[:2] and t[0].nargs != 0]
+
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         if extras and self._is_subcommand():
@@ -44,6 +51,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
 
     def _did_you_mean(self, message: str) -> str:
+        """A guess only where it is one: a name users bring from llama.cpp or the OpenAI API that this
+        command spells otherwise, or a typo close to one of the command's own options (difflib ratio
+        >= 0.75: --predict was offered --predictor, --temperature --chat-template); llama.cpp's samplers
+        that are not here are said to be so; nothing rather than a wrong guess."""
         import difflib
 
         if not message.startswith("unrecognized arguments: "):
@@ -51,10 +62,29 @@ class Parser(argparse.ArgumentParser):
         known = [o for a in self._actions for o in a.option_strings]  # this command's own options
         for word in message[len("unrecognized arguments: "):].split():
             if word.startswith("-"):
-                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                name = word.split("=", 1)[0]
+                if ALIASES.get(name) in known:
+                    return f"; did you mean {ALIASES[name]}?"
+                if name in LLAMA_SAMPLERS_NOT_HERE:
+                    return (f"; llama.cpp's {name} is not available here (sampling: --temp, --top-k, --top-p, --min-p, "
+                            "--repeat-penalty, --presence-penalty, --frequency-penalty, --grammar)")
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.75) if len(name) > 3 else []
                 if close:
                     return f"; did you mean {close[0]}?"
         return ""
+
+
+# names users bring (llama.cpp's other spellings, the OpenAI API's) -> this CLI's
+ALIASES = {"--temperature": "--temp", "--max-tokens": "-n", "--max_tokens": "-n", "--n-ctx": "--ctx-size",
+           "--ctx": "--ctx-size", "--context": "--ctx-size", "--n-threads": "--threads", "--gpu-layers": "-ngl",
+           "--top_k": "--top-k", "--top_p": "--top-p", "--min_p": "--min-p", "--stop": "--reverse-prompt",
+           "--system": "--system-prompt"}
+# llama.cpp's samplers this runtime does not offer
+LLAMA_SAMPLERS_NOT_HERE = frozenset({
+    "--mirostat", "--mirostat-lr", "--mirostat-ent", "--typical", "--typical-p", "--dynatemp-range", "--dynatemp-exp",
+    "--xtc-probability", "--xtc-threshold", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
+    "--dry-penalty-last-n", "--dry-sequence-breaker", "--top-nsigma", "--samplers", "--sampling-seq",
+    "--logit-bias", "-l"})
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -355,6 +385,8 @@ def runtime_kwargs(args) -> dict:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=ngl,
               verbose=bool(getattr(args, "verbose", False)))
+    if getattr(args, "repeat_last_n", None) is not None:
+        kw["last_n_tokens_size"] = args.repeat_last_n  # (llama-cpp-python's window of the penalties)
     if getattr(args, "threads_batch", None) is not None:
         kw["n_threads_batch"] = args.threads_batch
     if getattr(args, "batch_size", None) is not None:
@@ -435,20 +467,34 @@ def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) 
     g.add_argument("--min-p", type=float, default=0.05, metavar="P",
                    help="drop tokens less likely than P x the most likely one; 0.0 = off (default %(default)s)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
-                   help="penalize tokens of the last 64; 1.0 = off (default %(default)s)")
+                   help="penalize tokens of the last --repeat-last-n; 1.0 = off (default %(default)s)")
+    g.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
+                   help="how many of the last tokens the penalties look at; 0 = none (default %(default)s, as llama.cpp)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
+                   help="subtract A from the logit of every token already in the last --repeat-last-n; 0.0 = off "
+                        "(default %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
+                   help="subtract A x its count from the logit of every token in the last --repeat-last-n; 0.0 = "
+                        "off (default %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="never stop at an end-of-text token, generate until -n or the context is full (default: stop)")
     g.add_argument("--grammar", metavar="GBNF", default=None,
                    help="constrain the output to a GBNF grammar with a 'root' rule, as llama.cpp (default: none)")
     g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE (default: none)")
+    add_escape_options(g)
+    g.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="llama.cpp's tokens kept when the context shifts: refused here, no context shifts (the "
+                        "prompt and -n must fit in -c; chat drops the oldest turns instead)")
 
 
 def sampling_kwargs(args, llm) -> dict:
     """Keyword arguments of ``Llama.__call__`` / ``create_completion`` for the sampling options."""
     kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-              repeat_penalty=args.repeat_penalty, seed=args.seed)
+              repeat_penalty=args.repeat_penalty, seed=args.seed,
+              presence_penalty=getattr(args, "presence_penalty", 0.0),
+              frequency_penalty=getattr(args, "frequency_penalty", 0.0))
     if getattr(args, "reverse_prompt", None):
-        kw["stop"] = list(args.reverse_prompt)
+        kw["stop"] = [process_escapes(r) if getattr(args, "escape", False) else r for r in args.reverse_prompt]
     if args.ignore_eos:
         import llama_cpp
 
@@ -487,8 +533,45 @@ def system_prompt(args) -> Optional[str]:
 
 
 def prompt_text(args) -> Optional[str]:
-    """-p TEXT or -f FILE (as llama.cpp)."""
-    return text_or_file(args, "prompt", "file", "-p/--prompt or -f/--file", "prompt file")
+    """-p TEXT (its escapes processed, as llama.cpp, unless --no-escape) or -f FILE (as llama.cpp)."""
+    text = text_or_file(args, "prompt", "file", "-p/--prompt or -f/--file", "prompt file")
+    if text is not None and getattr(args, "prompt", None) is not None and getattr(args, "escape", False):
+        text = process_escapes(text)
+    return text
+
+
+def add_escape_options(p) -> None:
+    """llama.cpp's -e/--escape (its default) and --no-escape, for -p and -r."""
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="process escapes in -p and -r: \\n, \\r, \\t, \\', \\\", \\\\, \\xHH (default: on, as "
+                        "llama.cpp)")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take -p and -r as typed")
+
+
+def process_escapes(text: str) -> str:
+    r"""llama.cpp's escapes: \n, \r, \t, \', \", \\ and \xHH (two hex digits: one byte, so \xc3\xa9 is
+    é); any other backslash stays as typed.
+
+    >>> process_escapes(r"a\nb\tc \x41\xc3\xa9 \q \\n")
+    'a\nb\tc Aé \\q \\n'
+    """
+    raw, out, i = text.encode("utf-8", "surrogateescape"), bytearray(), 0
+    simple = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("'"): 39, ord('"'): 34, ord("\\"): 92}
+    while i < len(raw):
+        if raw[i] == 92 and i + 1 < len(raw):  # a backslash and what follows it
+            d = raw[i + 1]
+            if d in simple:
+                out.append(simple[d])
+                i += 2
+                continue
+            hex2 = raw[i + 2:i + 4]
+            if d == ord("x") and len(hex2) == 2 and all(h in b"0123456789abcdefABCDEF" for h in hex2):
+                out.append(int(hex2, 16))
+                i += 4
+                continue
+        out.append(raw[i])
+        i += 1
+    return out.decode("utf-8", "replace")
 
 
 # No token of any vocabulary we know is longer than this many bytes: a text of more than

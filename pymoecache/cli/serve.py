@@ -41,10 +41,22 @@ def serve_context(info, available=None):
     return n, (" (the model's)" if n == want else f" (the model's {want} capped by the free memory)")
 
 
+def _check_llama_server_flags(args) -> None:
+    """llama-server's flags that mean nothing here are refused with the reason (exit 2); --slots and --metrics
+    are accepted: /slots and /metrics are always on here."""
+    if args.embeddings:
+        raise UserError("--embeddings: this server runs generation models and computes no embeddings (/v1/embeddings "
+                        "answers 501, as llama-server without --embeddings)")
+    if args.n_predict is not None:
+        raise UserError("-n/--n-predict: each request says how many tokens it wants (max_tokens, or n_predict on "
+                        "/completion); serve has no server-wide number")
+
+
 def cmd_serve(args) -> int:
     from ..model_info import model_info
     from ..server import create_app, server_module
 
+    _check_llama_server_flags(args)
     server_module()
     import uvicorn
 
@@ -114,6 +126,14 @@ def add_command(subparsers) -> None:
                         "with Retry-After (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
+    s.add_argument("--slots", action="store_true", help="llama-server's flag: /slots is always on here")
+    s.add_argument("--metrics", action="store_true",
+                   help="llama-server's flag: /metrics (Prometheus text, llama-server's counters and the expert "
+                        "cache's) is always on here")
+    s.add_argument("--embeddings", "--embedding", action="store_true",
+                   help="llama-server's embeddings: refused, a generation model computes none here")
+    s.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None, metavar="N",
+                   help="llama-server's tokens per request: refused, each request says how many (max_tokens)")
     add_template_options(s, serve=True)
     add_hub_options(s)
     add_routing_options(s, profile=True)
