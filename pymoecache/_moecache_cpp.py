@@ -84,6 +84,8 @@ class moecache_layer_stats(ctypes.Structure):
         ("delta", c_float),
         ("pinned", c_int32),
         ("pinned_hits", c_int64),
+        ("rerouted", c_int64),
+        ("p_given_up", c_double),
     ]
 
 

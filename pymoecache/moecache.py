@@ -310,7 +310,8 @@ class MoECache:
         ls = C.moecache_layer_stats()
         _check(C.moecache_get_layer_stats(self._h, il, ctypes.byref(ls)))
         return (il, ls.capacity, ls.occupancy, ls.tokens, ls.selections, ls.hits, ls.misses, ls.evictions,
-                ls.lifetime_count, ls.lifetime_sum, ls.delta, ls.pinned, ls.pinned_hits), ls.n_expert > 0
+                ls.lifetime_count, ls.lifetime_sum, ls.delta, ls.pinned, ls.pinned_hits, ls.rerouted,
+                ls.p_given_up), ls.n_expert > 0
 
     def stats(self) -> MoEStats:
         rows = [row for il, (row, routed) in enumerate(map(self.layer_row, range(self.n_layer)))

@@ -279,6 +279,8 @@ class ReferenceLayerStats:
     delta: float         # Delta_l (float32), as last used
     pinned: int = 0      # experts pinned now
     pinned_hits: int = 0  # hits on pinned experts
+    rerouted: int = 0     # experts run from outside the router's own top K
+    p_given_up: float = 0.0  # sum over tokens: router probability of its top K less that of the experts run
 
     @property
     def lifetime(self) -> float:
@@ -309,6 +311,8 @@ class LayerCache:
         self.inserted_at = {}           # expert -> value of `tokens` when it was inserted
         self.tokens = self.selections = self.hits = self.misses = self.evictions = 0
         self.pinned_hits = 0
+        self.rerouted = 0               # experts run from outside the router's own top K
+        self.p_given_up = 0.0           # float64, summed in the C++'s order
         self.lifetime_sum = 0.0         # of evicted entries
         self.lifetime_count = 0
         self.delta_sum = 0.0            # running Delta: float64 sum of per-token ranges
@@ -447,7 +451,8 @@ class LayerCache:
             capacity=self.capacity, occupancy=len(self.lru), tokens=self.tokens, selections=self.selections,
             hits=self.hits, misses=self.misses, evictions=self.evictions,
             lifetime_count=self.lifetime_count + len(ages), lifetime_sum=self.lifetime_sum + float(sum(ages)),
-            delta=float(np.float32(self.delta_last)), pinned=len(self.pinned), pinned_hits=self.pinned_hits)
+            delta=float(np.float32(self.delta_last)), pinned=len(self.pinned), pinned_hits=self.pinned_hits,
+            rerouted=self.rerouted, p_given_up=self.p_given_up)
 
 
 class ReferenceCache:
@@ -514,6 +519,17 @@ class ReferenceCache:
         L.delta_last = delta
         selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru), delta, rank_on_logits,
                                il=il, token=L.tokens)
+        # what the policy cost this token against the router's own top K (float64 sums, r order)
+        r = rank_experts(s)
+        K = self.n_expert_used
+        top = [e for e in r[:K] if is_allowed(s[e])]  # (masked experts rank last)
+        p_top = p_run = 0.0
+        for e in top:
+            p_top += float(p[e]) if np.isfinite(p[e]) else 0.0
+        for e in selected:
+            L.rerouted += 1 if r.index(e) >= K else 0
+            p_run += float(p[e]) if np.isfinite(p[e]) else 0.0
+        L.p_given_up += p_top - p_run
         return selected, L.access(selected, p, self.insertion)
 
     def route(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,

@@ -56,8 +56,8 @@ from .config import CacheConfig, Preset, Routing, parse_routing, resolved_top_j
 from .errors import ConfigError, Error, MissingDependencyError
 from .llama import Llama
 from .stats import MoEStats
-from .server_requests import (RequestError, _field_error, _include_usage, error_response, request_stats,  # noqa: F401
-                              validate_request)
+from .server_requests import (RequestError, _field_error, _include_usage, error_response, request_routing,  # noqa: F401
+                              request_stats, validate_request)
 
 PIP_SERVER = ('pip install "fastapi>=0.100" "uvicorn>=0.22" "sse-starlette>=1.6.1" '
               '"starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1"')
@@ -70,6 +70,8 @@ _log = logging.getLogger("pymoecache.serve")
 # handler, for a stream while its response is sent; run_in_threadpool carries it into the thread
 # that decodes, where _ServedLlama.eval reads it)
 _CLIENT_GONE: "contextvars.ContextVar[Optional[threading.Event]]" = contextvars.ContextVar("client_gone", default=None)
+# the routing a request asked for ("moecache": {"routing": ...}); None: the server's
+_REQUEST_ROUTING: "contextvars.ContextVar[Optional[Routing]]" = contextvars.ContextVar("request_routing", default=None)
 
 
 class _ClientGone(Exception):
@@ -135,6 +137,10 @@ def metrics_text(llm, generating: bool, waiting: int, since: tuple = (0, 0.0, 0,
             ("pymoecache:cache_hits_total", "counter", "Expert selections found in the cache.", st.hits),
             ("pymoecache:cache_misses_total", "counter", "Expert selections not in the cache.", st.misses),
             ("pymoecache:cache_hit_rate", "gauge", "Hits / (hits + misses) since load.", st.hit_rate),
+            ("pymoecache:rerouted_total", "counter", "Experts run from outside the router's own top K (what "
+             "cache-conditional routing changed).", st.rerouted),
+            ("pymoecache:router_probability_given_up", "gauge", "Router probability given up per token and MoE "
+             "layer since load: its own top K's less that of the experts run.", st.p_given_up),
             ("pymoecache:bytes_read_total", "counter", "Expert bytes read from the model file (load, prompts, "
              "decoding).", (rs.load_bytes_read + rs.prompt_bytes_read + rs.decode_bytes_read) if rs else 0),
             ("pymoecache:io_wait_seconds_total", "counter", "Time decoded tokens waited for expert reads.",
@@ -199,13 +205,38 @@ class _ServedLlama(Llama):
         self._begin_request()
         if self.model_alias is not None:
             kwargs["model"] = self.model_alias
-        return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs))
+        with self._request_routing() as restore:
+            return self._with_request_stats(self._stats(), super().create_completion(*args, **kwargs), restore)
 
     def create_chat_completion(self, *args, **kwargs):
         self._begin_request()
         if self.model_alias is not None:
             kwargs["model"] = self.model_alias
-        return self._with_request_stats(self._stats(), super().create_chat_completion(*args, **kwargs))
+        with self._request_routing() as restore:
+            return self._with_request_stats(self._stats(), super().create_chat_completion(*args, **kwargs), restore)
+
+    @contextlib.contextmanager
+    def _request_routing(self):
+        """The request's own routing ("moecache": {"routing": ...}) for as long as it decodes: yields the
+        function that puts the server's back (called here for an answer, by the stream at its end)."""
+        routing = _REQUEST_ROUTING.get()
+        if routing is None or self.moecache is None:
+            yield None
+            return
+        server = self.moecache.routing
+        self.set_routing(routing)
+        done = []
+
+        def restore():
+            if not done:
+                done.append(1)
+                self.set_routing(server)
+
+        try:
+            yield restore
+        except BaseException:
+            restore()
+            raise
 
     _usage: Optional[dict] = None
 
@@ -235,19 +266,24 @@ class _ServedLlama(Llama):
     def _stats(self) -> Optional[MoEStats]:
         return self.moecache.stats() if self.moecache is not None else None
 
-    def _with_request_stats(self, before, result):
-        if before is None:
-            return result
+    def _with_request_stats(self, before, result, restore=None):
         if isinstance(result, dict):
-            result["moecache"] = request_stats(before, self._stats())
+            if before is not None:
+                result["moecache"] = request_stats(before, self._stats())
+            if restore is not None:
+                restore()
             return result
-        return self._stream_with_request_stats(before, result)
+        return self._stream_with_request_stats(before, result, restore)
 
-    def _stream_with_request_stats(self, before, chunks):
-        for chunk in chunks:
-            if any(c.get("finish_reason") for c in chunk.get("choices", [])):
-                chunk["moecache"] = request_stats(before, self._stats())
-            yield chunk
+    def _stream_with_request_stats(self, before, chunks, restore=None):
+        try:
+            for chunk in chunks:
+                if before is not None and any(c.get("finish_reason") for c in chunk.get("choices", [])):
+                    chunk["moecache"] = request_stats(before, self._stats())
+                yield chunk
+        finally:
+            if restore is not None:  # (the request's routing, until its last token)
+                restore()
 
 
 def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
@@ -384,13 +420,14 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         (through _CLIENT_GONE), set when the client disconnects or the response ends for any reason,
         so the decoding thread stops at its next token and llama_cpp.server's lock is released."""
 
-        def __init__(self, response, request, gone: threading.Event):
+        def __init__(self, response, request, gone: threading.Event, routing=None):
             super().__init__()
-            self.response, self.request, self.gone = response, request, gone
+            self.response, self.request, self.gone, self.routing = response, request, gone, routing
             queue.active += 1  # the request keeps its place until its stream ends
 
         async def __call__(self, scope, receive, send):
             reset = _CLIENT_GONE.set(self.gone)
+            reset_routing = _REQUEST_ROUTING.set(self.routing)
             watcher = asyncio.create_task(_watch_disconnect(self.request, self.gone))
             try:
                 await self.response(scope, receive, send)
@@ -403,6 +440,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 self.gone.set()
                 watcher.cancel()
                 _CLIENT_GONE.reset(reset)
+                _REQUEST_ROUTING.reset(reset_routing)
 
     def stream_response(request, body, include_usage: bool):
         """The stock streaming branch of both completion endpoints (an SSE stream fed by
@@ -445,14 +483,17 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         async def handler(request: Request):
             gone, watcher = threading.Event(), None
             reset = _CLIENT_GONE.set(gone)
+            reset_routing = None
             try:
                 raw = await request.body()
                 body = validate(proxy(), request.url.path, raw)
+                routing = request_routing(raw)
+                reset_routing = _REQUEST_ROUTING.set(routing)
                 if queue.full():
                     return queue.busy_response()
                 proxy()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
                 if body.stream:  # the generation runs while the response is sent, after this handler
-                    return StopWhenGone(stream(request, body, raw), request, gone)
+                    return StopWhenGone(stream(request, body, raw), request, gone, routing)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))
                 queue.active += 1
                 try:
@@ -483,6 +524,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 if watcher is not None:
                     watcher.cancel()
                 _CLIENT_GONE.reset(reset)
+                if reset_routing is not None:
+                    _REQUEST_ROUTING.reset(reset_routing)
         handler.__annotations__ = {"request": Request}  # a real class: this module's annotations are strings
         return handler
 

@@ -181,6 +181,8 @@ def validate_request(llm, path: str, raw: bytes):
     from pydantic import ValidationError
 
     d = json_object(raw)
+    d.pop("moecache", None)  # (this server's own field: request_routing reads it)
+    request_routing(raw)
     chat = path.endswith("/chat/completions")
     if chat:
         _check_messages(d.get("messages"))
@@ -236,6 +238,37 @@ def validate_request(llm, path: str, raw: bytes):
     return body
 
 
+def request_routing(raw: bytes):
+    """The routing a request asks for in its own ``"moecache": {"routing": SPEC}`` (None: the server's):
+    a spec as ``--routing`` takes, but a preset (which also sets the shared cache's eviction).
+    RequestError (400) otherwise.
+
+    >>> request_routing(b'{"prompt": "x", "moecache": {"routing": "lru"}}').spec()
+    'lru'
+    >>> request_routing(b'{"prompt": "x"}') is None
+    True
+    """
+    from .config import ConfigError, Preset, parse_routing
+
+    try:
+        d = json.loads(raw or b"{}")
+    except ValueError:
+        return None  # (json_object says why)
+    opt = d.get("moecache") if isinstance(d, dict) else None
+    if opt is None:
+        return None
+    if not isinstance(opt, dict) or set(opt) - {"routing"} or not isinstance(opt.get("routing"), str):
+        raise RequestError("'moecache' must be an object such as {\"routing\": \"lru\"}", 400, "moecache")
+    try:
+        routing = parse_routing(opt["routing"])
+    except ConfigError as e:
+        raise RequestError(f"'moecache.routing': {e}", 400, "moecache.routing") from None
+    if isinstance(routing, Preset):
+        raise RequestError("'moecache.routing': a preset also sets the eviction of the cache every request shares; "
+                           "give a routing (lru, prior:0.1:j=1, ...)", 400, "moecache.routing")
+    return routing
+
+
 def request_stats(before: MoEStats, after: MoEStats) -> dict:
     """Cache counters between two snapshots of the same cache (one request's share).
 
@@ -246,4 +279,4 @@ def request_stats(before: MoEStats, after: MoEStats) -> dict:
 
     d = after.since(before).summary_dict()
     return {k: d[k] for k in ("tokens", "hits", "misses", "hit_rate", "miss_rate", "misses_per_token",
-                              "bytes_loaded")}
+                              "bytes_loaded", "rerouted", "rerouted_per_token", "p_given_up")}

@@ -220,7 +220,7 @@ def _layer_row(cache, il: int) -> tuple:
     if isinstance(cache, ReferenceCache):
         r = cache.layer_stats(il)
         return (il, r.capacity, r.occupancy, r.tokens, r.selections, r.hits, r.misses, r.evictions,
-                r.lifetime_count, r.lifetime_sum, r.delta, r.pinned, r.pinned_hits)
+                r.lifetime_count, r.lifetime_sum, r.delta, r.pinned, r.pinned_hits, r.rerouted, r.p_given_up)
     return cache.layer_row(il)[0]
 
 

@@ -233,11 +233,14 @@ class MoEStats:
     residency: Optional[ResidencyStats] = None  # I/O, time split, memory (None for a synthetic cache)
     pinned_per_layer: Optional[np.ndarray] = None       # experts pinned now (a profile's warm start)
     pinned_hits_per_layer: Optional[np.ndarray] = None  # hits on pinned experts (part of the hits)
+    rerouted_per_layer: Optional[np.ndarray] = None     # experts run from outside the router's own top K
+    p_given_up_per_layer: Optional[np.ndarray] = None   # router probability of its top K less that of the
+                                                        #   experts run, summed over tokens
 
     # columns of a layer row for from_rows(): what struct moecache_layer_stats reports (rows without
-    # the last two, pinned and pinned_hits, count none)
+    # the last ones, from pinned on, count none)
     ROW = ("layer", "capacity", "occupancy", "tokens", "selections", "hits", "misses", "evictions",
-           "lifetime_count", "lifetime_sum", "delta", "pinned", "pinned_hits")
+           "lifetime_count", "lifetime_sum", "delta", "pinned", "pinned_hits", "rerouted", "p_given_up")
 
     @classmethod
     def from_rows(cls, rows, n_expert: int, n_expert_used: int, expert_bytes: float = 0.0, **extra) -> "MoEStats":
@@ -254,7 +257,8 @@ class MoEStats:
             lifetime_per_layer=np.where(count > 0, total / np.maximum(count, 1), 0.0),
             delta_per_layer=a[:, 10].astype(np.float32), expert_bytes=expert_bytes,
             lifetime=float(total.sum() / count.sum()) if count.sum() > 0 else 0.0,
-            pinned_per_layer=as_int(11, np.int32), pinned_hits_per_layer=as_int(12), **extra)
+            pinned_per_layer=as_int(11, np.int32), pinned_hits_per_layer=as_int(12), rerouted_per_layer=as_int(13),
+            p_given_up_per_layer=a[:, 14].copy(), **extra)
 
     @property
     def tokens(self) -> int:
@@ -281,6 +285,31 @@ class MoEStats:
     @property
     def pinned_hits(self) -> int:
         return int(self.pinned_hits_per_layer.sum()) if self.pinned_hits_per_layer is not None else 0
+
+    @property
+    def rerouted(self) -> int:
+        """Experts run from outside the router's own top K, over all layers: what cache-conditional
+        routing changed (0 under top-k)."""
+        return int(self.rerouted_per_layer.sum()) if self.rerouted_per_layer is not None else 0
+
+    @property
+    def rerouted_per_token(self) -> float:
+        return self.rerouted / self.tokens if self.tokens else 0.0
+
+    @property
+    def p_given_up(self) -> float:
+        """The router probability given up per token and MoE layer, on average: its own top K's less
+        that of the experts run (0 under top-k; 0.02: 2% of the router's weight went elsewhere)."""
+        if self.p_given_up_per_layer is None or not self.tokens_per_layer.sum():
+            return 0.0
+        return float(self.p_given_up_per_layer.sum() / self.tokens_per_layer.sum())
+
+    def routing_cost(self) -> str:
+        """One line of what the routing changed against the router's own top K ('' where nothing)."""
+        if not self.rerouted and not self.p_given_up:
+            return ""
+        return (f"rerouted {self.rerouted_per_token:.2f}/token (router probability given up "
+                f"{100 * self.p_given_up:.2f}% per layer)")
 
     @property
     def miss_rate(self) -> float:
@@ -323,6 +352,8 @@ class MoEStats:
             "layer_hit_rate_max": float(hr.max()) if hr.size else 0.0,
             "lifetime": self.lifetime, "bytes_loaded": self.bytes_loaded,
             "pinned": self.pinned, "pinned_hits": self.pinned_hits,
+            "rerouted": self.rerouted, "rerouted_per_token": self.rerouted_per_token,
+            "p_given_up": self.p_given_up,
             **(self.residency.summary_dict() if self.residency else {}),
         }
 
@@ -339,7 +370,8 @@ class MoEStats:
         return dataclasses.replace(self, **{f: delta(f) for f in ("tokens_per_layer", "selections_per_layer",
                                                                   "hits_per_layer", "misses_per_layer",
                                                                   "evictions_per_layer",
-                                                                  "pinned_hits_per_layer")})
+                                                                  "pinned_hits_per_layer", "rerouted_per_layer",
+                                                                  "p_given_up_per_layer")})
 
     def summary(self) -> str:
         hr = self.hit_rate_per_layer
@@ -347,6 +379,7 @@ class MoEStats:
                 f"layer hit rate min {100 * hr.min():.1f}% max {100 * hr.max():.1f}% | "
                 f"lifetime {self.lifetime:.1f} tok | loaded {self.bytes_loaded / 2**20:.1f} MiB"
                 + (f" | pinned {self.pinned} experts, {self.pinned_hits} hits" if self.pinned else "")
+                + (f" | {self.routing_cost()}" if self.routing_cost() else "")
                 + (f" | {self.residency.summary()}" if self.residency and (self.residency.residency != "none" or
                                                                        self.residency.device_summary()) else "")
                 if self.tokens else "no tokens routed yet")

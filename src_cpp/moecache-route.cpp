@@ -330,6 +330,18 @@ int32_t moecache_route_token(
         L.st.pinned_hits += L.use.pinned[sel[i]]; // pinned experts are cached
     }
     moecache_layer_observe(L, p, sel, n_sel); // the usage the eviction policy scores, before any eviction
+    // what the policy cost this token against the router's own top K (r[0:K], allowed ones)
+    double p_top = 0.0;
+    double p_run = 0.0;
+    for (int32_t i = 0; i < K && i < N && is_allowed(s[L.scratch.rank[i]]); i++) {
+        const float pe = p[L.scratch.rank[i]];
+        p_top += std::isfinite(pe) ? (double) pe : 0.0;
+    }
+    for (int32_t i = 0; i < n_sel; i++) {
+        L.st.rerouted += L.scratch.pos[sel[i]] >= K ? 1 : 0;
+        p_run += std::isfinite(p[sel[i]]) ? (double) p[sel[i]] : 0.0;
+    }
+    L.st.p_given_up += p_top - p_run;
     const bool top_bottom = mc.cparams.insertion == MOECACHE_INSERTION_TOP_BOTTOM;
     for (int32_t k = 0; k < n_sel; k++) {
         const int32_t i = slot[top_bottom ? k : n_sel - 1 - k];

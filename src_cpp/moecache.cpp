@@ -318,6 +318,8 @@ int32_t moecache_get_stats(const struct moecache * mc, struct moecache_stats * o
         t.lifetime_sum   += ls.lifetime_sum;
         t.pinned         += ls.pinned;
         t.pinned_hits    += ls.pinned_hits;
+        t.rerouted       += ls.rerouted;
+        t.p_given_up     += ls.p_given_up;
         t.delta          += ls.delta;
     }
     if (out->n_moe_layer > 0) {

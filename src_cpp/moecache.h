@@ -346,6 +346,9 @@ struct moecache_layer_stats {
     float   delta;                // Delta_l used by PRIOR: running mean of max(score) - min(score)
     int32_t pinned;               // cached experts kept out of eviction now (moecache_profile_warm)
     int64_t pinned_hits;          // hits on pinned experts (included in hits)
+    int64_t rerouted;             // experts run from outside the router's own top K (the policy chose them instead)
+    double  p_given_up;           // sum over tokens of the router probability of its own top K less that of the
+                                  //   experts run (0 under top-k; what cache-conditional routing costs a token)
 };
 
 struct moecache_stats {

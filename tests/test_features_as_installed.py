@@ -142,3 +142,62 @@ def test_llama_cpp_names_and_escapes(fixture_dir, tmp_path):
                        (("serve", m, "--slots", "--metrics", "--port", "99999"), "--port must be in [0, 65535]")):
         r = installed(tmp_path, *args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
+    """Issue 56 item 4: the selections the routing took from outside the router's own top K and the
+    router probability given up, in run's stats line, each answer's "moecache" object and /metrics; a
+    request's own "moecache": {"routing": "lru"} answers as the model's top-k would (nothing rerouted),
+    and the server's routing is back for the next request."""
+    m = model_path(fixture_dir, MODEL)
+    r = installed(tmp_path, "run", m, "-p", "ROMEO:", "-n", "32", "--prior", "0.5", "--cache-size", "0.25")
+    assert r.returncode == 0 and re.search(r"\| rerouted \d+\.\d\d/token \(router probability given up "
+                                           r"\d+\.\d\d% per layer\) \|", r.stdout), r.stdout[-600:]
+    r = installed(tmp_path, "run", m, "-p", "ROMEO:", "-n", "32", "--routing", "lru", "--cache-size", "0.25")
+    assert r.returncode == 0 and "rerouted" not in r.stdout, r.stdout[-600:]
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(m), "--port", str(port), "--prior", "0.5",
+                             "--cache-size", "0.25"], cwd=tmp_path, env=installed_env(), stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                http_request(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.25)
+
+        def complete(**extra):
+            status, text = http_request(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 24,
+                                                                   "temperature": 0, **extra})
+            assert status == 200, text
+            return json.loads(text)["moecache"]
+
+        served = complete()
+        assert served["rerouted"] > 0 and served["p_given_up"] > 0 and served["rerouted_per_token"] > 0, served
+        own = complete(moecache={"routing": "lru"})
+        assert own["rerouted"] == 0 and own["p_given_up"] == 0.0 and own["tokens"] > 0, own
+        again = complete()
+        assert again["rerouted"] > 0  # the server's routing again
+        import urllib.error
+
+        for bad in ({"routing": "nonsense"}, {"routing": "preset:speed"}, {"eviction": "lfu"}, "lru"):
+            try:
+                http_request(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 2, "moecache": bad})
+                raise AssertionError(f"accepted {bad!r}")
+            except urllib.error.HTTPError as e:
+                text = e.read().decode()
+                assert e.code == 400 and "moecache" in text, (bad, e.code, text)
+        _, text = http_request(base + "/metrics")
+        total = int(re.search(r"^pymoecache:rerouted_total (\d+)$", text, re.M).group(1))
+        assert total == served["rerouted"] + again["rerouted"] and "pymoecache:router_probability_given_up " in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        log.close()

@@ -236,6 +236,8 @@ def assert_same_state(mc: MoECache, rc: ReferenceCache, n_layer: int) -> None:
         assert np.float32(ls.delta) == np.float32(ref.delta), f"layer {il}: Delta"
         assert mc.cached(il) == rc.cached(il), f"layer {il}: LRU order"
         assert (ls.pinned, ls.pinned_hits) == (ref.pinned, ref.pinned_hits), f"layer {il}: pins"
+        assert ls.rerouted == ref.rerouted, f"layer {il}: experts run from outside the top K"
+        assert ls.p_given_up == ref.p_given_up, f"layer {il}: router probability given up"
     np.testing.assert_array_equal(mc.profile_counts(), rc.profile_counts())
 
 

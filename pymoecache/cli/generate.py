@@ -214,6 +214,7 @@ def cmd_run(args) -> int:
               f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f}"
               f"{' (first uses: every expert fits)' if res['misses_per_token'] > 0 and all_fit(llm) else ''} | "
               f"layer hit rate min {100 * res['layer_hit_rate_min']:.1f}% max {100 * res['layer_hit_rate_max']:.1f}%"
+              + (f" | {st.routing_cost()}" if st.routing_cost() else "")
               + (f" | {st.residency.summary()}" if st.residency and (st.residency.residency != "none" or
                                                                      st.residency.device_summary()) else "")
               + (f" | seed {args.seed}" if args.temp > 0 else ""),
