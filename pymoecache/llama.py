@@ -503,6 +503,10 @@ class Llama(llama_cpp.Llama):
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
                 llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
                 llama_cpp.llama_cpp.llama_model_default_params = default_params
+        if (kwargs.get("chat_format") is None and kwargs.get("chat_handler") is None and self.chat_format == "llama-2"
+                and "tokenizer.chat_template" not in self.metadata):
+            self.chat_format = "chatml"  # a model without a chat template: ChatML, as run, chat and serve (not
+            #                              llama-cpp-python's llama-2 by guess)
         # a truncation of the mapped file faults in the middle of a matmul: the guard answers with
         # zeros and counts, eval() refuses the decode (moecache-guard.cpp)
         self._guard = -1

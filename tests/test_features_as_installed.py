@@ -206,3 +206,16 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
         proc.terminate()
         proc.wait(timeout=15)
         log.close()
+
+
+def test_python_api_falls_back_to_chatml_as_the_cli_does(fixture_dir, tmp_path):
+    """Issue 56 item 6: a model without a chat template chats in ChatML from the Python API too (as run,
+    chat and serve), not llama-cpp-python's llama-2 by guess; an explicit chat_format is kept."""
+    script = ("import sys, pymoecache\n"
+              "llm = pymoecache.Llama(sys.argv[1], n_ctx=128, verbose=False)\n"
+              "out = llm.create_chat_completion([{'role': 'user', 'content': 'Hi'}], max_tokens=2)\n"
+              "print(llm.chat_format, out['usage']['prompt_tokens'] > 0)\n"
+              "print(pymoecache.Llama(sys.argv[1], n_ctx=128, verbose=False, chat_format='llama-2').chat_format)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(model_path(fixture_dir, "mixtral-8x2"))], cwd=tmp_path,
+                       env=installed_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["chatml True", "llama-2"], (r.stdout, r.stderr[-2000:])
