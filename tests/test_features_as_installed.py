@@ -219,3 +219,16 @@ def test_python_api_falls_back_to_chatml_as_the_cli_does(fixture_dir, tmp_path):
     r = subprocess.run([sys.executable, "-c", script, str(model_path(fixture_dir, "mixtral-8x2"))], cwd=tmp_path,
                        env=installed_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["chatml True", "llama-2"], (r.stdout, r.stderr[-2000:])
+
+
+def test_verbose_prompt_in_one_shot_run(fixture_dir, tmp_path):
+    """Issue 56 item 6: --verbose-prompt in a one-shot run prints the prompt and its tokens as llama-cli
+    does (the chat template's rendering with --chat); a CPU-only stats line says nothing of devices."""
+    m = model_path(fixture_dir, "mixtral-8x2")
+    r = installed(tmp_path, "run", m, "-p", "Hello", "-n", "2", "--verbose-prompt")
+    assert r.returncode == 0 and "prompt: 'Hello'" in r.stderr, r.stderr
+    n = int(re.search(r"number of tokens in prompt = (\d+)", r.stderr).group(1))
+    assert n >= 2 and len(re.findall(r"^ *\d+ -> '", r.stderr, re.M)) == n, r.stderr
+    assert "device:" not in r.stdout, r.stdout  # one backend computes everything: nothing crosses
+    r = installed(tmp_path, "run", m, "-p", "Hello", "-n", "2", "--chat", "--verbose-prompt")
+    assert r.returncode == 0 and "<|im_start|>user\\nHello<|im_end|>" in r.stderr, r.stderr

@@ -48,6 +48,17 @@ def cache_line(llm, routing_spec: str) -> str:
     return f"[{routing_spec}, cache {n}/{llm.moecache.n_expert} experts per layer{why}]"
 
 
+def print_prompt(llm, text: str, special: bool = False, add_bos: bool = True) -> None:
+    """--verbose-prompt, as llama-cli prints it before generating: the prompt, its token count, then
+    each token's id and piece (on stderr)."""
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+    lines = [f"prompt: {text!r}", f"number of tokens in prompt = {len(ids)}"]
+    for t in ids:
+        piece = llm.detokenize([t], special=True).decode("utf-8", "replace")
+        lines.append(f"{t:6d} -> {piece!r}")
+    print("\n".join(lines) + "\n", file=sys.stderr, flush=True)
+
+
 def all_fit(llm) -> bool:
     """Every routed expert of every MoE layer is cached: misses are first uses, and cache-aware
     routing picks the model's own experts."""
@@ -163,10 +174,15 @@ def cmd_run(args) -> int:
         template = chat_template_from_args(args, llm)
         if template.fallback:
             print(f"pymoecache run: using {template.label}", file=sys.stderr)
+        if args.verbose_prompt:
+            rendered, has_bos = template.render(messages)
+            print_prompt(llm, rendered, special=True, add_bos=not has_bos)
         llm.chat_handler = template.handler()
         stream = llm.create_chat_completion(messages=messages, **kw)
         pieces = (c["choices"][0]["delta"].get("content", "") for c in stream)
     else:
+        if args.verbose_prompt:
+            print_prompt(llm, args.prompt)
         stream = llm(args.prompt, **kw)
         pieces = (c["choices"][0]["text"] for c in stream)
     if not args.json and not (args.chat or args.system is not None):
