@@ -632,7 +632,12 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 "moecache": {"routing": (llm.moecache.routing if llm.moecache is not None else routing).spec(),
                              "preset": llm.preset.name if getattr(llm, "preset", None) is not None else None,
                              "routing_scope": routing_scope,
-                             "residency": llm.cache_config.residency if llm.moecache is not None else "none",
+                             # as resolved at load (auto made explicit): where the experts are, what a miss reads
+                             "residency": (llm.moecache.residency_stats().residency if llm.moecache is not None
+                                           else "none"),
+                             "miss": llm.cache_config.miss if llm.moecache is not None else None,
+                             "lowbit": (str(llm.cache_config.lowbit) if llm.moecache is not None
+                                        and llm.cache_config.lowbit else None),
                              "cache_choice": app.state.cache_choice}}
 
     @ours.get("/slots", summary="Slots (llama-server's /slots)", tags=["pymoecache"], dependencies=auth)

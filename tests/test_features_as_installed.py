@@ -185,6 +185,9 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
         assert own["rerouted"] == 0 and own["p_given_up"] == 0.0 and own["tokens"] > 0, own
         again = complete()
         assert again["rerouted"] > 0  # the server's routing again
+        _, text = http_request(base + "/props")  # (issue 56 item 6: the residency and miss mode as resolved)
+        props = json.loads(text)["moecache"]
+        assert (props["residency"], props["miss"], props["lowbit"]) == ("stream", "full", None), props
         _, text = http_request(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 24, "temperature": 0,
                                                           "stream": True, "moecache": {"routing": "lru"}})
         last = [json.loads(x[6:]) for x in text.splitlines() if x.startswith("data: {")][-1]
