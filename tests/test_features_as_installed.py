@@ -235,3 +235,16 @@ def test_verbose_prompt_in_one_shot_run(fixture_dir, tmp_path):
     assert "device:" not in r.stdout, r.stdout  # one backend computes everything: nothing crosses
     r = installed(tmp_path, "run", m, "-p", "Hello", "-n", "2", "--chat", "--verbose-prompt")
     assert r.returncode == 0 and "<|im_start|>user\\nHello<|im_end|>" in r.stderr, r.stderr
+
+
+def test_lowbit_help_says_what_run_does_with_the_file(tmp_path):
+    """Issue 56 items 3 and 6: `lowbit --help` has its examples one per line and says that run uses the
+    companion as the cache's source by default (lowbit-cache), not only for misses."""
+    r = installed(tmp_path, "lowbit", "--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    examples = lines[lines.index("examples:") + 1:]
+    assert [x.strip() for x in examples if x.strip()] == [
+        "pymoecache lowbit model.gguf", "pymoecache lowbit model.gguf --type Q3_K -o small.gguf",
+        "pymoecache lowbit model.gguf --check"], r.stdout
+    assert "--miss lowbit-cache" in " ".join(r.stdout.split()), r.stdout

@@ -36,14 +36,23 @@ def cmd_lowbit(args) -> int:
 def add_command(sub) -> None:
     from ..lowbit import TYPES
 
+    import argparse
+    import textwrap
+
+    about = ("Copies every routed expert matrix of MODEL at a lower ggml type into a companion GGUF, through "
+             "llama.cpp's own quantizer (the rest of the model is not copied). The companion records the model it "
+             "belongs to (file size, a hash of its tensor table, a sample of every expert's bytes) and is refused "
+             "for any other. Default type: about half the experts' bits (Q8_0 -> Q4_K, 4-6 bit -> Q2_K). Tensors "
+             "whose rows are not a multiple of the type's block (256 for K-quants) get llama.cpp's fallback type; "
+             "the summary says which.")
+    use = ("What run, chat and serve do with it, found beside the model: by default the expert cache holds the "
+           "companion's copies (--miss lowbit-cache: more experts in the same memory, every expert computed from "
+           "its low-bit copy); --miss lowbit computes only the misses from it; --miss full ignores it. ppl "
+           "--miss full lowbit-cache measures what it costs in perplexity.")
     p = sub.add_parser(
         "lowbit", help="write a low-bit companion: every routed expert of MODEL at a lower type",
-        description="Copies every routed expert matrix of MODEL at a lower ggml type into a companion GGUF, "
-                    "through llama.cpp's own quantizer (the rest of the model is not copied). The companion "
-                    "records the model it belongs to (file size, a hash of its tensor table) and is refused "
-                    "for any other. Default type: about half the experts' bits (Q8_0 -> Q4_K, 4-6 bit -> Q2_K). "
-                    "Tensors whose rows are not a multiple of the type's block (256 for K-quants) get "
-                    "llama.cpp's fallback type; the summary says which.",
+        description=textwrap.fill(about, 79) + "\n\n" + textwrap.fill(use, 79),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  pymoecache lowbit model.gguf\n  pymoecache lowbit model.gguf --type Q3_K -o small.gguf\n"
                "  pymoecache lowbit model.gguf --check")
     add_model_argument(p)
