@@ -195,10 +195,12 @@ def format_gap(gap: float, err: float) -> str:
 
 
 def _progress(iterable, enabled: bool, desc: str, unit: str = "chunk"):
-    if not enabled:
-        return iterable
+    """A progress bar on stderr where it is a terminal; elsewhere (a log file, a pipe) nothing, since
+    each redraw would be a line of its own there (the "[row k of N]" lines still say where a run is)."""
     import sys
 
+    if not enabled or not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return iterable
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, unit=unit, file=sys.stderr, leave=False)

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -334,7 +335,7 @@ def _quantize(model: Path, dst: Path, type: str, threads: Optional[int], progres
     overrides[1].pattern = None
     params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     bar = None
-    if progress:
+    if progress and hasattr(sys.stderr, "isatty") and sys.stderr.isatty():  # (redraws in a log are lines each)
         from tqdm import tqdm
 
         bar = tqdm(total=n_tensors, unit="tensor", desc=f"quantizing experts to {type}", leave=False)

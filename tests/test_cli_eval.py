@@ -323,3 +323,18 @@ def test_ppl_takes_llamas_f_says_k_of_n_and_keeps_finished_rows_on_ctrl_c(qwen, 
     assert "[row 1 of 2]" in r.stderr and "[row 2 of 2, about " in r.stderr and " left]" in r.stderr
     table = [ln.split() for ln in r.stdout.strip().splitlines()]
     assert table[0][:2] == ["policy", "eviction"] and [t[:2] for t in table[1:]] == [["lru", "lfu"], ["prior", "lfu"]]
+
+
+def test_ppl_to_a_log_prints_each_progress_line_once(qwen, text_file, tmp_path):
+    """Issue 56 item 6: with stderr a file (not a terminal), ppl writes each "[row k of N]" line once and
+    no progress-bar redraws (each would be a line of its own there)."""
+    log = tmp_path / "ppl.log"
+    with open(log, "w") as err:
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "ppl", str(qwen), "--text", str(text_file), "--ctx",
+                            str(CTX), "--chunks", "3", "--cache-size", "0.5"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
+    text = log.read_text()
+    assert r.returncode == 0, text
+    assert "\r" not in text and "chunk/s" not in text, text[-500:]
+    rows = [x for x in text.splitlines() if x.startswith("[row ")]
+    assert len(rows) == 2 and rows[0] == "[row 1 of 2]" and len(set(rows)) == 2, text
