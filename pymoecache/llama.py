@@ -559,6 +559,17 @@ class Llama(llama_cpp.Llama):
             raise MissingDependencyError("Llama.from_pretrained needs huggingface-hub: pip install "
                                          "'pymoecache[hub]'") from None
         except Exception as e:  # huggingface_hub's and httpx's errors, llama-cpp-python's ValueError
+            from . import hub as _hub_mod
+
+            try:  # no network: the CLI's message and fix, not the resolver's errno
+                hub = _hub_mod._hub()
+                if _hub_mod._offline(hub) or not _hub_mod._reachable(hub):
+                    raise _hub_mod._unreachable(hub, repo_id, filename if filename and "*" not in filename else "",
+                                                kwargs.get("cache_dir")) from None
+            except HubError:
+                raise
+            except Exception:
+                pass
             why = " ".join(str(e).split()) or type(e).__name__
             raise HubError(f"cannot get {filename or 'a GGUF'} of {repo_id} from the Hugging Face Hub: "
                            f"{why[:300]}") from None

@@ -232,3 +232,5 @@ def test_from_pretrained_offline_is_one_pymoecache_error(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         kind, _, msg = r.stdout.strip().partition(" | ")
         assert kind == "HubError" and "own/moe" in msg and "\n" not in r.stdout.strip(), r.stdout
+        # the CLI's reason and fix (issue 56 item 6), not the resolver's errno
+        assert "could not reach the Hugging Face Hub" in msg and "pass its path" in msg and "Errno" not in msg, msg
