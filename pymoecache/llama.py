@@ -249,6 +249,13 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
     return cache, companion
 
 
+def _companion_name(companion) -> str:
+    """'NAME (its experts at TYPES)' for the plan line: the file in use and the types llama.cpp made,
+    its fallbacks included (a "Q4_K" companion of 64-wide rows holds Q5_0)."""
+    types = "/".join(sorted(companion.types)) if companion.types else companion.type
+    return f"{os.path.basename(str(companion.path))} (experts at {types})"
+
+
 def _lowbit_pool_bytes(cache: CacheConfig, info, model_path: str) -> int:
     """The low-bit pools decoding will hold beside the cache, for the automatic size: miss "lowbit" or
     "lowbit-all" (and "auto" with lowbit_in_ram, which becomes "lowbit") keep K + 1 companion copies per
@@ -435,7 +442,8 @@ class Llama(llama_cpp.Llama):
                                              gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory(),  # before the load takes its share
-                                 (cache, companion.expert_bytes) if companion is not None else None)
+                                 (cache, companion.expert_bytes, _companion_name(companion))
+                                 if companion is not None else None)
             if residency == "stream" and choice is None:
                 short = memory_shortfall(info, n, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          cache.prefetch_spare, lowbit=_lowbit_pool_bytes(cache, info, str(model_path)),
@@ -594,9 +602,9 @@ class Llama(llama_cpp.Llama):
             self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
             self._plan = dataclasses.replace(self._plan, budget_from="free")
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
-                low, low_bytes = low
+                low, low_bytes, low_name = low
                 self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,
-                                                 lowbit_bytes=low_bytes)
+                                                 lowbit_bytes=low_bytes, lowbit_name=low_name)
                 if low.miss == "lowbit-cache" and self.moecache is not None:  # the slots hold the copies: as many
                     n_cached = int(self.moecache.stats().capacity_per_layer.max())  # as fit in the memory
                     self._plan = dataclasses.replace(self._plan, n_cached=n_cached, slot_bytes=low_bytes,

@@ -78,12 +78,38 @@ class Companion:
                 f"a miss reads {self.ratio:.2f}x fewer bytes")
 
 
+def companions_beside(model: "os.PathLike[str] | str") -> List[Path]:
+    """The companions beside ``model`` (MODEL.lowbit-TYPE.gguf), the one the default uses first (see
+    :func:`default_path`), then the others by name."""
+    m = Path(model)
+    stem = m.name[:-5] if m.name.endswith(".gguf") else m.name
+    found = sorted(m.parent.glob(f"{_glob_escape(stem)}.lowbit-*.gguf"))
+    if len(found) < 2:
+        return found
+    try:
+        want = default_type(model_info(m).expert_types[0]) if m.exists() else "Q4_K"
+    except Exception:  # (a model of a type with no default: Q4_K's name is as good as any)
+        want = "Q4_K"
+
+    def rank(p: Path):  # the default type's file first, then the most bits (the least lost), then the name
+        t = p.name[len(stem) + len(".lowbit-"):-len(".gguf")]
+        try:
+            bits = _bits(t)
+        except (KeyError, AttributeError):
+            bits = 0.0
+        return (t != want, -bits, p.name)
+
+    return sorted(found, key=rank)
+
+
 def default_path(model: "os.PathLike[str] | str", type: Optional[str] = None) -> Path:
-    """Where :func:`make_companion` writes and ``--lowbit`` looks by default: beside the model."""
+    """Where :func:`make_companion` writes and ``--lowbit`` looks by default: beside the model. Of
+    several companions there, the default type's (Q4_K for Q8_0 experts), else the one of the most
+    bits: never the first by name (a Q2_K made once for a test would replace Q4_K)."""
     m = Path(model)
     stem = m.name[:-5] if m.name.endswith(".gguf") else m.name
     if type is None:
-        found = sorted(m.parent.glob(f"{_glob_escape(stem)}.lowbit-*.gguf"))
+        found = companions_beside(m)
         if found:
             return found[0]
         type = default_type(model_info(m).expert_types[0]) if m.exists() else "Q4_K"

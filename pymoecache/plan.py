@@ -236,6 +236,7 @@ class MemoryPlan:
                               #   "lowbit-cache" (the cache holds low-bit copies: slot_bytes and expert_bytes are theirs)
     lowbit_bytes: float = 0.0  # one expert of one layer in the low-bit companion
     lowbit_in_ram: bool = False  # every low-bit copy in memory (else K slots per layer, read per token)
+    lowbit_name: str = ""     # the companion in use: its file name and the types its experts are at
 
     @property
     def streamed(self) -> bool:
@@ -293,16 +294,18 @@ class MemoryPlan:
     def decode_text(self) -> str:
         if not self.streamed:
             return "from memory: every expert is cached, nothing is read while decoding" + (
-                " (every one a low-bit copy from the companion)" if self.miss == "lowbit-cache" else "")
+                f" (every one a low-bit copy from the companion{' ' + self.lowbit_name if self.lowbit_name else ''})"
+                if self.miss == "lowbit-cache" else "")
         text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
                 "were uniform)")
         if self.disk_bytes_per_s and self.read_per_token:
             text += (f": at most {self.io_tok_s:.1f} tok/s from a disk that reads "
                      f"{self.disk_bytes_per_s / 1e6:.0f} MB/s")
+        companion = f"the companion {self.lowbit_name}" if self.lowbit_name else "the companion"
         if self.miss == "lowbit-cache":
-            text += "; every expert computed from its low-bit copy in the companion (lowbit-cache)"
+            text += f"; every expert computed from its low-bit copy in {companion} (lowbit-cache)"
         elif self.miss != "full":
-            text += (f"; misses computed from the low-bit companion ({self.miss}), a token waits for "
+            text += (f"; misses computed from the low-bit copies in {companion} ({self.miss}), a token waits for "
                      + (f"~{_fmt(self.critical_per_token)} of reads" if self.critical_per_token
                         else "no read (its copies are in memory)"))
         return text

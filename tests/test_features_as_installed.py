@@ -248,3 +248,21 @@ def test_lowbit_help_says_what_run_does_with_the_file(tmp_path):
         "pymoecache lowbit model.gguf", "pymoecache lowbit model.gguf --type Q3_K -o small.gguf",
         "pymoecache lowbit model.gguf --check"], r.stdout
     assert "--miss lowbit-cache" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_several_companions_the_default_type_is_used_and_check_lists_them(fixture_dir, tmp_path):
+    """Issue 56 item 3: with a Q2_K companion made once beside a model and the default one (Q4_K for Q8_0
+    experts), run uses the default type's, not the first by name, and its plan line names the file
+    and the types llama.cpp made (its fallbacks: the fixture's rows take Q5_0); --check lists both."""
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
+    for args in (("--type", "Q2_K"), ()):
+        r = installed(tmp_path, "lowbit", m, *args)
+        assert r.returncode == 0, r.stderr
+    r = installed(tmp_path, "lowbit", m, "--check")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("used by default: ") and "model.lowbit-Q4_K.gguf" in r.stdout.splitlines()[0], r.stdout
+    assert "also here: " in r.stdout and "model.lowbit-Q2_K.gguf" in r.stdout, r.stdout
+    r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert "in the companion model.lowbit-Q4_K.gguf (experts at Q5_0) (lowbit-cache)" in r.stderr, r.stderr

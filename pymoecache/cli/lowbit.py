@@ -19,8 +19,22 @@ def cmd_lowbit(args) -> int:
     if args.check:
         if args.type or args.threads:
             raise UserError("--check reads a companion; --type and -t are for making one")
-        print(lowbit.check_companion(model, args.output).summary())
-        return 0
+        if args.output is not None:
+            print(lowbit.check_companion(model, args.output).summary())
+            return 0
+        found = lowbit.companions_beside(model)
+        if len(found) < 2:
+            print(lowbit.check_companion(model, None).summary())
+            return 0
+        failed = 0  # several beside the model: each, the one run uses by default first
+        for i, path in enumerate(found):
+            print(("used by default: " if i == 0 else "also here: ") + str(path))
+            try:
+                print("  " + lowbit.check_companion(model, path).summary().replace("\n", "\n  "))
+            except lowbit.CompanionError as e:
+                failed += 1
+                print(f"  refused: {e}")
+        return 2 if failed == len(found) else 0
     try:
         c = lowbit.make_companion(model, args.output, type=args.type, threads=args.threads,
                                   progress=sys.stderr.isatty() and not args.verbose, verbose=args.verbose)
