@@ -222,6 +222,10 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
     full = dataclasses.replace(cache, miss="full", lowbit_in_ram=False)
     if residency != "stream":
         if miss == "auto" and cache.lowbit is None:
+            beside = lb.companions_beside(model_path)
+            if beside:  # said once, at load: the file is there and does nothing this time
+                warnings.warn(f"the low-bit companion {beside[0].name} is not used: every expert fits in memory at "
+                              "full precision (residency none)", stacklevel=3)
             return full, None
         raise ConfigError(f"miss={miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")

@@ -266,3 +266,15 @@ def test_several_companions_the_default_type_is_used_and_check_lists_them(fixtur
     r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "2")
     assert r.returncode == 0, r.stderr
     assert "in the companion model.lowbit-Q4_K.gguf (experts at Q5_0) (lowbit-cache)" in r.stderr, r.stderr
+
+
+def test_a_companion_that_is_not_used_is_said_so_once(fixture_dir, tmp_path):
+    """Issue 56 item 3: a companion beside a model whose experts all fit in memory does nothing (every
+    expert resident at full precision): run says so once; --miss full (asked for) says nothing."""
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
+    assert installed(tmp_path, "lowbit", m).returncode == 0
+    r = installed(tmp_path, "run", m, "-n", "2")
+    assert r.returncode == 0 and r.stderr.count("model.lowbit-Q4_K.gguf is not used: every expert fits") == 1, r.stderr
+    r = installed(tmp_path, "run", m, "-n", "2", "--miss", "full")
+    assert r.returncode == 0 and "is not used" not in r.stderr, r.stderr
