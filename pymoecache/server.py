@@ -610,6 +610,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         generating = app_mod.llama_inner_lock.locked()
         return generating, max(0, queue.active - generating)
 
+    @ours.get("/v1/health", include_in_schema=False)  # (llama-server's alias)
     @ours.get("/health", summary="Server health", tags=["pymoecache"])
     async def health() -> dict:  # public, as llama-server's: no API key needed
         generating, waiting = load()

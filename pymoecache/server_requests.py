@@ -186,6 +186,9 @@ def validate_request(llm, path: str, raw: bytes):
     chat = path.endswith("/chat/completions")
     if chat:
         _check_messages(d.get("messages"))
+        for m in d["messages"]:  # OpenAI's newer name of the system role; chat templates know "system"
+            if m.get("role") == "developer":
+                m["role"] = "system"
     elif "prompt" in d and not isinstance(d["prompt"], str) and not (
             isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
         raise RequestError("'prompt' must be a string (or a list of at most one string)", 422, "prompt")

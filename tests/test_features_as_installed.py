@@ -185,6 +185,18 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
         assert own["rerouted"] == 0 and own["p_given_up"] == 0.0 and own["tokens"] > 0, own
         again = complete()
         assert again["rerouted"] > 0  # the server's routing again
+        # issue 56 item 2: llama-server's /v1/health, and OpenAI's developer role, rendered as the system role
+        status, text = http_request(base + "/v1/health")
+        assert status == 200 and json.loads(text)["status"] == "ok", text
+        chats = {}
+        for role in ("developer", "system"):
+            status, text = http_request(base + "/v1/chat/completions", {
+                "messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                "max_tokens": 4, "temperature": 0, "moecache": {"routing": "lru"}})
+            assert status == 200, text
+            chats[role] = json.loads(text)
+        assert chats["developer"]["usage"] == chats["system"]["usage"], chats
+        assert chats["developer"]["choices"][0]["message"] == chats["system"]["choices"][0]["message"], chats
         _, text = http_request(base + "/props")  # (issue 56 item 6: the residency and miss mode as resolved)
         props = json.loads(text)["moecache"]
         assert (props["residency"], props["miss"], props["lowbit"]) == ("stream", "full", None), props
