@@ -219,17 +219,20 @@ class _ServedLlama(Llama):
     def _request_routing(self):
         """The request's own routing ("moecache": {"routing": ...}) for as long as it decodes: yields the
         function that puts the server's back (called here for an answer, by the stream at its end)."""
+        if self._routing_lent is not None:  # a stream never read (its client left first) kept it: back now
+            self.set_routing(self._routing_lent)
+            self._routing_lent = None
         routing = _REQUEST_ROUTING.get()
         if routing is None or self.moecache is None:
             yield None
             return
         server = self.moecache.routing
         self.set_routing(routing)
-        done = []
+        self._routing_lent = server
 
         def restore():
-            if not done:
-                done.append(1)
+            if self._routing_lent is not None:
+                self._routing_lent = None
                 self.set_routing(server)
 
         try:
@@ -239,6 +242,7 @@ class _ServedLlama(Llama):
             raise
 
     _usage: Optional[dict] = None
+    _routing_lent = None  # the server's routing while a request runs with its own (restored after it)
 
     def sample(self, *args, **kwargs):
         tok = super().sample(*args, **kwargs)
