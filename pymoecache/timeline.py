@@ -197,9 +197,11 @@ class Timeline:
         dur = self.tokens["t_end_us"][dec] - self.tokens["t_start_us"][dec]
         return int(dec[np.argsort(dur, kind="stable")[len(dec) // 2]])
 
-    def plot(self, path: "os.PathLike[str] | str", tokens: Optional[Sequence[int]] = None) -> None:
+    def plot(self, path: "os.PathLike[str] | str", tokens: Optional[Sequence[int]] = None) -> List[str]:
         """A Gantt chart of some eval spans (default: the median decoded token and the next
-        one): the graph thread's compute, routing and waits above, each reader's reads below."""
+        one): the graph thread's compute, routing and waits above, each reader's reads below.
+        Returns the legend's labels: what was drawn, nothing else (the legend stands beside the
+        chart, clear of its axis)."""
         from ._mpl import require_matplotlib
 
         plt = require_matplotlib()
@@ -236,13 +238,14 @@ class Timeline:
         ax.set_title(f"{len(spans)} decoded token(s): {o.token_ms / max(1, o.tokens):.1f} ms/token, reads in flight "
                      f"{o.read_ms / max(1, o.tokens):.1f} ms, waited {o.wait_ms / max(1, o.tokens):.1f} ms, "
                      f"overlap {100 * o.share:.0f}%", fontsize=10)
-        ax.legend(handles=[Patch(color=color[k], label=k.replace("_", " ")) for k in
-                           ("compute", "expert", "route", "wait", "read", "read_ahead")
-                           + (("lowbit",) if (ev["kind"] == KIND["lowbit"]).any() else ())],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15), ncol=7, fontsize=8)
+        drawn = {"compute"} | {KINDS[k] for k in ev["kind"]}  # the legend lists what was drawn, nothing else
+        labels = [k.replace("_", " ") for k in color if k in drawn]
+        ax.legend(handles=[Patch(color=color[k], label=k.replace("_", " ")) for k in color if k in drawn],
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)  # (beside, off the axis)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
+        return labels
 
 
 def load_chrome(path: "os.PathLike[str] | str") -> dict:

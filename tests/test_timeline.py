@@ -170,8 +170,10 @@ def test_chrome_json_and_picture(fixture_dir, tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(g, g[1:]))
     assert doc["otherData"]["note"] == "x" and doc["otherData"]["decode_tokens"] == 11
     pytest.importorskip("matplotlib")
-    tl.plot(tmp_path / "t.png")
+    labels = tl.plot(tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # issue 56 item 6: the legend lists what was drawn, nothing more (no reads ahead here: prefetch off)
+    assert "compute" in labels and "read ahead" not in labels and "lowbit" not in labels, labels
 
 
 def test_timeline_of_a_hand_made_recording():
