@@ -593,6 +593,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                        summary="Tokenize (llama-server's /tokenize)", dependencies=auth)
     ours.add_api_route("/detokenize", native(server_native.detokenize), methods=["POST"], tags=["llama-server"],
                        summary="Detokenize (llama-server's /detokenize)", dependencies=auth)
+    ours.add_api_route("/apply-template", native(server_native.apply_template), methods=["POST"],
+                       tags=["llama-server"], summary="The chat template applied (llama-server's /apply-template)",
+                       dependencies=auth)
 
     def extras_detokenize(llm, raw):  # llama-cpp-python's {"tokens"} -> {"text"}, ids checked, bytes replaced
         return {"text": server_native.detokenize(llm, raw)["content"]}

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Dict, Iterator, List
 
-from .server_requests import RequestError, check_grammar, json_object
+from .server_requests import RequestError, _check_messages, check_grammar, json_object
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -216,3 +216,19 @@ def detokenize(llm, raw: bytes) -> dict:
     d = json_object(raw)
     ids = _token_ids(llm, d.get("tokens", []), "tokens", _max_ids(llm))
     return {"content": llm.detokenize(ids, special=True).decode("utf-8", "replace") if ids else ""}
+
+
+def apply_template(llm, raw: bytes) -> dict:
+    """``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the conversation as the
+    server's chat template renders it for a chat completion (the assistant's turn opened), as llama-server
+    answers; nothing is generated."""
+    from .errors import ConfigError
+
+    d = json_object(raw)
+    _check_messages(d.get("messages"))
+    messages = [dict(m, role="system") if m.get("role") == "developer" else m for m in d["messages"]]
+    try:
+        prompt, _ = llm.chat_template.render(messages)
+    except ConfigError as e:
+        raise RequestError(str(e), 400, "messages") from None
+    return {"prompt": prompt}

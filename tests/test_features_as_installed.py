@@ -197,6 +197,10 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
             chats[role] = json.loads(text)
         assert chats["developer"]["usage"] == chats["system"]["usage"], chats
         assert chats["developer"]["choices"][0]["message"] == chats["system"]["choices"][0]["message"], chats
+        status, text = http_request(base + "/apply-template", {"messages": [{"role": "developer", "content": "Be brief."},
+                                                                             {"role": "user", "content": "Hi"}]})
+        assert status == 200 and json.loads(text)["prompt"] == (  # (ChatML: the fixture has no template)
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), text
         _, text = http_request(base + "/props")  # (issue 56 item 6: the residency and miss mode as resolved)
         props = json.loads(text)["moecache"]
         assert (props["residency"], props["miss"], props["lowbit"]) == ("stream", "full", None), props
