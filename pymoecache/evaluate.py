@@ -407,13 +407,16 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                     llm.set_eviction(eviction)
                 llm.moecache.clear()
                 llm.moecache.reset_stats()
+                asked = routing.spec() if hasattr(routing, "spec") else str(routing)
                 llm.set_routing(routing, scope="all")
                 routing = llm.moecache.routing  # a preset: what it resolved to for this cache size
                 res = perplexity(llm, tokens, ctx, progress=progress, limit_chunks=max_chunks,
                                  desc=f"{routing.spec()}, cache {size}", decode=decode)
                 rows.append({"model": Path(model_path).name, **result_row(routing, res),
                              "eviction": llm.moecache.eviction, "prefetch_min_p": prefetch_min_p,
-                             "lowbit_max_p": lowbit_max_p if miss != "full" else None})
+                             "lowbit_max_p": lowbit_max_p if miss != "full" else None,
+                             # the setting as asked (a preset and a cache size resolve per miss path)
+                             "routing_asked": asked, "cache_asked": str(size)})
                 if on_row is not None:
                     on_row(rows, total)
         finally:
@@ -445,13 +448,17 @@ def format_table(rows: Sequence[dict]) -> str:
     lifetime; with streamed rows also the miss path, low-bit experts per token and critical-path MiB
     per token)."""
     streamed = any(r.get("critical_mib_per_token") or r.get("miss_path", "full") != "full" for r in rows)
+    paths = {r.get("miss_path", "full") for r in rows}
+    vs_full = "full" in paths and len(paths) > 1  # a low-bit row beside the same setting at full precision
     head = ("policy", "eviction", "knob", "cache", *(("miss path",) if streamed else ()),
-            "ppl", "±", "vs lru", "miss %", "hit %", "lifetime", *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
+            "ppl", "±", "vs lru", *(("vs full",) if vs_full else ()), "miss %", "hit %", "lifetime",
+            *(("low-bit/tok", "critical MiB/tok") if streamed else ()))
     body = [(r["policy"], r.get("eviction", "lru"), "-" if r["knob"] is None else f"{r['knob']:g}",
              f"{r['cache_size']}/{r['n_expert']}",
              *((r.get("miss_path", "full") + (f" p<{r['lowbit_max_p']:g}" if (r.get("lowbit_max_p") or 1) < 1 else ""),)
                if streamed else ()),
              f"{r['ppl']:.6g}", f"{r.get('ppl_err', 0.0):.3g}", _vs_lru(r, rows),
+             *((_vs_full(r, rows),) if vs_full else ()),
              f"{100 * r['miss_rate']:.2f}", f"{100 * r['hit_rate']:.2f}", f"{r['lifetime']:.1f}",
              *((f"{r.get('lowbit_per_token', 0.0):.2f}", f"{r.get('critical_mib_per_token', 0.0):.3f}")
                if streamed else ()))
@@ -470,6 +477,19 @@ def _vs_lru(row: dict, rows: Sequence[dict]) -> str:
         return "-"
     same = ("cache_size", "miss_path", "lowbit_max_p")
     base = next((r for r in rows if r["policy"] == "lru" and all(r.get(k) == row.get(k) for k in same)), None)
+    if base is None or not row.get("chunk_nll") or len(row["chunk_nll"]) != len(base.get("chunk_nll") or []):
+        return "-"
+    return format_gap(*paired_delta(row["chunk_nll"], base["chunk_nll"]))
+
+
+def _vs_full(row: dict, rows: Sequence[dict]) -> str:
+    """``row``'s perplexity against the full-precision row of the same routing and cache size, chunk
+    by chunk: what its low-bit copies cost ("-" for a full-precision row, or where there is none)."""
+    if row.get("miss_path", "full") == "full":
+        return "-"
+    same = ("routing_asked", "cache_asked") if "cache_asked" in row else ("policy", "knob", "eviction", "cache_size")
+    base = next((r for r in rows if r.get("miss_path", "full") == "full" and all(r.get(k) == row.get(k) for k in same)),
+                None)
     if base is None or not row.get("chunk_nll") or len(row["chunk_nll"]) != len(base.get("chunk_nll") or []):
         return "-"
     return format_gap(*paired_delta(row["chunk_nll"], base["chunk_nll"]))

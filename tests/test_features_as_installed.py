@@ -294,3 +294,25 @@ def test_a_companion_that_is_not_used_is_said_so_once(fixture_dir, tmp_path):
     assert r.returncode == 0 and r.stderr.count("model.lowbit-Q4_K.gguf is not used: every expert fits") == 1, r.stderr
     r = installed(tmp_path, "run", m, "-n", "2", "--miss", "full")
     assert r.returncode == 0 and "is not used" not in r.stderr, r.stderr
+
+
+def test_ppl_miss_auto_does_what_run_does_and_compares_with_full(fixture_dir, tmp_path):
+    """Issue 56 item 3: ppl's default --miss is auto, as run's: with a companion beside the model its
+    rows are lowbit-cache's (said on stderr); --miss full lowbit-cache gives a 'vs full' column."""
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. It liked to play in the sun. " * 20)
+    common = ("ppl", m, "-f", text, "--ctx", "32", "--chunks", "2", "--cache-size", "8", "--routing", "lru",
+              "--no-progress")
+    r = installed(tmp_path, *common)
+    assert r.returncode == 0 and "lowbit-cache" not in r.stdout, r.stdout  # no companion yet: full precision
+    assert installed(tmp_path, "lowbit", m).returncode == 0
+    r = installed(tmp_path, *common)
+    assert r.returncode == 0 and "--miss auto: the companion model.lowbit-Q4_K.gguf" in r.stderr, r.stderr
+    rows = r.stdout.strip().splitlines()
+    assert "miss path" in rows[0] and all("lowbit-cache" in x for x in rows[1:]), r.stdout
+    r = installed(tmp_path, *common, "--miss", "full", "lowbit-cache")
+    assert r.returncode == 0 and "vs full" in r.stdout.splitlines()[0], r.stdout
+    low = next(x for x in r.stdout.splitlines() if "lowbit-cache" in x)
+    assert re.search(r"[+-]\d+\.\d\d% ±", low), r.stdout

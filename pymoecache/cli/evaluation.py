@@ -11,6 +11,7 @@ Options shared with ``run`` (routing, cache) come from ``add_routing_options``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def cmd_ppl(args) -> int:
         args.prefetch = "off"  # (auto reads ahead for streamed experts; ppl keeps them resident)
     if args.prefetch != "off" and not args.decode:
         raise UserError("--prefetch acts on decoded tokens only: add --decode (one token at a time, as generation)")
-    misses = list(dict.fromkeys(args.miss or ["full"]))
+    misses = list(dict.fromkeys(_resolve_ppl_miss(m, args) for m in (args.miss or ["auto"])))
     if any(not 0.0 < p <= 1.0 for p in args.lowbit_max_p):
         raise UserError(f"--lowbit-max-p takes probabilities in (0, 1], got {args.lowbit_max_p}")
     if args.lowbit and misses == ["full"]:
@@ -111,6 +112,26 @@ def cmd_ppl(args) -> int:
                                            f"(ctx {args.ctx}, {rows[0]['tokens']} tokens scored)")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _resolve_ppl_miss(miss: str, args) -> str:
+    """--miss auto as run resolves it: lowbit-cache where a usable companion lies beside the model (or
+    --lowbit names one), said on stderr, else full."""
+    if miss != "auto":
+        return miss
+    from .. import lowbit as lb
+
+    model = args.model or getattr(args, "model_opt", None)
+    if not model or (args.lowbit is None and not lb.companions_beside(model)):
+        return "full"
+    try:
+        c = lb.check_companion(model, args.lowbit)
+    except lb.CompanionError as e:
+        print(f"ppl: --miss auto: {e}; at full precision", file=sys.stderr)
+        return "full"
+    print(f"ppl: --miss auto: the companion {os.path.basename(str(c.path))} is the cache's source (lowbit-cache), as "
+          "run does; --miss full lowbit-cache puts both side by side", file=sys.stderr)
+    return "lowbit-cache"
 
 
 def cmd_trace(args) -> int:
@@ -188,7 +209,7 @@ def add_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_routing_options(p, multi_cache_size=True, cache_default="0.5")
     lb = p.add_argument_group("low-bit miss path (quality of `run --miss lowbit`)")
-    lb.add_argument("--miss", nargs="+", choices=["full", "lowbit", "lowbit-all", "lowbit-cache"], default=None,
+    lb.add_argument("--miss", nargs="+", choices=["auto", "full", "lowbit", "lowbit-all", "lowbit-cache"], default=None,
                     metavar="MODE",
                     help="what a miss is computed from: full (its full copy), lowbit (its copy in the low-bit "
                          "companion, the full copy read behind), lowbit-all (every expert from the companion), "
@@ -196,7 +217,9 @@ def add_commands(sub) -> None:
                          "several give rows side by side, e.g. --miss full lowbit. Anything but full streams the "
                          "experts, evaluates one token at a time (--decode) and adds the columns low-bit/tok "
                          "(experts per token from the companion) and critical MiB/tok (what a token waited "
-                         "for) (default: full)")
+                         "for); a low-bit row beside the same setting at full precision gets a 'vs full' column. "
+                         "auto (default): what run does, lowbit-cache where a usable companion lies beside the "
+                         "model (or --lowbit names one), else full")
     lb.add_argument("--lowbit", metavar="FILE", default=None,
                     help="the low-bit companion (default: MODEL.lowbit-*.gguf beside the model; make one with "
                          "`pymoecache lowbit MODEL`)")
