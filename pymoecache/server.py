@@ -25,7 +25,7 @@ Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat
   answered without ``logits_all`` (pymoecache.logprobs).
 * request bodies are checked before the model sees them: malformed JSON, wrong types, bad roles,
   ``max_tokens`` outside [1, n_ctx], a prompt longer than the context, a grammar (or JSON schema)
-  llama.cpp cannot parse, token ids outside the vocabulary all get 400/422, never a 500 or a crash;
+  llama.cpp cannot parse, token ids outside the vocabulary all get 400 (OpenAI's status for a bad request), never a 500 or a crash;
   an internal error is a 500 without details (the traceback goes to the server's log). Every error,
   whatever its status (401, 404, 405, 501, 503 too), is OpenAI's ``{"error": {"message", "type",
   "param", "code"}}``. /embedding and /v1/embeddings answer 501, as llama-server without
@@ -389,7 +389,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         app.router.on_shutdown.append(lambda: served.save_profile(profile))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(request, exc):  # the other stock endpoints: 422, one line, no input echoed
+    async def invalid_request(request, exc):  # the other stock endpoints: 400, one line, no input echoed
         return _field_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)

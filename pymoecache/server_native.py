@@ -36,7 +36,7 @@ def _token_ids(llm, v, field: str, limit: int = 0) -> List[int]:
         raise RequestError(f"'{field}' holds {len(v)} ids, more than this server takes at once ({limit}: 4 times its "
                            f"context of {llm.n_ctx()} tokens)", 413, field)
     if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
-        raise RequestError(f"'{field}' must be a list of token ids", 422, field)
+        raise RequestError(f"'{field}' must be a list of token ids", 400, field)
     for t in v:
         if not 0 <= t < n_vocab:
             raise RequestError(f"'{field}' has {t}, which is not a token id of this model (0 to {n_vocab - 1})", 400,
@@ -56,13 +56,13 @@ class NativeCompletion:
         elif isinstance(prompt, list):
             self.tokens = _token_ids(llm, prompt, "prompt")
         else:
-            raise RequestError("'prompt' must be a string or a list of token ids", 422, "prompt")
+            raise RequestError("'prompt' must be a string or a list of token ids", 400, "prompt")
         if not self.tokens:
             raise RequestError("'prompt' is empty", 400, "prompt")
         n_ctx = llm.n_ctx()
         n = d.get("n_predict", -1)
         if isinstance(n, bool) or not isinstance(n, int) or n < -1:
-            raise RequestError(f"'n_predict' must be an integer >= -1 (-1: no limit), got {n!r}", 422, "n_predict")
+            raise RequestError(f"'n_predict' must be an integer >= -1 (-1: no limit), got {n!r}", 400, "n_predict")
         room = n_ctx - len(self.tokens)
         if room < 1:
             raise RequestError(f"the prompt ({len(self.tokens)} tokens) fills the context of {n_ctx} tokens", 400,
@@ -72,7 +72,7 @@ class NativeCompletion:
         for name, default in _DEFAULTS.items():
             v = d.get(name, default)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-                raise RequestError(f"'{name}' must be a number, got {v!r}", 422, name)
+                raise RequestError(f"'{name}' must be a number, got {v!r}", 400, name)
             if isinstance(v, float) and math.isinf(v):
                 raise RequestError(f"'{name}' must be a finite number, got {v}", 400, name)
             if name in _RANGES and not _RANGES[name][0] <= v <= _RANGES[name][1]:
@@ -83,20 +83,20 @@ class NativeCompletion:
             raise RequestError(f"'top_k' must be an integer >= 0, got {self.sampling['top_k']}", 400, "top_k")
         seed = d.get("seed", -1)
         if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed <= 2**32 - 1:
-            raise RequestError(f"'seed' must be an integer in [-1, {2**32 - 1}] (-1: random), got {seed!r}", 422,
+            raise RequestError(f"'seed' must be an integer in [-1, {2**32 - 1}] (-1: random), got {seed!r}", 400,
                                "seed")
         self.seed = seed
         stop = d.get("stop", [])
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise RequestError("'stop' must be a string or a list of strings", 422, "stop")
+            raise RequestError("'stop' must be a string or a list of strings", 400, "stop")
         self.stop = [s for s in stop if s]
         self.grammar = d.get("grammar") or None
         if self.grammar is not None:
             check_grammar(llm, self.grammar)
         self.stream = d.get("stream", False)
         if not isinstance(self.stream, bool):
-            raise RequestError("'stream' must be true or false", 422, "stream")
+            raise RequestError("'stream' must be true or false", 400, "stream")
 
 
 def generate(llm, req: NativeCompletion) -> Iterator[dict]:
@@ -187,12 +187,12 @@ def tokenize(llm, raw: bytes) -> dict:
     d = json_object(raw)
     content = d.get("content", "")
     if not isinstance(content, str):
-        raise RequestError("'content' must be a string", 422, "content")
+        raise RequestError("'content' must be a string", 400, "content")
     flags = {}
     for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
         flags[name] = d.get(name, default)
         if not isinstance(flags[name], bool):
-            raise RequestError(f"'{name}' must be true or false", 422, name)
+            raise RequestError(f"'{name}' must be true or false", 400, name)
     ids = llm.tokenize(content.encode("utf-8", "surrogatepass"), add_bos=flags["add_special"],
                        special=flags["parse_special"]) if content else []
     if not flags["with_pieces"]:

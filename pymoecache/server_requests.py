@@ -35,7 +35,7 @@ def error_response(status: int, message: str, type: Optional[str] = None, param:
 
 
 class RequestError(Exception):
-    """A client error in a request body: status 400 or 422 and an OpenAI-style error object."""
+    """A client error in a request body: status 400 (OpenAI's for every invalid parameter) and an OpenAI-style error object."""
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
         super().__init__(message)
@@ -46,20 +46,20 @@ class RequestError(Exception):
 
 
 def _field_error(errors: list) -> RequestError:
-    """422 naming the first invalid field of a pydantic error list (the input is not echoed)."""
+    """400 naming the first invalid field of a pydantic error list (the input is not echoed)."""
     first = errors[0] if errors else {}
     where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-    return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 422, where)
+    return RequestError(f"invalid field '{where}': {first.get('msg', 'invalid value')}", 400, where)
 
 
 def check_grammar(llm, text, param: str = "grammar") -> None:
-    """RequestError (400/422) unless ``text`` passes pymoecache.grammar.check_grammar, whose last
+    """RequestError (400) unless ``text`` passes pymoecache.grammar.check_grammar, whose last
     check is llama.cpp's own parser (the sampler llama-cpp-python would build)."""
     from .errors import GrammarError
     from .grammar import check_grammar as check
 
     if not isinstance(text, str) or not text.strip():
-        raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 422, param)
+        raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 400, param)
     try:
         check(text, llm._model.vocab)
     except GrammarError as e:
@@ -116,14 +116,14 @@ def _check_logprobs(llm, d: dict, chat: bool) -> None:
 
 def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects", 422, "messages")
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", 400, "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise RequestError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(_ROLES)}", 422,
+            raise RequestError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(_ROLES)}", 400,
                                "messages")
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
-            raise RequestError(f"messages[{i}].content must be a string, a list of parts or null", 422, "messages")
+            raise RequestError(f"messages[{i}].content must be a string, a list of parts or null", 400, "messages")
 
 
 def _include_usage(raw: bytes) -> bool:
@@ -170,13 +170,13 @@ def json_object(raw: bytes) -> dict:
     except (ValueError, RecursionError) as e:
         raise RequestError(f"the request body is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(d, dict):
-        raise RequestError("the request body must be a JSON object", 422)
+        raise RequestError("the request body must be a JSON object", 400)
     return d
 
 
 def validate_request(llm, path: str, raw: bytes):
     """The stock request model for ``path`` built from ``raw``, after every check this server makes;
-    RequestError (400/422) otherwise. Nothing here runs the model."""
+    RequestError (400) otherwise. Nothing here runs the model."""
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
     from pydantic import ValidationError
 
@@ -191,10 +191,10 @@ def validate_request(llm, path: str, raw: bytes):
                 m["role"] = "system"
     elif "prompt" in d and not isinstance(d["prompt"], str) and not (
             isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
-        raise RequestError("'prompt' must be a string (or a list of at most one string)", 422, "prompt")
+        raise RequestError("'prompt' must be a string (or a list of at most one string)", 400, "prompt")
     opts = d.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
-        raise RequestError("'stream_options' must be an object such as {\"include_usage\": true} or null", 422,
+        raise RequestError("'stream_options' must be an object such as {\"include_usage\": true} or null", 400,
                            "stream_options")
     if opts is not None and not d.get("stream"):
         raise RequestError("'stream_options' is only allowed with \"stream\": true", 400, "stream_options")
@@ -211,13 +211,13 @@ def validate_request(llm, path: str, raw: bytes):
     mt = d.get("max_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
         raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",
-                           422, "max_tokens")
+                           400, "max_tokens")
     try:
         body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
     except ValidationError as e:
         raise _field_error(e.errors()) from None
     except (TypeError, ValueError, RecursionError) as e:
-        raise RequestError(f"invalid request: {str(e)[:200]}", 422) from None
+        raise RequestError(f"invalid request: {str(e)[:200]}", 400) from None
     _check_sampling(llm, body)
     _check_logprobs(llm, d, chat)
     if body.grammar is not None:

@@ -121,12 +121,12 @@ def test_tokenize_and_detokenize(base):
 @pytest.mark.parametrize("path, body, status, param", [
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/extras/detokenize", {"tokens": [-1]}, 400, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, 422, "tokens"),
-    ("/tokenize", {"content": 5}, 422, "content"),
-    ("/completion", {"prompt": "Hi", "n_predict": "many"}, 422, "n_predict"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/tokenize", {"content": 5}, 400, "content"),
+    ("/completion", {"prompt": "Hi", "n_predict": "many"}, 400, "n_predict"),
     ("/completion", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("/completion", {"prompt": [1, 10**9]}, 400, "prompt"),
-    ("/completion", {"prompt": "Hi", "stop": [1]}, 422, "stop"),
+    ("/completion", {"prompt": "Hi", "stop": [1]}, 400, "stop"),
     ("/completion", {"prompt": "Hi", "grammar": "root ::= nothing-defined"}, 400, "grammar"),
     ("/completion", b"{not json", 400, None),
 ])
