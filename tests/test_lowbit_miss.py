@@ -374,8 +374,10 @@ def test_ppl_puts_the_low_bit_path_beside_full_precision_misses(files, tmp_path)
     assert 0 < low["critical_mib_per_token"] < full["critical_mib_per_token"]
     assert low["ppl"] != full["ppl"]  # computed from other weights
     assert abs(low["ppl"] / full["ppl"] - 1) < 0.1
-    # the same routing without streaming gives full's perplexity (where experts live changes no number)
-    r = subprocess.run(base + ["--decode", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # the same routing without streaming gives full's perplexity (where experts live changes no number);
+    # --miss full: the default (auto) would take the companion beside the model, as run does
+    r = subprocess.run(base + ["--decode", "--miss", "full", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     (plain,) = json.loads(out.read_text())
     assert plain["ppl"] == full["ppl"] and plain["miss_rate"] == full["miss_rate"]
