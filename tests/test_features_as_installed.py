@@ -5,6 +5,7 @@ llama-server's /completion and /tokenize, logprobs)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -16,6 +17,32 @@ from conftest import free_port, http_request, model_path
 from test_rpc_as_installed import installed, installed_env
 
 MODEL = "qwen2moe-60x4"
+
+
+@contextlib.contextmanager
+def installed_server(tmp_path, model, *args):
+    """`python -m pymoecache serve MODEL ARGS` of the installed package, from outside the tree, on a free
+    port: yields its base URL once /health answers; stopped after."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(model), "--port", str(port), *args],
+                            cwd=tmp_path, env=installed_env(), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                http_request(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.25)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        log.close()
 
 
 def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
@@ -82,22 +109,7 @@ def test_chat_template_flag(fixture_dir, tmp_path):
 
 
 def test_serve_native_endpoints_and_logprobs(fixture_dir, tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(model_path(fixture_dir, MODEL)),
-                             "--port", str(port)], cwd=tmp_path, env=installed_env(), stdout=log,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                http_request(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not answer"
-                time.sleep(0.25)
+    with installed_server(tmp_path, model_path(fixture_dir, MODEL)) as base:
         _, text = http_request(base + "/completion", {"prompt": "Once upon a time", "n_predict": 4})
         r = json.loads(text)
         assert r["stop"] is True and r["tokens_predicted"] >= 1 and "timings" in r
@@ -105,10 +117,6 @@ def test_serve_native_endpoints_and_logprobs(fixture_dir, tmp_path):
         assert json.loads(text)["tokens"]
         _, text = http_request(base + "/v1/completions", {"prompt": "Once", "max_tokens": 2, "logprobs": 2})
         assert len(json.loads(text)["choices"][0]["logprobs"]["tokens"]) >= 1
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        log.close()
 
 
 def test_llama_cpp_names_and_escapes(fixture_dir, tmp_path):
@@ -156,22 +164,7 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
     r = installed(tmp_path, "run", m, "-p", "ROMEO:", "-n", "32", "--routing", "lru", "--cache-size", "0.25")
     assert r.returncode == 0 and "rerouted" not in r.stdout, r.stdout[-600:]
 
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(m), "--port", str(port), "--prior", "0.5",
-                             "--cache-size", "0.25"], cwd=tmp_path, env=installed_env(), stdout=log,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                http_request(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not answer"
-                time.sleep(0.25)
+    with installed_server(tmp_path, m, "--prior", "0.5", "--cache-size", "0.25") as base:
 
         def complete(**extra):
             status, text = http_request(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 24,
@@ -221,10 +214,6 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
         _, text = http_request(base + "/metrics")
         total = int(re.search(r"^pymoecache:rerouted_total (\d+)$", text, re.M).group(1))
         assert total >= served["rerouted"] + again["rerouted"] and "pymoecache:router_probability_given_up " in text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        log.close()
 
 
 def test_python_api_falls_back_to_chatml_as_the_cli_does(fixture_dir, tmp_path):
