@@ -4,13 +4,15 @@ Their request and response fields are llama-server's (tools/server/README.md of 
 ``create_app`` (server.py) routes them through the same API key, queue and model lock as the OpenAI
 endpoints. Nothing here imports the server extras.
 
-``/completion`` takes ``prompt`` (a string or token ids), ``n_predict`` (-1: until the end of text or
-the context), ``stream``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
-``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``grammar``; ``cache_prompt`` is
-accepted and has no effect (the context always reuses the longest common prefix, as llama-cpp-python
-does). It answers ``content``, ``stop``, ``stop_type`` (eos, limit, word), ``stopping_word``,
-``tokens_predicted``, ``tokens_evaluated``, ``timings`` (llama.cpp's own prompt and decode counters
-for this request) and our ``moecache`` (the request's cache counters).
+``/completion`` takes ``prompt`` (a string, token ids, a list mixing both, or a list of such prompts,
+answered one after another), ``n_predict`` (-1: until the end of text or the context), ``stream``,
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``seed``, ``stop``, ``grammar`` or ``json_schema``, ``n_probs``, ``return_tokens``;
+``cache_prompt`` is accepted and has no effect (the context always reuses the longest common prefix, as
+llama-cpp-python does). It answers ``index``, ``content``, ``tokens``, ``stop``, ``stop_type`` (eos, limit,
+word), ``stopping_word``, ``tokens_predicted``, ``tokens_evaluated``, ``timings`` (llama.cpp's own prompt
+and decode counters for this request), ``completion_probabilities`` with ``n_probs`` and our ``moecache``
+(the request's cache counters); several prompts get a list of such objects.
 """
 
 from __future__ import annotations
@@ -44,30 +46,62 @@ def _token_ids(llm, v, field: str, limit: int = 0) -> List[int]:
     return v
 
 
+def _prompt_tokens(llm, prompt, field: str = "prompt") -> List[int]:
+    """One prompt as llama-server takes it: a string, token ids, or a list mixing strings and ids (the
+    strings tokenized in place, BOS before the first element when it is a string)."""
+    if isinstance(prompt, str):
+        return llm.tokenize(prompt.encode("utf-8", "surrogatepass"), add_bos=True, special=True)
+    if not isinstance(prompt, list) or not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+                                               for x in prompt):
+        raise RequestError(f"'{field}' must be a string, a list of token ids, or a list mixing strings and ids", 400,
+                           "prompt")
+    tokens: List[int] = []
+    for i, x in enumerate(prompt):
+        if isinstance(x, str):
+            tokens += llm.tokenize(x.encode("utf-8", "surrogatepass"), add_bos=i == 0, special=True) if x else []
+        else:
+            tokens += _token_ids(llm, [x], field)
+    return tokens
+
+
+def _prompts(llm, prompt) -> List[List[int]]:
+    """The prompts of a request: a list with no number in it is several prompts (llama-server's rule),
+    anything else one."""
+    if isinstance(prompt, list) and prompt and not any(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        if len(prompt) > _MAX_PROMPTS:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts, more than this server takes at once "
+                               f"({_MAX_PROMPTS})", 413, "prompt")
+        return [_prompt_tokens(llm, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_tokens(llm, prompt)]
+
+
+_MAX_PROMPTS = 64  # prompts of one request (answered one after another)
+
+
 class NativeCompletion:
-    """A checked ``/completion`` request: the prompt's tokens and the sampling settings."""
+    """A checked ``/completion`` request: the prompts' tokens and the sampling settings."""
 
     def __init__(self, llm, raw: bytes):
         d = json_object(raw)
         self.ignored = [k for k in IGNORED if k in d]
-        prompt = d.get("prompt", "")
-        if isinstance(prompt, str):
-            self.tokens = llm.tokenize(prompt.encode("utf-8", "surrogatepass"), add_bos=True, special=True)
-        elif isinstance(prompt, list):
-            self.tokens = _token_ids(llm, prompt, "prompt")
-        else:
-            raise RequestError("'prompt' must be a string or a list of token ids", 400, "prompt")
-        if not self.tokens:
-            raise RequestError("'prompt' is empty", 400, "prompt")
+        self.prompts = _prompts(llm, d.get("prompt", ""))
+        for i, tokens in enumerate(self.prompts):
+            if not tokens:
+                raise RequestError("'prompt' is empty" if len(self.prompts) == 1 else f"prompt[{i}] is empty", 400,
+                                   "prompt")
+        self.tokens = self.prompts[0]
         n_ctx = llm.n_ctx()
         n = d.get("n_predict", -1)
         if isinstance(n, bool) or not isinstance(n, int) or n < -1:
             raise RequestError(f"'n_predict' must be an integer >= -1 (-1: no limit), got {n!r}", 400, "n_predict")
-        room = n_ctx - len(self.tokens)
-        if room < 1:
-            raise RequestError(f"the prompt ({len(self.tokens)} tokens) fills the context of {n_ctx} tokens", 400,
-                               "prompt")
-        self.n_predict = room if n == -1 else min(n, room)
+        self.n_predicts = []
+        for tokens in self.prompts:
+            room = n_ctx - len(tokens)
+            if room < 1:
+                raise RequestError(f"the prompt ({len(tokens)} tokens) fills the context of {n_ctx} tokens", 400,
+                                   "prompt")
+            self.n_predicts.append(room if n == -1 else min(n, room))
+        self.n_predict = self.n_predicts[0]
         self.sampling: Dict[str, float] = {}
         for name, default in _DEFAULTS.items():
             v = d.get(name, default)
@@ -92,20 +126,69 @@ class NativeCompletion:
             raise RequestError("'stop' must be a string or a list of strings", 400, "stop")
         self.stop = [s for s in stop if s]
         self.grammar = d.get("grammar") or None
-        if self.grammar is not None:
+        schema = d.get("json_schema")
+        if schema is not None:
+            if self.grammar is not None:
+                raise RequestError("give 'json_schema' or 'grammar', not both", 400, "json_schema")
+            self.grammar = schema_grammar(schema, "json_schema")
+            check_grammar(llm, self.grammar, "json_schema")
+        elif self.grammar is not None:
             check_grammar(llm, self.grammar)
+        self.json_schema = schema
+        n_vocab = llm.n_vocab()
+        self.n_probs = d.get("n_probs", 0)
+        if isinstance(self.n_probs, bool) or not isinstance(self.n_probs, int) or not 0 <= self.n_probs <= n_vocab:
+            raise RequestError(f"'n_probs' must be an integer in [0, {n_vocab}] (the model's vocabulary), got "
+                               f"{self.n_probs!r}", 400, "n_probs")
+        if d.get("post_sampling_probs", False) is not False:
+            raise RequestError("'post_sampling_probs' is not supported here: n_probs gives each token's probabilities "
+                               "from the model's logits (a softmax over the vocabulary), as llama-server does without it",
+                               400, "post_sampling_probs")
+        self.return_tokens = d.get("return_tokens", False)
         self.stream = d.get("stream", False)
-        if not isinstance(self.stream, bool):
-            raise RequestError("'stream' must be true or false", 400, "stream")
+        for name in ("return_tokens", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"'{name}' must be true or false", 400, name)
+
+
+def schema_grammar(schema, param: str) -> str:
+    """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
+    llama-server reads it); RequestError (400) where the schema cannot be converted."""
+    import json
+
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
+    try:
+        return json_schema_to_gbnf(json.dumps(schema or {"type": "object"}))
+    except Exception as e:  # the converter raises anything from KeyError to RecursionError
+        raise RequestError(f"'{param}' cannot be turned into a grammar: {str(e)[:200]}", 400, param) from None
+
+
+def _token_probs(llm, steps) -> List[dict]:
+    """llama-server's ``completion_probabilities`` of sampled tokens: each token's log-probability under
+    a softmax of the logits it was drawn from, and the top ``n_probs`` there (``steps``: StepLogprobs)."""
+    def entry(tok, lp):
+        b = llm.detokenize([tok], special=True)
+        return {"id": tok, "token": b.decode("utf-8", "ignore"), "bytes": list(b), "logprob": lp}
+
+    return [dict(entry(tok, lp), top_logprobs=[entry(i, v) for i, v in top]) for tok, lp, top in steps]
 
 
 def generate(llm, req: NativeCompletion) -> Iterator[dict]:
-    """The answer of a ``/completion`` request, as llama-server streams it: ``{"content": piece, "stop":
-    false}`` per piece of text, then one ``"stop": true`` object with the totals. A piece that could
-    begin a stop word is held back until it cannot; bytes of an unfinished UTF-8 character wait for
-    the rest."""
+    """The answer of a ``/completion`` request, as llama-server streams it: per prompt, ``{"index": i,
+    "content": piece, "tokens": ids, "stop": false}`` per piece of text, then one ``"stop": true`` object
+    with the totals. A piece that could begin a stop word is held back until it cannot; bytes of an
+    unfinished UTF-8 character wait for the rest. Several prompts are answered one after another."""
+    for i, tokens in enumerate(req.prompts):
+        yield from _generate_one(llm, req, i, tokens, req.n_predicts[i])
+
+
+def _generate_one(llm, req: NativeCompletion, index: int, prompt: List[int], n_predict: int) -> Iterator[dict]:
     import llama_cpp
 
+    from .logprobs import StepLogprobs, logits_row
     from .server_requests import request_stats
 
     if req.seed != -1:
@@ -117,35 +200,51 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
     vocab = llm._model.vocab
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     text, sent, n, stop_type, word = "", 0, 0, "limit", ""
+    ids: List[int] = []     # the generated tokens (a stop word's own are left out, as its text is)
+    given = 0               # of ids (and probs), those already sent in a piece
+    probs = StepLogprobs(req.n_probs) if req.n_probs > 0 else None
     s = req.sampling
-    tokens = llm.generate(req.tokens, top_k=int(s["top_k"]), top_p=s["top_p"], min_p=s["min_p"], temp=s["temperature"],
+    tokens = llm.generate(prompt, top_k=int(s["top_k"]), top_p=s["top_p"], min_p=s["min_p"], temp=s["temperature"],
                           repeat_penalty=s["repeat_penalty"], presence_penalty=s["presence_penalty"],
                           frequency_penalty=s["frequency_penalty"], grammar=grammar)
     hold = max((len(w) for w in req.stop), default=1) - 1
+
+    def piece(content):
+        nonlocal given
+        out = {"index": index, "content": content, "tokens": ids[given:], "stop": False}
+        if probs is not None:
+            out["completion_probabilities"] = _token_probs(llm, probs.steps[given:len(ids)])
+        given = len(ids)
+        return out
+
     t0 = time.perf_counter()
     t1 = None  # when the first token was sampled: the prompt is evaluated by then
-    for tok in tokens if req.n_predict > 0 else ():  # (n_predict 0: nothing to predict)
+    for tok in tokens if n_predict > 0 else ():  # (n_predict 0: nothing to predict)
         t1 = t1 or time.perf_counter()
         if llama_cpp.llama_vocab_is_eog(vocab, tok):
             stop_type = "eos"
             break
+        if probs is not None:
+            probs.record(logits_row(llm), tok)
         n += 1
+        ids.append(tok)
         text += decoder.decode(llm.detokenize([tok], special=False))
         # the earliest stop word (none can start in text already sent: the last `hold` characters wait)
         hits = [(i, w) for w in req.stop if (i := text.find(w, sent)) >= 0]
         if hits:
             i, word = min(hits)
             text, stop_type = text[:i], "word"
+            ids = ids[:max(given, _tokens_within(llm, ids, given, len(text) - sent))]
             break
-        if n >= req.n_predict:
+        if n >= n_predict:
             break
         safe = len(text) - hold if req.stop else len(text)
         if safe > sent:
-            yield {"content": text[sent:safe], "stop": False}
+            yield piece(text[sent:safe])
             sent = safe
     text += decoder.decode(b"", final=True) if stop_type != "word" else ""
-    if len(text) > sent:
-        yield {"content": text[sent:], "stop": False}
+    if len(text) > sent or len(ids) > given:
+        yield piece(text[sent:])
     t2 = time.perf_counter()
     t1 = t1 or t2
     # llama-server's timings: the prompt's tokens llama.cpp evaluated (a prefix kept from the last request
@@ -153,10 +252,12 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
     p_n = llama_cpp.llama_perf_context(llm._ctx.ctx).n_p_eval - perf0.n_p_eval
     p_ms, e_n, e_ms = 1e3 * (t1 - t0), n, 1e3 * (t2 - t1)
     final = {
-        "content": "", "stop": True, "model": getattr(llm, "model_alias", None) or llm.model_path,
-        "tokens_predicted": n, "tokens_evaluated": len(req.tokens), "stop_type": stop_type, "stopping_word": word,
-        "truncated": False, "generation_settings": {"n_predict": req.n_predict, "seed": req.seed, **req.sampling,
-                                                    "stop": req.stop, "grammar": req.grammar or ""},
+        "index": index, "content": "", "tokens": [], "stop": True,
+        "model": getattr(llm, "model_alias", None) or llm.model_path,
+        "tokens_predicted": n, "tokens_evaluated": len(prompt), "stop_type": stop_type, "stopping_word": word,
+        "truncated": False, "generation_settings": {"n_predict": n_predict, "seed": req.seed, **req.sampling,
+                                                    "stop": req.stop, "grammar": req.grammar or "",
+                                                    "n_probs": req.n_probs},
         "timings": {"prompt_n": p_n, "prompt_ms": p_ms, "prompt_per_token_ms": p_ms / p_n if p_n else 0.0,
                     "prompt_per_second": 1e3 * p_n / p_ms if p_ms > 0 else 0.0,
                     "predicted_n": e_n, "predicted_ms": e_ms, "predicted_per_token_ms": e_ms / e_n if e_n else 0.0,
@@ -167,12 +268,34 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
     yield final
 
 
-def complete(llm, req: NativeCompletion) -> dict:
-    """The non-streamed answer: the streamed pieces joined into the final object's ``content``."""
-    pieces = list(generate(llm, req))
-    final = pieces[-1]
-    final["content"] = "".join(p["content"] for p in pieces[:-1])
-    return final
+def _tokens_within(llm, ids: List[int], start: int, n_chars: int) -> int:
+    """How many of ``ids`` (from ``start``) have their text wholly within the next ``n_chars`` characters:
+    the tokens of an answer cut before its stop word."""
+    end, length = start, 0
+    while end < len(ids):
+        length += len(llm.detokenize([ids[end]], special=False).decode("utf-8", "replace"))
+        if length > n_chars:
+            break
+        end += 1
+    return end
+
+
+def complete(llm, req: NativeCompletion):
+    """The non-streamed answer: per prompt, the streamed pieces joined into the final object's ``content``
+    (``tokens`` with ``return_tokens``, ``completion_probabilities`` with ``n_probs``); one object for one
+    prompt, a list for several, as llama-server answers."""
+    results, pieces = [], []
+    for p in generate(llm, req):
+        if not p["stop"]:
+            pieces.append(p)
+            continue
+        p["content"] = "".join(x["content"] for x in pieces)
+        p["tokens"] = [t for x in pieces for t in x["tokens"]] if req.return_tokens else []
+        if req.n_probs > 0:
+            p["completion_probabilities"] = [e for x in pieces for e in x["completion_probabilities"]]
+        results.append(p)
+        pieces = []
+    return results[0] if len(results) == 1 else results
 
 
 def _max_ids(llm) -> int:

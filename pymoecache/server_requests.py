@@ -212,6 +212,8 @@ def validate_request(llm, path: str, raw: bytes):
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
         raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",
                            400, "max_tokens")
+    if chat:
+        d["response_format"] = _response_format(d.get("response_format"))
     try:
         body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
     except ValidationError as e:
@@ -224,14 +226,9 @@ def validate_request(llm, path: str, raw: bytes):
         check_grammar(llm, body.grammar)
     rf = d.get("response_format") if chat else None
     if isinstance(rf, dict) and rf.get("schema") is not None:
-        from llama_cpp.llama_grammar import json_schema_to_gbnf
+        from .server_native import schema_grammar
 
-        try:
-            gbnf = json_schema_to_gbnf(json.dumps(rf["schema"]))
-        except Exception as e:  # the converter raises anything from KeyError to RecursionError
-            raise RequestError(f"'response_format.schema' cannot be turned into a grammar: {str(e)[:200]}", 400,
-                               "response_format") from None
-        check_grammar(llm, gbnf, "response_format.schema")
+        check_grammar(llm, schema_grammar(rf["schema"], "response_format.schema"), "response_format.schema")
     if not chat:
         prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
         n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
@@ -239,6 +236,26 @@ def validate_request(llm, path: str, raw: bytes):
             raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({body.max_tokens}) exceed the "
                                f"context of {n_ctx} tokens", 400, "prompt")
     return body
+
+
+def _response_format(rf):
+    """OpenAI's ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (and llama-server's
+    ``{"type": "json_schema", "schema": ...}``) as llama-cpp-python's ``{"type": "json_object", "schema": ...}``:
+    the answer constrained by a grammar made from the schema, as llama-server does.
+
+    >>> _response_format({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}})
+    {'type': 'json_object', 'schema': {'type': 'string'}}
+    """
+    if not isinstance(rf, dict) or rf.get("type") != "json_schema":
+        return rf
+    wrapper = rf.get("json_schema")
+    if wrapper is not None and not isinstance(wrapper, dict):
+        raise RequestError("'response_format.json_schema' must be an object such as {\"name\": ..., \"schema\": "
+                           "{...}}", 400, "response_format")
+    schema = (wrapper or {}).get("schema", rf.get("schema", {}))
+    if not isinstance(schema, dict):
+        raise RequestError("'response_format.json_schema.schema' must be a JSON schema object", 400, "response_format")
+    return {"type": "json_object", "schema": schema or {"type": "object"}}
 
 
 def request_routing(raw: bytes):

@@ -305,3 +305,63 @@ def test_ppl_miss_auto_does_what_run_does_and_compares_with_full(fixture_dir, tm
     assert r.returncode == 0 and "vs full" in r.stdout.splitlines()[0], r.stdout
     low = next(x for x in r.stdout.splitlines() if "lowbit-cache" in x)
     assert re.search(r"[+-]\d+\.\d\d% ±", low), r.stdout
+
+
+def test_llama_server_fields_n_probs_json_schema_return_tokens_prompt_lists(fixture_dir, tmp_path):
+    """/completion's n_probs, return_tokens, json_schema and a list of prompts, and OpenAI's response_format
+    json_schema through the official client, against the installed server (issue 56 item 2)."""
+    import openai
+
+    def post(base, body, path="/completion"):
+        return json.loads(http_request(base + path, body)[1])
+
+    def post_stream(base, body):
+        text = http_request(base + "/completion", {**body, "stream": True})[1]
+        return [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+
+    greedy = {"n_predict": 6, "temperature": 0}
+    with installed_server(tmp_path, model_path(fixture_dir, MODEL), "--routing", "lru") as base:
+        r = post(base, {"prompt": "Once upon a time", **greedy, "n_probs": 3, "return_tokens": True})
+        probs, ids = r["completion_probabilities"], r["tokens"]
+        assert len(probs) == len(ids) == r["tokens_predicted"] > 0
+        assert post(base, {"tokens": ids}, "/detokenize")["content"] == r["content"]
+        for p, tok in zip(probs, ids):  # greedy: the token drawn is the most likely one, its logprob the top's
+            top = p["top_logprobs"]
+            assert p["id"] == tok == top[0]["id"] and p["logprob"] == top[0]["logprob"] <= 0 and len(top) == 3
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert sum(2.718281828 ** t["logprob"] for t in top) <= 1 + 1e-6 and bytes(p["bytes"]).decode() == p["token"]
+        assert post(base, {"prompt": "Once upon a time", **greedy})["tokens"] == []  # (only with return_tokens)
+        chunks = post_stream(base, {"prompt": "Once upon a time", **greedy, "n_probs": 3})
+        assert [t for c in chunks for t in c["tokens"]] == ids  # streamed: every piece carries its tokens
+        assert [e for c in chunks[:-1] for e in c["completion_probabilities"]] == probs
+        # json_schema: the answer is constrained by a grammar made from the schema
+        s = post(base, {"prompt": "Answer:", "n_predict": 16, "json_schema": {"enum": ["yes", "no"]}})
+        assert json.loads(s["content"]) in ("yes", "no") and s["stop_type"] == "eos", s
+        # a list of prompts: one answer per prompt, each what the prompt alone gives
+        many = post(base, {"prompt": ["Once upon a time", "The king"], **greedy})
+        assert isinstance(many, list) and [m["index"] for m in many] == [0, 1]
+        assert [m["content"] for m in many] == [post(base, {"prompt": p, **greedy})["content"]
+                                               for p in ("Once upon a time", "The king")]
+        chunks = post_stream(base, {"prompt": ["Once upon a time", "The king"], **greedy})
+        assert [c["index"] for c in chunks if c["stop"]] == [0, 1]
+        assert "".join(c["content"] for c in chunks if c["index"] == 1) == many[1]["content"]
+        # mixed strings and ids are one prompt
+        king = post(base, {"content": " king"}, "/tokenize")["tokens"]
+        mixed = post(base, {"prompt": ["The", *king], **greedy})
+        the = post(base, {"content": "The", "add_special": True}, "/tokenize")["tokens"]
+        assert isinstance(mixed, dict) and mixed["tokens_evaluated"] == len(the) + len(king)
+        for bad, param in (({"json_schema": {"type": "string"}, "grammar": "root ::= \"a\""}, "json_schema"),
+                           ({"json_schema": "string"}, "json_schema"), ({"n_probs": -1}, "n_probs"),
+                           ({"post_sampling_probs": True}, "post_sampling_probs"), ({"prompt": ["a", 5.5]}, "prompt")):
+            try:
+                http_request(base + "/completion", {"prompt": "Hi", **bad})
+                raise AssertionError(f"{bad} was accepted")
+            except Exception as e:  # urllib's HTTPError: a 400 naming the field
+                assert getattr(e, "code", None) == 400, e
+                assert json.loads(e.read())["error"]["param"] == param
+        # OpenAI's response_format json_schema, through the official client
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "yes or no?"}],
+                                           max_tokens=16, response_format={"type": "json_schema", "json_schema": {
+                                               "name": "answer", "schema": {"enum": ["yes", "no"]}}})
+        assert json.loads(c.choices[0].message.content) in ("yes", "no")
