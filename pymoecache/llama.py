@@ -117,6 +117,11 @@ def _check_llama_kwargs(kw: dict) -> None:
             close = difflib.get_close_matches(str(fmt), known, n=1, cutoff=0.6)
             raise ConfigError(f"unknown chat_format {fmt!r}" + (f"; did you mean {close[0]!r}?" if close else "")
                               + f" (one of: {', '.join(known)})")
+    fa = kw.get("flash_attn")
+    if fa is not None and fa not in (True, False, "on", "off", "auto") or isinstance(fa, (int, float)) and \
+            not isinstance(fa, bool):
+        raise ConfigError(f"flash_attn must be True, False, 'on', 'off' or 'auto' (llama.cpp decides: on where the "
+                          f"devices support it), got {fa!r}")
     draft = kw.get("draft_model")
     if draft is not None and not isinstance(draft, llama_cpp.llama_speculative.LlamaDraftModel):
         raise ConfigError(f"draft_model must be a llama_cpp.llama_speculative.LlamaDraftModel (such as "
@@ -377,6 +382,12 @@ class Llama(llama_cpp.Llama):
         if preset is None:
             routing = _as_routing(routing)
         _check_llama_kwargs(kwargs)
+        # flash attention: llama-cpp-python takes a bool; 'auto' is llama.cpp's own choice (llama-cli's default),
+        # set on the context's parameters as the context is made
+        flash_attn = kwargs.get("flash_attn", False)
+        if isinstance(flash_attn, str):
+            kwargs["flash_attn"] = flash_attn == "on"
+        fa_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn == "auto" else None
         asked = []
         if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
             asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))
@@ -490,6 +501,13 @@ class Llama(llama_cpp.Llama):
             formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter
             llama_cpp.llama_chat_format.Jinja2ChatFormatter = _TolerantChatFormatter
             default_params = llama_cpp.llama_cpp.llama_model_default_params
+            context_class = llama_cpp._internals.LlamaContext
+            if fa_type is not None:
+                def context_with_fa_type(*, params, **kw):
+                    params.flash_attn_type = fa_type
+                    return context_class(params=params, **kw)
+
+                llama_cpp._internals.LlamaContext = context_with_fa_type
             if devices is not None:  # llama.cpp's model params have a devices list llama-cpp-python leaves unset
                 dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
 
@@ -515,6 +533,7 @@ class Llama(llama_cpp.Llama):
                 C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
                 llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
                 llama_cpp.llama_cpp.llama_model_default_params = default_params
+                llama_cpp._internals.LlamaContext = context_class
         if (kwargs.get("chat_format") is None and kwargs.get("chat_handler") is None and self.chat_format == "llama-2"
                 and "tokenizer.chat_template" not in self.metadata):
             self.chat_format = "chatml"  # a model without a chat template: ChatML, as run, chat and serve (not

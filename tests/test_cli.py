@@ -596,7 +596,8 @@ LLAMA_KWARGS = [
     (["run", "-b", "64"], "n_batch", 64),
     (["run", "-ub", "32"], "n_ubatch", 32),
     (["run", "-fa", "on"], "flash_attn", True),
-    (["run", "-fa", "auto"], "flash_attn", True),   # llama.cpp's auto turns it on wherever it runs: the CPU does
+    (["run", "-fa", "auto"], "flash_attn", "auto"),  # llama.cpp's own choice (Llama sets its context's type)
+    (["run"], "flash_attn", "auto"),                 # the default, as llama-cli's
     (["run", "-fa", "off"], "flash_attn", False),
     (["run", "--mlock"], "use_mlock", True),
     (["run", "--no-mmap"], "use_mmap", False),
@@ -630,11 +631,14 @@ def test_llama_cpp_flags_that_cannot_mean_anything_here_say_why(argv, message):
 
 
 def test_flash_attn_and_verbose_do_what_llama_cli_does(fixture_dir):
-    """-fa on / off reach llama.cpp's context (its own log, shown by -v, says so)."""
-    for value, want in (("on", "enabled"), ("off", "disabled")):
-        r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hi", "-n", "2", "-fa", value, "-v", "--temp", "0")
+    """-fa on / off / auto and the default (auto, as llama-cli) reach llama.cpp's context (its own log, shown
+    by -v, says so: auto is resolved by llama.cpp, on where the devices support it, as the CPU does)."""
+    for value, want in ((["-fa", "on"], "enabled"), (["-fa", "off"], "disabled"), (["-fa", "auto"], "auto"),
+                        ([], "auto")):
+        r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hi", "-n", "2", *value, "-v", "--temp", "0")
         assert r.returncode == 0, r.stderr
-        assert re.search(rf"llama_context: flash_attn +=\s*{want}", r.stderr), r.stderr[-2000:]
+        assert re.search(rf"llama_context: flash_attn +=\s*{want}\n", r.stderr), r.stderr[-2000:]
+        assert ("(FLASH_ATTN_EXT)" in r.stderr) == (want != "disabled")  # its graph (auto: llama.cpp chose on here)
     r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hi", "-n", "2")
     assert "flash_attn" not in r.stderr  # no log without -v
 

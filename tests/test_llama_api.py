@@ -211,7 +211,7 @@ import sys
 import pymoecache
 bad = {
     "lora_path": "/nonexistent.gguf", "lora_base": sys.argv[2], "type_k": 999, "type_v": -1,
-    "chat_format": "nonexistent", "draft_model": 5, "cache": 0,
+    "chat_format": "nonexistent", "draft_model": 5, "cache": 0, "flash_attn": "maybe",
 }
 for name, value in bad.items():
     try:
@@ -239,6 +239,8 @@ def test_keywords_that_reach_llama_cpp_are_checked_at_construction(fixture_dir, 
         "lora_base": f"ConfigError lora_base {text} is not a GGUF file",
         "type_k": said["type_k"], "type_v": said["type_v"], "chat_format": said["chat_format"],
         "draft_model": said["draft_model"],
+        "flash_attn": "ConfigError flash_attn must be True, False, 'on', 'off' or 'auto' (llama.cpp decides: on where "
+                      "the devices support it), got 'maybe'",
         "cache": "ConfigError cache size '0' is zero: give at least 1 expert per layer (a streamed token needs K "
                  "slots anyway), a share such as 0.25, a budget such as 4G, or auto",
     }, said

@@ -271,9 +271,9 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="logical batch: prompt tokens submitted at once (default: llama-cpp-python's 512)")
     p.add_argument("-ub", "--ubatch-size", dest="ubatch_size", type=int, default=None, metavar="N",
                    help="physical batch: prompt tokens computed at once (default: llama-cpp-python's 512)")
-    p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default=None, metavar="on|off|auto",
-                   help="flash attention, as llama.cpp; auto = on (it is supported on the CPU) (default: off, "
-                        "llama-cpp-python's choice)")
+    p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default="auto", metavar="on|off|auto",
+                   help="flash attention, as llama.cpp: auto lets llama.cpp turn it on where every device computing "
+                        "attention supports it (the CPU does) (default: auto, as llama.cpp)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
                    metavar="N|all|auto",
                    help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
@@ -394,7 +394,7 @@ def runtime_kwargs(args) -> dict:
     if getattr(args, "ubatch_size", None) is not None:
         kw["n_ubatch"] = args.ubatch_size
     if getattr(args, "flash_attn", None) is not None:
-        kw["flash_attn"] = args.flash_attn != "off"
+        kw["flash_attn"] = {"on": True, "off": False}.get(args.flash_attn, args.flash_attn)  # ('auto': llama.cpp's)
     if getattr(args, "mlock", False):
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
