@@ -7,7 +7,8 @@ model it belongs to: the model file's size and a hash of its tensor table (names
 offsets). :func:`check_companion` refuses a companion that is foreign, stale, truncated or not
 lower-typed, with the reason.
 
-    pymoecache lowbit model.gguf                    # model.lowbit-Q4_K.gguf beside it (Q8_0 experts: Q4_K)
+    pymoecache lowbit model.gguf                    # model.lowbit-Q4_K.gguf beside it (Q8_0 experts: Q4_K;
+                                                    # named by the types made: Q4_K+Q5_0 with llama.cpp's fallback)
     pymoecache lowbit model.gguf --type Q3_K -o small.gguf
     pymoecache lowbit model.gguf --check            # is the companion beside it usable?
 
@@ -91,13 +92,13 @@ def companions_beside(model: "os.PathLike[str] | str") -> List[Path]:
     except Exception:  # (a model of a type with no default: Q4_K's name is as good as any)
         want = "Q4_K"
 
-    def rank(p: Path):  # the default type's file first, then the most bits (the least lost), then the name
-        t = p.name[len(stem) + len(".lowbit-"):-len(".gguf")]
+    def rank(p: Path):  # made for the default type first, then the most bits (the least lost), then the name
+        asked, held = _asked_and_held(p, stem)
         try:
-            bits = _bits(t)
-        except (KeyError, AttributeError):
+            bits = max(_bits(t) for t in held)
+        except (KeyError, AttributeError, ValueError):
             bits = 0.0
-        return (t != want, -bits, p.name)
+        return (asked != want, -bits, p.name)
 
     return sorted(found, key=rank)
 
@@ -114,6 +115,28 @@ def default_path(model: "os.PathLike[str] | str", type: Optional[str] = None) ->
             return found[0]
         type = default_type(model_info(m).expert_types[0]) if m.exists() else "Q4_K"
     return m.with_name(f"{stem}.lowbit-{type}.gguf")
+
+
+def held_name(types: Dict[str, int]) -> str:
+    """The name part of a companion holding ``types`` (type -> expert tensors): its types, the most used
+    first, joined by '+' (a "Q4_K" companion of 1408-wide down matrices holds Q4_K+Q5_0).
+
+    >>> held_name({"Q5_0": 8}), held_name({"Q5_0": 4, "Q4_K": 8})
+    ('Q5_0', 'Q4_K+Q5_0')
+    """
+    return "+".join(sorted(types, key=lambda t: (-types[t], t)))
+
+
+def _asked_and_held(p: Path, stem: str):
+    """(the type a companion was made for, the types it holds) from its header; from its name where the
+    header cannot be read (check_companion then says why)."""
+    named = p.name[len(stem) + len(".lowbit-"):-len(".gguf")]
+    try:
+        h = _Header(p)
+        held = {_type_name(t) for name, t, _, _ in h.tensors if _EXPS_RE.search(name)}
+        return str(h.kv.get(KEY + "type", named)), held or set(named.split("+"))
+    except Exception:  # (damaged, not a GGUF: ranked last among equals, refused when used)
+        return named, set(named.split("+"))
 
 
 def _glob_escape(s: str) -> str:
@@ -277,7 +300,8 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
 
     The file appears whole or not at all (written beside, then renamed); a companion already there is
     replaced. llama.cpp falls back to another type for tensors whose rows are not a multiple of
-    ``type``'s block (256 for K-quants): the companion records what it made. ``verbose``: llama.cpp's
+    ``type``'s block (256 for K-quants): the companion records what it made, and a file named by default
+    is named by it (MODEL.lowbit-Q4_K+Q5_0.gguf, MODEL.lowbit-Q5_0.gguf where every tensor fell back). ``verbose``: llama.cpp's
     quantizer log (a line per tensor) on stderr; otherwise a progress bar (``progress``) and nothing else.
     """
     info = model_info(model)
@@ -297,6 +321,7 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
     if _bits(type) >= _bits(lowest):
         raise CompanionError(f"{type} ({_bits(type):.2f} bits per weight) is not lower than the model's experts "
                              f"({lowest}, {_bits(lowest):.2f}): a companion must be smaller")
+    named = out is None  # named by what it holds, once llama.cpp has made it (its fallbacks included)
     out = Path(out) if out is not None else default_path(m, type)
     if os.path.isdir(out):
         raise CompanionError(f"-o {out} is a directory; give a file name")
@@ -310,6 +335,9 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
     try:
         _quantize(m, full, type, threads, progress, verbose, len(_Header(m).tensors))
         _write_experts(m, full, part, type, progress)
+        if named:
+            out = Path(writable_target(default_path(m, held_name(check_companion(m, part).types)), "companion",
+                                       CompanionError))
         os.replace(part, out)
     finally:
         full.unlink(missing_ok=True)

@@ -49,7 +49,8 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     m = tmp_path / "model.gguf"
     shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
     r = installed(tmp_path, "lowbit", m)
-    assert r.returncode == 0 and (tmp_path / "model.lowbit-Q4_K.gguf").is_file(), r.stderr
+    # (named by what llama.cpp made: the fixture's 64-wide rows take Q4_K's fallback, Q5_0)
+    assert r.returncode == 0 and (tmp_path / "model.lowbit-Q5_0.gguf").is_file(), r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "-n", "8", "-p", "Once upon a time")
     assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-in-ram", "-n", "4")
@@ -266,11 +267,14 @@ def test_several_companions_the_default_type_is_used_and_check_lists_them(fixtur
         assert r.returncode == 0, r.stderr
     r = installed(tmp_path, "lowbit", m, "--check")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("used by default: ") and "model.lowbit-Q4_K.gguf" in r.stdout.splitlines()[0], r.stdout
-    assert "also here: " in r.stdout and "model.lowbit-Q2_K.gguf" in r.stdout, r.stdout
+    # each file named by the types llama.cpp made (the fixture's 64-wide rows: Q4_K -> Q5_0, Q2_K -> Q4_0); the
+    # default is the one made for the default type, Q4_K, whatever its name
+    assert sorted(p.name for p in tmp_path.glob("model.lowbit-*")) == ["model.lowbit-Q4_0.gguf", "model.lowbit-Q5_0.gguf"]
+    assert r.stdout.startswith("used by default: ") and "model.lowbit-Q5_0.gguf" in r.stdout.splitlines()[0], r.stdout
+    assert "also here: " in r.stdout and "model.lowbit-Q4_0.gguf" in r.stdout, r.stdout
     r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "2")
     assert r.returncode == 0, r.stderr
-    assert "in the companion model.lowbit-Q4_K.gguf (experts at Q5_0) (lowbit-cache)" in r.stderr, r.stderr
+    assert "in the companion model.lowbit-Q5_0.gguf (experts at Q5_0) (lowbit-cache)" in r.stderr, r.stderr
 
 
 def test_a_companion_that_is_not_used_is_said_so_once(fixture_dir, tmp_path):
@@ -280,7 +284,7 @@ def test_a_companion_that_is_not_used_is_said_so_once(fixture_dir, tmp_path):
     shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
     assert installed(tmp_path, "lowbit", m).returncode == 0
     r = installed(tmp_path, "run", m, "-n", "2")
-    assert r.returncode == 0 and r.stderr.count("model.lowbit-Q4_K.gguf is not used: every expert fits") == 1, r.stderr
+    assert r.returncode == 0 and r.stderr.count("model.lowbit-Q5_0.gguf is not used: every expert fits") == 1, r.stderr
     r = installed(tmp_path, "run", m, "-n", "2", "--miss", "full")
     assert r.returncode == 0 and "is not used" not in r.stderr, r.stderr
 
@@ -298,7 +302,7 @@ def test_ppl_miss_auto_does_what_run_does_and_compares_with_full(fixture_dir, tm
     assert r.returncode == 0 and "lowbit-cache" not in r.stdout, r.stdout  # no companion yet: full precision
     assert installed(tmp_path, "lowbit", m).returncode == 0
     r = installed(tmp_path, *common)
-    assert r.returncode == 0 and "--miss auto: the companion model.lowbit-Q4_K.gguf" in r.stderr, r.stderr
+    assert r.returncode == 0 and "--miss auto: the companion model.lowbit-Q5_0.gguf" in r.stderr, r.stderr
     rows = r.stdout.strip().splitlines()
     assert "miss path" in rows[0] and all("lowbit-cache" in x for x in rows[1:]), r.stdout
     r = installed(tmp_path, *common, "--miss", "full", "lowbit-cache")
@@ -333,7 +337,11 @@ def test_llama_server_fields_n_probs_json_schema_return_tokens_prompt_lists(fixt
         assert post(base, {"prompt": "Once upon a time", **greedy})["tokens"] == []  # (only with return_tokens)
         chunks = post_stream(base, {"prompt": "Once upon a time", **greedy, "n_probs": 3})
         assert [t for c in chunks for t in c["tokens"]] == ids  # streamed: every piece carries its tokens
-        assert [e for c in chunks[:-1] for e in c["completion_probabilities"]] == probs
+        streamed = [e for c in chunks[:-1] for e in c["completion_probabilities"]]
+        # (the same ids; the logprobs to float noise: the prompt's prefix is kept, its last token evaluated alone)
+        assert [[e["id"], *(t["id"] for t in e["top_logprobs"])] for e in streamed] == \
+            [[e["id"], *(t["id"] for t in e["top_logprobs"])] for e in probs]
+        assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(streamed, probs)) < 1e-3
         # json_schema: the answer is constrained by a grammar made from the schema
         s = post(base, {"prompt": "Answer:", "n_predict": 16, "json_schema": {"enum": ["yes", "no"]}})
         assert json.loads(s["content"]) in ("yes", "no") and s["stop_type"] == "eos", s

@@ -58,7 +58,8 @@ def add_command(sub) -> None:
              "belongs to (file size, a hash of its tensor table, a sample of every expert's bytes) and is refused "
              "for any other. Default type: about half the experts' bits (Q8_0 -> Q4_K, 4-6 bit -> Q2_K). Tensors "
              "whose rows are not a multiple of the type's block (256 for K-quants) get llama.cpp's fallback type; "
-             "the summary says which.")
+             "the summary says which, and the file is named by the types it holds (MODEL.lowbit-Q4_K.gguf, "
+             "MODEL.lowbit-Q4_K+Q5_0.gguf where some rows fell back).")
     use = ("What run, chat and serve do with it, found beside the model: by default the expert cache holds the "
            "companion's copies (--miss lowbit-cache: more experts in the same memory, every expert computed from "
            "its low-bit copy); --miss lowbit computes only the misses from it; --miss full ignores it. ppl "
@@ -73,8 +74,8 @@ def add_command(sub) -> None:
     p.add_argument("--type", metavar="TYPE", type=str.upper,
                    help=f"the experts' type in the companion: {', '.join(TYPES)} (default: from the model's)")
     p.add_argument("-o", "--output", metavar="FILE",
-                   help="the companion file (default: MODEL.lowbit-TYPE.gguf beside the model; with --check: "
-                        "the one found there)")
+                   help="the companion file (default: MODEL.lowbit-TYPES.gguf beside the model, named by the types "
+                        "llama.cpp made; with --check: the one found there)")
     p.add_argument("-t", "--threads", type=int, metavar="N", help="quantizer threads (default: every core)")
     p.add_argument("--check", action="store_true",
                    help="check an existing companion against MODEL and describe it, instead of making one")
