@@ -373,3 +373,27 @@ def test_llama_server_fields_n_probs_json_schema_return_tokens_prompt_lists(fixt
                                            max_tokens=16, response_format={"type": "json_schema", "json_schema": {
                                                "name": "answer", "schema": {"enum": ["yes", "no"]}}})
         assert json.loads(c.choices[0].message.content) in ("yes", "no")
+
+
+def test_speed_forecast_in_info_bench_and_the_plan(fixture_dir, tmp_path):
+    """Issue 56 item 5: info --forecast (text and JSON), the line after run's plan where the cache streams,
+    and bench's forecast beside the measured figure; --forecast on a dense model is refused."""
+    m = model_path(fixture_dir, MODEL)
+    r = installed(tmp_path, "info", m, "--forecast", "--cache-size", "0.5")
+    assert r.returncode == 0 and re.search(r"forecast, the default routing with 50% of the experts cached, \d+ "
+                                           r"thread\(s\): decode ~[\d.]+ tok/s \(band [\d.]+ to [\d.]+\)", r.stdout), r.stdout
+    r = installed(tmp_path, "info", m, "--forecast", "--cache-size", "15", "-t", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)["forecast"]
+    assert f["share"] == 0.25 and 0 < f["low"] < f["tok_s"] < f["high"] and f["compute_ms"] > 0 and f["read_ms"] > 0
+    full = json.loads(installed(tmp_path, "info", m, "--forecast", "--cache-size", "60", "--json").stdout)["forecast"]
+    assert full["share"] == 1.0 and full["read_ms"] == 0 and full["miss_rate"] == 0  # every expert cached: no read
+    r = installed(tmp_path, "run", m, "--cache-size", "15", "-n", "2", "-p", "Hi")
+    assert r.returncode == 0 and re.search(r"^forecast: decode ~[\d.]+ tok/s \(band ", r.stderr, re.M), r.stderr
+    r = installed(tmp_path, "bench", m, "--cache-size", "15", "--routing", "lru,preset:quality", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    said = re.search(r"forecast for preset:quality: [\d.]+ tok/s \(band [\d.]+ to [\d.]+\); measured [\d.]+: "
+                     r"(inside|outside) the band", r.stdout)
+    assert said and "forecast for lru" not in r.stdout, r.stdout
+    r = installed(tmp_path, "info", model_path(fixture_dir, "dense-llama"), "--forecast")
+    assert r.returncode == 2 and "--forecast is for MoE models" in r.stderr, r.stderr

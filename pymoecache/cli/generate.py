@@ -8,6 +8,7 @@ policies on the same prompts, describe a GGUF from its header.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -92,10 +93,26 @@ def llama_from_args(args, routing, model: str, dense_ok: bool = False, **kw):
     return llm
 
 
-def print_plan(llm) -> None:
-    """The memory plan, one line on stderr, once the command's checks have passed and work begins."""
-    if llm.memory_plan() is not None:
-        print(llm.memory_plan().summary(), file=sys.stderr, flush=True)
+def print_plan(llm, forecast: bool = False) -> None:
+    """The memory plan, one line on stderr, once the command's checks have passed and work begins; where
+    the cache streams (or ``forecast``), the decode speed forecast after it (pymoecache.forecast)."""
+    plan = llm.memory_plan()
+    if plan is not None:
+        print(plan.summary(), file=sys.stderr, flush=True)
+        if plan.streamed or forecast:
+            print("forecast: decode " + decode_forecast(llm).text(), file=sys.stderr, flush=True)
+
+
+def decode_forecast(llm):
+    """The decode speed forecast of ``llm`` as loaded (its plan, its threads), computed once."""
+    from ..forecast import forecast
+
+    if getattr(llm, "_forecast", None) is None:
+        plan = llm.memory_plan()
+        source = llm._lowbit_sig[0] if plan.miss == "lowbit-cache" and llm._lowbit_sig else llm.model_path
+        llm._forecast = forecast(plan, llm.model_info.n_layer, llm.context_params.n_threads,
+                                 model_expert_bytes=llm.model_info.expert_bytes, path=source)
+    return llm._forecast
 
 
 def check_timeline_args(args) -> None:
@@ -278,7 +295,7 @@ def cmd_bench(args) -> int:
     if llm.cache_choice is not None:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now
-    print_plan(llm)
+    print_plan(llm, forecast=True)
     if all_fit(llm) and len(routings) > 1:
         print("note: every expert is cached, so cache-aware routing (prior, max-rank, cumsum) picks the model's own "
               "experts: those rows differ from lru only by noise; give --cache-size below the experts to compare",
@@ -295,8 +312,12 @@ def cmd_bench(args) -> int:
     cache_size = llm.moe_stats().summary_dict()["cache_size"]
     residency = llm.moe_stats().residency.residency
 
+    fc = decode_forecast(llm) if llm.memory_plan() is not None else None
+
     def rows_so_far() -> list:  # one row per setting with at least one finished repetition
-        return [bench_row(spec, a, K, n_expert, cache_size, residency) for spec, a in acc.items() if a["reps"]]
+        return [dict(bench_row(spec, a, K, n_expert, cache_size, residency),
+                     **({"forecast_tok_s": fc.tok_s, "forecast_low": fc.low, "forecast_high": fc.high} if fc else {}))
+                for spec, a in acc.items() if a["reps"]]
 
     try:
         for rep in range(args.reps):
@@ -326,6 +347,12 @@ def cmd_bench(args) -> int:
     rows = rows_so_far()
     llm.close()
     print_bench_table(rows)
+    if fc is not None:  # the forecast is the default routing's: beside the rows of a preset (the default is one)
+        for r in rows:
+            if r["routing"].startswith("preset:"):
+                print(f"forecast for {r['routing']}: {fc.tok_s:.1f} tok/s (band {fc.low:.1f} to {fc.high:.1f}); "
+                      f"measured {r['decode_tok_s']:.1f}: " + ("inside the band" if fc.contains(r["decode_tok_s"])
+                                                               else "outside the band"))
     return 0
 
 
@@ -410,11 +437,26 @@ def cmd_info(args) -> int:
     if args.ctx is not None and args.ctx < 0:
         raise UserError(f"-c must be >= 0 (0: the model's training context), got {args.ctx}")
     n_ctx = args.ctx or info.n_ctx_train or 512
-    plan = companion = None
+    plan = companion = fc = None
+    if args.forecast and not info.is_moe:
+        raise UserError(f"--forecast is for MoE models: {info.path} has no routed experts")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"-t/--threads must be at least 1, got {args.threads}")
     if info.is_moe:  # what --cache-size auto picks with this budget (default: the free memory), all of it planned
         choice = auto_cache_size(info, n_ctx, available=budget)
-        plan = memory_plan(info, n_ctx, choice.n_cached, available=budget)
-        companion = _companion_rows(info, choice.n_cached)
+        n_cached = choice.n_cached
+        if args.cache_size is not None and args.cache_size.strip() != "auto":
+            from ..config import CacheConfig, parse_cache_size
+
+            try:
+                n_cached = CacheConfig(size=parse_cache_size(args.cache_size)).n_cached_for(
+                    info.n_expert, info.cache_bytes, info.n_moe_layer)
+            except Error as e:
+                raise UserError(f"--cache-size: {e}") from None
+        plan = memory_plan(info, n_ctx, n_cached, available=budget)
+        companion = _companion_rows(info, n_cached)
+        if args.forecast:
+            fc = _forecast_with_companion(info, plan, args)
     if args.json:
         d = {k: v for k, v in vars(info).items()}
         d.update(n_moe_layer=info.n_moe_layer, expert_share=info.expert_share, is_moe=info.is_moe)
@@ -422,6 +464,8 @@ def cmd_info(args) -> int:
             d["cache_size_for_budget"] = plan.n_cached if plan else 0
         d["plan"] = plan.as_dict() if plan else None
         d["lowbit"] = dict(companion) if companion else None
+        if fc is not None:
+            d["forecast"] = dataclasses.asdict(fc)
         print(json.dumps(d, indent=2))
         return 0
     print(info.table())
@@ -435,7 +479,37 @@ def cmd_info(args) -> int:
         print("\nlow-bit companion (--miss; by default a usable one runs lowbit-cache):")
         w = max(len(k) for k, _ in companion)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in companion))
+    if fc is not None:
+        print(f"\nforecast, the default routing with {fc.share * 100:.0f}% of the experts cached"
+              + (" (the companion's copies)" if plan.miss == "lowbit-cache" else "") + f", {args.threads or _threads()} "
+              f"thread(s): decode {fc.text()}")
     return 0
+
+
+def _threads() -> int:
+    """llama-cpp-python's default thread count, which run and bench use without -t."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def _forecast_with_companion(info, plan, args):
+    """The forecast of what run does with ``plan``'s cache: with a usable companion beside the model (the
+    default, lowbit-cache) its copies, as many as fit in the same memory."""
+    import dataclasses
+
+    from .. import lowbit
+    from ..forecast import forecast
+
+    try:
+        c = lowbit.check_companion(info.path)
+    except lowbit.CompanionError:
+        c = None
+    path = info.path
+    if c is not None and plan.streamed:
+        n = min(info.n_expert, int(plan.n_cached * c.ratio))
+        plan = dataclasses.replace(plan, miss="lowbit-cache", n_cached=n, slot_bytes=c.expert_bytes,
+                                   expert_bytes=c.expert_bytes)
+        path = c.path
+    return forecast(plan, info.n_layer, args.threads or _threads(), model_expert_bytes=info.expert_bytes, path=path)
 
 
 def _companion_rows(info, n_cached: "int | None" = None) -> list:
@@ -535,4 +609,13 @@ def add_commands(sub) -> None:
     i.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=None, metavar="N",
                    help="context to plan the KV cache for (default: the model's training context)")
     i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--forecast", action="store_true",
+                   help="also forecast the decode speed (tok/s, with a band) of run with the planned cache, the "
+                        "default routing and the companion beside the model if any, from the header, the default "
+                        "routing's measured miss rates and quick probes of the disk and the memory")
+    i.add_argument("--cache-size", metavar="SIZE", default=None,
+                   help="plan (and forecast) this cache size instead of what --cache-size auto picks: experts per "
+                        "layer (30), a share (0.25, 25%%) or bytes (4G)")
+    i.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="threads the forecast assumes (default: llama.cpp's choice, as run)")
     i.set_defaults(func=cmd_info)
