@@ -12,6 +12,12 @@ Perplexity with `--ppl-chunks` of both routings: the ppl protocol of docs/method
 tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
 
     python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
+    python scripts/bench_vram_share.py --model MODEL --speed --reps 3     # also decode tok/s against stock
+
+--speed: decode tok/s of each row, the same teacher-forced tokens timed one by one (each ended by
+llama_synchronize, as llama-bench ends one), medians of --reps passes, against stock llama.cpp
+(llama_cpp.Llama on the same library and server) with the `--n-cpu-moe` placement: a tensor buffer
+override keeps the experts of the first n_cpu_moe layers in CPU memory, as llama-cli's flag does.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ def main() -> None:
     ap.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
                     help="CacheConfig.vram_fill: what a selection outside device memory does (default auto)")
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--speed", action="store_true", help="also decode tok/s of each row and of stock llama.cpp")
+    ap.add_argument("--reps", type=int, default=3, help="timed passes per row with --speed (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="client threads (default 1)")
     args = ap.parse_args()
 
     import pymoecache
@@ -60,13 +69,19 @@ def main() -> None:
         from train_tiny_moe import split_text
 
         text = split_text()[1]
+    if args.speed:
+        llm = stock_llama(args.model, n_layers - on_device, n_ctx=512, verbose=False, n_threads=args.threads,
+                          n_threads_batch=args.threads, **device)
+        rows[0]["tok_s"] = decode_tok_s(llm, evaluate.tokenize_text(llm, text), args)
+        llm.close()
     for routing in (None, "lru"):
         llm = pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="stream", vram_size=n_vram, prefetch="off",
                                                                 vram_fill=args.vram_fill),
                                routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
-                               logits_all=bool(args.ppl_chunks))
+                               logits_all=bool(args.ppl_chunks), n_threads=args.threads, n_threads_batch=args.threads)
         used = llm.moecache.routing.spec()
         tokens = evaluate.tokenize_text(llm, text)
+        speed = decode_tok_s(llm, tokens, args) if args.speed else None
         llm.reset()
         llm.eval(tokens[:16])
         llm.reset_moe_stats()
@@ -78,6 +93,8 @@ def main() -> None:
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
                "vram_experts_per_layer": n_vram, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
                "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens)}
+        if speed is not None:
+            row["tok_s"] = speed
         if args.ppl_chunks:
             llm.moecache.clear()
             res = evaluate.perplexity(llm, tokens, 256, limit_chunks=args.ppl_chunks, decode=True, progress=False)
@@ -89,15 +106,80 @@ def main() -> None:
     print(f"{Path(args.model).name}: {n_layers} MoE layers, {info.n_expert} experts top-{info.n_expert_used}; device memory "
           f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
           f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}")
-    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | ppl | vs top-k |")
-    print("|---|---|---|---|---|---|")
+    speed = "tok_s" in rows[0]
+    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | ppl | vs top-k |"
+          + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if speed else ""))
     for r in rows:
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
         vs = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and "ppl" in base else "-"
         print(f"| {r['placement']} | {r['routing']} | {100 * r['device_share']:.1f}% | "
-              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {ppl} | {vs} |")
+              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {ppl} | {vs} |"
+              + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def decode_tok_s(llm, tokens, args) -> float:
+    """Median over --reps passes of decode tok/s: a 16-token prompt, 16 untimed tokens, then --tokens timed
+    one by one, each ended by llama_synchronize."""
+    import statistics
+    import time
+
+    import llama_cpp
+
+    speeds = []
+    for _ in range(args.reps):
+        llm.reset()
+        llm.eval(tokens[:16])
+        for t in tokens[16:32]:
+            llm.eval([t])
+        t0 = time.perf_counter()
+        for t in tokens[32:32 + args.tokens]:
+            llm.eval([t])
+            llama_cpp.llama_synchronize(llm._ctx.ctx)
+        speeds.append(min(args.tokens, len(tokens) - 32) / (time.perf_counter() - t0))
+    return statistics.median(speeds)
+
+
+def stock_llama(model, n_cpu_moe: int, **kw):
+    """Stock llama.cpp (llama_cpp.Llama) with every layer offloaded but the experts of the first
+    ``n_cpu_moe`` layers, which a tensor buffer override keeps in CPU memory (llama-cli's --n-cpu-moe:
+    llama-cpp-python takes no overrides, so its model parameters get them here)."""
+    import ctypes
+
+    import llama_cpp
+
+    from pymoecache import _lib
+
+    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override {const char * pattern; buft}
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    ggml = _lib.load_ggml()
+    # GGML_API ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
+    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    cpu = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_type(_lib.GGML_BACKEND_DEVICE_TYPE_CPU))
+    patterns = [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_exps".encode() for i in range(n_cpu_moe)]
+    overrides = (Override * (len(patterns) + 1))(*[Override(p, cpu) for p in patterns], Override(None, None))
+    if "rpc_servers" in kw:  # (registered in the process: llama.cpp finds its device)
+        from pymoecache import rpc
+
+        rpc.add_server(kw.pop("rpc_servers"))
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def with_overrides():
+        p = default_params()
+        p.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = with_overrides
+    try:
+        llm = llama_cpp.Llama(str(model), n_gpu_layers=99, **kw)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default_params
+    llm._overrides = overrides  # (llama.cpp reads them at load only; kept alive with the model anyway)
+    return llm
 
 
 if __name__ == "__main__":
