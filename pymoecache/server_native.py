@@ -134,7 +134,6 @@ class NativeCompletion:
             check_grammar(llm, self.grammar, "json_schema")
         elif self.grammar is not None:
             check_grammar(llm, self.grammar)
-        self.json_schema = schema
         n_vocab = llm.n_vocab()
         self.n_probs = d.get("n_probs", 0)
         if isinstance(self.n_probs, bool) or not isinstance(self.n_probs, int) or not 0 <= self.n_probs <= n_vocab:

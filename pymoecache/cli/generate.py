@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from ..config import resolved_top_j
+from ..config import DEFAULT_PRESET, resolved_top_j
 from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument,
                       add_routing_options, add_runtime_options, add_sampling_options, cache_from_args,
                       chat_template_from_args, check_profile_args, load_profile_from_args, prompt_text, resolve_model, resolve_seed,
@@ -99,14 +99,18 @@ def print_plan(llm, forecast: bool = False) -> None:
     plan = llm.memory_plan()
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
-        if plan.streamed or forecast:
+        if (plan.streamed or forecast) and decode_forecast(llm) is not None:
             print("forecast: decode " + decode_forecast(llm).text(), file=sys.stderr, flush=True)
 
 
 def decode_forecast(llm):
-    """The decode speed forecast of ``llm`` as loaded (its plan, its threads), computed once."""
+    """The decode speed forecast of ``llm`` as loaded (its plan, its threads), computed once; None where
+    layers are on a GPU or an RPC server (the forecast knows the CPU's costs only)."""
+    from .._lib import has_gpu_device
     from ..forecast import forecast
 
+    if llm.model_params.n_gpu_layers != 0 and has_gpu_device():
+        return None
     if getattr(llm, "_forecast", None) is None:
         plan = llm.memory_plan()
         source = llm._lowbit_sig[0] if plan.miss == "lowbit-cache" and llm._lowbit_sig else llm.model_path
@@ -312,7 +316,7 @@ def cmd_bench(args) -> int:
     cache_size = llm.moe_stats().summary_dict()["cache_size"]
     residency = llm.moe_stats().residency.residency
 
-    fc = decode_forecast(llm) if llm.memory_plan() is not None else None
+    fc = decode_forecast(llm) if llm.memory_plan() is not None else None  # (None with GPU layers)
 
     def rows_so_far() -> list:  # one row per setting with at least one finished repetition
         return [dict(bench_row(spec, a, K, n_expert, cache_size, residency),
@@ -578,8 +582,9 @@ def add_commands(sub) -> None:
                                    "repetitions, the cache starts empty for each) and print one row per setting. "
                                    "Timings are llama.cpp's own prompt and decode counters.")
     add_model_argument(b)
-    b.add_argument("--routing", default="lru,prior:0.5,max-rank:8,cumsum:0.9", metavar="SPECS",
-                   help="comma-separated routing specs (default %(default)s)")
+    b.add_argument("--routing", default=f"preset:{DEFAULT_PRESET},lru,prior:0.5,max-rank:8,cumsum:0.9", metavar="SPECS",
+                   help="comma-separated routing specs; the decode speed forecast (the default routing's) is printed "
+                        "beside the rows of a preset (default %(default)s: the default routing first)")
     b.add_argument("--top-j", type=int, default=None, metavar="J", help="Top-J for every spec (default: by the model's K, 1 for K <= 3, 2 for K >= 4)")
     b.add_argument("--scope", choices=["all", "decode"], default="all",
                    help="route every token (all, default) or generated tokens only (decode)")
