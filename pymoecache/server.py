@@ -48,6 +48,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Optional, Union
@@ -295,7 +296,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
                max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
                n_parallel: int = 1, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
-               **llama_kwargs):
+               slot_save_path: "str | Path | None" = None, **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
@@ -314,6 +315,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     n_parallel: slots, as llama-server's -np: requests held at once besides the queue. One model
     decodes one sequence at a time (the expert cache follows it), so the slots take turns in order
     of arrival; /slots shows which one is decoding.
+
+    slot_save_path: a directory for llama-server's slot files (``POST /slots/{id}?action=save|restore|erase``,
+    server_slots.py); without it those actions answer 501.
 
     chat_template: one of llama.cpp's built-in template names; chat_template_file: a Jinja template
     file. Default: the model's own template rendered by Jinja (llama-server --jinja), ChatML for a
@@ -335,6 +339,15 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     from . import __version__
 
+    slot_dir = None
+    if slot_save_path is not None:  # made where missing, as llama-server does (before the model loads)
+        slot_dir = os.fspath(slot_save_path)
+        try:
+            os.makedirs(slot_dir, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"--slot-save-path {slot_dir} is not a directory") from None
+        except OSError as e:
+            raise ConfigError(f"--slot-save-path {slot_dir}: {e.strerror}") from None
     cache = cache if cache is not None else CacheConfig()
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     if routing is None:  # as Llama: the default preset (top-k where every expert is cached)
@@ -655,6 +668,27 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         states = ["generating"] * generating + ["waiting"] * waiting
         return [{"id": i, "n_ctx": n_ctx, "is_processing": i < len(states) and states[i] == "generating",
                  "state": states[i] if i < len(states) else "idle"} for i in range(n_parallel)]
+
+    from . import server_slots
+
+    async def slot_action(id_slot, request, action=""):
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            raw = await request.body()
+            try:
+                slot = int(id_slot)
+            except ValueError:
+                raise RequestError(f"slot id {id_slot[:20]!r} is not a number", 400, "id_slot") from None
+            async with contextlib.asynccontextmanager(app_mod.get_llama_proxy)() as lp:
+                return JSONResponse(await run_in_threadpool(server_slots.handle, lp(), slot_dir, n_parallel, slot,
+                                                            action, raw))
+        except RequestError as e:
+            return e.response()
+    slot_action.__annotations__ = {"id_slot": str, "request": Request, "action": str}  # (real classes, as above)
+    ours.add_api_route("/slots/{id_slot}", slot_action, methods=["POST"], tags=["llama-server"], dependencies=auth,
+                       summary="Save, restore or erase a slot's conversation (llama-server's slot actions; serve "
+                               "--slot-save-path DIR)")
 
     @ours.get("/metrics", summary="Prometheus metrics (llama-server's names, and the expert cache's)",
               tags=["pymoecache"], dependencies=auth)

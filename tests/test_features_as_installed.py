@@ -397,3 +397,66 @@ def test_speed_forecast_in_info_bench_and_the_plan(fixture_dir, tmp_path):
     assert said and "forecast for lru" not in r.stdout, r.stdout
     r = installed(tmp_path, "info", model_path(fixture_dir, "dense-llama"), "--forecast")
     assert r.returncode == 2 and "--forecast is for MoE models" in r.stderr, r.stderr
+
+
+def test_slot_save_and_restore(fixture_dir, tmp_path):
+    """Issue 55 item 4 (llama-server's slot files): a conversation saved to a slot file and restored after
+    another request continues with the same tokens as one never interrupted, its history evaluated by
+    no one (prompt_n) and routed through no expert; bad files and names are refused and the server goes on."""
+    import urllib.error
+
+    m = model_path(fixture_dir, MODEL)
+    slots = tmp_path / "slots"
+
+    def post(base, path, body):
+        try:
+            status, text = http_request(base + path, body)
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        return status, json.loads(text)
+
+    (tmp_path / "a-file").write_text("x")
+    r = installed(tmp_path, "serve", m, "--slot-save-path", tmp_path / "a-file", "--port", str(free_port()))
+    assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
+    greedy = {"n_predict": 8, "temperature": 0}
+    first = {"prompt": "Once upon a time", **greedy}
+    with installed_server(tmp_path, m, "--routing", "lru") as base:  # (no --slot-save-path: off)
+        status, r = post(base, "/slots/0?action=save", {"filename": "a.bin"})
+        assert status == 501 and "--slot-save-path" in r["error"]["message"], r
+        _, a = post(base, "/completion", first)
+        follow = {"prompt": "Once upon a time" + a["content"] + " and then", **greedy}
+        _, uninterrupted = post(base, "/completion", follow)
+    with installed_server(tmp_path, m, "--routing", "lru", "--slot-save-path", slots) as base:
+        _, a2 = post(base, "/completion", first)
+        assert a2["content"] == a["content"]
+        status, saved = post(base, "/slots/0?action=save", {"filename": "conversation.bin"})
+        assert status == 200 and saved["n_saved"] > 0 and (slots / "conversation.bin").stat().st_size == saved["n_written"]
+        post(base, "/completion", {"prompt": "The king said nothing at all to", **greedy})  # another conversation
+        status, restored = post(base, "/slots/0?action=restore", {"filename": "conversation.bin"})
+        assert status == 200 and restored["n_restored"] == saved["n_saved"], restored
+        _, cont = post(base, "/completion", follow)
+        assert cont["content"] == uninterrupted["content"]
+        # only what follows the restored conversation was evaluated, and routed through the experts
+        assert cont["timings"]["prompt_n"] <= cont["tokens_evaluated"] - saved["n_saved"] + 1
+        assert cont["moecache"]["tokens"] < cont["tokens_evaluated"], cont["moecache"]
+        # refused: a file that is not one, a path, a missing file, a slot that does not exist, an unknown action
+        good = (slots / "conversation.bin").read_bytes()  # magic, version, then a token count and tokens: garbage after
+        (slots / "junk.bin").write_bytes(good[:8] + (3).to_bytes(4, "little") + b"\x05\0\0\0" * 3 + b"\xff" * 256)
+        (slots / "text.bin").write_text("hello")
+        (slots / "cut.bin").write_bytes(good[:len(good) // 2])  # truncated
+        for path, body, status, words in (
+                ("/slots/0?action=restore", {"filename": "junk.bin"}, 400, "not a slot file of this model"),
+                ("/slots/0?action=restore", {"filename": "text.bin"}, 400, "is not a slot file"),
+                ("/slots/0?action=restore", {"filename": "cut.bin"}, 400, "not a slot file of this model"),
+                ("/slots/0?action=restore", {"filename": "../x.bin"}, 400, "not a plain file name"),
+                ("/slots/0?action=save", {"filename": ".hidden"}, 400, "not a plain file name"),
+                ("/slots/0?action=restore", {"filename": "none.bin"}, 404, "no slot file"),
+                ("/slots/3?action=save", {"filename": "a.bin"}, 400, "does not exist"),
+                ("/slots/0?action=copy", {"filename": "a.bin"}, 400, "unknown action")):
+            got, r = post(base, path, body)
+            assert got == status and words in r["error"]["message"], (path, body, r)
+        status, erased = post(base, "/slots/0?action=erase", {})
+        assert status == 200 and erased["n_erased"] == 0  # (the junk file emptied the slot)
+        _, again = post(base, "/completion", first)  # the server goes on
+        assert again["content"] == a["content"]
+        assert sorted(p.name for p in slots.iterdir()) == ["conversation.bin", "cut.bin", "junk.bin", "text.bin"]

@@ -81,7 +81,7 @@ def cmd_serve(args) -> int:
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
                      n_parallel=args.parallel, chat_template=args.chat_template,
-                     chat_template_file=args.chat_template_file, **kw)
+                     chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, **kw)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
     plan = app.state.memory_plan
@@ -127,6 +127,10 @@ def add_command(subparsers) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs one line per request (default %(default)s)")
     s.add_argument("--slots", action="store_true", help="llama-server's flag: /slots is always on here")
+    s.add_argument("--slot-save-path", metavar="DIR", default=None,
+                   help="where POST /slots/ID?action=save writes a slot's conversation (its tokens and KV cache) "
+                        "and action=restore reads one back, as llama-server (made if missing; default: none, "
+                        "those actions answer 501)")
     s.add_argument("--metrics", action="store_true",
                    help="llama-server's flag: /metrics (Prometheus text, llama-server's counters and the expert "
                         "cache's) is always on here")
