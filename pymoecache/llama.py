@@ -912,6 +912,34 @@ class Llama(llama_cpp.Llama):
         if getattr(self, "moecache", None) is not None:
             self.moecache.begin_request()
 
+    _prompt_cache = None  # a pymoecache.prompt_cache.PromptCache that generate() restores from and saves to
+
+    def set_prompt_cache(self, cache) -> None:
+        """Keep conversations on disk by their tokens (a :class:`pymoecache.prompt_cache.PromptCache`, or
+        None to stop): each generation first loads the kept conversation sharing the longest prefix with
+        its prompt, so only the rest is decoded (and the history reads no expert), then keeps its own.
+
+        >>> from pymoecache.prompt_cache import PromptCache
+        >>> llm.set_prompt_cache(PromptCache("~/.cache/pymoecache/prompts"))     # doctest: +SKIP
+        """
+        from .prompt_cache import PromptCache
+
+        if cache is not None and not isinstance(cache, PromptCache):
+            raise ConfigError(f"set_prompt_cache takes a pymoecache.prompt_cache.PromptCache or None, got {cache!r}")
+        self._prompt_cache = cache
+
+    def generate(self, tokens, *args, **kwargs):
+        """llama_cpp.Llama.generate, with the prompt cache (set_prompt_cache) around it."""
+        cache = self._prompt_cache
+        if cache is None:
+            yield from super().generate(tokens, *args, **kwargs)
+            return
+        cache.restore(self, list(tokens))
+        try:
+            yield from super().generate(tokens, *args, **kwargs)
+        finally:
+            cache.save(self)
+
     def reset_moe_stats(self) -> None:
         cache = self._require_cache()
         with self._token_lock:

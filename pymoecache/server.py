@@ -296,7 +296,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
                max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
                n_parallel: int = 1, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
-               slot_save_path: "str | Path | None" = None, **llama_kwargs):
+               slot_save_path: "str | Path | None" = None, prompt_cache=None, **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints,
     plus ``GET /moecache/stats``. Loads the model now (errors surface here, not at the first request).
     Run it with ``uvicorn.run(app, host=..., port=...)``.
@@ -316,6 +316,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     decodes one sequence at a time (the expert cache follows it), so the slots take turns in order
     of arrival; /slots shows which one is decoding.
 
+    prompt_cache: a :class:`pymoecache.prompt_cache.PromptCache` every completion restores from and saves to.
     slot_save_path: a directory for llama-server's slot files (``POST /slots/{id}?action=save|restore|erase``,
     server_slots.py); without it those actions answer 501.
 
@@ -393,6 +394,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     choice = getattr(proxy(), "cache_choice", None)  # what cache size "auto" chose and why
     app.state.cache_choice = str(choice) if choice is not None else None
     app.state.memory_plan = proxy().memory_plan()
+    proxy().set_prompt_cache(prompt_cache)
     app.state.chat_template = proxy().chat_template.label
     app.state.profile_pinned = None
     if profile is not None:

@@ -460,3 +460,44 @@ def test_slot_save_and_restore(fixture_dir, tmp_path):
         _, again = post(base, "/completion", first)  # the server goes on
         assert again["content"] == a["content"]
         assert sorted(p.name for p in slots.iterdir()) == ["conversation.bin", "cut.bin", "junk.bin", "text.bin"]
+
+
+def test_prompt_cache_on_disk(fixture_dir, tmp_path):
+    """Issue 55 item 4 (a disk prompt cache keyed by tokens, for serve and chat): a prompt that begins with a
+    kept conversation, after another conversation and after a restart, decodes only the rest (prompt_n; its
+    history routes through no expert) and gives the same tokens as never interrupted."""
+    m = model_path(fixture_dir, MODEL)
+    store = tmp_path / "prompts"
+    greedy = {"n_predict": 8, "temperature": 0}
+    first = {"prompt": "Once upon a time there was a little cat who lived in a house", **greedy}
+
+    def post(base, body):
+        return json.loads(http_request(base + "/completion", body)[1])
+
+    with installed_server(tmp_path, m, "--routing", "lru") as base:
+        a = post(base, first)
+        follow = {"prompt": first["prompt"] + a["content"] + " and then", **greedy}
+        uninterrupted = post(base, follow)
+    with installed_server(tmp_path, m, "--routing", "lru", "--prompt-cache-dir", store) as base:
+        assert post(base, first)["content"] == a["content"]
+        post(base, {"prompt": "The king said nothing at all to the queen that night", **greedy})  # another one
+        cont = post(base, follow)
+    assert cont["content"] == uninterrupted["content"]
+    n_kept = len(first["prompt"]) // 8  # (well below the first conversation's tokens)
+    assert cont["timings"]["prompt_n"] < cont["tokens_evaluated"] - n_kept, cont["timings"]
+    assert cont["moecache"]["tokens"] < cont["tokens_evaluated"] - n_kept, cont["moecache"]
+    assert list(store.glob("*.prompt"))
+    with installed_server(tmp_path, m, "--routing", "lru", "--prompt-cache-dir", store) as base:  # a restart
+        again = post(base, follow)
+    assert again["content"] == uninterrupted["content"] and again["timings"]["prompt_n"] < again["tokens_evaluated"] - n_kept
+    # chat: the same system prompt again in a new process is not prefilled again
+    runs = [installed(tmp_path, "chat", m, "--prompt-cache-dir", store, "-sys", "You are a helpful assistant who "
+                      "answers every question about cats in one short sentence.", "-p", "Hi", "-st", "-n", "4",
+                      "--temp", "0", "--routing", "lru") for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    answers = [r.stdout.split("> Hi", 1)[-1].strip().splitlines()[0] for r in runs]
+    loaded = [float(re.search(r"loaded ([\d.]+) MiB", r.stdout + r.stderr).group(1)) for r in runs]
+    assert answers[0] == answers[1] and loaded[1] < loaded[0], (answers, loaded)  # (the second routed the reply only)
+    (tmp_path / "not-a-dir").write_text("x")
+    r = installed(tmp_path, "chat", m, "--prompt-cache-dir", tmp_path / "not-a-dir", "-p", "Hi", "-st")
+    assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr

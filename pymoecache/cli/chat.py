@@ -20,11 +20,11 @@ import sys
 import threading
 from typing import List, Optional
 
-from .options import (UserError, add_conversation_options, add_hub_options, add_model_argument, add_routing_options,
-                      add_runtime_options, add_sampling_options, chat_template_from_args, check_profile_args,
-                      load_profile_from_args,
-                      prompt_text, read_text_file, resolve_model, routing_from_args, sampling_kwargs,
-                      save_profile_from_args, system_prompt, use_color)
+from .options import (UserError, add_conversation_options, add_hub_options, add_model_argument, add_prompt_cache_options,
+                      add_routing_options, add_runtime_options, add_sampling_options, chat_template_from_args,
+                      check_profile_args, load_profile_from_args, prompt_cache_from_args, prompt_text, read_text_file,
+                      resolve_model, routing_from_args, sampling_kwargs, save_profile_from_args, system_prompt,
+                      use_color)
 
 HELP = """commands:
   /stats          cache statistics so far, and since the last /stats
@@ -210,7 +210,9 @@ def cmd_chat(args) -> int:
     pending = [first] if first is not None else []
     check_profile_args(args)
     model = resolve_model(args.model, args)
+    prompts = prompt_cache_from_args(args)  # (a bad directory: said before the model loads)
     llm = llama_from_args(args, routing, model, dense_ok=True)
+    llm.set_prompt_cache(prompts)
     if llm.moecache is None and args.profile:
         llm.close()
         raise UserError(f"{model} is a dense model: --profile records experts, and it has none")
@@ -370,6 +372,7 @@ def add_command(sub) -> None:
                         "(default %(default)s)")
     add_conversation_options(c)
     add_runtime_options(c)
+    add_prompt_cache_options(c)
     add_sampling_options(c, temp_default=0.8)
     add_hub_options(c)
     add_routing_options(c, profile=True)

@@ -725,3 +725,30 @@ def resolve_model(path: Optional[str], args=None) -> str:
     p = default_model_path()
     print(f"using the embedded default model: {p}", file=sys.stderr)
     return str(p)
+
+
+def add_prompt_cache_options(p) -> None:
+    """--prompt-cache-dir / --prompt-cache-size (chat, serve): conversations kept on disk by their tokens."""
+    p.add_argument("--prompt-cache-dir", metavar="DIR", default=None,
+                   help="keep conversations on disk by their tokens (made if missing): a prompt that begins with "
+                        "a kept one is not prefilled again, across conversations, requests and restarts "
+                        "(default: none)")
+    p.add_argument("--prompt-cache-size", metavar="SIZE", default="2GiB",
+                   help="most bytes of --prompt-cache-dir, the least recently used dropped first (default %(default)s)")
+
+
+def prompt_cache_from_args(args):
+    """The PromptCache of --prompt-cache-dir, or None; UserError for a bad size or directory."""
+    from ..config import parse_bytes
+    from ..errors import Error
+    from ..prompt_cache import PromptCache
+
+    if getattr(args, "prompt_cache_dir", None) is None:
+        return None
+    size = parse_bytes(args.prompt_cache_size)
+    if not size:
+        raise UserError(f"--prompt-cache-size {args.prompt_cache_size!r}: give bytes such as 2GiB, 512M")
+    try:
+        return PromptCache(args.prompt_cache_dir, size)
+    except Error as e:
+        raise UserError(f"--prompt-cache-dir: {e}") from None

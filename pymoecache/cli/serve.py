@@ -12,8 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from .options import (UserError, add_hub_options, add_model_argument, add_routing_options, add_runtime_options,
-                      add_template_options, cache_from_args, check_profile_args, resolve_model, routing_from_args, runtime_kwargs)
+from .options import (UserError, add_hub_options, add_model_argument, add_prompt_cache_options, add_routing_options,
+                      add_runtime_options, add_template_options, cache_from_args, check_profile_args,
+                      prompt_cache_from_args, resolve_model, routing_from_args, runtime_kwargs)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -75,13 +76,14 @@ def cmd_serve(args) -> int:
     if not info.is_moe:
         raise UserError(f"{model} has no MoE layers (a dense model): there are no experts to cache")
     kw = runtime_kwargs(args)
+    prompts = prompt_cache_from_args(args)
     ctx_note = ""
     if args.ctx == 0:  # llama-server's -c 0: the model's training context, capped by the memory
         kw["n_ctx"], ctx_note = serve_context(info)
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
                      n_parallel=args.parallel, chat_template=args.chat_template,
-                     chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, **kw)
+                     chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, prompt_cache=prompts, **kw)
     url = f"http://{args.host}:{args.port}"
     choice = getattr(app.state, "cache_choice", None)
     plan = app.state.memory_plan
@@ -138,6 +140,7 @@ def add_command(subparsers) -> None:
                    help="llama-server's embeddings: refused, a generation model computes none here")
     s.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None, metavar="N",
                    help="llama-server's tokens per request: refused, each request says how many (max_tokens)")
+    add_prompt_cache_options(s)
     add_template_options(s, serve=True)
     add_hub_options(s)
     add_routing_options(s, profile=True)
