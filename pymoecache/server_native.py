@@ -22,7 +22,7 @@ import math
 import time
 from typing import Dict, Iterator, List
 
-from .server_requests import RequestError, _check_messages, check_grammar, json_object
+from .server_requests import RequestError, _check_messages, check_grammar, json_object, schema_grammar
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -148,21 +148,6 @@ class NativeCompletion:
         for name in ("return_tokens", "stream"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"'{name}' must be true or false", 400, name)
-
-
-def schema_grammar(schema, param: str) -> str:
-    """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
-    llama-server reads it); RequestError (400) where the schema cannot be converted."""
-    import json
-
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    if not isinstance(schema, dict):
-        raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
-    try:
-        return json_schema_to_gbnf(json.dumps(schema or {"type": "object"}))
-    except Exception as e:  # the converter raises anything from KeyError to RecursionError
-        raise RequestError(f"'{param}' cannot be turned into a grammar: {str(e)[:200]}", 400, param) from None
 
 
 def _token_probs(llm, steps) -> List[dict]:

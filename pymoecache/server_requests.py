@@ -66,6 +66,21 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
         raise RequestError(f"'{param}' " + str(e).removeprefix("grammar: "), 400, param) from None
 
 
+def schema_grammar(schema, param: str) -> str:
+    """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
+    llama-server reads it); RequestError (400) where the schema cannot be converted."""
+    import json
+
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
+    try:
+        return json_schema_to_gbnf(json.dumps(schema or {"type": "object"}))
+    except Exception as e:  # the converter raises anything from KeyError to RecursionError
+        raise RequestError(f"'{param}' cannot be turned into a grammar: {str(e)[:200]}", 400, param) from None
+
+
 # sampling fields: (lowest, highest); NaN is out of every range (JSON parsers here accept NaN)
 _SAMPLING_RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
                     "repeat_penalty": (0.0, 1e6), "presence_penalty": (-1e6, 1e6), "frequency_penalty": (-1e6, 1e6),
@@ -226,8 +241,6 @@ def validate_request(llm, path: str, raw: bytes):
         check_grammar(llm, body.grammar)
     rf = d.get("response_format") if chat else None
     if isinstance(rf, dict) and rf.get("schema") is not None:
-        from .server_native import schema_grammar
-
         check_grammar(llm, schema_grammar(rf["schema"], "response_format.schema"), "response_format.schema")
     if not chat:
         prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
