@@ -106,7 +106,10 @@ class PromptCache:
         llm.input_ids[:n] = buf[:n]
         llm.n_tokens = n
         llm._requires_eval = True  # (its last token's logits are not kept: evaluated again)
-        os.utime(best)  # (recently used)
+        try:
+            os.utime(best)  # (recently used)
+        except OSError:
+            pass
         self.restored += 1
         self.restored_tokens += min(n, gain)
         return min(n, gain)
@@ -121,8 +124,11 @@ class PromptCache:
         tokens = tuple(llm.input_ids[:n].tolist())
         name = hashlib.sha1(repr(tokens).encode()).hexdigest()[:24] + ".prompt"
         path = self.directory / name
-        if path in self.entries:
-            os.utime(path)
+        if path in self.entries and path.exists():
+            try:
+                os.utime(path)
+            except OSError:
+                pass
             return path
         tmp = self.directory / (name + ".tmp")
         arr = (llama_cpp.llama_token * n)(*tokens)
