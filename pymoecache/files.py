@@ -116,6 +116,19 @@ def remove_stale_temporaries(target: str) -> int:
     return removed
 
 
+def make_directory(path: "os.PathLike[str] | str", what: str, error: Type[Error]) -> str:
+    """``path`` as a directory, made with its parents where missing (as llama-server makes its slot
+    directory); ``error`` where it is something else or cannot be made."""
+    p = os.fspath(path)
+    try:
+        os.makedirs(p, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise error(f"{what} {p} is not a directory") from None
+    except OSError as e:
+        raise error(f"{what} {p}: {e.strerror}") from None
+    return p
+
+
 def writable_target(path: "os.PathLike[str] | str", what: str, error: Type[Error] = StateFileError) -> str:
     """The file to rename over: ``path`` or, for a link to a regular file, where it points. Raises
     ``error`` for a NUL in the path, a target that is not a regular file, or a link loop."""

@@ -929,11 +929,12 @@ class Llama(llama_cpp.Llama):
         self._prompt_cache = cache
 
     def generate(self, tokens, *args, **kwargs):
-        """llama_cpp.Llama.generate, with the prompt cache (set_prompt_cache) around it."""
-        cache = self._prompt_cache
-        if cache is None:
-            yield from super().generate(tokens, *args, **kwargs)
-            return
+        """llama_cpp.Llama.generate, with the prompt cache (set_prompt_cache) around it where one is set."""
+        if self._prompt_cache is None:
+            return super().generate(tokens, *args, **kwargs)
+        return self._generate_cached(self._prompt_cache, tokens, *args, **kwargs)
+
+    def _generate_cached(self, cache, tokens, *args, **kwargs):
         cache.restore(self, list(tokens))
         try:
             yield from super().generate(tokens, *args, **kwargs)

@@ -23,9 +23,25 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
+from .files import make_directory
 
 _SEQ_MAGIC = 0x67677371  # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
 _MIN_GAIN = 8            # tokens a restore must save over what the context holds
+
+
+def adopt_conversation(llm, tokens) -> None:
+    """After llama.cpp has loaded a conversation's KV cache into ``llm``'s context: its tokens as the
+    context's, so that the next prompt beginning with them decodes only the rest (the last token's logits
+    are not kept: llama-cpp-python evaluates it again)."""
+    llm.input_ids[:len(tokens)] = tokens
+    llm.n_tokens = len(tokens)
+    llm._requires_eval = True
+
+
+def empty_context(llm) -> None:
+    """``llm``'s context emptied (no tokens, no KV cache): what a load that failed halfway leaves."""
+    llm.reset()
+    llm._ctx.kv_cache_clear()
 
 
 def _lcp(a, b) -> int:
@@ -63,12 +79,7 @@ class PromptCache:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ConfigError(f"prompt cache capacity must be a positive number of bytes, got {capacity!r}")
         self.capacity = capacity
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ConfigError(f"prompt cache {self.directory} is not a directory") from None
-        except OSError as e:
-            raise ConfigError(f"prompt cache {self.directory}: {e.strerror}") from None
+        make_directory(self.directory, "prompt cache", ConfigError)
         self._lock = threading.Lock()
         self.entries: Dict[Path, Tuple[int, ...]] = {}
         for p in self.directory.glob("*.prompt"):  # (files that are not entries are left alone and unused)
@@ -99,13 +110,10 @@ class PromptCache:
                                                    ctypes.byref(n_out)) or not 0 < n_out.value <= n_ctx:
             with self._lock:  # (not one of this model and context, or gone: dropped, the context emptied)
                 self.entries.pop(best, None)
-            llm.reset()
-            llm._ctx.kv_cache_clear()
+            empty_context(llm)
             return 0
         n = int(n_out.value)
-        llm.input_ids[:n] = buf[:n]
-        llm.n_tokens = n
-        llm._requires_eval = True  # (its last token's logits are not kept: evaluated again)
+        adopt_conversation(llm, buf[:n])
         try:
             os.utime(best)  # (recently used)
         except OSError:

@@ -48,7 +48,6 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Optional, Union
@@ -340,15 +339,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     from . import __version__
 
-    slot_dir = None
-    if slot_save_path is not None:  # made where missing, as llama-server does (before the model loads)
-        slot_dir = os.fspath(slot_save_path)
-        try:
-            os.makedirs(slot_dir, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ConfigError(f"--slot-save-path {slot_dir} is not a directory") from None
-        except OSError as e:
-            raise ConfigError(f"--slot-save-path {slot_dir}: {e.strerror}") from None
+    from .files import make_directory
+
+    # (made where missing, as llama-server does, before the model loads)
+    slot_dir = make_directory(slot_save_path, "--slot-save-path", ConfigError) if slot_save_path is not None else None
     cache = cache if cache is not None else CacheConfig()
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     if routing is None:  # as Llama: the default preset (top-k where every expert is cached)

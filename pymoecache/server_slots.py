@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from .prompt_cache import adopt_conversation, empty_context
 from .server_requests import RequestError, json_object
 
 _SESSION_MAGIC = 0x6767736E  # 'ggsn', llama.cpp's LLAMA_SESSION_MAGIC
@@ -44,8 +45,7 @@ def handle(llm, directory: "str | None", n_slots: int, id_slot: int, action: str
                            "id_slot")
     if action == "erase":
         n = llm.n_tokens
-        llm.reset()
-        llm._ctx.kv_cache_clear()
+        empty_context(llm)
         return {"id_slot": id_slot, "n_erased": n}
     if action not in ("save", "restore"):
         raise RequestError(f"unknown action {action!r}: save, restore or erase", 400, "action")
@@ -105,12 +105,9 @@ def restore(llm, path: Path, id_slot: int) -> dict:
     ok = llama_cpp.llama_state_load_file(llm._ctx.ctx, str(path).encode(), tokens, n_ctx, ctypes.byref(n_out))
     n = int(n_out.value)
     if not ok or not 0 < n <= n_ctx or any(not 0 <= t < llm.n_vocab() for t in tokens[:n]):
-        llm.reset()  # (what llama.cpp read so far is not a conversation: start from an empty context)
-        llm._ctx.kv_cache_clear()
+        empty_context(llm)  # (what llama.cpp read so far is not a conversation)
         raise RequestError(f"{path.name} is not a slot file of this model and context (a conversation of at most "
                            f"{n_ctx} tokens saved by this model): the slot is now empty", 400, "filename")
-    llm.input_ids[:n] = tokens[:n]
-    llm.n_tokens = n
-    llm._requires_eval = True  # (the logits of its last token are not restored: it is evaluated again)
+    adopt_conversation(llm, tokens[:n])
     return {"id_slot": id_slot, "filename": path.name, "n_restored": n, "n_read": path.stat().st_size,
             "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
