@@ -138,6 +138,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("vram_t_copy_ms", c_double),
         ("unified_bytes", c_int64),
         ("unified_layers", c_int32),
+        ("vram_slots", c_int32),
         ("lowbit_bytes", c_int64),
         ("lowbit_loads", c_int64),
         ("lowbit_bytes_read", c_int64),

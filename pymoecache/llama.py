@@ -214,8 +214,9 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
     "full"): "auto" (and None, the default) becomes "lowbit-cache" where a usable companion is
     found ("lowbit" with lowbit_in_ram), else "full": said once with the reason for "auto",
     quietly for the default unless a companion is there but unusable. gpu: the model has GPU
-    layers (the low-bit paths run on the CPU only). ConfigError / CompanionError for a mode that
-    cannot run."""
+    layers: there only lowbit-cache runs (the host slots, a VRAM tier and unified memory hold the
+    companion's copies), the per-miss pools stay on the CPU only. ConfigError / CompanionError for a
+    mode that cannot run."""
     miss = cache.miss or "auto"
     if miss == "full":
         if cache.lowbit is not None:
@@ -234,11 +235,13 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
             return full, None
         raise ConfigError(f"miss={miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
-    if cache.vram_size or cache.unified == "on" or gpu:
+    device = cache.vram_size or cache.unified == "on" or gpu
+    if device and miss in ("lowbit", "lowbit-all") or (device and miss == "auto" and cache.lowbit_in_ram):
         if miss == "auto" and cache.lowbit is None:
             return full, None
         raise ConfigError(f"miss={miss!r} with GPU layers, a VRAM tier (vram_size) or unified memory is not "
-                          "supported yet")
+                          "supported yet (miss='lowbit-cache' is: the slots, the GPU's copies and the experts "
+                          "computed in place all hold the companion's)")
     if cache.miss is None and cache.lowbit is None and not lb.default_path(model_path).exists():
         return full, None  # (the default, and no companion beside the model: nothing to say)
     try:
@@ -632,6 +635,9 @@ class Llama(llama_cpp.Llama):
                     n_cached = int(self.moecache.stats().capacity_per_layer.max())  # as fit in the memory
                     self._plan = dataclasses.replace(self._plan, n_cached=n_cached, slot_bytes=low_bytes,
                                                      expert_bytes=low_bytes)
+            if self.moecache is not None:  # the VRAM tier, as the library made it
+                rs = self.moecache.residency_stats()
+                self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes)
         return self._plan
 
     def _enter(self) -> None:

@@ -237,6 +237,9 @@ class MemoryPlan:
     lowbit_bytes: float = 0.0  # one expert of one layer in the low-bit companion
     lowbit_in_ram: bool = False  # every low-bit copy in memory (else K slots per layer, read per token)
     lowbit_name: str = ""     # the companion in use: its file name and the types its experts are at
+    n_vram: int = 0           # experts per layer in the VRAM tier's device slots (CacheConfig.vram_size; with
+                              #   lowbit-cache, the low-bit copies that fit in that many experts' bytes)
+    vram_bytes: int = 0       # GPU memory of the tier (every layer's slots and a zero slot)
 
     @property
     def streamed(self) -> bool:
@@ -324,7 +327,18 @@ class MemoryPlan:
                 f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
                 + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
                 f"{_fmt(self.headroom)}{' (too little: expect page faults)' if self.headroom < 64 << 20 else ''}; "
-                f"decode {self.decode_text()}")
+                + (f"{self.vram_text()}; " if self.n_vram else "") + f"decode {self.decode_text()}")
+
+    def vram_text(self) -> str:
+        """What the VRAM tier holds, in GPU memory beside the sum above.
+
+        >>> MemoryPlan(available=1, budget_from="free", dense=0, kv=0, n_ctx=1, n_cached=60, n_spare=0, n_expert=60,
+        ...            n_expert_used=4, n_moe_layer=4, slot_bytes=1, expert_bytes=1, disk_bytes_per_s=0,
+        ...            miss="lowbit-cache", n_vram=9, vram_bytes=168960).vram_text()
+        'VRAM tier 9 of 60 per layer low-bit in 0.16 MiB of GPU memory'
+        """
+        return (f"VRAM tier {self.n_vram} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
+                + f" in {_fmt(self.vram_bytes)} of GPU memory")
 
     def rows(self) -> List[tuple]:
         """(what, value) rows for ``info``'s table."""
@@ -337,6 +351,7 @@ class MemoryPlan:
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
              + ("" if self.streamed else ", all of them: nothing streamed")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),
+            *((("  VRAM tier", self.vram_text()[len("VRAM tier "):]),) if self.n_vram else ()),
             ("  headroom", _fmt(self.headroom) + (" (too little: expect page faults)"
                                                   if self.headroom < 64 << 20 else "")),
             ("disk", f"{self.disk_bytes_per_s / 1e6:.0f} MB/s (probed, direct reads of expert size)"

@@ -71,6 +71,7 @@ class ResidencyStats:
     vram_t_copy_ms: float = 0.0
     unified_bytes: int = 0           # CacheConfig.unified: host slots the GPU computes on in place
     unified_layers: int = 0          #   and the MoE layers computed so
+    vram_slots: int = 0              # device slots per layer of the VRAM tier (with lowbit-cache: the copies that fit)
     # low-bit misses (CacheConfig.miss): decoded tokens' selections computed from the low-bit companion
     lowbit_bytes: int = 0            # memory of the low-bit pools
     lowbit_loads: int = 0            # selections computed from the companion
@@ -160,7 +161,7 @@ class ResidencyStats:
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
                 "vram_ahead": self.vram_ahead, "vram_ahead_used": self.vram_ahead_used,
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
-                "unified_layers": self.unified_layers, "lowbit_bytes": self.lowbit_bytes,
+                "unified_layers": self.unified_layers, "vram_slots": self.vram_slots, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
                 "lowbit_behind": self.lowbit_behind, "miss": self.miss,
                 "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token}

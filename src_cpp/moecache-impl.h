@@ -438,7 +438,7 @@ int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
 int64_t       moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
                                    int64_t n); // the time it spent copying up, not waiting for reads (us)
-void          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
+bool          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
 // the predicted experts of T that its host cache holds, copied up ahead of T's routing (prefetch);
 // begin: at T's residency op, before its host slots change, the copies up made for T end
 void          moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n);

@@ -102,8 +102,9 @@ int32_t moecache_lowbit_open(moecache & mc) {
         return fail("lowbit is on but lowbit_path names no file (make one with `pymoecache lowbit MODEL`)");
     }
     for (const moecache_layer & L : mc.layers) {
-        if (L.vram.n > 0 || L.uni.dev) {
-            return fail("lowbit with a VRAM tier or unified memory is not supported");
+        if ((L.vram.n > 0 || L.uni.dev) && cp.lowbit != MOECACHE_LOWBIT_SOURCE) {
+            return fail("a low-bit pool beside a VRAM tier or unified memory is not supported (lowbit SOURCE is: the "
+                        "slots and the device's copies hold the companion's experts)");
         }
     }
     const std::string path = cp.lowbit_path;
@@ -155,9 +156,13 @@ int32_t moecache_lowbit_open(moecache & mc) {
             x.src_off  = L.low.off[k];
             x.src_nb2  = L.low.nb2[k];
         }
-        const int64_t fit = (int64_t) ((double) L.capacity * (double) L.res.expert_bytes /
-                                       (double) moecache_slot_bytes(L));
+        const double  ratio = (double) L.res.expert_bytes / (double) moecache_slot_bytes(L);
+        const int64_t fit   = (int64_t) ((double) L.capacity * ratio);
         L.capacity = (int32_t) std::min<int64_t>(mc.n_expert, std::max<int64_t>(fit, L.capacity));
+        if (L.vram.n > 0) { // the VRAM tier too: as many copies as fit in the device bytes of n_vram experts
+            const int64_t fit_vram = (int64_t) ((double) L.vram.n * ratio);
+            L.vram.n = (int32_t) std::min<int64_t>(mc.n_expert, std::max<int64_t>(fit_vram, L.vram.n));
+        }
     }
     return MOECACHE_OK;
 }

@@ -45,7 +45,11 @@
 #include "llama-model.h" // llama_layer: where the layer's router weight lives
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <string>
+
+#include <unistd.h>
 
 ggml_backend_buffer_type_t moecache_layer_buft(const llama_model * model, int32_t il) {
     if (!model || il >= (int32_t) model->layers.size()) {
@@ -79,7 +83,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.ctx = ggml_init(ip);
         for (const moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            ggml_tensor * v = ggml_new_tensor_3d(L.vram.ctx, t->type, t->ne[0], t->ne[1], L.vram.n + 1);
+            ggml_tensor * v = ggml_new_tensor_3d(L.vram.ctx, x.src_type, t->ne[0], t->ne[1], L.vram.n + 1); // (lowbit SOURCE: the companion's type)
             ggml_format_name(v, "moecache.%s.vram", t->name);
             L.vram.t.push_back(v);
         }
@@ -168,7 +172,7 @@ static bool vram_auto_copies(const moecache & mc, const moecache_layer & L) {
         return false;
     }
     const double reuse = mc.rst.vram_copies > 0 ? (double) mc.rst.vram_hits / (double) mc.rst.vram_copies : 1.0;
-    return mc.vram_us_per_byte * (double) L.res.expert_bytes <= mc.vram_cpu_us * (1.0 + reuse);
+    return mc.vram_us_per_byte * (double) moecache_slot_bytes(L) <= mc.vram_cpu_us * (1.0 + reuse);
 }
 
 // sends the token's copies up from copy_sent on, each once its read is in: to the copier, or made
@@ -197,16 +201,16 @@ static int64_t vram_send(moecache & mc, moecache_layer & L, bool wait, int64_t &
             ggml_tensor * v = V.t[j];
             const char * src = (const char *) x.slots_t->data + (size_t) hs * x.slot_nb2;
             if (V.copier) {
-                ggml_backend_tensor_set_async(V.copier, v, src, (size_t) vs * v->nb[2], x.nb2);
+                ggml_backend_tensor_set_async(V.copier, v, src, (size_t) vs * v->nb[2], x.src_nb2);
             } else {
-                ggml_backend_tensor_set(v, src, (size_t) vs * v->nb[2], x.nb2);
+                ggml_backend_tensor_set(v, src, (size_t) vs * v->nb[2], x.src_nb2);
             }
         }
         const int64_t t2 = moecache_time_us();
         t_send += t2 - t1;
         mc.t_vram_copy_us += t2 - t1; // (its read's wait is I/O)
         if (!V.copier) { // made: on the timeline now (the copier's: once it is waited for)
-            moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, e, 1, t0, t1, t2, (int64_t) L.res.expert_bytes);
+            moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, e, 1, t0, t1, t2, (int64_t) moecache_slot_bytes(L));
         }
     }
     return t_send;
@@ -232,11 +236,11 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
         for (size_t i = 0; i < V.copy_e.size(); i++) {
             if (V.copy_t[i] > 0) { // (0: its read failed)
                 moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, V.copy_e[i], 1, V.copy_t0, V.copy_t[i], t1,
-                                     (int64_t) L.res.expert_bytes);
+                                     (int64_t) moecache_slot_bytes(L));
             }
         }
     }
-    const double bytes    = (double) L.res.expert_bytes * (double) V.copy_e.size();
+    const double bytes    = (double) moecache_slot_bytes(L) * (double) V.copy_e.size();
     const double per_byte = (double) std::max<int64_t>(t_send, 1) / bytes;
     mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
     V.copy_e.clear();
@@ -247,11 +251,29 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
     return t_send - t_before;
 }
 
+// len bytes of fd at off into dst; false on an error or a short file
+static bool read_whole(int fd, char * dst, size_t len, uint64_t off) {
+    size_t got = 0;
+    while (got < len) {
+        const ssize_t n = pread(fd, dst + got, len - got, (off_t) (off + got));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            return false;
+        }
+        got += (size_t) n;
+    }
+    return true;
+}
+
 // a warm start (moecache_profile_warm): the device slots of each layer get its n hottest experts of
-// the usage profile (never-selected ones stay out), copied from the model's mapping; the hottest is
-// the most recent. Their pages are dropped from memory again once the layer next runs.
-void moecache_vram_warm(moecache & mc) {
+// the usage profile (never-selected ones stay out), copied from the model's mapping (lowbit SOURCE:
+// read from the companion); the hottest is the most recent. The mapping's pages are dropped from
+// memory again once the layer next runs. False (the error set) when a companion's read fails.
+bool moecache_vram_warm(moecache & mc) {
     std::vector<int32_t> hot;
+    std::vector<char>    copy;
     for (moecache_layer & L : mc.layers) {
         if (L.vram.n == 0 || mc.profile_counts.empty()) {
             continue;
@@ -268,15 +290,27 @@ void moecache_vram_warm(moecache & mc) {
             const int32_t s = n_hot - 1 - i;
             for (size_t j = 0; j < L.res.xt.size(); j++) {
                 const moecache_expert_tensor & x = L.res.xt[j];
-                ggml_backend_tensor_set(L.vram.t[j], (const char *) x.model_t->data + (size_t) e * x.nb2,
-                                        (size_t) s * L.vram.t[j]->nb[2], x.nb2);
+                const char * src = (const char *) x.model_t->data + (size_t) e * x.nb2;
+                if (mc.cparams.lowbit == MOECACHE_LOWBIT_SOURCE) { // the companion's copy, from its file
+                    copy.resize(x.src_nb2);
+                    if (!read_whole(mc.fd_lowbit, copy.data(), x.src_nb2, x.src_off + (uint64_t) e * x.src_nb2)) {
+                        moecache_set_error("cannot read expert " + std::to_string(e) + " of " + x.model_t->name +
+                                           " from the low-bit companion '" + mc.src_path + "': " + strerror(errno ? errno : EIO));
+                        return false;
+                    }
+                    src = copy.data();
+                }
+                ggml_backend_tensor_set(L.vram.t[j], src, (size_t) s * L.vram.t[j]->nb[2], x.src_nb2);
             }
             L.vram.slot_expert[s] = e;
             L.vram.expert_slot[e] = s;
             L.vram.stamp[e]       = ++L.vram.clock;
-            mc.drop_pending.emplace_back(L.il, e);
+            if (mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE) {
+                mc.drop_pending.emplace_back(L.il, e);
+            }
         }
     }
+    return true;
 }
 
 // a device slot for e, claimed (its bytes: vram_send from host slot hs); the victim's bookkeeping
@@ -295,7 +329,7 @@ static void vram_claim(moecache & mc, moecache_layer & L, int32_t e, int32_t hs,
     V.copy_hs.push_back(hs);
     V.copy_vs.push_back(vs);
     V.copy_t.push_back(0);
-    mc.rst.vram_copy_bytes += (int64_t) L.res.expert_bytes;
+    mc.rst.vram_copy_bytes += (int64_t) moecache_slot_bytes(L);
 }
 
 void moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n) {

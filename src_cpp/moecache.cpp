@@ -518,7 +518,9 @@ extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
     const int32_t pinned = moecache_profile_warm_start(*mc, n_pin);
     if (pinned >= 0) {
         moecache_residency_hold_all(*mc); // (a layer whose slots hold every expert caches them all: none is evicted)
-        moecache_vram_warm(*mc); // (and the VRAM tier's device slots with the hottest of each layer)
+        if (!moecache_vram_warm(*mc)) { // (and the VRAM tier's device slots with the hottest of each layer)
+            return MOECACHE_ERR_IO;
+        }
     }
     return pinned;
 }
@@ -592,6 +594,10 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
     out->unified_bytes     = moecache_unified_bytes(*mc, &out->unified_layers);
+    out->vram_slots        = 0;
+    for (const moecache_layer & L : mc->layers) {
+        out->vram_slots = std::max(out->vram_slots, L.vram.n);
+    }
     int64_t decode_tokens = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {

@@ -191,7 +191,10 @@ enum moecache_lowbit {
                               //   experts, and holds as many companion copies as fit in their bytes (up
                               //   to N). What a user gets from a model with every expert at the low type,
                               //   from the same files. Prompts that do not find every expert in a slot
-                              //   compute from the model's mapping, at full precision
+                              //   compute from the model's mapping, at full precision. Beside GPU layers
+                              //   the VRAM tier holds the companion's copies too (its n_vram counts the
+                              //   model's experts, as the cache's size does: more of them fit), and
+                              //   unified memory computes them in place on the slots
 };
 
 // Unified memory (STREAM, GPU layers): whether the device of a layer's dense part computes the
@@ -308,15 +311,17 @@ struct moecache_cache_params {
                                   //   dense part is on a GPU (n_gpu_layers), in [0, N]. A decoded token's
                                   //   experts held there are computed on the device; the others as
                                   //   vram_fill says. The host cache (routing, hits, misses, reads) is
-                                  //   the same with or without it; 0 = none; default 0
+                                  //   the same with or without it. With lowbit SOURCE the device bytes of
+                                  //   n_vram experts hold as many companion copies as fit (up to N:
+                                  //   moecache_vram_cached lists them); 0 = none; default 0
     enum moecache_vram_fill vram_fill; // default MOECACHE_VRAM_FILL_AUTO
     enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on
                                   //   the host slots; a layer computed so has no VRAM tier (n_vram);
                                   //   default MOECACHE_UNIFIED_AUTO
     enum moecache_vram_copy vram_copy; // n_vram: default MOECACHE_VRAM_COPY_ASYNC
     enum moecache_lowbit lowbit;  // STREAM: which selections of a decoded token are computed from the low-bit
-                                  //   companion; default MOECACHE_LOWBIT_OFF (a VRAM tier or unified memory
-                                  //   with it: refused)
+                                  //   companion; default MOECACHE_LOWBIT_OFF (MISS and ALL with a VRAM tier
+                                  //   or unified memory: refused; SOURCE runs with both)
     const char * lowbit_path;     // lowbit != OFF: the companion GGUF (checked against the model at init:
                                   //   every routed expert tensor, same shape, a smaller type); default NULL
     bool lowbit_in_ram;           // lowbit != OFF: every expert's low-bit copy is read into host memory at
@@ -418,6 +423,8 @@ struct moecache_residency_stats {
     int64_t unified_bytes;        // host slots wrapped as device buffers (unified): their device computes
                                   //   those layers' experts in place; 0 = none
     int32_t unified_layers;       // MoE layers computed so
+    int32_t vram_slots;           // device slots per layer of the VRAM tier (the most over layers): n_vram, or
+                                  //   with lowbit SOURCE the companion copies that fit in their bytes; 0 = none
     // low-bit misses (lowbit != OFF): the selections of decoded tokens computed from the companion
     int64_t lowbit_bytes;         // memory of the low-bit pools (every layer's K slots, or with lowbit_in_ram
                                   //   its N copies, and a zero slot)
@@ -633,8 +640,9 @@ MOECACHE_API int32_t moecache_profile_get(const struct moecache * mc, int32_t il
 // and its n_pin hottest are pinned: never evicted until moecache_clear or the next warm start.
 // n_pin is capped per layer at capacity - K (a token's misses always find room). STREAM reads the
 // experts on the next decode (or copies them from the mapping on the next prompt). A VRAM tier
-// (n_vram) gets each layer's n_vram hottest in its device slots now, read from the mapping. Returns
-// the number of experts pinned over all layers, or an error (n_pin < 0).
+// (n_vram) gets each layer's n_vram hottest in its device slots now, read from the mapping (lowbit
+// SOURCE: from the companion). Returns the number of experts pinned over all layers, or an error
+// (n_pin < 0; MOECACHE_ERR_IO: a companion's read failed).
 MOECACHE_API int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 
 // Routes n_tokens tokens of layer il exactly as the graph op does and updates the cache and

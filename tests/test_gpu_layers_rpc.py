@@ -27,18 +27,22 @@ def paths(fixture_dir):
     return out
 
 
-def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unified="auto", vram_size=0, trace=None):
+def run(path, residency, routing, size, n_gpu_layers, endpoint, greedy=8, unified="auto", vram_size=0, trace=None,
+        miss=None, prompt_by_token=False):
     """Logits of PROMPT then DECODES, then `greedy` tokens decoded greedily; the stats of the decodes
     and each layer's cache contents. endpoint: the RPC server of the GPU layers (None: the process's
-    own GPU device, tests/vulkan_worker.py). trace: a list that gets the decodes' trace records."""
+    own GPU device, tests/vulkan_worker.py). trace: a list that gets the decodes' trace records.
+    miss: CacheConfig.miss (None: the default, lowbit-cache where a companion lies beside the model).
+    prompt_by_token: PROMPT's tokens decoded one at a time (lowbit-cache computes prompts at full precision)."""
     kw = dict(KW, n_gpu_layers=n_gpu_layers)
     if n_gpu_layers and endpoint:
         kw["rpc_servers"] = endpoint
     cache = CacheConfig(size=size, residency=residency, prefetch="off", vram_size=vram_size, trace=4096 if trace is not None else 0,
-                        **({"unified": unified} if residency == "stream" else {}))
+                        miss=miss, **({"unified": unified} if residency == "stream" else {}))
     llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
     llm.reset()
-    llm.eval(PROMPT)
+    for chunk in ([[t] for t in PROMPT] if prompt_by_token else [PROMPT]):
+        llm.eval(chunk)
     llm.reset_moe_stats()
     for t in DECODES:
         llm.eval([t])

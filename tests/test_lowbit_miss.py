@@ -431,3 +431,75 @@ def test_low_bit_copies_in_ram_beyond_the_free_memory_are_refused(files, monkeyp
                                           r"copy in memory\), more than the \d+ MiB free.*--lowbit-in-ram"):
         pymoecache.Llama(str(m), n_ctx=256, verbose=False,
                          cache=CacheConfig(size="auto", miss="lowbit", lowbit=str(comp.path), lowbit_in_ram=True))
+
+
+# --- low-bit copies on the device (issue 54 item 4): beside GPU layers, over RPC ------------------------
+
+def device_run(m, gpu, tokens, vram, miss=None, profile=None):
+    """The tokens decoded one by one with every layer on the RPC device and the experts streamed into
+    8 host slots (lowbit-cache: the copies that fit there), a VRAM tier of `vram` experts' bytes."""
+    llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru", n_gpu_layers=99,
+                           rpc_servers=gpu, cache=CacheConfig(size=8, prefetch="off", vram_size=vram, vram_fill="copy",
+                                                              miss=miss))
+    if profile is not None:
+        llm.load_profile(profile, warm=True)
+    held = {il: llm.moecache.vram_cached(il) for il in llm.model_info.moe_layers}
+    held["counts"] = llm.moecache.profile_counts()  # (the profile's, after a warm start)
+    got = logits_per_token(llm, tokens)
+    out = (llm.cache_config.miss, got, llm.moe_stats(), llm.memory_plan(), held)
+    llm.close()
+    return out
+
+
+def test_low_bit_copies_beside_gpu_layers_and_in_the_vram_tier_equal_llama_cpps_op_on_them(files, gpu, tmp_path):
+    """The default with a companion (lowbit-cache) beside GPU layers: the host slots hold the
+    companion's copies, computed on the CPU, and the VRAM tier holds them too, in the companion's
+    type: as many as fit in the GPU bytes of vram_size experts. Each decoded token equals llama.cpp's
+    own op on the low-bit tensors bit for bit (the RPC server computes with the CPU's kernels)."""
+    m, c = files
+    tokens, want = reference_logits(m, c, tmp_path)
+    miss, got, st, plan, _ = device_run(m, gpu, tokens, 0)
+    assert miss == "lowbit-cache" and np.array_equal(got, want)
+    assert st.residency.vram_bytes == 0 and plan.n_vram == 0
+    miss, got, st, plan, _ = device_run(m, gpu, tokens, 6)
+    rs = st.residency
+    assert miss == "lowbit-cache" and np.array_equal(got, want)  # bit for bit
+    fit = int(6 * pymoecache.model_info(m).expert_bytes / c.expert_bytes)  # Q8_0 -> Q5_0: 6 experts' bytes hold 9
+    assert fit == 9 and rs.vram_slots == fit and plan.n_vram == fit
+    assert rs.vram_hits > 0 and rs.vram_copies > 0 and rs.vram_copy_bytes == rs.vram_copies * c.expert_bytes
+    assert rs.vram_hits + rs.vram_from_ram + rs.vram_from_file == st.selections_per_layer.sum()
+    assert f"VRAM tier {fit} of 60 per layer low-bit" in plan.summary()
+    _, full, st_full, plan_full, _ = device_run(m, gpu, tokens, 6, miss="full")
+    assert st_full.residency.vram_slots == 6 and not np.array_equal(full, want)
+    assert rs.vram_bytes <= st_full.residency.vram_bytes  # more experts in the same GPU memory
+    assert "VRAM tier 6 of 60 per layer in" in plan_full.summary()
+
+
+def test_a_warm_start_fills_the_vram_tier_with_low_bit_copies_from_the_companion(files, gpu, tmp_path):
+    """A usage profile's warm start puts each layer's hottest experts in the tier, read from the
+    companion (the model's mapping holds the other type): what the device then computes from them
+    still equals llama.cpp's op on the low-bit tensors, bit for bit."""
+    m, c = files
+    tokens, want = reference_logits(m, c, tmp_path)
+    llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru",
+                           cache=CacheConfig(size=8, prefetch="off"))
+    logits_per_token(llm, tokens)
+    profile = tmp_path / "p.moeprofile"
+    llm.save_profile(profile)
+    llm.close()
+    miss, got, st, _, held = device_run(m, gpu, tokens, 6, profile=profile)
+    assert miss == "lowbit-cache" and np.array_equal(got, want)
+    counts = held.pop("counts")
+    assert len(held) == 4 and counts.sum() > 0
+    for il, experts in held.items():
+        hottest = [e for e in sorted(range(counts.shape[1]), key=lambda e: (-counts[il, e], e)) if counts[il, e] > 0][:9]
+        assert experts == hottest[::-1], f"layer {il}"  # the hottest the most recent
+    assert st.residency.vram_hits > 0
+
+
+def test_the_per_miss_pools_beside_gpu_layers_are_refused_with_the_way_that_runs(files, gpu):
+    m, _ = files
+    for miss in ("lowbit", "lowbit-all"):
+        with pytest.raises(pymoecache.ConfigError, match="not supported yet .*lowbit-cache"):
+            pymoecache.Llama(str(m), n_ctx=64, verbose=False, n_gpu_layers=99, rpc_servers=gpu,
+                             cache=CacheConfig(size=8, miss=miss))

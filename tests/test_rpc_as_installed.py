@@ -10,6 +10,7 @@ buffer in the log. A server that goes away must cost the model that used it, not
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +109,28 @@ def test_serve_with_rpc_offloads_the_layers(fixture_dir, tmp_path, server):
         proc.wait(timeout=30)
     assert on_device(log.read_text(), server), log.read_text()[-4000:]
 
+
+
+def test_a_companion_beside_the_model_feeds_the_cpu_and_the_vram_tier_on_the_device(fixture_dir, tmp_path, server):
+    """`run -ngl 99 --rpc HOST --vram-size 6` with a low-bit companion beside the model: the default,
+    lowbit-cache, runs beside GPU layers too (issue 54 item 4). The plan line says what each tier holds:
+    the host slots and the VRAM tier hold the companion's copies, the tier as many as fit in the GPU
+    bytes of 6 full experts (9 of Q5_0 for Q8_0), and the stats line shows selections computed there."""
+    import shutil
+
+    model = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), model)
+    made = installed(tmp_path, "lowbit", model, "--type", "Q5_0")
+    assert made.returncode == 0, made.stderr[-3000:]
+    r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "8", "-ngl", "99", "--rpc", server, "-v",
+                  "--cache-size", "8", "--vram-size", "6", "--vram-fill", "copy", "--routing", "lru", input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+    out = r.stdout + r.stderr
+    assert "(12 of 60 per layer low-bit" in out and "VRAM tier 9 of 60 per layer low-bit in" in out, out[-3000:]
+    assert "(lowbit-cache)" in out
+    vram = re.search(r"selections from vram (\d+)", out)
+    assert vram and int(vram.group(1)) > 0, out[-3000:]
 
 GONE_SCRIPT = r"""
 import sys

@@ -5,7 +5,8 @@ so the CPU reference runs in the pytest process, which does not see one.
 
     python tests/vulkan_worker.py RUNS.json OUT.npz
 
-RUNS.json: a list of {"key", "path", "residency", "routing", "size", "unified", "vram_size"}; OUT.npz gets,
+RUNS.json: a list of {"key", "path", "residency", "routing", "size", "unified", "vram_size", "miss",
+"prompt_by_token"}; OUT.npz gets,
 per key, the logits, the greedy tokens, the counters, the decodes' selections and each layer's cache
 contents."""
 
@@ -25,7 +26,8 @@ def main(spec: str, out: str) -> None:
     for r in json.loads(Path(spec).read_text()):
         trace = []
         logits, tokens, st, cached = run(Path(r["path"]), r["residency"], r["routing"], r["size"], 99, None,
-                                         unified=r["unified"], vram_size=r.get("vram_size", 0), trace=trace)
+                                         unified=r["unified"], vram_size=r.get("vram_size", 0), trace=trace,
+                                         miss=r.get("miss"), prompt_by_token=r.get("prompt_by_token", False))
         k = r["key"]
         arrays[f"{k}/logits"] = logits
         arrays[f"{k}/tokens"] = np.array(tokens)
