@@ -65,6 +65,7 @@ class moecache_cache_params(ctypes.Structure):
         ("lowbit_path", c_char_p),
         ("lowbit_in_ram", c_bool),
         ("lowbit_max_p", c_float),
+        ("vram_exclusive", c_bool),
     ]
 
 
@@ -139,6 +140,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("unified_bytes", c_int64),
         ("unified_layers", c_int32),
         ("vram_slots", c_int32),
+        ("vram_copies_down", c_int64),
+        ("vram_exclusive_layers", c_int32),
         ("lowbit_bytes", c_int64),
         ("lowbit_loads", c_int64),
         ("lowbit_bytes_read", c_int64),

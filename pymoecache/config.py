@@ -613,6 +613,13 @@ class CacheConfig:
     default); with ``prefetch``, it also copies up ahead the predicted experts of the next layer
     that its cache holds, beside this layer's GPU work. ``"sync"`` makes each copy before any
     matmul, and none ahead. The results are the same.
+    vram_exclusive: the two tiers hold different experts: one in GPU memory is not also kept in a host
+    slot, so host and GPU together hold up to size + vram_size experts per layer, a model larger than
+    the host cache's memory (none read from the file after warm-up where that is every expert). A
+    selection in either is a hit; a copy up frees its host slot, and a GPU expert it evicts moves down
+    into that slot (copied back from the GPU). Where size + vram_size covers every expert, the routing
+    prefers the GPU's. Needs vram_size and a cache smaller than every expert; copies up ahead of the
+    routing (prefetch) are not made. Default False: the tier is a copy of part of the host cache.
 
     unified: beside GPU layers, with ``stream``: whether the GPU computes a layer's experts in place
     on the host slots, which ggml wraps as GPU buffers (Metal; Vulkan with host-pointer import):
@@ -678,6 +685,7 @@ class CacheConfig:
     vram_size: int = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM tier
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
+    vram_exclusive: bool = False  # an expert in GPU memory keeps no host slot: the tiers hold size + vram_size
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
     miss: Optional[str] = None  # stream: a decoded token's miss at "full" precision, from its "lowbit" copy, every
                                 #   selection from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or
@@ -734,6 +742,10 @@ class CacheConfig:
             raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
         if self.vram_copy not in VRAM_COPIES:
             raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
+        if not isinstance(self.vram_exclusive, bool):
+            raise ConfigError(f"vram_exclusive must be True or False, got {self.vram_exclusive!r}")
+        if self.vram_exclusive and not self.vram_size:
+            raise ConfigError("vram_exclusive needs a VRAM tier (vram_size > 0)")
         if self.unified not in UNIFIED:
             raise ConfigError(f"unified must be one of {', '.join(UNIFIED)}, got {self.unified!r}")
         if self.miss is not None and self.miss not in LOWBITS and self.miss != "auto":

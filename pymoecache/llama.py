@@ -203,9 +203,14 @@ def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int) -> float:
 
     >>> _routing_share(CacheConfig(size=1.0, residency="stream", vram_size=15), 60, 60)
     0.25
+    >>> _routing_share(CacheConfig(size=45, vram_size=15, vram_exclusive=True), 45, 60)  # exclusive: 45 + 15
+    0.25
     """
-    if cache.vram_size and cache.residency == "stream" and n_cached >= n_expert:
+    if cache.vram_size and ((cache.residency == "stream" and n_cached >= n_expert) or
+                            (cache.vram_exclusive and n_cached < n_expert <= n_cached + cache.vram_size)):
         return min(cache.vram_size, n_expert) / n_expert
+    if cache.vram_exclusive:  # the two tiers are the cache the routing sees
+        return min(n_cached + cache.vram_size, n_expert) / n_expert
     return n_cached / n_expert
 
 
@@ -449,6 +454,9 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"vram_size={cache.vram_size} ignored: every expert fits in memory (residency "
                               f"'{residency}'), and with n_gpu_layers llama.cpp puts them on the GPU itself", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0)
+            if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:
+                warnings.warn(f"vram_exclusive ignored: the cache holds every expert ({n} of {info.n_expert} per layer), "
+                              "so the VRAM tier copies part of it", stacklevel=2)
             if cache.unified == "on" and residency != "stream":
                 if cache.residency != "auto":
                     raise ConfigError(f"unified='on' needs residency 'stream' (the GPU computes on its host slots), "
@@ -565,6 +573,7 @@ class Llama(llama_cpp.Llama):
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope,
                                            params=native)
         self.moecache.attach(self._ctx.ctx)
+        self.moecache._rpc_used = list(self._rpc_used)  # (collected apart from this Llama, it checks them itself)
         # runs before the context is freed (LIFO); the object stays usable as a name that raises ClosedError
         self._stack.callback(self.moecache.close, "Llama.moecache: its Llama was closed (close(), or the end of its "
                                                   "with block): load the model again")
@@ -637,7 +646,8 @@ class Llama(llama_cpp.Llama):
                                                      expert_bytes=low_bytes)
             if self.moecache is not None:  # the VRAM tier, as the library made it
                 rs = self.moecache.residency_stats()
-                self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes)
+                self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes,
+                                                 vram_exclusive=rs.vram_exclusive_layers > 0)
         return self._plan
 
     def _enter(self) -> None:

@@ -86,6 +86,7 @@ class MoECache:
                  trace_capacity: int = 0):
         self._handle = handle or None
         self._closed_why = ""  # set by close(): what a later call says
+        self._rpc_used: Sequence[str] = ()  # RPC servers its device buffers are on (set by Llama): not freed once gone
         self.routing: Routing = TopK()  # what the native cache routes with now (set by the constructors)
         self.scope = "all"
         if not handle:
@@ -144,6 +145,7 @@ class MoECache:
         cp.vram_fill = VRAM_FILLS[cache.vram_fill]
         cp.unified = UNIFIED[cache.unified]
         cp.vram_copy = VRAM_COPIES[cache.vram_copy]
+        cp.vram_exclusive = bool(cache.vram_exclusive)
         cp.lowbit = LOWBITS.get(cache.miss, C.MOECACHE_LOWBIT_OFF)  # (Llama resolves "auto", finds the companion)
         keep = []  # what cp points to: alive while cp is (the native side reads it at init)
         if cache.lowbit is not None:
@@ -229,8 +231,19 @@ class MoECache:
         h = self.__dict__.get("_handle")
         self._handle = None
         self._closed_why = why or "this expert cache was freed (close()): load the model again"
-        if h:
+        if h and not self._rpc_lost():
             C.moecache_free(h)
+
+    def _rpc_lost(self) -> bool:
+        """An RPC server its device buffers (a VRAM tier, the device path's rows) are on is gone: ggml's
+        RPC client would wait forever for the answer to their free, so the cache is dropped, not freed
+        (collected after its server stopped, e.g. at the end of a process, it would hang the exit)."""
+        try:
+            from . import rpc
+
+            return any(rpc.server_gone(e) for e in self.__dict__.get("_rpc_used") or ())
+        except Exception:  # (at interpreter exit the modules may be half torn down)
+            return False
 
     def __del__(self):
         self.close()
@@ -343,6 +356,7 @@ class MoECache:
                               vram_ahead_used=rs.vram_ahead_used,
                               vram_t_copy_ms=rs.vram_t_copy_ms, unified_bytes=rs.unified_bytes,
                               unified_layers=rs.unified_layers, vram_slots=rs.vram_slots,
+                              vram_copies_down=rs.vram_copies_down, vram_exclusive_layers=rs.vram_exclusive_layers,
                               lowbit_bytes=rs.lowbit_bytes,
                               lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
                               lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"),

@@ -240,6 +240,7 @@ class MemoryPlan:
     n_vram: int = 0           # experts per layer in the VRAM tier's device slots (CacheConfig.vram_size; with
                               #   lowbit-cache, the low-bit copies that fit in that many experts' bytes)
     vram_bytes: int = 0       # GPU memory of the tier (every layer's slots and a zero slot)
+    vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
 
     @property
     def streamed(self) -> bool:
@@ -337,8 +338,12 @@ class MemoryPlan:
         ...            miss="lowbit-cache", n_vram=9, vram_bytes=168960).vram_text()
         'VRAM tier 9 of 60 per layer low-bit in 0.16 MiB of GPU memory'
         """
+        held = min(self.n_expert, self.n_cached + self.n_vram)
         return (f"VRAM tier {self.n_vram} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
-                + f" in {_fmt(self.vram_bytes)} of GPU memory")
+                + f" in {_fmt(self.vram_bytes)} of GPU memory"
+                + (f", exclusive: RAM and VRAM hold {held} of {self.n_expert}"
+                   + (" (all: none read again after warm-up)" if held == self.n_expert else "")
+                   if self.vram_exclusive else ""))
 
     def rows(self) -> List[tuple]:
         """(what, value) rows for ``info``'s table."""

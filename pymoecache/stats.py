@@ -72,6 +72,8 @@ class ResidencyStats:
     unified_bytes: int = 0           # CacheConfig.unified: host slots the GPU computes on in place
     unified_layers: int = 0          #   and the MoE layers computed so
     vram_slots: int = 0              # device slots per layer of the VRAM tier (with lowbit-cache: the copies that fit)
+    vram_copies_down: int = 0        # vram_exclusive: GPU experts evicted by a copy up, moved down into its host slot
+    vram_exclusive_layers: int = 0   # layers whose tiers are exclusive (an expert in GPU memory keeps no host slot)
     # low-bit misses (CacheConfig.miss): decoded tokens' selections computed from the low-bit companion
     lowbit_bytes: int = 0            # memory of the low-bit pools
     lowbit_loads: int = 0            # selections computed from the companion
@@ -161,7 +163,8 @@ class ResidencyStats:
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
                 "vram_ahead": self.vram_ahead, "vram_ahead_used": self.vram_ahead_used,
                 "vram_t_copy_ms": self.vram_t_copy_ms, "unified_bytes": self.unified_bytes,
-                "unified_layers": self.unified_layers, "vram_slots": self.vram_slots, "lowbit_bytes": self.lowbit_bytes,
+                "unified_layers": self.unified_layers, "vram_slots": self.vram_slots,
+                "vram_copies_down": self.vram_copies_down, "vram_exclusive_layers": self.vram_exclusive_layers, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
                 "lowbit_behind": self.lowbit_behind, "miss": self.miss,
                 "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token}
@@ -201,6 +204,7 @@ class ResidencyStats:
                    f"{self.vram_from_ram}, file {self.vram_from_file}; {self.vram_copies} copied up "
                    + (f"and {self.vram_ahead} ahead ({self.vram_ahead_used} used) " if self.vram_ahead else "")
                    + f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
+                   + (f"; exclusive, {self.vram_copies_down} moved down" if self.vram_exclusive_layers else "")
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "
                    f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else "")

@@ -14,6 +14,13 @@ tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
     python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_vram_share.py --model MODEL --speed --reps 3     # also decode tok/s against stock
 
+--host-share H with --exclusive: the host cache holds H of each layer's experts (not all of them) and
+the rows compare the two tiers inclusive (the VRAM tier copies part of the host cache, so RAM and
+VRAM together hold H) and exclusive (an expert in VRAM keeps no host slot: together H + share),
+counting the experts read from the file per decoded token after --warmup decoded tokens.
+
+    python scripts/bench_vram_share.py --model MODEL --host-share 0.75 --exclusive --warmup 256
+
 --speed: decode tok/s of each row, the same teacher-forced tokens timed one by one (each ended by
 llama_synchronize, as llama-bench ends one), medians of --reps passes, against stock llama.cpp
 (llama_cpp.Llama on the same library and server) with the `--n-cpu-moe` placement: a tensor buffer
@@ -49,6 +56,12 @@ def main() -> None:
     ap.add_argument("--speed", action="store_true", help="also decode tok/s of each row and of stock llama.cpp")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per row with --speed (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="client threads (default 1)")
+    ap.add_argument("--host-share", type=float, default=1.0,
+                    help="share of each layer's experts the host cache holds (default 1: every expert in RAM)")
+    ap.add_argument("--exclusive", action="store_true",
+                    help="rows with the tiers exclusive (vram_exclusive) beside inclusive ones at the same sizes")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="decoded tokens before the counted ones (default 0: the tier fills while counted)")
     args = ap.parse_args()
 
     import pymoecache
@@ -74,9 +87,10 @@ def main() -> None:
                           n_threads_batch=args.threads, **device)
         rows[0]["tok_s"] = decode_tok_s(llm, evaluate.tokenize_text(llm, text), args)
         llm.close()
-    for routing in (None, "lru"):
-        llm = pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="stream", vram_size=n_vram, prefetch="off",
-                                                                vram_fill=args.vram_fill),
+    n_host = min(info.n_expert, max(1, round(args.host_share * info.n_expert)))
+    for routing, exclusive in [(r, x) for x in ([False, True] if args.exclusive else [False]) for r in (None, "lru")]:
+        llm = pymoecache.Llama(args.model, cache=CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off",
+                                                                vram_fill=args.vram_fill, vram_exclusive=exclusive),
                                routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
                                logits_all=bool(args.ppl_chunks), n_threads=args.threads, n_threads_batch=args.threads)
         used = llm.moecache.routing.spec()
@@ -84,15 +98,22 @@ def main() -> None:
         speed = decode_tok_s(llm, tokens, args) if args.speed else None
         llm.reset()
         llm.eval(tokens[:16])
-        llm.reset_moe_stats()
-        for t in tokens[16:16 + args.tokens]:
+        for t in tokens[16:16 + args.warmup]:
             llm.eval([t])
-        rs = llm.moe_stats().residency
+        llm.reset_moe_stats()
+        for t in tokens[16 + args.warmup:16 + args.warmup + args.tokens]:
+            llm.eval([t])
+        st = llm.moe_stats()
+        rs = st.residency
         n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
-        row = {"placement": f"ours: every expert in RAM, {n_vram}/{info.n_expert} per layer in VRAM",
+        ram = ("every expert" if n_host >= info.n_expert else f"{n_host}/{info.n_expert} per layer") + " in RAM"
+        row = {"placement": f"ours: {ram}, {n_vram}/{info.n_expert} per layer in VRAM"
+                            + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
                "vram_experts_per_layer": n_vram, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
-               "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens)}
+               "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens),
+               "reads_per_token": rs.decode_loads / max(1, rs.decode_tokens) / max(1, len(st.moe_layers)),
+               "copies_down_per_token": rs.vram_copies_down / max(1, rs.decode_tokens)}
         if speed is not None:
             row["tok_s"] = speed
         if args.ppl_chunks:
@@ -102,19 +123,21 @@ def main() -> None:
         rows.append(row)
         llm.close()
     servers.close()
-    base = next(r for r in rows if r["routing"] == "lru")
+    base = next(r for r in rows if r["routing"] == "lru")  # (top-k, the tiers as the first ours row has them)
     print(f"{Path(args.model).name}: {n_layers} MoE layers, {info.n_expert} experts top-{info.n_expert_used}; device memory "
           f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
-          f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}")
+          f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}"
+          + (f", counted after {args.warmup} decoded ones" if args.warmup else ""))
     speed = "tok_s" in rows[0]
-    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | ppl | vs top-k |"
-          + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if speed else ""))
+    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | expert reads per token and layer "
+          "| ppl | vs top-k |" + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if speed else ""))
     for r in rows:
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
         vs = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and "ppl" in base else "-"
+        reads = f"{r['reads_per_token']:.3f}" if "reads_per_token" in r else "-"
         print(f"| {r['placement']} | {r['routing']} | {100 * r['device_share']:.1f}% | "
-              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {ppl} | {vs} |"
+              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | {vs} |"
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -52,6 +52,7 @@ void moecache_layer_clear(moecache_layer & L) {
     L.use.n_pinned = 0;
     L.occupancy    = 0;
     L.clock        = 0;
+    moecache_vram_forget(L); // (an exclusive tier's experts were entries of this cache)
     L.delta_sum    = 0.0;
     L.delta_n      = 0;
 }
@@ -71,6 +72,7 @@ void moecache_layer_empty(moecache_layer & L) {
     std::fill(L.use.pinned.begin(), L.use.pinned.end(), 0);
     L.use.n_pinned = 0;
     L.occupancy    = 0;
+    moecache_vram_forget(L);
 }
 
 void moecache_layer_observe(moecache_layer & L, const float * p, const int32_t * sel, int32_t n_sel) {
@@ -154,11 +156,19 @@ int32_t moecache_layer_pick_victim(const moecache_layer & L, const int64_t * sta
 }
 
 bool moecache_layer_insert(moecache_layer & L, int32_t e, const uint8_t * in_use) {
+    const int32_t capacity = L.capacity + L.vram.n_excl; // (an exclusive VRAM tier's experts are cached too)
     if (L.capacity <= 0) {
         return false;
     }
-    if (L.occupancy >= L.capacity) {
-        const int32_t victim = moecache_layer_pick_victim(L, L.last_use.data(), L.use.pinned.data(), in_use);
+    if (L.occupancy >= capacity) {
+        const uint8_t * keep_out = L.use.pinned.data();
+        if (L.vram.n_excl > 0) { // never one in device memory: it holds no host slot to give (capacity >= 1
+            for (size_t f = 0; f < L.vram.keep_out.size(); f++) { // leaves a host expert to evict)
+                L.vram.keep_out[f] = L.use.pinned[f] | L.vram.excl[f];
+            }
+            keep_out = L.vram.keep_out.data();
+        }
+        const int32_t victim = moecache_layer_pick_victim(L, L.last_use.data(), keep_out, in_use);
         L.st.lifetime_sum   += (double) (L.st.tokens - L.inserted_at[victim]);
         L.st.lifetime_count += 1;
         L.st.evictions      += 1;

@@ -127,6 +127,14 @@ struct moecache_layer_vram {
     int32_t              copy_sent = 0;    // how many of them are sent
     int64_t              copy_t0   = 0;    // when the first was decided (us)
     std::vector<uint8_t> ahead;            // [n_expert] copied up ahead of the next routing (vram_ahead)
+    // exclusive tiers (vram_exclusive, a layer whose host cache holds fewer than N): the experts held here
+    // hold no host slot, and are in the layer's cache (last_use) beside the host's, never evicted from it
+    bool                 exclusive = false;
+    std::vector<uint8_t> excl;             // [n_expert] held here (exclusive)
+    int32_t              n_excl = 0;       //   how many: the cache holds capacity + n_excl
+    std::vector<uint8_t> keep_out;         // [n_expert] scratch: pinned or held here (the host cache's victims)
+    std::vector<int32_t> down_e, down_hs;  // the current token's moves down: expert, the host slot it takes
+    std::vector<char>    down_bytes;       //   their bytes, read from the device before their slot was reused
 };
 
 // the tokens after a low-bit miss that compute the expert from the companion too: its full copy was
@@ -360,8 +368,9 @@ inline bool moecache_budgets_ahead(const moecache & mc) {
 }
 
 // the layer's cache holds every expert and a VRAM tier holds some: the routing prefers the tier's
+// (or, exclusive, the two tiers together can hold every expert)
 inline bool moecache_layer_routes_to_vram(const moecache_layer & L) {
-    return L.vram.n > 0 && L.res.all_in_slots;
+    return L.vram.n > 0 && (L.res.all_in_slots || (L.vram.exclusive && L.capacity + L.vram.n >= (int32_t) L.last_use.size()));
 }
 
 // bytes of one expert as the slots hold it, over all of L's expert tensors: the model's (expert_bytes),
@@ -438,6 +447,7 @@ int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
 int64_t       moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
                                    int64_t n); // the time it spent copying up, not waiting for reads (us)
+void          moecache_vram_forget(moecache_layer & L); // an exclusive tier emptied (its cache entries leave)
 bool          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
 // the predicted experts of T that its host cache holds, copied up ahead of T's routing (prefetch);
 // begin: at T's residency op, before its host slots change, the copies up made for T end

@@ -160,6 +160,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return moecache_fail_residency("n_vram (a VRAM tier) needs stream residency: its device slots are filled "
                                        "from the host slots");
     }
+    if (cp.vram_exclusive && cp.n_vram == 0) {
+        return moecache_fail_residency("vram_exclusive needs a VRAM tier (n_vram > 0)");
+    }
     if (cp.vram_fill < MOECACHE_VRAM_FILL_AUTO || cp.vram_fill > MOECACHE_VRAM_FILL_CPU) {
         return moecache_fail_residency("unknown vram_fill " + std::to_string((int) cp.vram_fill));
     }

@@ -150,10 +150,11 @@ static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moeca
     }
 }
 
-// L.res.keep = the experts L caches now
+// L.res.keep = the experts L caches now in host slots (not those an exclusive VRAM tier holds)
 static void keep_cached(moecache_layer & L) {
+    const bool excl = L.vram.exclusive;
     for (size_t e = 0; e < L.res.keep.size(); e++) {
-        L.res.keep[e] = L.last_use[e] >= 0;
+        L.res.keep[e] = L.last_use[e] >= 0 && !(excl && L.vram.excl[e]);
     }
 }
 
@@ -178,8 +179,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
                            bool wait, bool decode) {
     const bool low = decode && L.low.n > 0; // (the low-bit pool serves decoded tokens only)
     keep_cached(L);
+    const bool excl = decode && L.vram.exclusive; // (a selection in an exclusive device slot takes no host slot)
     for (int64_t i = 0; i < n_ids; i++) {
-        L.res.keep[ids[i]] = 1;
+        L.res.keep[ids[i]] = !(excl && L.vram.excl[ids[i]]);
     }
     if (L.vram.n > 0) { // (the VRAM tier counts where each selection came from)
         std::fill(L.vram.fresh.begin(), L.vram.fresh.end(), 0);
@@ -231,6 +233,9 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
     for (int64_t i = 0; i < n_ids; i++) {
         const int32_t s = L.res.expert_slot[ids[i]];
         out[i] = s >= 0 && s < L.res.n_slots && L.res.slot_expert[s] == ids[i] ? s : 0; // (0: only after the error above)
+        if (excl && L.vram.excl[ids[i]]) {
+            out[i] = L.res.n_slots; // the zero slot: the device computes it (moecache_vram_decode)
+        }
     }
     if (low) { // the misses from the companion: their full side on the zero slot, not waited for
         moecache_lowbit_decode(mc, L, ids, out, n_ids);
@@ -342,9 +347,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
     for (int64_t i = 0; i < n_ids; i++) {
         touched[ids[i]] = 1;
     }
-    for (size_t e = 0; e < L.res.keep.size(); e++) {
-        L.res.keep[e] = L.last_use[e] >= 0;
-    }
+    keep_cached(L);
     std::vector<moecache_io_job> & jobs = mc.io->scratch;
     jobs.clear();
     int32_t cursor = 0;

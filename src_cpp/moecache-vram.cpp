@@ -106,6 +106,13 @@ int32_t moecache_vram_init(moecache & mc) {
             }
             L.vram.copier = L.vram.copier ? L.vram.copier : ggml_backend_dev_init(dev, nullptr);
         }
+        L.vram.exclusive = mc.cparams.vram_exclusive && L.capacity < mc.n_expert; // (a host cache of every expert: inclusive)
+        if (L.vram.exclusive && L.capacity < 1) {
+            return moecache_fail_residency("vram_exclusive needs a host cache of at least one expert (layer " +
+                                           std::to_string(L.il) + " has none): its evictions make the room");
+        }
+        L.vram.excl.assign(mc.n_expert, 0);
+        L.vram.keep_out.assign(mc.n_expert, 0);
         L.vram.slot_expert.assign(L.vram.n, -1);
         L.vram.expert_slot.assign(mc.n_expert, -1);
         L.vram.stamp.assign(mc.n_expert, -1);
@@ -145,6 +152,77 @@ int64_t moecache_vram_bytes(const moecache & mc) {
         bytes += L.vram.buf ? (int64_t) ggml_backend_buffer_get_size(L.vram.buf) : 0;
     }
     return bytes;
+}
+
+void moecache_vram_forget(moecache_layer & L) {
+    moecache_layer_vram & V = L.vram;
+    if (!V.exclusive) {
+        return;
+    }
+    std::fill(V.slot_expert.begin(), V.slot_expert.end(), -1);
+    std::fill(V.expert_slot.begin(), V.expert_slot.end(), -1);
+    std::fill(V.stamp.begin(), V.stamp.end(), -1);
+    std::fill(V.excl.begin(), V.excl.end(), 0);
+    V.n_excl = 0;
+}
+
+// exclusive: e, now in device slot vs, leaves the host tier (its host slot is freed at the end of the
+// token's copies); the slot's previous expert, if any, moves down into e's host slot hs: its bytes are
+// read back from the device now, before e's copy can overwrite them, and written to hs once e's copy
+// has left it (vram_finish)
+static void exclusive_claim(moecache_layer & L, int32_t e, int32_t old, int32_t vs, int32_t hs) {
+    moecache_layer_vram & V = L.vram;
+    V.excl[e] = 1;
+    if (old < 0) {
+        V.n_excl += 1;
+        return;
+    }
+    V.excl[old] = 0;
+    const size_t at = V.down_bytes.size();
+    V.down_bytes.resize(at + moecache_slot_bytes(L));
+    size_t off = at;
+    for (size_t j = 0; j < L.res.xt.size(); j++) {
+        ggml_backend_tensor_get(V.t[j], V.down_bytes.data() + off, (size_t) vs * V.t[j]->nb[2], L.res.xt[j].src_nb2);
+        off += L.res.xt[j].src_nb2;
+    }
+    V.down_e.push_back(old);
+    V.down_hs.push_back(hs);
+}
+
+// exclusive, once the token's copies up have left their host slots: each slot freed, or given the
+// expert that moved down into it
+static void exclusive_settle(moecache & mc, moecache_layer & L) {
+    moecache_layer_vram & V = L.vram;
+    for (size_t i = 0; i < V.copy_e.size(); i++) {
+        const int32_t e = V.copy_e[i], hs = V.copy_hs[i];
+        if (V.copy_t[i] == 0) { // its read failed (the decode is being stopped): held by neither tier
+            if (V.excl[e]) {
+                V.excl[e] = 0;
+                V.n_excl -= 1;
+            }
+            continue;
+        }
+        if (L.res.slot_expert[hs] == e) {
+            L.res.slot_expert[hs] = -1;
+            L.res.expert_slot[e]  = -1;
+        }
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < V.down_e.size(); i++) {
+        const int32_t v = V.down_e[i], hs = V.down_hs[i];
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            memcpy((char *) x.slots_t->data + (size_t) hs * x.slot_nb2, V.down_bytes.data() + off, x.src_nb2);
+            off += x.src_nb2;
+        }
+        if (L.last_use[v] >= 0 && L.res.slot_expert[hs] < 0) {
+            L.res.slot_expert[hs] = v;
+            L.res.expert_slot[v]  = hs;
+            mc.rst.vram_copies_down += 1;
+        }
+    }
+    V.down_e.clear();
+    V.down_hs.clear();
+    V.down_bytes.clear();
 }
 
 // the device slot a selected expert may take: a free one, else that of the expert the eviction
@@ -240,6 +318,9 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
             }
         }
     }
+    if (V.exclusive) { // the copies have left their host slots: those change hands now
+        exclusive_settle(mc, L);
+    }
     const double bytes    = (double) moecache_slot_bytes(L) * (double) V.copy_e.size();
     const double per_byte = (double) std::max<int64_t>(t_send, 1) / bytes;
     mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
@@ -285,6 +366,7 @@ bool moecache_vram_warm(moecache & mc) {
         std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
         std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
         std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
+        moecache_vram_forget(L);
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest last: the most recent
             const int32_t e = hot[i];
             const int32_t s = n_hot - 1 - i;
@@ -308,6 +390,15 @@ bool moecache_vram_warm(moecache & mc) {
             if (mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE) {
                 mc.drop_pending.emplace_back(L.il, e);
             }
+            if (L.vram.exclusive) { // here only, and an entry of the layer's cache (which holds capacity + n_excl)
+                L.vram.excl[e] = 1;
+                L.vram.n_excl += 1;
+                if (L.last_use[e] < 0) {
+                    L.last_use[e]    = ++L.clock;
+                    L.inserted_at[e] = L.st.tokens;
+                    L.occupancy     += 1;
+                }
+            }
         }
     }
     return true;
@@ -317,6 +408,9 @@ bool moecache_vram_warm(moecache & mc) {
 static void vram_claim(moecache & mc, moecache_layer & L, int32_t e, int32_t hs, int32_t vs) {
     moecache_layer_vram & V = L.vram;
     const int32_t old = V.slot_expert[vs];
+    if (V.exclusive) {
+        exclusive_claim(L, e, old, vs, hs);
+    }
     if (old >= 0) {
         V.expert_slot[old] = -1;
         V.stamp[old]       = -1;
@@ -334,8 +428,8 @@ static void vram_claim(moecache & mc, moecache_layer & L, int32_t e, int32_t hs,
 
 void moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n) {
     moecache_layer_vram & V = T.vram;
-    if (V.n == 0 || !V.copier || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM) {
-        return;
+    if (V.n == 0 || !V.copier || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM || V.exclusive) {
+        return; // (exclusive: a copy ahead would hold the expert in both tiers)
     }
     const moecache_vram_fill fill = mc.cparams.vram_fill;
     const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, T));

@@ -96,6 +96,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.lowbit_path        = nullptr;
     p.lowbit_in_ram      = false;
     p.lowbit_max_p       = 1.0f;
+    p.vram_exclusive     = false;
     return p;
 }
 
@@ -594,9 +595,11 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
     out->unified_bytes     = moecache_unified_bytes(*mc, &out->unified_layers);
-    out->vram_slots        = 0;
+    out->vram_slots            = 0;
+    out->vram_exclusive_layers = 0;
     for (const moecache_layer & L : mc->layers) {
-        out->vram_slots = std::max(out->vram_slots, L.vram.n);
+        out->vram_slots             = std::max(out->vram_slots, L.vram.n);
+        out->vram_exclusive_layers += L.vram.exclusive ? 1 : 0;
     }
     int64_t decode_tokens = 0;
     int64_t locked = 0;

@@ -332,6 +332,16 @@ struct moecache_cache_params {
                                   //   full precision on the token's critical path, as without the companion
                                   //   (HOBBIT: the experts that weigh most); in (0, 1]; default 1 (every miss
                                   //   from the companion)
+    bool vram_exclusive;          // n_vram: exclusive tiers. An expert in a device slot is not also kept in a
+                                  //   host slot, so the two hold up to n_cached + n_vram experts of a layer
+                                  //   (a model larger than the host cache's memory, with no read after warm-up
+                                  //   where that is N). The cache the routing sees is both: a selection in
+                                  //   either is a hit, and host evictions never take a device expert. A copy up
+                                  //   frees the host slot; vram_fill's eviction of a device expert moves it
+                                  //   down into that slot (copied back from the device: vram_copies_down).
+                                  //   Where n_cached + n_vram >= N the routing prefers the device's experts.
+                                  //   Layers whose host cache holds every expert keep the tier inclusive;
+                                  //   copies up ahead (prefetch) are not made. Needs n_cached >= 1; default false
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -425,6 +435,9 @@ struct moecache_residency_stats {
     int32_t unified_layers;       // MoE layers computed so
     int32_t vram_slots;           // device slots per layer of the VRAM tier (the most over layers): n_vram, or
                                   //   with lowbit SOURCE the companion copies that fit in their bytes; 0 = none
+    int64_t vram_copies_down;     // vram_exclusive: device experts evicted by a copy up and moved down into its
+                                  //   host slot (copied from the device), so that no tier drops an expert
+    int32_t vram_exclusive_layers; // layers whose tiers are exclusive now
     // low-bit misses (lowbit != OFF): the selections of decoded tokens computed from the companion
     int64_t lowbit_bytes;         // memory of the low-bit pools (every layer's K slots, or with lowbit_in_ram
                                   //   its N copies, and a zero slot)

@@ -5,6 +5,8 @@ computed there; the routed experts stay in this process's cache; the routing ops
 the expert matmuls run on this process's CPU. The run must be the CPU run: the same tokens, the
 same logits within the backend's tolerance, the same counters and the same cache contents."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -498,3 +500,113 @@ def test_every_expert_in_ram_the_routing_prefers_the_experts_in_vram(fixture_dir
         spec = llm.moecache.routing.spec()
         llm.close()  # (before asserting: a Llama left open past the session's RPC server cannot be freed)
         assert spec.startswith(resolved), (vram, spec)
+
+
+# --- exclusive tiers (CacheConfig.vram_exclusive, issue 54 item 3) ------------------------------------
+
+def two_passes(path, endpoint, cache, routing="lru", n_gpu_layers=99):
+    """PROMPT, DECODES and 40 more tokens decoded; then, after a reset, the same again: the second
+    pass's stats (the cache and the tiers are warm), the logits of both and each layer's contents."""
+    kw = dict(KW, n_gpu_layers=n_gpu_layers, **({"rpc_servers": endpoint} if n_gpu_layers else {}))
+    llm = pymoecache.Llama(str(path), cache=cache, routing=routing, **kw)
+    tokens = DECODES + list(range(2000, 2040))
+    out = []
+    for _ in range(2):
+        llm.reset()
+        llm.reset_moe_stats()
+        llm.eval(PROMPT)
+        for t in tokens:
+            llm.eval([t])
+        out.append(np.array(llm.scores[: llm.n_tokens]))
+    st = llm.moe_stats()
+    held = {il: (llm.moecache.cached(il), llm.moecache.vram_cached(il)) for il in st.moe_layers}
+    plan = llm.memory_plan()
+    llm.close()
+    return out, st, held, plan
+
+
+@pytest.mark.parametrize("fill", ["cpu", "copy"])
+@pytest.mark.parametrize("name, host, vram", [("qwen2moe-60x4", 45, 15), ("mixtral-8x2", 6, 2)])
+def test_exclusive_tiers_hold_a_model_larger_than_the_host_cache(fixture_dir, gpu, name, host, vram, fill):
+    """A host cache of 3/4 of the experts and a VRAM tier of the rest, exclusive: together they hold
+    every expert, so once warm no decoded token reads an expert from the file and none is evicted; the logits are
+    those of the CPU run with every expert resident. The same tiers inclusive (the tier copies part
+    of the host cache) keep reading. With vram_fill copy the tier's evictions move down into RAM."""
+    path = model_path(fixture_dir, name)
+    ref, _, _, _ = two_passes(path, gpu, CacheConfig(size=1.0, residency="none"), n_gpu_layers=0)
+    cache = CacheConfig(size=host, residency="stream", prefetch="off", vram_size=vram, vram_fill=fill, vram_exclusive=True)
+    got, st, held, plan = two_passes(path, gpu, cache)
+    for g, r in zip(got, ref):
+        assert np.allclose(g, r, rtol=RTOL, atol=ATOL), f"max |diff| = {np.abs(g - r).max()}"
+    rs = st.residency
+    assert rs.vram_exclusive_layers == len(st.moe_layers) and rs.vram_slots == vram
+    assert rs.decode_loads == 0 and st.evictions == 0  # (the second pass; its prompt reads the mapping, as
+    assert rs.decode_tokens > 0                        # every prompt does where the host cache lacks an expert)
+    assert rs.vram_hits > 0 and rs.vram_from_file == 0
+    n_expert = st.n_expert
+    for il, (cached, in_vram) in held.items():
+        assert len(in_vram) == vram and set(in_vram) <= set(cached), f"layer {il}"
+        assert len(cached) <= host + vram
+    if fill == "copy":
+        assert rs.vram_copies > 0 and rs.vram_copies_down == rs.vram_copies  # a full tier: each copy up is a swap
+    else:
+        assert rs.vram_copies == 0 and rs.vram_copies_down == 0  # (filled in the first pass, kept)
+    assert f"exclusive: RAM and VRAM hold {n_expert} of {n_expert} (all" in plan.summary()
+    inclusive = dataclasses.replace(cache, vram_exclusive=False)
+    _, st_inc, _, _ = two_passes(path, gpu, inclusive)
+    assert st_inc.residency.decode_loads > 0 and st_inc.evictions > 0
+    assert st_inc.residency.vram_exclusive_layers == 0
+
+
+def test_exclusive_tiers_after_a_clear_a_state_load_and_a_warm_start(fixture_dir, gpu, tmp_path):
+    """The tiers stay disjoint and complete through what empties or refills the cache: a clear empties
+    both, a state load refills the host cache only, a warm start puts the hottest in the tier (and
+    only there); each then decodes as the CPU does."""
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    kw = dict(KW, n_gpu_layers=99, rpc_servers=gpu)
+    cache = CacheConfig(size=45, residency="stream", prefetch="off", vram_size=15, vram_fill="copy", vram_exclusive=True)
+    ref = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="none"), routing="lru", **dict(KW))
+    llm = pymoecache.Llama(str(path), cache=cache, routing="lru", **kw)
+
+    def decode_both():
+        for m in (ref, llm):
+            m.reset()
+            m.eval(PROMPT)
+            for t in DECODES:
+                m.eval([t])
+        a, b = np.array(llm.scores[: llm.n_tokens]), np.array(ref.scores[: ref.n_tokens])
+        assert np.allclose(a, b, rtol=RTOL, atol=ATOL), f"max |diff| = {np.abs(a - b).max()}"
+
+    decode_both()
+    layers = llm.model_info.moe_layers
+    llm.save_cache_state(tmp_path / "state.bin")
+    llm.save_profile(tmp_path / "p.moeprofile")
+    llm.moecache.clear()
+    assert all(llm.moecache.cached(il) == [] and llm.moecache.vram_cached(il) == [] for il in layers)
+    decode_both()
+    llm.load_cache_state(tmp_path / "state.bin")
+    assert all(llm.moecache.vram_cached(il) == [] and len(llm.moecache.cached(il)) <= 45 for il in layers)
+    decode_both()
+    llm.load_profile(tmp_path / "p.moeprofile", warm=True)
+    counts = llm.moecache.profile_counts()
+    for il in layers:  # the 15 most selected (equal counts by the profile's own order), cached, in the tier
+        tier = llm.moecache.vram_cached(il)
+        rest = [counts[il, e] for e in range(60) if e not in tier]
+        assert len(tier) == 15 and min(counts[il, e] for e in tier) >= max(rest) and min(counts[il, tier]) > 0
+        assert set(tier) <= set(llm.moecache.cached(il))
+    llm.reset_moe_stats()
+    decode_both()
+    assert llm.moe_stats().residency.vram_hits > 0
+    llm.close()
+    ref.close()
+
+
+def test_exclusive_tiers_are_refused_without_a_tier_and_said_when_the_cache_holds_everything(fixture_dir, gpu):
+    path = model_path(fixture_dir, "mixtral-8x2")
+    with pytest.raises(ConfigError, match="vram_exclusive needs a VRAM tier"):
+        CacheConfig(size=4, vram_exclusive=True)
+    with pytest.warns(UserWarning, match="vram_exclusive ignored: the cache holds every expert"):
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="stream", vram_size=2, vram_exclusive=True),
+                               **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
+    assert llm.moe_stats().residency.vram_exclusive_layers == 0
+    llm.close()

@@ -170,8 +170,11 @@ def test_vulkan_in_place_on_quantized_experts_of_whole_pages(tmp_path):
     assert got["on/tokens"].tolist() == got["device/tokens"].tolist()
     assert got["on/tokens"][0] == got["off/tokens"][0]  # (with the CPU's rounding, lru's near-ties go other ways later)
     assert got["on/counters"][5] == 2 and got["off/counters"][5] == 0  # every MoE layer in place, or none
-    d = row_diffs(on, device)
-    assert d.max() <= 1e-3 * np.abs(device).max(), f"max |diff| {d.max()}"
+    sel_on, sel_device = got["on/selected"], got["device/selected"]
+    differ = np.nonzero((sel_on != sel_device).any(axis=1))[0]
+    first = len(PROMPT) + (int(sel_on[differ[0], 0]) if len(differ) else len(DECODES) + 8)
+    d = row_diffs(on, device)[len(PROMPT):first]
+    assert len(d) > 0 and d.max() <= 1e-2 * np.abs(device).max(), f"max |diff| {d.max()}"
 
 
 def test_vulkan_in_place_on_low_bit_copies(fixture_dir, tmp_path):
@@ -202,8 +205,5 @@ def test_vulkan_in_place_on_low_bit_copies(fixture_dir, tmp_path):
     assert got["on/tokens"].tolist() == got["device/tokens"].tolist()
     assert got["on/counters"][5] == 4 and got["off/counters"][5] == 0  # every MoE layer in place, or none
     assert got["on/counters"][1] > 0  # (misses: the copies were streamed)
-    sel_on, sel_device = got["on/selected"], got["device/selected"]
-    differ = np.nonzero((sel_on != sel_device).any(axis=1))[0]
-    first = len(PROMPT) + (int(sel_on[differ[0], 0]) if len(differ) else len(DECODES) + 8)
-    d = row_diffs(on, device)[len(PROMPT):first]
-    assert len(d) > 0 and d.max() <= 1e-2 * np.abs(device).max(), f"max |diff| {d.max()}"
+    d = row_diffs(on, device)
+    assert d.max() <= 1e-3 * np.abs(device).max(), f"max |diff| {d.max()}"

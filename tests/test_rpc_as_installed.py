@@ -132,6 +132,51 @@ def test_a_companion_beside_the_model_feeds_the_cpu_and_the_vram_tier_on_the_dev
     vram = re.search(r"selections from vram (\d+)", out)
     assert vram and int(vram.group(1)) > 0, out[-3000:]
 
+
+
+def test_exclusive_tiers_as_users_run_them(fixture_dir, tmp_path, server):
+    """`run -ngl 99 --rpc HOST --cache-size 45 --vram-size 15 --vram-exclusive`: the plan line says the
+    two tiers hold all 60 experts of a layer, and the stats line that the tiers are exclusive."""
+    r = installed(tmp_path, "run", "-m", model_path(fixture_dir, MODEL), "-p", "ROMEO:", "-n", "16", "-ngl", "99",
+                  "--rpc", server, "-v", "--cache-size", "45", "--vram-size", "15", "--vram-exclusive",
+                  "--vram-fill", "copy", "--prefetch", "off", input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+    out = r.stdout + r.stderr
+    assert "VRAM tier 15 of 60 per layer in" in out and "exclusive: RAM and VRAM hold 60 of 60 (all" in out, out[-3000:]
+    down = re.search(r"; exclusive, (\d+) moved down", out)
+    assert down, out[-3000:]
+    r = installed(tmp_path, "run", "-m", model_path(fixture_dir, MODEL), "-p", "ROMEO:", "-n", "2", "--cache-size", "45",
+                  "--vram-exclusive", input="")
+    assert r.returncode == 2 and "vram_exclusive needs a VRAM tier" in r.stderr and "Traceback" not in r.stderr
+
+CACHE_GONE_SCRIPT = r"""
+import gc, sys
+import pymoecache
+from pymoecache import CacheConfig, rpc
+server = rpc.LocalServer(register=False).__enter__()
+llm = pymoecache.Llama(sys.argv[1], n_gpu_layers=99, rpc_servers=server.endpoint, n_ctx=128, verbose=False,
+                       cache=CacheConfig(size=0.25, residency="stream", vram_size=4))
+print("tokens", llm("ROMEO:", max_tokens=3, temperature=0)["usage"]["completion_tokens"], flush=True)
+cycle = [llm]
+cycle.append(cycle)  # the Llama and its cache collected by the garbage collector, in no set order
+server.__exit__(None, None, None)
+llm.moecache.close()  # what the collector may do first: the cache alone, its device buffers on the gone server
+del llm, cycle
+gc.collect()
+print("exits", flush=True)
+"""
+
+
+def test_a_cache_whose_rpc_server_is_gone_is_dropped_not_freed(fixture_dir, tmp_path):
+    """A VRAM tier's buffers live on the RPC server: freeing them after the server stopped would wait
+    forever for its answer (seen: a test process that never exited, its Llamas collected after the
+    session's server stopped). The cache, closed or collected apart from its Llama, drops them."""
+    r = subprocess.run([sys.executable, "-c", CACHE_GONE_SCRIPT, str(model_path(fixture_dir, MODEL))], cwd=tmp_path,
+                       env=installed_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens 3" in r.stdout and "exits" in r.stdout, r.stdout + r.stderr[-3000:]
+
 GONE_SCRIPT = r"""
 import sys
 import pymoecache

@@ -214,6 +214,11 @@ def _add_residency_options(c) -> None:
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
                         "a decoded token computes them (default 0: none, the CPU computes every expert)")
+    c.add_argument("--vram-exclusive", action="store_true",
+                   help="with --vram-size: an expert in GPU memory keeps no host slot, so RAM and VRAM together hold "
+                        "--cache-size + --vram-size experts per layer (a model larger than the RAM cache; none read "
+                        "again after warm-up where that is all of them); an expert the tier evicts moves down into "
+                        "RAM (default: the tier copies part of the RAM cache)")
     c.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
                    help="with --vram-size: a selected expert not in GPU memory is copied up (copy, evicting by "
                         "--eviction as the cache does), computed on the CPU (cpu; only free GPU slots are filled), or "
@@ -660,6 +665,7 @@ def cache_from_args(args):
                        prefetch_budget=getattr(args, "prefetch_budget", 0.0),
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
+                       vram_exclusive=getattr(args, "vram_exclusive", False),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
                        miss=getattr(args, "miss", None), lowbit=getattr(args, "lowbit", None),
                        lowbit_in_ram=getattr(args, "lowbit_in_ram", False),
