@@ -33,7 +33,7 @@ from .logprobs import StepLogprobs, logits_row
 from .moecache import MoECache, _as_routing  # noqa: F401 (MoECache: also pymoecache.llama.MoECache)
 from .model_info import model_info
 from . import plan as _plan
-from . import rpc
+from . import _lib, rpc
 from .plan import AutoCacheSize, auto_cache_size, memory_shortfall  # noqa: F401 (AutoCacheSize: re-exported)
 from .stats import MoEStats
 
@@ -160,7 +160,7 @@ def _llama_keywords() -> frozenset:
 
     sig = inspect.signature(llama_cpp.Llama.__init__).parameters
     return frozenset(n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD) \
-        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope"}
+        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope", "n_cpu_moe", "override_tensor"}
 
 
 def _check_keywords(kw: dict) -> None:
@@ -174,6 +174,58 @@ def _check_keywords(kw: dict) -> None:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             raise ConfigError(f"Llama() got an unknown keyword {name!r}" + (f"; did you mean {close[0]!r}?" if close
                                                                                 else ""))
+
+
+def _cpu_patterns(n_cpu_moe, override_tensor, n_layer: int) -> list:
+    """The tensor-name patterns llama.cpp's buffer overrides keep in CPU memory: the routed experts of
+    the first ``n_cpu_moe`` layers ("all": every layer; llama-cli's --n-cpu-moe / --cpu-moe) and each
+    ``PATTERN=CPU`` of ``override_tensor`` (llama-cli's -ot; another buffer type is a ConfigError).
+
+    >>> _cpu_patterns(2, "attn_q=CPU", 4)
+    ['blk\\.0\\.ffn_(up|down|gate|gate_up)_exps', 'blk\\.1\\.ffn_(up|down|gate|gate_up)_exps', 'attn_q']
+    """
+    import re
+
+    if n_cpu_moe == "all":
+        n_cpu_moe = n_layer
+    if n_cpu_moe is not None:
+        check_int("n_cpu_moe", n_cpu_moe, 0, INT32_MAX)
+    out = [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_exps" for i in range(min(n_cpu_moe or 0, n_layer))]
+    if override_tensor is not None and not isinstance(override_tensor, str):
+        raise ConfigError(f"override_tensor must be a string PATTERN=CPU[,...], got {override_tensor!r}")
+    for item in (override_tensor or "").split(","):
+        if not item.strip():
+            continue
+        pattern, eq, buft = item.partition("=")
+        if not eq or not pattern:
+            raise ConfigError(f"override_tensor {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"override_tensor {item!r}: {pattern!r} is not a regular expression ({e})") from None
+        if buft.strip().upper() != "CPU":
+            raise ConfigError(f"override_tensor {item!r}: buffer type {buft!r} is not available: only CPU is")
+        out.append(pattern)
+    return out
+
+
+def _buffer_overrides(patterns: list):
+    """llama.cpp's ``tensor_buft_overrides`` keeping the tensors ``patterns`` match in CPU memory: a
+    NULL-terminated array of ``struct llama_model_tensor_buft_override`` (None for no pattern)."""
+    if not patterns:
+        return None
+
+    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override {const char * pattern; buft}
+        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+    ggml = _lib.load_ggml()
+    # GGML_API ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
+    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    cpu = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_type(_lib.GGML_BACKEND_DEVICE_TYPE_CPU))
+    return (Override * (len(patterns) + 1))(*[Override(p.encode(), cpu) for p in patterns], Override(None, None))
 
 
 def _as_cache(cache) -> CacheConfig:
@@ -347,7 +399,11 @@ class Llama(llama_cpp.Llama):
             ``n_gpu_layers`` with residency stream or mmap puts those layers' dense part on the GPU
             and keeps the routed experts in the cache in CPU memory (llama.cpp's ``--cpu-moe``
             placement). ``rpc_servers="HOST:PORT,..."`` (as llama-cpp-python's former option)
-            offloads to ggml RPC servers (:mod:`pymoecache.rpc`).
+            offloads to ggml RPC servers (:mod:`pymoecache.rpc`). ``n_cpu_moe=N`` (or ``"all"``) and
+            ``override_tensor="PATTERN=CPU,..."`` are llama-cli's ``--n-cpu-moe`` and ``-ot``: tensor
+            buffer overrides that keep the routed experts of the first N layers (or the matching
+            tensors) in CPU memory beside GPU layers; they matter with residency none, where the
+            experts are otherwise where llama.cpp puts them (stream and mmap keep them in CPU memory).
             ``use_mlock=True`` with residency stream or mmap locks what the cache holds, the dense
             part and the cached experts (llama.cpp's lock of the whole mapping would pull in every
             expert).
@@ -379,6 +435,9 @@ class Llama(llama_cpp.Llama):
 
             model_path = str(default_model_path())
         info = model_info(model_path)  # clear errors for missing, non-GGUF, truncated and impossible files
+        # llama-cli's --n-cpu-moe and -ot (=CPU): tensor buffer overrides, which llama-cpp-python does not take
+        self._overrides = _buffer_overrides(_cpu_patterns(kwargs.pop("n_cpu_moe", None),
+                                                          kwargs.pop("override_tensor", None), info.n_layer))
         choice: Optional[AutoCacheSize] = None
         cache = _as_cache(cache)
         if isinstance(routing, str):
@@ -519,12 +578,17 @@ class Llama(llama_cpp.Llama):
                     return context_class(params=params, **kw)
 
                 llama_cpp._internals.LlamaContext = context_with_fa_type
-            if devices is not None:  # llama.cpp's model params have a devices list llama-cpp-python leaves unset
-                dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            if devices is not None or self._overrides is not None:
+                # llama.cpp's model params have a devices list and buffer overrides llama-cpp-python leaves unset
+                dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None) if devices is not None else None
+                overrides = self._overrides
 
                 def params_with_devices():
                     p = default_params()
-                    p.devices = ctypes.cast(dev_list, ctypes.c_void_p)
+                    if dev_list is not None:
+                        p.devices = ctypes.cast(dev_list, ctypes.c_void_p)
+                    if overrides is not None:
+                        p.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
                     return p
 
                 llama_cpp.llama_cpp.llama_model_default_params = params_with_devices

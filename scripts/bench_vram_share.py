@@ -17,7 +17,8 @@ tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
 --host-share H with --exclusive: the host cache holds H of each layer's experts (not all of them) and
 the rows compare the two tiers inclusive (the VRAM tier copies part of the host cache, so RAM and
 VRAM together hold H) and exclusive (an expert in VRAM keeps no host slot: together H + share),
-counting the experts read from the file per decoded token after --warmup decoded tokens.
+counting the experts read from the file per decoded token after --warmup decoded tokens (with a
+warm-up, tokens are decoded in windows of the trained context, the KV cache emptied between them).
 
     python scripts/bench_vram_share.py --model MODEL --host-share 0.75 --exclusive --warmup 256
 
@@ -96,13 +97,17 @@ def main() -> None:
         used = llm.moecache.routing.spec()
         tokens = evaluate.tokenize_text(llm, text)
         speed = decode_tok_s(llm, tokens, args) if args.speed else None
-        llm.reset()
-        llm.eval(tokens[:16])
-        for t in tokens[16:16 + args.warmup]:
-            llm.eval([t])
-        llm.reset_moe_stats()
-        for t in tokens[16 + args.warmup:16 + args.warmup + args.tokens]:
-            llm.eval([t])
+        if args.warmup:  # warm-up and counted tokens in windows of the model's trained context (KV reset between)
+            window = max(32, (info.n_ctx_train or 512) - 16)
+            decode_windows(llm, tokens[:args.warmup], window)
+            llm.reset_moe_stats()
+            decode_windows(llm, tokens[args.warmup:args.warmup + args.tokens], window)
+        else:
+            llm.reset()
+            llm.eval(tokens[:16])
+            llm.reset_moe_stats()
+            for t in tokens[16:16 + args.tokens]:
+                llm.eval([t])
         st = llm.moe_stats()
         rs = st.residency
         n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
@@ -143,6 +148,15 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def decode_windows(llm, tokens, window: int) -> None:
+    """tokens decoded one by one in windows of `window`, each from an empty KV cache (the expert cache
+    carries over): positions stay within the trained context however many tokens are decoded."""
+    for i in range(0, len(tokens), window):
+        llm.reset()
+        for t in tokens[i:i + window]:
+            llm.eval([t])
+
+
 def decode_tok_s(llm, tokens, args) -> float:
     """Median over --reps passes of decode tok/s: a 16-token prompt, 16 untimed tokens, then --tokens timed
     one by one, each ended by llama_synchronize."""
@@ -173,18 +187,11 @@ def stock_llama(model, n_cpu_moe: int, **kw):
 
     import llama_cpp
 
-    from pymoecache import _lib
+    import pymoecache
+    from pymoecache.llama import _buffer_overrides, _cpu_patterns
 
-    class Override(ctypes.Structure):  # struct llama_model_tensor_buft_override {const char * pattern; buft}
-        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-    ggml = _lib.load_ggml()
-    # GGML_API ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
-    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-    cpu = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_type(_lib.GGML_BACKEND_DEVICE_TYPE_CPU))
-    patterns = [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_exps".encode() for i in range(n_cpu_moe)]
-    overrides = (Override * (len(patterns) + 1))(*[Override(p, cpu) for p in patterns], Override(None, None))
+    n_layer = pymoecache.model_info(model).n_layer
+    overrides = _buffer_overrides(_cpu_patterns(n_cpu_moe, None, n_layer))  # (what pymoecache's n_cpu_moe makes)
     if "rpc_servers" in kw:  # (registered in the process: llama.cpp finds its device)
         from pymoecache import rpc
 

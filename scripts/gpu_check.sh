@@ -8,6 +8,9 @@
 #     beside --cpu-moe placement (every expert in RAM);
 #   - scripts/bench_device.py: llama_decode and eval per token of stock, ours (device path) and ours
 #     through the CPU routing op, in one process;
+#   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
+#     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (3/4 in RAM);
+#   - low-bit copies (a Q4_K companion) in the host slots and the VRAM tier, against full precision;
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
 #
@@ -80,5 +83,19 @@ say "## every expert in RAM, a quarter in VRAM: selections computed on the GPU a
 say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256\`"
 "$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+say ""
+say "## the same, decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)"
+BENCH_TRAINED=$(ls models/_bench/bench-trained-*.gguf 2>/dev/null | head -1)
+say "\`python scripts/bench_vram_share.py --model $BENCH_TRAINED --rpc none --speed --reps 2 --tokens 128 --threads $THREADS\`"
+"$PY" scripts/bench_vram_share.py --model "$BENCH_TRAINED" --rpc none --speed --reps 2 --tokens 128 --threads "$THREADS" 2>&1 \
+    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+say ""
+say "## exclusive tiers: 3/4 of the experts in RAM, 1/4 in VRAM (model C)"
+say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
+"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 \
+    --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
+    --gpu-layers 99 --stock --no-mmap --cache-sizes 0.25 --routings prior:0.5 --prefetch off,off:m=lowbit-cache \
+    --vram-size 8 --vram-fill copy --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
 say ""
 say "done: $LOG"

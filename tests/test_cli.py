@@ -604,6 +604,9 @@ LLAMA_KWARGS = [
     (["run", "-v"], "verbose", True),
     (["run"], "verbose", False),
     (["run", "-c", "99"], "n_ctx", 99),
+    (["run", "--n-cpu-moe", "4"], "n_cpu_moe", 4),   # tensor buffer overrides, as llama-cli's
+    (["run", "--cpu-moe"], "n_cpu_moe", "all"),
+    (["run", "-ot", "exps=CPU"], "override_tensor", "exps=CPU"),
 ]
 
 
@@ -618,7 +621,6 @@ def test_llama_cpp_flags_reach_llama_as_llama_cpp_means_them(argv, key, value):
 @pytest.mark.parametrize("argv,message", [
     (["-ot", "exps=CUDA0"], "buffer type 'CUDA0' is not available"),
     (["-ot", "exps"], "expected PATTERN=BUFFER_TYPE"),
-    (["--cpu-moe", "-ngl", "4", "--residency", "none"], "--residency mmap keeps them in CPU memory"),
     (["--mlock", "--no-mlock"], "not both"),
     (["-ub", "0"], "--ubatch-size must be >= 1"),
     (["-fa", "maybe"], "expected on, off or auto"),

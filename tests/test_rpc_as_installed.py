@@ -150,6 +150,28 @@ def test_exclusive_tiers_as_users_run_them(fixture_dir, tmp_path, server):
                   "--vram-exclusive", input="")
     assert r.returncode == 2 and "vram_exclusive needs a VRAM tier" in r.stderr and "Traceback" not in r.stderr
 
+
+@pytest.mark.parametrize("flags, on_cpu, splits", [
+    ((), [], 2),                                    # every layer and expert on the device
+    (("--n-cpu-moe", "2"), [0, 1], 6),              # llama.cpp's static split: the first 2 layers' experts in RAM
+    (("-ot", "exps=CPU"), [0, 1, 2, 3], 10),        # every expert in RAM (--cpu-moe's placement)
+    (("--cpu-moe",), [0, 1, 2, 3], 10),
+])
+def test_n_cpu_moe_and_override_tensor_place_the_experts_as_llama_cpp(fixture_dir, tmp_path, server, flags, on_cpu,
+                                                                      splits):
+    """`run -ngl 99 --rpc HOST --residency none` with llama-cli's --n-cpu-moe / -ot / --cpu-moe: the
+    experts those name stay in CPU memory (llama.cpp's log names each tensor overridden), the others go
+    to the device, and the decoded token's graph splits say where they were computed (two more for each
+    layer whose experts the CPU computes)."""
+    r = installed(tmp_path, "run", "-m", model_path(fixture_dir, MODEL), "-p", "ROMEO:", "-n", "4", "-ngl", "99",
+                  "--rpc", server, "-v", "--residency", "none", *flags, input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+    moved = sorted({int(m) for m in re.findall(r"tensor blk\.(\d+)\.ffn_\w+_exps\.weight .* buffer type overridden "
+                                                  r"to CPU", r.stderr)})
+    assert moved == on_cpu, r.stderr[-4000:]
+    assert f"{splits:.1f} graph splits/tok" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
 CACHE_GONE_SCRIPT = r"""
 import gc, sys
 import pymoecache

@@ -289,13 +289,16 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
                         "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
     p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
-                   help="keep the experts in CPU memory, as llama.cpp: what this runtime does anyway (they are "
-                        "streamed or cached in RAM, also beside -ngl layers)")
+                   help="keep the experts in CPU memory beside -ngl layers, as llama.cpp; with --residency stream or "
+                        "mmap they are there anyway (streamed or cached in RAM)")
     p.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=int, default=None, metavar="N",
-                   help="keep the experts of the first N layers in CPU memory: as --cpu-moe, all of them are")
+                   help="keep the experts of the first N layers in CPU memory beside -ngl layers, as llama.cpp "
+                        "(its static split: the device computes the other layers' experts; with --residency stream "
+                        "or mmap every expert is in CPU memory anyway)")
     p.add_argument("-ot", "--override-tensor", dest="override_tensor", default=None, metavar="PATTERN=BUFT,...",
-                   help="llama.cpp's tensor buffer overrides: only =CPU is meaningful here (the expert cache places "
-                        "the experts in CPU memory, -ngl the other weights); other buffer types are refused")
+                   help="llama.cpp's tensor buffer overrides: the tensors PATTERN matches go to CPU memory (only =CPU "
+                        "is available: the expert cache places the experts in CPU memory, -ngl the other weights); "
+                        "other buffer types are refused")
     p.add_argument("--mlock", action="store_true",
                    help="lock the model in RAM, as llama.cpp; the expert cache and the dense part are locked by "
                         "default already, this adds the rest with --residency none (default: off)")
@@ -360,10 +363,6 @@ def runtime_kwargs(args) -> dict:
     """Keyword arguments of ``pymoecache.Llama`` for the runtime options; UserError for a flag that
     cannot mean anything with the residency in force (said before anything loads)."""
     ngl = getattr(args, "n_gpu_layers", 0) or 0
-    if (getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None)) and ngl and \
-            getattr(args, "residency", None) == "none":
-        raise UserError("--cpu-moe / --n-cpu-moe with -ngl and --residency none: resident experts go where llama.cpp "
-                        "puts them; --residency mmap keeps them in CPU memory beside the GPU layers")
     if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
         raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
     ot = getattr(args, "override_tensor", None)
@@ -390,6 +389,10 @@ def runtime_kwargs(args) -> dict:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=ngl,
               verbose=bool(getattr(args, "verbose", False)))
+    if getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None):  # (buffer overrides, as llama-cli's)
+        kw["n_cpu_moe"] = "all" if getattr(args, "cpu_moe", False) else args.n_cpu_moe
+    if ot:
+        kw["override_tensor"] = ot
     if getattr(args, "repeat_last_n", None) is not None:
         kw["last_n_tokens_size"] = args.repeat_last_n  # (llama-cpp-python's window of the penalties)
     if getattr(args, "threads_batch", None) is not None:
