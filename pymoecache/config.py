@@ -480,6 +480,35 @@ def parse_memory(text: str, total: int) -> int:
     return n
 
 
+def parse_override_tensor(spec: str) -> list:
+    """The patterns of llama.cpp's tensor buffer overrides ``PATTERN=CPU[,...]`` (llama-cli's -ot); only
+    CPU memory is available here. ConfigError naming the item that is wrong.
+
+    >>> parse_override_tensor("exps=CPU,attn_q=cpu")
+    ['exps', 'attn_q']
+    """
+    import re
+
+    if not isinstance(spec, str) or not spec.replace(",", "").strip():
+        raise ConfigError(f"{spec!r}: expected PATTERN=BUFFER_TYPE[,...], e.g. exps=CPU")
+    out = []
+    for item in spec.split(","):
+        if not item.strip():
+            continue
+        pattern, eq, buft = item.partition("=")
+        if not eq or not pattern:
+            raise ConfigError(f"{item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+        try:
+            re.compile(pattern)  # (llama.cpp takes it as a regular expression over tensor names)
+        except re.error as e:
+            raise ConfigError(f"{item!r}: {pattern!r} is not a regular expression ({e})") from None
+        if buft.strip().upper() != "CPU":
+            raise ConfigError(f"{item}: buffer type {buft!r} is not available: only =CPU is (the expert cache places "
+                              "the experts in CPU memory, -ngl the other weights of its layers on the GPU)")
+        out.append(pattern)
+    return out
+
+
 def parse_cache_size(text: str) -> Union[int, float, str]:
     """CLI form of a cache size: ``30`` (experts per layer), ``0.5`` or ``50%`` (share of N),
     ``4GiB`` or ``4G`` (budget), ``auto``. 0 in any form is refused: a cache of nothing.

@@ -184,28 +184,18 @@ def _cpu_patterns(n_cpu_moe, override_tensor, n_layer: int) -> list:
     >>> _cpu_patterns(2, "attn_q=CPU", 4)
     ['blk\\.0\\.ffn_(up|down|gate|gate_up)_exps', 'blk\\.1\\.ffn_(up|down|gate|gate_up)_exps', 'attn_q']
     """
-    import re
-
     if n_cpu_moe == "all":
         n_cpu_moe = n_layer
     if n_cpu_moe is not None:
         check_int("n_cpu_moe", n_cpu_moe, 0, INT32_MAX)
     out = [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_exps" for i in range(min(n_cpu_moe or 0, n_layer))]
-    if override_tensor is not None and not isinstance(override_tensor, str):
-        raise ConfigError(f"override_tensor must be a string PATTERN=CPU[,...], got {override_tensor!r}")
-    for item in (override_tensor or "").split(","):
-        if not item.strip():
-            continue
-        pattern, eq, buft = item.partition("=")
-        if not eq or not pattern:
-            raise ConfigError(f"override_tensor {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+    if override_tensor is not None:
+        from .config import parse_override_tensor
+
         try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"override_tensor {item!r}: {pattern!r} is not a regular expression ({e})") from None
-        if buft.strip().upper() != "CPU":
-            raise ConfigError(f"override_tensor {item!r}: buffer type {buft!r} is not available: only CPU is")
-        out.append(pattern)
+            out += parse_override_tensor(override_tensor)
+        except ConfigError as e:
+            raise ConfigError(f"override_tensor {e}") from None
     return out
 
 

@@ -14,7 +14,7 @@
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
 #
-#   bash scripts/gpu_check.sh                     # build + run (about 8 minutes on 16 cores)
+#   bash scripts/gpu_check.sh                     # build + run (about 10 minutes on 16 cores; the acceptance rows come first)
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
@@ -71,31 +71,28 @@ bench() { # a titled bench_residency run; its table and ratios into the log
 }
 
 COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routings lru,prior:0.5 --reps $REPS --threads $THREADS --tokens 64 --warmup 8 --keep-going"
+# the acceptance rows first (a run cut short by the time limit keeps them): every expert on the GPU against
+# stock, a quarter of the experts' bytes in VRAM against --n-cpu-moe, low-bit copies on the GPU
 bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
-say ""
-say "## where a token's time goes, every layer on the GPU (model C widened)"
-say "\`python scripts/bench_device.py --model models/_bench/bench-trained-*.gguf --tokens 256 --rounds 5 --threads $THREADS\`"
-"$PY" scripts/bench_device.py --model models/_bench/bench-trained-*.gguf --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
-    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
-bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
-say ""
-say "## every expert in RAM, a quarter in VRAM: selections computed on the GPU against --n-cpu-moe (model C)"
-say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256\`"
-"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --tokens 256 2>&1 \
-    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
-say ""
-say "## the same, decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)"
 BENCH_TRAINED=$(ls models/_bench/bench-trained-*.gguf 2>/dev/null | head -1)
+say ""
+say "## every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)"
 say "\`python scripts/bench_vram_share.py --model $BENCH_TRAINED --rpc none --speed --reps 2 --tokens 128 --threads $THREADS\`"
 "$PY" scripts/bench_vram_share.py --model "$BENCH_TRAINED" --rpc none --speed --reps 2 --tokens 128 --threads "$THREADS" 2>&1 \
+    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
+    --gpu-layers 99 --stock --no-mmap --cache-sizes 0.25 --routings prior:0.5 --prefetch off,off:m=lowbit-cache \
+    --vram-size 8 --vram-fill copy --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
+say ""
+say "## where a token's time goes, every layer on the GPU (model C widened)"
+say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS\`"
+"$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 say ""
 say "## exclusive tiers: 3/4 of the experts in RAM, 1/4 in VRAM (model C)"
 say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
 "$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 \
     --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
-bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
-    --gpu-layers 99 --stock --no-mmap --cache-sizes 0.25 --routings prior:0.5 --prefetch off,off:m=lowbit-cache \
-    --vram-size 8 --vram-fill copy --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
+bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""
 say "done: $LOG"

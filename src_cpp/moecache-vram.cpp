@@ -341,6 +341,7 @@ static bool read_whole(int fd, char * dst, size_t len, uint64_t off) {
             continue;
         }
         if (n <= 0) {
+            errno = n == 0 ? EIO : errno; // (0: the file ends early)
             return false;
         }
         got += (size_t) n;
@@ -377,7 +378,7 @@ bool moecache_vram_warm(moecache & mc) {
                     copy.resize(x.src_nb2);
                     if (!read_whole(mc.fd_lowbit, copy.data(), x.src_nb2, x.src_off + (uint64_t) e * x.src_nb2)) {
                         moecache_set_error("cannot read expert " + std::to_string(e) + " of " + x.model_t->name +
-                                           " from the low-bit companion '" + mc.src_path + "': " + strerror(errno ? errno : EIO));
+                                           " from the low-bit companion '" + mc.src_path + "': " + strerror(errno));
                         return false;
                     }
                     src = copy.data();

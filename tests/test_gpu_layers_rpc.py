@@ -614,7 +614,7 @@ def test_exclusive_tiers_are_refused_without_a_tier_and_said_when_the_cache_hold
 
 def test_buffer_override_keywords_are_checked(fixture_dir):
     path = model_path(fixture_dir, "mixtral-8x2")
-    for kw, says in [(dict(override_tensor="exps=CUDA0"), "only CPU is"), (dict(override_tensor="exps"), "PATTERN="),
+    for kw, says in [(dict(override_tensor="exps=CUDA0"), "only =CPU is"), (dict(override_tensor="exps"), "PATTERN="),
                      (dict(override_tensor="([=CPU"), "not a regular expression"), (dict(n_cpu_moe=-1), "n_cpu_moe")]:
         with pytest.raises(ConfigError, match=says):
             pymoecache.Llama(str(path), n_ctx=64, verbose=False, **kw)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Optional
 
-from ..config import PRESET_NAMES
+from ..config import PRESET_NAMES, ConfigError, parse_override_tensor
 from ..errors import Error
 
 EXIT_USAGE = 2
@@ -366,21 +365,11 @@ def runtime_kwargs(args) -> dict:
     if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
         raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
     ot = getattr(args, "override_tensor", None)
-    if ot is not None and not ot.replace(",", "").strip():
-        raise UserError(f"-ot {ot!r}: expected PATTERN=BUFFER_TYPE[,...], e.g. exps=CPU")
-    for item in (ot or "").split(","):
-        if not item.strip():
-            continue
-        pattern, eq, buft = item.partition("=")
-        if not eq or not pattern:
-            raise UserError(f"-ot {item!r}: expected PATTERN=BUFFER_TYPE, e.g. exps=CPU")
+    if ot is not None:
         try:
-            re.compile(pattern)  # (llama.cpp takes it as a regular expression over tensor names)
-        except re.error as e:
-            raise UserError(f"-ot {item!r}: {pattern!r} is not a regular expression ({e})") from None
-        if buft.strip().upper() != "CPU":
-            raise UserError(f"-ot {item}: buffer type {buft!r} is not available: only =CPU is (the expert cache places "
-                            "the experts in CPU memory, -ngl the other weights of its layers on the GPU)")
+            parse_override_tensor(ot)
+        except ConfigError as e:
+            raise UserError(f"-ot {e}") from None
     if getattr(args, "mlock", False) and getattr(args, "no_mlock", False):
         raise UserError("give either --mlock or --no-mlock, not both")
     for name in ("threads_batch", "batch_size", "ubatch_size"):
