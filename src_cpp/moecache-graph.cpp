@@ -349,6 +349,7 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.arrival  = nullptr;
         L.graph.ready    = nullptr;
         L.graph.vram_ids = nullptr;
+        L.graph.n_vram_sum = 0;
         L.graph.low_ids  = nullptr;
         L.graph.n_ubatch = 0;
     }
@@ -381,8 +382,12 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
                 return moecache_unified_mul_mat_id(L, ctx, x, b, decodes ? moecache_matmul_ready(L, ctx) : L.graph.ids_out);
             }
             if (decodes) { // on the slots (moecache-matmul.cpp), the low-bit pool's and the VRAM tier's
-                ggml_tensor * host = moecache_lowbit_mul_mat_id(L, ctx, x, b, moecache_matmul_stream_decode(mc, L, ctx, x, b));
-                return moecache_vram_mul_mat_id(L, ctx, x, b, host);
+                ggml_tensor * b_gpu = b;
+                ggml_tensor * b_cpu = b;
+                moecache_vram_split_act(L, ctx, b, &b_gpu, &b_cpu); // (down, beside a VRAM tier: each side's own)
+                ggml_tensor * host = moecache_lowbit_mul_mat_id(L, ctx, x, b_cpu,
+                                                                moecache_matmul_stream_decode(mc, L, ctx, x, b_cpu));
+                return moecache_vram_mul_mat_id(L, ctx, x, b_gpu, host);
             }
             if (L.res.all_in_slots) {
                 return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot

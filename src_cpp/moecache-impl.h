@@ -80,6 +80,9 @@ struct moecache_layer_graph {
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     ggml_tensor * vram_ids       = nullptr; // VRAM tier: the device slot of each selection (moecache-vram.cpp)
+    ggml_tensor * vram_sum[4]    = {};      //   the input-side matmuls' sums, device + CPU side,
+    ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)
+    int32_t       n_vram_sum     = 0;
     ggml_tensor * low_ids        = nullptr; // low-bit misses: the pool slot of each selection (moecache-lowbit.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
@@ -453,6 +456,11 @@ bool          moecache_vram_warm(moecache & mc); // each layer's hottest experts
 // begin: at T's residency op, before its host slots change, the copies up made for T end
 void          moecache_vram_ahead(moecache & mc, moecache_layer & T, const int32_t * ids, int32_t n);
 int64_t       moecache_vram_begin(moecache & mc, moecache_layer & L); // the time it spent copying up (us)
+// the down matmul's activations b (llama.cpp's, from the input-side sums) rebuilt per side: each sum replaced
+// by its device part (*b_gpu) or its CPU part (*b_cpu), so each side computes its own activations and no
+// value crosses between the backends inside the layer; both stay b where the chain cannot be rebuilt
+void          moecache_vram_split_act(moecache_layer & L, ggml_context * ctx, ggml_tensor * b, ggml_tensor ** b_gpu,
+                                      ggml_tensor ** b_cpu);
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);

@@ -544,5 +544,73 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     }
     ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, L.graph.vram_ids); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
-    return ggml_add(ctx, gpu, cpu);
+    const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
+    // the CPU's side first in the graph, where nothing of the device's is needed: the CPU's work of the layer
+    // (its matmuls, activations, down) and the device's each run as one split (the sum is the same either way)
+    ggml_tensor * sum = input_side || L.graph.n_vram_sum == 0 ? ggml_add(ctx, gpu, cpu) : ggml_add(ctx, cpu, gpu);
+    if (L.graph.n_vram_sum < 4 && input_side) {
+        const int32_t k = L.graph.n_vram_sum++;
+        L.graph.vram_sum[k]     = sum;
+        L.graph.vram_side[k][0] = gpu;
+        L.graph.vram_side[k][1] = cpu;
+    }
+    return sum;
+}
+
+// t with each input-side sum of L replaced by its `side` part: t itself where no sum lies within `depth`
+// ops of it; nullptr where one does but the way there holds an op computed in place (a view of its input
+// that also computes), which this does not rebuild
+static ggml_tensor * rebuild_side(moecache_layer & L, ggml_context * ctx, ggml_tensor * t, int side, int depth) {
+    for (int32_t k = 0; k < L.graph.n_vram_sum; k++) {
+        if (t == L.graph.vram_sum[k]) {
+            return L.graph.vram_side[k][side];
+        }
+    }
+    if (!t || depth == 0 || t->op == GGML_OP_NONE) {
+        return t;
+    }
+    ggml_tensor * src[GGML_MAX_SRC] = {};
+    bool changed = false;
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        src[i] = t->src[i] ? rebuild_side(L, ctx, t->src[i], side, depth - 1) : nullptr;
+        if (t->src[i] && !src[i]) {
+            return nullptr;
+        }
+        changed |= src[i] != t->src[i];
+    }
+    if (!changed) {
+        return t;
+    }
+    ggml_tensor * c = nullptr;
+    if (t->op == GGML_OP_VIEW || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE) {
+        // the same window of the rebuilt source (view_offs counts from the root of its views)
+        const size_t base = t->src[0]->view_src ? t->src[0]->view_offs : 0;
+        c = ggml_view_4d(ctx, src[0], t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3],
+                         t->view_offs - base);
+    } else if (t->view_src) {
+        return nullptr; // computed in place (ggml_clamp, the *_inplace ops)
+    } else {
+        c = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+        c->op = t->op;
+        memcpy(c->op_params, t->op_params, sizeof(c->op_params));
+        for (int i = 0; i < GGML_MAX_SRC; i++) {
+            c->src[i] = src[i];
+        }
+    }
+    ggml_format_name(c, "%s-%s", ggml_get_name(t), side ? "cpu" : "dev");
+    return side && !c->view_src ? moecache_graph_on_cpu(c) : c; // (a view is where its source is)
+}
+
+void moecache_vram_split_act(moecache_layer & L, ggml_context * ctx, ggml_tensor * b, ggml_tensor ** b_gpu,
+                             ggml_tensor ** b_cpu) {
+    if (L.graph.n_vram_sum == 0 || L.vram.n == 0) {
+        return;
+    }
+    const int depth = 8; // (the activations are a few ops from the sums: glu, scales, views, biases)
+    ggml_tensor * g = rebuild_side(L, ctx, b, 0, depth);
+    ggml_tensor * c = rebuild_side(L, ctx, b, 1, depth);
+    if (g && c && g != b && c != b) {
+        *b_gpu = g;
+        *b_cpu = c;
+    }
 }
