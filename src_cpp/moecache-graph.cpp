@@ -248,6 +248,21 @@ void moecache_hook_context_free(const llama_context * lctx) {
     }
 }
 
+// t and the ops between it and `from` (depth ops at most) on the CPU backend: the router's probabilities and
+// llama.cpp's top-k computed beside our routing op, so that only the logits cross from the device (each
+// tensor crossing is a read the scheduler waits for: over RPC a round trip). Views follow their source.
+static void cpu_from(ggml_tensor * t, const ggml_tensor * from, int depth) {
+    if (!t || t == from || depth == 0 || t->op == GGML_OP_NONE) {
+        return;
+    }
+    if (!t->view_src) {
+        moecache_graph_on_cpu(t);
+    }
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        cpu_from(t->src[i], from, depth - 1);
+    }
+}
+
 ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * selected, ggml_tensor * logits,
                                    ggml_tensor * probs, ggml_tensor * selection, int il, int gating_op,
                                    bool has_bias, bool warmup) {
@@ -275,6 +290,11 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
         return selected; // llama.cpp's top-k, on its device; counted after the graph (moecache-device.cpp)
     }
 
+    if (g_sched && selected->ne[1] == 1) { // (a decode beside GPU layers: see cpu_from)
+        for (ggml_tensor * t : { selected, probs, selection }) {
+            cpu_from(t, logits, 8);
+        }
+    }
     ggml_tensor * pred = moecache_ahead_predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
     ggml_tensor * args[6] = { selected, logits, probs, selection, pred, nullptr };
