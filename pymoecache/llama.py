@@ -177,7 +177,7 @@ def _check_keywords(kw: dict) -> None:
 
 
 def _cpu_patterns(n_cpu_moe, override_tensor, n_layer: int) -> list:
-    """The tensor-name patterns llama.cpp's buffer overrides keep in CPU memory: the routed experts of
+    r"""The tensor-name patterns llama.cpp's buffer overrides keep in CPU memory: the routed experts of
     the first ``n_cpu_moe`` layers ("all": every layer; llama-cli's --n-cpu-moe / --cpu-moe) and each
     ``PATTERN=CPU`` of ``override_tensor`` (llama-cli's -ot; another buffer type is a ConfigError).
 
