@@ -283,7 +283,7 @@ def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool
         raise ConfigError(f"miss={miss!r} computes streamed experts from their low-bit copies: it needs "
                           f"residency 'stream', not {residency!r}")
     device = cache.vram_size or cache.unified == "on" or gpu
-    if device and miss in ("lowbit", "lowbit-all") or (device and miss == "auto" and cache.lowbit_in_ram):
+    if device and (miss in ("lowbit", "lowbit-all") or (miss == "auto" and cache.lowbit_in_ram)):
         if miss == "auto" and cache.lowbit is None:
             return full, None
         raise ConfigError(f"miss={miss!r} with GPU layers, a VRAM tier (vram_size) or unified memory is not "

@@ -450,6 +450,7 @@ int32_t       moecache_vram_init(moecache & mc);
 void          moecache_vram_free(moecache & mc);
 int64_t       moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * ids, int32_t * out,
                                    int64_t n); // the time it spent copying up, not waiting for reads (us)
+void          moecache_vram_empty(moecache_layer & L);  // the tier holds nothing
 void          moecache_vram_forget(moecache_layer & L); // an exclusive tier emptied (its cache entries leave)
 bool          moecache_vram_warm(moecache & mc); // each layer's hottest experts of the usage profile, now
 // the predicted experts of T that its host cache holds, copied up ahead of T's routing (prefetch);

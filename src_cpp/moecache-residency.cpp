@@ -331,10 +331,7 @@ void moecache_residency_clear(moecache & mc) {
             }
         }
         if (L.vram.n > 0) {
-            std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
-            std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
-            std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
-            L.vram.clock = 0;
+            moecache_vram_empty(L);
         }
     }
 }

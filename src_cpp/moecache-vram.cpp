@@ -154,16 +154,21 @@ int64_t moecache_vram_bytes(const moecache & mc) {
     return bytes;
 }
 
-void moecache_vram_forget(moecache_layer & L) {
+void moecache_vram_empty(moecache_layer & L) {
     moecache_layer_vram & V = L.vram;
-    if (!V.exclusive) {
-        return;
-    }
     std::fill(V.slot_expert.begin(), V.slot_expert.end(), -1);
     std::fill(V.expert_slot.begin(), V.expert_slot.end(), -1);
     std::fill(V.stamp.begin(), V.stamp.end(), -1);
+    std::fill(V.ahead.begin(), V.ahead.end(), 0);
     std::fill(V.excl.begin(), V.excl.end(), 0);
     V.n_excl = 0;
+    V.clock  = 0;
+}
+
+void moecache_vram_forget(moecache_layer & L) {
+    if (L.vram.exclusive) {
+        moecache_vram_empty(L);
+    }
 }
 
 // exclusive: e, now in device slot vs, leaves the host tier (its host slot is freed at the end of the
@@ -363,11 +368,7 @@ bool moecache_vram_warm(moecache & mc) {
         int64_t t_wait = 0;
         vram_finish(mc, L, 0, t_wait); // (copies of a graph that was stopped: before the slots change hands)
         const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.vram.n);
-        std::fill(L.vram.slot_expert.begin(), L.vram.slot_expert.end(), -1);
-        std::fill(L.vram.expert_slot.begin(), L.vram.expert_slot.end(), -1);
-        std::fill(L.vram.stamp.begin(), L.vram.stamp.end(), -1);
-        std::fill(L.vram.ahead.begin(), L.vram.ahead.end(), 0);
-        moecache_vram_forget(L);
+        moecache_vram_empty(L);
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest last: the most recent
             const int32_t e = hot[i];
             const int32_t s = n_hot - 1 - i;
