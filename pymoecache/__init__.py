@@ -34,7 +34,7 @@ try:
 except ImportError:  # not built: the error comes, with what to do, when the library is first needed
     pass
 
-_NATIVE = {"Llama": "llama", "MoECache": "llama", "auto_cache_size": "plan"}
+_NATIVE = {"Llama": "llama", "MoECache": "llama", "auto_cache_size": "plan", "BatchDecoder": "batch"}
 
 
 def __getattr__(name: str):
@@ -56,7 +56,7 @@ def native_version() -> str:
 
 
 __all__ = [
-    "CacheConfig", "ClosedError", "ConcurrentUseError", "DeviceLostError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
+    "BatchDecoder", "CacheConfig", "ClosedError", "ConcurrentUseError", "DeviceLostError", "ConfigError", "CumsumThreshold", "DropRank", "Error", "GrammarError", "Llama",
     "MaxRank",
     "MoECache", "MoECacheError", "MoECacheIOError", "MoEStats", "ModelFileError", "ModelInfo", "ModelLoadError",
     "ModelNotFoundError", "Preset", "Prior", "Prune", "ResidencyStats", "StateFileError", "SwapRank", "TopK",

@@ -66,6 +66,7 @@ class moecache_cache_params(ctypes.Structure):
         ("lowbit_in_ram", c_bool),
         ("lowbit_max_p", c_float),
         ("vram_exclusive", c_bool),
+        ("n_seq", c_int32),
     ]
 
 
@@ -150,6 +151,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("decode_graphs", c_int64),
         ("decode_graph_splits", c_int64),
         ("device_reads", c_int64),
+        ("decode_steps", c_int64),
     ]
 
 

@@ -160,7 +160,8 @@ def _llama_keywords() -> frozenset:
 
     sig = inspect.signature(llama_cpp.Llama.__init__).parameters
     return frozenset(n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD) \
-        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope", "n_cpu_moe", "override_tensor"}
+        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope", "n_cpu_moe", "override_tensor",
+                      "n_seq_max"}
 
 
 def _check_keywords(kw: dict) -> None:
@@ -445,6 +446,10 @@ class Llama(llama_cpp.Llama):
         if isinstance(flash_attn, str):
             kwargs["flash_attn"] = flash_attn == "on"
         fa_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn == "auto" else None
+        # sequences decoded together (pymoecache.BatchDecoder): llama.cpp's n_seq_max, one KV cache for all of them
+        n_seq_max = kwargs.pop("n_seq_max", 1)
+        check_int("n_seq_max", n_seq_max, 1, 256)
+        self.n_seq_max = int(n_seq_max)
         asked = []
         if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
             asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))
@@ -540,7 +545,8 @@ class Llama(llama_cpp.Llama):
                 cache = dataclasses.replace(cache, lock_memory=True, lock_dense=True)
             # the native parameters, once, from the values resolved above (MoECache.for_model takes them)
             native = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
-                                      info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used)
+                                      info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
+                                      n_seq=n_seq_max)
         self._busy = threading.Lock()  # held by the thread in eval/sample: a second one gets ConcurrentUseError
         self._token_lock = threading.Lock()  # held while a token is decoded or sampled: readers of the
                                              # counters wait for the token in flight, never fail
@@ -562,9 +568,12 @@ class Llama(llama_cpp.Llama):
             llama_cpp.llama_chat_format.Jinja2ChatFormatter = _TolerantChatFormatter
             default_params = llama_cpp.llama_cpp.llama_model_default_params
             context_class = llama_cpp._internals.LlamaContext
-            if fa_type is not None:
+            if fa_type is not None or n_seq_max > 1:
                 def context_with_fa_type(*, params, **kw):
-                    params.flash_attn_type = fa_type
+                    if fa_type is not None:
+                        params.flash_attn_type = fa_type
+                    params.n_seq_max = n_seq_max
+                    params.kv_unified = n_seq_max > 1  # (every sequence may use the whole n_ctx, as llama-server's)
                     return context_class(params=params, **kw)
 
                 llama_cpp._internals.LlamaContext = context_with_fa_type
@@ -732,6 +741,12 @@ class Llama(llama_cpp.Llama):
         """``llama_cpp.Llama.eval``; a failed expert read, or a model file changed since it was
         loaded, raises :class:`MoECacheIOError`; a call while another thread decodes,
         :class:`ConcurrentUseError`."""
+        self._decode_checked(lambda: super(Llama, self).eval(tokens), len(tokens))
+
+    def _decode_checked(self, decode, n_tokens: int) -> None:
+        """``decode()`` (llama_decode of ``n_tokens``, one sequence's, or a batch's one token each) with
+        eval's checks: one thread at a time, the RPC servers and the model file first; the guard's
+        faults, a failed expert read and NaN logits after."""
         self._enter()
         try:
             if self._rpc_used:
@@ -739,12 +754,12 @@ class Llama(llama_cpp.Llama):
             self._check_file()
             with self._token_lock:
                 t0 = C.moecache_time_now_us() if self._timeline_spans is not None else 0
-                faults = _major_faults() if len(tokens) == 1 else 0
-                super().eval(tokens)
-                if len(tokens) == 1:  # a decoded token: the pages it had to read back (a dropped dense part)
+                faults = _major_faults() if n_tokens == 1 else 0
+                decode()
+                if n_tokens == 1:  # a decoded token: the pages it had to read back (a dropped dense part)
                     self._decode_major_faults += _major_faults() - faults
                 if self._timeline_spans is not None:
-                    self._timeline_spans.append((t0, C.moecache_time_now_us(), len(tokens)))
+                    self._timeline_spans.append((t0, C.moecache_time_now_us(), n_tokens))
                 if self._guard >= 0 and C.moecache_guard_faults(self._guard):
                     raise MoECacheIOError(f"the model file {self.model_path} was truncated while in use: "
                                           f"{C.moecache_guard_faults(self._guard)} pages of it are gone, and this "

@@ -103,8 +103,9 @@ class MoECache:
     @staticmethod
     def _params(n_expert: int, cache: CacheConfig, routing: Routing, scope: str,
                 expert_bytes: float = 0.0, n_moe_layer: int = 0, model_path: Optional[str] = None,
-                n_expert_used: int = 0):
+                n_expert_used: int = 0, n_seq: int = 1):
         cp = C.moecache_cache_default_params()
+        cp.n_seq = int(n_seq)  # sequences decoded together (Llama's n_seq_max): slots for a batch's selections
         cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
         capacities = cache.capacities(cp.n_cached)
         if cache.prefetch == "auto":  # (Llama resolves it first, taking spare slots out of a memory budget)
@@ -361,7 +362,7 @@ class MoECache:
                               lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
                               lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"),
                               decode_graphs=rs.decode_graphs, decode_graph_splits=rs.decode_graph_splits,
-                              device_reads=rs.device_reads)
+                              device_reads=rs.device_reads, decode_steps=rs.decode_steps)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

@@ -86,6 +86,9 @@ class ResidencyStats:
     decode_graphs: int = 0
     decode_graph_splits: int = 0
     device_reads: int = 0
+    # batched decoding (Llama(n_seq_max=N)): decode steps, each one llama_decode of one token per sequence
+    # (decode_tokens counts the tokens: a step of 4 sequences is 4)
+    decode_steps: int = 0
 
     @property
     def splits_per_token(self) -> float:

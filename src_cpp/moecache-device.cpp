@@ -244,6 +244,7 @@ void moecache_device_flush(moecache & mc) {
         const int64_t t1 = moecache_time_us();
         moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
         L.decode_tokens += 1;
+        L.decode_steps  += 1;
         if (timeline) {
             moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
         }

@@ -62,10 +62,11 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_tokens = dst->ne[1];
 
     const moecache_routing_params rp = mc.rparams; // one consistent set for the whole ubatch
-    const bool decode = L.graph.n_ubatch == 1;     // (a prompt's last layer routes one token too: its output row)
+    const bool decode = L.graph.decode;            // (a prompt's last layer routes one token too: its output row)
+    const bool single = decode && n_tokens == 1;   // (a batch of sequences reads nothing ahead)
     const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
     const bool update = decode || mc.cparams.update_on_prompt;
-    if (!decode && moecache_counts_ahead(mc)) { // (a prediction is for the next decoded token, not a prompt)
+    if (!single && moecache_counts_ahead(mc)) { // (a prediction is for the next decoded token, not a prompt)
         std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
     }
 
@@ -95,7 +96,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int64_t i = n; i < K; i++) {
             out[i] = out[0];
         }
-        if (decode && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
+        if (single && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
             const float * pr = moecache_row_f32(p, t);
             for (int64_t i = 0; i < K && i < MOECACHE_MAX_USED; i++) {
                 L.low.tok_p[i] = i < n ? pr[out[i]] : 0.0f;
@@ -105,8 +106,11 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
     }
     if (decode) {
-        L.decode_tokens      += 1;
+        L.decode_tokens      += n_tokens;
+        L.decode_steps       += 1;
         mc.t_route_decode_us += moecache_time_us() - t0;
+    }
+    if (single) {
         if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
             mc.spec_pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
             if (mc.cparams.prefetch_adaptive) {
@@ -168,7 +172,28 @@ bool moecache_hook_graph_reusable(const llama_context * lctx) {
     return it == g_ctx.end() || !it->second.dirty;
 }
 
-void moecache_hook_graph_begin(const llama_context * lctx) {
+// a ubatch of one token per sequence decodes. STREAM: a batch of several sequences' tokens runs on the host
+// slots when they have room for it (n_seq) and nothing else computes a layer's experts (a VRAM tier, low-bit
+// pools, unified memory: one token's paths); otherwise it is computed from the mapping, as a prompt is
+static bool moecache_graph_decodes(const moecache & mc, int64_t n_tokens, int64_t n_seqs) {
+    if (n_tokens < 1 || n_tokens != n_seqs) {
+        return false;
+    }
+    if (n_tokens == 1 || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM) {
+        return true;
+    }
+    if (n_tokens > mc.cparams.n_seq) {
+        return false;
+    }
+    for (const moecache_layer & L : mc.layers) {
+        if (L.vram.n > 0 || L.low.n > 0 || !L.uni.t.empty()) {
+            return false;
+        }
+    }
+    return true;
+}
+
+void moecache_hook_graph_begin(const llama_context * lctx, int64_t n_tokens, int64_t n_seqs) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_ctx.find(lctx);
     g_building = nullptr;
@@ -177,6 +202,7 @@ void moecache_hook_graph_begin(const llama_context * lctx) {
         it->second.dirty = false;
         if (g_building) {
             moecache_residency_graph_begin(*g_building);
+            g_building->build_decode = moecache_graph_decodes(*g_building, n_tokens, n_seqs);
         }
     }
     g_sched = nullptr;
@@ -224,7 +250,7 @@ void moecache_hook_ubatch_computed(const llama_context * lctx) {
         mc = it->second.mc;
     }
     ggml_backend_sched_t sched = lctx->get_sched();
-    if (mc->build_n_ubatch == 1 && sched) { // (the graph that ran was built last: a reused one is that one)
+    if (mc->build_decode && sched) { // (the graph that ran was built last: a reused one is that one)
         mc->rst.decode_graph_splits += ggml_backend_sched_get_n_splits(sched);
         mc->rst.decode_graphs       += 1;
     }
@@ -285,12 +311,13 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
         mc->first_routed   = il;
     }
     L.graph.n_ubatch = mc->build_n_ubatch;
+    L.graph.decode   = mc->build_decode && mc->build_n_ubatch == selected->ne[1]; // (a prompt's output rows: not)
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
     if (moecache_device_defer(*mc, ctx, gf, il, selected, logits, probs, selection)) {
         return selected; // llama.cpp's top-k, on its device; counted after the graph (moecache-device.cpp)
     }
 
-    if (g_sched && selected->ne[1] == 1) { // (a decode beside GPU layers: see cpu_from)
+    if (g_sched && L.graph.decode) { // (a decode beside GPU layers: see cpu_from)
         for (ggml_tensor * t : { selected, probs, selection }) {
             cpu_from(t, logits, 8);
         }
@@ -340,10 +367,10 @@ ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggm
     return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
 }
 
-// the layer runs a decode: a ubatch of one token (not the output row of a prompt's last layer);
+// the layer runs a decode: one token per sequence (not the output row of a prompt's last layer);
 // n_tokens: what the layer sees, for a layer the routing hook did not see (n_ubatch 0)
 static bool moecache_layer_decodes(const moecache_layer & L, int64_t n_tokens) {
-    return (L.graph.n_ubatch > 0 ? L.graph.n_ubatch : n_tokens) == 1;
+    return L.graph.n_ubatch > 0 ? L.graph.decode : n_tokens == 1;
 }
 
 // dst: I32 [K, n_tokens] = slot ids (STREAM decode) or the expert ids; src[0]: the expert ids.
@@ -372,6 +399,7 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.n_vram_sum = 0;
         L.graph.low_ids  = nullptr;
         L.graph.n_ubatch = 0;
+        L.graph.decode   = false;
     }
 }
 

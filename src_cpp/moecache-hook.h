@@ -6,7 +6,8 @@
 //
 // Life of one graph build (llama_context::process_ubatch):
 //   moecache_hook_graph_reusable(ctx)  false once after attach/detach: the old graph is rebuilt
-//   moecache_hook_graph_begin(ctx)     remembers which moecache this thread is building for
+//   moecache_hook_graph_begin(ctx, n_tokens, n_seqs)  remembers which moecache this thread is building
+//                                      for, and whether the ubatch decodes (one token per sequence)
 //     build_moe_ffn -> moecache_hook_select / moecache_hook_weights, once per MoE layer
 //   moecache_hook_graph_end(ctx)
 //   (graph computed) moecache_hook_ubatch_computed(ctx)   counts what the graph left to count
@@ -18,6 +19,8 @@ struct ggml_tensor;
 struct llama_context;
 struct ggml_backend_buffer_type;
 
+#include <stdint.h>
+
 // Model loading (llama_model_load): with moecache_set_load_residency(MMAP or STREAM) on this
 // thread, the routed experts stay in the file's layout in the mapping (the CPU buffer type where
 // llama.cpp chose one of the CPU's repacking extra types or a GPU layer's device, as its
@@ -28,7 +31,9 @@ struct ggml_backend_buffer_type * moecache_hook_weight_buft(const char * name, s
 bool moecache_hook_mmap_prefetch(void);
 
 bool moecache_hook_graph_reusable(const llama_context * lctx);
-void moecache_hook_graph_begin   (const llama_context * lctx);
+// n_tokens: the ubatch's tokens; n_seqs: its distinct sequences (llama_ubatch::n_seqs_unq). A ubatch
+// of one token per sequence decodes (a batch of several sequences, or one token); otherwise a prompt.
+void moecache_hook_graph_begin   (const llama_context * lctx, int64_t n_tokens, int64_t n_seqs);
 void moecache_hook_graph_end     (const llama_context * lctx);
 void moecache_hook_context_free  (const llama_context * lctx);
 // After a ubatch's graph computed (llama_context::process_ubatch, before its outputs are read):

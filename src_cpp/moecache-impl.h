@@ -87,7 +87,9 @@ struct moecache_layer_graph {
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
-                                            //   last layer of a prompt routes only its output rows); 1 = a decode
+                                            //   last layer of a prompt routes only its output rows)
+    bool          decode         = false;   // the graph decodes: one token of each of n_ubatch sequences
+                                            //   (moecache_graph_decodes); otherwise a prompt
 };
 
 // where the layer's experts live (moecache-residency.cpp, moecache-slots.cpp): empty for NONE and
@@ -220,7 +222,8 @@ struct moecache_layer {
 
     // counters only; moecache_get_layer_stats derives the shape, occupancy and Delta fields
     struct moecache_layer_stats st = {};
-    int64_t decode_tokens = 0;        // single-token ubatches routed by this layer
+    int64_t decode_tokens = 0;        // decoded tokens routed by this layer (a batch of n counts n)
+    int64_t decode_steps  = 0;        // decode ubatches routed by this layer
 
     moecache_layer_scratch   scratch;
     moecache_layer_graph     graph;
@@ -325,6 +328,7 @@ struct moecache {
     int32_t ahead_last = -1;                   // the last layer read ahead in this ubatch, or -1
     int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
     int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
+    bool    build_decode   = false;            // graph build: the ubatch decodes (moecache_graph_decodes)
     int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
     struct {                                   // prefetch_adaptive: the on/off trial (moecache-graph.cpp)
         bool    on      = true;                //   reads ahead are issued for this token

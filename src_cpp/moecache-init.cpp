@@ -151,6 +151,11 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
         fail(MOECACHE_ERR_INVALID, buf);
         return nullptr;
     }
+    if (cp.n_seq < 1 || cp.n_seq > MOECACHE_MAX_SEQ) {
+        snprintf(buf, sizeof(buf), "n_seq = %d must be in [1, %d]", cp.n_seq, MOECACHE_MAX_SEQ);
+        fail(MOECACHE_ERR_INVALID, buf);
+        return nullptr;
+    }
     if (moecache_check_eviction(cp.eviction, cp.eviction_decay) != MOECACHE_OK) {
         return nullptr;
     }

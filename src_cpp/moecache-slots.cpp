@@ -31,7 +31,9 @@ int32_t moecache_slots_init(moecache & mc) {
             continue;
         }
         L.res.n_slots = std::max(L.capacity, mc.n_expert_used) +
-                        (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0); // spare: speculative reads
+                        (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0) + // spare: speculative reads
+                        (cp.n_seq - 1) * mc.n_expert_used; // a batch's selections: the cache's, and K for each
+                                                           //   other sequence (its insertions may evict them)
         const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 || L.low.n > 0 ? 1 : 0); // (and a zero slot)
         for (moecache_expert_tensor & x : L.res.xt) {
             // a device computing the layer in place (moecache-unified.cpp) steps from expert to expert

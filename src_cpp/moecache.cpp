@@ -97,6 +97,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.lowbit_in_ram      = false;
     p.lowbit_max_p       = 1.0f;
     p.vram_exclusive     = false;
+    p.n_seq              = 1;
     return p;
 }
 
@@ -225,6 +226,7 @@ void moecache_reset_stats(struct moecache * mc) {
     mc->t_vram_copy_us    = 0;
     for (moecache_layer & L : mc->layers) {
         L.decode_tokens = 0;
+        L.decode_steps  = 0;
     }
 }
 
@@ -602,14 +604,17 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         out->vram_exclusive_layers += L.vram.exclusive ? 1 : 0;
     }
     int64_t decode_tokens = 0;
+    int64_t decode_steps  = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {
         decode_tokens = std::max(decode_tokens, L.decode_tokens);
+        decode_steps  = std::max(decode_steps, L.decode_steps);
         for (uint8_t l : L.res.locked) {
             locked += l ? (int64_t) L.res.expert_bytes : 0;
         }
     }
     out->decode_tokens = decode_tokens;
+    out->decode_steps  = decode_steps;
     if (mc->io && mc->cparams.residency == MOECACHE_RESIDENCY_STREAM) { // decode reads run on the reader threads
         moecache_io_counters(*mc->io, &out->demand_bytes_read, &out->prefetch_bytes_read);
         out->decode_bytes_read = out->demand_bytes_read + out->prefetch_bytes_read;

@@ -57,6 +57,7 @@ extern "C" {
 #define MOECACHE_MAX_LAYERS    4096       // layers of a model
 #define MOECACHE_MAX_TRACE     (1 << 24)  // trace_capacity (152 bytes per record: 2.4 GiB at the bound)
 #define MOECACHE_MAX_PREFETCH_DISTANCE 8  // prefetch_distance
+#define MOECACHE_MAX_SEQ       256        // n_seq (llama.cpp's LLAMA_MAX_SEQ)
 
 struct llama_model;
 struct llama_context;
@@ -342,6 +343,13 @@ struct moecache_cache_params {
                                   //   Where n_cached + n_vram >= N the routing prefers the device's experts.
                                   //   Layers whose host cache holds every expert keep the tier inclusive;
                                   //   copies up ahead (prefetch) are not made. Needs n_cached >= 1; default false
+    int32_t n_seq;                // sequences decoded together in one llama_decode (a batch of one token per
+                                  //   sequence: llama.cpp's n_seq_max), in [1, 256]. STREAM: each MoE layer
+                                  //   keeps (n_seq - 1) x K more slots, so the batch's selections are read into
+                                  //   slots once each (their union) and every one computed from a slot as one
+                                  //   sequence's are. A batch takes that path on the host slots (without a
+                                  //   VRAM tier, low-bit pools or unified memory) when it has at most n_seq
+                                  //   tokens; otherwise it is computed as a prompt is. default 1
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -383,7 +391,7 @@ struct moecache_residency_stats {
     int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
     int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer); lowbit
                                   //   SOURCE: of its companion copy, what a slot holds and a miss reads
-    int64_t decode_tokens;        // single-token ubatches routed
+    int64_t decode_tokens;        // decoded tokens routed (a batch of n sequences' tokens counts n)
     int64_t decode_loads;         // experts read from storage during those
     int64_t decode_bytes_read;    // bytes read from storage during those
     double  decode_t_io_ms;       // time the decode graph waited for expert reads (STREAM with prefetch: also
@@ -455,6 +463,8 @@ struct moecache_residency_stats {
     int64_t device_reads;         // reads of device memory our hooks made after those graphs (residency
                                   //   NONE with top-k routing: one per device that holds MoE layers, which
                                   //   replaces a CPU split per MoE layer)
+    int64_t decode_steps;         // decode ubatches routed: a batch of several sequences' tokens (n_seq) is one
+                                  //   step of several decode_tokens; one sequence: = decode_tokens
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

@@ -1,0 +1,295 @@
+r"""Several sequences generated together on one :class:`pymoecache.Llama` (batched decoding).
+
+Each step is one ``llama_decode`` over one token of every running sequence, each in its own KV
+sequence (a slot, of the context's ``n_seq_max``). The MoE layers read the union of the step's
+misses once, into the slots the cache keeps for a batch (``Llama(n_seq_max=N)``: (N - 1) x K more
+per layer), and compute every sequence's selection from them as they would its own alone: under
+top-k routing each sequence's tokens are those it decodes alone. A sequence that arrives while
+others run joins the batch at the next step (continuous batching): its prompt is prefilled alone,
+from the longest prefix a free slot already holds (a conversation that comes back is not prefilled
+again), and it leaves the batch when it ends.
+
+>>> from pymoecache import Llama, BatchDecoder
+>>> llm = Llama("model.gguf", cache=0.25, n_seq_max=4)                 # doctest: +SKIP
+>>> dec = BatchDecoder(llm)                                             # doctest: +SKIP
+>>> a = dec.add(llm.tokenize(b"Once upon a time"), max_tokens=32)       # doctest: +SKIP
+>>> b = dec.add(llm.tokenize(b"The sea"), max_tokens=32)                # doctest: +SKIP
+>>> dec.run()                                                           # doctest: +SKIP
+>>> llm.detokenize(a.tokens)                                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence as Seq
+
+import llama_cpp
+import numpy as np
+
+from .config import ConfigError
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence of a :class:`BatchDecoder`: its prompt, its tokens so far, and its timings."""
+
+    prompt: List[int]
+    max_tokens: int
+    tokens: List[int] = field(default_factory=list)  # generated so far
+    slot: int = -1                     # the KV sequence (slot) it runs in; -1 while it waits
+    finish_reason: Optional[str] = None  # "stop" (an end-of-generation token), "length"; None while it runs
+    n_prompt_reused: int = 0           # prompt tokens a slot held already (not prefilled again)
+    t_submit: float = 0.0              # time.perf_counter() of add()
+    t_first: float = 0.0               #   of its first token
+    t_done: float = 0.0                #   of its end
+    on_token: Optional[Callable[["Sequence", int], None]] = None  # called with each token as it comes
+    logits: Optional[list] = None      # add(keep_logits=True): each token's logits row (numpy float32 [n_vocab])
+    _sampler: object = None
+    _cancel: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds from add() to its end (0 while it runs)."""
+        return self.t_done - self.t_submit if self.t_done else 0.0
+
+    def cancel(self) -> None:
+        """End it at the next step (finish_reason "cancelled"), from any thread."""
+        self._cancel = True
+
+
+def _sampler(vocab, temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
+    """llama.cpp's sampler chain: greedy for temperature <= 0, else top-k, top-p, min-p, temperature, dist."""
+    params = llama_cpp.llama_sampler_chain_default_params()
+    chain = llama_cpp.llama_sampler_chain_init(params)
+    if temperature <= 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if top_k > 0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(min_p, 1))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    return chain
+
+
+class BatchDecoder:
+    """Sequences decoded together on ``llm`` (a :class:`pymoecache.Llama` made with ``n_seq_max`` > 1:
+    that many run at once; more wait for a slot). One thread drives it (:meth:`step` or :meth:`run`);
+    :meth:`add` may be called from any thread. The Llama's own ``eval`` shares the context's slot 0."""
+
+    def __init__(self, llm):
+        n = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))  # (a llama_cpp.Llama's context too: stock llama.cpp)
+        self.llm = llm
+        self.n_slots = n
+        self._ctx = llm._ctx.ctx
+        self._vocab = llm._model.vocab
+        self._n_ctx = llm.n_ctx()
+        self._n_batch = max(1, int(llm.n_batch))
+        self._n_vocab_n = llm.n_vocab()
+        self._batch = llama_cpp.llama_batch_init(max(self._n_batch, n), 0, 1)
+        self._kept: List[List[int]] = [[] for _ in range(n)]  # the tokens each slot's KV sequence holds
+        self._running: List[Sequence] = []
+        self._waiting: deque = deque()
+        self._lock = threading.Lock()
+        self.steps = 0              # batched decode steps
+        self.step_tokens = 0        # tokens they decoded (a step of 3 sequences: 3)
+        self._closed = False
+        # the slots start empty: the Llama's own conversation (slot 0) is forgotten
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
+        llm.n_tokens = 0
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            llama_cpp.llama_batch_free(self._batch)
+            for s in self._running:
+                self._free_sampler(s)
+
+    def __enter__(self) -> "BatchDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # --- what callers see -------------------------------------------------------------------
+    def add(self, prompt: Seq[int], *, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 40,
+            top_p: float = 0.95, min_p: float = 0.05, seed: int = 0,
+            on_token: Optional[Callable[[Sequence, int], None]] = None, keep_logits: bool = False) -> Sequence:
+        """Queue a sequence: ``prompt`` (token ids, at least one) continued by at most ``max_tokens``
+        tokens, sampled by llama.cpp's chain (greedy where ``temperature`` <= 0). It joins the batch at
+        the next step with a free slot."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ConfigError("a sequence needs a prompt of at least one token")
+        if len(prompt) >= self._n_ctx:
+            raise ConfigError(f"the prompt has {len(prompt)} tokens; the context holds {self._n_ctx} (n_ctx)")
+        n_vocab = self._n_vocab_n
+        bad = [t for t in prompt if not 0 <= t < n_vocab]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
+        seq = Sequence(prompt=prompt, max_tokens=int(max_tokens), t_submit=time.perf_counter(), on_token=on_token,
+                       logits=[] if keep_logits else None)
+        seq._sampler = (float(temperature), int(top_k), float(top_p), float(min_p), int(seed))
+        with self._lock:
+            self._waiting.append(seq)
+        return seq
+
+    @property
+    def running(self) -> List[Sequence]:
+        return list(self._running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    def run(self) -> None:
+        """Steps until every sequence added so far (and while running) has ended."""
+        while not self.idle():
+            self.step()
+
+    def step(self) -> List[tuple]:
+        """Admit waiting sequences into free slots (each prefilled alone, its first token sampled), then
+        decode one token of every running sequence in one llama_decode. Returns the (sequence, token)
+        pairs of this step."""
+        out = []
+        self._admit(out)
+        self._end_cancelled()
+        if self._running:
+            self._decode_step(out)
+        return out
+
+    # --- internals ----------------------------------------------------------------------------
+    def _free_sampler(self, s: Sequence) -> None:
+        if s._sampler is not None and not isinstance(s._sampler, tuple):
+            llama_cpp.llama_sampler_free(s._sampler)
+        s._sampler = None
+
+    def _end(self, s: Sequence, why: str) -> None:
+        s.finish_reason = why
+        s.t_done = time.perf_counter()
+        self._free_sampler(s)
+        if s in self._running:
+            self._running.remove(s)
+
+    def _end_cancelled(self) -> None:
+        for s in list(self._running):
+            if s._cancel:
+                self._end(s, "cancelled")
+
+    def _free_slot(self, prompt: List[int]) -> tuple:
+        """The free slot whose kept tokens share the longest prefix with ``prompt``, and that length."""
+        busy = {s.slot for s in self._running}
+        best, n_best = -1, -1
+        for slot in range(self.n_slots):
+            if slot in busy:
+                continue
+            kept = self._kept[slot]
+            n = 0
+            m = min(len(kept), len(prompt) - 1)  # (the last prompt token is decoded again: its logits)
+            while n < m and kept[n] == prompt[n]:
+                n += 1
+            if n > n_best:
+                best, n_best = slot, n
+        return best, n_best
+
+    def _fill(self, items: List[tuple]) -> None:
+        """The batch = items of (token, pos, seq_id, logits)."""
+        b = self._batch
+        for i, (tok, pos, sid, want) in enumerate(items):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = sid
+            b.logits[i] = want
+        b.n_tokens = len(items)
+
+    def _decode(self, n: int) -> None:
+        def run():
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+        checked = getattr(self.llm, "_decode_checked", None)  # (pymoecache.Llama's checks around the decode)
+        checked(run, n) if checked is not None else run()
+
+    def _sample(self, s: Sequence, idx: int, out: list) -> None:
+        if s.logits is not None:
+            row = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+            s.logits.append(np.ctypeslib.as_array(row, shape=(self._n_vocab_n,)).copy())
+        tok = int(llama_cpp.llama_sampler_sample(s._sampler, self._ctx, idx))
+        s.tokens.append(tok)  # (in the slot's KV sequence once the next step decodes it)
+        if len(s.tokens) == 1:
+            s.t_first = time.perf_counter()
+        out.append((s, tok))
+        if s.on_token is not None:
+            s.on_token(s, tok)
+        if llama_cpp.llama_vocab_is_eog(self._vocab, tok):
+            self._end(s, "stop")
+        elif len(s.tokens) >= s.max_tokens or len(self._kept[s.slot]) + 1 >= self._n_ctx:
+            self._end(s, "length")
+
+    def _admit(self, out: list) -> None:
+        while len(self._running) < self.n_slots:
+            with self._lock:
+                if not self._waiting:
+                    return
+                s = self._waiting.popleft()
+            if s._cancel:
+                s.finish_reason, s.t_done = "cancelled", time.perf_counter()
+                continue
+            slot, n_keep = self._free_slot(s.prompt)
+            s.slot, s.n_prompt_reused = slot, n_keep
+            mem = llama_cpp.llama_get_memory(self._ctx)
+            llama_cpp.llama_memory_seq_rm(mem, slot, n_keep, -1)
+            self._kept[slot] = list(s.prompt[:n_keep])
+            s._sampler = _sampler(self._vocab, *s._sampler)
+            self._running.append(s)
+            todo = s.prompt[n_keep:]
+            try:
+                for i in range(0, len(todo), self._n_batch):  # the prompt, alone, in n_batch pieces
+                    part = todo[i:i + self._n_batch]
+                    last = i + len(part) == len(todo)
+                    self._fill([(t, n_keep + i + j, slot, last and j == len(part) - 1) for j, t in enumerate(part)])
+                    self._decode(len(part))
+                    self._kept[slot].extend(part)
+            except BaseException:
+                self._kept[slot] = []
+                llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
+                self._end(s, "error")
+                raise
+            self._sample(s, len(part) - 1, out)
+
+    def _decode_step(self, out: list) -> None:
+        run = list(self._running)
+        self._fill([(s.tokens[-1], len(self._kept[s.slot]), s.slot, True) for s in run])
+        try:
+            self._decode(len(run))
+        except BaseException:
+            for s in run:  # (their KV sequences may hold the step half done)
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), s.slot,
+                                              len(self._kept[s.slot]), -1)
+                self._end(s, "error")
+            raise
+        self.steps += 1
+        self.step_tokens += len(run)
+        for i, s in enumerate(run):
+            self._kept[s.slot].append(s.tokens[-1])
+            self._sample(s, i, out)
