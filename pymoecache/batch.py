@@ -20,6 +20,7 @@ again), and it leaves the batch when it ends.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -45,6 +46,7 @@ class Sequence:
     t_submit: float = 0.0              # time.perf_counter() of add()
     t_first: float = 0.0               #   of its first token
     t_done: float = 0.0                #   of its end
+    prefill_s: float = 0.0             # seconds its prompt took to prefill (alone)
     on_token: Optional[Callable[["Sequence", int], None]] = None  # called with each token as it comes
     logits: Optional[list] = None      # add(keep_logits=True): each token's logits row (numpy float32 [n_vocab])
     _sampler: object = None
@@ -64,19 +66,28 @@ class Sequence:
         self._cancel = True
 
 
-def _sampler(vocab, temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
-    """llama.cpp's sampler chain: greedy for temperature <= 0, else top-k, top-p, min-p, temperature, dist."""
-    params = llama_cpp.llama_sampler_chain_default_params()
-    chain = llama_cpp.llama_sampler_chain_init(params)
-    if temperature <= 0:
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        return chain
-    if top_k > 0:
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(min_p, 1))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+def _sampler(n_vocab: int, temperature: float, top_k: int, top_p: float, min_p: float, seed: int,
+             penalties: tuple):
+    """llama-cpp-python's sampler chain (Llama._init_sampler), so a sequence samples here as it does alone:
+    the penalties (repeat, frequency, presence) over the generated tokens, then a draw from the
+    distribution (temperature < 0), greedy (0), or top-k, typical, top-p, min-p, temperature and a
+    seeded draw."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    add = functools.partial(llama_cpp.llama_sampler_chain_add, chain)
+    repeat, freq, present = penalties
+    # (called as llama-cpp-python calls it, with the same arguments: the same window of tokens)
+    add(llama_cpp.llama_sampler_init_penalties(n_vocab, 64, repeat, freq, present))
+    if temperature < 0:
+        add(llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    elif temperature == 0:
+        add(llama_cpp.llama_sampler_init_greedy())
+    else:
+        add(llama_cpp.llama_sampler_init_top_k(top_k))
+        add(llama_cpp.llama_sampler_init_typical(1.0, 1))
+        add(llama_cpp.llama_sampler_init_top_p(top_p, 1))
+        add(llama_cpp.llama_sampler_init_min_p(min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(temperature))
+        add(llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
     return chain
 
 
@@ -128,10 +139,13 @@ class BatchDecoder:
     # --- what callers see -------------------------------------------------------------------
     def add(self, prompt: Seq[int], *, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 40,
             top_p: float = 0.95, min_p: float = 0.05, seed: int = 0,
-            on_token: Optional[Callable[[Sequence, int], None]] = None, keep_logits: bool = False) -> Sequence:
+            penalties: tuple = (1.0, 0.0, 0.0), on_token: Optional[Callable[[Sequence, int], None]] = None,
+            keep_logits: bool = False) -> Sequence:
         """Queue a sequence: ``prompt`` (token ids, at least one) continued by at most ``max_tokens``
-        tokens, sampled by llama.cpp's chain (greedy where ``temperature`` <= 0). It joins the batch at
-        the next step with a free slot."""
+        tokens, sampled as llama-cpp-python samples (greedy at ``temperature`` 0; ``penalties``: repeat,
+        frequency, presence). It joins the batch at the next step with a free slot. ``on_token(seq,
+        token)`` is called on the decoding thread with each token; ``keep_logits`` keeps each token's
+        logits row in ``seq.logits``."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ConfigError("a sequence needs a prompt of at least one token")
@@ -145,7 +159,8 @@ class BatchDecoder:
             raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
         seq = Sequence(prompt=prompt, max_tokens=int(max_tokens), t_submit=time.perf_counter(), on_token=on_token,
                        logits=[] if keep_logits else None)
-        seq._sampler = (float(temperature), int(top_k), float(top_p), float(min_p), int(seed))
+        seq._sampler = (float(temperature), int(top_k), float(top_p), float(min_p), int(seed),
+                        tuple(float(x) for x in penalties))
         with self._lock:
             self._waiting.append(seq)
         return seq
@@ -157,6 +172,16 @@ class BatchDecoder:
     @property
     def n_waiting(self) -> int:
         return len(self._waiting)
+
+    def forget(self) -> None:
+        """Forget what the free slots hold (another user of the context changed its KV cache): the
+        next sequences are prefilled whole."""
+        busy = {s.slot for s in self._running}
+        mem = llama_cpp.llama_get_memory(self._ctx)
+        for slot in range(self.n_slots):
+            if slot not in busy:
+                self._kept[slot] = []
+                llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
 
     def idle(self) -> bool:
         return not self._running and not self._waiting
@@ -247,37 +272,77 @@ class BatchDecoder:
             self._end(s, "length")
 
     def _admit(self, out: list) -> None:
+        """Waiting sequences into free slots, their prompts prefilled together: one ubatch of every new
+        prompt's tokens (n_batch at a time), so an expert the prompts share is read once."""
+        new = []
         while len(self._running) < self.n_slots:
             with self._lock:
                 if not self._waiting:
-                    return
+                    break
                 s = self._waiting.popleft()
             if s._cancel:
                 s.finish_reason, s.t_done = "cancelled", time.perf_counter()
                 continue
             slot, n_keep = self._free_slot(s.prompt)
+            # the context's cells are shared (one KV cache): the running sequences', the new prompts', what
+            # the free slots keep for prefixes that come back. Those go first; a prompt that still does
+            # not fit waits for the running sequences to end
+            need = len(s.prompt) - n_keep + 1
+            if self._cells() - len(self._kept[slot]) + n_keep + need > self._n_ctx:
+                self.forget()
+                slot, n_keep = self._free_slot(s.prompt)
+                need = len(s.prompt) + 1
+                if self._cells() + need > self._n_ctx and (self._running or new):
+                    with self._lock:
+                        self._waiting.appendleft(s)
+                    break
             s.slot, s.n_prompt_reused = slot, n_keep
-            mem = llama_cpp.llama_get_memory(self._ctx)
-            llama_cpp.llama_memory_seq_rm(mem, slot, n_keep, -1)
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), slot, n_keep, -1)
             self._kept[slot] = list(s.prompt[:n_keep])
-            s._sampler = _sampler(self._vocab, *s._sampler)
+            s._sampler = _sampler(self._n_vocab_n, *s._sampler)
             self._running.append(s)
+            new.append(s)
+        if not new:
+            return
+        items = []  # (token, pos, slot, logits, sequence)
+        for s in new:
+            n_keep = len(self._kept[s.slot])
             todo = s.prompt[n_keep:]
-            try:
-                for i in range(0, len(todo), self._n_batch):  # the prompt, alone, in n_batch pieces
-                    part = todo[i:i + self._n_batch]
-                    last = i + len(part) == len(todo)
-                    self._fill([(t, n_keep + i + j, slot, last and j == len(part) - 1) for j, t in enumerate(part)])
-                    self._decode(len(part))
-                    self._kept[slot].extend(part)
-            except BaseException:
-                self._kept[slot] = []
-                llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
-                self._end(s, "error")
-                raise
-            self._sample(s, len(part) - 1, out)
+            items += [(t, n_keep + j, s.slot, j == len(todo) - 1, s) for j, t in enumerate(todo)]
+        t0 = time.perf_counter()
+        try:
+            for i in range(0, len(items), self._n_batch):
+                part = items[i:i + self._n_batch]
+                self._fill([x[:4] for x in part])
+                self._decode(len(part))
+                for j, (tok, _, slot, last, s) in enumerate(part):
+                    self._kept[slot].append(tok)
+                    if last:
+                        s.prefill_s = time.perf_counter() - t0
+                        self._sample(s, j, out)
+        except BaseException:
+            mem = llama_cpp.llama_get_memory(self._ctx)
+            for s in new:
+                if not s.tokens:  # (those whose prompt was not prefilled whole)
+                    self._kept[s.slot] = []
+                    llama_cpp.llama_memory_seq_rm(mem, s.slot, -1, -1)
+                    self._end(s, "error")
+            raise
+
+    def _cells(self) -> int:
+        """Cells of the KV cache the slots hold."""
+        return sum(len(k) for k in self._kept)
 
     def _decode_step(self, out: list) -> None:
+        if self._cells() + len(self._running) > self._n_ctx:  # (each running sequence takes one more cell)
+            self.forget()
+            while self._running and self._cells() + len(self._running) > self._n_ctx:
+                longest = max(self._running, key=lambda q: len(self._kept[q.slot]))
+                self._end(longest, "length")  # the context is full: the longest sequence ends, as one alone would
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), longest.slot, -1, -1)
+                self._kept[longest.slot] = []
+            if not self._running:
+                return
         run = list(self._running)
         self._fill([(s.tokens[-1], len(self._kept[s.slot]), s.slot, True) for s in run])
         try:

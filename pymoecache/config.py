@@ -715,6 +715,7 @@ class CacheConfig:
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     vram_exclusive: bool = False  # an expert in GPU memory keeps no host slot: the tiers hold size + vram_size
+    batch_share: bool = True  # batched decoding: an expert another sequence of the step selects counts as cached
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
     miss: Optional[str] = None  # stream: a decoded token's miss at "full" precision, from its "lowbit" copy, every
                                 #   selection from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or
@@ -771,6 +772,8 @@ class CacheConfig:
             raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
         if self.vram_copy not in VRAM_COPIES:
             raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
+        if not isinstance(self.batch_share, bool):
+            raise ConfigError(f"batch_share must be True or False, got {self.batch_share!r}")
         if not isinstance(self.vram_exclusive, bool):
             raise ConfigError(f"vram_exclusive must be True or False, got {self.vram_exclusive!r}")
         if self.vram_exclusive and not self.vram_size:

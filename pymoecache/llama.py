@@ -548,6 +548,7 @@ class Llama(llama_cpp.Llama):
                                       info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
                                       n_seq=n_seq_max)
         self._busy = threading.Lock()  # held by the thread in eval/sample: a second one gets ConcurrentUseError
+        self.n_evals = 0  # calls of eval (one sequence's tokens in slot 0)
         self._token_lock = threading.Lock()  # held while a token is decoded or sampled: readers of the
                                              # counters wait for the token in flight, never fail
         self._grammar_checked = None  # (text, root) of the last grammar check_grammar passed
@@ -741,6 +742,7 @@ class Llama(llama_cpp.Llama):
         """``llama_cpp.Llama.eval``; a failed expert read, or a model file changed since it was
         loaded, raises :class:`MoECacheIOError`; a call while another thread decodes,
         :class:`ConcurrentUseError`."""
+        self.n_evals += 1  # (BatchDecoder: someone else changed the KV cache)
         self._decode_checked(lambda: super(Llama, self).eval(tokens), len(tokens))
 
     def _decode_checked(self, decode, n_tokens: int) -> None:

@@ -98,6 +98,7 @@ class MoECache:
         self.moe_layers: Sequence[int] = ()  # the model's MoE layers: in stats() before their first token too
         self.prefetch = "off"  # CacheConfig.prefetch (set by the constructors)
         self.eviction, self.eviction_decay = "lru", 0.95  # CacheConfig.eviction (set by the constructors)
+        self.batch_share = True  # CacheConfig.batch_share (set by the constructors)
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -159,6 +160,7 @@ class MoECache:
             cp.n_cached_per_layer = keep[-1]
             cp.n_layer_sizes = len(cache.per_layer)
         rp = MoECache._routing_params(routing, scope, n_expert_used)
+        rp.batch_share = bool(cache.batch_share)
         return cp, rp, keep
 
     @staticmethod
@@ -189,6 +191,7 @@ class MoECache:
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]
         mc.eviction = (cache or CacheConfig(size=0.5)).eviction
         mc.eviction_decay = float((cache or CacheConfig(size=0.5)).eviction_decay)
+        mc.batch_share = bool(rp.batch_share)
         return mc
 
     @classmethod
@@ -207,6 +210,7 @@ class MoECache:
         mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]  # ("auto" resolved)
         mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
+        mc.batch_share = bool(rp.batch_share)
         return mc
 
     # --- life cycle --------------------------------------------------------------------------
@@ -255,6 +259,7 @@ class MoECache:
         routing = _as_routing(routing)
         scope = self.scope if scope is None else scope
         rp = self._routing_params(routing, scope, self.n_expert_used)  # everything is checked before anything
+        rp.batch_share = self.batch_share
         self._check_layer_scale(routing)                                 # changes: a refused setting applies nowhere
         _check(C.moecache_set_routing(self._h, rp))
         self.routing, self.scope = routing, scope

@@ -355,7 +355,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
             from .templates import ChatTemplate
 
             llm = _ServedLlama(settings.model, cache=cache, routing=routing, routing_scope=routing_scope,
-                               n_ctx=n_ctx, n_threads=n_threads, **{"verbose": False, **llama_kwargs})
+                               n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_parallel,
+                               **{"verbose": False, **llama_kwargs})
             llm.model_alias = model_id
             try:
                 tmpl = ChatTemplate(llm, name=chat_template, file=chat_template_file, default_jinja=True)
@@ -411,6 +412,12 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         return error_response(500, "internal server error")
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     queue = _Queue(max_queue, n_parallel)
+    # -np N > 1: the slots decoded together (server_batch.py); the requests it does not take run alone
+    from . import server_batch
+
+    batch = server_batch.BatchServer(proxy(), app_mod.get_llama_proxy, model_id) if n_parallel > 1 else None
+    if batch is not None:
+        app.router.on_shutdown.append(batch.close)
     perf0 = perf_counters(proxy())  # /metrics counts from here: the load's own decodes are not requests
     auth = [Depends(app_mod.authenticate)]
     if api_key is not None:
@@ -505,6 +512,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 if queue.full():
                     return queue.busy_response()
                 proxy()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
+                chat = request.url.path.endswith("/chat/completions")
+                if batch is not None and validate is validate_request and server_batch.batchable(body, chat, raw):
+                    return await batched(request, body, raw, chat, gone)
                 if body.stream:  # the generation runs while the response is sent, after this handler
                     return StopWhenGone(stream(request, body, raw), request, gone, routing)
                 watcher = asyncio.create_task(_watch_disconnect(request, gone))
@@ -541,6 +551,36 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                     _REQUEST_ROUTING.reset(reset_routing)
         handler.__annotations__ = {"request": Request}  # a real class: this module's annotations are strings
         return handler
+
+    async def batched(request, body, raw, chat: bool, gone: threading.Event):
+        """A request the batch serves (server_batch.py): it joins the running batch at the next step."""
+        from sse_starlette.sse import EventSourceResponse
+
+        llm = proxy()
+        if chat:
+            prompt = llm.chat_template.tokens([dict(m) for m in body.messages])
+        else:
+            prompt = server_batch.completion_tokens(llm, body.prompt if isinstance(body.prompt, str)
+                                                    else (body.prompt[0] if body.prompt else ""))
+        if len(prompt) >= llm.n_ctx():
+            raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context of {llm.n_ctx()} tokens",
+                               400, "messages" if chat else "prompt")
+        stop = body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
+        req = batch.submit(prompt, body, stop, stream=bool(body.stream))
+        if body.stream:
+            events = server_batch.chunks(batch, req, chat, _include_usage(raw), gone)
+            return StopWhenGone(EventSourceResponse(events, sep="\n", ping_message_factory=app_mod._ping_message_factory),
+                                request, gone)
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        queue.active += 1
+        try:
+            await server_batch.wait(req, gone)
+        finally:
+            queue.active -= 1
+            watcher.cancel()
+        if gone.is_set():
+            raise _ClientGone()
+        return JSONResponse(server_batch.answer(batch, req, chat))
 
     endpoints = (app_mod.create_completion, app_mod.create_chat_completion, app_mod.create_completion)
     for path, endpoint in zip(_COMPLETION_PATHS, endpoints):
@@ -622,9 +662,12 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         ours.add_api_route(path, embeddings_refused, methods=["POST"], include_in_schema=False, dependencies=auth)
 
     def load() -> tuple:
-        # generating: llama_cpp.server's lock is held; waiting: the other completion requests in the server
+        # generating: llama_cpp.server's lock is held (-np N: the batch's sequences); waiting: the other
+        # completion requests in the server
         generating = app_mod.llama_inner_lock.locked()
-        return generating, max(0, queue.active - generating)
+        if batch is not None and generating:
+            generating = max(1, len(batch.dec.running))
+        return int(generating), max(0, queue.active - generating)
 
     @ours.get("/v1/health", include_in_schema=False)  # (llama-server's alias)
     @ours.get("/health", summary="Server health", tags=["pymoecache"])
@@ -661,6 +704,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     def slots() -> list:
         generating, waiting = load()
         n_ctx = proxy().n_ctx()
+        if batch is not None:  # each slot's own state: the batch's sequences are in their slots
+            seqs = batch.slots()
+            return [{"id": i, "n_ctx": n_ctx, "is_processing": s is not None,
+                     "state": "generating" if s is not None else "idle",
+                     "n_decoded": len(s.tokens) if s is not None else 0} for i, s in enumerate(seqs)]
         states = ["generating"] * generating + ["waiting"] * waiting
         return [{"id": i, "n_ctx": n_ctx, "is_processing": i < len(states) and states[i] == "generating",
                  "state": states[i] if i < len(states) else "idle"} for i in range(n_parallel)]

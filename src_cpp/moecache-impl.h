@@ -67,6 +67,9 @@ struct moecache_layer_scratch {
     std::vector<float>   boosted;
     std::vector<uint8_t> chosen;
     int32_t swapped_from = -1;   // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
+    std::vector<int32_t> step;   // batch_share: [n_expert] how many of the step's tokens select e (first pass)
+    std::vector<uint8_t> others; //   [n_expert] selected by another token of the step: preferred as if cached
+                                 //   (empty outside a batch)
 };
 
 // set while the graph is built (graph-build thread), for the ops (moecache-graph.cpp)

@@ -121,31 +121,40 @@ static void graph_event(moecache & mc, const moecache_layer & L, moecache_event_
 }
 
 #ifndef MOECACHE_NO_CPU_TRAITS
-// dst: F32, for each src[2 + j] (a slot tensor [ne0, ne1_j, n_slots]) a block [ne1_j, K] of its
-// rows times x, one block after the other. src[0]: slot ids I32 [K, 1]; src[1]: x F32
-// [ne0, ne11, 1], row i % ne11 for the i-th selected expert (ne11 = 1: the same x for all)
+// dst: F32, for each src[2 + j] (a slot tensor [ne0, ne1_j, n_slots]) a block [ne1_j, K, n_tokens] of
+// its rows times x, one block after the other. src[0]: slot ids I32 [K, n_tokens]; src[1]: x F32
+// [ne0, ne11, n_tokens], row i % ne11 of token t for the i-th selection of t (ne11 = 1: the same x for
+// all). A batch of sequences (n_tokens > 1) computes each slot once it arrived, for every token that
+// selected it, row by row, so the rows are read once for all of them
 static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
     moecache_layer & L  = *(moecache_layer *) userdata;
     moecache       & mc = *L.mc;
     const ggml_tensor * ids = dst->src[0];
     const ggml_tensor * b   = dst->src[1];
-    const int32_t * slot = (const int32_t *) ids->data;
     const int64_t K    = ids->ne[0];
+    const int64_t n_t  = ids->ne[1];
+    const int64_t n_ik = K * n_t; // selections, token after token
     const int64_t ne00 = b->ne[0];
     const int64_t ne11 = b->ne[1];
     int32_t n_x = 0;
     while (n_x + 2 < GGML_MAX_SRC && dst->src[n_x + 2]) {
         n_x++;
     }
+    auto slot_of = [&](int64_t ik) { // selection ik = t * K + i
+        return *(const int32_t *) ((const char *) ids->data + (ik % K) * ids->nb[0] + (ik / K) * ids->nb[1]);
+    };
+    auto x_row = [&](int64_t ik) { // the row of x selection ik multiplies: (i % ne11, t)
+        return (ik / K) * ne11 + (ik % K) % ne11;
+    };
 
-    // x in each tensor's vec_dot type, converted by every thread for itself (a few KiB)
+    // x in each tensor's vec_dot type, converted by every thread for itself (a few KiB per token)
     thread_local std::vector<char> xq;
     size_t xq_off[GGML_MAX_SRC] = {};
     size_t total = 0;
     for (int32_t j = 0; j < n_x; j++) {
         const ggml_type vt = ggml_get_type_traits_cpu(dst->src[j + 2]->type)->vec_dot_type;
         xq_off[j] = total;
-        total += vt == GGML_TYPE_F32 ? 0 : ggml_row_size(vt, ne00) * (size_t) ne11;
+        total += vt == GGML_TYPE_F32 ? 0 : ggml_row_size(vt, ne00) * (size_t) (ne11 * n_t);
     }
     if (xq.size() < total) {
         xq.resize(total);
@@ -156,73 +165,80 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
             continue;
         }
         const ggml_from_float_t from_float = ggml_get_type_traits_cpu(vt)->from_float;
-        for (int64_t r = 0; r < ne11; r++) {
-            from_float((const float *) ((const char *) b->data + r * b->nb[1]),
+        for (int64_t r = 0; r < ne11 * n_t; r++) {
+            from_float((const float *) ((const char *) b->data + (r % ne11) * b->nb[1] + (r / ne11) * b->nb[2]),
                        xq.data() + xq_off[j] + (size_t) r * ggml_row_size(vt, ne00), ne00);
         }
     }
 
-    // each thread computes its share of every tensor's rows, expert by expert as they arrive
-    uint8_t done[MOECACHE_MAX_USED] = {};
-    int64_t left = K;
+    // each thread computes its share of every tensor's rows, expert by expert as they arrive; the
+    // selections of one slot (several tokens of a batch) together
+    thread_local std::vector<uint8_t> done;
+    thread_local std::vector<int64_t> same;
+    done.assign((size_t) n_ik, 0);
+    same.resize((size_t) n_ik);
+    int64_t left = n_ik;
     while (left > 0) {
         bool ran = false;
-        for (int64_t i = 0; i < K; i++) {
-            if (done[i] || !moecache_io_idle(*mc.io, L.res.slot_req[slot[i]])) {
+        for (int64_t ik = 0; ik < n_ik; ik++) {
+            const int32_t slot = slot_of(ik);
+            if (done[ik] || !moecache_io_idle(*mc.io, L.res.slot_req[slot])) {
                 continue;
+            }
+            int64_t n_same = 0; // the selections of this slot, from ik on
+            for (int64_t jk = ik; jk < n_ik; jk++) {
+                if (!done[jk] && slot_of(jk) == slot) {
+                    same[n_same++] = jk;
+                }
             }
             const int64_t t0 = ith == 0 ? moecache_time_us() : 0;
             float * out = (float *) dst->data;
-            if (moecache_is_zero_slot(L, slot[i])) { // computed on the device (VRAM tier): 0 here
-                for (int32_t j = 0; j < n_x; j++) {
-                    const int64_t ne01 = dst->src[j + 2]->ne[1];
-                    const int64_t r0 = ne01 * ith / nth;
-                    const int64_t r1 = ne01 * (ith + 1) / nth;
-                    memset(out + i * ne01 + r0, 0, (size_t) (r1 - r0) * sizeof(float));
-                    out += ne01 * K;
-                }
-                done[i] = 1;
-                left -= 1;
-                ran = true;
-                continue;
-            }
+            const bool zero = moecache_is_zero_slot(L, slot); // computed on the device (VRAM tier): 0 here
             for (int32_t j = 0; j < n_x; j++) {
                 const ggml_tensor * w  = dst->src[j + 2];
                 const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(w->type);
                 const int64_t ne01 = w->ne[1];
                 const int64_t r0 = ne01 * ith / nth;
                 const int64_t r1 = ne01 * (ith + 1) / nth;
-                const char * rows = (const char *) w->data + (size_t) slot[i] * w->nb[2];
-                const char * xr   = tr->vec_dot_type == GGML_TYPE_F32
-                    ? (const char *) b->data + (i % ne11) * b->nb[1]
-                    : xq.data() + xq_off[j] + (size_t) (i % ne11) * ggml_row_size(tr->vec_dot_type, ne00);
-                float * o = out + i * ne01; // [ne01, K] block of this tensor
-                for (int64_t r = r0; r < r1; r++) {
-                    tr->vec_dot((int) ne00, &o[r], 0, rows + r * w->nb[1], 0, xr, 0, 1);
+                const size_t  xr_size = tr->vec_dot_type == GGML_TYPE_F32 ? 0 : ggml_row_size(tr->vec_dot_type, ne00);
+                const char * rows = (const char *) w->data + (size_t) slot * w->nb[2];
+                for (int64_t m = 0; m < n_same && zero; m++) {
+                    memset(out + same[m] * ne01 + r0, 0, (size_t) (r1 - r0) * sizeof(float));
                 }
-                out += ne01 * K;
+                for (int64_t r = r0; r < r1 && !zero; r++) {
+                    for (int64_t m = 0; m < n_same; m++) {
+                        const int64_t xrow = x_row(same[m]);
+                        const char * xr = tr->vec_dot_type == GGML_TYPE_F32
+                            ? (const char *) b->data + (xrow % ne11) * b->nb[1] + (xrow / ne11) * b->nb[2]
+                            : xq.data() + xq_off[j] + (size_t) xrow * xr_size;
+                        tr->vec_dot((int) ne00, out + same[m] * ne01 + r, 0, rows + r * w->nb[1], 0, xr, 0, 1);
+                    }
+                }
+                out += ne01 * n_ik; // [ne01, K, n_tokens] block of this tensor
             }
-            if (ith == 0) {
+            if (ith == 0 && !zero) {
                 const int64_t t1 = moecache_time_us();
-                graph_event(mc, L, MOECACHE_EVENT_EXPERT, L.res.slot_expert[slot[i]], t0, t1);
+                graph_event(mc, L, MOECACHE_EVENT_EXPERT, L.res.slot_expert[slot], t0, t1);
                 if (L.vram.n > 0) { // (VRAM tier, AUTO: what an expert costs the CPU; down is the other third)
                     const double us = 1.5 * (double) (t1 - t0);
                     mc.vram_cpu_us = mc.vram_cpu_us > 0.0 ? 0.9 * mc.vram_cpu_us + 0.1 * us : us;
                 }
             }
-            done[i] = 1;
-            left -= 1;
+            for (int64_t m = 0; m < n_same; m++) {
+                done[same[m]] = 1;
+            }
+            left -= n_same;
             ran = true;
         }
         if (!ran) { // nothing has arrived: wait for the first one still out (its reads were queued first)
-            int64_t i = 0;
-            while (done[i]) {
-                i++;
+            int64_t ik = 0;
+            while (done[ik]) {
+                ik++;
             }
             // poll, as ggml's barrier does, for up to MOECACHE_SPIN_US: a thread asleep on the queue's
             // condition variable woke up to milliseconds after the read ended on a virtual machine,
             // whose idle CPUs the host parks; then sleep (a failed read: moecache_ready reports it)
-            moecache_io_req & req = L.res.slot_req[slot[i]];
+            moecache_io_req & req = L.res.slot_req[slot_of(ik)];
             const int64_t t0 = moecache_time_us();
             if (ith == 0) {
                 moecache_io_promote(*mc.io, req);
@@ -239,7 +255,7 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
             if (ith == 0) {
                 const int64_t t1 = moecache_time_us();
                 mc.t_io_decode_us += t1 - t0;
-                graph_event(mc, L, MOECACHE_EVENT_WAIT, L.res.slot_expert[slot[i]], t0, t1);
+                graph_event(mc, L, MOECACHE_EVENT_WAIT, L.res.slot_expert[slot_of(ik)], t0, t1);
             }
         }
     }
@@ -276,7 +292,8 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
         return ggml_mul_mat_id(ctx, x.slots_t, b, slots); // (the residency op waited for every read)
     }
 #ifndef MOECACHE_NO_CPU_TRAITS
-    if (input_side(x, b) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && slots->ne[1] == 1 &&
+    if (input_side(x, b) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && b->ne[2] == slots->ne[1] &&
+        (slots->ne[1] == 1 || L.vram.n == 0) &&
         (!L.graph.arrival || L.graph.arrival->src[1] == b)) {
         if (!L.graph.arrival) { // the first input-side matmul of the layer: one op for all of them
             ggml_tensor * args[GGML_MAX_SRC] = { slots, b };
@@ -285,7 +302,7 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
             for (const moecache_expert_tensor & y : L.res.xt) {
                 if (n_args < GGML_MAX_SRC && input_side(y, b) && moecache_matmul_cpu_vec_dot(y.slots_t, b)) {
                     args[n_args++] = y.slots_t;
-                    n_out += y.slots_t->ne[1] * slots->ne[0];
+                    n_out += y.slots_t->ne[1] * slots->ne[0] * slots->ne[1];
                 }
             }
             L.graph.arrival = ggml_custom_4d(ctx, GGML_TYPE_F32, n_out, 1, 1, 1, args, n_args, op_arrival,
@@ -297,10 +314,10 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
             const ggml_tensor * w = L.graph.arrival->src[j];
             if (w == x.slots_t) {
                 const int64_t K = slots->ne[0];
-                return ggml_view_3d(ctx, L.graph.arrival, w->ne[1], K, 1, w->ne[1] * sizeof(float),
+                return ggml_view_3d(ctx, L.graph.arrival, w->ne[1], K, slots->ne[1], w->ne[1] * sizeof(float),
                                     w->ne[1] * K * sizeof(float), off);
             }
-            off += (size_t) (w->ne[1] * slots->ne[0]) * sizeof(float);
+            off += (size_t) (w->ne[1] * slots->ne[0] * slots->ne[1]) * sizeof(float);
         }
     }
     if ((L.low.n > 0 || L.vram.n > 0) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && slots->ne[1] == 1 &&

@@ -58,6 +58,9 @@ static void rank_experts(moecache_layer & L, const float * s, const int32_t * st
 // scenario MoE-Infinity, ProMoE and HOBBIT solve), the experts in device memory, which the device
 // computes. The tier's contents before the token routes (moecache-vram.cpp updates them after).
 static bool preferred(const moecache_layer & L, int32_t e) {
+    if (!L.scratch.others.empty() && L.scratch.others[e]) { // (batch_share: read for another sequence anyway)
+        return true;
+    }
     if (moecache_layer_routes_to_vram(L)) {
         const int32_t s = L.vram.expert_slot[e];
         return s >= 0 && L.vram.slot_expert[s] == e;

@@ -110,6 +110,7 @@ struct moecache_routing_params moecache_routing_default_params(void) {
     p.cumsum_tau   = 0.9f;
     p.prune_rank   = 2;
     p.scope        = MOECACHE_SCOPE_ALL;
+    p.batch_share  = true;
     return p;
 }
 

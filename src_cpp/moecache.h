@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 22
+#define MOECACHE_ABI_VERSION 23
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -226,6 +226,11 @@ struct moecache_routing_params {
                                   //   (probability units, no Delta) instead of its logit by lambda x scale_l x
                                   //   Delta_l: a swap then costs at most lambda of router mass, so a confident
                                   //   router keeps its choice; the gate predictor then predicts top-k; default false
+    bool     batch_share;         // PRIOR, MAX_RANK, CUMSUM on a batch of several sequences (cache params n_seq):
+                                  //   an expert another sequence of the step selects is as good as cached (it
+                                  //   is read for that one anyway), so the step reads fewer; each token is routed
+                                  //   twice, the first time to learn the step's selections. A sequence decoded
+                                  //   alone is routed as without it; default true
 };
 
 // Cache: sizes and bookkeeping. Fixed for the life of the moecache.
