@@ -294,7 +294,11 @@ def cmd_bench(args) -> int:
         prompts = DEFAULT_BENCH_PROMPTS
     if args.reps < 1:
         raise UserError("--reps must be >= 1")
+    if not 1 <= args.parallel <= 256:
+        raise UserError(f"--parallel must be in [1, 256], got {args.parallel}")
     model = resolve_model(args.model, args)
+    if args.parallel > 1:
+        return bench_parallel(args, routings, prompts, model)
     llm = llama_from_args(args, routings[0], model)
     if llm.cache_choice is not None:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
@@ -358,6 +362,105 @@ def cmd_bench(args) -> int:
                       f"measured {r['decode_tok_s']:.1f}: " + ("inside the band" if fc.contains(r["decode_tok_s"])
                                                                else "outside the band"))
     return 0
+
+
+def bench_parallel(args, routings: list, prompts: list, model: str) -> int:
+    """``bench --parallel N``: N sequences (the prompts, cycled to N) decoded together against the same N
+    one after another, per routing, each run from an empty cache; one row per routing and way, the
+    together row with its throughput as a multiple of one after another."""
+    from ..batch import BatchDecoder
+
+    n = args.parallel
+    prompts = [prompts[i % len(prompts)] for i in range(n)]
+    llm = llama_from_args(args, routings[0], model, n_seq_max=n)
+    if llm.cache_choice is not None:
+        print(f"cache size {llm.cache_choice}", file=sys.stderr)
+    kw = sampling_kwargs(args, llm)
+    if kw.get("grammar") is not None or kw.get("logit_bias") or kw.get("stop"):
+        llm.close()
+        raise UserError("bench --parallel samples as serve -np batches: without --grammar, --ignore-eos or -r")
+    print_plan(llm)
+    toks = [llm.tokenize(p.encode("utf-8")) for p in prompts]
+    dec = BatchDecoder(llm)
+    seed = kw["seed"] if kw.get("seed") is not None and kw["seed"] >= 0 else 0
+    sample = dict(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], min_p=kw["min_p"], seed=seed,
+                  penalties=(kw["repeat_penalty"], kw["frequency_penalty"], kw["presence_penalty"]))
+
+    def one_run(together: bool) -> dict:
+        dec.forget()
+        llm.moecache.clear()
+        llm.reset_moe_stats()
+        t0 = time.perf_counter()
+        seqs = []
+        for t in toks:
+            seqs.append(dec.add(t, max_tokens=args.n, **sample))
+            if not together:
+                dec.run()
+        dec.run()
+        wall = time.perf_counter() - t0
+        st = llm.moe_stats()
+        rs = st.residency
+        return dict(wall=wall, tokens=sum(len(q.tokens) for q in seqs), lat=[q.latency_s for q in seqs],
+                    steps=rs.decode_steps if rs else 0, dec=rs.decode_tokens if rs else 0,
+                    loads=rs.decode_loads if rs else 0, read=rs.decode_bytes_read if rs else 0,
+                    misses=st.misses, routed=st.tokens)
+
+    rows = []
+    try:
+        llm.set_routing(routings[0])
+        for t in toks:  # warm-up, untimed: the graphs of one and of n sequences, the weights paged in
+            dec.add(t, max_tokens=2)
+        dec.run()
+        for routing in routings:
+            llm.set_routing(routing)
+            acc = {False: [], True: []}
+            for rep in range(args.reps):
+                for together in ((False, True) if rep % 2 == 0 else (True, False)):  # neither always first
+                    acc[together].append(one_run(together))
+                    print(f"\r{routing.spec():<24} repetition {rep + 1} of {args.reps}", end="", file=sys.stderr,
+                          flush=True)
+            base = None
+            for together in (False, True):
+                runs = acc[together]
+                tok_s = sorted(r["tokens"] / r["wall"] for r in runs)[len(runs) // 2]  # the median
+                lat = [x for r in runs for x in r["lat"]]
+                dec_tokens = sum(r["dec"] for r in runs)
+                row = {"routing": routing.spec(), "sequences": n, "way": "together" if together else "one after another",
+                       "reps": len(runs), "tok_s": tok_s, "x_one_after_another": tok_s / base if base else 1.0,
+                       "latency_mean_s": sum(lat) / len(lat), "latency_max_s": max(lat),
+                       "decode_steps": sum(r["steps"] for r in runs) // len(runs),
+                       "reads_per_token": sum(r["loads"] for r in runs) / dec_tokens if dec_tokens else 0.0,
+                       "mib_read_per_token": sum(r["read"] for r in runs) / dec_tokens / 2**20 if dec_tokens else 0.0,
+                       "misses_per_token": sum(r["misses"] for r in runs) / max(1, sum(r["routed"] for r in runs))}
+                base = base or tok_s
+                rows.append(row)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        dec.close()
+        llm.close()
+        if rows:
+            print_parallel_table(rows)
+        print(f"interrupted: {len(rows)} row(s) finished", file=sys.stderr)
+        return 130
+    print(file=sys.stderr)
+    dec.close()
+    llm.close()
+    from ..evaluate import write_rows
+
+    for path, fmt in ((args.csv, "csv"), (args.json, "json")):
+        if path:
+            write_rows(rows, path, fmt)
+    print_parallel_table(rows)
+    return 0
+
+
+def print_parallel_table(rows: list) -> None:
+    print(f"{'routing':<18} {'way':<18} {'tok/s':>8} {'x':>6} {'latency s':>15} {'steps':>6} {'reads/tok':>9} "
+          f"{'MiB/tok':>8}")
+    for r in rows:
+        print(f"{r['routing']:<18} {r['way']:<18} {r['tok_s']:>8.1f} {r['x_one_after_another']:>5.2f}x "
+              f"{r['latency_mean_s']:>6.2f} (max {r['latency_max_s']:>4.2f}) {r['decode_steps']:>6} "
+              f"{r['reads_per_token']:>9.2f} {r['mib_read_per_token']:>8.2f}")
 
 
 def bench_one(llm, routing, prompts, args, a: dict) -> None:
@@ -593,6 +696,10 @@ def add_commands(sub) -> None:
     b.add_argument("-n", "--n-predict", "--predict", dest="n", type=int, default=64, metavar="N",
                    help="tokens generated per prompt (default %(default)s)")
     b.add_argument("--reps", type=int, default=1, help="repetitions of every setting (default %(default)s)")
+    b.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="N sequences (the prompts, cycled to N) decoded together, as serve -np N batches them, "
+                        "against the same N one after another: total tok/s and its ratio, latency, reads per "
+                        "token, per routing (default %(default)s: the routing comparison above)")
     add_runtime_options(b)
     add_sampling_options(b)
     b.add_argument("--csv", metavar="FILE", help="also write the table as CSV (default: no file)")

@@ -213,6 +213,9 @@ def _add_residency_options(c) -> None:
                    help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
                         "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
                         "a decoded token computes them (default 0: none, the CPU computes every expert)")
+    c.add_argument("--no-batch-share", dest="batch_share", action="store_false",
+                   help="sequences decoded together (serve -np, bench --parallel): route each as if alone, without "
+                        "counting the experts the other sequences of the step select as cached (default: counted)")
     c.add_argument("--vram-exclusive", action="store_true",
                    help="with --vram-size: an expert in GPU memory keeps no host slot, so RAM and VRAM together hold "
                         "--cache-size + --vram-size experts per layer (a model larger than the RAM cache; none read "
@@ -658,6 +661,7 @@ def cache_from_args(args):
                        predictor=getattr(args, "predictor", None),
                        vram_size=getattr(args, "vram_size", 0), vram_fill=getattr(args, "vram_fill", "auto"),
                        vram_exclusive=getattr(args, "vram_exclusive", False),
+                       batch_share=getattr(args, "batch_share", True),
                        unified=getattr(args, "unified", "auto"), vram_copy=getattr(args, "vram_copy", "async"),
                        miss=getattr(args, "miss", None), lowbit=getattr(args, "lowbit", None),
                        lowbit_in_ram=getattr(args, "lowbit_in_ram", False),
