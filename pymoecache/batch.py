@@ -49,6 +49,8 @@ class Sequence:
     prefill_s: float = 0.0             # seconds its prompt took to prefill (alone)
     on_token: Optional[Callable[["Sequence", int], None]] = None  # called with each token as it comes
     logits: Optional[list] = None      # add(keep_logits=True): each token's logits row (numpy float32 [n_vocab])
+    forced: Optional[List[int]] = None  # add(forced=...): the tokens it takes instead of sampling (a text scored)
+    nll: Optional[List[float]] = None   #   and each one's negative log-likelihood under the model
     _sampler: object = None
     _cancel: bool = False
 
@@ -140,12 +142,13 @@ class BatchDecoder:
     def add(self, prompt: Seq[int], *, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 40,
             top_p: float = 0.95, min_p: float = 0.05, seed: int = 0,
             penalties: tuple = (1.0, 0.0, 0.0), on_token: Optional[Callable[[Sequence, int], None]] = None,
-            keep_logits: bool = False) -> Sequence:
+            keep_logits: bool = False, forced: Optional[Seq[int]] = None) -> Sequence:
         """Queue a sequence: ``prompt`` (token ids, at least one) continued by at most ``max_tokens``
         tokens, sampled as llama-cpp-python samples (greedy at ``temperature`` 0; ``penalties``: repeat,
         frequency, presence). It joins the batch at the next step with a free slot. ``on_token(seq,
         token)`` is called on the decoding thread with each token; ``keep_logits`` keeps each token's
-        logits row in ``seq.logits``."""
+        logits row in ``seq.logits``; ``forced`` makes it take these tokens instead of sampling (at most
+        ``max_tokens`` of them) and score each (``seq.nll``), as perplexity does, one token a step."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ConfigError("a sequence needs a prompt of at least one token")
@@ -157,8 +160,14 @@ class BatchDecoder:
             raise ConfigError(f"token id {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
+        if forced is not None:
+            forced = [int(t) for t in forced]
+            bad = [t for t in forced if not 0 <= t < self._n_vocab_n]
+            if bad or not forced:
+                raise ConfigError(f"forced token id {bad[0]} is not in the vocabulary" if bad else "forced is empty")
+            max_tokens = min(int(max_tokens), len(forced))
         seq = Sequence(prompt=prompt, max_tokens=int(max_tokens), t_submit=time.perf_counter(), on_token=on_token,
-                       logits=[] if keep_logits else None)
+                       logits=[] if keep_logits else None, forced=forced, nll=[] if forced is not None else None)
         seq._sampler = (float(temperature), int(top_k), float(top_p), float(min_p), int(seed),
                         tuple(float(x) for x in penalties))
         with self._lock:
@@ -259,14 +268,20 @@ class BatchDecoder:
         if s.logits is not None:
             row = llama_cpp.llama_get_logits_ith(self._ctx, idx)
             s.logits.append(np.ctypeslib.as_array(row, shape=(self._n_vocab_n,)).copy())
-        tok = int(llama_cpp.llama_sampler_sample(s._sampler, self._ctx, idx))
+        if s.forced is not None:  # scored, not sampled
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, idx), shape=(self._n_vocab_n,))
+            tok = s.forced[len(s.tokens)]
+            top = float(row.max())
+            s.nll.append(float(top + np.log(np.exp(row.astype(np.float64) - top).sum()) - row[tok]))
+        else:
+            tok = int(llama_cpp.llama_sampler_sample(s._sampler, self._ctx, idx))
         s.tokens.append(tok)  # (in the slot's KV sequence once the next step decodes it)
         if len(s.tokens) == 1:
             s.t_first = time.perf_counter()
         out.append((s, tok))
         if s.on_token is not None:
             s.on_token(s, tok)
-        if llama_cpp.llama_vocab_is_eog(self._vocab, tok):
+        if llama_cpp.llama_vocab_is_eog(self._vocab, tok) and s.forced is None:
             self._end(s, "stop")
         elif len(s.tokens) >= s.max_tokens or len(self._kept[s.slot]) + 1 >= self._n_ctx:
             self._end(s, "length")

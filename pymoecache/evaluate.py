@@ -242,6 +242,46 @@ def perplexity(llm, tokens: Sequence[int], ctx: int, *, progress: bool = True,
                             stats=llm.moecache.stats(), ppl_err=err, chunk_nll=per_chunk)
 
 
+def perplexity_batched(llm, tokens: Sequence[int], ctx: int, n_seq: int, *, progress: bool = True,
+                       limit_chunks: Optional[int] = None, desc: str = "perplexity") -> PerplexityResult:
+    """:func:`perplexity` with ``decode=True``, the chunks decoded ``n_seq`` at a time together (one
+    token of each a step, :class:`pymoecache.BatchDecoder`): the protocol of docs/method.md for
+    sequences that share the cache and the steps, as ``serve -np`` runs them. ``llm`` must be made with
+    ``n_seq_max >= n_seq``; its own conversation (slot 0) is forgotten.
+    """
+    from .batch import BatchDecoder
+
+    if llm.n_seq_max < n_seq:
+        raise EvalError(f"perplexity_batched: the Llama decodes {llm.n_seq_max} sequences at once (n_seq_max); "
+                        f"{n_seq} asked")
+    if llm.n_ctx() < ctx * n_seq:
+        raise EvalError(f"perplexity_batched: {n_seq} chunks of {ctx} tokens need n_ctx >= {ctx * n_seq}, "
+                        f"the Llama has {llm.n_ctx()}")
+    chunks = split_chunks(tokens, ctx, limit_chunks)
+    bos = llm.tokenize(b"", add_bos=True)
+    llm.moecache.reset_stats()
+    total, total2, n_scored, per_chunk = 0.0, 0.0, 0, []
+    with BatchDecoder(llm) as dec:
+        groups = [chunks[i:i + n_seq] for i in range(0, len(chunks), n_seq)]
+        for group in _progress(groups, progress, desc):
+            dec.forget()  # (every chunk from an empty KV cache)
+            seqs = []
+            for chunk in group:
+                chunk = bos + chunk[len(bos):]
+                seqs.append(dec.add(chunk[:1], max_tokens=len(chunk) - 1, forced=chunk[1:]))
+            dec.run()
+            for q in seqs:
+                nlls = np.asarray(q.nll, dtype=np.float64)
+                total, total2 = total + float(nlls.sum()), total2 + float((nlls * nlls).sum())
+                n_scored += len(nlls)
+                per_chunk.append(float(nlls.mean()))
+    nll = total / n_scored
+    var = max(0.0, total2 / n_scored - nll * nll)
+    err = math.exp(nll) * math.sqrt(var / (n_scored - 1)) if n_scored > 1 else 0.0
+    return PerplexityResult(ppl=math.exp(nll), nll=nll, n_tokens=n_scored, n_chunks=len(chunks), ctx=ctx,
+                            stats=llm.moecache.stats(), ppl_err=err, chunk_nll=per_chunk)
+
+
 # --- sweeps ----------------------------------------------------------------------------------
 
 _SWEEP_POLICIES = {"prior": (Prior, float), "max-rank": (MaxRank, int), "cumsum": (CumsumThreshold, float),
