@@ -269,6 +269,12 @@ moecache_guard_faults = _fn("moecache_guard_faults", [c_int32], c_int64)
 moecache_guard_remove = _fn("moecache_guard_remove", [c_int32], None)
 moecache_route = _fn("moecache_route", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float), POINTER(c_float),
                                         c_int32, c_int32, c_int32, c_bool, POINTER(c_int32), POINTER(c_int8)], c_int32)
+# int32_t moecache_route_step(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+#                             const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+#                             bool rank_on_logits, int32_t * selected, int8_t * hits);
+moecache_route_step = _fn("moecache_route_step", [moecache_p, c_int32, POINTER(c_float), POINTER(c_float),
+                                                  POINTER(c_float), c_int32, c_int32, c_int32, c_bool, POINTER(c_int32),
+                                                  POINTER(c_int8)], c_int32)
 
 if moecache_abi_version() != MOECACHE_ABI_VERSION:
     raise ImportError(f"libllama has moecache ABI {moecache_abi_version()}, these bindings expect "

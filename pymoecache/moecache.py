@@ -297,11 +297,14 @@ class MoECache:
         _check(C.moecache_set_prior_delta(self._h, d.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), d.size))
 
     def route(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,
-              scores: Optional[np.ndarray] = None, rank_on_logits: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+              scores: Optional[np.ndarray] = None, rank_on_logits: bool = True,
+              step: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """Route ``[n_tokens, n_expert]`` router outputs through layer ``il`` as the graph op does.
 
         ``probs`` defaults to softmax(logits) and ``scores`` to ``probs``. Returns
-        ``(selected, hits)``, both ``[n_tokens, K]``; dropped slots are -1.
+        ``(selected, hits)``, both ``[n_tokens, K]``; dropped slots are -1. ``step``: the rows are one
+        decode step of several sequences (a batch), routed as such (``CacheConfig.batch_share``);
+        otherwise tokens one after another.
         """
         z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
         p = np.ascontiguousarray(softmax_f32(z) if probs is None else probs, dtype=np.float32)
@@ -317,7 +320,7 @@ class MoECache:
         sel = np.empty((n_tokens, self.n_expert_used), dtype=np.int32)
         hits = np.empty((n_tokens, self.n_expert_used), dtype=np.int8)
         fp = ctypes.POINTER(ctypes.c_float)
-        _check(C.moecache_route(self._h, il, z.ctypes.data_as(fp), p.ctypes.data_as(fp),
+        _check((C.moecache_route_step if step else C.moecache_route)(self._h, il, z.ctypes.data_as(fp), p.ctypes.data_as(fp),
                                 None if s is None else s.ctypes.data_as(fp), n_expert, self.n_expert_used, n_tokens,
                                 rank_on_logits, sel.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                                 hits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))))

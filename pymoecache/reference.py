@@ -466,7 +466,7 @@ class ReferenceCache:
 
     def __init__(self, n_layer: int, n_expert: int, n_expert_used: int, capacity: Union[int, Sequence[int]],
                  insertion: str = "top-bottom", routing: Union[Routing, str, None] = None,
-                 eviction: str = "lru", eviction_decay: float = 0.95):
+                 eviction: str = "lru", eviction_decay: float = 0.95, batch_share: bool = True):
         if not (1 <= n_expert_used <= n_expert) or n_layer < 1:
             raise ConfigError(f"invalid expert counts: N = {n_expert} routed experts, K = {n_expert_used} used "
                               f"per token, {n_layer} layers")
@@ -481,6 +481,7 @@ class ReferenceCache:
             raise ConfigError(f"insertion must be 'top-bottom' or 'bottom-top', got {insertion!r}")
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.insertion = insertion
+        self.batch_share = batch_share  # route_step: the other sequences' selections count as cached
         self.layers = [LayerCache(int(c), n_expert, eviction, eviction_decay) for c in caps]
         self.set_routing(routing if routing is not None else TopK())
 
@@ -511,14 +512,15 @@ class ReferenceCache:
             L.delta_fixed = d if d > 0.0 and math.isfinite(d) else 0.0
 
     def route_one(self, il: int, z: np.ndarray, p: np.ndarray, s: np.ndarray,
-                  rank_on_logits: bool = True) -> Tuple[List[int], List[int]]:
-        """Routes one token through layer ``il``: (selected in r order, 1/0 hit per selected)."""
+                  rank_on_logits: bool = True, others: Set[int] = frozenset()) -> Tuple[List[int], List[int]]:
+        """Routes one token through layer ``il``: (selected in r order, 1/0 hit per selected).
+        ``others``: experts preferred as if cached (a batch's other sequences' selections, route_step)."""
         L = self.layers[il]
         u = z if rank_on_logits else s  # the scale the prior boosts and Delta measures
         delta = L.update_delta(u, s)    # every policy keeps Delta up to date
         L.delta_last = delta
-        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru), delta, rank_on_logits,
-                               il=il, token=L.tokens)
+        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru) | set(others), delta,
+                               rank_on_logits, il=il, token=L.tokens)
         # what the policy cost this token against the router's own top K (float64 sums, r order)
         r = rank_experts(s)
         K = self.n_expert_used
@@ -547,6 +549,36 @@ class ReferenceCache:
         hits = np.full((z.shape[0], K), -1, dtype=np.int8)
         for t in range(z.shape[0]):
             chosen, hit = self.route_one(il, z[t], p[t], s[t], rank_on_logits)
+            sel[t, :len(chosen)] = chosen
+            hits[t, :len(hit)] = hit
+        return sel, hits
+
+    def route_step(self, il: int, logits: np.ndarray, probs: Optional[np.ndarray] = None,
+                   scores: Optional[np.ndarray] = None, rank_on_logits: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        """As :meth:`route`, the rows being one decode step of several sequences (a batch, one token of
+        each), as ``MoECache.route(step=True)`` routes them. With ``batch_share`` and a policy that prefers
+        cached experts (prior, max-rank, cumsum), two passes: the first routes every row against the cache
+        as it is and changes nothing (Delta included); the second routes each row in order, as route does,
+        with the experts the other rows selected in the first pass preferred as if cached."""
+        z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
+        p = softmax_f32(z) if probs is None else np.ascontiguousarray(np.atleast_2d(probs), dtype=np.float32)
+        s = p if scores is None else np.ascontiguousarray(np.atleast_2d(scores), dtype=np.float32)
+        if not (self.batch_share and z.shape[0] > 1 and isinstance(self.routing, (Prior, MaxRank, CumsumThreshold))):
+            return self.route(il, z, p, s, rank_on_logits)
+        L = self.layers[il]
+        saved = (L.delta_sum, L.delta_n)
+        first = []
+        for t in range(z.shape[0]):
+            delta = L.update_delta(z[t] if rank_on_logits else s[t], s[t])
+            first.append(route_token(z[t], p[t], s[t], self.routing, self.n_expert_used, set(L.lru), delta,
+                                     rank_on_logits, il=il, token=L.tokens))
+        L.delta_sum, L.delta_n = saved
+        K = self.n_expert_used
+        sel = np.full((z.shape[0], K), -1, dtype=np.int32)
+        hits = np.full((z.shape[0], K), -1, dtype=np.int8)
+        for t in range(z.shape[0]):
+            others = {e for u, f in enumerate(first) if u != t for e in f}
+            chosen, hit = self.route_one(il, z[t], p[t], s[t], rank_on_logits, others)
             sel[t, :len(chosen)] = chosen
             hits[t, :len(hit)] = hit
         return sel, hits

@@ -170,7 +170,8 @@ class ResidencyStats:
                 "vram_copies_down": self.vram_copies_down, "vram_exclusive_layers": self.vram_exclusive_layers, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
                 "lowbit_behind": self.lowbit_behind, "miss": self.miss,
-                "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token}
+                "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token,
+                "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps}
 
     def device_summary(self) -> str:
         """What a decoded token costs across backends (empty where one backend computes everything, as

@@ -73,39 +73,25 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
     const int64_t t0 = decode || timeline ? moecache_time_us() : 0;
     int8_t hit[MOECACHE_MAX_USED];
-    // batch_share: a first pass learns what each token of the step selects (nothing updated), the second
-    // routes each token with the others' selections preferred as if cached
-    const bool share = decode && n_tokens > 1 && apply && update && rp.batch_share &&
-                       (rp.policy == MOECACHE_POLICY_PRIOR || rp.policy == MOECACHE_POLICY_MAX_RANK ||
-                        rp.policy == MOECACHE_POLICY_CUMSUM);
+    // batch_share: a first pass learns what each token of the step selects, the second routes each token
+    // with the others' selections preferred as if cached (moecache-route.cpp)
+    const bool share = decode && apply && update && moecache_route_shares(rp, n_tokens);
     if (share) {
-        L.scratch.step.assign(mc.n_expert, 0);
-        const double  delta_sum = L.delta_sum; // (the first pass is not a token of the Delta statistics)
-        const int64_t delta_n   = L.delta_n;
+        std::vector<const float *>   zr(n_tokens), pr(n_tokens), sr(n_tokens);
+        std::vector<const int32_t *> str(n_tokens);
         for (int64_t t = 0; t < n_tokens; t++) {
-            int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-            const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
-            const int32_t n = moecache_route_token(mc, L, rp, moecache_row_f32(z, t), moecache_row_f32(p, t),
-                                                   moecache_row_f32(s, t), st, apply, false, out, hit);
-            for (int32_t i = 0; i < n; i++) {
-                L.scratch.step[out[i]] += 1;
-            }
-            out[K] = n;
+            zr[t]  = moecache_row_f32(z, t);
+            pr[t]  = moecache_row_f32(p, t);
+            sr[t]  = moecache_row_f32(s, t);
+            str[t] = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
         }
-        L.delta_sum = delta_sum;
-        L.delta_n   = delta_n;
+        moecache_route_share_first(mc, L, rp, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
     }
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
-        if (share) { // what the other tokens selected in the first pass (out: this one's)
-            L.scratch.others.resize(mc.n_expert);
-            for (int32_t e = 0; e < mc.n_expert; e++) {
-                L.scratch.others[e] = L.scratch.step[e] > 0;
-            }
-            for (int32_t i = 0; i < out[K]; i++) {
-                L.scratch.others[out[i]] = L.scratch.step[out[i]] > 1;
-            }
+        if (share) {
+            moecache_route_share_token(mc, L, t);
         }
         if (L.n_rec < mc.cparams.router_record) { // the router's outputs, for offline replay (pymoecache.simulate)
             for (const ggml_tensor * x : { z, p, s }) {
@@ -136,7 +122,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         out[K]     = n;
         out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
     }
-    L.scratch.others.clear();
+    moecache_route_share_end(L);
     if (decode) {
         L.decode_tokens      += n_tokens;
         L.decode_steps       += 1;

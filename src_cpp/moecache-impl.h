@@ -68,6 +68,7 @@ struct moecache_layer_scratch {
     std::vector<uint8_t> chosen;
     int32_t swapped_from = -1;   // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
     std::vector<int32_t> step;   // batch_share: [n_expert] how many of the step's tokens select e (first pass)
+    std::vector<int32_t> first;  //   [n_tokens x K] each token's first-pass selections (-1 past its count)
     std::vector<uint8_t> others; //   [n_expert] selected by another token of the step: preferred as if cached
                                  //   (empty outside a batch)
 };
@@ -603,6 +604,18 @@ int32_t moecache_route_token(
         bool                                   update,
         int32_t                              * sel,
         int8_t                               * hit);
+
+// batch_share: a decode step of several sequences' tokens (moecache_route_shares) is routed in two
+// passes. The first routes every token against the cache as it is (nothing updated, Delta as it
+// was), counting the selections (L.scratch.step, .first); before its second, updating pass, token t
+// sees what the others selected in the first as cached (L.scratch.others); moecache_route_share_end
+// clears that. Rows: z, p, s, stock of each token ([n_tokens] pointers; stock may be nullptr).
+bool moecache_route_shares(const moecache_routing_params & rp, int64_t n_tokens);
+void moecache_route_share_first(moecache & mc, moecache_layer & L, const moecache_routing_params & rp, int64_t n_tokens,
+                                const float * const * z, const float * const * p, const float * const * s,
+                                const int32_t * const * stock);
+void moecache_route_share_token(const moecache & mc, moecache_layer & L, int64_t t);
+void moecache_route_share_end(moecache_layer & L);
 
 // moecache-cache.cpp
 void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);

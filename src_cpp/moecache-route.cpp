@@ -377,3 +377,49 @@ int32_t moecache_route_token(
     L.st.tokens += 1;
     return n_sel;
 }
+
+// --- batch_share: a step of several sequences ----------------------------------------------
+
+bool moecache_route_shares(const moecache_routing_params & rp, int64_t n_tokens) {
+    return n_tokens > 1 && rp.batch_share &&
+           (rp.policy == MOECACHE_POLICY_PRIOR || rp.policy == MOECACHE_POLICY_MAX_RANK ||
+            rp.policy == MOECACHE_POLICY_CUMSUM);
+}
+
+void moecache_route_share_first(moecache & mc, moecache_layer & L, const moecache_routing_params & rp, int64_t n_tokens,
+                                const float * const * z, const float * const * p, const float * const * s,
+                                const int32_t * const * stock) {
+    const int32_t K = mc.n_expert_used;
+    L.scratch.step.assign(mc.n_expert, 0);
+    L.scratch.first.assign((size_t) n_tokens * K, -1);
+    L.scratch.others.clear();
+    const double  delta_sum = L.delta_sum; // (the first pass is not a token of the Delta statistics)
+    const int64_t delta_n   = L.delta_n;
+    int8_t hit[MOECACHE_MAX_USED];
+    for (int64_t t = 0; t < n_tokens; t++) {
+        int32_t * sel = L.scratch.first.data() + t * K;
+        const int32_t n = moecache_route_token(mc, L, rp, z[t], p[t], s[t], stock ? stock[t] : nullptr, true, false,
+                                               sel, hit);
+        for (int32_t i = 0; i < n; i++) {
+            L.scratch.step[sel[i]] += 1;
+        }
+    }
+    L.delta_sum = delta_sum;
+    L.delta_n   = delta_n;
+}
+
+void moecache_route_share_token(const moecache & mc, moecache_layer & L, int64_t t) {
+    const int32_t K = mc.n_expert_used;
+    L.scratch.others.resize(mc.n_expert);
+    for (int32_t e = 0; e < mc.n_expert; e++) {
+        L.scratch.others[e] = L.scratch.step[e] > 0;
+    }
+    const int32_t * sel = L.scratch.first.data() + t * K;
+    for (int32_t i = 0; i < K && sel[i] >= 0; i++) { // (its own: only if another token selected it too)
+        L.scratch.others[sel[i]] = L.scratch.step[sel[i]] > 1;
+    }
+}
+
+void moecache_route_share_end(moecache_layer & L) {
+    L.scratch.others.clear();
+}

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -420,9 +421,9 @@ int32_t moecache_get_trace(const struct moecache * mc, struct moecache_trace_rec
     return (int32_t) n;
 }
 
-int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, const float * probs,
-                       const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
-                       bool rank_on_logits, int32_t * selected, int8_t * hits) {
+static int32_t route_rows(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                          const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+                          bool rank_on_logits, int32_t * selected, int8_t * hits, bool step) {
     moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (il < 0 || il >= mc->n_layer) {
         return fail(MOECACHE_ERR_INVALID, "layer index out of range");
@@ -437,13 +438,42 @@ int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, c
     L.graph.rank_on_logits = rank_on_logits;
     int8_t hit_tmp[MOECACHE_MAX_USED];
     const moecache_routing_params rp = mc->rparams;
+    const bool share = step && moecache_route_shares(rp, n_tokens);
+    if (share) {
+        std::vector<const float *> zr(n_tokens), pr(n_tokens), sr(n_tokens);
+        for (int32_t t = 0; t < n_tokens; t++) {
+            const size_t row = (size_t) t * n_expert;
+            zr[t] = logits + row;
+            pr[t] = probs + row;
+            sr[t] = (scores ? scores : probs) + row;
+        }
+        moecache_route_share_first(*mc, L, rp, n_tokens, zr.data(), pr.data(), sr.data(), nullptr);
+    }
     for (int32_t t = 0; t < n_tokens; t++) {
         const size_t row = (size_t) t * n_expert;
         int8_t * h = hits ? hits + (size_t) t * n_expert_used : hit_tmp;
+        if (share) {
+            moecache_route_share_token(*mc, L, t);
+        }
         moecache_route_token(*mc, L, rp, logits + row, probs + row, (scores ? scores : probs) + row,
                              nullptr, true, true, selected + (size_t) t * n_expert_used, h);
     }
+    moecache_route_share_end(L);
     return MOECACHE_OK;
+}
+
+int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                       const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+                       bool rank_on_logits, int32_t * selected, int8_t * hits) {
+    return route_rows(mc, il, logits, probs, scores, n_expert, n_expert_used, n_tokens, rank_on_logits, selected,
+                      hits, false);
+}
+
+int32_t moecache_route_step(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                            const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+                            bool rank_on_logits, int32_t * selected, int8_t * hits) {
+    return route_rows(mc, il, logits, probs, scores, n_expert, n_expert_used, n_tokens, rank_on_logits, selected,
+                      hits, true);
 }
 
 } // extern "C"

@@ -696,6 +696,21 @@ MOECACHE_API int32_t moecache_route(
         int32_t         * selected,
         int8_t          * hits);
 
+// As moecache_route, the n_tokens rows being one decode step of n_tokens sequences (a batch, one token
+// each), routed as the graph op routes such a step: with routing params batch_share, in two passes.
+MOECACHE_API int32_t moecache_route_step(
+        struct moecache * mc,
+        int32_t           il,
+        const float     * logits,
+        const float     * probs,
+        const float     * scores,
+        int32_t           n_expert,
+        int32_t           n_expert_used,
+        int32_t           n_tokens,
+        bool              rank_on_logits,
+        int32_t         * selected,
+        int8_t          * hits);
+
 // A moecache without a model, for moecache_route (tests, offline simulation): n_layer layers
 // of n_expert experts, n_expert_used per token.
 MOECACHE_API struct moecache * moecache_init_synthetic(
