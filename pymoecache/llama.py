@@ -477,7 +477,9 @@ class Llama(llama_cpp.Llama):
             if cache.size == "auto":
                 choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
                                          gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
-                                         lowbit=_lowbit_pool_bytes(cache, info, str(model_path)))
+                                         lowbit=_lowbit_pool_bytes(cache, info, str(model_path)),
+                                         batch=int((n_seq_max - 1) * info.n_expert_used * info.cache_bytes
+                                                   * info.n_moe_layer))
                 if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
                     raise ConfigError(
                         f"the low-bit pools need {choice.lowbit / 2**20:.0f} MiB (" + (
@@ -699,7 +701,8 @@ class Llama(llama_cpp.Llama):
 
             n_cached, spare, available, low = self._plan_inputs
             self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
-            self._plan = dataclasses.replace(self._plan, budget_from="free")
+            self._plan = dataclasses.replace(self._plan, budget_from="free",
+                                             n_batch=(self.n_seq_max - 1) * self.model_info.n_expert_used)
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
                 low, low_bytes, low_name = low
                 self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,

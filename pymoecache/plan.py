@@ -127,7 +127,7 @@ def _mib(n: int) -> str:
 
 
 def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None,
-                    gpu_layers: int = 0, lowbit: int = 0) -> AutoCacheSize:
+                    gpu_layers: int = 0, lowbit: int = 0, batch: int = 0) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
     margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
@@ -135,7 +135,8 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
     their dense part and KV cache on a GPU (:func:`gpu_layers`): their share of both is not
     counted against the free memory. ``lowbit``: bytes of low-bit pools decoding will hold beside
-    the cache (the miss paths "lowbit" and "lowbit-all"), set aside first.
+    the cache (the miss paths "lowbit" and "lowbit-all"), set aside first, as ``batch``: bytes of the
+    slots a batch of sequences' selections take beside the cache (Llama(n_seq_max=N)).
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=8,
@@ -155,7 +156,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
     dense = int(max(0, info.non_expert_bytes) * host)
     kv = int(_kv_bytes(info, n_ctx) * host)
-    budget = free - dense - kv - max(0, lowbit)
+    budget = free - dense - kv - max(0, lowbit) - max(0, batch)
     margin = max(128 << 20, budget // 10)
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
     n, left = fit, 0
@@ -241,6 +242,7 @@ class MemoryPlan:
                               #   lowbit-cache, the low-bit copies that fit in that many experts' bytes)
     vram_bytes: int = 0       # GPU memory of the tier (every layer's slots and a zero slot)
     vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
+    n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
 
     @property
     def streamed(self) -> bool:
@@ -249,6 +251,7 @@ class MemoryPlan:
     @property
     def cache_bytes(self) -> int:
         slots = max(self.n_cached, self.n_expert_used if self.streamed else 0) + self.n_spare
+        slots += self.n_batch if self.streamed else 0
         return int(slots * self.slot_bytes * self.n_moe_layer)
 
     @property
@@ -323,7 +326,8 @@ class MemoryPlan:
         """One line: the sum, then the decode's reads."""
         free = "free" if self.budget_from == "free" else "budget"
         cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
-                 + (f" + {self.n_spare} spare" if self.n_spare else ""))
+                 + (f" + {self.n_spare} spare" if self.n_spare else "")
+                 + (f" + {self.n_batch} for a batch" if self.n_batch and self.streamed else ""))
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
                 f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
                 + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
@@ -354,6 +358,7 @@ class MemoryPlan:
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
              + (" (low-bit copies)" if self.miss == "lowbit-cache" else "")
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
+             + (f" + {self.n_batch} slots for a batch's selections" if self.n_batch and self.streamed else "")
              + ("" if self.streamed else ", all of them: nothing streamed")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),
             *((("  VRAM tier", self.vram_text()[len("VRAM tier "):]),) if self.n_vram else ()),
