@@ -704,7 +704,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     def slots() -> list:
         generating, waiting = load()
         n_ctx = proxy().n_ctx()
-        if batch is not None:  # each slot's own state: the batch's sequences are in their slots
+        if batch is not None and batch.dec.running:  # each slot's own state: the batch's sequences in theirs
             seqs = batch.slots()
             return [{"id": i, "n_ctx": n_ctx, "is_processing": s is not None,
                      "state": "generating" if s is not None else "idle",
