@@ -182,6 +182,20 @@ class BatchDecoder:
     def n_waiting(self) -> int:
         return len(self._waiting)
 
+    def kept(self, slot: int) -> List[int]:
+        """The tokens slot ``slot``'s KV sequence holds (a free slot: what a prompt may continue)."""
+        return list(self._kept[slot])
+
+    def set_kept(self, slot: int, tokens: List[int], in_cache: bool = False) -> None:
+        """A free slot's KV sequence: emptied (``tokens`` empty), or ``tokens`` that llama.cpp has just put in
+        the KV cache for it (``in_cache``: a sequence state restored from a file)."""
+        if any(s.slot == slot for s in self._running):
+            raise ConfigError(f"slot {slot} is decoding a sequence")
+        if not in_cache:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), slot, -1, -1)
+            tokens = []
+        self._kept[slot] = [int(t) for t in tokens]
+
     def forget(self) -> None:
         """Forget what the free slots hold (another user of the context changed its KV cache): the
         next sequences are prefilled whole."""

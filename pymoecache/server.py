@@ -15,6 +15,7 @@ Every endpoint of ``llama_cpp.server`` works as there (/v1/completions, /v1/chat
   and rates, requests in flight and waiting, and the expert cache's hits, misses and bytes read);
   ``api_key`` (401 without it on everything but /health), ``alias`` (the model's id, default the
   file's name), ``n_parallel`` slots, and ``stream_options.include_usage`` on streamed answers.
+* ``n_parallel`` > 1: the slots decoded together (server_batch.py).
 * completions queue: one generates, up to ``max_queue`` wait their turn (in order of arrival), a
   request past that gets 503 with ``Retry-After``. Nothing is cut: a streamed answer is not
   interrupted by the next request. A client that disconnects frees its place, and its generation
@@ -311,9 +312,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     alias: the model's id in /v1/models and in every answer (default: the file's name).
     api_key: every endpoint but /health answers 401 without ``Authorization: Bearer KEY``.
-    n_parallel: slots, as llama-server's -np: requests held at once besides the queue. One model
-    decodes one sequence at a time (the expert cache follows it), so the slots take turns in order
-    of arrival; /slots shows which one is decoding.
+    n_parallel: slots, as llama-server's -np: requests held at once besides the queue, decoded
+    together (server_batch.py: continuous batching on one expert cache); a request the batch does not
+    take (logprobs, a grammar, logit_bias, a routing of its own, ...) runs alone between batches.
+    /slots shows what each slot decodes.
 
     prompt_cache: a :class:`pymoecache.prompt_cache.PromptCache` every completion restores from and saves to.
     slot_save_path: a directory for llama-server's slot files (``POST /slots/{id}?action=save|restore|erase``,
@@ -726,7 +728,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                 raise RequestError(f"slot id {id_slot[:20]!r} is not a number", 400, "id_slot") from None
             async with contextlib.asynccontextmanager(app_mod.get_llama_proxy)() as lp:
                 return JSONResponse(await run_in_threadpool(server_slots.handle, lp(), slot_dir, n_parallel, slot,
-                                                            action, raw))
+                                                            action, raw, batch))
         except RequestError as e:
             return e.response()
     slot_action.__annotations__ = {"id_slot": str, "request": Request, "action": str}  # (real classes, as above)

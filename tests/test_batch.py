@@ -310,3 +310,55 @@ def test_bench_parallel(fixture_dir, tmp_path):
     assert together["way"] == "together" and int(together["decode_steps"]) == 7  # (8 tokens: 1 from the prompt)
     r = installed(tmp_path, "bench", m, "--parallel", "0")
     assert r.returncode != 0 and "--parallel" in r.stderr
+
+
+def test_serve_np_slot_files_are_per_sequence(fixture_dir, tmp_path):
+    """-np 2 --slot-save-path: a slot's conversation saved, erased, restored into the other slot; the next
+    request that continues it reads no prefill for its history (routed tokens fewer than its prompt) and
+    answers as a server that was never interrupted; a -np 1 session file is refused with the reason."""
+    import urllib.error
+
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"), m)
+    slots = tmp_path / "slots"
+
+    def post(base, path, body):
+        try:
+            status, text = http_request(base + path, body)
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        return status, json.loads(text)
+
+    greedy = {"max_tokens": 8, "temperature": 0}
+    first = {"prompt": "Once upon a time", **greedy}
+    args = ("-np", "2", "--routing", "lru", "--cache-size", "0.25", "--slot-save-path", slots)
+    with installed_server(tmp_path, m, *args) as base:
+        _, a = post(base, "/v1/completions", first)
+        follow = {"prompt": "Once upon a time" + a["choices"][0]["text"] + " and then", **greedy}
+        _, uninterrupted = post(base, "/v1/completions", follow)
+    with installed_server(tmp_path, m, *args) as base:
+        _, a2 = post(base, "/v1/completions", first)
+        assert a2["choices"][0]["text"] == a["choices"][0]["text"]
+        status, saved = post(base, "/slots/0?action=save", {"filename": "conversation.bin"})
+        assert status == 200 and saved["n_saved"] > 0, saved
+        status, erased = post(base, "/slots/0?action=erase", {})
+        assert status == 200 and erased["n_erased"] == saved["n_saved"]
+        status, restored = post(base, "/slots/1?action=restore", {"filename": "conversation.bin"})
+        assert status == 200 and restored["n_restored"] == saved["n_saved"], restored
+        slots_now = get_json(base + "/slots")
+        assert [s["state"] for s in slots_now] == ["idle", "idle"]
+        _, cont = post(base, "/v1/completions", follow)
+        assert cont["choices"][0]["text"] == uninterrupted["choices"][0]["text"]
+        assert cont["moecache"]["tokens"] < cont["usage"]["prompt_tokens"], (cont["moecache"], cont["usage"])
+    with installed_server(tmp_path, m, "--routing", "lru", "--slot-save-path", slots) as base:  # -np 1
+        post(base, "/v1/completions", first)
+        status, _ = post(base, "/slots/0?action=save", {"filename": "session.bin"})
+        assert status == 200
+    with installed_server(tmp_path, m, *args) as base:
+        status, r = post(base, "/slots/0?action=restore", {"filename": "session.bin"})
+        assert status == 400 and "-np 1" in r["error"]["message"], r
+        (slots / "junk.bin").write_bytes((slots / "conversation.bin").read_bytes()[:12] + b"\xff" * 64)
+        status, r = post(base, "/slots/0?action=restore", {"filename": "junk.bin"})
+        assert status == 400 and "not a slot file of this model" in r["error"]["message"], r
+        _, again = post(base, "/v1/completions", first)  # the server goes on
+        assert again["choices"][0]["text"] == a["choices"][0]["text"]

@@ -120,9 +120,11 @@ def add_command(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health; others get 401 "
                         "(default: none, open)")
     s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="slots, as llama-server: requests held at once besides the queue. One model decodes one "
-                        "sequence at a time here (the expert cache follows it), so the slots take turns in order "
-                        "of arrival; /slots shows them (default %(default)s)")
+                   help="slots, as llama-server: requests decoded together (continuous batching: a request joins "
+                        "the running batch at the next step, each expert a step needs is read once, and the routing "
+                        "prefers what the other slots read); a request with logprobs, a grammar, logit_bias or a "
+                        "routing of its own runs alone between batches. The cache keeps (N - 1) x K more slots per "
+                        "layer for a batch; /slots shows them (default %(default)s)")
     s.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="completion requests that wait besides the slots; past that the server answers 503 "
                         "with Retry-After (default %(default)s)")
