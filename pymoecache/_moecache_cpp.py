@@ -27,6 +27,7 @@ class moecache_routing_params(ctypes.Structure):
         ("analysis_seed", ctypes.c_uint32),
         ("prior_on_probs", ctypes.c_bool),
         ("batch_share", ctypes.c_bool),
+        ("batch_prior", c_float),
     ]
 
 

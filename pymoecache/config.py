@@ -716,6 +716,7 @@ class CacheConfig:
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     vram_exclusive: bool = False  # an expert in GPU memory keeps no host slot: the tiers hold size + vram_size
     batch_share: bool = True  # batched decoding: an expert another sequence of the step selects counts as cached
+    batch_prior: float = 3.0  # batched decoding, prior routing: the prior's strength times this in a step of several
     unified: str = "auto"  # GPU layers + stream: the GPU computes the experts in place on the host slots ("auto", "on", "off")
     miss: Optional[str] = None  # stream: a decoded token's miss at "full" precision, from its "lowbit" copy, every
                                 #   selection from it ("lowbit-all"), a cache of low-bit copies ("lowbit-cache"), or
@@ -774,6 +775,10 @@ class CacheConfig:
             raise ConfigError(f"vram_copy must be one of {', '.join(VRAM_COPIES)}, got {self.vram_copy!r}")
         if not isinstance(self.batch_share, bool):
             raise ConfigError(f"batch_share must be True or False, got {self.batch_share!r}")
+        if isinstance(self.batch_prior, bool) or not isinstance(self.batch_prior, (int, float)) or \
+                not 1.0 <= self.batch_prior <= 100.0:
+            raise ConfigError(f"batch_prior must be a number in [1, 100] (1: a batch routed with the prior alone's "
+                              f"strength), got {self.batch_prior!r}")
         if not isinstance(self.vram_exclusive, bool):
             raise ConfigError(f"vram_exclusive must be True or False, got {self.vram_exclusive!r}")
         if self.vram_exclusive and not self.vram_size:

@@ -98,7 +98,7 @@ class MoECache:
         self.moe_layers: Sequence[int] = ()  # the model's MoE layers: in stats() before their first token too
         self.prefetch = "off"  # CacheConfig.prefetch (set by the constructors)
         self.eviction, self.eviction_decay = "lru", 0.95  # CacheConfig.eviction (set by the constructors)
-        self.batch_share = True  # CacheConfig.batch_share (set by the constructors)
+        self.batch_share, self.batch_prior = True, 3.0  # CacheConfig.batch_share, batch_prior (the constructors)
 
     # --- construction ------------------------------------------------------------------------
     @staticmethod
@@ -161,6 +161,7 @@ class MoECache:
             cp.n_layer_sizes = len(cache.per_layer)
         rp = MoECache._routing_params(routing, scope, n_expert_used)
         rp.batch_share = bool(cache.batch_share)
+        rp.batch_prior = float(cache.batch_prior)
         return cp, rp, keep
 
     @staticmethod
@@ -191,7 +192,7 @@ class MoECache:
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]
         mc.eviction = (cache or CacheConfig(size=0.5)).eviction
         mc.eviction_decay = float((cache or CacheConfig(size=0.5)).eviction_decay)
-        mc.batch_share = bool(rp.batch_share)
+        mc.batch_share, mc.batch_prior = bool(rp.batch_share), float(rp.batch_prior)
         return mc
 
     @classmethod
@@ -210,7 +211,7 @@ class MoECache:
         mc._apply_layer_scale(routing)
         mc.prefetch = PREFETCH_NAMES[cp.prefetch]  # ("auto" resolved)
         mc.eviction, mc.eviction_decay = cache.eviction, float(cache.eviction_decay)
-        mc.batch_share = bool(rp.batch_share)
+        mc.batch_share, mc.batch_prior = bool(rp.batch_share), float(rp.batch_prior)
         return mc
 
     # --- life cycle --------------------------------------------------------------------------
@@ -259,7 +260,7 @@ class MoECache:
         routing = _as_routing(routing)
         scope = self.scope if scope is None else scope
         rp = self._routing_params(routing, scope, self.n_expert_used)  # everything is checked before anything
-        rp.batch_share = self.batch_share
+        rp.batch_share, rp.batch_prior = self.batch_share, self.batch_prior
         self._check_layer_scale(routing)                                 # changes: a refused setting applies nowhere
         _check(C.moecache_set_routing(self._h, rp))
         self.routing, self.scope = routing, scope

@@ -26,6 +26,7 @@ r the router's ranking, r' the final ranking, C the layer's cache, J = Top-J.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Set, Tuple, Union
 
@@ -466,7 +467,8 @@ class ReferenceCache:
 
     def __init__(self, n_layer: int, n_expert: int, n_expert_used: int, capacity: Union[int, Sequence[int]],
                  insertion: str = "top-bottom", routing: Union[Routing, str, None] = None,
-                 eviction: str = "lru", eviction_decay: float = 0.95, batch_share: bool = True):
+                 eviction: str = "lru", eviction_decay: float = 0.95, batch_share: bool = True,
+                 batch_prior: float = 3.0):
         if not (1 <= n_expert_used <= n_expert) or n_layer < 1:
             raise ConfigError(f"invalid expert counts: N = {n_expert} routed experts, K = {n_expert_used} used "
                               f"per token, {n_layer} layers")
@@ -482,6 +484,7 @@ class ReferenceCache:
         self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
         self.insertion = insertion
         self.batch_share = batch_share  # route_step: the other sequences' selections count as cached
+        self.batch_prior = batch_prior  #   and the prior's strength is this many times alone's
         self.layers = [LayerCache(int(c), n_expert, eviction, eviction_decay) for c in caps]
         self.set_routing(routing if routing is not None else TopK())
 
@@ -559,12 +562,23 @@ class ReferenceCache:
         each), as ``MoECache.route(step=True)`` routes them. With ``batch_share`` and a policy that prefers
         cached experts (prior, max-rank, cumsum), two passes: the first routes every row against the cache
         as it is and changes nothing (Delta included); the second routes each row in order, as route does,
-        with the experts the other rows selected in the first pass preferred as if cached."""
+        with the experts the other rows selected in the first pass preferred as if cached; the prior's
+        strength is ``batch_prior`` times its own for the step."""
         z = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
         p = softmax_f32(z) if probs is None else np.ascontiguousarray(np.atleast_2d(probs), dtype=np.float32)
         s = p if scores is None else np.ascontiguousarray(np.atleast_2d(scores), dtype=np.float32)
         if not (self.batch_share and z.shape[0] > 1 and isinstance(self.routing, (Prior, MaxRank, CumsumThreshold))):
             return self.route(il, z, p, s, rank_on_logits)
+        routing = self.routing
+        if isinstance(routing, Prior):  # (batch_prior: lambda x batch_prior, one float32 product, as the C++)
+            self.routing = dataclasses.replace(routing, strength=float(np.float32(f32(routing.strength))
+                                                                         * np.float32(f32(self.batch_prior))))
+        try:
+            return self._route_step_shared(il, z, p, s, rank_on_logits)
+        finally:
+            self.routing = routing
+
+    def _route_step_shared(self, il, z, p, s, rank_on_logits):
         L = self.layers[il]
         saved = (L.delta_sum, L.delta_n)
         first = []

@@ -33,6 +33,7 @@ from .batch import BatchDecoder, Sequence
 from .server_requests import request_routing, request_stats
 
 _log = logging.getLogger("pymoecache.serve")
+GATHER_S = 0.02  # how long the batch waits, from idle, for requests sent at the same time
 
 
 def batchable(body, chat: bool, raw: bytes) -> bool:
@@ -192,6 +193,9 @@ class BatchServer:
                 loop = self._requests[0].loop if self._requests else None
             if loop is None:  # (sequences without a request: none in a server)
                 continue
+            # from idle: requests sent together arrive a few milliseconds apart; a short wait lets them be
+            # prefilled together (their prompts read each expert once), not the first alone
+            time.sleep(GATHER_S)
             release = threading.Event()
             held = threading.Event()
 

@@ -76,6 +76,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     // batch_share: a first pass learns what each token of the step selects, the second routes each token
     // with the others' selections preferred as if cached (moecache-route.cpp)
     const bool share = decode && apply && update && moecache_route_shares(rp, n_tokens);
+    const moecache_routing_params rs = share ? moecache_route_share_params(rp) : rp; // (batch_prior)
     if (share) {
         std::vector<const float *>   zr(n_tokens), pr(n_tokens), sr(n_tokens);
         std::vector<const int32_t *> str(n_tokens);
@@ -85,7 +86,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             sr[t]  = moecache_row_f32(s, t);
             str[t] = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
         }
-        moecache_route_share_first(mc, L, rp, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
+        moecache_route_share_first(mc, L, rs, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
     }
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
@@ -107,7 +108,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             }
             L.n_rec += 1;
         }
-        const int32_t n = moecache_route_token(mc, L, rp, moecache_row_f32(z, t), moecache_row_f32(p, t), moecache_row_f32(s, t), st,
+        const int32_t n = moecache_route_token(mc, L, rs, moecache_row_f32(z, t), moecache_row_f32(p, t), moecache_row_f32(s, t), st,
                                                apply, update, out, hit);
         // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)
         for (int64_t i = n; i < K; i++) {

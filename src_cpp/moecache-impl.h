@@ -611,6 +611,7 @@ int32_t moecache_route_token(
 // sees what the others selected in the first as cached (L.scratch.others); moecache_route_share_end
 // clears that. Rows: z, p, s, stock of each token ([n_tokens] pointers; stock may be nullptr).
 bool moecache_route_shares(const moecache_routing_params & rp, int64_t n_tokens);
+moecache_routing_params moecache_route_share_params(const moecache_routing_params & rp); // (batch_prior applied)
 void moecache_route_share_first(moecache & mc, moecache_layer & L, const moecache_routing_params & rp, int64_t n_tokens,
                                 const float * const * z, const float * const * p, const float * const * s,
                                 const int32_t * const * stock);

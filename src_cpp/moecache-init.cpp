@@ -45,6 +45,10 @@ int32_t moecache_check_routing(const moecache_routing_params & p, int32_t K) {
         snprintf(buf, sizeof(buf), "prior lambda = %g must be a finite number >= 0", (double) p.prior_lambda);
         return fail(MOECACHE_ERR_INVALID, buf);
     }
+    if (!(p.batch_prior >= 1.0f && p.batch_prior <= 100.0f)) {
+        snprintf(buf, sizeof(buf), "batch_prior = %g must be in [1, 100]", (double) p.batch_prior);
+        return fail(MOECACHE_ERR_INVALID, buf);
+    }
     if (p.max_rank < 0) {
         snprintf(buf, sizeof(buf), "max-rank m = %d must be >= 0", p.max_rank);
         return fail(MOECACHE_ERR_INVALID, buf);

@@ -386,6 +386,14 @@ bool moecache_route_shares(const moecache_routing_params & rp, int64_t n_tokens)
             rp.policy == MOECACHE_POLICY_CUMSUM);
 }
 
+moecache_routing_params moecache_route_share_params(const moecache_routing_params & rp) {
+    moecache_routing_params rs = rp;
+    if (rp.policy == MOECACHE_POLICY_PRIOR) {
+        rs.prior_lambda = rp.prior_lambda * rp.batch_prior;
+    }
+    return rs;
+}
+
 void moecache_route_share_first(moecache & mc, moecache_layer & L, const moecache_routing_params & rp, int64_t n_tokens,
                                 const float * const * z, const float * const * p, const float * const * s,
                                 const int32_t * const * stock) {

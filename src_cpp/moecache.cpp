@@ -112,6 +112,7 @@ struct moecache_routing_params moecache_routing_default_params(void) {
     p.prune_rank   = 2;
     p.scope        = MOECACHE_SCOPE_ALL;
     p.batch_share  = true;
+    p.batch_prior  = 3.0f;
     return p;
 }
 
@@ -439,6 +440,7 @@ static int32_t route_rows(struct moecache * mc, int32_t il, const float * logits
     int8_t hit_tmp[MOECACHE_MAX_USED];
     const moecache_routing_params rp = mc->rparams;
     const bool share = step && moecache_route_shares(rp, n_tokens);
+    const moecache_routing_params rs = share ? moecache_route_share_params(rp) : rp;
     if (share) {
         std::vector<const float *> zr(n_tokens), pr(n_tokens), sr(n_tokens);
         for (int32_t t = 0; t < n_tokens; t++) {
@@ -447,7 +449,7 @@ static int32_t route_rows(struct moecache * mc, int32_t il, const float * logits
             pr[t] = probs + row;
             sr[t] = (scores ? scores : probs) + row;
         }
-        moecache_route_share_first(*mc, L, rp, n_tokens, zr.data(), pr.data(), sr.data(), nullptr);
+        moecache_route_share_first(*mc, L, rs, n_tokens, zr.data(), pr.data(), sr.data(), nullptr);
     }
     for (int32_t t = 0; t < n_tokens; t++) {
         const size_t row = (size_t) t * n_expert;
@@ -455,7 +457,7 @@ static int32_t route_rows(struct moecache * mc, int32_t il, const float * logits
         if (share) {
             moecache_route_share_token(*mc, L, t);
         }
-        moecache_route_token(*mc, L, rp, logits + row, probs + row, (scores ? scores : probs) + row,
+        moecache_route_token(*mc, L, rs, logits + row, probs + row, (scores ? scores : probs) + row,
                              nullptr, true, true, selected + (size_t) t * n_expert_used, h);
     }
     moecache_route_share_end(L);

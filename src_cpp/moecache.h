@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 23
+#define MOECACHE_ABI_VERSION 24
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -231,6 +231,10 @@ struct moecache_routing_params {
                                   //   is read for that one anyway), so the step reads fewer; each token is routed
                                   //   twice, the first time to learn the step's selections. A sequence decoded
                                   //   alone is routed as without it; default true
+    float    batch_prior;         // PRIOR, batch_share, a step of several sequences: the prior's strength lambda
+                                  //   is multiplied by this for the step (one cache serves the batch's sequences
+                                  //   at once, so each finds less of its own in it); 1 = as alone, in [1, 100];
+                                  //   default 3
 };
 
 // Cache: sizes and bookkeeping. Fixed for the life of the moecache.
