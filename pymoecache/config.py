@@ -650,6 +650,12 @@ class CacheConfig:
     prefers the GPU's. Needs vram_size and a cache smaller than every expert; copies up ahead of the
     routing (prefetch) are not made. Default False: the tier is a copy of part of the host cache.
 
+    batch_share, batch_prior: several sequences decoded together (``Llama(n_seq_max=N)``, ``serve -np
+    N``) under a routing that prefers cached experts: an expert another sequence of the step selects
+    is as good as cached (the step reads it anyway), and the prior's strength is ``batch_prior`` times
+    its own for such a step, since one cache serves every sequence of the batch (docs/method.md).
+    A sequence decoded alone is routed as without them. Defaults True and 3.0.
+
     unified: beside GPU layers, with ``stream``: whether the GPU computes a layer's experts in place
     on the host slots, which ggml wraps as GPU buffers (Metal; Vulkan with host-pointer import):
     no copies, the reads fill the slots and the GPU reads them there. ``"auto"`` (the default) does
