@@ -167,16 +167,11 @@ def restore(llm, path: Path, id_slot: int) -> dict:
     is not a session file of this model and context."""
     import llama_cpp
 
-    if not path.exists():
-        raise RequestError(f"no slot file {path.name} in the slot directory", 404, "filename")
-    if not path.is_file():  # (a FIFO would block the read below)
-        raise RequestError(f"{path.name} is not a regular file", 400, "filename")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise RequestError(f"cannot read the slot file {path.name}: {e.strerror}", 400, "filename") from None
-    if len(head) < 8 or int.from_bytes(head[:4], "little") != _SESSION_MAGIC:
+    head = _head(path)
+    if int.from_bytes(head[:4], "little") == _SEQ_MAGIC:
+        raise RequestError(f"{path.name} holds one slot's sequence (saved with -np > 1); this server's slot is "
+                           "the whole context (-np 1): save it again here", 400, "filename")
+    if int.from_bytes(head[:4], "little") != _SESSION_MAGIC:
         raise RequestError(f"{path.name} is not a slot file (llama.cpp's session format)", 400, "filename")
     n_ctx = llm.n_ctx()
     tokens = (llama_cpp.llama_token * n_ctx)()

@@ -69,6 +69,17 @@ def http_request(url: str, body=None, timeout: float = 120, raw: bytes = None, m
         return r.status, r.read().decode()
 
 
+def http_json(url: str, body=None):
+    """(status, JSON answer) of one request, an HTTP error's included."""
+    import urllib.error
+
+    try:
+        status, text = http_request(url, body)
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    return status, json.loads(text)
+
+
 @contextlib.contextmanager
 def running_server(model, log: Path, *args):
     """Start `pymoecache serve -m MODEL ARGS` on a free port, yield its base URL, stop it after."""

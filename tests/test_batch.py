@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from conftest import http_request, model_path
+from conftest import http_json, http_request, model_path
 
 
 def get_json(url, body=None):
@@ -321,18 +321,12 @@ def test_serve_np_slot_files_are_per_sequence(fixture_dir, tmp_path):
     """-np 2 --slot-save-path: a slot's conversation saved, erased, restored into the other slot; the next
     request that continues it reads no prefill for its history (routed tokens fewer than its prompt) and
     answers as a server that was never interrupted; a -np 1 session file is refused with the reason."""
-    import urllib.error
-
     m = tmp_path / "model.gguf"
     shutil.copy(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"), m)
     slots = tmp_path / "slots"
 
     def post(base, path, body):
-        try:
-            status, text = http_request(base + path, body)
-        except urllib.error.HTTPError as e:
-            status, text = e.code, e.read().decode()
-        return status, json.loads(text)
+        return http_json(base + path, body)
 
     greedy = {"max_tokens": 8, "temperature": 0}
     first = {"prompt": "Once upon a time", **greedy}

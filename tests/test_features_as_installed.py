@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from conftest import free_port, http_request, model_path
+from conftest import free_port, http_json, http_request, model_path
 from test_rpc_as_installed import installed, installed_env
 
 MODEL = "qwen2moe-60x4"
@@ -403,17 +403,11 @@ def test_slot_save_and_restore(fixture_dir, tmp_path):
     """Issue 55 item 4 (llama-server's slot files): a conversation saved to a slot file and restored after
     another request continues with the same tokens as one never interrupted, its history evaluated by
     no one (prompt_n) and routed through no expert; bad files and names are refused and the server goes on."""
-    import urllib.error
-
     m = model_path(fixture_dir, MODEL)
     slots = tmp_path / "slots"
 
     def post(base, path, body):
-        try:
-            status, text = http_request(base + path, body)
-        except urllib.error.HTTPError as e:
-            status, text = e.code, e.read().decode()
-        return status, json.loads(text)
+        return http_json(base + path, body)
 
     (tmp_path / "a-file").write_text("x")
     r = installed(tmp_path, "serve", m, "--slot-save-path", tmp_path / "a-file", "--port", str(free_port()))
