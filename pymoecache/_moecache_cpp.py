@@ -208,6 +208,8 @@ moecache_init = _fn("moecache_init", [c_void_p, moecache_cache_params, moecache_
 moecache_init_synthetic = _fn("moecache_init_synthetic",
                               [c_int32, c_int32, c_int32, moecache_cache_params, moecache_routing_params], moecache_p)
 moecache_set_load_residency = _fn("moecache_set_load_residency", [c_int32], None)
+# int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * hits, int32_t * misses, int32_t n_max);
+moecache_get_step_rows = _fn("moecache_get_step_rows", [moecache_p, POINTER(c_int32), POINTER(c_int32), c_int32], c_int32)
 moecache_get_residency_stats = _fn("moecache_get_residency_stats", [moecache_p, POINTER(moecache_residency_stats)],
                                    c_int32)
 # int32_t moecache_context_graph_splits(const struct llama_context * ctx);

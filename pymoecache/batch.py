@@ -43,6 +43,8 @@ class Sequence:
     slot: int = -1                     # the KV sequence (slot) it runs in; -1 while it waits
     finish_reason: Optional[str] = None  # "stop" (an end-of-generation token), "length"; None while it runs
     n_prompt_reused: int = 0           # prompt tokens a slot held already (not prefilled again)
+    hits: int = 0                      # its decoded tokens' selections the cache held, over the MoE layers
+    misses: int = 0                    #   and those it did not (the step read them, for it or another)
     t_submit: float = 0.0              # time.perf_counter() of add()
     t_first: float = 0.0               #   of its first token
     t_done: float = 0.0                #   of its end
@@ -384,6 +386,13 @@ class BatchDecoder:
             raise
         self.steps += 1
         self.step_tokens += len(run)
+        mc = getattr(self.llm, "moecache", None)
+        if mc is not None:  # the step's counters, by sequence
+            hits, misses = mc.step_rows(len(run))
+            if len(hits) == len(run):
+                for i, s in enumerate(run):
+                    s.hits += int(hits[i])
+                    s.misses += int(misses[i])
         for i, s in enumerate(run):
             self._kept[s.slot].append(s.tokens[-1])
             self._sample(s, i, out)

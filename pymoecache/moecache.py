@@ -342,6 +342,15 @@ class MoECache:
         return MoEStats.from_rows(rows, self.n_expert, self.n_expert_used, self.expert_bytes,
                                   residency=self.residency_stats())
 
+    def step_rows(self, n_max: int = 256) -> Tuple[np.ndarray, np.ndarray]:
+        """The last decode step's (hits, misses) per token (a batch: per sequence), over the MoE layers."""
+        hits = np.zeros(n_max, dtype=np.int32)
+        misses = np.zeros(n_max, dtype=np.int32)
+        n = C.moecache_get_step_rows(self._h, hits.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                     misses.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n_max)
+        _check(min(n, 0))
+        return hits[:min(n, n_max)], misses[:min(n, n_max)]
+
     def residency_stats(self) -> ResidencyStats:
         """I/O, time and memory of the expert residency (all zero but rss for ``"none"``)."""
         rs = C.moecache_residency_stats()

@@ -12,7 +12,8 @@ the generated tokens, then greedy at temperature 0, else top-k, typical, top-p, 
 a seeded draw), its stop conditions (an end-of-generation token, ``max_tokens``, the context, the
 first stop string, which is cut off) and its text (the completion's bytes after the prompt's, invalid
 UTF-8 dropped). ``usage`` counts the prompt and the generated tokens; ``"moecache"`` holds the cache
-counters while the request ran, shared with the sequences decoded beside it (``"batched": true``).
+counters while the request ran, shared with the sequences decoded beside it (``"batched": true``), and
+its own tokens' share of the decode steps (``"sequence"``: hits and misses over the MoE layers).
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ def moecache_field(server: BatchServer, req: _Request) -> Optional[dict]:
         return None
     d = request_stats(req.before, server.llm.moecache.stats())
     d["batched"] = True  # (the counters of the batch while this request ran: shared with the others)
+    s = req.seq  # and this request's own share of the decode steps: its tokens' hits and misses over the layers
+    d["sequence"] = {"decoded_tokens": max(0, len(s.tokens) - 1), "hits": s.hits, "misses": s.misses}
     return d
 
 

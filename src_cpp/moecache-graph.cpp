@@ -88,6 +88,11 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         moecache_route_share_first(mc, L, rs, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
     }
+    if (decode && L.il == mc.first_routed) { // (a step's first layer)
+        mc.step_hits.assign(n_tokens, 0);
+        mc.step_misses.assign(n_tokens, 0);
+    }
+    const bool rows = decode && update && (int64_t) mc.step_hits.size() == n_tokens;
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
@@ -113,6 +118,10 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)
         for (int64_t i = n; i < K; i++) {
             out[i] = out[0];
+        }
+        for (int32_t i = 0; i < n && rows; i++) {
+            mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
+            mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
         }
         if (single && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
             const float * pr = moecache_row_f32(p, t);

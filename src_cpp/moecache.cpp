@@ -600,6 +600,18 @@ static int64_t rss_bytes() {
 #endif
 }
 
+extern "C" int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * hits, int32_t * misses, int32_t n_max) {
+    if (!mc || n_max < 0 || (n_max > 0 && (!hits || !misses))) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_get_step_rows: bad arguments");
+    }
+    const int32_t n = (int32_t) mc->step_hits.size();
+    for (int32_t i = 0; i < n && i < n_max; i++) {
+        hits[i]   = mc->step_hits[i];
+        misses[i] = mc->step_misses[i];
+    }
+    return n;
+}
+
 extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out) {
     moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
     if (!mc || !out) {

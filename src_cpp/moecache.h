@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 24
+#define MOECACHE_ABI_VERSION 25
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -597,6 +597,10 @@ MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il,
 MOECACHE_API int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
 
 MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out);
+// The last decode step's hits and misses per token (row of the ubatch: a batch of several sequences has
+// one per sequence), summed over the MoE layers: hits[i], misses[i] for i < min(rows, n_max). Returns the
+// rows (0 before a decode step). How a batch's counters split by sequence (pymoecache.BatchDecoder).
+MOECACHE_API int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * hits, int32_t * misses, int32_t n_max);
 // Graph splits of the graph `ctx` computed last (any context of this library, a stock one too: the
 // benchmark prints stock llama.cpp's beside ours); 0 before its first.
 MOECACHE_API int32_t moecache_context_graph_splits(const struct llama_context * ctx);

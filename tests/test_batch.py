@@ -110,7 +110,8 @@ UNION = """
         seqs = [dec.add([1, 5, 9, 13, 17], max_tokens=16) for _ in range(n)]
         dec.run()
         rs = llm.moe_stats().residency
-        out = (rs.decode_loads, rs.decode_tokens, rs.decode_steps, [s.tokens for s in seqs])
+        out = (rs.decode_loads, rs.decode_tokens, rs.decode_steps, [s.tokens for s in seqs],
+               [(s.hits, s.misses) for s in seqs])
         dec.close(); llm.close()
         return out
 
@@ -121,12 +122,18 @@ UNION = """
 
 def test_a_step_reads_the_union_of_its_misses_once(fixture_dir, tmp_path):
     """Four copies of one sequence decoded together select the same experts at every step: the step reads
-    each of its misses once, as many reads as the one sequence alone, for four times the tokens."""
+    each of its misses once, as many reads as the one sequence alone, for four times the tokens; each
+    sequence's hits and misses are counted apart."""
     d = run_script(tmp_path, UNION.format(model=str(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"))))
-    (l1, t1, s1, tok1), (l4, t4, s4, tok4) = d["one"], d["four"]
+    (l1, t1, s1, tok1, hm1), (l4, t4, s4, tok4, hm4) = d["one"], d["four"]
     assert tok4 == tok1 * 4
     assert l1 > 0 and l4 == l1
     assert (t4, s4) == (4 * t1, s1)
+    # by sequence: the first of each step misses what the one alone misses, the three after it hit all of it
+    # (4 experts, 4 layers, 15 steps)
+    assert hm4[0] == hm1[0] and hm1[0][1] > 0
+    assert all(h == [sum(hm1[0]), 0] for h in hm4[1:])
+    assert sum(hm1[0]) == 4 * 4 * 15
 
 
 CONTINUOUS = """
@@ -248,6 +255,7 @@ def test_serve_np_decodes_its_slots_together(fixture_dir, tmp_path):
             stats = get_json(base + "/moecache/stats")
             if n == 4:
                 assert all(o["moecache"]["batched"] for o in out)
+                assert all(o["moecache"]["sequence"]["hits"] + o["moecache"]["sequence"]["misses"] > 0 for o in out)
                 assert all(o["usage"]["completion_tokens"] > 0 for o in out)
                 slots = get_json(base + "/slots")
                 assert [s["id"] for s in slots] == [0, 1, 2, 3]
