@@ -180,18 +180,20 @@ def speed(args) -> list:
 
 def quality(args) -> None:
     from pymoecache import CacheConfig, Llama
+    from pymoecache.config import parse_cache_size
     from pymoecache.evaluate import perplexity, perplexity_batched
 
     model = trained_bench_model()
     text = SHAKESPEARE.read_text(encoding="utf-8")
     text = text[int(len(text) * 0.9):]  # the held-out tenth
     ctx = 128
-    print(f"{'trained, ppl protocol':<40} {'ppl':>9} {'vs alone':>9} {'reads/tok':>9}")
+    print(f"{'trained, ppl protocol':<44} {'ppl':>9} {'vs alone':>9} {'reads/tok':>9} {'reads/step':>10}")
     alone = None
-    for label, share, batched in (("default routing, each chunk alone", True, False),
-                                  (f"default, {args.np} chunks together", True, True),
-                                  (f"default, {args.np} together, no batch share", False, True)):
-        llm = Llama(str(model), cache=CacheConfig(size=args.cache_size, batch_share=share), n_seq_max=args.np,
+    for label, cfg, batched in (("default routing, each chunk alone", {}, False),
+                                (f"default, {args.np} chunks together", {}, True),
+                                (f"default, {args.np} together, --batch-prior 1", dict(batch_prior=1.0), True),
+                                (f"default, {args.np} together, --no-batch-share", dict(batch_share=False), True)):
+        llm = Llama(str(model), cache=CacheConfig(size=parse_cache_size(args.cache_size), **cfg), n_seq_max=args.np,
                     n_ctx=ctx * args.np, logits_all=True, verbose=False)
         toks = llm.tokenize(text.encode("utf-8"))[:ctx * args.ppl_chunks]
         llm.moecache.clear()
@@ -199,7 +201,8 @@ def quality(args) -> None:
                else perplexity(llm, toks, ctx, decode=True, progress=False))
         rs = res.stats.residency
         alone = alone or res.ppl
-        print(f"{label:<40} {res.ppl:>9.4f} {100 * (res.ppl / alone - 1):>+8.2f}% {rs.decode_loads / rs.decode_tokens:>9.3f}")
+        print(f"{label:<44} {res.ppl:>9.4f} {100 * (res.ppl / alone - 1):>+8.2f}% {rs.decode_loads / rs.decode_tokens:>9.3f} "
+              f"{rs.decode_loads / max(1, rs.decode_steps):>10.3f}")
         llm.close()
 
 
