@@ -62,12 +62,13 @@ def handle(llm, directory: "str | None", n_slots: int, id_slot: int, action: str
     name = _filename(d)
     path = Path(directory) / name
     if batch is not None:
-        return (save_seq if action == "save" else restore_seq)(llm, batch, path, id_slot)
+        return save(llm, path, id_slot, batch) if action == "save" else restore_seq(llm, batch, path, id_slot)
     return (save if action == "save" else restore)(llm, path, id_slot)
 
 
-def save(llm, path: Path, id_slot: int) -> dict:
-    """The context's conversation to ``path``, atomically (written beside, then renamed)."""
+def save(llm, path: Path, id_slot: int, batch=None) -> dict:
+    """The slot's conversation to ``path``, atomically (written beside, then renamed): the context's
+    (a session file), or with ``batch`` the slot's sequence (a sequence state file)."""
     import llama_cpp
 
     from .errors import StateFileError
@@ -77,12 +78,14 @@ def save(llm, path: Path, id_slot: int) -> dict:
         target = writable_target(path, "slot file", StateFileError)
     except StateFileError as e:
         raise RequestError(str(e), 400, "filename") from None
-    n = llm.n_tokens
-    tokens = (llama_cpp.llama_token * max(1, n))(*llm.input_ids[:n].tolist())
+    held = llm.input_ids[:llm.n_tokens].tolist() if batch is None else batch.dec.kept(id_slot)
+    n = len(held)
+    tokens = (llama_cpp.llama_token * max(1, n))(*held)
     tmp = f"{target}.tmp"
     t0 = time.perf_counter()
     try:
-        ok = llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), tokens, n)
+        ok = (llama_cpp.llama_state_save_file(llm._ctx.ctx, tmp.encode(), tokens, n) if batch is None else
+              llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, tmp.encode(), id_slot, tokens, n))
         if not ok:
             raise RequestError(f"llama.cpp could not write {path.name}", 500)
         os.replace(tmp, target)
@@ -90,32 +93,6 @@ def save(llm, path: Path, id_slot: int) -> dict:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return {"id_slot": id_slot, "filename": path.name, "n_saved": n, "n_written": os.path.getsize(target),
-            "timings": {"save_ms": 1e3 * (time.perf_counter() - t0)}}
-
-
-def save_seq(llm, batch, path: Path, id_slot: int) -> dict:
-    """Slot ``id_slot``'s sequence (its tokens and their KV cache) to ``path``, atomically."""
-    import llama_cpp
-
-    from .errors import StateFileError
-    from .files import writable_target
-
-    try:
-        target = writable_target(path, "slot file", StateFileError)
-    except StateFileError as e:
-        raise RequestError(str(e), 400, "filename") from None
-    kept = batch.dec.kept(id_slot)
-    tokens = (llama_cpp.llama_token * max(1, len(kept)))(*kept)
-    tmp = f"{target}.tmp"
-    t0 = time.perf_counter()
-    try:
-        if not llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, tmp.encode(), id_slot, tokens, len(kept)):
-            raise RequestError(f"llama.cpp could not write {path.name}", 500)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return {"id_slot": id_slot, "filename": path.name, "n_saved": len(kept), "n_written": os.path.getsize(target),
             "timings": {"save_ms": 1e3 * (time.perf_counter() - t0)}}
 
 

@@ -248,6 +248,12 @@ def assert_same_state(mc: MoECache, rc: ReferenceCache, n_layer: int) -> None:
 @settings(max_examples=800, **SETTINGS)
 @given(sc=scenarios())
 def test_cpp_matches_reference(sc: Scenario):
+    assert_matches_reference(sc)
+
+
+def assert_matches_reference(sc: Scenario, step: bool = False) -> None:
+    """The C++ and the reference route sc's batches alike (``step``: each batch one decode step of
+    several sequences) and end in the same state."""
     mc, rc = native(sc), reference(sc)
     if sc.fixed_delta is not None:
         for c in (mc, rc):
@@ -260,7 +266,7 @@ def test_cpp_matches_reference(sc: Scenario):
             np.testing.assert_array_equal(hit_c, hit_r, err_msg=f"layer {il}: hit masks")
         assert_same_state(mc, rc, sc.n_layer)
 
-    drive(sc, [mc, rc], check)
+    drive(sc, [mc, rc], check, step=step)
 
 
 @settings(max_examples=400, **SETTINGS)
@@ -269,22 +275,10 @@ def test_cpp_matches_reference_batched_steps(sc: Scenario):
     """A batch of sequences' decode step (batch_share: two passes, the others' selections preferred as if
     cached) routes the same in C++ as in the reference, and differs from the rows routed one by one only
     where a policy prefers cached experts."""
-    mc, rc, alone = native(sc), reference(sc), native(sc)
-    if sc.fixed_delta is not None:
-        for c in (mc, rc, alone):
-            c.set_prior_delta(np.array(sc.fixed_delta[:sc.n_layer], dtype=np.float32))
-
-    def check(outputs, inputs):
-        for il in range(sc.n_layer):
-            (sel_c, hit_c), (sel_r, hit_r) = outputs[0][il], outputs[1][il]
-            np.testing.assert_array_equal(sel_c, sel_r, err_msg=f"layer {il}: selected experts")
-            np.testing.assert_array_equal(hit_c, hit_r, err_msg=f"layer {il}: hit masks")
-        assert_same_state(mc, rc, sc.n_layer)
-
-    drive(sc, [mc, rc], check, step=True)
+    assert_matches_reference(sc, step=True)
     if isinstance(sc.routing, (TopK, Prune)):  # nothing to prefer: a step is its rows one by one
         outs = []
-        drive(sc, [alone], lambda o, i: outs.append(o[0]))
+        drive(sc, [native(sc)], lambda o, i: outs.append(o[0]))
         mc2 = native(sc)
         drive(sc, [mc2], lambda o, i: np.testing.assert_array_equal(
             np.concatenate([x[0] for x in o[0]]), np.concatenate([x[0] for x in outs.pop(0)])), step=True)
