@@ -214,6 +214,8 @@ moecache_get_residency_stats = _fn("moecache_get_residency_stats", [moecache_p, 
                                    c_int32)
 # int32_t moecache_context_graph_splits(const struct llama_context * ctx);
 moecache_context_graph_splits = _fn("moecache_context_graph_splits", [c_void_p], c_int32)
+# int32_t moecache_context_nonfinite_logits(struct llama_context * ctx, int32_t i);
+moecache_context_nonfinite_logits = _fn("moecache_context_nonfinite_logits", [c_void_p, c_int32], c_int32)
 moecache_take_io_error = _fn("moecache_take_io_error", [moecache_p], c_char_p)
 # int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity);
 moecache_timeline_start = _fn("moecache_timeline_start", [moecache_p, c_int32], c_int32)

@@ -556,6 +556,7 @@ class Llama(llama_cpp.Llama):
         self._grammar_checked = None  # (text, root) of the last grammar check_grammar passed
         self._timeline_spans: Optional[list] = None  # start_timeline: (t_start_us, t_end_us, n_tokens) per eval
         self._decode_major_faults = 0  # major page faults of this process during one-token evals
+        self._logits_unchecked = False  # eval's last row of logits not yet checked for NaN (_check_logits)
         # the file as loaded: eval() refuses to run on a model file truncated or replaced since
         # (its mapping would fault with SIGBUS or feed garbage); not needed when nothing is mapped
         self._file_sig = (_file_signature(str(model_path))
@@ -746,17 +747,23 @@ class Llama(llama_cpp.Llama):
         loaded, raises :class:`MoECacheIOError`; a call while another thread decodes,
         :class:`ConcurrentUseError`."""
         self.n_evals += 1  # (BatchDecoder: someone else changed the KV cache)
-        self._decode_checked(lambda: super(Llama, self).eval(tokens), len(tokens))
+        # the logits are checked for NaN where they are read: by the sampler (sample), by eval itself with
+        # logits_all (scores), at the latest before the next decode; not here, which would synchronize
+        # with the device once more per token (on RPC a round trip through ggml's client thread)
+        self._decode_checked(lambda: super(Llama, self).eval(tokens), len(tokens), check_now=self._logits_all)
 
-    def _decode_checked(self, decode, n_tokens: int) -> None:
+    def _decode_checked(self, decode, n_tokens: int, check_now: bool = True) -> None:
         """``decode()`` (llama_decode of ``n_tokens``, one sequence's, or a batch's one token each) with
         eval's checks: one thread at a time, the RPC servers and the model file first; the guard's
-        faults, a failed expert read and NaN logits after."""
+        faults and a failed expert read after; NaN logits after (``check_now``) or where they are read
+        (sample, the next decode)."""
         self._enter()
         try:
             if self._rpc_used:
                 self._check_rpc()
             self._check_file()
+            if self._logits_unchecked:  # (the last decode's, nobody sampled from them)
+                self._check_logits()
             with self._token_lock:
                 t0 = C.moecache_time_now_us() if self._timeline_spans is not None else 0
                 faults = _major_faults() if n_tokens == 1 else 0
@@ -769,7 +776,9 @@ class Llama(llama_cpp.Llama):
                     raise MoECacheIOError(f"the model file {self.model_path} was truncated while in use: "
                                           f"{C.moecache_guard_faults(self._guard)} pages of it are gone, and this "
                                           "decode read zeros in their place; load the model again")
-                self._check_logits()
+                self._logits_unchecked = True
+                if check_now:
+                    self._check_logits(synced=self._logits_all)
         except RuntimeError as e:
             if isinstance(e, MoECacheError):
                 raise
@@ -827,16 +836,16 @@ class Llama(llama_cpp.Llama):
         self._check_vocab()
         return super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
 
-    def _check_logits(self) -> None:
-        """ModelFileError when the last token's logits are not finite: NaN or inf in the weights (the
-        dense part, or an expert as it was read) would otherwise sample nothing and end in silence.
-        One pass over n_vocab floats per eval."""
-        ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
-        if not ptr:
-            return
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        if not np.isfinite(logits).all():
-            bad = int(np.count_nonzero(~np.isfinite(logits)))
+    def _check_logits(self, synced: bool = False) -> None:
+        """ModelFileError when the last decode's last row of logits is not finite: NaN or inf in the
+        weights (the dense part, or an expert as it was read) would otherwise sample nothing and end in
+        silence. One pass over n_vocab floats per decode; ``synced``: something synchronized with the
+        device since the decode (a sampler, llama_get_logits), so the check need not."""
+        self._logits_unchecked = False
+        if not synced:
+            llama_cpp.llama_synchronize(self._ctx.ctx)
+        bad = C.moecache_context_nonfinite_logits(self._ctx.ctx, -1)
+        if bad > 0:
             raise ModelFileError(f"{self.model_path}: the model computed {bad} non-finite logits (NaN or inf) of "
                                  f"{self._n_vocab}: its weights hold NaN or inf values (a damaged or badly converted "
                                  "file)")
@@ -858,6 +867,8 @@ class Llama(llama_cpp.Llama):
         try:
             with self._token_lock:
                 tok = super().sample(*args, **kwargs)
+                if self._logits_unchecked:  # (eval's, synchronized by the sampler that just read them)
+                    self._check_logits(synced=True)
                 if self._step_logprobs is not None:
                     row = logits_row(self)
                     if row is not None:
@@ -994,6 +1005,11 @@ class Llama(llama_cpp.Llama):
             st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
             st.residency.decode_major_faults = self._decode_major_faults
         return st
+
+    def load_state(self, state) -> None:
+        """``llama_cpp.Llama.load_state``: the logits are the state's, not a decode's to check."""
+        self._logits_unchecked = False
+        super().load_state(state)
 
     def reset(self) -> None:
         """llama_cpp.Llama.reset (a new prompt, not a continuation); for the expert cache a new

@@ -36,6 +36,7 @@ def adopt_conversation(llm, tokens) -> None:
     llm.input_ids[:len(tokens)] = tokens
     llm.n_tokens = len(tokens)
     llm._requires_eval = True
+    llm._logits_unchecked = False  # (what a state file restored is not a decode of this context)
 
 
 def empty_context(llm) -> None:

@@ -180,7 +180,7 @@ class ResidencyStats:
         if self.splits_per_token <= 1:
             return ""
         return (f"device: {self.splits_per_token:.1f} graph splits/tok"
-                + (f", routing counted after the graph ({self.device_reads_per_token:.1f} reads/tok)"
+                + (f", routing counted after the graph ({self.device_reads_per_token:.2f} reads/tok)"
                    if self.device_reads else ""))
 
     def summary(self) -> str:

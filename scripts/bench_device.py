@@ -10,9 +10,10 @@ the order; medians over rounds):
           default preset, which is top-k where every expert is cached)
   op      pymoecache.Llama, top-k through our CPU routing op (what recording the router keeps): a
           CPU split per MoE layer, the path every routing that changes the selection takes
-Two timings each: `llama_decode` alone (the library: graph, splits, our hooks) and `eval`
-(the Python layer on top: llama-cpp-python's and ours), in ms per token, each token ended by
-llama_synchronize as llama-bench ends a generated one, and the graph splits of a decoded token.
+Two timings each, in ms per token: `llama_decode` alone (the library: graph, splits, our hooks),
+each token ended by llama_synchronize as llama-bench ends a generated one; and a generated token as
+`generate` makes one, `eval` then `sample` (greedy, the sampler chain built once), the Python layers
+on top included (llama-cpp-python's and ours); and the graph splits of a decoded token.
 
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_device.py --model bench.gguf --gpu-layers 99 --tokens 200 --rounds 5   # a GPU
@@ -153,13 +154,14 @@ def main() -> None:
     prompt = list(range(100, 108))
     decodes = [200 + (i * 7) % 500 for i in range(args.tokens)]
 
-    def timed(llm, step) -> float:  # ms per decoded token, each ended as llama-bench ends one
+    def timed(llm, step, sync=True) -> float:  # ms per decoded token, each ended as llama-bench ends one
         llm.reset()
         llm.eval(prompt)
         t0 = time.perf_counter()
         for i, t in enumerate(decodes):
             step(llm, i, t)
-            llama_cpp.llama_synchronize(llm._ctx.ctx)  # (a token is decoded when its logits can be read)
+            if sync:  # (a token is decoded when its logits can be read; a sampler has read them)
+                llama_cpp.llama_synchronize(llm._ctx.ctx)
         return (time.perf_counter() - t0) / len(decodes) * 1e3
 
     def decode_only(llm, i, t):  # llama_decode alone: the library
@@ -169,8 +171,12 @@ def main() -> None:
     def raw(llm) -> float:
         return timed(llm, decode_only)
 
-    def evals(llm) -> float:
-        return timed(llm, lambda llm, i, t: llm.eval([t]))
+    def generated(llm) -> float:  # eval + sample, as Llama.generate makes a token
+        llm._sampler = llm._init_sampler(top_k=1)
+        try:
+            return timed(llm, lambda llm, i, t: (llm.eval([t]), llm.sample()), sync=False)
+        finally:
+            llm._sampler = None
 
     if counter is not None:
         per = {}
@@ -200,19 +206,20 @@ def main() -> None:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             times[(name, "decode")].append(raw(contexts[name]))
-            times[(name, "eval")].append(evals(contexts[name]))
+            times[(name, "eval")].append(generated(contexts[name]))
     splits = {name: C.moecache_context_graph_splits(llm._ctx.ctx) for name, llm in contexts.items()}
     reads = {name: (llm.moecache.residency_stats().device_reads_per_token if name != "stock" else 0.0)
              for name, llm in contexts.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{Path(args.model).name}: -ngl {args.gpu_layers}" + (f" over RPC {args.rpc}" if args.rpc else "")
           + f", {args.threads} thread(s), {args.tokens} decoded tokens, medians of {args.rounds} rounds")
-    print("\n| context | llama_decode ms/token | of stock | eval ms/token | of stock | graph splits/token | device reads/token |")
+    print("\n| context | llama_decode ms/token | of stock | eval + sample ms/token | of stock | graph splits/token | "
+          "device reads/token |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
         print(f"| {name} | {med[(name, 'decode')]:.4f} | {med[('stock', 'decode')] / med[(name, 'decode')]:.2f}x | "
               f"{med[(name, 'eval')]:.4f} | {med[('stock', 'eval')] / med[(name, 'eval')]:.2f}x | {splits[name]} | "
-              f"{reads[name]:.1f} |")
+              f"{reads[name]:.2f} |")
     for llm in contexts.values():
         llm.close()
     servers.close()

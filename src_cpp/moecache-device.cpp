@@ -5,18 +5,21 @@
 // MoE layer: the router's outputs come to the host, the scheduler waits for them, and the result
 // goes back (two splits and a synchronization per layer). Here, where our decision is llama.cpp's
 // own top-k anyway, a decoded token's graph keeps llama.cpp's selection on the device and only
-// copies, per MoE layer, what the counting reads into one persistent buffer on that layer's
-// device:
+// copies, per MoE layer, what the counting reads into a ring of rows in one persistent buffer on
+// that layer's device, one row per token (ggml_set_rows at the row `pos` names):
 //
-//     [ ids: I32 K | pad | z: F32 N | p: F32 N | s: F32 N (absent where s is p) ]   per layer
+//     ring [MOECACHE_DEVICE_RING rows] of [ per layer: ids (as F32) K | pad | z N | p N | s N (absent where s is p) ]
 //
-// After the graph, one read per device is queued behind it, and the token is counted when it has
-// arrived: at the next ubatch, or before the cache is next looked at or changed (every API entry
-// calls moecache_device_flush). No wait is added to the decode: the application's own wait for the
-// logits brings the copies in. Each layer is counted by moecache_route_token, exactly as op_select
-// counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op).
-// A graph with any other routing policy, reads ahead, router recording or a prompt of several
-// tokens keeps the CPU op.
+// After each graph the next row's number is written to `pos` behind it (asynchronously, in the
+// device's order); when the ring is full, one read per device is queued behind the graph, and its
+// tokens are counted when it has arrived (at the next ubatch). Before the cache is next looked at
+// or changed (every API entry calls moecache_device_flush), and before a graph is built, the rows
+// not yet read are read at once. So no wait is added to a decode, and a device is read once per
+// MOECACHE_DEVICE_RING tokens instead of once per token (over RPC, a round trip each). Each layer of
+// each token is counted by moecache_route_token, in token order, exactly as op_select counts it
+// (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op). A graph with
+// any other routing policy, reads ahead, router recording or a prompt of several tokens keeps the
+// CPU op.
 
 #include "moecache-impl.h"
 #include "moecache-hook.h"
@@ -74,47 +77,44 @@ static bool device_alloc(moecache & mc) {
         d.layer_group[il] = g;
         d.layer_slot[il]  = n_in[g]++;
     }
-    const size_t n_tensors = 2 * (size_t) mc.n_layer + d.devs.size() + 1;
-    ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
+    d.row_index.resize(MOECACHE_DEVICE_RING);
+    for (int64_t r = 0; r < MOECACHE_DEVICE_RING; r++) {
+        d.row_index[r] = r;
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * (2 * d.devs.size() + 1), nullptr, true };
     d.ctx = ggml_init(ip);
     if (!d.ctx) {
         return false;
     }
-    d.ids.assign(mc.n_layer, nullptr);
-    d.zps.assign(mc.n_layer, nullptr);
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
-        ggml_tensor * all = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, block * n_in[g]);
-        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ggml_nbytes(all)) : nullptr;
+        ggml_tensor * ring = ggml_new_tensor_2d(d.ctx, GGML_TYPE_F32, block * n_in[g], MOECACHE_DEVICE_RING);
+        ggml_tensor * pos  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I64, 1);
+        const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
+        const size_t ring_size = GGML_PAD(ggml_nbytes(ring), align);
+        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ring_size + GGML_PAD(ggml_nbytes(pos), align))
+                                         : nullptr;
         if (!buf) {
             return false;
         }
         d.bufs.push_back(buf);
-        d.all.push_back(all);
+        d.ring.push_back(ring);
+        d.pos.push_back(pos);
         // pinned host memory where the device has it: a read into pageable memory would wait for the graph
         ggml_backend_buffer_type_t hbt = ggml_backend_dev_host_buffer_type(d.devs[g]);
-        ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, ggml_nbytes(all)) : nullptr;
+        ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, ggml_nbytes(ring)) : nullptr;
         d.host_bufs.push_back(hbuf);
-        d.host_vec.emplace_back(hbuf ? 0 : ggml_nbytes(all));
+        d.host_vec.emplace_back(hbuf ? 0 : ggml_nbytes(ring));
         d.host.push_back(hbuf ? (char *) ggml_backend_buffer_get_base(hbuf) : d.host_vec.back().data());
         char * base = (char *) ggml_backend_buffer_get_base(buf);
-        if (ggml_backend_tensor_alloc(buf, all, base) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_tensor_alloc(buf, ring, base) != GGML_STATUS_SUCCESS ||
+            ggml_backend_tensor_alloc(buf, pos, base + ring_size) != GGML_STATUS_SUCCESS) {
             return false;
         }
+        ggml_backend_tensor_set(pos, &d.row_index[0], 0, sizeof(int64_t));
     }
-    for (int il = 0; il < mc.n_layer; il++) {
-        const int32_t g = d.layer_group[il];
-        if (g < 0) {
-            continue;
-        }
-        char * at = (char *) d.all[g]->data + (size_t) d.layer_slot[il] * block * 4;
-        d.ids[il] = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, mc.n_expert_used);
-        d.zps[il] = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, 3 * (int64_t) mc.n_expert);
-        if (ggml_backend_tensor_alloc(d.bufs[g], d.ids[il], at) != GGML_STATUS_SUCCESS ||
-            ggml_backend_tensor_alloc(d.bufs[g], d.zps[il], at + z_off * 4) != GGML_STATUS_SUCCESS) {
-            return false;
-        }
-    }
+    d.n_ring = 0;
+    d.n_read = 0;
     d.ready  = true;
     d.failed = false;
     return true;
@@ -144,7 +144,8 @@ void moecache_device_free(moecache & mc) {
     }
     d.events.clear();
     d.bufs.clear();
-    d.all.clear();
+    d.ring.clear();
+    d.pos.clear();
     d.ctx   = nullptr;
     d.ready = false;
 }
@@ -169,21 +170,34 @@ bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, 
         return false;
     }
     moecache_device & d = mc.dev;
-    ggml_backend_dev_t dev = d.devs[d.layer_group[il]];
+    const int32_t g = d.layer_group[il];
+    ggml_backend_dev_t dev = d.devs[g];
     const int64_t N = mc.n_expert;
+    const int64_t K = mc.n_expert_used;
     const bool s_is_p = selection == probs;
-    ggml_tensor * cpy[4] = {
-        ggml_cpy(ctx, selected, d.ids[il]),
-        ggml_cpy(ctx, logits, ggml_view_1d(ctx, d.zps[il], N, 0)),
-        ggml_cpy(ctx, probs,  ggml_view_1d(ctx, d.zps[il], N, N * sizeof(float))),
-        s_is_p ? nullptr : ggml_cpy(ctx, selection, ggml_view_1d(ctx, d.zps[il], N, 2 * N * sizeof(float))),
+    int64_t z_off = 0;
+    const size_t at = (size_t) d.layer_slot[il] * device_block(mc, &z_off) * sizeof(float);
+    ggml_tensor * ring = d.ring[g];
+    auto row_of = [&](ggml_tensor * src, int64_t n, int64_t off) { // src [n] into this token's row of the ring
+        ggml_tensor * dst = ggml_view_2d(ctx, ring, n, MOECACHE_DEVICE_RING, ring->nb[1], at + off * sizeof(float));
+        return ggml_set_rows(ctx, dst, ggml_reshape_2d(ctx, src, n, 1), d.pos[g]);
     };
-    for (ggml_tensor * c : cpy) {
+    ggml_tensor * ids = ggml_cast(ctx, selected, GGML_TYPE_F32); // [K, 1] (expert ids are exact as floats)
+    ggml_tensor * set[4] = {
+        row_of(ids,    K, 0),
+        row_of(logits, N, z_off),
+        row_of(probs,  N, z_off + N),
+        s_is_p ? nullptr : row_of(selection, N, z_off + 2 * N),
+    };
+    if (!ggml_backend_dev_supports_op(dev, ids)) {
+        return false; // (left out of the graph: the CPU op routes this layer)
+    }
+    for (ggml_tensor * c : set) {
         if (c && !ggml_backend_dev_supports_op(dev, c)) {
-            return false; // (left out of the graph: the CPU op routes this layer)
+            return false;
         }
     }
-    for (ggml_tensor * c : cpy) {
+    for (ggml_tensor * c : set) {
         if (c) {
             ggml_format_name(c, "moecache_counted-%d", il);
             ggml_build_forward_expand(gf, c);
@@ -207,82 +221,130 @@ static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev
     return nullptr;
 }
 
-// Counts the token whose rows were read (d.pending): once its copies are in, each deferred layer in
-// layer order, as the graph runs the CPU op, with the routing parameters of the read (the graph's
-// deferred layers are still the read's: moecache_device_graph_begin flushes before it changes them).
-void moecache_device_flush(moecache & mc) {
+// Counts the first n tokens of the rings as read to the host, in token order: each deferred layer in
+// layer order, as the graph runs the CPU op, with the routing of the tokens (the graph's deferred
+// layers are still theirs: moecache_device_graph_begin flushes before it changes them).
+static void device_count(moecache & mc, int32_t n) {
     moecache_device & d = mc.dev;
-    std::lock_guard<std::mutex> lock(d.mutex);
-    if (!d.pending) {
+    const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
+    const int64_t t0 = moecache_time_us();
+    int64_t z_off = 0;
+    const int64_t block = device_block(mc, &z_off);
+    const int64_t N = mc.n_expert;
+    const int64_t K = mc.n_expert_used;
+    int32_t ids[MOECACHE_MAX_USED];
+    int32_t sel[MOECACHE_MAX_USED];
+    int8_t  hit[MOECACHE_MAX_USED];
+    for (int32_t t = 0; t < n; t++) {
+        for (int il = 0; il < mc.n_layer; il++) {
+            if (!d.deferred[il]) {
+                continue;
+            }
+            moecache_layer & L = mc.layers[il];
+            const int32_t g = d.layer_group[il];
+            const float * at = (const float *) (d.host[g] + (size_t) t * d.ring[g]->nb[1]) + d.layer_slot[il] * block;
+            for (int64_t k = 0; k < K; k++) {
+                ids[k] = (int32_t) at[k];
+            }
+            const float * z = at + z_off;
+            const float * p = z + N;
+            const float * s = d.s_is_p[il] ? p : p + N;
+            const int64_t t1 = moecache_time_us();
+            moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+            L.decode_tokens += 1;
+            L.decode_steps  += 1;
+            if (timeline) {
+                moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
+            }
+        }
+    }
+    mc.t_route_decode_us += moecache_time_us() - t0;
+}
+
+// the read queued when the rings were full, counted once it has arrived (waiting for it alone where the
+// device has events); caller holds d.mutex
+static void device_count_read(moecache & mc) {
+    moecache_device & d = mc.dev;
+    if (d.n_read == 0) {
         return;
     }
-    d.pending = false;
-    for (size_t g = 0; g < d.devs.size(); g++) { // wait for the copy alone where the device has events
+    for (size_t g = 0; g < d.devs.size(); g++) {
         if (d.events[g]) {
             ggml_backend_event_synchronize(d.events[g]);
         } else if (d.read_backends[g]) {
             ggml_backend_synchronize(d.read_backends[g]);
         }
     }
-    const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
-    const int64_t t0 = moecache_time_us();
-    int64_t z_off = 0;
-    const int64_t block = device_block(mc, &z_off);
-    const int64_t N = mc.n_expert;
-    int32_t sel[MOECACHE_MAX_USED];
-    int8_t  hit[MOECACHE_MAX_USED];
-    for (int il = 0; il < mc.n_layer; il++) {
-        if (!d.deferred[il]) {
-            continue;
-        }
-        moecache_layer & L = mc.layers[il];
-        const char * at = d.host[d.layer_group[il]] + (size_t) d.layer_slot[il] * block * 4;
-        const int32_t * ids = (const int32_t *) at;
-        const float   * z   = (const float *) (at + z_off * 4);
-        const float   * p   = z + N;
-        const float   * s   = d.s_is_p[il] ? p : p + N;
-        const int64_t t1 = moecache_time_us();
-        moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
-        L.decode_tokens += 1;
-        L.decode_steps  += 1;
-        if (timeline) {
-            moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
-        }
+    const int32_t n = d.n_read;
+    d.n_read = 0;
+    device_count(mc, n);
+}
+
+void moecache_device_flush(moecache & mc) {
+    moecache_device & d = mc.dev;
+    std::lock_guard<std::mutex> lock(d.mutex);
+    device_count_read(mc);
+    if (d.n_ring == 0) {
+        return;
     }
-    mc.t_route_decode_us += moecache_time_us() - t0;
+    // the rows not yet read: read now, once their graphs are done, and the ring starts again
+    for (size_t g = 0; g < d.devs.size(); g++) {
+        if (d.read_backends[g]) {
+            ggml_backend_synchronize(d.read_backends[g]);
+        }
+        ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
+        ggml_backend_tensor_set(d.pos[g], &d.row_index[0], 0, sizeof(int64_t));
+        mc.rst.device_reads += 1;
+    }
+    const int32_t n = d.n_ring;
+    d.n_ring = 0;
+    device_count(mc, n);
 }
 
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
     moecache_device & d = mc.dev;
-    moecache_device_flush(mc); // the token before: its copies arrived while this one's graph was queued
+    std::lock_guard<std::mutex> lock(d.mutex);
+    device_count_read(mc); // the read before: it arrived while this token's graph was queued
     if (d.n_deferred == 0 || !sched) {
         return;
     }
-    std::lock_guard<std::mutex> lock(d.mutex);
-    // one read per device, queued behind the graph; no wait here: the token is counted at the next
-    // ubatch or when the cache is next looked at (moecache_device_flush), by when the application's
-    // own wait for the logits has brought the copies in
     d.events.resize(d.devs.size(), nullptr);
     d.read_backends.assign(d.devs.size(), nullptr);
+    d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
+    d.n_ring += 1;
+    const bool full = d.n_ring == MOECACHE_DEVICE_RING;
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
-        if (b) {
-            // an event where the copy lands in the device's pinned memory, or where the device has none (RPC:
-            // its client writes the answer in place); a device that copies into pageable memory only when it
-            // synchronizes (Vulkan) is waited for whole. NULL where the device has no events: the CPU
+        if (!b) { // (no backend of the scheduler runs the device: the graph has run, read it plainly)
+            if (full) {
+                ggml_backend_tensor_get(d.ring[g], d.host[g], 0, ggml_nbytes(d.ring[g]));
+                mc.rst.device_reads += 1;
+            }
+            ggml_backend_tensor_set(d.pos[g], &d.row_index[full ? 0 : d.n_ring], 0, sizeof(int64_t));
+            continue;
+        }
+        if (full) {
+            // one read of the whole ring, queued behind the graph; no wait here: its tokens are counted at the
+            // next ubatch or when the cache is next looked at, by when the application's own wait for the
+            // logits has brought it in. An event where the copy lands in the device's pinned memory, or where
+            // the device has none (RPC: its client writes the answer in place); a device that copies into
+            // pageable memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device
+            // has no events: the CPU
             if (!d.events[g] && (d.host_bufs[g] || !ggml_backend_dev_host_buffer_type(d.devs[g]))) {
                 d.events[g] = ggml_backend_event_new(d.devs[g]);
             }
-            ggml_backend_tensor_get_async(b, d.all[g], d.host[g], 0, ggml_nbytes(d.all[g]));
+            ggml_backend_tensor_get_async(b, d.ring[g], d.host[g], 0, ggml_nbytes(d.ring[g]));
             if (d.events[g]) {
                 ggml_backend_event_record(d.events[g], b);
             }
-        } else {
-            ggml_backend_tensor_get(d.all[g], d.host[g], 0, ggml_nbytes(d.all[g]));
+            mc.rst.device_reads += 1;
         }
-        mc.rst.device_reads += 1;
+        // the next token's row, written behind this graph in the device's order (row_index outlives the copy)
+        ggml_backend_tensor_set_async(b, d.pos[g], &d.row_index[full ? 0 : d.n_ring], 0, sizeof(int64_t));
     }
-    d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
-    d.pending     = true;
+    if (full) {
+        d.n_read = d.n_ring;
+        d.n_ring = 0;
+    }
 }

@@ -290,6 +290,22 @@ int32_t moecache_context_graph_splits(const struct llama_context * lctx) {
     return sched ? ggml_backend_sched_get_n_splits(sched) : 0;
 }
 
+int32_t moecache_context_nonfinite_logits(struct llama_context * lctx, int32_t i) {
+    if (!lctx || !lctx->get_sched()) {
+        return -1;
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(&lctx->get_model()));
+    const float * row = lctx->get_logits_ith(i); // (the member: no synchronize)
+    if (!row) {
+        return -1;
+    }
+    int32_t n_bad = 0;
+    for (int32_t v = 0; v < n_vocab; v++) {
+        n_bad += !std::isfinite(row[v]);
+    }
+    return n_bad;
+}
+
 void moecache_hook_context_free(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_ctx.find(lctx);

@@ -246,31 +246,37 @@ struct moecache_layer {
 
 // the device path where the cache only counts (moecache-device.cpp): per MoE layer a block in a
 // persistent buffer on its router's device, read once per device after a decoded token's graph
+// tokens the device path's rows hold on the device before one read brings them in (moecache-device.cpp)
+#define MOECACHE_DEVICE_RING 32
+
 struct moecache_device {
     bool ready  = false;                           // the buffers below exist
     bool failed = false;                           // they could not be had: the CPU op routes
     ggml_context * ctx = nullptr;                  // the tensors' metadata (no data of its own)
     std::vector<ggml_backend_dev_t>    devs;       // [n_groups] the devices holding MoE layers' routers
     std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
-    std::vector<ggml_tensor *>         all;        // [n_groups] the whole buffer, read at once
-    std::vector<char *>                host;       // [n_groups] where it is read to: pinned memory where the device
-                                                   //   has a host buffer type (an asynchronous read lands there
-                                                   //   directly), else host_vec
+    std::vector<ggml_tensor *>         ring;       // [n_groups] F32 [row, MOECACHE_DEVICE_RING]: a row per token,
+                                                   //   the device's layers' blocks in it
+    std::vector<ggml_tensor *>         pos;        // [n_groups] I64 [1]: the row the next token's copies go to
+    std::vector<char *>                host;       // [n_groups] where the ring is read to: pinned memory where the
+                                                   //   device has a host buffer type (an asynchronous read lands
+                                                   //   there directly), else host_vec
     std::vector<ggml_backend_buffer_t> host_bufs;  // [n_groups] that pinned memory, or NULL
     std::vector<std::vector<char>>     host_vec;   // [n_groups] plain memory where there is none
     std::vector<int32_t>       layer_group;        // [n_layer] the layer's device, -1 = none
-    std::vector<int32_t>       layer_slot;         // [n_layer] its block in that buffer
-    std::vector<ggml_tensor *> ids, zps;           // [n_layer] I32 [K] and F32 [3N] in the block
+    std::vector<int32_t>       layer_slot;         // [n_layer] its block in that device's row
+    std::vector<int64_t>       row_index;          // [MOECACHE_DEVICE_RING] 0, 1, ...: what pos is set from
     // the graph built last (moecache_device_graph_begin resets them)
     std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
     std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no third copy)
     int32_t n_deferred = 0;
-    // the read queued after the last such graph, counted by moecache_device_flush
-    std::mutex                         mutex;      // the read and its counting (stats may be read from another thread)
-    bool                               pending = false;
-    std::vector<ggml_backend_event_t>  events;     // [n_groups] marks the read's end on its device (NULL: none)
+    // the tokens in the rings, counted by moecache_device_flush
+    std::mutex                         mutex;      // the reads and their counting (stats may be read from another thread)
+    int32_t                            n_ring = 0; // tokens written to the rings and not yet read
+    int32_t                            n_read = 0; // tokens in the read queued when the rings were full
+    std::vector<ggml_backend_event_t>  events;     // [n_groups] marks that read's end on its device (NULL: none)
     std::vector<ggml_backend_t>        read_backends;
-    struct moecache_routing_params     read_rp = {}; // the routing when the read was queued
+    struct moecache_routing_params     read_rp = {}; // the routing of the tokens in the rings
 };
 
 struct moecache {

@@ -470,8 +470,9 @@ struct moecache_residency_stats {
                                   //   boundary between backends is a copy and a wait; stock llama.cpp's count
                                   //   for the same model and placement is moecache_context_graph_splits's)
     int64_t device_reads;         // reads of device memory our hooks made after those graphs (residency
-                                  //   NONE with top-k routing: one per device that holds MoE layers, which
-                                  //   replaces a CPU split per MoE layer)
+                                  //   NONE with top-k routing, which replaces a CPU split per MoE layer: one
+                                  //   per device that holds MoE layers each 32 decoded tokens, and before
+                                  //   the cache is looked at or a graph is built)
     int64_t decode_steps;         // decode ubatches routed: a batch of several sequences' tokens (n_seq) is one
                                   //   step of several decode_tokens; one sequence: = decode_tokens
 };
@@ -604,6 +605,11 @@ MOECACHE_API int32_t moecache_get_step_rows(const struct moecache * mc, int32_t 
 // Graph splits of the graph `ctx` computed last (any context of this library, a stock one too: the
 // benchmark prints stock llama.cpp's beside ours); 0 before its first.
 MOECACHE_API int32_t moecache_context_graph_splits(const struct llama_context * ctx);
+// The non-finite values (NaN, inf) among the logits of output row i of `ctx` (i as
+// llama_get_logits_ith takes it: -1 the last), -1 where it has no such row. Unlike llama_get_logits_ith
+// it does not synchronize (on RPC a round trip through ggml's client thread): call it once something
+// did (llama_get_logits*, a sampler, llama_synchronize) since the last llama_decode.
+MOECACHE_API int32_t moecache_context_nonfinite_logits(struct llama_context * ctx, int32_t i);
 
 // A failed or short expert read (file truncated, unreadable) stops the llama_decode that needed
 // it (it returns 2, "aborted", and its output is not used); the expert is read again next time.

@@ -2,17 +2,19 @@
 
 With every expert resident (residency none) and top-k routing, our routing decision is llama.cpp's
 own, so a decoded token's graph keeps llama.cpp's selection on the device: no CPU split per MoE
-layer, one read of the counted rows per device after the graph. Checked through ggml's RPC backend
+layer; the counted rows kept on the device, 32 tokens' worth, and read once per device when full
+(or when the cache is looked at). Checked through ggml's RPC backend
 (`pymoecache rpc-server` on the loopback, a real second backend whose splits and copies are real)
 and on the CPU:
 - the graph splits of a decoded token are stock llama.cpp's (same model, same server, same process's
-  library), and one read of device memory per token;
+  library), and one read of device memory per 32 tokens (and one when the stats are read);
 - what the cache counts (hits, misses, evictions, the trace, each layer's contents) and the logits
   are the CPU op's (the op path, which recording the router's outputs still takes);
 - a routing that changes the selection goes back to the op path at once, and top-k comes back;
 - as users run it: `pymoecache run -ngl 99 --rpc HOST:PORT` from outside the tree says so."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -27,7 +29,8 @@ from conftest import model_path
 
 KW = dict(n_ctx=128, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=1, seed=1)
 PROMPT = list(range(300, 320))
-DECODES = list(range(1000, 1020))
+DECODES = list(range(1000, 1040))  # (more than the 32 rows the device keeps: one full read, then one at the stats)
+READS = 2
 NAMES = ["qwen2moe-60x4", "mixtral-8x2", "olmoe-64x8", "deepseek2-sigmoid-64x6"]
 
 
@@ -71,8 +74,8 @@ def test_top_k_counts_after_the_graph_as_the_op_does(fixture_dir, gpu, name, n_g
     fast = run(path, gpu, n_gpu_layers)
     op = run(path, gpu, n_gpu_layers, record=len(PROMPT) + len(DECODES))  # recording keeps the op path
     rs, rs_op = fast["rs"], op["rs"]
-    # the device path ran: one read per decoded token, and only there
-    assert rs.decode_graphs == len(DECODES) and rs.device_reads == len(DECODES)
+    # the device path ran: one read per 32 decoded tokens and one for the rest, and only there
+    assert rs.decode_graphs == len(DECODES) and rs.device_reads == READS
     assert rs_op.device_reads == 0
     # it counts what the op counts, and llama.cpp computes the same
     assert fast["misses"] > 0 and fast["evictions"] > 0
@@ -94,7 +97,7 @@ def test_a_routing_that_changes_the_selection_takes_the_op_and_top_k_comes_back(
                            **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
     decode(llm)
     reads = llm.moecache.residency_stats().device_reads
-    assert reads == len(DECODES)
+    assert reads == READS
     llm.set_routing("prior:0.5")
     decode(llm)
     st = llm.moe_stats()
@@ -102,19 +105,22 @@ def test_a_routing_that_changes_the_selection_takes_the_op_and_top_k_comes_back(
     assert st.residency.splits_per_token > 2
     llm.set_routing("lru")
     decode(llm)
-    assert llm.moe_stats().residency.device_reads == len(DECODES)
+    assert llm.moe_stats().residency.device_reads == READS
     llm.close()
 
 
 def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, tmp_path):
     """`pymoecache run MODEL -ngl 99 --rpc HOST:PORT`, the installed package from outside the tree: the
     model fits, so every expert is resident and the default routing is top-k: the stats line shows the
-    routing counted after the graph, at stock llama.cpp's graph splits."""
+    routing counted after the graph, at stock llama.cpp's graph splits, its rows read once for the
+    12 tokens."""
     path = model_path(fixture_dir, "mixtral-8x2")
     stock = stock_splits(path, gpu, 99)
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-ngl", "99", "--rpc", gpu, "-p",
                         "The cat", "-n", "12", "--temp", "0"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=""))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"device: {stock:.1f} graph splits/tok, routing counted after the graph (1.0 reads/tok)" in r.stdout + r.stderr, \
-        (r.stdout + r.stderr)[-2000:]
+    out = r.stdout + r.stderr
+    m = re.search(r"device: ([0-9.]+) graph splits/tok, routing counted after the graph \(([0-9.]+) reads/tok\)", out)
+    assert m and float(m.group(1)) == stock, out[-2000:]
+    assert 0 < float(m.group(2)) <= 0.1, out[-2000:]  # (one read for the 11 or 12 tokens decoded one at a time)

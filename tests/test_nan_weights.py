@@ -47,6 +47,23 @@ def test_nan_or_inf_weights_stop_with_a_clear_error(fixture_dir, tmp_path, tenso
     llm.close()
 
 
+@pytest.mark.parametrize("where", ["sample", "logits_all", "next eval"])
+def test_the_first_non_finite_logits_are_caught_where_they_are_read(fixture_dir, tmp_path, where):
+    """eval does not synchronize with the device to check the logits: the sampler that reads them
+    does (sample), eval itself where it copies them (logits_all), or the next decode at the latest."""
+    bad = _poison(model_path(fixture_dir, QWEN), tmp_path / "bad.gguf", "output_norm.weight", float("nan"))
+    llm = pymoecache.Llama(str(bad), logits_all=where == "logits_all", verbose=False)
+    if where == "logits_all":
+        with pytest.raises(pymoecache.ModelFileError, match="non-finite logits"):
+            llm.eval([10, 11])
+    else:
+        llm.eval([10, 11])  # (not checked yet)
+        with pytest.raises(pymoecache.ModelFileError, match="non-finite logits"):
+            llm.sample(top_k=1) if where == "sample" else llm.eval([12])
+        llm.eval([13])  # one error per decode: the next decode's logits are its own to check
+    llm.close()
+
+
 def test_cli_exits_2_on_nan_weights(fixture_dir, tmp_path):
     bad = _poison(model_path(fixture_dir, QWEN), tmp_path / "bad.gguf", "output_norm.weight", float("nan"))
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(bad), "-p", "Hello", "-n", "8"], cwd=ROOT,
