@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -201,7 +202,19 @@ def _connections(peers: set) -> List[int]:
     return out
 
 
-_conns: dict = {}  # endpoint -> (its addresses, the connections to it found last): server_gone's per-token check
+_conns: dict = {}  # endpoint -> (its addresses, the connections to it found last, a poll of them, their inodes):
+                  # server_gone's per-token check
+
+
+def _quiet(fds: List[int], poller, inodes: List[int]) -> bool:
+    """These connections are the sockets found (same inodes), open, with nothing to read: a closed one
+    reads as end of file, which poll reports. One poll and a stat per connection, no socket made."""
+    if poller is None or poller.poll(0):
+        return False
+    try:
+        return all(os.fstat(fd).st_ino == ino for fd, ino in zip(fds, inodes))
+    except OSError:
+        return False
 
 
 def _probe(fds: List[int], peers: set) -> Optional[bool]:
@@ -231,12 +244,21 @@ def server_gone(endpoint: str) -> bool:
     is no longer one (a few microseconds a call instead of a scan of every descriptor)."""
     cached = _conns.get(endpoint)
     if cached and cached[1]:
+        if _quiet(*cached[1:]):  # (the usual case: a few microseconds)
+            return False
         alive = _probe(cached[1], cached[0])
         if alive is not None:
             return not alive
     peers = _peer(endpoint)
     conns = _connections(peers)
-    _conns[endpoint] = (peers, conns)
+    poller = select.poll() if hasattr(select, "poll") else None  # (not on Windows)
+    for fd in conns if poller is not None else []:
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    try:
+        inodes = [os.fstat(fd).st_ino for fd in conns]
+    except OSError:
+        conns, inodes = [], []
+    _conns[endpoint] = (peers, conns, poller, inodes)
     alive = _probe(conns, peers) if conns else None
     if alive is not None:
         return not alive
