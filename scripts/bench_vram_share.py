@@ -13,6 +13,7 @@ tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
 
     python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_vram_share.py --model MODEL --speed --reps 3     # also decode tok/s against stock
+    python scripts/bench_vram_share.py --model MODEL --routings default,lru,prior:0.3:j=1 --ppl-chunks 20
 
 --host-share H with --exclusive: the host cache holds H of each layer's experts (not all of them) and
 the rows compare the two tiers inclusive (the VRAM tier copies part of the host cache, so RAM and
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--speed", action="store_true", help="also decode tok/s of each row and of stock llama.cpp")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per row with --speed (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="client threads (default 1)")
+    ap.add_argument("--routings", default="default,lru",
+                    help="comma-separated routings of our rows (default: default,lru; 'default' = none given, the "
+                         "preset resolved for the tier; the first 'lru' row is the perplexity baseline)")
     ap.add_argument("--host-share", type=float, default=1.0,
                     help="share of each layer's experts the host cache holds (default 1: every expert in RAM)")
     ap.add_argument("--exclusive", action="store_true",
@@ -89,7 +93,10 @@ def main() -> None:
         rows[0]["tok_s"] = decode_tok_s(llm, evaluate.tokenize_text(llm, text), args)
         llm.close()
     n_host = min(info.n_expert, max(1, round(args.host_share * info.n_expert)))
-    for routing, exclusive in [(r, x) for x in ([False, True] if args.exclusive else [False]) for r in (None, "lru")]:
+    routings = [None if r.strip() == "default" else r.strip() for r in args.routings.split(",") if r.strip()]
+    if "lru" not in routings:
+        ap.error("--routings needs lru (the top-k row perplexities are compared with)")
+    for routing, exclusive in [(r, x) for x in ([False, True] if args.exclusive else [False]) for r in routings]:
         llm = pymoecache.Llama(args.model, cache=CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off",
                                                                 vram_fill=args.vram_fill, vram_exclusive=exclusive),
                                routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
