@@ -154,6 +154,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("decode_graph_splits", c_int64),
         ("device_reads", c_int64),
         ("decode_steps", c_int64),
+        ("device_routed", c_int64),
+        ("device_route_differs", c_int64),
     ]
 
 

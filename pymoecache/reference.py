@@ -194,7 +194,7 @@ def route_token(z: np.ndarray, p: np.ndarray, s: np.ndarray, routing: Routing, n
     """The experts one token runs at one layer, in router order r.
 
     z, p, s: float32 [N] logits, probabilities, selection scores; cached: the layer's cache
-    before this token; delta: Delta_l for the prior, already updated with this token (see
+    before this token; delta: Delta_l for the prior, over the tokens before this one (see
     ReferenceCache); rank_on_logits: the prior boosts z (True) or s (False).
     The selected set is r[0:J] plus the first (n_keep - J) other experts of r' (method.md: Top-J is
     applied by every policy); n_keep = K, except prune: min(K, max(R, J)).
@@ -277,7 +277,7 @@ class ReferenceLayerStats:
     evictions: int
     lifetime_count: int  # evicted entries + entries resident now
     lifetime_sum: float  # tokens each stayed: insertion to eviction, or insertion to now
-    delta: float         # Delta_l (float32), as last used
+    delta: float         # Delta_l (float32): the running mean over every token routed so far
     pinned: int = 0      # experts pinned now
     pinned_hits: int = 0  # hits on pinned experts
     rerouted: int = 0     # experts run from outside the router's own top K
@@ -328,16 +328,19 @@ class LayerCache:
         self.profile = np.zeros(n_expert)  # selections in past requests
         self.pinned: Set[int] = set()
 
-    def update_delta(self, u: np.ndarray, s: np.ndarray) -> float:
-        """Adds this token's range of u, then returns the Delta to use. The current token counts
-        (method.md says "all tokens seen so far"; the C++ includes the current one). Tokens with
+    def current_delta(self) -> float:
+        """The Delta a token is routed with: the running mean over the tokens routed before it (0
+        before the first), or the calibrated one."""
+        running = self.delta_sum / self.delta_n if self.delta_n > 0 else 0.0
+        return self.delta_fixed if self.delta_fixed > 0.0 else running
+
+    def update_delta(self, u: np.ndarray, s: np.ndarray) -> None:
+        """Adds a routed token's range of u (after its decision: the next token's Delta). Tokens with
         every expert masked do not count."""
         rng = score_range(u, s)
         if rng is not None:
             self.delta_sum += rng
             self.delta_n += 1
-        running = self.delta_sum / self.delta_n if self.delta_n > 0 else 0.0
-        return self.delta_fixed if self.delta_fixed > 0.0 else running
 
     def observe(self, p: np.ndarray, selected: Sequence[int]) -> None:
         """A token routed: decay the usage, add its router probabilities (NaN, negative: 0) and its
@@ -520,10 +523,10 @@ class ReferenceCache:
         ``others``: experts preferred as if cached (a batch's other sequences' selections, route_step)."""
         L = self.layers[il]
         u = z if rank_on_logits else s  # the scale the prior boosts and Delta measures
-        delta = L.update_delta(u, s)    # every policy keeps Delta up to date
-        L.delta_last = delta
-        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru) | set(others), delta,
-                               rank_on_logits, il=il, token=L.tokens)
+        selected = route_token(z, p, s, self.routing, self.n_expert_used, set(L.lru) | set(others),
+                               L.current_delta(), rank_on_logits, il=il, token=L.tokens)
+        L.update_delta(u, s)            # every policy keeps Delta up to date, for the tokens after this one
+        L.delta_last = L.current_delta()
         # what the policy cost this token against the router's own top K (float64 sums, r order)
         r = rank_experts(s)
         K = self.n_expert_used
@@ -583,9 +586,9 @@ class ReferenceCache:
         saved = (L.delta_sum, L.delta_n)
         first = []
         for t in range(z.shape[0]):
-            delta = L.update_delta(z[t] if rank_on_logits else s[t], s[t])
-            first.append(route_token(z[t], p[t], s[t], self.routing, self.n_expert_used, set(L.lru), delta,
-                                     rank_on_logits, il=il, token=L.tokens))
+            first.append(route_token(z[t], p[t], s[t], self.routing, self.n_expert_used, set(L.lru),
+                                     L.current_delta(), rank_on_logits, il=il, token=L.tokens))
+            L.update_delta(z[t] if rank_on_logits else s[t], s[t])
         L.delta_sum, L.delta_n = saved
         K = self.n_expert_used
         sel = np.full((z.shape[0], K), -1, dtype=np.int32)

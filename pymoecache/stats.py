@@ -81,11 +81,15 @@ class ResidencyStats:
     lowbit_behind: int = 0           #   full copies read behind those tokens
     miss: str = "full"               # CacheConfig.miss that runs; "lowbit-cache": the slots hold low-bit copies
     # the device path: decoded tokens' graphs, their graph splits (each a copy between backends and a
-    # wait), and the reads of device memory our hooks made after them (one per device where the cache
-    # only counts under top-k routing, instead of a CPU split per MoE layer)
+    # wait), and the reads of device memory our hooks made after them (where the cache only counts, one
+    # per device each 32 tokens under top-k routing, each token under the prior, instead of a CPU split
+    # per MoE layer); layer-tokens the prior routed on the device, and of those where our reference
+    # routing chose otherwise (exact ties of boosted scores, broken by ggml's sort)
     decode_graphs: int = 0
     decode_graph_splits: int = 0
     device_reads: int = 0
+    device_routed: int = 0
+    device_route_differs: int = 0
     # batched decoding (Llama(n_seq_max=N)): decode steps, each one llama_decode of one token per sequence
     # (decode_tokens counts the tokens: a step of 4 sequences is 4)
     decode_steps: int = 0
@@ -171,6 +175,7 @@ class ResidencyStats:
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
                 "lowbit_behind": self.lowbit_behind, "miss": self.miss,
                 "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token,
+                "device_routed": self.device_routed, "device_route_differs": self.device_route_differs,
                 "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps}
 
     def device_summary(self) -> str:
@@ -181,7 +186,10 @@ class ResidencyStats:
             return ""
         return (f"device: {self.splits_per_token:.1f} graph splits/tok"
                 + (f", routing counted after the graph ({self.device_reads_per_token:.2f} reads/tok)"
-                   if self.device_reads else ""))
+                   if self.device_reads else "")
+                + (", the prior routed on the device" + (f" ({self.device_route_differs} ties broken by ggml)"
+                                                         if self.device_route_differs else "")
+                   if self.device_routed else ""))
 
     def summary(self) -> str:
         mib = 2.0 ** 20

@@ -32,9 +32,10 @@
 #include <algorithm>
 #include <cstring>
 
-// a layer's block in elements (4 bytes each), padded so every block starts 64-byte aligned
+// a layer's block in elements (4 bytes each), padded so every block starts 64-byte aligned: the stock
+// top-K ids, the ids that ran (the prior's; top-k: the same, not copied), z, p, s
 static int64_t device_block(const moecache & mc, int64_t * z_off) {
-    const int64_t k_pad = (mc.n_expert_used + 15) / 16 * 16;
+    const int64_t k_pad = (2 * mc.n_expert_used + 15) / 16 * 16;
     *z_off = k_pad;
     return (k_pad + 3 * (int64_t) mc.n_expert + 15) / 16 * 16;
 }
@@ -81,7 +82,7 @@ static bool device_alloc(moecache & mc) {
     for (int64_t r = 0; r < MOECACHE_DEVICE_RING; r++) {
         d.row_index[r] = r;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * (2 * d.devs.size() + 1), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead() * (3 * d.devs.size() + 1), nullptr, true };
     d.ctx = ggml_init(ip);
     if (!d.ctx) {
         return false;
@@ -90,9 +91,11 @@ static bool device_alloc(moecache & mc) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
         ggml_tensor * ring = ggml_new_tensor_2d(d.ctx, GGML_TYPE_F32, block * n_in[g], MOECACHE_DEVICE_RING);
         ggml_tensor * pos  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I64, 1);
+        ggml_tensor * bias = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ((int64_t) mc.n_expert + mc.n_expert_used) * n_in[g]);
         const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
         const size_t ring_size = GGML_PAD(ggml_nbytes(ring), align);
-        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ring_size + GGML_PAD(ggml_nbytes(pos), align))
+        const size_t pos_size  = GGML_PAD(ggml_nbytes(pos), align);
+        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ring_size + pos_size + ggml_nbytes(bias))
                                          : nullptr;
         if (!buf) {
             return false;
@@ -100,6 +103,8 @@ static bool device_alloc(moecache & mc) {
         d.bufs.push_back(buf);
         d.ring.push_back(ring);
         d.pos.push_back(pos);
+        d.bias.push_back(bias);
+        d.bias_host.emplace_back(ggml_nelements(bias), 0.0f);
         // pinned host memory where the device has it: a read into pageable memory would wait for the graph
         ggml_backend_buffer_type_t hbt = ggml_backend_dev_host_buffer_type(d.devs[g]);
         ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, ggml_nbytes(ring)) : nullptr;
@@ -108,7 +113,8 @@ static bool device_alloc(moecache & mc) {
         d.host.push_back(hbuf ? (char *) ggml_backend_buffer_get_base(hbuf) : d.host_vec.back().data());
         char * base = (char *) ggml_backend_buffer_get_base(buf);
         if (ggml_backend_tensor_alloc(buf, ring, base) != GGML_STATUS_SUCCESS ||
-            ggml_backend_tensor_alloc(buf, pos, base + ring_size) != GGML_STATUS_SUCCESS) {
+            ggml_backend_tensor_alloc(buf, pos, base + ring_size) != GGML_STATUS_SUCCESS ||
+            ggml_backend_tensor_alloc(buf, bias, base + ring_size + pos_size) != GGML_STATUS_SUCCESS) {
             return false;
         }
         ggml_backend_tensor_set(pos, &d.row_index[0], 0, sizeof(int64_t));
@@ -146,6 +152,8 @@ void moecache_device_free(moecache & mc) {
     d.bufs.clear();
     d.ring.clear();
     d.pos.clear();
+    d.bias.clear();
+    d.bias_host.clear();
     d.ctx   = nullptr;
     d.ready = false;
 }
@@ -153,25 +161,124 @@ void moecache_device_free(moecache & mc) {
 void moecache_device_graph_begin(moecache & mc) {
     moecache_device_flush(mc); // (before a graph that may route another way)
     mc.dev.n_deferred = 0;
+    mc.dev.n_prior    = 0;
     mc.dev.deferred.assign(mc.n_layer, 0);
     mc.dev.s_is_p.assign(mc.n_layer, 0);
+    mc.dev.prior.assign(mc.n_layer, 0);
 }
 
-bool moecache_device_can_defer(const moecache & mc, int64_t n_tokens) {
-    return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && mc.rparams.policy == MOECACHE_POLICY_TOPK &&
+// the routing a decoded token's layer can take on its device: top-k (any device), or the prior (not
+// on the CPU, whose op is as cheap and the reference itself), where nothing else changes the cache
+// during the token (no reads ahead) and the prior's scale is not masked apart from s
+static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
+    const moecache_routing_params & rp = mc.rparams;
+    *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f;
+    return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
            mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && n_tokens == 1 &&
            mc.build_n_ubatch == 1 && mc.model != nullptr;
 }
 
-bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
-                           ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
-    if (!gf || !moecache_device_can_defer(mc, selected->ne[1]) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
-        !ggml_is_contiguous(logits) || !ggml_is_contiguous(probs) || !ggml_is_contiguous(selection)) {
-        return false;
+// layer il's boosts for its next token, into the host copy of its device's bias: b for each expert the
+// prior's mask holds (moecache_route_preferred: cached), then K copies of b (the router's top J get it
+// too, whatever the cache: Top-J); b as moecache_route_token computes it
+static void device_prior_boosts(moecache & mc, int il) {
+    moecache_device & d = mc.dev;
+    const moecache_layer & L = mc.layers[il];
+    const moecache_routing_params & rp = mc.rparams;
+    const int64_t N = mc.n_expert;
+    const int64_t K = mc.n_expert_used;
+    float b = 0.0f;
+    if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
+        b = rp.prior_on_probs ? (float) ((double) rp.prior_lambda * (double) L.prior_scale)
+                              : moecache_layer_boost(L, rp.prior_lambda);
+    }
+    float * at = d.bias_host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * (N + K);
+    for (int64_t e = 0; e < N; e++) {
+        at[e] = b != 0.0f && moecache_route_preferred(L, (int32_t) e) ? b : 0.0f;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        at[N + k] = b;
+    }
+}
+
+// the boosts of every layer the prior routes on a device, uploaded (before a token computes)
+static void device_prior_upload(moecache & mc) {
+    moecache_device & d = mc.dev;
+    for (int il = 0; il < mc.n_layer; il++) {
+        if (d.prior[il]) {
+            device_prior_boosts(mc, il);
+        }
+    }
+    for (size_t g = 0; g < d.devs.size(); g++) {
+        ggml_backend_tensor_set(d.bias[g], d.bias_host[g].data(), 0, ggml_nbytes(d.bias[g]));
+    }
+}
+
+// the prior as ggml ops on the router's outputs, on their device ([N] per token, one token):
+//     u       = z (softmax router) or s; p or s for prior-p          // the scale the prior boosts
+//     bias    = the layer's boosts, with b at r[0:J] (set_rows)      // r[0:J]: llama.cpp's top-J
+//     ranked  = u + bias                                             // as moecache_route_token adds
+//     chosen  = top-K of ranked, then ordered by s (r order)         // the experts that run
+// moecache_route_token's choice is r[0:J] and the first K - J others of ranked's order; r[0:J] are
+// the first J of that order (the largest u, each boosted), so the two are the same K experts, in the
+// same order, but where two boosted scores tie exactly (ggml's sort breaks ties its own way)
+static ggml_tensor * device_prior_select(moecache & mc, ggml_context * ctx, int il, ggml_tensor * selected,
+                                         ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
+    moecache_device & d = mc.dev;
+    const moecache_layer & L = mc.layers[il];
+    const moecache_routing_params & rp = mc.rparams;
+    const int32_t g = d.layer_group[il];
+    const int64_t N = mc.n_expert;
+    const int64_t K = mc.n_expert_used;
+    const int64_t J = std::min<int64_t>(rp.top_j, K);
+    ggml_tensor * u = rp.prior_on_probs ? (L.graph.rank_on_logits ? probs : selection)
+                                        : (L.graph.rank_on_logits ? logits : selection);
+    const size_t at = (size_t) d.layer_slot[il] * (N + K) * sizeof(float);
+    ggml_tensor * bias = ggml_view_2d(ctx, d.bias[g], 1, N, sizeof(float), at); // [1, N]: a row per expert
+    if (J > 0) {
+        ggml_tensor * b_j = ggml_view_2d(ctx, d.bias[g], 1, J, sizeof(float), at + N * sizeof(float)); // [1, J]
+        ggml_tensor * top = ggml_view_1d(ctx, selected, J, 0);                                          // r[0:J]
+        bias = ggml_set_rows(ctx, ggml_dup(ctx, bias), b_j, top);
+    }
+    ggml_tensor * ranked = ggml_add(ctx, ggml_reshape_2d(ctx, u, N, 1), ggml_reshape_2d(ctx, bias, N, 1)); // [N, 1]
+    ggml_tensor * chosen = ggml_cont(ctx, ggml_argsort_top_k(ctx, ranked, (int) K));                      // [K, 1]
+    ggml_tensor * s_of   = ggml_get_rows(ctx, ggml_reshape_3d(ctx, selection, 1, N, 1), chosen);          // [1, K, 1]
+    ggml_tensor * order  = ggml_argsort(ctx, ggml_reshape_2d(ctx, s_of, K, 1), GGML_SORT_ORDER_DESC);     // [K, 1]
+    ggml_tensor * out    = ggml_get_rows(ctx, ggml_reshape_3d(ctx, chosen, 1, K, 1), order);              // [1, K, 1]
+    out = ggml_reshape_2d(ctx, out, K, 1);
+    ggml_backend_dev_t dev = d.devs[g];
+    for (ggml_tensor * t : { bias, ranked, chosen->src[0], chosen, s_of, order, out->src[0] }) {
+        if (t->op != GGML_OP_NONE && t->op != GGML_OP_VIEW && t->op != GGML_OP_RESHAPE &&
+            !ggml_backend_dev_supports_op(dev, t)) {
+            return nullptr;
+        }
+    }
+    if (J > 0 && !ggml_backend_dev_supports_op(dev, bias->src[2])) { // (the dup set_rows writes into)
+        return nullptr;
+    }
+    ggml_format_name(out, "moecache_prior-%d", il);
+    return out;
+}
+
+ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
+                                    ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
+    bool prior = false;
+    if (!gf || !device_routes(mc, selected->ne[1], &prior) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
+        !ggml_is_contiguous(logits) || !ggml_is_contiguous(probs) || !ggml_is_contiguous(selection) ||
+        !ggml_is_contiguous(selected)) {
+        return nullptr;
     }
     moecache_device & d = mc.dev;
     const int32_t g = d.layer_group[il];
     ggml_backend_dev_t dev = d.devs[g];
+    if (prior && (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU ||
+                  (mc.layers[il].graph.rank_on_logits && selection != probs))) {
+        return nullptr; // (the CPU: its op; a softmax router whose s is not p: masked experts, which u does not show)
+    }
+    ggml_tensor * ran = prior ? device_prior_select(mc, ctx, il, selected, logits, probs, selection) : selected;
+    if (!ran) {
+        return nullptr;
+    }
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
     const bool s_is_p = selection == probs;
@@ -183,18 +290,20 @@ bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, 
         return ggml_set_rows(ctx, dst, ggml_reshape_2d(ctx, src, n, 1), d.pos[g]);
     };
     ggml_tensor * ids = ggml_cast(ctx, selected, GGML_TYPE_F32); // [K, 1] (expert ids are exact as floats)
-    ggml_tensor * set[4] = {
+    ggml_tensor * ids_ran = prior ? ggml_cast(ctx, ran, GGML_TYPE_F32) : nullptr;
+    ggml_tensor * set[5] = {
         row_of(ids,    K, 0),
+        prior ? row_of(ids_ran, K, K) : nullptr,
         row_of(logits, N, z_off),
         row_of(probs,  N, z_off + N),
         s_is_p ? nullptr : row_of(selection, N, z_off + 2 * N),
     };
     if (!ggml_backend_dev_supports_op(dev, ids)) {
-        return false; // (left out of the graph: the CPU op routes this layer)
+        return nullptr; // (left out of the graph: the CPU op routes this layer)
     }
     for (ggml_tensor * c : set) {
         if (c && !ggml_backend_dev_supports_op(dev, c)) {
-            return false;
+            return nullptr;
         }
     }
     for (ggml_tensor * c : set) {
@@ -205,8 +314,17 @@ bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, 
     }
     d.deferred[il] = 1;
     d.s_is_p[il]   = s_is_p;
+    d.prior[il]    = prior;
     d.n_deferred  += 1;
-    return true;
+    d.n_prior     += prior;
+    if (prior) { // (this token's boosts: the cache is counted up to the token before, graph_begin flushed)
+        std::lock_guard<std::mutex> lock(d.mutex);
+        device_prior_boosts(mc, il);
+        const size_t bytes = (size_t) (N + K) * sizeof(float);
+        ggml_backend_tensor_set(d.bias[g], d.bias_host[g].data() + (size_t) d.layer_slot[il] * (N + K),
+                                (size_t) d.layer_slot[il] * bytes, bytes);
+    }
+    return ran;
 }
 
 // the backend of the scheduler that runs `dev`
@@ -233,6 +351,7 @@ static void device_count(moecache & mc, int32_t n) {
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
     int32_t ids[MOECACHE_MAX_USED];
+    int32_t ran[MOECACHE_MAX_USED];
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
     for (int32_t t = 0; t < n; t++) {
@@ -245,12 +364,18 @@ static void device_count(moecache & mc, int32_t n) {
             const float * at = (const float *) (d.host[g] + (size_t) t * d.ring[g]->nb[1]) + d.layer_slot[il] * block;
             for (int64_t k = 0; k < K; k++) {
                 ids[k] = (int32_t) at[k];
+                ran[k] = (int32_t) at[K + k];
             }
             const float * z = at + z_off;
             const float * p = z + N;
             const float * s = d.s_is_p[il] ? p : p + N;
             const int64_t t1 = moecache_time_us();
-            moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+            const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+            if (d.prior[il]) {
+                mc.rst.device_routed += 1;
+                // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
+                mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
+            }
             L.decode_tokens += 1;
             L.decode_steps  += 1;
             if (timeline) {
@@ -301,6 +426,15 @@ void moecache_device_flush(moecache & mc) {
     device_count(mc, n);
 }
 
+void moecache_device_ubatch_begin(moecache & mc) {
+    moecache_device & d = mc.dev;
+    std::lock_guard<std::mutex> lock(d.mutex);
+    device_count_read(mc); // (under the prior: the token before, whose graph is done when its logits were read)
+    if (d.n_prior > 0 && d.n_ring == 0) {
+        device_prior_upload(mc);
+    }
+}
+
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
@@ -312,7 +446,8 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
     d.read_backends.assign(d.devs.size(), nullptr);
     d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
     d.n_ring += 1;
-    const bool full = d.n_ring == MOECACHE_DEVICE_RING;
+    // the prior's next boosts need this token counted first: its row is read at once
+    const bool full = d.n_ring == (d.n_prior > 0 ? 1 : MOECACHE_DEVICE_RING);
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;

@@ -195,9 +195,22 @@ void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
 } // namespace
 
 bool moecache_hook_graph_reusable(const llama_context * lctx) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_ctx.find(lctx);
-    return it == g_ctx.end() || !it->second.dirty;
+    moecache * mc = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_ctx.find(lctx);
+        if (it == g_ctx.end()) {
+            return true;
+        }
+        if (it->second.dirty) {
+            return false;
+        }
+        mc = it->second.mc;
+    }
+    if (mc) { // (a ubatch is about to compute: the device path's token before counted, the prior's boosts up)
+        moecache_device_ubatch_begin(*mc);
+    }
+    return true;
 }
 
 // a ubatch of one token per sequence decodes. STREAM: a batch of several sequences' tokens runs on the host
@@ -357,8 +370,8 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.decode   = mc->build_decode && mc->build_n_ubatch == selected->ne[1]; // (a prompt's output rows: not)
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
-    if (moecache_device_defer(*mc, ctx, gf, il, selected, logits, probs, selection)) {
-        return selected; // llama.cpp's top-k, on its device; counted after the graph (moecache-device.cpp)
+    if (ggml_tensor * ran = moecache_device_defer(*mc, ctx, gf, il, selected, logits, probs, selection)) {
+        return ran; // llama.cpp's top-k or the prior, on its device; counted after the graph (moecache-device.cpp)
     }
 
     if (g_sched && L.graph.decode) { // (a decode beside GPU layers: see cpu_from)

@@ -258,6 +258,9 @@ struct moecache_device {
     std::vector<ggml_tensor *>         ring;       // [n_groups] F32 [row, MOECACHE_DEVICE_RING]: a row per token,
                                                    //   the device's layers' blocks in it
     std::vector<ggml_tensor *>         pos;        // [n_groups] I64 [1]: the row the next token's copies go to
+    std::vector<ggml_tensor *>         bias;       // [n_groups] F32 [n_layers there * (N + K)]: the prior on the
+                                                   //   device, per layer the boost of each expert (0 or b) and K b's
+    std::vector<std::vector<float>>    bias_host;  // [n_groups] what was uploaded to it last
     std::vector<char *>                host;       // [n_groups] where the ring is read to: pinned memory where the
                                                    //   device has a host buffer type (an asynchronous read lands
                                                    //   there directly), else host_vec
@@ -269,7 +272,9 @@ struct moecache_device {
     // the graph built last (moecache_device_graph_begin resets them)
     std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
     std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no third copy)
+    std::vector<uint8_t> prior;                    // [n_layer] routed by the prior on the device (else top-k)
     int32_t n_deferred = 0;
+    int32_t n_prior    = 0;                        // layers routed by the prior on the device: a read per token
     // the tokens in the rings, counted by moecache_device_flush
     std::mutex                         mutex;      // the reads and their counting (stats may be read from another thread)
     int32_t                            n_ring = 0; // tokens written to the rings and not yet read
@@ -444,11 +449,12 @@ void    moecache_residency_free(moecache & mc);
 ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
                                             ggml_tensor * b, ggml_tensor * ids);
 void moecache_residency_graph_begin(moecache & mc);
-// moecache-device.cpp: a decoded token whose routing is llama.cpp's top-k, counted after the graph
-bool moecache_device_can_defer(const moecache & mc, int64_t n_tokens);
-bool moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
-                           ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection);
+// moecache-device.cpp: a decoded token routed on its device (llama.cpp's top-k, or the prior as ggml
+// ops), counted after the graph. Returns the layer's selected experts, or nullptr where the CPU op routes.
+ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
+                                    ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection);
 void moecache_device_graph_begin(moecache & mc);
+void moecache_device_ubatch_begin(moecache & mc); // before a ubatch computes: the token before counted, the prior's boosts
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
 void moecache_device_free(moecache & mc);
 void moecache_device_flush(moecache & mc);  // count a read still pending (each API entry reading or changing the cache)
@@ -611,6 +617,8 @@ int32_t moecache_route_token(
         bool                                   update,
         int32_t                              * sel,
         int8_t                               * hit);
+// the prior's mask: expert e counts as cached for layer L's next token
+bool moecache_route_preferred(const moecache_layer & L, int32_t e);
 
 // batch_share: a decode step of several sequences' tokens (moecache_route_shares) is routed in two
 // passes. The first routes every token against the cache as it is (nothing updated, Delta as it

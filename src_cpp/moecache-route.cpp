@@ -68,6 +68,10 @@ static bool preferred(const moecache_layer & L, int32_t e) {
     return L.last_use[e] >= 0;
 }
 
+bool moecache_route_preferred(const moecache_layer & L, int32_t e) {
+    return preferred(L, e);
+}
+
 // moves the members of r[0:m] that are cached (and not masked) to the front, in r order
 static void promote_cached(moecache_layer & L, const float * s, int32_t m) {
     const int32_t N = (int32_t) L.scratch.rank.size();
@@ -235,7 +239,6 @@ int32_t moecache_route_token(
     const float * u = L.graph.rank_on_logits ? z : s; // the scale PRIOR boosts and Delta measures
 
     rank_experts(L, s, stock, K);
-    update_delta(L, u, s);
 
     // 1. the final ranking r' (L.scratch.order) and how many experts run
     int32_t n_keep = K;
@@ -278,6 +281,10 @@ int32_t moecache_route_token(
             promote_cached(L, s, 0);
             break;
     }
+
+    // Delta, for the tokens after this one: a token is routed with the Delta of the tokens before it, as
+    // with the cache, so both are known before the token starts (the prior as device ops, moecache-device.cpp)
+    update_delta(L, u, s);
 
     // 2. selected = r[0:J] + the first (n_keep - J) others of r'
     std::fill(L.scratch.chosen.begin(), L.scratch.chosen.end(), 0);

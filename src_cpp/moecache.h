@@ -47,7 +47,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 25
+#define MOECACHE_ABI_VERSION 26
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -475,6 +475,12 @@ struct moecache_residency_stats {
                                   //   the cache is looked at or a graph is built)
     int64_t decode_steps;         // decode ubatches routed: a batch of several sequences' tokens (n_seq) is one
                                   //   step of several decode_tokens; one sequence: = decode_tokens
+    int64_t device_routed;        // layer-tokens the prior routed on a device (residency NONE beside GPU
+                                  //   layers: the boosts uploaded once per token, ggml ops on the router's
+                                  //   outputs; checked after the graph against moecache_route_token)
+    int64_t device_route_differs; // of those, where moecache_route_token chose other experts: boosted scores
+                                  //   tied exactly, which ggml's sort breaks its own way (the cache and the
+                                  //   counters follow moecache_route_token's choice)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

@@ -10,7 +10,9 @@ and on the CPU:
   library), and one read of device memory per 32 tokens (and one when the stats are read);
 - what the cache counts (hits, misses, evictions, the trace, each layer's contents) and the logits
   are the CPU op's (the op path, which recording the router's outputs still takes);
-- a routing that changes the selection goes back to the op path at once, and top-k comes back;
+- the prior runs on the device too, as ggml ops on the router's outputs with the cache's boosts
+  uploaded once per token, and chooses exactly what the op chooses;
+- a routing without device ops goes back to the op path at once, and top-k comes back;
 - as users run it: `pymoecache run -ngl 99 --rpc HOST:PORT` from outside the tree says so."""
 
 import os
@@ -98,15 +100,39 @@ def test_a_routing_that_changes_the_selection_takes_the_op_and_top_k_comes_back(
     decode(llm)
     reads = llm.moecache.residency_stats().device_reads
     assert reads == READS
-    llm.set_routing("prior:0.5")
+    llm.set_routing("max-rank:8")  # (no device ops for it: the CPU op)
     decode(llm)
     st = llm.moe_stats()
     assert st.residency.device_reads == 0 and st.residency.decode_graphs == len(DECODES)
     assert st.residency.splits_per_token > 2
+    llm.set_routing("prior:0.5")  # the prior on the device: a read per token, to upload the next boosts
+    decode(llm)
+    st = llm.moe_stats()
+    assert st.residency.device_reads == len(DECODES) and st.residency.splits_per_token == 2
+    assert st.residency.device_routed == len(DECODES) * len(st.moe_layers)
     llm.set_routing("lru")
     decode(llm)
     assert llm.moe_stats().residency.device_reads == READS
     llm.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_prior_on_the_device_routes_as_the_op(fixture_dir, gpu, name):
+    """The prior as ggml ops on the device (boosts uploaded once per token, from the cache and Delta
+    before it) chooses what the CPU op chooses: the same logits bit for bit, the same counters and
+    trace, no tie broken otherwise; at stock llama.cpp's graph splits. On the CPU the op routes."""
+    path = model_path(fixture_dir, name)
+    fast = run(path, gpu, 99, routing="prior:0.5")
+    op = run(path, gpu, 99, routing="prior:0.5", record=len(PROMPT) + len(DECODES))
+    rs = fast["rs"]
+    assert rs.device_routed == len(DECODES) * len(fast["cached"]) and rs.device_route_differs == 0
+    assert op["rs"].device_routed == 0 and rs.splits_per_token < op["rs"].splits_per_token
+    for key in ("hits", "misses", "evictions", "trace", "cached"):
+        assert fast[key] == op[key], key
+    assert np.array_equal(fast["logits"], op["logits"])
+    lru = run(path, gpu, 99, routing="lru")
+    assert lru["hits"] < fast["hits"]  # (the prior chose otherwise than top-k: it was applied)
+    assert run(path, gpu, 0, routing="prior:0.5")["rs"].device_routed == 0
 
 
 def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, tmp_path):

@@ -293,6 +293,8 @@ def test_batch_share_prefers_what_another_sequence_selects():
         cache = CacheConfig(size=2, batch_share=share)
         mc = MoECache.synthetic(1, 4, 2, routing=Prior(5.0, top_j=1), cache=cache)
         rc = ReferenceCache(1, 4, 2, 2, routing=Prior(5.0, top_j=1), batch_share=share)
+        for c in (mc, rc):  # (a calibrated Delta: a layer's first token has no running one yet)
+            c.set_prior_delta(np.array([12.0], dtype=np.float32))
         sel, _ = mc.route(0, z, step=True)
         ref, _ = rc.route_step(0, z)
         np.testing.assert_array_equal(sel, ref)
