@@ -8,8 +8,10 @@ the order; medians over rounds):
   device  pymoecache.Llama, top-k: llama.cpp's selection stays on the device, one read per token
   default pymoecache.Llama with nothing chosen (a model that fits: every expert resident, the
           default preset, which is top-k where every expert is cached)
+  prior   pymoecache.Llama, prior:0.5 counting a quarter cache: the prior as ggml ops on the device,
+          its boosts uploaded and the token's rows read once per token
   op      pymoecache.Llama, top-k through our CPU routing op (what recording the router keeps): a
-          CPU split per MoE layer, the path every routing that changes the selection takes
+          CPU split per MoE layer, the path of a routing without device ops (max-rank, cumsum, ...)
 Two timings each, in ms per token: `llama_decode` alone (the library: graph, splits, our hooks),
 each token ended by llama_synchronize as llama-bench ends a generated one; and a generated token as
 `generate` makes one, `eval` then `sample` (greedy, the sampler chain built once), the Python layers
@@ -147,6 +149,7 @@ def main() -> None:
         "stock": llama_cpp.Llama(args.model, **kw),
         "device": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none"), routing="lru", **kw),
         "default": pymoecache.Llama(args.model, **kw),  # what a user gets: the cache size and routing chosen
+        "prior": pymoecache.Llama(args.model, cache=CacheConfig(size=0.25, residency="none"), routing="prior:0.5", **kw),
         "op": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none", router_record=n_all * 4),
                                routing="lru", **kw),
     }
