@@ -3,11 +3,11 @@
 # builds pymoecache with CUDA (or uses the build in $GPU_CHECK_PREFIX), then measures decode
 # against stock llama.cpp (llama_cpp.Llama on the same library) with scripts/bench_residency.py:
 #   - every layer and expert on the GPU: stock, and ours with the cache counting (residency none,
-#     top-k: llama.cpp's selection kept on the GPU, one read per token after the graph);
+#     top-k: llama.cpp's selection kept on the GPU, its rows read once per 32 tokens);
 #   - a quarter of the experts cached, streamed, the dense part on the GPU: top-k and prior:0.5,
 #     beside --cpu-moe placement (every expert in RAM);
-#   - scripts/bench_device.py: llama_decode and eval per token of stock, ours (device path) and ours
-#     through the CPU routing op, in one process;
+#   - scripts/bench_device.py: llama_decode, and eval + sample, per token of stock, ours (device path,
+#     top-k and the prior as GPU ops) and ours through the CPU routing op, in one process;
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
 #     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (3/4 in RAM);
 #   - low-bit copies (a Q4_K companion) in the host slots and the VRAM tier, against full precision;

@@ -1,25 +1,28 @@
 // moecache-device.cpp - the device path where the cache only counts: every expert resident
-// (residency NONE) and the routing top-k, so the selection cannot depend on the cache.
+// (residency NONE), the routing top-k or the prior.
 //
 // The routing op of moecache-graph.cpp is CPU code. Beside GPU layers it puts a CPU split in every
 // MoE layer: the router's outputs come to the host, the scheduler waits for them, and the result
-// goes back (two splits and a synchronization per layer). Here, where our decision is llama.cpp's
-// own top-k anyway, a decoded token's graph keeps llama.cpp's selection on the device and only
-// copies, per MoE layer, what the counting reads into a ring of rows in one persistent buffer on
-// that layer's device, one row per token (ggml_set_rows at the row `pos` names):
+// goes back (two splits and a synchronization per layer). Here a decoded token's graph keeps the
+// selection on the device: llama.cpp's own top-k, or the prior as ggml ops on the router's outputs
+// (device_prior_select: the boosts of the cache and Delta before the token, uploaded once per token
+// before it computes). Per MoE layer it copies what the counting reads into a ring of rows in one
+// persistent buffer on that layer's device, one row per token (ggml_set_rows at the row `pos` names):
 //
-//     ring [MOECACHE_DEVICE_RING rows] of [ per layer: ids (as F32) K | pad | z N | p N | s N (absent where s is p) ]
+//     ring [MOECACHE_DEVICE_RING rows] of
+//          [ per layer: stock ids K | ids run K (the prior's) | pad | z N | p N | s N (absent where s is p) ]
 //
 // After each graph the next row's number is written to `pos` behind it (asynchronously, in the
-// device's order); when the ring is full, one read per device is queued behind the graph, and its
-// tokens are counted when it has arrived (at the next ubatch). Before the cache is next looked at
-// or changed (every API entry calls moecache_device_flush), and before a graph is built, the rows
-// not yet read are read at once. So no wait is added to a decode, and a device is read once per
-// MOECACHE_DEVICE_RING tokens instead of once per token (over RPC, a round trip each). Each layer of
-// each token is counted by moecache_route_token, in token order, exactly as op_select counts it
-// (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU op). A graph with
-// any other routing policy, reads ahead, router recording or a prompt of several tokens keeps the
-// CPU op.
+// device's order); when the ring is full (the prior: after each token, whose counting its next boosts
+// need), one read per device is queued behind the graph, and its tokens are counted when it has
+// arrived (at the next ubatch). Before the cache is next looked at or changed (every API entry calls
+// moecache_device_flush), and before a graph is built, the rows not yet read are read at once. So no
+// wait is added to a decode, and under top-k a device is read once per MOECACHE_DEVICE_RING tokens
+// instead of once per token (over RPC, a round trip each). Each layer of each token is counted by
+// moecache_route_token, in token order, exactly as op_select counts it (same inputs, same code: the
+// hits, misses, evictions, Delta and trace of the CPU op), and the prior's choice is checked against
+// it. A graph with any other routing policy, reads ahead, router recording or a prompt of several
+// tokens keeps the CPU op.
 
 #include "moecache-impl.h"
 #include "moecache-hook.h"
@@ -167,12 +170,13 @@ void moecache_device_graph_begin(moecache & mc) {
     mc.dev.prior.assign(mc.n_layer, 0);
 }
 
-// the routing a decoded token's layer can take on its device: top-k (any device), or the prior (not
-// on the CPU, whose op is as cheap and the reference itself), where nothing else changes the cache
-// during the token (no reads ahead) and the prior's scale is not masked apart from s
+// the routing a decoded token's layer can take on its device: top-k (any device), or the prior on the
+// logit scale (not on the CPU, whose op is as cheap and the reference itself), where nothing else
+// changes the cache during the token (no reads ahead). Not prior-p: a boost of lambda on probabilities
+// near 0 rounds many of them to the same value, and ggml's sort breaks such ties otherwise than r
 static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
     const moecache_routing_params & rp = mc.rparams;
-    *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f;
+    *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f && !rp.prior_on_probs;
     return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
            mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && n_tokens == 1 &&
            mc.build_n_ubatch == 1 && mc.model != nullptr;
@@ -187,11 +191,7 @@ static void device_prior_boosts(moecache & mc, int il) {
     const moecache_routing_params & rp = mc.rparams;
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
-    float b = 0.0f;
-    if (rp.prior_lambda > 0.0f && L.prior_scale > 0.0f) {
-        b = rp.prior_on_probs ? (float) ((double) rp.prior_lambda * (double) L.prior_scale)
-                              : moecache_layer_boost(L, rp.prior_lambda);
-    }
+    const float b = rp.prior_lambda > 0.0f && L.prior_scale > 0.0f ? moecache_layer_boost(L, rp.prior_lambda) : 0.0f;
     float * at = d.bias_host[d.layer_group[il]].data() + (size_t) d.layer_slot[il] * (N + K);
     for (int64_t e = 0; e < N; e++) {
         at[e] = b != 0.0f && moecache_route_preferred(L, (int32_t) e) ? b : 0.0f;
@@ -215,7 +215,7 @@ static void device_prior_upload(moecache & mc) {
 }
 
 // the prior as ggml ops on the router's outputs, on their device ([N] per token, one token):
-//     u       = z (softmax router) or s; p or s for prior-p          // the scale the prior boosts
+//     u       = z (softmax router) or s                              // the scale the prior boosts
 //     bias    = the layer's boosts, with b at r[0:J] (set_rows)      // r[0:J]: llama.cpp's top-J
 //     ranked  = u + bias                                             // as moecache_route_token adds
 //     chosen  = top-K of ranked, then ordered by s (r order)         // the experts that run
@@ -223,7 +223,7 @@ static void device_prior_upload(moecache & mc) {
 // the first J of that order (the largest u, each boosted), so the two are the same K experts, in the
 // same order, but where two boosted scores tie exactly (ggml's sort breaks ties its own way)
 static ggml_tensor * device_prior_select(moecache & mc, ggml_context * ctx, int il, ggml_tensor * selected,
-                                         ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
+                                         ggml_tensor * logits, ggml_tensor * selection) {
     moecache_device & d = mc.dev;
     const moecache_layer & L = mc.layers[il];
     const moecache_routing_params & rp = mc.rparams;
@@ -231,8 +231,7 @@ static ggml_tensor * device_prior_select(moecache & mc, ggml_context * ctx, int 
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
     const int64_t J = std::min<int64_t>(rp.top_j, K);
-    ggml_tensor * u = rp.prior_on_probs ? (L.graph.rank_on_logits ? probs : selection)
-                                        : (L.graph.rank_on_logits ? logits : selection);
+    ggml_tensor * u = L.graph.rank_on_logits ? logits : selection; // (z for a softmax router, else s)
     const size_t at = (size_t) d.layer_slot[il] * (N + K) * sizeof(float);
     ggml_tensor * bias = ggml_view_2d(ctx, d.bias[g], 1, N, sizeof(float), at); // [1, N]: a row per expert
     if (J > 0) {
@@ -275,7 +274,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
                   (mc.layers[il].graph.rank_on_logits && selection != probs))) {
         return nullptr; // (the CPU: its op; a softmax router whose s is not p: masked experts, which u does not show)
     }
-    ggml_tensor * ran = prior ? device_prior_select(mc, ctx, il, selected, logits, probs, selection) : selected;
+    ggml_tensor * ran = prior ? device_prior_select(mc, ctx, il, selected, logits, selection) : selected;
     if (!ran) {
         return nullptr;
     }

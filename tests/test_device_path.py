@@ -100,11 +100,12 @@ def test_a_routing_that_changes_the_selection_takes_the_op_and_top_k_comes_back(
     decode(llm)
     reads = llm.moecache.residency_stats().device_reads
     assert reads == READS
-    llm.set_routing("max-rank:8")  # (no device ops for it: the CPU op)
-    decode(llm)
-    st = llm.moe_stats()
-    assert st.residency.device_reads == 0 and st.residency.decode_graphs == len(DECODES)
-    assert st.residency.splits_per_token > 2
+    for routing in ("max-rank:8", "prior-p:0.3"):  # (no device ops for them: the CPU op)
+        llm.set_routing(routing)
+        decode(llm)
+        st = llm.moe_stats()
+        assert st.residency.device_reads == 0 and st.residency.decode_graphs == len(DECODES)
+        assert st.residency.splits_per_token > 2 and st.residency.device_routed == 0
     llm.set_routing("prior:0.5")  # the prior on the device: a read per token, to upload the next boosts
     decode(llm)
     st = llm.moe_stats()
