@@ -136,18 +136,24 @@ def test_the_prior_on_the_device_routes_as_the_op(fixture_dir, gpu, name):
     assert run(path, gpu, 0, routing="prior:0.5")["rs"].device_routed == 0
 
 
-def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, tmp_path):
+@pytest.mark.parametrize("routing", [[], ["--prior", "0.5"]])
+def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, tmp_path, routing):
     """`pymoecache run MODEL -ngl 99 --rpc HOST:PORT`, the installed package from outside the tree: the
     model fits, so every expert is resident and the default routing is top-k: the stats line shows the
     routing counted after the graph, at stock llama.cpp's graph splits, its rows read once for the
-    12 tokens."""
+    12 tokens. With `--prior 0.5` the prior runs on the device too, at the same splits, its rows read
+    each token."""
     path = model_path(fixture_dir, "mixtral-8x2")
     stock = stock_splits(path, gpu, 99)
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-ngl", "99", "--rpc", gpu, "-p",
-                        "The cat", "-n", "12", "--temp", "0"], cwd=tmp_path, capture_output=True, text=True,
+                        "The cat", "-n", "12", "--temp", "0", *routing], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=""))
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     m = re.search(r"device: ([0-9.]+) graph splits/tok, routing counted after the graph \(([0-9.]+) reads/tok\)", out)
     assert m and float(m.group(1)) == stock, out[-2000:]
-    assert 0 < float(m.group(2)) <= 0.1, out[-2000:]  # (one read for the 11 or 12 tokens decoded one at a time)
+    if routing:
+        assert float(m.group(2)) == 1.0 and "the prior routed on the device" in out, out[-2000:]
+    else:
+        assert 0 < float(m.group(2)) <= 0.1, out[-2000:]  # (one read for the 11 or 12 tokens decoded one at a time)
+        assert "the prior routed on the device" not in out
