@@ -684,7 +684,7 @@ def measure(model: Path, args, settings) -> list:
                   f"{r['tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s  miss {100 * r['miss_rate']:5.1f}%  "
                   f"read {r['mib_read_per_token']:6.2f} MiB/tok  I/O wait {r['io_ms']:5.2f} ms  "
                   f"overlap {100 * r.get('overlap', 0):3.0f}%  rss {r['rss_mib']:6.0f} MiB  "
-                  f"splits {r.get('splits_per_token', 0):.1f}/tok  device reads {r.get('device_reads_per_token', 0):.1f}/tok"
+                  f"splits {r.get('splits_per_token', 0):.1f}/tok  device reads {r.get('device_reads_per_token', 0):.2f}/tok"
                   + (f"  prefetch on {100 * r['prefetch_on_share']:.0f}% of tokens" if ":s=" in pf else ""),
                   file=sys.stderr, flush=True)
     return runs
@@ -836,7 +836,7 @@ def _print_ratios(args, settings, by: _Runs, pairs, prefetches, evictions, routi
                 print(f"{s[0]} {s[1]} cache {s[2]} prefetch {s[3]} eviction {s[4]}: decode tok/s / stock llama.cpp "
                       f"= {_times(m)} (per repetition: {', '.join(f'{x:.2f}' for x in per)}); graph splits per "
                       f"token {sp[0]:.1f} against stock's {sp[1]:.1f}, device reads per token "
-                      f"{by.med(by.of(s), 'device_reads_per_token'):.1f}")
+                      f"{by.med(by.of(s), 'device_reads_per_token'):.2f}")
     for residency, cache in pairs:
         for routing in routings[1:]:
             m, per = by.ratio((residency, routing, cache, "off", "lru"), (residency, routings[0], cache, "off", "lru"))
