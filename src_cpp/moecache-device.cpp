@@ -240,13 +240,14 @@ static ggml_tensor * device_prior_select(moecache & mc, ggml_context * ctx, int 
         bias = ggml_set_rows(ctx, ggml_dup(ctx, bias), b_j, top);
     }
     ggml_tensor * ranked = ggml_add(ctx, ggml_reshape_2d(ctx, u, N, 1), ggml_reshape_2d(ctx, bias, N, 1)); // [N, 1]
-    ggml_tensor * chosen = ggml_cont(ctx, ggml_argsort_top_k(ctx, ranked, (int) K));                      // [K, 1]
+    ggml_tensor * sorted = ggml_argsort(ctx, ranked, GGML_SORT_ORDER_DESC);                                // [N, 1]
+    ggml_tensor * chosen = ggml_cont(ctx, ggml_view_2d(ctx, sorted, K, 1, sorted->nb[1], 0));              // [K, 1]
     ggml_tensor * s_of   = ggml_get_rows(ctx, ggml_reshape_3d(ctx, selection, 1, N, 1), chosen);          // [1, K, 1]
     ggml_tensor * order  = ggml_argsort(ctx, ggml_reshape_2d(ctx, s_of, K, 1), GGML_SORT_ORDER_DESC);     // [K, 1]
     ggml_tensor * out    = ggml_get_rows(ctx, ggml_reshape_3d(ctx, chosen, 1, K, 1), order);              // [1, K, 1]
     out = ggml_reshape_2d(ctx, out, K, 1);
     ggml_backend_dev_t dev = d.devs[g];
-    for (ggml_tensor * t : { bias, ranked, chosen->src[0], chosen, s_of, order, out->src[0] }) {
+    for (ggml_tensor * t : { bias, ranked, sorted, chosen, s_of, order, out->src[0] }) {
         if (t->op != GGML_OP_NONE && t->op != GGML_OP_VIEW && t->op != GGML_OP_RESHAPE &&
             !ggml_backend_dev_supports_op(dev, t)) {
             return nullptr;
@@ -452,14 +453,14 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         d.read_backends[g] = b;
         if (!b) { // (no backend of the scheduler runs the device: the graph has run, read it plainly)
             if (full) {
-                ggml_backend_tensor_get(d.ring[g], d.host[g], 0, ggml_nbytes(d.ring[g]));
+                ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
                 mc.rst.device_reads += 1;
             }
             ggml_backend_tensor_set(d.pos[g], &d.row_index[full ? 0 : d.n_ring], 0, sizeof(int64_t));
             continue;
         }
         if (full) {
-            // one read of the whole ring, queued behind the graph; no wait here: its tokens are counted at the
+            // one read of the ring's rows, queued behind the graph; no wait here: its tokens are counted at the
             // next ubatch or when the cache is next looked at, by when the application's own wait for the
             // logits has brought it in. An event where the copy lands in the device's pinned memory, or where
             // the device has none (RPC: its client writes the answer in place); a device that copies into
@@ -468,7 +469,7 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
             if (!d.events[g] && (d.host_bufs[g] || !ggml_backend_dev_host_buffer_type(d.devs[g]))) {
                 d.events[g] = ggml_backend_event_new(d.devs[g]);
             }
-            ggml_backend_tensor_get_async(b, d.ring[g], d.host[g], 0, ggml_nbytes(d.ring[g]));
+            ggml_backend_tensor_get_async(b, d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
             if (d.events[g]) {
                 ggml_backend_event_record(d.events[g], b);
             }
