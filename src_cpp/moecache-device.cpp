@@ -93,7 +93,7 @@ static bool device_alloc(moecache & mc) {
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
         ggml_tensor * ring = ggml_new_tensor_2d(d.ctx, GGML_TYPE_F32, block * n_in[g], MOECACHE_DEVICE_RING);
-        ggml_tensor * pos  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I64, 1);
+        ggml_tensor * pos  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I64, MOECACHE_DEVICE_RING);
         ggml_tensor * bias = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ((int64_t) mc.n_expert + mc.n_expert_used) * n_in[g]);
         const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
         const size_t ring_size = GGML_PAD(ggml_nbytes(ring), align);
@@ -120,7 +120,7 @@ static bool device_alloc(moecache & mc) {
             ggml_backend_tensor_alloc(buf, bias, base + ring_size + pos_size) != GGML_STATUS_SUCCESS) {
             return false;
         }
-        ggml_backend_tensor_set(pos, &d.row_index[0], 0, sizeof(int64_t));
+        ggml_backend_tensor_set(pos, d.row_index.data(), 0, ggml_nbytes(pos));
     }
     d.n_ring = 0;
     d.n_read = 0;
@@ -165,6 +165,7 @@ void moecache_device_graph_begin(moecache & mc) {
     moecache_device_flush(mc); // (before a graph that may route another way)
     mc.dev.n_deferred = 0;
     mc.dev.n_prior    = 0;
+    mc.dev.step_n     = 1;
     mc.dev.deferred.assign(mc.n_layer, 0);
     mc.dev.s_is_p.assign(mc.n_layer, 0);
     mc.dev.prior.assign(mc.n_layer, 0);
@@ -174,12 +175,15 @@ void moecache_device_graph_begin(moecache & mc) {
 // logit scale (not on the CPU, whose op is as cheap and the reference itself), where nothing else
 // changes the cache during the token (no reads ahead). Not prior-p: a boost of lambda on probabilities
 // near 0 rounds many of them to the same value, and ggml's sort breaks such ties otherwise than r
+// A decode step of several sequences (a batch, one token each) takes top-k only: the prior routes a
+// step's tokens in order, each seeing the cache the ones before it left (and batch_share's two passes)
 static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
     const moecache_routing_params & rp = mc.rparams;
     *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f && !rp.prior_on_probs;
     return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
-           mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && n_tokens == 1 &&
-           mc.build_n_ubatch == 1 && mc.model != nullptr;
+           mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && mc.model != nullptr &&
+           n_tokens >= 1 && n_tokens <= MOECACHE_DEVICE_RING && mc.build_n_ubatch == n_tokens &&
+           (n_tokens == 1 || (mc.build_decode && !*prior));
 }
 
 // layer il's boosts for its next token, into the host copy of its device's bias: b for each expert the
@@ -265,7 +269,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     bool prior = false;
     if (!gf || !device_routes(mc, selected->ne[1], &prior) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
         !ggml_is_contiguous(logits) || !ggml_is_contiguous(probs) || !ggml_is_contiguous(selection) ||
-        !ggml_is_contiguous(selected)) {
+        (prior && !ggml_is_contiguous(selected))) {
         return nullptr;
     }
     moecache_device & d = mc.dev;
@@ -281,15 +285,17 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     }
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
+    const int64_t T = selected->ne[1]; // tokens: 1, or one per sequence of a batch
     const bool s_is_p = selection == probs;
     int64_t z_off = 0;
     const size_t at = (size_t) d.layer_slot[il] * device_block(mc, &z_off) * sizeof(float);
     ggml_tensor * ring = d.ring[g];
-    auto row_of = [&](ggml_tensor * src, int64_t n, int64_t off) { // src [n] into this token's row of the ring
+    ggml_tensor * rows = ggml_view_1d(ctx, d.pos[g], T, 0);
+    auto row_of = [&](ggml_tensor * src, int64_t n, int64_t off) { // src [n, T] into the step's rows of the ring
         ggml_tensor * dst = ggml_view_2d(ctx, ring, n, MOECACHE_DEVICE_RING, ring->nb[1], at + off * sizeof(float));
-        return ggml_set_rows(ctx, dst, ggml_reshape_2d(ctx, src, n, 1), d.pos[g]);
+        return ggml_set_rows(ctx, dst, ggml_reshape_2d(ctx, src, n, T), rows);
     };
-    ggml_tensor * ids = ggml_cast(ctx, selected, GGML_TYPE_F32); // [K, 1] (expert ids are exact as floats)
+    ggml_tensor * ids = ggml_cast(ctx, selected, GGML_TYPE_F32); // [K, T] (expert ids are exact as floats)
     ggml_tensor * ids_ran = prior ? ggml_cast(ctx, ran, GGML_TYPE_F32) : nullptr;
     ggml_tensor * set[5] = {
         row_of(ids,    K, 0),
@@ -317,6 +323,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     d.prior[il]    = prior;
     d.n_deferred  += 1;
     d.n_prior     += prior;
+    d.step_n       = (int32_t) T;
     if (prior) { // (this token's boosts: the cache is counted up to the token before, graph_begin flushed)
         std::lock_guard<std::mutex> lock(d.mutex);
         device_prior_boosts(mc, il);
@@ -339,9 +346,11 @@ static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev
     return nullptr;
 }
 
-// Counts the first n tokens of the rings as read to the host, in token order: each deferred layer in
-// layer order, as the graph runs the CPU op, with the routing of the tokens (the graph's deferred
-// layers are still theirs: moecache_device_graph_begin flushes before it changes them).
+// Counts the first n tokens of the rings as read to the host, step by step in order (a step: step_n
+// tokens, one per sequence), each deferred layer in layer order and within it the step's tokens in
+// order, as the graph runs the CPU op, with the routing of the tokens (the graph's deferred layers are
+// still theirs: moecache_device_graph_begin flushes before it changes them); the last step's hits and
+// misses per row, as op_select keeps them
 static void device_count(moecache & mc, int32_t n) {
     moecache_device & d = mc.dev;
     const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
@@ -350,36 +359,46 @@ static void device_count(moecache & mc, int32_t n) {
     const int64_t block = device_block(mc, &z_off);
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
+    const int32_t T = std::max(1, d.step_n);
     int32_t ids[MOECACHE_MAX_USED];
     int32_t ran[MOECACHE_MAX_USED];
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
-    for (int32_t t = 0; t < n; t++) {
+    for (int32_t t0_step = 0; t0_step + T <= n; t0_step += T) {
+        mc.step_hits.assign(T, 0);
+        mc.step_misses.assign(T, 0);
         for (int il = 0; il < mc.n_layer; il++) {
             if (!d.deferred[il]) {
                 continue;
             }
             moecache_layer & L = mc.layers[il];
             const int32_t g = d.layer_group[il];
-            const float * at = (const float *) (d.host[g] + (size_t) t * d.ring[g]->nb[1]) + d.layer_slot[il] * block;
-            for (int64_t k = 0; k < K; k++) {
-                ids[k] = (int32_t) at[k];
-                ran[k] = (int32_t) at[K + k];
-            }
-            const float * z = at + z_off;
-            const float * p = z + N;
-            const float * s = d.s_is_p[il] ? p : p + N;
             const int64_t t1 = moecache_time_us();
-            const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
-            if (d.prior[il]) {
-                mc.rst.device_routed += 1;
-                // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
-                mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
+            for (int32_t t = 0; t < T; t++) {
+                const float * at = (const float *) (d.host[g] + (size_t) (t0_step + t) * d.ring[g]->nb[1]) +
+                                   d.layer_slot[il] * block;
+                for (int64_t k = 0; k < K; k++) {
+                    ids[k] = (int32_t) at[k];
+                    ran[k] = (int32_t) at[K + k];
+                }
+                const float * z = at + z_off;
+                const float * p = z + N;
+                const float * s = d.s_is_p[il] ? p : p + N;
+                const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+                if (d.prior[il]) {
+                    mc.rst.device_routed += 1;
+                    // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
+                    mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
+                }
+                for (int32_t i = 0; i < n_sel; i++) {
+                    mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
+                    mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
+                }
             }
-            L.decode_tokens += 1;
+            L.decode_tokens += T;
             L.decode_steps  += 1;
             if (timeline) {
-                moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, 1, t1, t1, moecache_time_us());
+                moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, T, t1, t1, moecache_time_us());
             }
         }
     }
@@ -418,7 +437,7 @@ void moecache_device_flush(moecache & mc) {
             ggml_backend_synchronize(d.read_backends[g]);
         }
         ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
-        ggml_backend_tensor_set(d.pos[g], &d.row_index[0], 0, sizeof(int64_t));
+        ggml_backend_tensor_set(d.pos[g], d.row_index.data(), 0, ggml_nbytes(d.pos[g]));
         mc.rst.device_reads += 1;
     }
     const int32_t n = d.n_ring;
@@ -445,9 +464,11 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
     d.events.resize(d.devs.size(), nullptr);
     d.read_backends.assign(d.devs.size(), nullptr);
     d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
-    d.n_ring += 1;
-    // the prior's next boosts need this token counted first: its row is read at once
-    const bool full = d.n_ring == (d.n_prior > 0 ? 1 : MOECACHE_DEVICE_RING);
+    const int32_t T = d.step_n;
+    d.n_ring += T;
+    // full: no room for the next step; the prior's next boosts need this token counted first: read at once
+    const bool full = d.n_prior > 0 || d.n_ring + T > MOECACHE_DEVICE_RING;
+    const int64_t * next = &d.row_index[full ? 0 : d.n_ring]; // (row_index outlives the copies)
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
@@ -456,7 +477,7 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
                 ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
                 mc.rst.device_reads += 1;
             }
-            ggml_backend_tensor_set(d.pos[g], &d.row_index[full ? 0 : d.n_ring], 0, sizeof(int64_t));
+            ggml_backend_tensor_set(d.pos[g], next, 0, (size_t) T * sizeof(int64_t));
             continue;
         }
         if (full) {
@@ -475,8 +496,8 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
             }
             mc.rst.device_reads += 1;
         }
-        // the next token's row, written behind this graph in the device's order (row_index outlives the copy)
-        ggml_backend_tensor_set_async(b, d.pos[g], &d.row_index[full ? 0 : d.n_ring], 0, sizeof(int64_t));
+        // the next step's rows, written behind this graph in the device's order
+        ggml_backend_tensor_set_async(b, d.pos[g], next, 0, (size_t) T * sizeof(int64_t));
     }
     if (full) {
         d.n_read = d.n_ring;

@@ -257,7 +257,8 @@ struct moecache_device {
     std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
     std::vector<ggml_tensor *>         ring;       // [n_groups] F32 [row, MOECACHE_DEVICE_RING]: a row per token,
                                                    //   the device's layers' blocks in it
-    std::vector<ggml_tensor *>         pos;        // [n_groups] I64 [1]: the row the next token's copies go to
+    std::vector<ggml_tensor *>         pos;        // [n_groups] I64 [MOECACHE_DEVICE_RING]: the rows the next
+                                                   //   step's tokens go to (the first step_n are used)
     std::vector<ggml_tensor *>         bias;       // [n_groups] F32 [n_layers there * (N + K)]: the prior on the
                                                    //   device, per layer the boost of each expert (0 or b) and K b's
     std::vector<std::vector<float>>    bias_host;  // [n_groups] what was uploaded to it last
@@ -275,6 +276,7 @@ struct moecache_device {
     std::vector<uint8_t> prior;                    // [n_layer] routed by the prior on the device (else top-k)
     int32_t n_deferred = 0;
     int32_t n_prior    = 0;                        // layers routed by the prior on the device: a read per token
+    int32_t step_n     = 1;                        // tokens of a step (one per sequence of a batch)
     // the tokens in the rings, counted by moecache_device_flush
     std::mutex                         mutex;      // the reads and their counting (stats may be read from another thread)
     int32_t                            n_ring = 0; // tokens written to the rings and not yet read

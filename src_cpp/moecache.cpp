@@ -601,6 +601,7 @@ static int64_t rss_bytes() {
 }
 
 extern "C" int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * hits, int32_t * misses, int32_t n_max) {
+    moecache_device_flush_c(mc); // (a step counted after its graph: counted before this)
     if (!mc || n_max < 0 || (n_max > 0 && (!hits || !misses))) {
         return fail(MOECACHE_ERR_INVALID, "moecache_get_step_rows: bad arguments");
     }

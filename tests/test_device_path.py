@@ -13,6 +13,7 @@ and on the CPU:
 - the prior runs on the device too, as ggml ops on the router's outputs with the cache's boosts
   uploaded once per token, and chooses exactly what the op chooses;
 - a routing without device ops goes back to the op path at once, and top-k comes back;
+- a batch of sequences (one token each) takes the device path under top-k, counted step by step;
 - as users run it: `pymoecache run -ngl 99 --rpc HOST:PORT` from outside the tree says so."""
 
 import os
@@ -134,6 +135,37 @@ def test_the_prior_on_the_device_routes_as_the_op(fixture_dir, gpu, name):
     lru = run(path, gpu, 99, routing="lru")
     assert lru["hits"] < fast["hits"]  # (the prior chose otherwise than top-k: it was applied)
     assert run(path, gpu, 0, routing="prior:0.5")["rs"].device_routed == 0
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "deepseek2-sigmoid-64x6"])
+def test_a_batch_of_sequences_takes_the_device_path(fixture_dir, gpu, name):
+    """Four sequences decoded together (pymoecache.BatchDecoder) with top-k: each step's rows go to the
+    device's ring, one per sequence, and are counted step by step as the op counts them: the same
+    tokens and logits, counters, trace and per-sequence hits, at stock's two graph splits."""
+    from pymoecache import BatchDecoder
+
+    prompts = [[1, 5, 9, 13, 17], [1, 200, 33], [1, 7, 7, 7, 7, 7, 100], [1, 50]]
+    out = {}
+    for record in (0, 4096):  # (recording the router keeps the op)
+        llm = pymoecache.Llama(str(model_path(fixture_dir, name)), routing="top-k", n_seq_max=4, n_ctx=512,
+                               cache=CacheConfig(size=0.25, residency="none", trace=4096, router_record=record),
+                               verbose=False, n_threads=1, n_gpu_layers=99, rpc_servers=gpu)
+        dec = BatchDecoder(llm)
+        seqs = [dec.add(p, max_tokens=24, keep_logits=True) for p in prompts]
+        dec.run()
+        st = llm.moe_stats()
+        out[record] = dict(tokens=[s.tokens for s in seqs], logits=[np.array(s.logits) for s in seqs], hits=st.hits,
+                           misses=st.misses, trace=llm.moecache.trace().tobytes(), rows=[(s.hits, s.misses) for s in seqs],
+                           rs=st.residency)
+        dec.close()
+        llm.close()
+    fast, op = out[0], out[4096]
+    assert fast["rs"].decode_steps == op["rs"].decode_steps == 23 and fast["rs"].decode_tokens == 4 * 23
+    assert fast["rs"].device_reads > 0 and op["rs"].device_reads == 0
+    assert fast["rs"].splits_per_token == 2 < op["rs"].splits_per_token
+    for key in ("tokens", "hits", "misses", "trace", "rows"):
+        assert fast[key] == op[key], key
+    assert all(np.array_equal(a, b) for a, b in zip(fast["logits"], op["logits"]))
 
 
 @pytest.mark.parametrize("routing", [[], ["--prior", "0.5"]])
