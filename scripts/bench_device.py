@@ -21,6 +21,12 @@ on top included (llama-cpp-python's and ours); and the graph splits of a decoded
     python scripts/bench_device.py --model bench.gguf --gpu-layers 99 --tokens 200 --rounds 5   # a GPU
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local --count-rpc
 
+--parallel N: instead, N sequences decoded together (pymoecache.BatchDecoder, a step of one token per
+sequence), --tokens each, tok/s of stock llama.cpp's batch (its context made for N sequences), ours on the
+device path (top-k, residency none: a ring row per sequence) and ours through the CPU routing op:
+
+    python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local --parallel 4
+
 --count-rpc (with --rpc): no timing; every context talks to the server through a proxy on the
 loopback that counts the commands ggml's RPC client sends (| cmd: 1 byte | size: 8 bytes | data |),
 and the table gives the commands per decoded token, by kind.
@@ -122,6 +128,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds, each times every context (default 5)")
     ap.add_argument("--count-rpc", action="store_true",
                     help="with --rpc: count the RPC commands per decoded token (through a counting proxy) instead of timing")
+    ap.add_argument("--parallel", type=int, default=0, metavar="N",
+                    help="time N sequences decoded together (BatchDecoder) instead of one token at a time")
     args = ap.parse_args()
     if args.count_rpc and not args.rpc:
         ap.error("--count-rpc needs --rpc")
@@ -144,6 +152,10 @@ def main() -> None:
             endpoint = counter.endpoint
         if not local or args.count_rpc:
             rpc.add_server(endpoint)
+    if args.parallel > 0:
+        parallel(args, kw)
+        servers.close()
+        return
     n_all = 2 * args.tokens + 8
     contexts = {
         "stock": llama_cpp.Llama(args.model, **kw),
@@ -226,6 +238,47 @@ def main() -> None:
     for llm in contexts.values():
         llm.close()
     servers.close()
+
+
+def parallel(args, kw) -> None:
+    """--parallel N: tok/s of N sequences decoded together, stock / device path / CPU op, medians of rounds."""
+    import pymoecache
+    import llama_cpp
+    from llama_cpp._internals import LlamaContext
+    from pymoecache import BatchDecoder, CacheConfig
+
+    n = args.parallel
+    kw = dict(kw, n_ctx=n * (args.tokens + 16) + 64)
+    stock = llama_cpp.Llama(args.model, **kw)
+    stock.context_params.n_seq_max, stock.context_params.kv_unified = n, True
+    stock._ctx = LlamaContext(model=stock._model, params=stock.context_params, verbose=False)
+    contexts = {
+        "stock": stock,
+        "device": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none"), routing="lru",
+                                   n_seq_max=n, **kw),
+        "op": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none", router_record=1 << 20),
+                               routing="lru", n_seq_max=n, **kw),
+    }
+    prompts = [[1] + [100 + 37 * i + j for j in range(4)] for i in range(n)]
+    speeds = {name: [] for name in contexts}
+    for r in range(args.rounds):
+        for name in list(contexts)[r % 3:] + list(contexts)[: r % 3]:
+            dec = BatchDecoder(contexts[name])
+            seqs = [dec.add(p, max_tokens=args.tokens) for p in prompts]
+            t0 = time.perf_counter()
+            dec.run()
+            speeds[name].append(sum(len(s.tokens) for s in seqs) / (time.perf_counter() - t0))
+            dec.close()
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    print(f"{Path(args.model).name}: -ngl {args.gpu_layers}" + (f" over RPC {args.rpc}" if args.rpc else "")
+          + f", {n} sequences together, {args.tokens} tokens each (prompts included in the time), medians of "
+          f"{args.rounds} rounds")
+    print("\n| context | tok/s | of stock |")
+    print("|---|---|---|")
+    for name in contexts:
+        print(f"| {name} | {med[name]:.1f} | {med[name] / med['stock']:.2f}x |")
+    for llm in contexts.values():
+        llm.close()
 
 
 if __name__ == "__main__":

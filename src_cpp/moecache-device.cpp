@@ -7,13 +7,14 @@
 // selection on the device: llama.cpp's own top-k, or the prior as ggml ops on the router's outputs
 // (device_prior_select: the boosts of the cache and Delta before the token, uploaded once per token
 // before it computes). Per MoE layer it copies what the counting reads into a ring of rows in one
-// persistent buffer on that layer's device, one row per token (ggml_set_rows at the row `pos` names):
+// persistent buffer on that layer's device, one row per token (ggml_set_rows at the rows `pos` names;
+// a decode step of several sequences under top-k: one row per sequence):
 //
 //     ring [MOECACHE_DEVICE_RING rows] of
 //          [ per layer: stock ids K | ids run K (the prior's) | pad | z N | p N | s N (absent where s is p) ]
 //
-// After each graph the next row's number is written to `pos` behind it (asynchronously, in the
-// device's order); when the ring is full (the prior: after each token, whose counting its next boosts
+// After each graph the next step's row numbers are written to `pos` behind it (asynchronously, in the
+// device's order); when the ring has no room for another step (the prior: after each token, whose counting its next boosts
 // need), one read per device is queued behind the graph, and its tokens are counted when it has
 // arrived (at the next ubatch). Before the cache is next looked at or changed (every API entry calls
 // moecache_device_flush), and before a graph is built, the rows not yet read are read at once. So no
