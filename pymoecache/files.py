@@ -141,9 +141,11 @@ def writable_target(path: "os.PathLike[str] | str", what: str, error: Type[Error
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        if os.path.islink(p):  # a dangling link: where it points does not exist yet
-            return os.path.realpath(p)
-        return p
+        target = os.path.realpath(p) if os.path.islink(p) else p  # (a dangling link: where it points)
+        parent = os.path.dirname(target) or "."
+        if not os.path.isdir(parent):
+            raise error(f"cannot write {what} {p}: the directory {parent} does not exist") from None
+        return target
     except OSError as e:
         raise error(f"cannot write {what} {p}: {'a link loop' if e.errno == errno.ELOOP else e.strerror or e}") \
             from None

@@ -239,22 +239,38 @@ def _as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
-def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int) -> float:
+def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Optional[int] = None) -> float:
     """The share of experts the routing prefers, which a preset is resolved for: the cache's, or where
     a streamed cache holds every expert and a VRAM tier some, the tier's (the routing then prefers the
-    experts in device memory: src_cpp/moecache-route.cpp).
+    experts in device memory: src_cpp/moecache-route.cpp). n_cached and n_vram: the experts per layer
+    each tier holds (default n_vram: ``cache.vram_size``; with a companion, the copies that fit:
+    :func:`_slots_with_companion`).
 
     >>> _routing_share(CacheConfig(size=1.0, residency="stream", vram_size=15), 60, 60)
     0.25
     >>> _routing_share(CacheConfig(size=45, vram_size=15, vram_exclusive=True), 45, 60)  # exclusive: 45 + 15
     0.25
+    >>> _routing_share(CacheConfig(size=1.0, residency="stream", vram_size=2), 8, 8, n_vram=3)  # Q8_0 copies
+    0.375
     """
-    if cache.vram_size and ((cache.residency == "stream" and n_cached >= n_expert) or
-                            (cache.vram_exclusive and n_cached < n_expert <= n_cached + cache.vram_size)):
-        return min(cache.vram_size, n_expert) / n_expert
+    n_vram = cache.vram_size if n_vram is None else n_vram
+    if n_vram and ((cache.residency == "stream" and n_cached >= n_expert) or
+                   (cache.vram_exclusive and n_cached < n_expert <= n_cached + n_vram)):
+        return min(n_vram, n_expert) / n_expert
     if cache.vram_exclusive:  # the two tiers are the cache the routing sees
-        return min(n_cached + cache.vram_size, n_expert) / n_expert
-    return n_cached / n_expert
+        return min(n_cached + n_vram, n_expert) / n_expert
+    return min(n_cached, n_expert) / n_expert
+
+
+def _slots_with_companion(n: int, ratio: float, n_expert: int) -> int:
+    """Experts per layer that n slots of full experts hold as a companion's copies (lowbit-cache: as
+    many as fit in the same bytes, as src_cpp/moecache-lowbit.cpp sizes the host slots and the VRAM
+    tier).
+
+    >>> _slots_with_companion(2, 1.88, 8), _slots_with_companion(2, 2.91, 8), _slots_with_companion(6, 2.91, 8)
+    (3, 5, 8)
+    """
+    return min(n_expert, max(int(n * ratio), n)) if n else 0
 
 
 def _resolve_miss(cache: CacheConfig, residency: str, model_path: str, gpu: bool = False):
@@ -496,11 +512,6 @@ class Llama(llama_cpp.Llama):
                                                n_expert=info.n_expert)
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
-            if preset is not None:  # routing and eviction from the model's K and the share cached
-                n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-                routing, eviction, decay = preset.resolve_all(info.n_expert_used, _routing_share(cache, n, info.n_expert))
-                cache = dataclasses.replace(cache, eviction=eviction,
-                                            eviction_decay=cache.eviction_decay if decay is None else decay)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
             residency = cache.residency_for(cache.capacities(n), info.n_expert)
             if cache.vram_size and residency != "stream":
@@ -522,6 +533,13 @@ class Llama(llama_cpp.Llama):
                 cache = dataclasses.replace(cache, unified="auto")
             cache, companion = _resolve_miss(cache, residency, str(model_path),
                                              gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
+            if preset is not None:  # routing and eviction from the model's K and the share each tier holds
+                ratio = companion.ratio if companion is not None and cache.miss == "lowbit-cache" else 1.0
+                share = _routing_share(cache, _slots_with_companion(n, ratio, info.n_expert), info.n_expert,
+                                       _slots_with_companion(cache.vram_size, ratio, info.n_expert))
+                routing, eviction, decay = preset.resolve_all(info.n_expert_used, share)
+                cache = dataclasses.replace(cache, eviction=eviction,
+                                            eviction_decay=cache.eviction_decay if decay is None else decay)
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
                                  _plan._available_memory(),  # before the load takes its share
                                  (cache, companion.expert_bytes, _companion_name(companion))
@@ -1064,8 +1082,8 @@ class Llama(llama_cpp.Llama):
             routing = parse_routing(routing)
         if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
             n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
-            routing, eviction, decay = routing.resolve_all(cache.n_expert_used,
-                                                           _routing_share(self.cache_config, n, cache.n_expert))
+            share = _routing_share(self.cache_config, n, cache.n_expert, cache.stats().residency.vram_slots)
+            routing, eviction, decay = routing.resolve_all(cache.n_expert_used, share)
             with self._token_lock:  # as at load: the preset's decay, else the CacheConfig's (never the last one's)
                 cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
                 cache.set_routing(routing, scope)

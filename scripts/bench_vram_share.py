@@ -23,6 +23,14 @@ warm-up, tokens are decoded in windows of the trained context, the KV cache empt
 
     python scripts/bench_vram_share.py --model MODEL --host-share 0.75 --exclusive --warmup 256
 
+--lowbit COMPANION (`pymoecache lowbit MODEL --type Q8_0`): our rows hold the companion's copies in
+both tiers (lowbit-cache), so the same device bytes hold more experts (the "VRAM slots" column), and
+a row of top-k at full precision (no companion) is added: "vs top-k" compares each row's perplexity
+with the top-k row of the same tiers, "vs full top-k" with that one. --vram-fill copy makes every
+counter deterministic (auto decides each copy from measured times).
+
+    python scripts/bench_vram_share.py --model MODEL --lowbit MODEL.lowbit-Q8_0.gguf --vram-fill copy --ppl-chunks 20
+
 --speed: decode tok/s of each row, the same teacher-forced tokens timed one by one (each ended by
 llama_synchronize, as llama-bench ends one), medians of --reps passes, against stock llama.cpp
 (llama_cpp.Llama on the same library and server) with the `--n-cpu-moe` placement: a tensor buffer
@@ -67,6 +75,9 @@ def main() -> None:
                     help="rows with the tiers exclusive (vram_exclusive) beside inclusive ones at the same sizes")
     ap.add_argument("--warmup", type=int, default=0,
                     help="decoded tokens before the counted ones (default 0: the tier fills while counted)")
+    ap.add_argument("--lowbit", metavar="COMPANION",
+                    help="a low-bit companion of MODEL: our rows hold its copies (miss lowbit-cache), plus a top-k row at "
+                         "full precision")
     args = ap.parse_args()
 
     import pymoecache
@@ -80,7 +91,8 @@ def main() -> None:
     n_layers = info.n_moe_layer
     on_device = round(args.share * n_layers)
     rows = [{"placement": f"--n-cpu-moe {n_layers - on_device} (stock llama.cpp)", "routing": "any",
-             "device_share": on_device / n_layers, "vram_experts_per_layer": 0}]
+             "device_share": on_device / n_layers, "vram_experts_per_layer": info.n_expert,
+             "vram_bytes": on_device * info.n_expert * info.expert_bytes}]
     if args.text:
         text = evaluate.load_text(args.text)
     else:
@@ -96,9 +108,14 @@ def main() -> None:
     routings = [None if r.strip() == "default" else r.strip() for r in args.routings.split(",") if r.strip()]
     if "lru" not in routings:
         ap.error("--routings needs lru (the top-k row perplexities are compared with)")
-    for routing, exclusive in [(r, x) for x in ([False, True] if args.exclusive else [False]) for r in routings]:
+    runs = [(r, x, args.lowbit) for x in ([False, True] if args.exclusive else [False]) for r in routings]
+    if args.lowbit:  # the baseline at full precision: top-k, no companion
+        runs.append(("lru", False, None))
+    for routing, exclusive, lowbit in runs:
+        miss = dict(miss="lowbit-cache", lowbit=lowbit) if lowbit else dict(miss="full")
         llm = pymoecache.Llama(args.model, cache=CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off",
-                                                                vram_fill=args.vram_fill, vram_exclusive=exclusive),
+                                                                vram_fill=args.vram_fill, vram_exclusive=exclusive,
+                                                                **miss),
                                routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
                                logits_all=bool(args.ppl_chunks), n_threads=args.threads, n_threads_batch=args.threads)
         used = llm.moecache.routing.spec()
@@ -119,10 +136,12 @@ def main() -> None:
         rs = st.residency
         n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
         ram = ("every expert" if n_host >= info.n_expert else f"{n_host}/{info.n_expert} per layer") + " in RAM"
-        row = {"placement": f"ours: {ram}, {n_vram}/{info.n_expert} per layer in VRAM"
+        row = {"placement": f"ours: {ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
+                            + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
-               "vram_experts_per_layer": n_vram, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
+               "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes * rs.vram_slots / (rs.vram_slots + 1),  # (the zero slots left out)
+               "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
                "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens),
                "reads_per_token": rs.decode_loads / max(1, rs.decode_tokens) / max(1, len(st.moe_layers)),
                "copies_down_per_token": rs.vram_copies_down / max(1, rs.decode_tokens)}
@@ -136,20 +155,27 @@ def main() -> None:
         llm.close()
     servers.close()
     base = next(r for r in rows if r["routing"] == "lru")  # (top-k, the tiers as the first ours row has them)
+    full = next((r for r in rows[1:] if r["routing"] == "lru" and r["full_precision"]), None) if args.lowbit else None
     print(f"{Path(args.model).name}: {n_layers} MoE layers, {info.n_expert} experts top-{info.n_expert_used}; device memory "
           f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
           f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}"
           + (f", counted after {args.warmup} decoded ones" if args.warmup else ""))
     speed = "tok_s" in rows[0]
-    print("\n| placement | routing | selections computed on the device | vs --n-cpu-moe | expert reads per token and layer "
-          "| ppl | vs top-k |" + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if speed else ""))
+    print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "
+          "| expert reads per token and layer | ppl | vs top-k |" + (" vs full top-k |" if full else "")
+          + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + ("---|---|" if speed else ""))
+
+    def vs(r, b):
+        return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
+
     for r in rows:
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
-        vs = f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and "ppl" in base else "-"
         reads = f"{r['reads_per_token']:.3f}" if "reads_per_token" in r else "-"
-        print(f"| {r['placement']} | {r['routing']} | {100 * r['device_share']:.1f}% | "
-              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | {vs} |"
+        print(f"| {r['placement']} | {r['routing']} | {r['vram_bytes'] / 2**20:.2f} | {100 * r['device_share']:.1f}% | "
+              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | "
+              f"{vs(r, base if r is rows[0] or not r['full_precision'] or not full else full)} |"
+              + (f" {vs(r, full)} |" if full else "")
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -86,7 +86,9 @@ def test_type_choice_and_the_python_api(model, tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--type", "Q8_0"], "unsupported --type 'Q8_0'"),
+    (["--type", "Q8_0"], "Q8_0 (8.50 bits per weight) is not lower than the model's experts"),
+    (["--type", "Q2_0"], "unsupported --type 'Q2_0'"),
+    (["-o", "/no/such/dir/x.gguf"], "the directory /no/such/dir does not exist"),  # (was llama.cpp's iostream error)
     (["--type", "IQ2_XS"], "needs an importance matrix"),
     (["--type", "nonsense"], "take one of"),
     (["-t", "0"], "at least 1"),

@@ -134,6 +134,36 @@ def test_a_companion_beside_the_model_feeds_the_cpu_and_the_vram_tier_on_the_dev
 
 
 
+def test_a_q8_0_companion_doubles_the_vram_tier_and_the_preset_is_resolved_for_what_it_holds(fixture_dir, tmp_path,
+                                                                                              server):
+    """`lowbit --type Q8_0` of a model with wider experts (the fixture's are F32), then `run -ngl 99 --rpc HOST
+    --cache-size 1.0 --vram-size 15 --routing preset:balanced`: the tier holds the Q8_0 copies that fit
+    in the bytes of 15 full experts (56 of 60), and the preset is resolved for that share (Top-J 1 at
+    >= half the experts), not for 15 of 60 (Top-J 2, what `--miss full` still gets)."""
+    import shutil
+
+    model = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL), model)
+    made = installed(tmp_path, "lowbit", model, "--type", "Q8_0")
+    assert made.returncode == 0 and (tmp_path / "model.lowbit-Q8_0.gguf").is_file(), made.stderr[-3000:]
+    assert "3.76x fewer bytes" in made.stdout, made.stdout  # F32 -> Q8_0: 34 bytes per 32 weights
+    out = {}
+    for miss in ("auto", "full"):
+        r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "8", "-ngl", "99", "--rpc", server, "-v",
+                      "--residency", "stream", "--cache-size", "1.0", "--vram-size", "15", "--routing",
+                      "preset:balanced", "--miss", miss, input="")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert on_device(r.stderr, server), r.stderr[-4000:]
+        out[miss] = r.stdout + r.stderr
+    assert "VRAM tier 56 of 60 per layer low-bit in" in out["auto"], out["auto"][-3000:]
+    assert "[preset balanced: prior:0.2:j=1," in out["auto"], out["auto"][-3000:]
+    assert "VRAM tier 15 of 60 per layer in" in out["full"], out["full"][-3000:]
+    assert "[preset balanced: prior:0.2:j=2," in out["full"], out["full"][-3000:]
+    for text in out.values():
+        vram = re.search(r"selections from vram (\d+)", text)
+        assert vram and int(vram.group(1)) > 0, text[-3000:]
+
+
 def test_exclusive_tiers_as_users_run_them(fixture_dir, tmp_path, server):
     """`run -ngl 99 --rpc HOST --cache-size 45 --vram-size 15 --vram-exclusive`: the plan line says the
     two tiers hold all 60 experts of a layer, and the stats line that the tiers are exclusive."""
