@@ -636,7 +636,7 @@ class CacheConfig:
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at
     most the measured CPU time of an expert times (1 + device hits per copy so far). The host
     cache, its routing, hits, misses and reads are the same with or without the tier. Memory:
-    vram_size + 1 experts per layer on the GPU, one more per layer in RAM (the zero slots).
+    vram_size experts per layer on the GPU, one more per layer in RAM (the host's zero slot).
     vram_copy: ``"async"`` queues a token's copies up on a second stream of the GPU while the CPU
     computes its own selections, and waits for them just before the GPU's expert matmuls (the
     default); with ``prefetch``, it also copies up ahead the predicted experts of the next layer

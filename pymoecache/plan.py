@@ -240,7 +240,7 @@ class MemoryPlan:
     lowbit_name: str = ""     # the companion in use: its file name and the types its experts are at
     n_vram: int = 0           # experts per layer in the VRAM tier's device slots (CacheConfig.vram_size; with
                               #   lowbit-cache, the low-bit copies that fit in that many experts' bytes)
-    vram_bytes: int = 0       # GPU memory of the tier (every layer's slots and a zero slot)
+    vram_bytes: int = 0       # GPU memory of the tier (every layer's slots)
     vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
     n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
 

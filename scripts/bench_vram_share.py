@@ -140,7 +140,7 @@ def main() -> None:
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
-               "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes * rs.vram_slots / (rs.vram_slots + 1),  # (the zero slots left out)
+               "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes,
                "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
                "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens),
                "reads_per_token": rs.decode_loads / max(1, rs.decode_tokens) / max(1, len(st.moe_layers)),

@@ -16,11 +16,15 @@
 // Graph of one expert matmul (gate, up, gate_up or down) of a layer with the tier, decode:
 //   cpu  = the stream path (moecache-matmul.cpp) on the host slots; a selection computed on the
 //          device runs there on the zero slot (host slot res.n_slots), whose output is 0
-//   ids  = moecache_vram_ids(slots)                 // I32 [K, 1]: device slot, or n (the zero one)
-//   gpu  = mul_mat_id(device slots, b, ids)         // on the device: 0 for the CPU's selections
-//   out  = gpu + cpu                                 // one side is exactly 0 for every selection
-// The activation between up/gate and down is computed from those sums, so each side's down
-// matmul gets the activations of its own selections. Per layer the router's logits, the ids and
+//   ids  = moecache_vram_ids(slots)                 // I32 [K, 2]: row 0 the device slot of each
+//                                                   // selection (the CPU's: one of the token's own,
+//                                                   // computed and dropped), row 1 where its output is
+//   gpu  = mul_mat_id(device slots, b, ids[:, 0])   // [n_out, K, 1] on the device
+//   out  = get_rows(concat(cpu, gpu), ids[:, 1])    // [n_out, K, 1]: each row taken whole from its side
+// The device has no zero slot (every byte of the tier holds an expert): its rows of the CPU's
+// selections are picked out, not added, so whatever they hold never reaches the output. Each
+// side's activations between up/gate and down are rebuilt from its own part (split_act), so each
+// side's down matmul gets the activations of its own selections. Per layer the router's logits, the ids and
 // the FFN's small activations cross between the backends; expert bytes cross only when copied up.
 //
 // Copies up (vram_copy ASYNC): the routing op decides them and sends each one whose read is in
@@ -83,7 +87,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.ctx = ggml_init(ip);
         for (const moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            ggml_tensor * v = ggml_new_tensor_3d(L.vram.ctx, x.src_type, t->ne[0], t->ne[1], L.vram.n + 1); // (lowbit SOURCE: the companion's type)
+            ggml_tensor * v = ggml_new_tensor_3d(L.vram.ctx, x.src_type, t->ne[0], t->ne[1], L.vram.n); // (lowbit SOURCE: the companion's type)
             ggml_format_name(v, "moecache.%s.vram", t->name);
             L.vram.t.push_back(v);
         }
@@ -94,9 +98,7 @@ int32_t moecache_vram_init(moecache & mc) {
                                            std::to_string(L.il) + " (n_vram too large for the device memory?)");
         }
         ggml_backend_buffer_set_usage(L.vram.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // (its matmuls run there)
-        for (ggml_tensor * v : L.vram.t) { // the zero slot
-            ggml_backend_tensor_memset(v, 0, (size_t) L.vram.n * v->nb[2], v->nb[2]);
-        }
+        ggml_backend_buffer_clear(L.vram.buf, 0); // (a slot not filled yet computes zeros for the rows dropped)
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(L.vram.buft);
         if (dev && mc.cparams.vram_copy == MOECACHE_VRAM_COPY_ASYNC) { // one copier per device, for its layers
             for (const moecache_layer & P : mc.layers) {
@@ -119,7 +121,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.in_use.assign(mc.n_expert, 0);
         L.vram.fresh.assign(mc.n_expert, 0);
         L.vram.ahead.assign(mc.n_expert, 0);
-        L.vram.tok_slot.assign(MOECACHE_MAX_USED, L.vram.n);
+        L.vram.tok_slot.assign(MOECACHE_MAX_USED, -1);
     }
     return MOECACHE_OK;
 }
@@ -486,7 +488,7 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
             const bool evict = fill == MOECACHE_VRAM_FILL_COPY || (fill == MOECACHE_VRAM_FILL_AUTO && vram_auto_copies(mc, L));
             vs = vram_victim(L, !evict);
             if (vs < 0) {
-                V.tok_slot[i] = V.n; // on the CPU, from its host slot
+                V.tok_slot[i] = -1; // on the CPU, from its host slot
                 mc.rst.vram_cpu += 1;
                 continue;
             }
@@ -503,9 +505,13 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
     return t_copy;
 }
 
-// dst: I32 [K, 1] = the device slot of each selection of the token (n: the zero slot, computed on
-// the CPU), once its copies up are on the device; src[0]: the host slot ids (moecache_experts), which
-// ran moecache_vram_decode; src[1]: the CPU's side of the first expert matmul (runs before)
+// dst: I32 [64, 2] (rows 256 bytes apart: a view of each is aligned as a device's storage buffer
+// offset must be), once the token's copies up are on the device: row 0 [:K] the device slot of each
+// selection (one the device computes for nothing where the CPU computes it: the token's first
+// device slot, else slot 0), row 1 the row of concat(CPU's side, device's side) [n_out, 2K] that
+// holds its output (row 1 [:K]: i on the CPU, K + i on the device); src[0]: the host slot ids
+// (moecache_experts), which ran moecache_vram_decode; src[1]: the CPU's side of the first expert
+// matmul (runs before)
 static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
@@ -522,9 +528,17 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
             vram_send(mc, T, false, t_later);
         }
     }
-    int32_t * out = (int32_t *) dst->data;
-    for (int64_t i = 0; i < ggml_nelements(dst); i++) {
-        out[i] = i < MOECACHE_MAX_USED ? L.vram.tok_slot[i] : L.vram.n;
+    const int64_t k = L.graph.ids_out->ne[0]; // K (<= MOECACHE_MAX_USED)
+    int32_t dummy = 0;
+    for (int64_t i = 0; i < k && dummy == 0; i++) {
+        dummy = std::max(L.vram.tok_slot[i], 0);
+    }
+    int32_t * slot = (int32_t *) dst->data;                                 // [K]
+    int32_t * row  = (int32_t *) ((char *) dst->data + dst->nb[1]);         // [K]
+    for (int64_t i = 0; i < dst->ne[0]; i++) {
+        const bool device = i < k && L.vram.tok_slot[i] >= 0;
+        slot[i] = i < k ? (device ? L.vram.tok_slot[i] : dummy) : 0;
+        row[i]  = i < k ? (int32_t) (device ? k + i : i) : 0;
     }
 }
 
@@ -539,16 +553,20 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     }
     if (!L.graph.vram_ids) {
         ggml_tensor * args[2] = { L.graph.ids_out, cpu }; // (after the CPU's matmuls: the copies overlap them)
-        L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, args[0]->ne[0], args[0]->ne[1], 1, 1, args, 2,
-                                          op_vram_ids, 1, &L);
+        L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, 64, 2, 1, 1, args, 2, op_vram_ids, 1, &L);
         ggml_format_name(moecache_graph_on_cpu(L.graph.vram_ids), "moecache_vram_ids-%d", L.il);
     }
-    ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, L.graph.vram_ids); // where its weights are
+    ggml_tensor * ids = L.graph.vram_ids;
+    const int64_t k = L.graph.ids_out->ne[0];
+    ggml_tensor * slot = ggml_view_2d(ctx, ids, k, 1, ids->nb[1], 0);          // [K, 1]
+    ggml_tensor * row  = ggml_view_2d(ctx, ids, k, 1, ids->nb[1], ids->nb[1]); // [K, 1]
+    ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, slot); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
     // the CPU's side first in the graph, where nothing of the device's is needed: the CPU's work of the layer
-    // (its matmuls, activations, down) and the device's each run as one split (the sum is the same either way)
-    ggml_tensor * sum = input_side || L.graph.n_vram_sum == 0 ? ggml_add(ctx, gpu, cpu) : ggml_add(ctx, cpu, gpu);
+    // (its matmuls, activations, down) and the device's each run as one split
+    ggml_tensor * both = ggml_concat(ctx, cpu, gpu, 1);                       // [n_out, 2K, 1]
+    ggml_tensor * sum  = ggml_get_rows(ctx, both, row);                       // [n_out, K, 1]
     if (L.graph.n_vram_sum < 4 && input_side) {
         const int32_t k = L.graph.n_vram_sum++;
         L.graph.vram_sum[k]     = sum;

@@ -250,6 +250,9 @@ def test_vram_tier_runs_as_the_cpu_does(fixture_dir, gpu, name, fill):
     assert 0 < rs.vram_from_file <= rs.decode_loads and 0 < rs.vram_from_ram <= st.hits
     assert rs.vram_copy_bytes == rs.vram_copies * rs.expert_bytes
     assert rs.vram_bytes > 0 and st_ref.residency.vram_bytes == 0
+    # K + 1 slots of each layer hold experts, and nothing else is on the device (no zero slot: the rows the device
+    # computes for the CPU's selections are dropped, not added)
+    assert rs.vram_slots == K + 1 and rs.vram_bytes == len(st.moe_layers) * (K + 1) * rs.expert_bytes
     assert rs.vram_hits > 0 and rs.vram_copies >= len(st.moe_layers)  # (each layer filled a slot at least)
 
 
