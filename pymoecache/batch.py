@@ -44,7 +44,8 @@ class Sequence:
     finish_reason: Optional[str] = None  # "stop" (an end-of-generation token), "length"; None while it runs
     n_prompt_reused: int = 0           # prompt tokens a slot held already (not prefilled again)
     hits: int = 0                      # its decoded tokens' selections the cache held, over the MoE layers
-    misses: int = 0                    #   and those it did not (the step read them, for it or another)
+    misses: int = 0                    #   and those it did not (the step read them, for it or another);
+    #                                    both counted when the running sequences change and when it ends
     t_submit: float = 0.0              # time.perf_counter() of add()
     t_first: float = 0.0               #   of its first token
     t_done: float = 0.0                #   of its end
@@ -112,6 +113,7 @@ class BatchDecoder:
         self._batch = llama_cpp.llama_batch_init(max(self._n_batch, n), 0, 1)
         self._kept: List[List[int]] = [[] for _ in range(n)]  # the tokens each slot's KV sequence holds
         self._running: List[Sequence] = []
+        self._rows: List[Sequence] = []  # the sequences of the rows the engine sums hits and misses for
         self._waiting: deque = deque()
         self._lock = threading.Lock()
         self.steps = 0              # batched decode steps
@@ -233,7 +235,21 @@ class BatchDecoder:
             llama_cpp.llama_sampler_free(s._sampler)
         s._sampler = None
 
+    def _count_rows(self) -> None:
+        """The hits and misses the engine summed per row since the last read, to the sequences of those
+        rows: read when the rows change and when one of them ends, not every step (on the device path a
+        read waits for the device)."""
+        mc = getattr(self.llm, "moecache", None)
+        if mc is not None:  # (read with no rows too: the sums of steps no sequence takes start over)
+            hits, misses = mc.step_rows(len(self._rows) + 1)
+            if self._rows and len(hits) == len(self._rows):  # (other rows: a step of another size started over)
+                for i, s in enumerate(self._rows):
+                    s.hits += int(hits[i])
+                    s.misses += int(misses[i])
+
     def _end(self, s: Sequence, why: str) -> None:
+        if s in self._rows:
+            self._count_rows()
         s.finish_reason = why
         s.t_done = time.perf_counter()
         self._free_sampler(s)
@@ -340,6 +356,8 @@ class BatchDecoder:
             n_keep = len(self._kept[s.slot])
             todo = s.prompt[n_keep:]
             items += [(t, n_keep + j, s.slot, j == len(todo) - 1, s) for j, t in enumerate(todo)]
+        self._count_rows()  # (the running sequences' sums, before prompt steps count theirs)
+        self._rows = []
         t0 = time.perf_counter()
         try:
             for i in range(0, len(items), self._n_batch):
@@ -375,6 +393,9 @@ class BatchDecoder:
             if not self._running:
                 return
         run = list(self._running)
+        if run != self._rows:  # (the engine's sums are for the rows of the steps before)
+            self._count_rows()
+            self._rows = run
         self._fill([(s.tokens[-1], len(self._kept[s.slot]), s.slot, True) for s in run])
         try:
             self._decode(len(run))
@@ -386,13 +407,6 @@ class BatchDecoder:
             raise
         self.steps += 1
         self.step_tokens += len(run)
-        mc = getattr(self.llm, "moecache", None)
-        if mc is not None:  # the step's counters, by sequence
-            hits, misses = mc.step_rows(len(run))
-            if len(hits) == len(run):
-                for i, s in enumerate(run):
-                    s.hits += int(hits[i])
-                    s.misses += int(misses[i])
         for i, s in enumerate(run):
             self._kept[s.slot].append(s.tokens[-1])
             self._sample(s, i, out)

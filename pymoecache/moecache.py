@@ -343,7 +343,8 @@ class MoECache:
                                   residency=self.residency_stats())
 
     def step_rows(self, n_max: int = 256) -> Tuple[np.ndarray, np.ndarray]:
-        """The last decode step's (hits, misses) per token (a batch: per sequence), over the MoE layers."""
+        """(hits, misses) per token row (a batch: per sequence) of the decode steps since the last call, over
+        the MoE layers and those steps (a step of another number of rows starts them over)."""
         hits = np.zeros(n_max, dtype=np.int32)
         misses = np.zeros(n_max, dtype=np.int32)
         n = C.moecache_get_step_rows(self._h, hits.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),

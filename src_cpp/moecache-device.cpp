@@ -366,8 +366,10 @@ static void device_count(moecache & mc, int32_t n) {
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
     for (int32_t t0_step = 0; t0_step + T <= n; t0_step += T) {
-        mc.step_hits.assign(T, 0);
-        mc.step_misses.assign(T, 0);
+        if ((int32_t) mc.step_hits.size() != T) {
+            mc.step_hits.assign(T, 0);
+            mc.step_misses.assign(T, 0);
+        }
         for (int il = 0; il < mc.n_layer; il++) {
             if (!d.deferred[il]) {
                 continue;

@@ -88,7 +88,7 @@ void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         moecache_route_share_first(mc, L, rs, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
     }
-    if (decode && L.il == mc.first_routed) { // (a step's first layer)
+    if (decode && L.il == mc.first_routed && (int64_t) mc.step_hits.size() != n_tokens) { // (a step's first layer)
         mc.step_hits.assign(n_tokens, 0);
         mc.step_misses.assign(n_tokens, 0);
     }

@@ -346,7 +346,9 @@ struct moecache {
     int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
     int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
     bool    build_decode   = false;            // graph build: the ubatch decodes (moecache_graph_decodes)
-    std::vector<int32_t> step_hits, step_misses; // the last decode step's hits and misses per row, over layers
+    std::vector<int64_t> step_hits, step_misses; // hits and misses per row of the decode steps since the last
+                                                 // moecache_get_step_rows, over layers (a step of another
+                                                 // number of rows starts them over)
     int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
     struct {                                   // prefetch_adaptive: the on/off trial (moecache-graph.cpp)
         bool    on      = true;                //   reads ahead are issued for this token

@@ -9,6 +9,7 @@
 #include "llama.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cerrno>
 #include <cfloat>
 #include <cmath>
@@ -216,6 +217,8 @@ void moecache_reset_stats(struct moecache * mc) {
     }
     mc->trace_total = 0;
     mc->rst = {};
+    mc->step_hits.clear();
+    mc->step_misses.clear();
     if (mc->io) {
         std::lock_guard<std::mutex> lock(mc->io->mu);
         mc->io->bytes_demand   = 0;
@@ -605,11 +608,14 @@ extern "C" int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * 
     if (!mc || n_max < 0 || (n_max > 0 && (!hits || !misses))) {
         return fail(MOECACHE_ERR_INVALID, "moecache_get_step_rows: bad arguments");
     }
-    const int32_t n = (int32_t) mc->step_hits.size();
+    moecache * m = const_cast<moecache *>(mc); // (read and started over: counters, not the cache)
+    const int32_t n = (int32_t) m->step_hits.size();
     for (int32_t i = 0; i < n && i < n_max; i++) {
-        hits[i]   = mc->step_hits[i];
-        misses[i] = mc->step_misses[i];
+        hits[i]   = (int32_t) std::min<int64_t>(m->step_hits[i], INT32_MAX);
+        misses[i] = (int32_t) std::min<int64_t>(m->step_misses[i], INT32_MAX);
     }
+    std::fill(m->step_hits.begin(), m->step_hits.end(), 0);
+    std::fill(m->step_misses.begin(), m->step_misses.end(), 0);
     return n;
 }
 

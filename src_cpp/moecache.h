@@ -604,9 +604,12 @@ MOECACHE_API int32_t moecache_get_cached(const struct moecache * mc, int32_t il,
 MOECACHE_API int32_t moecache_get_vram_cached(const struct moecache * mc, int32_t il, int32_t * ids, int32_t cap);
 
 MOECACHE_API int32_t moecache_get_residency_stats(const struct moecache * mc, struct moecache_residency_stats * out);
-// The last decode step's hits and misses per token (row of the ubatch: a batch of several sequences has
-// one per sequence), summed over the MoE layers: hits[i], misses[i] for i < min(rows, n_max). Returns the
-// rows (0 before a decode step). How a batch's counters split by sequence (pymoecache.BatchDecoder).
+// Hits and misses per token row of the decode steps since the last call (a row of the ubatch: a batch of
+// several sequences has one per sequence), summed over the MoE layers and those steps: hits[i], misses[i]
+// for i < min(rows, n_max); the sums start over at this call, and at a step of another number of rows.
+// Returns the rows (0 before a decode step). How a batch's counters split by sequence
+// (pymoecache.BatchDecoder reads them when its sequences change, not every step: on the device path a
+// read waits for the device).
 MOECACHE_API int32_t moecache_get_step_rows(const struct moecache * mc, int32_t * hits, int32_t * misses, int32_t n_max);
 // Graph splits of the graph `ctx` computed last (any context of this library, a stock one too: the
 // benchmark prints stock llama.cpp's beside ours); 0 before its first.

@@ -141,27 +141,35 @@ def test_the_prior_on_the_device_routes_as_the_op(fixture_dir, gpu, name):
 def test_a_batch_of_sequences_takes_the_device_path(fixture_dir, gpu, name):
     """Four sequences decoded together (pymoecache.BatchDecoder) with top-k: each step's rows go to the
     device's ring, one per sequence, and are counted step by step as the op counts them: the same
-    tokens and logits, counters, trace and per-sequence hits, at stock's two graph splits."""
+    tokens and logits, counters, trace and per-sequence hits, at stock's two graph splits. Sequences end
+    at different steps and a fifth one takes a freed slot: each one's hits and misses are every selection
+    of its decoded tokens, though the engine's sums per row are read when the sequences change, not each
+    step (fewer reads of the device than steps)."""
     from pymoecache import BatchDecoder
 
-    prompts = [[1, 5, 9, 13, 17], [1, 200, 33], [1, 7, 7, 7, 7, 7, 100], [1, 50]]
+    prompts = [[1, 5, 9, 13, 17], [1, 200, 33], [1, 7, 7, 7, 7, 7, 100], [1, 50], [1, 9, 2000]]
+    lengths = [24, 9, 17, 24, 10]
     out = {}
     for record in (0, 4096):  # (recording the router keeps the op)
         llm = pymoecache.Llama(str(model_path(fixture_dir, name)), routing="top-k", n_seq_max=4, n_ctx=512,
                                cache=CacheConfig(size=0.25, residency="none", trace=4096, router_record=record),
                                verbose=False, n_threads=1, n_gpu_layers=99, rpc_servers=gpu)
         dec = BatchDecoder(llm)
-        seqs = [dec.add(p, max_tokens=24, keep_logits=True) for p in prompts]
+        seqs = [dec.add(p, max_tokens=n, keep_logits=True) for p, n in zip(prompts, lengths)]
         dec.run()
         st = llm.moe_stats()
         out[record] = dict(tokens=[s.tokens for s in seqs], logits=[np.array(s.logits) for s in seqs], hits=st.hits,
                            misses=st.misses, trace=llm.moecache.trace().tobytes(), rows=[(s.hits, s.misses) for s in seqs],
-                           rs=st.residency)
+                           rs=st.residency, per_token=llm.model_info.n_expert_used * len(st.moe_layers))
         dec.close()
         llm.close()
     fast, op = out[0], out[4096]
-    assert fast["rs"].decode_steps == op["rs"].decode_steps == 23 and fast["rs"].decode_tokens == 4 * 23
-    assert fast["rs"].device_reads > 0 and op["rs"].device_reads == 0
+    assert [len(t) for t in fast["tokens"]] == lengths  # (no end-of-generation token in the fixture's first ones)
+    assert fast["rs"].decode_steps == op["rs"].decode_steps and fast["rs"].decode_tokens == op["rs"].decode_tokens
+    assert fast["rs"].decode_tokens >= sum(lengths) - len(lengths)
+    for (hits, misses), tokens in zip(fast["rows"], fast["tokens"]):
+        assert hits + misses == (len(tokens) - 1) * fast["per_token"], (hits, misses, len(tokens))
+    assert 0 < fast["rs"].device_reads < fast["rs"].decode_steps and op["rs"].device_reads == 0
     assert fast["rs"].splits_per_token == 2 < op["rs"].splits_per_token
     for key in ("tokens", "hits", "misses", "trace", "rows"):
         assert fast[key] == op[key], key
