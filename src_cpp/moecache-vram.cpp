@@ -557,9 +557,9 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
         ggml_format_name(moecache_graph_on_cpu(L.graph.vram_ids), "moecache_vram_ids-%d", L.il);
     }
     ggml_tensor * ids = L.graph.vram_ids;
-    const int64_t k = L.graph.ids_out->ne[0];
-    ggml_tensor * slot = ggml_view_2d(ctx, ids, k, 1, ids->nb[1], 0);          // [K, 1]
-    ggml_tensor * row  = ggml_view_2d(ctx, ids, k, 1, ids->nb[1], ids->nb[1]); // [K, 1]
+    const int64_t n_used = L.graph.ids_out->ne[0];
+    ggml_tensor * slot = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], 0);          // [K, 1]
+    ggml_tensor * row  = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], ids->nb[1]); // [K, 1]
     ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, slot); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
