@@ -273,10 +273,12 @@ def parallel(args, kw) -> None:
     print(f"{Path(args.model).name}: -ngl {args.gpu_layers}" + (f" over RPC {args.rpc}" if args.rpc else "")
           + f", {n} sequences together, {args.tokens} tokens each (prompts included in the time), medians of "
           f"{args.rounds} rounds")
-    print("\n| context | tok/s | of stock |")
-    print("|---|---|---|")
-    for name in contexts:
-        print(f"| {name} | {med[name]:.1f} | {med[name] / med['stock']:.2f}x |")
+    print("\n| context | tok/s | of stock | reads of the device per step |")
+    print("|---|---|---|---|")
+    for name, llm in contexts.items():  # (the reads: every round's decode steps, prompts' included)
+        rs = llm.moe_stats().residency if name != "stock" else None
+        reads = f"{rs.device_reads / max(1, rs.decode_steps):.3f}" if rs else "-"
+        print(f"| {name} | {med[name]:.1f} | {med[name] / med['stock']:.2f}x | {reads} |")
     for llm in contexts.values():
         llm.close()
 
