@@ -306,11 +306,17 @@ class Preset:
     * ``speed``: prior 0.3 with J = 1, router-mass eviction: at most 4%, the most misses saved.
 
     Where every expert is cached the routing changes nothing: the preset is then top-k with LRU.
+    ``device_tier``: the share is a VRAM tier's, over host memory that holds every expert (a
+    selection outside the tier is computed on the CPU, not read from the file); ``quality`` is then
+    prior 0.05 (within 0.5% of top-k's perplexity and over twice ``--n-cpu-moe``'s device share on
+    the reference models, where 0.1 cost 0.45-1.45%: docs/platforms.md).
 
     >>> Preset("balanced").resolve(n_expert_used=4, cache_share=0.25)
     (Prior(strength=0.2, top_j=2), 'router-mass')
     >>> Preset("quality").resolve(n_expert_used=4, cache_share=1.0)
     (TopK(), 'lru')
+    >>> Preset("quality").resolve(n_expert_used=4, cache_share=0.25, device_tier=True)
+    (Prior(strength=0.05, top_j=1), 'lfu')
     """
 
     name: str = "balanced"
@@ -325,21 +331,26 @@ class Preset:
     def spec(self) -> str:
         return f"preset:{self.name}"
 
-    def resolve(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str]:
+    def resolve(self, n_expert_used: int, cache_share: float, device_tier: bool = False) -> Tuple["Routing", str]:
         """(routing, eviction) for a model with K = ``n_expert_used`` and ``cache_share`` of its
-        routed experts cached."""
-        return self.resolve_all(n_expert_used, cache_share)[:2]
+        routed experts cached (``device_tier``: in a VRAM tier over a host memory of all of them)."""
+        return self.resolve_all(n_expert_used, cache_share, device_tier)[:2]
 
-    def resolve_all(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str, Optional[float]]:
+    def resolve_all(self, n_expert_used: int, cache_share: float,
+                    device_tier: bool = False) -> Tuple["Routing", str, Optional[float]]:
         """(routing, eviction, eviction decay or None to keep the cache's) as :meth:`resolve`."""
-        routing, eviction = self._pick(n_expert_used, cache_share)
+        routing, eviction = self._pick(n_expert_used, cache_share, device_tier)
         if self.eviction is not None:  # the user's eviction, with the user's decay
             return routing, self.eviction, None
         return routing, eviction, (0.8 if eviction == "lfu" else None)
 
-    def _pick(self, n_expert_used: int, cache_share: float) -> Tuple["Routing", str]:
+    def _pick(self, n_expert_used: int, cache_share: float, device_tier: bool) -> Tuple["Routing", str]:
         if cache_share >= 1.0:
             routing, eviction = TopK(), "lru"
+        elif self.name == "quality" and device_tier:
+            # a miss of the tier is computed on the CPU, not read: half the quality prior keeps A, C and B's
+            # Q8_0 tier within 0.5% of top-k at 2.1-2.7x --n-cpu-moe's device share (bench_vram_share.py)
+            routing, eviction = Prior(0.05, top_j=1), "lfu"
         elif self.name == "quality":
             # lfu with a short memory (decay 0.8): within 1% on both models at 1/2 and 1/4, and fewer
             # misses than LRU eviction in every cell (docs/eviction.md, under a perplexity budget)

@@ -254,12 +254,25 @@ def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Opt
     0.375
     """
     n_vram = cache.vram_size if n_vram is None else n_vram
-    if n_vram and ((cache.residency == "stream" and n_cached >= n_expert) or
-                   (cache.vram_exclusive and n_cached < n_expert <= n_cached + n_vram)):
+    if _prefers_device(cache, n_cached, n_expert, n_vram):
         return min(n_vram, n_expert) / n_expert
     if cache.vram_exclusive:  # the two tiers are the cache the routing sees
         return min(n_cached + n_vram, n_expert) / n_expert
     return min(n_cached, n_expert) / n_expert
+
+
+def _prefers_device(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: int) -> bool:
+    """Host memory holds every expert (the streamed cache, or with exclusive tiers the two together) and
+    a VRAM tier some: the routing's preference is then for the device (a selection outside the tier is
+    computed on the CPU, nothing is read), which a preset is resolved for (``Preset(device_tier=)``).
+
+    >>> _prefers_device(CacheConfig(size=1.0, residency="stream", vram_size=15), 60, 60, 15)
+    True
+    >>> _prefers_device(CacheConfig(size=30, residency="stream", vram_size=15), 30, 60, 15)
+    False
+    """
+    return bool(n_vram) and ((cache.residency == "stream" and n_cached >= n_expert) or
+                             (cache.vram_exclusive and n_cached < n_expert <= n_cached + n_vram))
 
 
 def _slots_with_companion(n: int, ratio: float, n_expert: int) -> int:
@@ -535,9 +548,10 @@ class Llama(llama_cpp.Llama):
                                              gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
             if preset is not None:  # routing and eviction from the model's K and the share each tier holds
                 ratio = companion.ratio if companion is not None and cache.miss == "lowbit-cache" else 1.0
-                share = _routing_share(cache, _slots_with_companion(n, ratio, info.n_expert), info.n_expert,
-                                       _slots_with_companion(cache.vram_size, ratio, info.n_expert))
-                routing, eviction, decay = preset.resolve_all(info.n_expert_used, share)
+                held = (cache, _slots_with_companion(n, ratio, info.n_expert), info.n_expert,
+                        _slots_with_companion(cache.vram_size, ratio, info.n_expert))
+                routing, eviction, decay = preset.resolve_all(info.n_expert_used, _routing_share(*held),
+                                                              _prefers_device(*held))
                 cache = dataclasses.replace(cache, eviction=eviction,
                                             eviction_decay=cache.eviction_decay if decay is None else decay)
             self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
@@ -1082,8 +1096,9 @@ class Llama(llama_cpp.Llama):
             routing = parse_routing(routing)
         if isinstance(routing, Preset):  # resolved now, from this cache's size: routing and eviction
             n = cache.layer_row(self.model_info.moe_layers[0])[0][1]
-            share = _routing_share(self.cache_config, n, cache.n_expert, cache.stats().residency.vram_slots)
-            routing, eviction, decay = routing.resolve_all(cache.n_expert_used, share)
+            held = (self.cache_config, n, cache.n_expert, cache.stats().residency.vram_slots)
+            routing, eviction, decay = routing.resolve_all(cache.n_expert_used, _routing_share(*held),
+                                                           _prefers_device(*held))
             with self._token_lock:  # as at load: the preset's decay, else the CacheConfig's (never the last one's)
                 cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
                 cache.set_routing(routing, scope)

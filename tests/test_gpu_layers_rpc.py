@@ -497,12 +497,14 @@ def test_every_expert_in_ram_the_routing_prefers_the_experts_in_vram(fixture_dir
         assert rs.decode_bytes_read == 0  # (every expert in host memory: nothing read while decoding)
     assert share[None] > share["lru"] > 0.25, share
     assert share[None] >= 2 * 0.25, share
-    for vram, resolved in ((15, "prior:"), (0, "lru")):  # (no tier: every expert cached, top-k has nothing to prefer)
+    # the quality preset for a tier over every expert in RAM: half the prior of a cache that reads (0.05, not 0.1);
+    # no tier: every expert cached, top-k has nothing to prefer
+    for vram, resolved in ((15, "prior:0.05:j=1"), (0, "lru")):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, residency="stream", vram_size=vram),
                                **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
         spec = llm.moecache.routing.spec()
         llm.close()  # (before asserting: a Llama left open past the session's RPC server cannot be freed)
-        assert spec.startswith(resolved), (vram, spec)
+        assert spec == resolved, (vram, spec)
 
 
 # --- exclusive tiers (CacheConfig.vram_exclusive, issue 54 item 3) ------------------------------------
