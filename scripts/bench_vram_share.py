@@ -24,7 +24,8 @@ warm-up, tokens are decoded in windows of the trained context, the KV cache empt
     python scripts/bench_vram_share.py --model MODEL --host-share 0.75 --exclusive --warmup 256
 
 --lowbit COMPANION (`pymoecache lowbit MODEL --type Q8_0`): our rows hold the companion's copies in
-both tiers (lowbit-cache), so the same device bytes hold more experts (the "VRAM slots" column), and
+both tiers (lowbit-cache), so the same device bytes hold more experts (the placement says how many,
+the "experts' device MiB" column what they take), and
 a row of top-k at full precision (no companion) is added: "vs top-k" compares each row's perplexity
 with the top-k row of the same tiers, "vs full top-k" with that one. --vram-fill copy makes every
 counter deterministic (auto decides each copy from measured times).
@@ -170,11 +171,12 @@ def main() -> None:
         return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
 
     for r in rows:
+        own = full if full and r.get("full_precision") else base  # (top-k on the same tiers)
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
         reads = f"{r['reads_per_token']:.3f}" if "reads_per_token" in r else "-"
         print(f"| {r['placement']} | {r['routing']} | {r['vram_bytes'] / 2**20:.2f} | {100 * r['device_share']:.1f}% | "
               f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | "
-              f"{vs(r, base if r is rows[0] or not r['full_precision'] or not full else full)} |"
+              f"{vs(r, own)} |"
               + (f" {vs(r, full)} |" if full else "")
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else ""))
     if args.json:

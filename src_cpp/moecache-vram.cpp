@@ -529,9 +529,12 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
     }
     const int64_t k = L.graph.ids_out->ne[0]; // K (<= MOECACHE_MAX_USED)
-    int32_t dummy = 0;
-    for (int64_t i = 0; i < k && dummy == 0; i++) {
-        dummy = std::max(L.vram.tok_slot[i], 0);
+    int32_t dummy = 0; // the token's first device slot (slot 0 where it has none)
+    for (int64_t i = 0; i < k; i++) {
+        if (L.vram.tok_slot[i] >= 0) {
+            dummy = L.vram.tok_slot[i];
+            break;
+        }
     }
     int32_t * slot = (int32_t *) dst->data;                                 // [K]
     int32_t * row  = (int32_t *) ((char *) dst->data + dst->nb[1]);         // [K]
