@@ -102,8 +102,8 @@ class CommandCounter:
                     except OSError:
                         pass
                 return
-            dst.sendall(data)
             if not count:
+                dst.sendall(data)
                 continue
             buf += data
             while len(buf) >= need:
@@ -115,6 +115,7 @@ class CommandCounter:
                     buf, need, in_data = buf[9:], size, True
                 else:
                     buf, need, in_data = buf[need:], 9, False
+            dst.sendall(data)  # (after counting: a client that got its answer finds its command counted)
 
 
 def main() -> None:

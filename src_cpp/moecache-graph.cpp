@@ -280,6 +280,18 @@ ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t) {
     return t;
 }
 
+ggml_tensor * moecache_graph_on_device(ggml_tensor * t, ggml_backend_buffer_type_t buft) {
+    const int n = g_sched && g_cpu && buft ? ggml_backend_sched_get_n_backends(g_sched) : 0;
+    for (int i = 0; i < n; i++) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(g_sched, i);
+        if (b != g_cpu && ggml_backend_supports_buft(b, buft) && ggml_backend_supports_op(b, t)) {
+            ggml_backend_sched_set_tensor_backend(g_sched, t, b);
+            break;
+        }
+    }
+    return t;
+}
+
 void moecache_hook_ubatch_computed(const llama_context * lctx) {
     moecache * mc = nullptr;
     {
@@ -346,6 +358,93 @@ static void cpu_from(ggml_tensor * t, const ggml_tensor * from, int depth) {
     }
 }
 
+// t and the ops between it and `from` (depth ops at most) read `to` where they read `from`
+static void swap_src(ggml_tensor * t, const ggml_tensor * from, ggml_tensor * to, int depth) {
+    if (!t || t == from || t == to || depth == 0 || t->op == GGML_OP_NONE) { // (not into to: it reads from)
+        return;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        if (t->src[i] == from) {
+            t->src[i] = to;
+        } else {
+            swap_src(t->src[i], from, to, depth - 1);
+        }
+    }
+}
+
+// whether t or an op between it and `from` is a view of `from` (whose data swap_src would not move)
+static bool views_of(const ggml_tensor * t, const ggml_tensor * from, int depth) {
+    if (!t || t == from || depth == 0 || t->op == GGML_OP_NONE) {
+        return false;
+    }
+    if (t->view_src == from) {
+        return true;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        if (views_of(t->src[i], from, depth - 1)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// the device computes t: a matmul (plus a bias) whose weight is in device memory
+static bool on_device(const ggml_tensor * t) {
+    const ggml_tensor * mm = t && t->op == GGML_OP_ADD ? t->src[0] : t;
+    return mm && mm->op == GGML_OP_MUL_MAT && mm->src[0]->buffer && !ggml_backend_buffer_is_host(mm->src[0]->buffer);
+}
+
+// A decoded token of a device layer whose experts the CPU computes (host slots) needs two of the
+// device's tensors on the CPU: the router's logits [N, 1] and the FFN's input x [n_embd, 1] (and the
+// predictor's logits [N, 1], with prefetch gate). Each tensor a CPU split reads is a read the
+// scheduler waits for (over RPC a round trip), so they cross as one: joint = concat(x, logits[, pred])
+// on the device, one copy of it on the CPU, and the CPU's ops read views of that copy. Returns the
+// CPU's view of the logits (and of pred in *pred), or logits unchanged where this does not apply
+static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context * ctx, ggml_tensor * logits,
+                                ggml_tensor ** pred, ggml_tensor * const * outs, int n_outs) {
+    for (int i = 0; i < n_outs; i++) {
+        if (views_of(outs[i], logits, 8)) {
+            return logits;
+        }
+    }
+    ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
+    ggml_backend_buffer_type_t buft = mc.model ? moecache_layer_buft(mc.model, L.il) : nullptr;
+    if (!g_sched || !L.graph.decode || logits->ne[1] != 1 || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM ||
+        L.res.xt.empty() || !L.uni.t.empty() || !buft || ggml_backend_buft_is_host(buft) ||
+        mm->op != GGML_OP_MUL_MAT || mm->src[0] != mc.model->layers[L.il].ffn_gate_inp ||
+        mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != 1 || !ggml_is_contiguous(mm->src[1]) ||
+        !ggml_is_contiguous(logits) || (*pred && !ggml_is_contiguous(*pred))) {
+        return logits;
+    }
+    ggml_tensor * x = mm->src[1];
+    const int64_t n_embd = x->ne[0];
+    const int64_t N = logits->ne[0];
+    if (*pred && !on_device(*pred)) {
+        return logits; // (a fitted predictor in host memory: computed on the CPU, from x's copy)
+    }
+    ggml_tensor * joint = ggml_concat(ctx, ggml_reshape_1d(ctx, x, n_embd), ggml_reshape_1d(ctx, logits, N), 0);
+    if (*pred) {
+        joint = ggml_concat(ctx, joint, ggml_reshape_1d(ctx, *pred, N), 0);
+    }
+    ggml_format_name(moecache_graph_on_device(joint, buft), "moecache_joint-%d", L.il);  // [n_embd + N (+ N)]
+    ggml_tensor * host = moecache_graph_on_cpu(ggml_cont(ctx, joint));                  // one read
+    ggml_format_name(host, "moecache_joint_host-%d", L.il);
+    L.graph.x_dev  = x;
+    L.graph.x_host = ggml_view_2d(ctx, host, n_embd, 1, n_embd * sizeof(float), 0);
+    if (*pred) {
+        *pred = ggml_view_2d(ctx, host, N, 1, N * sizeof(float), (n_embd + N) * sizeof(float));
+    }
+    return ggml_view_2d(ctx, host, N, 1, N * sizeof(float), n_embd * sizeof(float));
+}
+
+ggml_tensor * moecache_graph_host_input(moecache_layer & L, ggml_context * ctx, ggml_tensor * b) {
+    ggml_tensor * x = L.graph.x_dev;
+    if (!x || !b || ggml_nelements(b) != ggml_nelements(x) || !(b == x || (b->view_src == x && b->view_offs == 0))) {
+        return b;
+    }
+    return ggml_reshape_4d(ctx, L.graph.x_host, b->ne[0], b->ne[1], b->ne[2], b->ne[3]);
+}
+
 ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * selected, ggml_tensor * logits,
                                    ggml_tensor * probs, ggml_tensor * selection, int il, int gating_op,
                                    bool has_bias, bool warmup) {
@@ -381,7 +480,16 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     }
     ggml_tensor * pred = moecache_ahead_predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
-    ggml_tensor * args[6] = { selected, logits, probs, selection, pred, nullptr };
+    ggml_tensor * outs[3] = { selected, probs, selection };
+    ggml_tensor * logits_cpu = read_joint(*mc, L, ctx, logits, &pred, outs, 3);
+    for (ggml_tensor *& t : outs) { // (the ops placed on the CPU above read its copy)
+        if (t == logits) {
+            t = logits_cpu;
+        } else if (logits_cpu != logits) {
+            swap_src(t, logits, logits_cpu, 8);
+        }
+    }
+    ggml_tensor * args[6] = { outs[0], logits_cpu, outs[1], outs[2], pred, nullptr };
     int32_t n_args = pred ? 5 : 4;
     L.graph.src_input = -1;
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
@@ -453,8 +561,12 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.arrival  = nullptr;
         L.graph.ready    = nullptr;
         L.graph.vram_ids = nullptr;
+        L.graph.vram_slot = nullptr;
+        L.graph.vram_row = nullptr;
         L.graph.n_vram_sum = 0;
         L.graph.low_ids  = nullptr;
+        L.graph.x_dev    = nullptr;
+        L.graph.x_host   = nullptr;
         L.graph.n_ubatch = 0;
         L.graph.decode   = false;
     }
@@ -488,7 +600,7 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
             }
             if (decodes) { // on the slots (moecache-matmul.cpp), the low-bit pool's and the VRAM tier's
                 ggml_tensor * b_gpu = b;
-                ggml_tensor * b_cpu = b;
+                ggml_tensor * b_cpu = moecache_graph_host_input(L, ctx, b); // (the FFN's input read with the logits)
                 moecache_vram_split_act(L, ctx, b, &b_gpu, &b_cpu); // (down, beside a VRAM tier: each side's own)
                 ggml_tensor * host = moecache_lowbit_mul_mat_id(L, ctx, x, b_cpu,
                                                                 moecache_matmul_stream_decode(mc, L, ctx, x, b_cpu));

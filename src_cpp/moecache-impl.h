@@ -84,10 +84,15 @@ struct moecache_layer_graph {
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     ggml_tensor * vram_ids       = nullptr; // VRAM tier: the device slot of each selection (moecache-vram.cpp)
+    ggml_tensor * vram_slot      = nullptr; //   its two rows, viewed once per graph (each view the device's ops
+    ggml_tensor * vram_row       = nullptr; //   read is one copy to the device)
     ggml_tensor * vram_sum[4]    = {};      //   the input-side matmuls' sums, device + CPU side,
     ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)
     int32_t       n_vram_sum     = 0;
     ggml_tensor * low_ids        = nullptr; // low-bit misses: the pool slot of each selection (moecache-lowbit.cpp)
+    ggml_tensor * x_dev          = nullptr; // a decoded token on a device layer with experts on the CPU: the
+    ggml_tensor * x_host         = nullptr; //   FFN's input [n_embd, 1] there, and its copy read with the router's
+                                            //   logits in one piece (moecache_graph_read_joint)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the
@@ -464,6 +469,11 @@ void moecache_device_free(moecache & mc);
 void moecache_device_flush(moecache & mc);  // count a read still pending (each API entry reading or changing the cache)
 // places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
 ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
+// b where it is the layer's FFN input on the device and the CPU read a copy of it (with the router's
+// logits): that copy, shaped as b; b otherwise
+ggml_tensor * moecache_graph_host_input(moecache_layer & L, ggml_context * ctx, ggml_tensor * b);
+// places t on the backend of the device whose memory buft is, when that backend computes t; returns t
+ggml_tensor * moecache_graph_on_device(ggml_tensor * t, struct ggml_backend_buffer_type * buft);
 // where layer il's dense part lives: its router weight's buffer type; nullptr where there is none
 struct ggml_backend_buffer_type * moecache_layer_buft(const struct llama_model * model, int32_t il);
 // moecache-vram.cpp: the VRAM tier. plan: which layers get one (before the slot arena, which then

@@ -558,11 +558,15 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
         ggml_tensor * args[2] = { L.graph.ids_out, cpu }; // (after the CPU's matmuls: the copies overlap them)
         L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, 64, 2, 1, 1, args, 2, op_vram_ids, 1, &L);
         ggml_format_name(moecache_graph_on_cpu(L.graph.vram_ids), "moecache_vram_ids-%d", L.il);
+        // one copy to the device of both rows, where the device copies I32; the views are of that copy
+        ggml_tensor * ids = moecache_graph_on_device(ggml_cont(ctx, L.graph.vram_ids), L.vram.buft);
+        ggml_format_name(ids, "moecache_vram_ids_dev-%d", L.il);
+        const int64_t n_used = L.graph.ids_out->ne[0];
+        L.graph.vram_slot = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], 0);          // [K, 1]
+        L.graph.vram_row  = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], ids->nb[1]); // [K, 1]
     }
-    ggml_tensor * ids = L.graph.vram_ids;
-    const int64_t n_used = L.graph.ids_out->ne[0];
-    ggml_tensor * slot = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], 0);          // [K, 1]
-    ggml_tensor * row  = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], ids->nb[1]); // [K, 1]
+    ggml_tensor * slot = L.graph.vram_slot; // (the same views for every matmul of the layer: the scheduler
+    ggml_tensor * row  = L.graph.vram_row;  //  copies each tensor a split reads once, a view like any other)
     ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, slot); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;

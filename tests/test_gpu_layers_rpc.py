@@ -640,3 +640,55 @@ def test_a_vram_tier_costs_two_graph_splits_per_moe_layer(fixture_dir, gpu, name
     assert rs.decode_graphs > 0  # (a dense layer adds nothing: it stays on the device)
     assert rs.decode_graph_splits == rs.decode_graphs * (2 + per_layer * info.n_moe_layer), (
         rs.decode_graph_splits / rs.decode_graphs)
+
+
+COUNT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import pymoecache
+import llama_cpp
+from pymoecache import CacheConfig, rpc
+from bench_device import CommandCounter  # (a proxy in front of the server counting ggml's RPC commands)
+path, n_vram = sys.argv[1], int(sys.argv[2])
+with rpc.LocalServer(threads=1, register=False) as server:
+    counter = CommandCounter(server.endpoint)
+    llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=counter.endpoint, n_ctx=128, verbose=False, n_threads=1,
+                           cache=CacheConfig(size=1.0, residency="stream", prefetch=sys.argv[4], vram_size=n_vram,
+                                             vram_fill="cpu"), routing="lru")
+    llm.eval(list(range(300, 316)))
+    for t in range(316, 364):  # (decoded: the tier's free slots filled, fill "cpu" copies up nothing more)
+        llm.eval([t])
+    copies = llm.moe_stats().residency.vram_copies
+    llama_cpp.llama_synchronize(llm._ctx.ctx)  # (ggml's RPC client sends from a queue: each count taken after a sync)
+    before = counter.snapshot()
+    for t in range(1000, 1016):
+        llm.eval([t])
+    llama_cpp.llama_synchronize(llm._ctx.ctx)  # (the last token's logits read, as a sampler would)
+    after = counter.snapshot()
+    assert llm.moe_stats().residency.vram_copies == copies
+    print(json.dumps({k: (after.get(k, 0) - before.get(k, 0)) / 16 for k in after}))
+    llm.close()
+"""
+
+
+@pytest.mark.parametrize("name, per_layer", [("qwen2moe-60x4", 1), ("mixtral-8x2", 1), ("deepseek2-sigmoid-64x6", 2)])
+@pytest.mark.parametrize("prefetch", ["off", "gate"])
+def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, per_layer, prefetch):
+    """Where the CPU computes experts beside a device layer, each read of a device tensor is a wait (over
+    RPC a round trip): the router's logits, the FFN's input (and, with prefetch gate, the predictor's
+    logits) cross in one read, and the device's side takes the tier's slots and rows in one write. Counted
+    in a process of its own, through a proxy in front of the server: per decoded token, one read per MoE
+    layer and one of the logits (deepseek2's selection bias, a device weight, is one more per layer)."""
+    import json
+    import subprocess
+    import sys
+
+    path = model_path(fixture_dir, name)
+    info = pymoecache.model_info(path)
+    r = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, str(path), str(info.n_expert_used + 1),
+                        str(ROOT / "scripts"), prefetch], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    per_token = json.loads(r.stdout.strip().splitlines()[-1])
+    assert per_token["GET_TENSOR"] == per_layer * info.n_moe_layer + 1, per_token
+    # writes: the graph's inputs, and per MoE layer the tier's ids, the CPU's experts' output and the weights
+    assert per_token["SET_TENSOR"] <= 6 + 3 * info.n_moe_layer, per_token
