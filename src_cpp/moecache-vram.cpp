@@ -24,8 +24,10 @@
 // The device has no zero slot (every byte of the tier holds an expert): its rows of the CPU's
 // selections are picked out, not added, so whatever they hold never reaches the output. Each
 // side's activations between up/gate and down are rebuilt from its own part (split_act), so each
-// side's down matmul gets the activations of its own selections. Per layer the router's logits, the ids and
-// the FFN's small activations cross between the backends; expert bytes cross only when copied up.
+// side's down matmul gets the activations of its own selections. Per layer one read crosses to the CPU
+// (the router's logits with the FFN's input, moecache-graph.cpp's read_joint) and the ids (one copy: the
+// device's ops view a copy of both rows made there), the CPU's down output and the weights cross back;
+// expert bytes cross only when copied up.
 //
 // Copies up (vram_copy ASYNC): the routing op decides them and sends each one whose read is in
 // to a second backend of the device (`copier`, its own stream: ggml_backend_tensor_set_async),
