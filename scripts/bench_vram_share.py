@@ -32,6 +32,13 @@ counter deterministic (auto decides each copy from measured times).
 
     python scripts/bench_vram_share.py --model MODEL --lowbit MODEL.lowbit-Q8_0.gguf --vram-fill copy --ppl-chunks 20
 
+--count-rpc (with --rpc local): each row's ggml RPC commands per decoded token, counted by a proxy in
+front of the server (scripts/bench_device.py's): reads of device tensors (GET_TENSOR, each a round trip
+the scheduler waits for), writes (SET_TENSOR: graph inputs, what the CPU's splits send back, copies
+up) and graphs computed (GRAPH_COMPUTE: the device's splits), stock `--n-cpu-moe` beside ours.
+
+    python scripts/bench_vram_share.py --model MODEL --count-rpc
+
 --speed: decode tok/s of each row, the same teacher-forced tokens timed one by one (each ended by
 llama_synchronize, as llama-bench ends one), medians of --reps passes, against stock llama.cpp
 (llama_cpp.Llama on the same library and server) with the `--n-cpu-moe` placement: a tensor buffer
@@ -76,6 +83,9 @@ def main() -> None:
                     help="rows with the tiers exclusive (vram_exclusive) beside inclusive ones at the same sizes")
     ap.add_argument("--warmup", type=int, default=0,
                     help="decoded tokens before the counted ones (default 0: the tier fills while counted)")
+    ap.add_argument("--count-rpc", action="store_true",
+                    help="also each row's RPC commands per decoded token (reads, writes, graphs), through a counting "
+                         "proxy in front of the local server")
     ap.add_argument("--lowbit", metavar="COMPANION",
                     help="a low-bit companion of MODEL: our rows hold its copies (miss lowbit-cache), plus a top-k row at "
                          "full precision")
@@ -84,8 +94,17 @@ def main() -> None:
     import pymoecache
     from pymoecache import CacheConfig, evaluate, rpc
 
+    if args.count_rpc and args.rpc != "local":
+        ap.error("--count-rpc needs --rpc local")
     servers = contextlib.ExitStack()
-    endpoint = servers.enter_context(rpc.LocalServer(threads=1)).endpoint if args.rpc == "local" else args.rpc
+    endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not args.count_rpc)).endpoint \
+        if args.rpc == "local" else args.rpc
+    counter = None
+    if args.count_rpc:
+        from bench_device import CommandCounter
+
+        counter = CommandCounter(endpoint)
+        endpoint = counter.endpoint
     device = {} if args.rpc == "none" else {"rpc_servers": endpoint}
     info = pymoecache.model_info(args.model)
     n_vram = max(1, round(args.share * info.n_expert))
@@ -105,6 +124,11 @@ def main() -> None:
                           n_threads_batch=args.threads, **device)
         rows[0]["tok_s"] = decode_tok_s(llm, evaluate.tokenize_text(llm, text), args)
         llm.close()
+    if counter is not None:
+        llm = stock_llama(args.model, n_layers - on_device, n_ctx=512, verbose=False, n_threads=args.threads,
+                          n_threads_batch=args.threads, **device)
+        rows[0]["rpc"] = count_commands(llm, evaluate.tokenize_text(llm, text), counter)
+        llm.close()
     n_host = min(info.n_expert, max(1, round(args.host_share * info.n_expert)))
     routings = [None if r.strip() == "default" else r.strip() for r in args.routings.split(",") if r.strip()]
     if "lru" not in routings:
@@ -122,6 +146,7 @@ def main() -> None:
         used = llm.moecache.routing.spec()
         tokens = evaluate.tokenize_text(llm, text)
         speed = decode_tok_s(llm, tokens, args) if args.speed else None
+        commands = count_commands(llm, tokens, counter) if counter is not None else None
         if args.warmup:  # warm-up and counted tokens in windows of the model's trained context (KV reset between)
             window = max(32, (info.n_ctx_train or 512) - 16)
             decode_windows(llm, tokens[:args.warmup], window)
@@ -148,6 +173,8 @@ def main() -> None:
                "copies_down_per_token": rs.vram_copies_down / max(1, rs.decode_tokens)}
         if speed is not None:
             row["tok_s"] = speed
+        if commands is not None:
+            row["rpc"] = commands
         if args.ppl_chunks:
             llm.moecache.clear()
             res = evaluate.perplexity(llm, tokens, 256, limit_chunks=args.ppl_chunks, decode=True, progress=False)
@@ -162,10 +189,13 @@ def main() -> None:
           f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}"
           + (f", counted after {args.warmup} decoded ones" if args.warmup else ""))
     speed = "tok_s" in rows[0]
+    cmds = "rpc" in rows[0]
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "
           "| expert reads per token and layer | ppl | vs top-k |" + (" vs full top-k |" if full else "")
-          + (" decode tok/s | vs stock --n-cpu-moe |" if speed else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + ("---|---|" if speed else ""))
+          + (" decode tok/s | vs stock --n-cpu-moe |" if speed else "")
+          + (" RPC reads / writes / graphs per token |" if cmds else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + ("---|---|" if speed else "")
+          + ("---|" if cmds else ""))
 
     def vs(r, b):
         return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
@@ -178,7 +208,8 @@ def main() -> None:
               f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | "
               f"{vs(r, own)} |"
               + (f" {vs(r, full)} |" if full else "")
-              + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else ""))
+              + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else "")
+              + (" {GET_TENSOR:.2f} / {SET_TENSOR:.2f} / {GRAPH_COMPUTE:.2f} |".format(**r["rpc"]) if cmds else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -212,6 +243,24 @@ def decode_tok_s(llm, tokens, args) -> float:
             llama_cpp.llama_synchronize(llm._ctx.ctx)
         speeds.append(min(args.tokens, len(tokens) - 32) / (time.perf_counter() - t0))
     return statistics.median(speeds)
+
+
+def count_commands(llm, tokens, counter, n: int = 64) -> dict:
+    """ggml RPC commands per decoded token, by kind: a 16-token prompt and 16 decoded tokens, then n
+    decoded ones counted (each count after llama_synchronize: the RPC client sends from a queue)."""
+    import llama_cpp
+
+    llm.reset()
+    llm.eval(tokens[:16])
+    for t in tokens[16:32]:
+        llm.eval([t])
+    llama_cpp.llama_synchronize(llm._ctx.ctx)
+    before = counter.snapshot()
+    for t in tokens[32:32 + n]:
+        llm.eval([t])
+    llama_cpp.llama_synchronize(llm._ctx.ctx)
+    after = counter.snapshot()
+    return {k: (after.get(k, 0) - before.get(k, 0)) / n for k in ("GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE")}
 
 
 def stock_llama(model, n_cpu_moe: int, **kw):
