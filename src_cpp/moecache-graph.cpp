@@ -358,16 +358,17 @@ static void cpu_from(ggml_tensor * t, const ggml_tensor * from, int depth) {
     }
 }
 
-// t and the ops between it and `from` (depth ops at most) read `to` where they read `from`
-static void swap_src(ggml_tensor * t, const ggml_tensor * from, ggml_tensor * to, int depth) {
-    if (!t || t == from || t == to || depth == 0 || t->op == GGML_OP_NONE) { // (not into to: it reads from)
+// t and the ops between it and `from` (depth ops at most) read `to` where they read `from`; not past
+// `stop` (the copy `to` is a view of, which reads `from` itself)
+static void swap_src(ggml_tensor * t, const ggml_tensor * from, ggml_tensor * to, const ggml_tensor * stop, int depth) {
+    if (!t || t == from || t == stop || depth == 0 || t->op == GGML_OP_NONE) {
         return;
     }
     for (int i = 0; i < GGML_MAX_SRC; i++) {
         if (t->src[i] == from) {
             t->src[i] = to;
         } else {
-            swap_src(t->src[i], from, to, depth - 1);
+            swap_src(t->src[i], from, to, stop, depth - 1);
         }
     }
 }
@@ -388,20 +389,40 @@ static bool views_of(const ggml_tensor * t, const ggml_tensor * from, int depth)
     return false;
 }
 
+// the small F32 weights in device memory (at most n elements: a selection bias, deepseek2's exp_probs_b)
+// that t and the ops between it and `from` read, into leaves (each once, at most 4)
+static void device_leaves(const ggml_tensor * t, const ggml_tensor * from, int64_t n, std::vector<ggml_tensor *> & leaves,
+                          int depth) {
+    if (!t || t == from || depth == 0 || t->op == GGML_OP_NONE) {
+        return;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        ggml_tensor * w = t->src[i];
+        if (w && w->op == GGML_OP_NONE && !w->view_src && w->buffer && !ggml_backend_buffer_is_host(w->buffer) &&
+            w->type == GGML_TYPE_F32 && ggml_is_contiguous(w) && ggml_nelements(w) <= n && leaves.size() < 4 &&
+            std::find(leaves.begin(), leaves.end(), w) == leaves.end()) {
+            leaves.push_back(w);
+        } else {
+            device_leaves(w, from, n, leaves, depth - 1);
+        }
+    }
+}
+
 // the device computes t: a matmul (plus a bias) whose weight is in device memory
 static bool on_device(const ggml_tensor * t) {
     const ggml_tensor * mm = t && t->op == GGML_OP_ADD ? t->src[0] : t;
     return mm && mm->op == GGML_OP_MUL_MAT && mm->src[0]->buffer && !ggml_backend_buffer_is_host(mm->src[0]->buffer);
 }
 
-// A decoded token of a device layer whose experts the CPU computes (host slots) needs two of the
-// device's tensors on the CPU: the router's logits [N, 1] and the FFN's input x [n_embd, 1] (and the
-// predictor's logits [N, 1], with prefetch gate). Each tensor a CPU split reads is a read the
-// scheduler waits for (over RPC a round trip), so they cross as one: joint = concat(x, logits[, pred])
-// on the device, one copy of it on the CPU, and the CPU's ops read views of that copy. Returns the
-// CPU's view of the logits (and of pred in *pred), or logits unchanged where this does not apply
+// A decoded token of a device layer whose experts the CPU computes (host slots) needs tensors of the
+// device on the CPU: the router's logits [N, 1], the FFN's input x [n_embd, 1], with prefetch gate the
+// predictor's logits [N, 1], and the small weights the router's CPU ops read (a selection bias). Each
+// tensor a CPU split reads is a read the scheduler waits for (over RPC a round trip), so they cross as
+// one: joint = concat(x, logits, ...) on the device, one copy of it on the CPU, and the CPU's ops read
+// views of that copy (outs: the routing's outputs, whose ops read them; *pred: the predictor's logits,
+// replaced by its view). Returns the CPU's view of the logits, or logits unchanged where this does not apply
 static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context * ctx, ggml_tensor * logits,
-                                ggml_tensor ** pred, ggml_tensor * const * outs, int n_outs) {
+                                ggml_tensor ** pred, ggml_tensor ** outs, int n_outs) {
     for (int i = 0; i < n_outs; i++) {
         if (views_of(outs[i], logits, 8)) {
             return logits;
@@ -413,33 +434,55 @@ static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context 
         L.res.xt.empty() || !L.uni.t.empty() || !buft || ggml_backend_buft_is_host(buft) ||
         mm->op != GGML_OP_MUL_MAT || mm->src[0] != mc.model->layers[L.il].ffn_gate_inp ||
         mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != 1 || !ggml_is_contiguous(mm->src[1]) ||
-        !ggml_is_contiguous(logits) || (*pred && !ggml_is_contiguous(*pred))) {
-        return logits;
+        !ggml_is_contiguous(logits) || (*pred && (!ggml_is_contiguous(*pred) || !on_device(*pred)))) {
+        return logits; // (a fitted predictor in host memory is computed on the CPU: its own read of x)
     }
-    ggml_tensor * x = mm->src[1];
-    const int64_t n_embd = x->ne[0];
-    const int64_t N = logits->ne[0];
-    if (*pred && !on_device(*pred)) {
-        return logits; // (a fitted predictor in host memory: computed on the CPU, from x's copy)
-    }
-    ggml_tensor * joint = ggml_concat(ctx, ggml_reshape_1d(ctx, x, n_embd), ggml_reshape_1d(ctx, logits, N), 0);
+    std::vector<ggml_tensor *> parts = { mm->src[1], logits }; // what crosses, in the order of the copy
     if (*pred) {
-        joint = ggml_concat(ctx, joint, ggml_reshape_1d(ctx, *pred, N), 0);
+        parts.push_back(*pred);
     }
-    ggml_format_name(moecache_graph_on_device(joint, buft), "moecache_joint-%d", L.il);  // [n_embd + N (+ N)]
-    ggml_tensor * host = moecache_graph_on_cpu(ggml_cont(ctx, joint));                  // one read
+    std::vector<ggml_tensor *> leaves;
+    for (int i = 0; i < n_outs; i++) {
+        device_leaves(outs[i], logits, logits->ne[0], leaves, 8);
+    }
+    parts.insert(parts.end(), leaves.begin(), leaves.end());
+    ggml_tensor * joint = nullptr;
+    for (ggml_tensor * t : parts) {
+        ggml_tensor * flat = ggml_reshape_1d(ctx, t, ggml_nelements(t));
+        joint = joint ? ggml_concat(ctx, joint, flat, 0) : flat;
+    }
+    ggml_format_name(moecache_graph_on_device(joint, buft), "moecache_joint-%d", L.il); // [n_embd + N + ...]
+    ggml_tensor * host = moecache_graph_on_cpu(ggml_cont(ctx, joint));                 // one read
     ggml_format_name(host, "moecache_joint_host-%d", L.il);
-    L.graph.x_dev  = x;
-    L.graph.x_host = ggml_view_2d(ctx, host, n_embd, 1, n_embd * sizeof(float), 0);
-    if (*pred) {
-        *pred = ggml_view_2d(ctx, host, N, 1, N * sizeof(float), (n_embd + N) * sizeof(float));
+    size_t off = 0;
+    std::vector<ggml_tensor *> views;
+    for (ggml_tensor * t : parts) { // each part's view of the copy, shaped as the part (contiguous)
+        const size_t nb1 = t->ne[0] * sizeof(float);
+        views.push_back(ggml_view_4d(ctx, host, t->ne[0], t->ne[1], t->ne[2], t->ne[3], nb1, nb1 * t->ne[1],
+                                     nb1 * t->ne[1] * t->ne[2], off));
+        off += ggml_nelements(t) * sizeof(float);
     }
-    return ggml_view_2d(ctx, host, N, 1, N * sizeof(float), n_embd * sizeof(float));
+    L.graph.x_dev  = parts[0];
+    L.graph.x_host = views[0];
+    for (size_t j = 1; j < parts.size(); j++) { // the ops placed on the CPU read the copy
+        for (int i = 0; i < n_outs; i++) {
+            if (outs[i] == parts[j]) {
+                outs[i] = views[j];
+            } else {
+                swap_src(outs[i], parts[j], views[j], host, 8);
+            }
+        }
+    }
+    if (*pred) {
+        *pred = views[2];
+    }
+    return views[1];
 }
 
 ggml_tensor * moecache_graph_host_input(moecache_layer & L, ggml_context * ctx, ggml_tensor * b) {
     ggml_tensor * x = L.graph.x_dev;
-    if (!x || !b || ggml_nelements(b) != ggml_nelements(x) || !(b == x || (b->view_src == x && b->view_offs == 0))) {
+    if (!x || !b || ggml_nelements(b) != ggml_nelements(x) || !ggml_is_contiguous(b) ||
+        !(b == x || (b->view_src == x && b->view_offs == 0))) {
         return b;
     }
     return ggml_reshape_4d(ctx, L.graph.x_host, b->ne[0], b->ne[1], b->ne[2], b->ne[3]);
@@ -480,15 +523,8 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     }
     ggml_tensor * pred = moecache_ahead_predict_router(*mc, ctx, logits, il, selected->ne[1]);
     L.graph.predicts = pred != nullptr;
-    ggml_tensor * outs[3] = { selected, probs, selection };
+    ggml_tensor * outs[3] = { selected, probs, selection }; // (what the CPU's ops above read comes in one read)
     ggml_tensor * logits_cpu = read_joint(*mc, L, ctx, logits, &pred, outs, 3);
-    for (ggml_tensor *& t : outs) { // (the ops placed on the CPU above read its copy)
-        if (t == logits) {
-            t = logits_cpu;
-        } else if (logits_cpu != logits) {
-            swap_src(t, logits, logits_cpu, 8);
-        }
-    }
     ggml_tensor * args[6] = { outs[0], logits_cpu, outs[1], outs[2], pred, nullptr };
     int32_t n_args = pred ? 5 : 4;
     L.graph.src_input = -1;
@@ -497,7 +533,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
         mm->src[0] == mc->model->layers[il].ffn_gate_inp && mm->src[1]->type == GGML_TYPE_F32 &&
         mm->src[1]->ne[1] == selected->ne[1]) {
         L.graph.src_input = n_args; // the router's input rows, recorded with its outputs
-        args[n_args++]    = mm->src[1];
+        args[n_args++]    = L.graph.x_host ? L.graph.x_host : mm->src[1]; // (its copy, where read_joint made one)
     }
     L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, n_args,
                                        op_select, 1, &L);

@@ -92,7 +92,7 @@ struct moecache_layer_graph {
     ggml_tensor * low_ids        = nullptr; // low-bit misses: the pool slot of each selection (moecache-lowbit.cpp)
     ggml_tensor * x_dev          = nullptr; // a decoded token on a device layer with experts on the CPU: the
     ggml_tensor * x_host         = nullptr; //   FFN's input [n_embd, 1] there, and its copy read with the router's
-                                            //   logits in one piece (moecache_graph_read_joint)
+                                            //   logits in one piece (read_joint, moecache-graph.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input
     int64_t       n_ubatch       = 0;       // tokens of the ubatch the graph is for (the first MoE layer's: the

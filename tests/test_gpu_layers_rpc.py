@@ -625,20 +625,20 @@ def test_buffer_override_keywords_are_checked(fixture_dir):
             pymoecache.Llama(str(path), n_ctx=64, verbose=False, **kw)
 
 
-@pytest.mark.parametrize("name, per_layer", [("qwen2moe-60x4", 2), ("mixtral-8x2", 2), ("deepseek2-sigmoid-64x6", 3)])
-def test_a_vram_tier_costs_two_graph_splits_per_moe_layer(fixture_dir, gpu, name, per_layer):
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2", "deepseek2-sigmoid-64x6"])
+def test_a_vram_tier_costs_two_graph_splits_per_moe_layer(fixture_dir, gpu, name):
     """Each side computes its own activations between the up/gate and down matmuls (rebuilt from its own
     part of the sums), so the CPU's work of a layer and the device's run as one split each: what
     llama.cpp's --n-cpu-moe costs per layer whose experts the CPU computes (the first version crossed
     over twice more per layer: 18 splits a token on a 4-layer model instead of 10). The router's
-    probabilities and top-k are computed on the CPU beside the routing op, so only the logits cross; a
-    router with a selection bias (deepseek2's exp_probs_b, a device weight) adds a CPU split for its copy."""
+    probabilities and top-k are computed on the CPU beside the routing op, so only the logits cross (with
+    the FFN's input, and a router's selection bias, deepseek2's exp_probs_b, a device weight: one read)."""
     path = model_path(fixture_dir, name)
     info = pymoecache.model_info(path)
     _, st, _ = run_vram(path, gpu, "cpu", info.n_expert_used + 1)
     rs = st.residency
     assert rs.decode_graphs > 0  # (a dense layer adds nothing: it stays on the device)
-    assert rs.decode_graph_splits == rs.decode_graphs * (2 + per_layer * info.n_moe_layer), (
+    assert rs.decode_graph_splits == rs.decode_graphs * (2 + 2 * info.n_moe_layer), (
         rs.decode_graph_splits / rs.decode_graphs)
 
 
@@ -671,14 +671,14 @@ with rpc.LocalServer(threads=1, register=False) as server:
 """
 
 
-@pytest.mark.parametrize("name, per_layer", [("qwen2moe-60x4", 1), ("mixtral-8x2", 1), ("deepseek2-sigmoid-64x6", 2)])
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2", "deepseek2-sigmoid-64x6"])
 @pytest.mark.parametrize("prefetch", ["off", "gate"])
-def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, per_layer, prefetch):
+def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, prefetch):
     """Where the CPU computes experts beside a device layer, each read of a device tensor is a wait (over
-    RPC a round trip): the router's logits, the FFN's input (and, with prefetch gate, the predictor's
-    logits) cross in one read, and the device's side takes the tier's slots and rows in one write. Counted
-    in a process of its own, through a proxy in front of the server: per decoded token, one read per MoE
-    layer and one of the logits (deepseek2's selection bias, a device weight, is one more per layer)."""
+    RPC a round trip): the router's logits, the FFN's input (with prefetch gate, the predictor's logits;
+    deepseek2's selection bias, a device weight the CPU's top-k reads) cross in one read, and the device's
+    side takes the tier's slots and rows in one write. Counted in a process of its own, through a proxy in
+    front of the server: per decoded token, one read per MoE layer and one of the logits."""
     import json
     import subprocess
     import sys
@@ -689,6 +689,6 @@ def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, 
                         str(ROOT / "scripts"), prefetch], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     per_token = json.loads(r.stdout.strip().splitlines()[-1])
-    assert per_token["GET_TENSOR"] == per_layer * info.n_moe_layer + 1, per_token
+    assert per_token["GET_TENSOR"] == info.n_moe_layer + 1, per_token
     # writes: the graph's inputs, and per MoE layer the tier's ids, the CPU's experts' output and the weights
     assert per_token["SET_TENSOR"] <= 6 + 3 * info.n_moe_layer, per_token
