@@ -414,9 +414,10 @@ static bool on_device(const ggml_tensor * t) {
     return mm && mm->op == GGML_OP_MUL_MAT && mm->src[0]->buffer && !ggml_backend_buffer_is_host(mm->src[0]->buffer);
 }
 
-// A decoded token of a device layer whose experts the CPU computes (host slots) needs tensors of the
-// device on the CPU: the router's logits [N, 1], the FFN's input x [n_embd, 1], with prefetch gate the
-// predictor's logits [N, 1], and the small weights the router's CPU ops read (a selection bias). Each
+// A decode (one token, or a step of one token per sequence: T rows) of a device layer whose experts the
+// CPU computes (host slots) needs tensors of the device on the CPU: the router's logits [N, T], the FFN's
+// input x [n_embd, T], with prefetch gate the predictor's logits [N, 1], and the small weights the
+// router's CPU ops read (a selection bias). Each
 // tensor a CPU split reads is a read the scheduler waits for (over RPC a round trip), so they cross as
 // one: joint = concat(x, logits, ...) on the device, one copy of it on the CPU, and the CPU's ops read
 // views of that copy (outs: the routing's outputs, whose ops read them; *pred: the predictor's logits,
@@ -430,10 +431,10 @@ static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context 
     }
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
     ggml_backend_buffer_type_t buft = mc.model ? moecache_layer_buft(mc.model, L.il) : nullptr;
-    if (!g_sched || !L.graph.decode || logits->ne[1] != 1 || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM ||
+    if (!g_sched || !L.graph.decode || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM ||
         L.res.xt.empty() || !L.uni.t.empty() || !buft || ggml_backend_buft_is_host(buft) ||
         mm->op != GGML_OP_MUL_MAT || mm->src[0] != mc.model->layers[L.il].ffn_gate_inp ||
-        mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != 1 || !ggml_is_contiguous(mm->src[1]) ||
+        mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != logits->ne[1] || !ggml_is_contiguous(mm->src[1]) ||
         !ggml_is_contiguous(logits) || (*pred && (!ggml_is_contiguous(*pred) || !on_device(*pred)))) {
         return logits; // (a fitted predictor in host memory is computed on the CPU: its own read of x)
     }

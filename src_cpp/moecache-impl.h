@@ -90,8 +90,8 @@ struct moecache_layer_graph {
     ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)
     int32_t       n_vram_sum     = 0;
     ggml_tensor * low_ids        = nullptr; // low-bit misses: the pool slot of each selection (moecache-lowbit.cpp)
-    ggml_tensor * x_dev          = nullptr; // a decoded token on a device layer with experts on the CPU: the
-    ggml_tensor * x_host         = nullptr; //   FFN's input [n_embd, 1] there, and its copy read with the router's
+    ggml_tensor * x_dev          = nullptr; // a decode on a device layer with experts on the CPU: the FFN's
+    ggml_tensor * x_host         = nullptr; //   input [n_embd, T] there, and its copy read with the router's
                                             //   logits in one piece (read_joint, moecache-graph.cpp)
     bool          predicts       = false;   // op_select's src[4] is layer il + d's router logits (GATE)
     int32_t       src_input      = -1;      // router_record: the index in op_select's src of the router's input

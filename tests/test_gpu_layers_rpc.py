@@ -692,3 +692,60 @@ def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, 
     assert per_token["GET_TENSOR"] == info.n_moe_layer + 1, per_token
     # writes: the graph's inputs, and per MoE layer the tier's ids, the CPU's experts' output and the weights
     assert per_token["SET_TENSOR"] <= 6 + 3 * info.n_moe_layer, per_token
+
+
+BATCH_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import llama_cpp
+import pymoecache
+from pymoecache import BatchDecoder, CacheConfig, rpc
+from bench_device import CommandCounter
+path = sys.argv[1]
+prompts, lengths = [[1, 5, 9, 13, 17], [1, 200, 33], [1, 7, 7, 7, 7, 7, 100], [1, 50]], [12, 9, 12, 12]
+out = {}
+with rpc.LocalServer(threads=1, register=False) as server:
+    counter = CommandCounter(server.endpoint)
+    for ngl in (0, 99):
+        kw = dict(n_gpu_layers=99, rpc_servers=counter.endpoint) if ngl else {}
+        llm = pymoecache.Llama(path, routing="lru", n_seq_max=4, n_ctx=512, verbose=False, n_threads=1,
+                               cache=CacheConfig(size=1.0, residency="stream", prefetch="off"), **kw)
+        dec = BatchDecoder(llm)
+        seqs = [dec.add(p, max_tokens=n, keep_logits=True) for p, n in zip(prompts, lengths)]
+        dec.step()  # (the four admitted and prefilled, one step decoded)
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
+        before, steps = counter.snapshot(), 0
+        while not dec.idle():
+            dec.step()
+            steps += 1
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
+        after = counter.snapshot()
+        out[ngl] = dict(tokens=[s.tokens for s in seqs], logits=[np.array(s.logits).tolist() for s in seqs],
+                        reads_per_step=(after.get("GET_TENSOR", 0) - before.get("GET_TENSOR", 0)) / steps,
+                        steps=steps, n_moe=len(llm.moe_stats().moe_layers))
+        dec.close()
+        llm.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "deepseek2-sigmoid-64x6"])
+def test_a_batch_step_beside_device_layers_reads_the_device_once_per_moe_layer(fixture_dir, name):
+    """Four sequences decoded together (BatchDecoder), every layer on the device and the experts in the
+    streamed cache, computed on the CPU: each step's router logits and FFN inputs (one row per sequence)
+    cross in one read per MoE layer, as a single token's do, and the run is the CPU's: the same tokens
+    and logits as without GPU layers."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", BATCH_SCRIPT, str(model_path(fixture_dir, name)), str(ROOT / "scripts")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    cpu, dev = out["0"], out["99"]
+    assert dev["tokens"] == cpu["tokens"] and dev["steps"] >= 8
+    for a, b in zip(dev["logits"], cpu["logits"]):
+        assert np.allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert dev["reads_per_step"] == dev["n_moe"] + 1, dev["reads_per_step"]  # (and the step's logits)
