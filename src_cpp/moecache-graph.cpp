@@ -424,11 +424,6 @@ static bool on_device(const ggml_tensor * t) {
 // replaced by its view). Returns the CPU's view of the logits, or logits unchanged where this does not apply
 static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context * ctx, ggml_tensor * logits,
                                 ggml_tensor ** pred, ggml_tensor ** outs, int n_outs) {
-    for (int i = 0; i < n_outs; i++) {
-        if (views_of(outs[i], logits, 8)) {
-            return logits;
-        }
-    }
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
     ggml_backend_buffer_type_t buft = mc.model ? moecache_layer_buft(mc.model, L.il) : nullptr;
     if (!g_sched || !L.graph.decode || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM ||
@@ -437,6 +432,11 @@ static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context 
         mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != logits->ne[1] || !ggml_is_contiguous(mm->src[1]) ||
         !ggml_is_contiguous(logits) || (*pred && (!ggml_is_contiguous(*pred) || !on_device(*pred)))) {
         return logits; // (a fitted predictor in host memory is computed on the CPU: its own read of x)
+    }
+    for (int i = 0; i < n_outs; i++) {
+        if (views_of(outs[i], logits, 8)) {
+            return logits;
+        }
     }
     std::vector<ggml_tensor *> parts = { mm->src[1], logits }; // what crosses, in the order of the copy
     if (*pred) {
