@@ -70,6 +70,19 @@ class CommandCounter:
         with self.lock:
             return dict(self.counts)
 
+    def during(self, ctx, run) -> dict:
+        """The commands by kind that run() sends through this proxy: each count taken after
+        llama_synchronize(ctx) (ggml's RPC client sends from a queue, and a token's logits are read
+        asynchronously until then)."""
+        import llama_cpp
+
+        llama_cpp.llama_synchronize(ctx)
+        before = self.snapshot()
+        run()
+        llama_cpp.llama_synchronize(ctx)
+        after = self.snapshot()
+        return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
     def _accept(self) -> None:
         import socket
         import threading
@@ -199,12 +212,13 @@ def main() -> None:
         for name, llm in contexts.items():
             llm.reset()
             llm.eval(prompt)
-            before = counter.snapshot()
-            for t in decodes:
-                llm.eval([t])
-                llama_cpp.llama_synchronize(llm._ctx.ctx)
-            after = counter.snapshot()
-            per[name] = {k: (after.get(k, 0) - before.get(k, 0)) / len(decodes) for k in after}
+
+            def decode(llm=llm):
+                for t in decodes:
+                    llm.eval([t])
+                    llama_cpp.llama_synchronize(llm._ctx.ctx)
+
+            per[name] = {k: v / len(decodes) for k, v in counter.during(llm._ctx.ctx, decode).items()}
         kinds = sorted({k for d in per.values() for k, v in d.items() if v})
         print(f"{Path(args.model).name}: -ngl {args.gpu_layers} over RPC, {args.tokens} decoded tokens: RPC commands "
               "per decoded token (eval, then llama_synchronize)")

@@ -247,20 +247,18 @@ def decode_tok_s(llm, tokens, args) -> float:
 
 def count_commands(llm, tokens, counter, n: int = 64) -> dict:
     """ggml RPC commands per decoded token, by kind: a 16-token prompt and 16 decoded tokens, then n
-    decoded ones counted (each count after llama_synchronize: the RPC client sends from a queue)."""
-    import llama_cpp
-
+    decoded ones counted (CommandCounter.during)."""
     llm.reset()
     llm.eval(tokens[:16])
     for t in tokens[16:32]:
         llm.eval([t])
-    llama_cpp.llama_synchronize(llm._ctx.ctx)
-    before = counter.snapshot()
-    for t in tokens[32:32 + n]:
-        llm.eval([t])
-    llama_cpp.llama_synchronize(llm._ctx.ctx)
-    after = counter.snapshot()
-    return {k: (after.get(k, 0) - before.get(k, 0)) / n for k in ("GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE")}
+
+    def decode():
+        for t in tokens[32:32 + n]:
+            llm.eval([t])
+
+    got = counter.during(llm._ctx.ctx, decode)
+    return {k: got.get(k, 0) / n for k in ("GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE")}
 
 
 def stock_llama(model, n_cpu_moe: int, **kw):

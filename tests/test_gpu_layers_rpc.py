@@ -646,7 +646,6 @@ COUNT_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[3])
 import pymoecache
-import llama_cpp
 from pymoecache import CacheConfig, rpc
 from bench_device import CommandCounter  # (a proxy in front of the server counting ggml's RPC commands)
 path, n_vram = sys.argv[1], int(sys.argv[2])
@@ -659,14 +658,14 @@ with rpc.LocalServer(threads=1, register=False) as server:
     for t in range(316, 364):  # (decoded: the tier's free slots filled, fill "cpu" copies up nothing more)
         llm.eval([t])
     copies = llm.moe_stats().residency.vram_copies
-    llama_cpp.llama_synchronize(llm._ctx.ctx)  # (ggml's RPC client sends from a queue: each count taken after a sync)
-    before = counter.snapshot()
-    for t in range(1000, 1016):
-        llm.eval([t])
-    llama_cpp.llama_synchronize(llm._ctx.ctx)  # (the last token's logits read, as a sampler would)
-    after = counter.snapshot()
+
+    def decode():
+        for t in range(1000, 1016):
+            llm.eval([t])
+
+    got = counter.during(llm._ctx.ctx, decode)
     assert llm.moe_stats().residency.vram_copies == copies
-    print(json.dumps({k: (after.get(k, 0) - before.get(k, 0)) / 16 for k in after}))
+    print(json.dumps({k: v / 16 for k, v in got.items()}))
     llm.close()
 """
 
@@ -698,7 +697,6 @@ BATCH_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 import numpy as np
-import llama_cpp
 import pymoecache
 from pymoecache import BatchDecoder, CacheConfig, rpc
 from bench_device import CommandCounter
@@ -714,16 +712,16 @@ with rpc.LocalServer(threads=1, register=False) as server:
         dec = BatchDecoder(llm)
         seqs = [dec.add(p, max_tokens=n, keep_logits=True) for p, n in zip(prompts, lengths)]
         dec.step()  # (the four admitted and prefilled, one step decoded)
-        llama_cpp.llama_synchronize(llm._ctx.ctx)
-        before, steps = counter.snapshot(), 0
-        while not dec.idle():
-            dec.step()
-            steps += 1
-        llama_cpp.llama_synchronize(llm._ctx.ctx)
-        after = counter.snapshot()
+        steps = []
+
+        def drain():
+            while not dec.idle():
+                steps.append(dec.step())
+
+        got = counter.during(llm._ctx.ctx, drain)
         out[ngl] = dict(tokens=[s.tokens for s in seqs], logits=[np.array(s.logits).tolist() for s in seqs],
-                        reads_per_step=(after.get("GET_TENSOR", 0) - before.get("GET_TENSOR", 0)) / steps,
-                        steps=steps, n_moe=len(llm.moe_stats().moe_layers))
+                        reads_per_step=got.get("GET_TENSOR", 0) / len(steps), steps=len(steps),
+                        n_moe=len(llm.moe_stats().moe_layers))
         dec.close()
         llm.close()
 print(json.dumps(out))
