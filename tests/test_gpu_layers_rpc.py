@@ -14,6 +14,7 @@ import pymoecache
 from pymoecache import CacheConfig, rpc
 from pymoecache.errors import ConfigError
 from conftest import MOE_FIXTURES, ROOT, model_path
+from test_rpc_as_installed import installed_env
 
 KW = dict(n_ctx=256, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=2, seed=1)
 PROMPT = list(range(300, 340))   # 40 tokens: prompt ubatches of 32 and 8
@@ -672,7 +673,7 @@ with rpc.LocalServer(threads=1, register=False) as server:
 
 @pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2", "deepseek2-sigmoid-64x6"])
 @pytest.mark.parametrize("prefetch", ["off", "gate"])
-def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, prefetch):
+def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, prefetch, tmp_path):
     """Where the CPU computes experts beside a device layer, each read of a device tensor is a wait (over
     RPC a round trip): the router's logits, the FFN's input (with prefetch gate, the predictor's logits;
     deepseek2's selection bias, a device weight the CPU's top-k reads) cross in one read, and the device's
@@ -685,7 +686,8 @@ def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, 
     path = model_path(fixture_dir, name)
     info = pymoecache.model_info(path)
     r = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, str(path), str(info.n_expert_used + 1),
-                        str(ROOT / "scripts"), prefetch], capture_output=True, text=True, timeout=300)
+                        str(ROOT / "scripts"), prefetch], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env=installed_env())  # (the installed package)
     assert r.returncode == 0, r.stderr[-2000:]
     per_token = json.loads(r.stdout.strip().splitlines()[-1])
     assert per_token["GET_TENSOR"] == info.n_moe_layer + 1, per_token
@@ -729,7 +731,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("name", ["qwen2moe-60x4", "deepseek2-sigmoid-64x6"])
-def test_a_batch_step_beside_device_layers_reads_the_device_once_per_moe_layer(fixture_dir, name):
+def test_a_batch_step_beside_device_layers_reads_the_device_once_per_moe_layer(fixture_dir, name, tmp_path):
     """Four sequences decoded together (BatchDecoder), every layer on the device and the experts in the
     streamed cache, computed on the CPU: each step's router logits and FFN inputs (one row per sequence)
     cross in one read per MoE layer, as a single token's do, and the run is the CPU's: the same tokens
@@ -739,7 +741,8 @@ def test_a_batch_step_beside_device_layers_reads_the_device_once_per_moe_layer(f
     import sys
 
     r = subprocess.run([sys.executable, "-c", BATCH_SCRIPT, str(model_path(fixture_dir, name)), str(ROOT / "scripts")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=installed_env())  # (the installed package)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     cpu, dev = out["0"], out["99"]
