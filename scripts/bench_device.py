@@ -123,8 +123,9 @@ class CommandCounter:
                 if not in_data:
                     cmd, size = buf[0], int.from_bytes(buf[1:9], "little")
                     name = RPC_COMMANDS[cmd] if cmd < len(RPC_COMMANDS) else f"cmd {cmd}"
-                    with self.lock:
+                    with self.lock:  # (and the bytes each kind sends, under "<name> bytes")
                         self.counts[name] = self.counts.get(name, 0) + 1
+                        self.counts[name + " bytes"] = self.counts.get(name + " bytes", 0) + size
                     buf, need, in_data = buf[9:], size, True
                 else:
                     buf, need, in_data = buf[need:], 9, False

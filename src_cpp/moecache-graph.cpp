@@ -42,6 +42,7 @@ thread_local moecache *                                  g_building = nullptr; /
 // (GPU layers, n_gpu_layers > 0) is built; nullptr otherwise
 thread_local ggml_backend_sched_t                        g_sched    = nullptr;
 thread_local ggml_backend_t                              g_cpu      = nullptr;
+thread_local ggml_cgraph *                               g_gf       = nullptr; // the graph being built
 
 // dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run
 // (n_active) and SWAP_RANK's replaced expert whose weight the last slot takes (or -1); the
@@ -264,6 +265,10 @@ void moecache_hook_graph_begin(const llama_context * lctx, int64_t n_tokens, int
 
 void moecache_hook_graph_end(const llama_context * lctx) {
     (void) lctx;
+    if (g_building && g_gf) {
+        moecache_vram_graph_end(*g_building, g_gf); // (the weights join what crosses to the device)
+    }
+    g_gf       = nullptr;
     g_building = nullptr;
     g_sched    = nullptr;
     g_cpu      = nullptr;
@@ -506,6 +511,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
         return selected;
     }
     moecache_layer & L = mc->layers[il];
+    g_gf = gf;
     if (mc->build_n_ubatch == 0) {
         mc->build_n_ubatch = selected->ne[1];
         mc->first_routed   = il;
@@ -530,6 +536,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     int32_t n_args = pred ? 5 : 4;
     L.graph.src_input = -1;
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
+    L.graph.ffn_in = mm->op == GGML_OP_MUL_MAT ? mm->src[1] : nullptr;
     if (mc->cparams.router_record > 0 && mc->cparams.router_record_input && mm->op == GGML_OP_MUL_MAT && mc->model &&
         mm->src[0] == mc->model->layers[il].ffn_gate_inp && mm->src[1]->type == GGML_TYPE_F32 &&
         mm->src[1]->ne[1] == selected->ne[1]) {
@@ -597,7 +604,11 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.ids_out  = nullptr;
         L.graph.arrival  = nullptr;
         L.graph.ready    = nullptr;
-        L.graph.vram_ids = nullptr;
+        L.graph.vram_joint = nullptr;
+        L.graph.vram_joint_dev = nullptr;
+        L.graph.vram_out = nullptr;
+        L.graph.vram_w   = nullptr;
+        L.graph.ffn_in   = nullptr;
         L.graph.vram_slot = nullptr;
         L.graph.vram_row = nullptr;
         L.graph.n_vram_sum = 0;

@@ -83,9 +83,13 @@ struct moecache_layer_graph {
     ggml_tensor * ids_out        = nullptr; //   its output: slot ids (STREAM decode) or the ids unchanged
     ggml_tensor * arrival        = nullptr; // STREAM decode, overlap_experts: the input-side expert matmuls
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
-    ggml_tensor * vram_ids       = nullptr; // VRAM tier: the device slot of each selection (moecache-vram.cpp)
-    ggml_tensor * vram_slot      = nullptr; //   its two rows, viewed once per graph (each view the device's ops
-    ggml_tensor * vram_row       = nullptr; //   read is one copy to the device)
+    ggml_tensor * vram_joint     = nullptr; // VRAM tier: what the device side reads from the CPU, joined (J,
+    ggml_tensor * vram_joint_dev = nullptr; //   moecache-vram.cpp), and its one copy on the device
+    ggml_tensor * vram_slot      = nullptr; //   the two rows of ids in it: the device slot of each selection and
+    ggml_tensor * vram_row       = nullptr; //   its output row (views of the copy)
+    ggml_tensor * vram_out       = nullptr; //   the experts' outputs [n_out, K, 1] (the down matmul's, J joined)
+    ggml_tensor * vram_w         = nullptr; //   the weights' view of the copy [1, K, 1]
+    ggml_tensor * ffn_in         = nullptr; // the router's input x (the FFN's input), where it is a plain matmul
     ggml_tensor * vram_sum[4]    = {};      //   the input-side matmuls' sums, device + CPU side,
     ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)
     int32_t       n_vram_sum     = 0;
@@ -497,6 +501,9 @@ int64_t       moecache_vram_begin(moecache & mc, moecache_layer & L); // the tim
 // value crosses between the backends inside the layer; both stay b where the chain cannot be rebuilt
 void          moecache_vram_split_act(moecache_layer & L, ggml_context * ctx, ggml_tensor * b, ggml_tensor ** b_gpu,
                                       ggml_tensor ** b_cpu);
+// the graph built (llama.cpp's ops after the experts' included): each layer's routing weights, read by the
+// device side beside a VRAM tier, cross to it within the joint (moecache-vram.cpp, J)
+void          moecache_vram_graph_end(moecache & mc, ggml_cgraph * gf);
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu);
 int64_t       moecache_vram_bytes(const moecache & mc);

@@ -16,18 +16,21 @@
 // Graph of one expert matmul (gate, up, gate_up or down) of a layer with the tier, decode:
 //   cpu  = the stream path (moecache-matmul.cpp) on the host slots; a selection computed on the
 //          device runs there on the zero slot (host slot res.n_slots), whose output is 0
-//   ids  = moecache_vram_ids(slots)                 // I32 [K, 2]: row 0 the device slot of each
-//                                                   // selection (the CPU's: one of the token's own,
-//                                                   // computed and dropped), row 1 where its output is
+//   J    = op_vram_joint(slots, cpu_down, weights)  // F32 on the CPU, after its matmuls: the ids [K, 2]
+//                                                   // (row 0 the device slot of each selection, the
+//                                                   // CPU's: one of the token's own, computed and
+//                                                   // dropped; row 1 where its output is), the CPU's
+//                                                   // down output, the routing weights
+//   ids  = the I32 view of J's copy on the device
 //   gpu  = mul_mat_id(device slots, b, ids[:, 0])   // [n_out, K, 1] on the device
 //   out  = get_rows(concat(cpu, gpu), ids[:, 1])    // [n_out, K, 1]: each row taken whole from its side
+//                                                   // (down: cpu is the view of J's copy)
 // The device has no zero slot (every byte of the tier holds an expert): its rows of the CPU's
 // selections are picked out, not added, so whatever they hold never reaches the output. Each
 // side's activations between up/gate and down are rebuilt from its own part (split_act), so each
 // side's down matmul gets the activations of its own selections. Per layer one read crosses to the CPU
-// (the router's logits with the FFN's input, moecache-graph.cpp's read_joint) and the ids (one copy: the
-// device's ops view a copy of both rows made there), the CPU's down output and the weights cross back;
-// expert bytes cross only when copied up.
+// (the router's logits with the FFN's input, moecache-graph.cpp's read_joint) and one write crosses
+// back (J); expert bytes cross only when copied up.
 //
 // Copies up (vram_copy ASYNC): the routing op decides them and sends each one whose read is in
 // to a second backend of the device (`copier`, its own stream: ggml_backend_tensor_set_async),
@@ -54,6 +57,8 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 
 #include <unistd.h>
 
@@ -507,19 +512,38 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
     return t_copy;
 }
 
-// dst: I32 [64, 2] (rows 256 bytes apart: a view of each is aligned as a device's storage buffer
-// offset must be), once the token's copies up are on the device: row 0 [:K] the device slot of each
-// selection (one the device computes for nothing where the CPU computes it: the token's first
-// device slot, else slot 0), row 1 the row of concat(CPU's side, device's side) [n_out, 2K] that
-// holds its output (row 1 [:K]: i on the CPU, K + i on the device); src[0]: the host slot ids
-// (moecache_experts), which ran moecache_vram_decode; src[1]: the CPU's side of the first expert
-// matmul (runs before)
-static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
+// What a decoded token's device side of a layer reads from the CPU goes up as one tensor, the joint J:
+// F32 [192 + n_out * K], each part 256 bytes aligned (a device's storage buffer offsets must be):
+//   [0, 64)    I32 (as bits): row 0 [:K] the device slot of each selection (one the device computes for
+//              nothing where the CPU computes it: the token's first device slot, else slot 0)
+//   [64, 128)  I32: row 1 [:K] the row of concat(CPU's side, device's side) [n_out, 2K] that holds its
+//              output (i on the CPU, K + i on the device)
+//   [128, 192) F32: the routing weights [:K] as llama.cpp multiplies by them, where moecache_vram_graph_end
+//              joined them
+//   [192, ...) F32: the CPU's down output [n_out, K], where the down matmul joined it
+// The device makes one copy of J and its ops read views of it: one write per layer, where the ids, the
+// weights and the CPU's down output were three.
+enum { VRAM_JOINT_ROW = 64, VRAM_JOINT_W = 128, VRAM_JOINT_DOWN = 192 };
+
+// dst: J, once the token's copies up are on the device. src[0]: the weights (or none), src[1]: the host
+// slot ids (moecache_experts, which ran moecache_vram_decode; none where no matmul of the tier joined),
+// src[2]: the CPU's down output (or none; it runs after the CPU's matmuls: the copies overlap them)
+static void op_vram_joint(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
         return;
     }
     moecache_layer & L = *(moecache_layer *) userdata;
+    float * j = (float *) dst->data;
+    if (const ggml_tensor * w = dst->src[0]) {
+        memcpy(j + VRAM_JOINT_W, w->data, ggml_nbytes(w));
+    }
+    if (const ggml_tensor * down = dst->src[2]) {
+        memcpy(j + VRAM_JOINT_DOWN, down->data, ggml_nbytes(down));
+    }
+    if (!dst->src[1]) {
+        return;
+    }
     moecache & mc = *L.mc;
     int64_t t_wait = 0;
     vram_finish(mc, L, 0, t_wait);
@@ -530,7 +554,7 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
             vram_send(mc, T, false, t_later);
         }
     }
-    const int64_t k = L.graph.ids_out->ne[0]; // K (<= MOECACHE_MAX_USED)
+    const int64_t k = dst->src[1]->ne[0]; // K (<= MOECACHE_MAX_USED)
     int32_t dummy = 0; // the token's first device slot (slot 0 where it has none)
     for (int64_t i = 0; i < k; i++) {
         if (L.vram.tok_slot[i] >= 0) {
@@ -538,13 +562,60 @@ static void op_vram_ids(ggml_tensor * dst, int ith, int nth, void * userdata) {
             break;
         }
     }
-    int32_t * slot = (int32_t *) dst->data;                                 // [K]
-    int32_t * row  = (int32_t *) ((char *) dst->data + dst->nb[1]);         // [K]
-    for (int64_t i = 0; i < dst->ne[0]; i++) {
+    int32_t * slot = (int32_t *) j;                  // [K]
+    int32_t * row  = (int32_t *) (j + VRAM_JOINT_ROW); // [K]
+    for (int64_t i = 0; i < VRAM_JOINT_ROW; i++) {
         const bool device = i < k && L.vram.tok_slot[i] >= 0;
         slot[i] = i < k ? (device ? L.vram.tok_slot[i] : dummy) : 0;
         row[i]  = i < k ? (int32_t) (device ? k + i : i) : 0;
     }
+}
+
+// the rows of the down expert tensor's output (n_embd), 0 where the layer has none
+static int64_t vram_n_out(const moecache_layer & L) {
+    for (const moecache_expert_tensor & x : L.res.xt) {
+        if (strstr(ggml_get_name(x.model_t), "down")) {
+            return x.model_t->ne[1];
+        }
+    }
+    return 0;
+}
+
+// J on the CPU and its copy on the device (L.graph.vram_joint, vram_joint_dev), with the views of the ids'
+// two rows the device's matmuls read
+static void vram_joint(moecache_layer & L, ggml_context * ctx, int64_t n_used) {
+    ggml_tensor * j = ggml_custom_4d(ctx, GGML_TYPE_F32, VRAM_JOINT_DOWN + vram_n_out(L) * n_used, 1, 1, 1,
+                                     nullptr, 0, op_vram_joint, 1, &L); // (its sources are joined later)
+    ggml_format_name(moecache_graph_on_cpu(j), "moecache_vram_joint-%d", L.il);
+    ggml_tensor * dev = moecache_graph_on_device(ggml_cont(ctx, j), L.vram.buft); // the one copy up
+    ggml_format_name(dev, "moecache_vram_joint_dev-%d", L.il);
+    L.graph.vram_joint     = j;
+    L.graph.vram_joint_dev = dev;
+    for (int r = 0; r < 2; r++) { // (I32 views of F32 bits: both are 4 bytes, the strides stay)
+        ggml_tensor * v = ggml_view_2d(ctx, dev, n_used, 1, VRAM_JOINT_ROW * sizeof(float), r * VRAM_JOINT_ROW * sizeof(float));
+        v->type = GGML_TYPE_I32;
+        (r == 0 ? L.graph.vram_slot : L.graph.vram_row) = v; // [K, 1]
+    }
+    L.graph.vram_w = ggml_view_3d(ctx, dev, 1, n_used, 1, sizeof(float), n_used * sizeof(float), VRAM_JOINT_W * sizeof(float));
+    ggml_format_name(L.graph.vram_w, "moecache_vram_weights-%d", L.il); // [1, K, 1] (moecache_vram_graph_end)
+}
+
+// whether t reaches `to` through its sources, not past `stop` (the FFN's input); false also where the walk
+// would take more than `budget` ops (then the caller keeps what it has: no cycle can come of it)
+static bool reaches(const ggml_tensor * t, const ggml_tensor * to, const ggml_tensor * stop,
+                    std::unordered_set<const ggml_tensor *> & seen, int & budget) {
+    if (!t || t == stop || t->op == GGML_OP_NONE || !seen.insert(t).second) {
+        return false;
+    }
+    if (t == to || --budget < 0) {
+        return true;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; i++) {
+        if (reaches(t->src[i], to, stop, seen, budget)) {
+            return true;
+        }
+    }
+    return false;
 }
 
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
@@ -556,22 +627,26 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     if (L.vram.n == 0 || j == L.res.xt.size() || L.graph.ids_out->ne[1] != 1) {
         return cpu;
     }
-    if (!L.graph.vram_ids) {
-        ggml_tensor * args[2] = { L.graph.ids_out, cpu }; // (after the CPU's matmuls: the copies overlap them)
-        L.graph.vram_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, 64, 2, 1, 1, args, 2, op_vram_ids, 1, &L);
-        ggml_format_name(moecache_graph_on_cpu(L.graph.vram_ids), "moecache_vram_ids-%d", L.il);
-        // one copy to the device of both rows, where the device copies I32; the views are of that copy
-        ggml_tensor * ids = moecache_graph_on_device(ggml_cont(ctx, L.graph.vram_ids), L.vram.buft);
-        ggml_format_name(ids, "moecache_vram_ids_dev-%d", L.il);
-        const int64_t n_used = L.graph.ids_out->ne[0];
-        L.graph.vram_slot = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], 0);          // [K, 1]
-        L.graph.vram_row  = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], ids->nb[1]); // [K, 1]
+    const int64_t n_used = L.graph.ids_out->ne[0];
+    if (!L.graph.vram_joint) {
+        vram_joint(L, ctx, n_used);
     }
+    ggml_tensor * joint = L.graph.vram_joint;
+    joint->src[1] = L.graph.ids_out;
     ggml_tensor * slot = L.graph.vram_slot; // (the same views for every matmul of the layer: the scheduler
     ggml_tensor * row  = L.graph.vram_row;  //  copies each tensor a split reads once, a view like any other)
     ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, slot); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
+    std::unordered_set<const ggml_tensor *> seen;
+    int budget = 1024;
+    if (!input_side && !joint->src[2] && cpu->type == GGML_TYPE_F32 && ggml_is_contiguous(cpu) &&
+        ggml_nelements(cpu) == ggml_nelements(joint) - VRAM_JOINT_DOWN && !reaches(cpu, L.graph.vram_joint_dev, L.graph.ffn_in, seen, budget)) {
+        joint->src[2] = cpu; // the CPU's down output crosses in J (where it does not itself read J: no cycle)
+        const size_t nb1 = cpu->ne[0] * sizeof(float);
+        cpu = ggml_view_3d(ctx, L.graph.vram_joint_dev, cpu->ne[0], cpu->ne[1], cpu->ne[2], nb1, nb1 * cpu->ne[1],
+                           VRAM_JOINT_DOWN * sizeof(float));
+    }
     // the CPU's side first in the graph, where nothing of the device's is needed: the CPU's work of the layer
     // (its matmuls, activations, down) and the device's each run as one split
     ggml_tensor * both = ggml_concat(ctx, cpu, gpu, 1);                       // [n_out, 2K, 1]
@@ -582,7 +657,59 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
         L.graph.vram_side[k][0] = gpu;
         L.graph.vram_side[k][1] = cpu;
     }
+    if (joint->src[2]) {
+        L.graph.vram_out = sum;
+    }
     return sum;
+}
+
+// llama.cpp expands the weights into the graph before the experts' matmuls are built, so J cannot read them
+// when it is made: once the graph is built, J reads llama.cpp's weights (before it in the graph), and the op
+// that weights the experts' outputs reads J's copy instead (the view placed just before that op)
+void moecache_vram_graph_end(moecache & mc, ggml_cgraph * gf) {
+    bool any = false;
+    for (const moecache_layer & L : mc.layers) {
+        any |= L.graph.vram_out != nullptr;
+    }
+    if (!any) {
+        return;
+    }
+    ggml_tensor ** nodes = ggml_graph_nodes(gf);
+    const int n = ggml_graph_n_nodes(gf);
+    std::unordered_map<const ggml_tensor *, int> at; // each node's place, and llama.cpp's weighting of each output
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> weighting;
+    for (int i = 0; i < n; i++) {
+        at[nodes[i]] = i;
+        if (nodes[i]->op == GGML_OP_MUL && nodes[i]->src[0]) {
+            weighting.emplace(nodes[i]->src[0], nodes[i]);
+        }
+    }
+    for (moecache_layer & L : mc.layers) {
+        ggml_tensor * j = L.graph.vram_joint;
+        auto m = L.graph.vram_out ? weighting.find(L.graph.vram_out) : weighting.end();
+        if (m == weighting.end() || ggml_graph_n_nodes(gf) >= ggml_graph_size(gf)) {
+            continue;
+        }
+        ggml_tensor * mul = m->second;
+        ggml_tensor * w   = mul->src[1]; // [1, K, 1] (llama.cpp's normalizing and scaling done)
+        if (w->type != GGML_TYPE_F32 || !ggml_is_contiguous(w) || !ggml_are_same_shape(w, L.graph.vram_w) ||
+            !at.count(w) || !at.count(j) || at[w] > at[j]) {
+            continue; // (where J is computed, the weights must be: they come before it)
+        }
+        j->src[0] = w;
+        ggml_tensor * v = L.graph.vram_w;
+        ggml_build_forward_expand(gf, v); // (appended after mul: moved to just before it)
+        nodes = ggml_graph_nodes(gf);
+        const int last = ggml_graph_n_nodes(gf) - 1;
+        std::rotate(nodes + at[mul], nodes + last, nodes + last + 1);
+        mul->src[1] = v;
+        for (auto & it : at) { // (the nodes after it moved one on)
+            if (it.second >= at[mul] && it.first != v) {
+                it.second += 1;
+            }
+        }
+        at[v] = at[mul] - 1;
+    }
 }
 
 // t with each input-side sum of L replaced by its `side` part: t itself where no sum lies within `depth`
