@@ -318,7 +318,21 @@ def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None) -
         raise MissingDependencyError("ggml has no CPU device")
     devices = (c_void_p * 1)(dev)
     n = threads if threads else max(1, (os.cpu_count() or 2) // 2)
+    parent = os.environ.pop(_PARENT_ENV, "")
+    if parent.isdigit():  # a LocalServer's: it ends with the process that started it, however that one ends
+        threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True).start()
     rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, n, 1, devices)
+
+
+_PARENT_ENV = "PYMOECACHE_RPC_PARENT"  # (set by LocalServer for its child: the pid it serves)
+
+
+def _exit_with_parent(pid: int) -> None:
+    """Exits this process once `pid` is no longer its parent (killed or gone without leaving the
+    ``with`` block: the server would otherwise listen on, orphaned)."""
+    while os.getppid() == pid:
+        time.sleep(0.5)
+    os._exit(0)
 
 
 def _free_port(host: str) -> int:
@@ -329,7 +343,8 @@ def _free_port(host: str) -> int:
 
 class LocalServer:
     """An RPC server of this machine's CPU in a child process on the loopback, for as long as the
-    ``with`` block lasts (its ``endpoint`` is ``127.0.0.1:PORT``, a free port by default).
+    ``with`` block lasts (its ``endpoint`` is ``127.0.0.1:PORT``, a free port by default), or this
+    process does: killed inside the block, it takes the server with it.
 
     The devices it serves are registered with :func:`add_server` on entry (unless ``register=False``).
     ggml cannot remove them again: after the block, a model loaded in this process is given the
@@ -352,6 +367,7 @@ class LocalServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--host", self.host,
                                       "--port", str(self.port), "--threads", str(self.threads)],
                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, _PARENT_ENV: str(os.getpid())},
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this package)
         deadline = time.monotonic() + self.timeout
         while True:

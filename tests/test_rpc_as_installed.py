@@ -350,6 +350,44 @@ def _listening(port: int) -> bool:
         return False
 
 
+ORPHAN_SCRIPT = r"""
+import sys, time
+from pymoecache import rpc
+server = rpc.LocalServer(threads=1).__enter__()  # (never left: the process is killed in it)
+print(server.proc.pid, server.port, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_local_server_ends_with_the_process_that_started_it(tmp_path):
+    """A LocalServer's child, its parent killed inside the ``with`` block (SIGKILL: no cleanup runs), does
+    not listen on as an orphan: it exits within seconds."""
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT], cwd=tmp_path, env=installed_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid, port = map(int, proc.stdout.readline().split())
+        assert _listening(port)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive and not _listening(port)
+
+
+def _alive(pid: int) -> bool:
+    """pid runs (a zombie, exited and not yet reaped by init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_rpc_server_resolves_names_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--host", "localhost", "--port", str(port)],
