@@ -51,13 +51,16 @@ RPC_COMMANDS = ["ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BAS
 
 
 class CommandCounter:
-    """A TCP proxy in front of a ggml RPC server that counts the commands its clients send."""
+    """A TCP proxy in front of a ggml RPC server that counts the commands its clients send; with
+    ``mbps``, a link of that many MB/s from the client to the server (each piece forwarded once the
+    link would have carried it: a GPU machine across a network, on one machine)."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, mbps: float = 0.0):
         import socket
         import threading
 
         self.target = target
+        self.mbps = mbps
         self.counts: dict = {}
         self.lock = threading.Lock()
         self.listener = socket.socket()
@@ -118,6 +121,10 @@ class CommandCounter:
             if not count:
                 dst.sendall(data)
                 continue
+            if self.mbps > 0:
+                import time
+
+                time.sleep(len(data) / (self.mbps * 1e6))
             buf += data
             while len(buf) >= need:
                 if not in_data:

@@ -13,6 +13,7 @@ tenth of Tiny Shakespeare, chunks of 256 tokens) with every token decoded alone.
 
     python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_vram_share.py --model MODEL --speed --reps 3     # also decode tok/s against stock
+    python scripts/bench_vram_share.py --model MODEL --speed --link-mbps 117   # the server across 1 Gbit Ethernet
     python scripts/bench_vram_share.py --model MODEL --routings default,lru,prior:0.3:j=1 --ppl-chunks 20
 
 --host-share H with --exclusive: the host cache holds H of each layer's experts (not all of them) and
@@ -86,6 +87,9 @@ def main() -> None:
     ap.add_argument("--count-rpc", action="store_true",
                     help="also each row's RPC commands per decoded token (reads, writes, graphs), through a counting "
                          "proxy in front of the local server")
+    ap.add_argument("--link-mbps", type=float, default=0.0,
+                    help="with --rpc local: the server behind a link of this many MB/s from this process (a GPU "
+                         "machine across a network: 1 Gbit Ethernet is about 117)")
     ap.add_argument("--lowbit", metavar="COMPANION",
                     help="a low-bit companion of MODEL: our rows hold its copies (miss lowbit-cache), plus a top-k row at "
                          "full precision")
@@ -94,17 +98,19 @@ def main() -> None:
     import pymoecache
     from pymoecache import CacheConfig, evaluate, rpc
 
-    if args.count_rpc and args.rpc != "local":
-        ap.error("--count-rpc needs --rpc local")
+    proxied = args.count_rpc or args.link_mbps > 0
+    if proxied and args.rpc != "local":
+        ap.error("--count-rpc and --link-mbps need --rpc local")
     servers = contextlib.ExitStack()
-    endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not args.count_rpc)).endpoint \
+    endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not proxied)).endpoint \
         if args.rpc == "local" else args.rpc
     counter = None
-    if args.count_rpc:
+    if proxied:
         from bench_device import CommandCounter
 
-        counter = CommandCounter(endpoint)
-        endpoint = counter.endpoint
+        link = CommandCounter(endpoint, mbps=args.link_mbps)
+        endpoint = link.endpoint
+        counter = link if args.count_rpc else None
     device = {} if args.rpc == "none" else {"rpc_servers": endpoint}
     info = pymoecache.model_info(args.model)
     n_vram = max(1, round(args.share * info.n_expert))
@@ -187,7 +193,8 @@ def main() -> None:
     print(f"{Path(args.model).name}: {n_layers} MoE layers, {info.n_expert} experts top-{info.n_expert_used}; device memory "
           f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
           f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}"
-          + (f", counted after {args.warmup} decoded ones" if args.warmup else ""))
+          + (f", counted after {args.warmup} decoded ones" if args.warmup else "")
+          + (f"; the RPC server behind a {args.link_mbps:g} MB/s link" if args.link_mbps else ""))
     speed = "tok_s" in rows[0]
     cmds = "rpc" in rows[0]
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "

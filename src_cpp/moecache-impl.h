@@ -137,6 +137,7 @@ struct moecache_layer_vram {
     std::vector<uint8_t> fresh;            // [n_expert] scratch: read from the file for the current token
     int64_t              clock = 0;
     std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
+    bool                 unacked = false;  // the device's synchronize returns before the bytes are there (RPC)
     struct ggml_backend * copier = nullptr;// a second backend of the device (its own stream): the copies up,
                                            //   queued without waiting (vram_copy ASYNC); owned by moecache
     std::vector<int32_t> copy_e, copy_hs;  // the current token's copies up: expert, host slot (parallel to
@@ -379,6 +380,7 @@ struct moecache {
     int64_t t_io_prompt_us    = 0;
     int64_t t_vram_copy_us    = 0;             // VRAM tier: time spent copying up
     double  vram_us_per_byte  = 0.0;           //   measured: a copy's time per byte (0 = not yet)
+    int64_t vram_acks         = 0;             //   copies up ended on a device whose sends do not wait (RPC)
     double  vram_cpu_us       = 0.0;           //   measured: one expert's matmuls on the CPU (0 = not yet)
     int64_t load_bytes        = 0;             // read by moecache_slots_fill_all (moecache_residency_stats)
     int64_t t_io_load_us      = 0;

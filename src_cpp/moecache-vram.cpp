@@ -115,6 +115,8 @@ int32_t moecache_vram_init(moecache & mc) {
             }
             L.vram.copier = L.vram.copier ? L.vram.copier : ggml_backend_dev_init(dev, nullptr);
         }
+        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+        L.vram.unacked = reg && strcmp(ggml_backend_reg_name(reg), "RPC") == 0; // (a send returns once queued)
         L.vram.exclusive = mc.cparams.vram_exclusive && L.capacity < mc.n_expert; // (a host cache of every expert: inclusive)
         if (L.vram.exclusive && L.capacity < 1) {
             return moecache_fail_residency("vram_exclusive needs a host cache of at least one expert (layer " +
@@ -319,13 +321,23 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
     }
     const int64_t t_before = t_send;
     t_send += vram_send(mc, L, true, t_wait);
-    if (V.copier) {
+    // where the device's synchronize returns before the bytes are there (RPC: once they are queued on the
+    // socket, however slow the link), every 16th token's copies end with a read back, a round trip that
+    // returns once the server has them all: AUTO's cost is measured on those alone
+    const bool acked = V.unacked && mc.vram_acks++ % 16 == 0 && V.copy_t[0] > 0;
+    if (V.copier || acked) {
         const int64_t t_sync = moecache_time_us();
-        ggml_backend_synchronize(V.copier);
+        if (V.copier) {
+            ggml_backend_synchronize(V.copier);
+        }
+        if (acked) {
+            int32_t back = 0;
+            ggml_backend_tensor_get(V.t[0], &back, (size_t) V.copy_vs[0] * V.t[0]->nb[2], sizeof(back));
+        }
         const int64_t t1 = moecache_time_us();
         t_send            += t1 - t_sync;
         mc.t_vram_copy_us += t1 - t_sync;
-        for (size_t i = 0; i < V.copy_e.size(); i++) {
+        for (size_t i = 0; i < V.copy_e.size() && V.copier; i++) { // (made without one: on the timeline already)
             if (V.copy_t[i] > 0) { // (0: its read failed)
                 moecache_graph_event(mc, MOECACHE_EVENT_COPY_UP, L.il, V.copy_e[i], 1, V.copy_t0, V.copy_t[i], t1,
                                      (int64_t) moecache_slot_bytes(L));
@@ -337,7 +349,9 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
     }
     const double bytes    = (double) moecache_slot_bytes(L) * (double) V.copy_e.size();
     const double per_byte = (double) std::max<int64_t>(t_send, 1) / bytes;
-    mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
+    if (!V.unacked || acked) {
+        mc.vram_us_per_byte = mc.vram_us_per_byte > 0.0 ? 0.9 * mc.vram_us_per_byte + 0.1 * per_byte : per_byte;
+    }
     V.copy_e.clear();
     V.copy_hs.clear();
     V.copy_vs.clear();

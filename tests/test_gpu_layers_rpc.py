@@ -696,6 +696,45 @@ def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, 
     assert per_token["SET_TENSOR"] <= 6 + info.n_moe_layer, per_token
 
 
+SLOW_LINK_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import pymoecache
+from pymoecache import CacheConfig, rpc
+from bench_device import CommandCounter  # (with mbps: a link of that bandwidth in front of the server)
+path, n_vram = sys.argv[1], int(sys.argv[2])
+with rpc.LocalServer(threads=1, register=False) as server:
+    link = CommandCounter(server.endpoint, mbps=float(sys.argv[4]))
+    llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=link.endpoint, n_ctx=128, verbose=False, n_threads=1,
+                           cache=CacheConfig(size=1.0, residency="stream", prefetch="off", vram_size=n_vram),
+                           routing="lru")
+    llm.eval(list(range(300, 316)))
+    for t in range(316, 380):
+        llm.eval([t])
+    rs = llm.moe_stats().residency
+    print(json.dumps(dict(copies=rs.vram_copies, cpu=rs.vram_cpu, layers=len(llm.moe_stats().moe_layers))))
+    llm.close()
+"""
+
+
+def test_the_default_fill_copies_nothing_up_a_slow_link(fixture_dir, tmp_path):
+    """vram_fill auto copies an expert up where that costs less than computing it on the CPU. ggml's RPC
+    client returns from a copy once it is queued on the socket, whatever the link: there the cost is
+    measured with a read back (a round trip). Over a 10 MB/s link (a GPU machine across a slow network),
+    once the tier's free slots are filled nothing more is copied up: the misses are computed on the CPU."""
+    import json
+    import subprocess
+    import sys
+
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    n_vram = 5
+    r = subprocess.run([sys.executable, "-c", SLOW_LINK_SCRIPT, str(path), str(n_vram), str(ROOT / "scripts"), "10"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=installed_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["cpu"] > 0 and got["copies"] <= got["layers"] * n_vram, got  # (the free slots' fills only)
+
+
 BATCH_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
