@@ -123,6 +123,8 @@ def add_server(endpoint: str) -> None:
 # typedef void (*ggml_abort_callback_t)(const char * error_message);
 _ABORT_CB = ctypes.CFUNCTYPE(None, c_char_p)
 _abort_handler = None  # (kept referenced: ggml holds the pointer for the life of the process)
+_stderr_fd = 2  # a copy of this process's stderr, made with the handler: llama-cpp-python points fd 2 at
+#                 /dev/null while it loads a model quietly (verbose=False), and the error line must be seen
 
 # the exit status of a process whose RPC server stopped answering during a command (the CLI's for an error)
 EXIT_RPC_LOST = 2
@@ -136,7 +138,7 @@ def _on_ggml_abort(message: bytes) -> None:
     no core dump or debugger output. Every other abort prints its message and backtrace as before."""
     text = (message or b"").decode(errors="replace")
     if "ggml-rpc" not in text.partition(": ")[0]:  # (file:line: message; not ggml-rpc.cpp's)
-        os.write(2, (text + "\n").encode(errors="replace"))
+        os.write(_stderr_fd, (text + "\n").encode(errors="replace"))
         try:
             load_ggml().ggml_print_backtrace()
         except Exception:
@@ -152,7 +154,7 @@ def _on_ggml_abort(message: bytes) -> None:
         except Exception:
             pass
     reason = text.rpartition(": ")[2].strip() or text
-    os.write(2, (f"pymoecache: error: rpc server {', '.join(gone)} stopped answering during a command (ggml: "
+    os.write(_stderr_fd, (f"pymoecache: error: rpc server {', '.join(gone)} stopped answering during a command (ggml: "
                  f"{reason}). ggml's RPC client has no way to return this error, so the process ends here (exit "
                  f"status {EXIT_RPC_LOST}). Start the server again and load the model in a new process, or run "
                  "without -ngl.\n").encode(errors="replace"))
@@ -161,8 +163,12 @@ def _on_ggml_abort(message: bytes) -> None:
 
 def _catch_rpc_abort() -> None:
     """Install :func:`_on_ggml_abort` (once per process, when a server is first registered)."""
-    global _abort_handler
+    global _abort_handler, _stderr_fd
     if _abort_handler is None:
+        try:
+            _stderr_fd = os.dup(2)
+        except OSError:
+            pass
         ggml = load_ggml()
         ggml.ggml_set_abort_callback.argtypes = [_ABORT_CB]
         ggml.ggml_set_abort_callback.restype = c_void_p
