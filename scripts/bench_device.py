@@ -53,14 +53,16 @@ RPC_COMMANDS = ["ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BAS
 class CommandCounter:
     """A TCP proxy in front of a ggml RPC server that counts the commands its clients send; with
     ``mbps``, a link of that many MB/s from the client to the server (each piece forwarded once the
-    link would have carried it: a GPU machine across a network, on one machine)."""
+    link would have carried it: a GPU machine across a network, on one machine); with ``cut_after``,
+    a link that drops each connection once its client has sent that many bytes (a server lost mid-way)."""
 
-    def __init__(self, target: str, mbps: float = 0.0):
+    def __init__(self, target: str, mbps: float = 0.0, cut_after: int = 0):
         import socket
         import threading
 
         self.target = target
         self.mbps = mbps
+        self.cut_after = cut_after
         self.counts: dict = {}
         self.lock = threading.Lock()
         self.listener = socket.socket()
@@ -103,12 +105,15 @@ class CommandCounter:
         buf = b""
         need = 9  # the header of the next command
         in_data = False
+        sent = 0
         while True:
             try:
                 data = src.recv(1 << 16)
             except OSError:
                 data = b""
-            if not data:  # (shutdown, not only close: the other direction's thread is blocked reading)
+            sent += len(data) if count else 0
+            if not data or (self.cut_after and sent > self.cut_after):
+                # (shutdown, not only close: the other direction's thread is blocked reading)
                 import socket
 
                 for s in (src, dst):

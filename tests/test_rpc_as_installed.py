@@ -314,44 +314,15 @@ def test_a_server_that_dies_during_a_decode_ends_the_run_with_an_error_not_an_ab
 
 
 CUT_DURING_LOAD_SCRIPT = r"""
-import socket, sys, threading
+import sys
+sys.path.insert(0, sys.argv[2])
 import pymoecache
 from pymoecache import rpc
-
-def cut_link(target, after):  # a proxy that drops the connection once the client has sent `after` bytes
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    def pipe(src, dst, limit):
-        sent = 0
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            if not data or (limit and sent + len(data) > limit):
-                for s in (src, dst):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                        s.close()
-                    except OSError:
-                        pass
-                return
-            dst.sendall(data)
-            sent += len(data)
-    def accept():
-        while True:
-            client, _ = listener.accept()
-            host, _, port = target.rpartition(":")
-            server = socket.create_connection((host, int(port)))
-            threading.Thread(target=pipe, args=(server, client, 0), daemon=True).start()
-            threading.Thread(target=pipe, args=(client, server, after), daemon=True).start()
-    threading.Thread(target=accept, daemon=True).start()
-    return "127.0.0.1:%d" % listener.getsockname()[1]
+from bench_device import CommandCounter  # (with cut_after: a link that drops the connection mid-way)
 
 with rpc.LocalServer(threads=1, register=False) as server:
-    link = cut_link(server.endpoint, 200000)  # (the model's weights going up are more)
-    llm = pymoecache.Llama(sys.argv[1], n_gpu_layers=99, rpc_servers=link, n_ctx=64, verbose=False)
+    link = CommandCounter(server.endpoint, cut_after=200000)  # (the model's weights going up are more)
+    llm = pymoecache.Llama(sys.argv[1], n_gpu_layers=99, rpc_servers=link.endpoint, n_ctx=64, verbose=False)
     print("loaded")
 """
 
@@ -360,7 +331,8 @@ def test_a_server_lost_during_a_quiet_load_says_so(fixture_dir, tmp_path):
     """The link to the server dropped while the model's weights go up, verbose=False: llama-cpp-python
     points stderr at /dev/null while it loads, and the process ended with status 2 and not a word. The
     line that names the server reaches the process's stderr."""
-    r = subprocess.run([sys.executable, "-c", CUT_DURING_LOAD_SCRIPT, str(model_path(fixture_dir, MODEL))],
+    r = subprocess.run([sys.executable, "-c", CUT_DURING_LOAD_SCRIPT, str(model_path(fixture_dir, MODEL)),
+                        str(ROOT / "scripts")],
                        cwd=tmp_path, env=installed_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == rpc.EXIT_RPC_LOST and "loaded" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
     assert "stopped answering during a command" in r.stderr, r.stderr[-2000:]
