@@ -232,14 +232,15 @@ def main() -> None:
                     llama_cpp.llama_synchronize(llm._ctx.ctx)
 
             per[name] = {k: v / len(decodes) for k, v in counter.during(llm._ctx.ctx, decode).items()}
-        kinds = sorted({k for d in per.values() for k, v in d.items() if v})
+        kinds = sorted({k for d in per.values() for k, v in d.items() if v and not k.endswith(" bytes")})
         print(f"{Path(args.model).name}: -ngl {args.gpu_layers} over RPC, {args.tokens} decoded tokens: RPC commands "
-              "per decoded token (eval, then llama_synchronize)")
-        print("\n| context | all | " + " | ".join(kinds) + " |")
-        print("|---|---|" + "---|" * len(kinds))
+              "per decoded token (eval, then llama_synchronize), and the bytes they carry")
+        print("\n| context | all | " + " | ".join(kinds) + " | KiB sent |")
+        print("|---|---|" + "---|" * len(kinds) + "---|")
         for name in names:
-            print(f"| {name} | {sum(per[name].values()):.2f} | " + " | ".join(f"{per[name].get(k, 0):.2f}" for k in kinds)
-                  + " |")
+            sent = sum(v for k, v in per[name].items() if k.endswith(" bytes")) / 1024
+            print(f"| {name} | {sum(per[name].get(k, 0) for k in kinds):.2f} | "
+                  + " | ".join(f"{per[name].get(k, 0):.2f}" for k in kinds) + f" | {sent:.1f} |")
         for llm in contexts.values():
             llm.close()
         servers.close()
