@@ -200,9 +200,9 @@ def main() -> None:
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "
           "| expert reads per token and layer | ppl | vs top-k |" + (" vs full top-k |" if full else "")
           + (" decode tok/s | vs stock --n-cpu-moe |" if speed else "")
-          + (" RPC reads / writes / graphs per token |" if cmds else ""))
+          + (" RPC reads / writes / graphs per token | KiB sent per token |" if cmds else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + ("---|---|" if speed else "")
-          + ("---|" if cmds else ""))
+          + ("---|---|" if cmds else ""))
 
     def vs(r, b):
         return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
@@ -216,7 +216,7 @@ def main() -> None:
               f"{vs(r, own)} |"
               + (f" {vs(r, full)} |" if full else "")
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else "")
-              + (" {GET_TENSOR:.2f} / {SET_TENSOR:.2f} / {GRAPH_COMPUTE:.2f} |".format(**r["rpc"]) if cmds else ""))
+              + (" {GET_TENSOR:.2f} / {SET_TENSOR:.2f} / {GRAPH_COMPUTE:.2f} | {KIB:.1f} |".format(**r["rpc"]) if cmds else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -265,7 +265,9 @@ def count_commands(llm, tokens, counter, n: int = 64) -> dict:
             llm.eval([t])
 
     got = counter.during(llm._ctx.ctx, decode)
-    return {k: got.get(k, 0) / n for k in ("GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE")}
+    per = {k: got.get(k, 0) / n for k in ("GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE")}
+    per["KIB"] = sum(v for k, v in got.items() if k.endswith(" bytes")) / n / 1024  # (what they carry)
+    return per
 
 
 def stock_llama(model, n_cpu_moe: int, **kw):
