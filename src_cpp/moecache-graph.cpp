@@ -249,6 +249,7 @@ void moecache_hook_graph_begin(const llama_context * lctx, int64_t n_tokens, int
     }
     g_sched = nullptr;
     g_cpu   = nullptr;
+    g_gf    = nullptr; // (set by the first routed layer)
     if (g_building) {
         ggml_backend_sched_t sched = lctx->get_sched();
         const int n = sched ? ggml_backend_sched_get_n_backends(sched) : 0;
