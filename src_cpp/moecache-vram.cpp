@@ -322,8 +322,9 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
     const int64_t t_before = t_send;
     t_send += vram_send(mc, L, true, t_wait);
     // where the device's synchronize returns before the bytes are there (RPC: once they are queued on the
-    // socket, however slow the link), every 16th token's copies end with a read back, a round trip that
-    // returns once the server has them all: AUTO's cost is measured on those alone
+    // socket, however slow the link), every 16th end of a layer's copies (over all layers) reads back 4 bytes
+    // of its first slot: a round trip, which returns once the server has taken every command sent before it,
+    // the copies with them. AUTO's cost is measured on those alone
     const bool acked = V.unacked && mc.vram_acks++ % 16 == 0 && V.copy_t[0] > 0;
     if (V.copier || acked) {
         const int64_t t_sync = moecache_time_us();
