@@ -633,6 +633,13 @@ static bool reaches(const ggml_tensor * t, const ggml_tensor * to, const ggml_te
     return false;
 }
 
+// whether t reads L's joint copy (the FFN's input, the walk's stop, is read by both): then t cannot join J
+static bool reads_joint(const moecache_layer & L, const ggml_tensor * t) {
+    std::unordered_set<const ggml_tensor *> seen;
+    int budget = 1024;
+    return reaches(t, L.graph.vram_joint_dev, L.graph.ffn_in, seen, budget);
+}
+
 ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, const moecache_expert_tensor & x,
                                        ggml_tensor * b, ggml_tensor * cpu) {
     size_t j = 0;
@@ -653,10 +660,8 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     ggml_tensor * gpu = ggml_mul_mat_id(ctx, L.vram.t[j], b, slot); // where its weights are
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
-    std::unordered_set<const ggml_tensor *> seen;
-    int budget = 1024;
     if (!input_side && !joint->src[2] && cpu->type == GGML_TYPE_F32 && ggml_is_contiguous(cpu) &&
-        ggml_nelements(cpu) == ggml_nelements(joint) - VRAM_JOINT_DOWN && !reaches(cpu, L.graph.vram_joint_dev, L.graph.ffn_in, seen, budget)) {
+        ggml_nelements(cpu) == ggml_nelements(joint) - VRAM_JOINT_DOWN && !reads_joint(L, cpu)) {
         joint->src[2] = cpu; // the CPU's down output crosses in J (where it does not itself read J: no cycle)
         const size_t nb1 = cpu->ne[0] * sizeof(float);
         cpu = ggml_view_3d(ctx, L.graph.vram_joint_dev, cpu->ne[0], cpu->ne[1], cpu->ne[2], nb1, nb1 * cpu->ne[1],

@@ -643,32 +643,47 @@ def test_a_vram_tier_costs_two_graph_splits_per_moe_layer(fixture_dir, gpu, name
         rs.decode_graph_splits / rs.decode_graphs)
 
 
-COUNT_SCRIPT = r"""
+TIER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[3])
 import pymoecache
 from pymoecache import CacheConfig, rpc
-from bench_device import CommandCounter  # (a proxy in front of the server counting ggml's RPC commands)
-path, n_vram = sys.argv[1], int(sys.argv[2])
+from bench_device import CommandCounter  # (a proxy in front of the server: counts ggml's RPC commands; mbps: a link)
+path, n_vram, prefetch, fill, mbps = sys.argv[1], int(sys.argv[2]), sys.argv[4], sys.argv[5], float(sys.argv[6])
 with rpc.LocalServer(threads=1, register=False) as server:
-    counter = CommandCounter(server.endpoint)
+    counter = CommandCounter(server.endpoint, mbps=mbps)
     llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=counter.endpoint, n_ctx=128, verbose=False, n_threads=1,
-                           cache=CacheConfig(size=1.0, residency="stream", prefetch=sys.argv[4], vram_size=n_vram,
-                                             vram_fill="cpu"), routing="lru")
+                           cache=CacheConfig(size=1.0, residency="stream", prefetch=prefetch, vram_size=n_vram,
+                                             vram_fill=fill), routing="lru")
     llm.eval(list(range(300, 316)))
-    for t in range(316, 364):  # (decoded: the tier's free slots filled, fill "cpu" copies up nothing more)
+    for t in range(316, 380):  # (decoded: the tier's free slots filled; fill "cpu" copies up nothing more)
         llm.eval([t])
-    copies = llm.moe_stats().residency.vram_copies
+    rs = llm.moe_stats().residency
+    out = dict(copies=rs.vram_copies, cpu=rs.vram_cpu, layers=len(llm.moe_stats().moe_layers))
 
     def decode():
         for t in range(1000, 1016):
             llm.eval([t])
 
     got = counter.during(llm._ctx.ctx, decode)
-    assert llm.moe_stats().residency.vram_copies == copies
-    print(json.dumps({k: v / 16 for k, v in got.items()}))
+    assert fill != "cpu" or llm.moe_stats().residency.vram_copies == out["copies"]
+    out.update({k: v / 16 for k, v in got.items()})  # (per token of the 16 counted)
+    print(json.dumps(out))
     llm.close()
 """
+
+
+def run_tier(tmp_path, path, n_vram: int, prefetch: str = "off", fill: str = "auto", mbps: float = 0.0) -> dict:
+    """TIER_SCRIPT in a process of its own, from a temp dir on the installed package: its counters and its
+    RPC commands per decoded token."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", TIER_SCRIPT, str(path), str(n_vram), str(ROOT / "scripts"), prefetch,
+                        fill, str(mbps)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=installed_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2", "deepseek2-sigmoid-64x6"])
@@ -676,45 +691,17 @@ with rpc.LocalServer(threads=1, register=False) as server:
 def test_a_decoded_token_reads_the_device_once_per_moe_layer(fixture_dir, name, prefetch, tmp_path):
     """Where the CPU computes experts beside a device layer, each read of a device tensor is a wait (over
     RPC a round trip): the router's logits, the FFN's input (with prefetch gate, the predictor's logits;
-    deepseek2's selection bias, a device weight the CPU's top-k reads) cross in one read, and what the device's
-    side reads from the CPU (the tier's slots and rows, the CPU's experts' output, the weights) in one write. Counted in a process of its own, through a proxy in
-    front of the server: per decoded token, one read per MoE layer and one of the logits."""
-    import json
-    import subprocess
-    import sys
-
+    deepseek2's selection bias, a device weight the CPU's top-k reads) cross in one read, and what the
+    device's side reads from the CPU (the tier's slots and rows, the CPU's experts' output, the weights) in
+    one write. Counted in a process of its own, through a proxy in front of the server: per decoded token,
+    one read per MoE layer and one of the logits."""
     path = model_path(fixture_dir, name)
     info = pymoecache.model_info(path)
-    r = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, str(path), str(info.n_expert_used + 1),
-                        str(ROOT / "scripts"), prefetch], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env=installed_env())  # (the installed package)
-    assert r.returncode == 0, r.stderr[-2000:]
-    per_token = json.loads(r.stdout.strip().splitlines()[-1])
+    per_token = run_tier(tmp_path, path, info.n_expert_used + 1, prefetch=prefetch, fill="cpu")
     assert per_token["GET_TENSOR"] == info.n_moe_layer + 1, per_token
     # writes: the graph's inputs, and per MoE layer one (the tier's ids, the CPU's experts' output and the
     # weights, joined)
     assert per_token["SET_TENSOR"] <= 6 + info.n_moe_layer, per_token
-
-
-SLOW_LINK_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[3])
-import pymoecache
-from pymoecache import CacheConfig, rpc
-from bench_device import CommandCounter  # (with mbps: a link of that bandwidth in front of the server)
-path, n_vram = sys.argv[1], int(sys.argv[2])
-with rpc.LocalServer(threads=1, register=False) as server:
-    link = CommandCounter(server.endpoint, mbps=float(sys.argv[4]))
-    llm = pymoecache.Llama(path, n_gpu_layers=99, rpc_servers=link.endpoint, n_ctx=128, verbose=False, n_threads=1,
-                           cache=CacheConfig(size=1.0, residency="stream", prefetch="off", vram_size=n_vram),
-                           routing="lru")
-    llm.eval(list(range(300, 316)))
-    for t in range(316, 380):
-        llm.eval([t])
-    rs = llm.moe_stats().residency
-    print(json.dumps(dict(copies=rs.vram_copies, cpu=rs.vram_cpu, layers=len(llm.moe_stats().moe_layers))))
-    llm.close()
-"""
 
 
 def test_the_default_fill_copies_nothing_up_a_slow_link(fixture_dir, tmp_path):
@@ -722,16 +709,8 @@ def test_the_default_fill_copies_nothing_up_a_slow_link(fixture_dir, tmp_path):
     client returns from a copy once it is queued on the socket, whatever the link: there the cost is
     measured with a read back (a round trip). Over a 10 MB/s link (a GPU machine across a slow network),
     once the tier's free slots are filled nothing more is copied up: the misses are computed on the CPU."""
-    import json
-    import subprocess
-    import sys
-
-    path = model_path(fixture_dir, "qwen2moe-60x4")
     n_vram = 5
-    r = subprocess.run([sys.executable, "-c", SLOW_LINK_SCRIPT, str(path), str(n_vram), str(ROOT / "scripts"), "10"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=installed_env())
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_tier(tmp_path, model_path(fixture_dir, "qwen2moe-60x4"), n_vram, mbps=10)
     assert got["cpu"] > 0 and got["copies"] <= got["layers"] * n_vram, got  # (the free slots' fills only)
 
 
