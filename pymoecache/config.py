@@ -641,7 +641,9 @@ class CacheConfig:
 
     vram_size: beside GPU layers (``n_gpu_layers``), with ``stream``: this many experts per layer
     also live in GPU memory (a VRAM tier over the host cache, for the layers whose dense part is
-    on a discrete GPU or an RPC server), and a decoded token computes those there. A selected
+    on a discrete GPU or an RPC server), and a decoded token computes those there. Residency
+    ``"auto"`` with a tier is ``"stream"``, also where the cache holds every expert (every one in
+    RAM, the hot ones on the GPU); without GPU layers the tier is dropped with a warning. A selected
     expert that is not there: vram_fill ``"copy"`` copies it up from its host slot (into a free
     device slot, else the one the ``eviction`` policy frees), ``"cpu"`` computes it on the CPU (only free
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at

@@ -518,6 +518,19 @@ class Llama(llama_cpp.Llama):
                         "and the KV cache: the process would be killed for memory" + (
                             "; leave lowbit_in_ram (--lowbit-in-ram) off" if cache.lowbit_in_ram else ""))
                 cache = dataclasses.replace(cache, size=choice.n_cached)
+            if cache.vram_size and cache.residency not in ("auto", "stream"):
+                raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
+                                  f"from the streamed cache's host slots), not {cache.residency!r}")
+            gpu = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0
+            if cache.vram_size and not gpu:
+                warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
+                              "with a GPU or an RPC server)", stacklevel=2)
+                cache = dataclasses.replace(cache, vram_size=0)
+            if cache.vram_size and cache.residency == "auto":
+                # a tier asked for: the experts fit in RAM but not in GPU memory. Where the cache holds every one
+                # (auto would be 'none': llama.cpp would put them all on the GPU), the seeds' scenario: each in the
+                # cache's host slots, the hot ones in the tier, the routing steered to them
+                cache = dataclasses.replace(cache, residency="stream")
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
                 cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
@@ -527,13 +540,6 @@ class Llama(llama_cpp.Llama):
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
             residency = cache.residency_for(cache.capacities(n), info.n_expert)
-            if cache.vram_size and residency != "stream":
-                if cache.residency != "auto":
-                    raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
-                                      f"from the streamed cache's host slots), not {residency!r}")
-                warnings.warn(f"vram_size={cache.vram_size} ignored: every expert fits in memory (residency "
-                              f"'{residency}'), and with n_gpu_layers llama.cpp puts them on the GPU itself", stacklevel=2)
-                cache = dataclasses.replace(cache, vram_size=0)
             if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:
                 warnings.warn(f"vram_exclusive ignored: the cache holds every expert ({n} of {info.n_expert} per layer), "
                               "so the VRAM tier copies part of it", stacklevel=2)
@@ -544,8 +550,7 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
                               f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
                 cache = dataclasses.replace(cache, unified="auto")
-            cache, companion = _resolve_miss(cache, residency, str(model_path),
-                                             gpu=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0)
+            cache, companion = _resolve_miss(cache, residency, str(model_path), gpu=gpu)
             if preset is not None:  # routing and eviction from the model's K and the share each tier holds
                 ratio = companion.ratio if companion is not None and cache.miss == "lowbit-cache" else 1.0
                 held = (cache, _slots_with_companion(n, ratio, info.n_expert), info.n_expert,

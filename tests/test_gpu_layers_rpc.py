@@ -6,6 +6,7 @@ the expert matmuls run on this process's CPU. The run must be the CPU run: the s
 same logits within the backend's tolerance, the same counters and the same cache contents."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -389,10 +390,23 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
         CacheConfig(vram_size=2, vram_fill="gpu")
     with pytest.raises(ConfigError, match="vram_copy must be one of async, sync"):
         CacheConfig(vram_size=2, vram_copy="dma")
-    # every expert fits: residency auto is none and the tier has nothing to do (llama.cpp offloads the experts)
-    with pytest.warns(UserWarning, match="vram_size=2 ignored"):
+    # no GPU layers: said, and dropped
+    with pytest.warns(UserWarning, match="vram_size=2 ignored: no layer is on a GPU"):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), **KW)
-    assert llm.moe_stats().residency.vram_bytes == 0
+    assert llm.moe_stats().residency.vram_bytes == 0 and llm.cache_config.vram_size == 0
+    llm.close()
+    # every expert fits in RAM, GPU layers: residency auto is stream (every expert in the host slots), not
+    # none (llama.cpp would put every expert on the device the tier was asked for because they do not fit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), n_gpu_layers=99, rpc_servers=gpu,
+                               **KW)
+    assert llm.cache_config.residency == "stream"
+    llm.eval(PROMPT[:8])
+    for t in DECODES:
+        llm.eval([t])
+    rs = llm.moe_stats().residency
+    assert rs.vram_slots == 2 and rs.vram_bytes > 0 and rs.vram_hits > 0, rs
     llm.close()
     with pytest.raises(ConfigError, match="rpc_servers must be"):
         pymoecache.Llama(str(path), n_gpu_layers=99, rpc_servers=50052, **KW)

@@ -164,6 +164,27 @@ def test_a_q8_0_companion_doubles_the_vram_tier_and_the_preset_is_resolved_for_w
         assert vram and int(vram.group(1)) > 0, text[-3000:]
 
 
+def test_a_vram_tier_over_a_model_that_fits_in_ram_is_the_seeds_scenario(fixture_dir, tmp_path, server):
+    """`run -ngl 99 --rpc HOST --vram-size 15` and nothing else, the model fitting in RAM: every expert in the
+    cache's host slots (not all of them on the device, as llama.cpp would put them with residency none),
+    15 per layer in the tier, the default routing steered to them. Without -ngl the tier is refused in
+    one warning line."""
+    model = model_path(fixture_dir, MODEL)
+    r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-ngl", "99", "--rpc", server, "-v",
+                  "--vram-size", "15", input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on_device(r.stderr, server), r.stderr[-4000:]
+    out = r.stdout + r.stderr
+    assert "warning" not in out, out[-3000:]
+    assert "(60 of 60 per layer)" in out and "VRAM tier 15 of 60 per layer in" in out, out[-3000:]
+    assert re.search(r"\[preset quality: prior:[0-9.]+:j=1,", out), out[-3000:]  # steered to the tier
+    m = re.search(r"selections from vram (\d+), ram (\d+)", out)  # (the device's, the CPU's host slots)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, out[-3000:]
+    r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "2", "--vram-size", "15", input="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pymoecache run: warning: vram_size=15 ignored: no layer is on a GPU" in r.stderr, r.stderr[-3000:]
+
+
 def test_exclusive_tiers_as_users_run_them(fixture_dir, tmp_path, server):
     """`run -ngl 99 --rpc HOST --cache-size 45 --vram-size 15 --vram-exclusive`: the plan line says the
     two tiers hold all 60 experts of a layer, and the stats line that the tiers are exclusive."""

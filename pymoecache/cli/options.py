@@ -210,9 +210,10 @@ def _add_residency_options(c) -> None:
                         "with and without them in turn; the routing then does not count them, since it would follow "
                         "the clock (default: off)")
     c.add_argument("--vram-size", type=int, default=0, metavar="N",
-                   help="with -ngl and stream residency: keep N experts per layer in GPU memory as well (a VRAM tier "
-                        "over the cache; the layers whose dense part is on a discrete GPU or an --rpc server), where "
-                        "a decoded token computes them (default 0: none, the CPU computes every expert)")
+                   help="with -ngl: keep N experts per layer in GPU memory as well (a VRAM tier over the cache; the "
+                        "layers whose dense part is on a discrete GPU or an --rpc server), where a decoded token "
+                        "computes them; the cache streams (a model that fits in RAM: every expert in it, the hot ones "
+                        "on the GPU, the routing steered to them) (default 0: none, the CPU computes every expert)")
     c.add_argument("--no-batch-share", dest="batch_share", action="store_false",
                    help="sequences decoded together (serve -np, bench --parallel): route each as if alone, without "
                         "counting the experts the other sequences of the step select as cached, and with the "
