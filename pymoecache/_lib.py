@@ -105,6 +105,9 @@ def load_ggml():
         # GGML_API enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
         ggml.ggml_backend_dev_type.argtypes = [c_void_p]
         ggml.ggml_backend_dev_type.restype = c_int
+        # GGML_API void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+        ggml.ggml_backend_dev_memory.argtypes = [c_void_p, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)]
+        ggml.ggml_backend_dev_memory.restype = None
         _ggml = ggml
     return _ggml
 

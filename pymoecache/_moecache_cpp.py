@@ -7,7 +7,7 @@ Pythonic wrappers live in pymoecache.llama and pymoecache.config; this module on
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32, c_int64, c_uint32, c_void_p
+from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int8, c_int32, c_int64, c_size_t, c_uint32, c_void_p
 
 from ._lib import load_llama_cpp
 from .constants import *  # noqa: F401,F403  (the enums and limits of moecache.h, pure Python)
@@ -268,6 +268,8 @@ moecache_get_vram_cached = _fn("moecache_get_vram_cached", [moecache_p, c_int32,
 moecache_get_trace = _fn("moecache_get_trace", [moecache_p, POINTER(moecache_trace_record), c_int32], c_int32)
 moecache_state_save = _fn("moecache_state_save", [moecache_p, c_char_p], c_int32)
 moecache_state_load = _fn("moecache_state_load", [moecache_p, c_char_p], c_int32)
+# void * moecache_device_with_memory(void * dev, size_t free, size_t total);
+moecache_device_with_memory = _fn("moecache_device_with_memory", [c_void_p, c_size_t, c_size_t], c_void_p)
 # int32_t moecache_guard_add(const struct llama_model * model, const char * path);
 moecache_guard_add = _fn("moecache_guard_add", [c_void_p, c_char_p], c_int32)
 # int64_t moecache_guard_faults(int32_t id);

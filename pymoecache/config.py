@@ -641,9 +641,14 @@ class CacheConfig:
 
     vram_size: beside GPU layers (``n_gpu_layers``), with ``stream``: this many experts per layer
     also live in GPU memory (a VRAM tier over the host cache, for the layers whose dense part is
-    on a discrete GPU or an RPC server), and a decoded token computes those there. Residency
-    ``"auto"`` with a tier is ``"stream"``, also where the cache holds every expert (every one in
-    RAM, the hot ones on the GPU); without GPU layers the tier is dropped with a warning. A selected
+    on a discrete GPU or an RPC server), and a decoded token computes those there; ``"auto"``: as
+    many as fit in the free memory the GPUs report, beside the dense part and KV cache of their
+    layers and a margin of 1 GiB (llama.cpp's --fit keeps as much). Residency ``"auto"`` with a tier
+    is ``"stream"``, also where the cache holds every expert (every one in RAM, the hot ones on the
+    GPU). With GPU layers, residency "auto" and every expert cached, where the experts do not fit in
+    the GPUs' free memory, that is what a Llama does by itself (``vram_size`` "auto"; not where
+    llama.cpp's placement flags, n_cpu_moe / override_tensor, name where the experts go). Without
+    GPU layers the tier is dropped with a warning. A selected
     expert that is not there: vram_fill ``"copy"`` copies it up from its host slot (into a free
     device slot, else the one the ``eviction`` policy frees), ``"cpu"`` computes it on the CPU (only free
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at
@@ -730,7 +735,8 @@ class CacheConfig:
     router_record: int = 0  # tokens of router outputs kept per MoE layer for the simulator (MoECache.router_trace)
     router_record_input: bool = False  # router_record: also keep each router's input (n_embd floats per token and layer)
     predictor: Optional[str] = None  # fitted predictors for prefetch="gate" (pymoecache.tune.fit_predictor), loaded at start
-    vram_size: int = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM tier
+    vram_size: Union[int, str] = 0  # experts per layer kept in GPU memory beside GPU layers (stream); 0 = no VRAM
+    #                                 tier; "auto": as many as fit in the GPUs' free memory
     vram_fill: str = "auto"  # a selected expert not in GPU memory: "copy" it up, compute it on the "cpu", or "auto"
     vram_copy: str = "async"  # copies up on a second GPU stream, behind the CPU's matmuls ("async"), or "sync"
     vram_exclusive: bool = False  # an expert in GPU memory keeps no host slot: the tiers hold size + vram_size
@@ -787,7 +793,9 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_eviction(self.eviction, self.eviction_decay)
         check_int("router_record (tokens)", self.router_record, 0, C.MOECACHE_MAX_TRACE)
-        check_int("vram_size (experts per layer in GPU memory)", self.vram_size, 0, C.MOECACHE_MAX_EXPERTS)
+        if self.vram_size != "auto":
+            check_int("vram_size (experts per layer in GPU memory, or 'auto')", self.vram_size, 0,
+                      C.MOECACHE_MAX_EXPERTS)
         if self.vram_fill not in VRAM_FILLS:
             raise ConfigError(f"vram_fill must be one of {', '.join(VRAM_FILLS)}, got {self.vram_fill!r}")
         if self.vram_copy not in VRAM_COPIES:

@@ -261,6 +261,34 @@ def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Opt
     return min(n_cached, n_expert) / n_expert
 
 
+def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: bool, n_ctx: int):
+    """The cache with ``vram_size="auto"`` resolved, and with residency "auto" where every expert is
+    cached (llama.cpp would put those of the GPU layers on the GPUs) but they do not fit in the
+    GPUs' free memory: residency stream (every expert in RAM) and a VRAM tier of what fits, unless a
+    tier was asked for or llama.cpp's placement flags (``placed_by_us`` False) say where the experts
+    go. Also the line the plan says it in ("" where nothing was decided here)."""
+    if not n_gpu or not (cache.vram_size == "auto" or (placed_by_us and not cache.vram_size and
+                                                       cache.residency == "auto")):
+        return cache, ""
+    n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
+    if cache.vram_size != "auto" and cache.residency_for(cache.capacities(n), info.n_expert) != "none":
+        return cache, ""  # (the cache streams: the experts stay in RAM, none on the GPU)
+    free = _plan.device_free_memory(devices)
+    fit = _plan.device_experts_fit(info, n_ctx, n_gpu, free) if free else None
+    if cache.vram_size != "auto" and (fit is None or fit >= info.n_expert):
+        return cache, ""  # (they fit: llama.cpp puts every one on the GPU)
+    room = (f"the {free / 2**20:.0f} MiB free on the GPU (less a {_plan.DEVICE_MARGIN >> 20} MiB margin, the dense "
+            f"part and the KV cache of {n_gpu} layers)" if free else "the GPU, which reports no free memory")
+    if cache.vram_size == "auto":
+        if not fit:
+            warnings.warn(f"vram_size=auto: no VRAM tier, no expert fits in {room}", stacklevel=3)
+        return (dataclasses.replace(cache, vram_size=fit or 0, vram_exclusive=cache.vram_exclusive and bool(fit)),
+                f"VRAM tier sized to {room}" if fit else "")
+    held = f", {fit} per layer also in GPU memory" if fit else ", computed by the CPU (as --cpu-moe)"
+    return (dataclasses.replace(cache, residency="stream", vram_size=fit),
+            f"the experts do not fit in {room}: every expert in RAM{held}")
+
+
 def _prefers_device(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: int) -> bool:
     """Host memory holds every expert (the streamed cache, or with exclusive tiers the two together) and
     a VRAM tier some: the routing's preference is then for the device (a selection outside the tier is
@@ -499,7 +527,8 @@ class Llama(llama_cpp.Llama):
         # the servers whose devices take this model's layers: each decode first checks that they are there
         self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"
-        if info.is_moe and cache.vram_size > info.n_expert:
+        self._device_note = ""  # what the GPUs' free memory decided (_fit_device), for the plan line
+        if info.is_moe and cache.vram_size != "auto" and cache.vram_size > info.n_expert:
             raise ConfigError(f"vram_size={cache.vram_size}: the model has {info.n_expert} experts per layer; a VRAM "
                               f"tier holds at most that many")
         if info.is_moe:  # check the parameters before spending time on loading weights
@@ -521,11 +550,14 @@ class Llama(llama_cpp.Llama):
             if cache.vram_size and cache.residency not in ("auto", "stream"):
                 raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
                                   f"from the streamed cache's host slots), not {cache.residency!r}")
-            gpu = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer) > 0
+            n_gpu = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer)
+            gpu = n_gpu > 0
             if cache.vram_size and not gpu:
                 warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
                               "with a GPU or an RPC server)", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0)
+            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None,
+                                                   int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
             if cache.vram_size and cache.residency == "auto":
                 # a tier asked for: the experts fit in RAM but not in GPU memory. Where the cache holds every one
                 # (auto would be 'none': llama.cpp would put them all on the GPU), the seeds' scenario: each in the
@@ -752,7 +784,8 @@ class Llama(llama_cpp.Llama):
             if self.moecache is not None:  # the VRAM tier, as the library made it
                 rs = self.moecache.residency_stats()
                 self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes,
-                                                 vram_exclusive=rs.vram_exclusive_layers > 0)
+                                                 vram_exclusive=rs.vram_exclusive_layers > 0,
+                                                 device_note=self._device_note)
         return self._plan
 
     def _enter(self) -> None:

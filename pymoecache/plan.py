@@ -184,6 +184,60 @@ def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
     return n_layer if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layer)
 
 
+DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV cache: its compute buffers and the
+#                          driver's (llama.cpp's --fit keeps as much: its --fit-target default)
+
+
+def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
+    """Free bytes of the discrete GPUs a load offloads to: ``devices`` (ggml device handles; default
+    what llama.cpp takes, the RPC servers' devices and this build's GPUs, :func:`rpc.live_devices`),
+    the RPC servers' as they report it; None where none is discrete or none reports its memory (a GPU
+    that shares the host's memory is planned with the host's)."""
+    import ctypes
+
+    from ._lib import GGML_BACKEND_DEVICE_TYPE_GPU, load_ggml
+    from .rpc import live_devices
+
+    try:
+        ggml = load_ggml()
+        devs = live_devices([]) if devices is None else devices
+        free = ctypes.c_size_t(0)
+        total = ctypes.c_size_t(0)
+        n = 0
+        for dev in devs:
+            if ggml.ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU:
+                continue
+            ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            n += free.value
+    except (OSError, AttributeError):
+        return None
+    return n or None
+
+
+def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) -> int:
+    """Experts per MoE layer that fit in ``free`` bytes of GPU memory beside what ``gpu_layers``
+    offloaded layers put there (their share of the dense part, their KV cache: upper bound) and
+    :data:`DEVICE_MARGIN`; at most N. llama.cpp offloads the last ``gpu_layers`` layers.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=64, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20,
+    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024)
+    >>> device_experts_fit(info, 4096, 8, 4 << 30)   # (4 GiB - 1 GiB - 1 GiB dense - 128 MiB KV) / (8 x 8 MiB)
+    30
+    >>> device_experts_fit(info, 4096, 8, 8 << 30), device_experts_fit(info, 4096, 8, 1 << 30)
+    (64, 0)
+    """
+    n_gpu = min(max(gpu_layers, 0), info.n_layer)
+    share = n_gpu / max(info.n_layer, 1)
+    moe_on_gpu = sum(1 for il in info.moe_layers if il >= info.n_layer - n_gpu)
+    left = free - DEVICE_MARGIN - int(max(0, info.non_expert_bytes) * share) - int(_kv_bytes(info, n_ctx) * share)
+    if moe_on_gpu == 0 or info.expert_bytes <= 0:
+        return info.n_expert
+    return int(min(info.n_expert, max(0, left) // (info.expert_bytes * moe_on_gpu)))
+
+
 def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
                      available: Optional[int] = None, gpu_layers: int = 0, lowbit: int = 0) -> Optional[str]:
     """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None
@@ -243,6 +297,7 @@ class MemoryPlan:
     vram_bytes: int = 0       # GPU memory of the tier (every layer's slots)
     vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
     n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
+    device_note: str = ""     # what the GPUs' free memory decided (the tier's size, the experts kept in RAM), or ""
 
     @property
     def streamed(self) -> bool:
@@ -332,7 +387,8 @@ class MemoryPlan:
                 f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
                 + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
                 f"{_fmt(self.headroom)}{' (too little: expect page faults)' if self.headroom < 64 << 20 else ''}; "
-                + (f"{self.vram_text()}; " if self.n_vram else "") + f"decode {self.decode_text()}")
+                + (f"{self.vram_text()}; " if self.n_vram else "") + (f"{self.device_note}; " if self.device_note else "")
+                + f"decode {self.decode_text()}")
 
     def vram_text(self) -> str:
         """What the VRAM tier holds, in GPU memory beside the sum above.

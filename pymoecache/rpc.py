@@ -314,14 +314,20 @@ def live_devices(gone: List[str]) -> list:
     return rpc_devs + gpus + (igpus if not gpus else [])
 
 
-def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None) -> None:
+def serve(endpoint: str = "127.0.0.1:50052", *, threads: Optional[int] = None, mem: Optional[int] = None) -> None:
     """Serve this machine's CPU as an RPC device at ``endpoint`` (blocks; llama.cpp's rpc-server with
-    its CPU backend). Only for trusted networks: the protocol has no authentication."""
+    its CPU backend). ``mem``: the bytes of memory the device reports, free and total (default: the
+    machine's); a client plans its GPU layers for that much (as for a GPU of that size). Only for
+    trusted networks: the protocol has no authentication."""
     (endpoint,) = parse_endpoints([endpoint])
     ggml, rpc = _load()
     dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
     if not dev:
         raise MissingDependencyError("ggml has no CPU device")
+    if mem is not None:
+        from . import _moecache_cpp as C
+
+        dev = C.moecache_device_with_memory(dev, int(mem), int(mem))
     devices = (c_void_p * 1)(dev)
     n = threads if threads else max(1, (os.cpu_count() or 2) // 2)
     parent = os.environ.pop(_PARENT_ENV, "")
@@ -358,8 +364,9 @@ class LocalServer:
     :class:`~pymoecache.errors.DeviceLostError` at its next decode."""
 
     def __init__(self, port: int = 0, *, threads: int = 1, host: str = "127.0.0.1", timeout: float = 30.0,
-                 register: bool = True):
+                 register: bool = True, mem: Optional[int] = None):
         self.host, self.port, self.threads, self.timeout = host, port, threads, timeout
+        self.mem = mem  # bytes of memory the device reports (rpc-server --mem), None: the machine's
         self.register = register  # False: only serve (another process offloads to it)
         self.proc: Optional[subprocess.Popen] = None
 
@@ -371,7 +378,8 @@ class LocalServer:
         self.port = self.port or _free_port(self.host)
         self._log = tempfile.TemporaryFile()  # (its log, for the message if it does not start)
         self.proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "rpc-server", "--host", self.host,
-                                      "--port", str(self.port), "--threads", str(self.threads)],
+                                      "--port", str(self.port), "--threads", str(self.threads),
+                                      *(["--mem", f"{self.mem}b"] if self.mem is not None else [])],
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, _PARENT_ENV: str(os.getpid())},
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this package)

@@ -34,6 +34,7 @@
 #pragma once
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -47,7 +48,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 26
+#define MOECACHE_ABI_VERSION 27
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -676,6 +677,12 @@ MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path
 MOECACHE_API int32_t moecache_guard_add(const struct llama_model * model, const char * path);
 MOECACHE_API int64_t moecache_guard_faults(int32_t id);   // pages replaced by zeros since moecache_guard_add
 MOECACHE_API void    moecache_guard_remove(int32_t id);   // before the model is freed
+
+// A device that is `dev` in everything but the memory it reports: `free` and `total` bytes
+// (moecache-rpc.cpp). `pymoecache rpc-server --mem` serves one: a client plans its GPU layers for
+// that much device memory. dev: a ggml_backend_dev_t. Lives until the process ends; NULL when dev is
+// NULL or free > total.
+MOECACHE_API void * moecache_device_with_memory(void * dev, size_t free, size_t total);
 
 // Usage profile (moecache-profile.cpp): what past requests selected, kept across processes.
 // It holds, per layer, the count of every expert's selections over the requests filed by

@@ -185,6 +185,54 @@ def test_a_vram_tier_over_a_model_that_fits_in_ram_is_the_seeds_scenario(fixture
     assert "pymoecache run: warning: vram_size=15 ignored: no layer is on a GPU" in r.stderr, r.stderr[-3000:]
 
 
+def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fits(fixture_dir, tmp_path):
+    """`run -ngl 99 --rpc HOST` and nothing else, against `rpc-server --mem` (a GPU of that much memory):
+    every expert of the model fits in RAM, half of them beside the dense part, the KV cache and
+    llama.cpp's 1 GiB margin on the GPU. The run keeps every expert in the cache and as many per
+    layer in a VRAM tier as fit there (the plan line says why), where llama.cpp (residency none) would
+    put all of them on the GPU. The same run against a server with the machine's memory is unchanged
+    (every expert on the device, stock graph splits), and llama.cpp's --cpu-moe keeps its placement."""
+    from pymoecache.model_info import model_info
+
+    model = model_path(fixture_dir, MODEL)
+    info = model_info(model)
+    dense, kv = info.non_expert_bytes, 2 * 2 * 256 * info.n_layer * info.n_embd  # KV: F16 K and V, -c 256
+    one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
+    want = 30
+    mem = (1 << 30) + dense + kv + want * one + one // 2  # (a GPU with room for 30.5 experts per layer)
+    with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large:
+        out = {}
+        for name, endpoint, flags in (("small", small.endpoint, ()), ("large", large.endpoint, ()),
+                                      ("cpu-moe", small.endpoint, ("--cpu-moe",)),
+                                      ("auto", small.endpoint, ("--cache-size", "0.5", "--vram-size", "auto"))):
+            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", "-ngl", "99",
+                          "--rpc", endpoint, "-v", *flags, input="")
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert on_device(r.stderr, endpoint), r.stderr[-4000:]
+            out[name] = r.stdout + r.stderr
+    text = out["small"]
+    assert f"VRAM tier {want} of 60 per layer in" in text, text[-3000:]
+    assert f"the experts do not fit in the {mem / 2**20:.0f} MiB free on the GPU (less a 1024 MiB margin" in text, \
+        text[-3000:]
+    assert "(60 of 60 per layer)" in text and "warning" not in text, text[-3000:]
+    m = re.search(r"selections from vram (\d+), ram (\d+)", text)
+    assert m and int(m.group(1)) > 0, text[-3000:]
+    assert not re.search(r"blk\.\d+\.ffn_\w+_exps\.weight .* buffer type overridden", text)  # (not llama.cpp's)
+    for name in ("large", "cpu-moe"):
+        assert "VRAM tier" not in out[name] and "do not fit" not in out[name], out[name][-3000:]
+        assert "none: device:" in out[name], out[name][-3000:]  # every expert where llama.cpp puts it
+    assert "device: 2.0 graph splits/tok" in out["large"], out["large"][-3000:]
+    assert f"VRAM tier {want} of 60 per layer in" in out["auto"] and "VRAM tier sized to the" in out["auto"]
+    assert "(30 of 60 per layer" in out["auto"], out["auto"][-3000:]
+
+
+@pytest.mark.parametrize("mem", ["0", "-5", "lots", "512k"])
+def test_rpc_server_mem_refuses_what_is_not_a_size(tmp_path, mem):
+    r = installed(tmp_path, "rpc-server", "--port", str(free_port()), "--mem", mem, timeout=60)
+    assert r.returncode == 2 and f"--mem {mem}: give the memory to report" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_exclusive_tiers_as_users_run_them(fixture_dir, tmp_path, server):
     """`run -ngl 99 --rpc HOST --cache-size 45 --vram-size 15 --vram-exclusive`: the plan line says the
     two tiers hold all 60 experts of a layer, and the stats line that the tiers are exclusive."""

@@ -209,11 +209,13 @@ def _add_residency_options(c) -> None:
                         "themselves off unless tokens with them ran at least 2%% faster in a timed trial of 32 tokens, "
                         "with and without them in turn; the routing then does not count them, since it would follow "
                         "the clock (default: off)")
-    c.add_argument("--vram-size", type=int, default=0, metavar="N",
+    c.add_argument("--vram-size", type=vram_size, default=0, metavar="N|auto",
                    help="with -ngl: keep N experts per layer in GPU memory as well (a VRAM tier over the cache; the "
                         "layers whose dense part is on a discrete GPU or an --rpc server), where a decoded token "
                         "computes them; the cache streams (a model that fits in RAM: every expert in it, the hot ones "
-                        "on the GPU, the routing steered to them) (default 0: none, the CPU computes every expert)")
+                        "on the GPU, the routing steered to them). auto: as many as fit in the GPUs' free memory "
+                        "(less 1 GiB, as llama.cpp's --fit). Without it, a model that fits in RAM but whose experts "
+                        "do not fit in the GPUs gets auto (default 0: none, the CPU computes every expert)")
     c.add_argument("--no-batch-share", dest="batch_share", action="store_false",
                    help="sequences decoded together (serve -np, bench --parallel): route each as if alone, without "
                         "counting the experts the other sequences of the step select as cached, and with the "
@@ -321,6 +323,17 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="print llama.cpp's log on stderr (default: off)")
     p.add_argument("--log-disable", dest="verbose", action="store_false",
                    help="no llama.cpp log (the default here)")
+
+
+def vram_size(value: str):
+    """--vram-size: experts per layer, or ``auto``."""
+    v = value.strip().lower()
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of experts per layer or auto, got {value!r}") from None
 
 
 def gpu_layers(value: str) -> int:

@@ -170,6 +170,21 @@ def rpc_listen_address(host: str, port: int) -> str:
                         "ggml's RPC server listens on IPv4 addresses only") from None
 
 
+def rpc_memory(text: str) -> int:
+    """--mem as llama.cpp's rpc-server took it: MiB as a plain number, or a size with a unit (``8G``).
+
+    >>> rpc_memory("2048") == 2 << 30, rpc_memory("1.5G") == 3 << 29
+    (True, True)
+    """
+    from ..config import parse_bytes
+
+    n = int(float(text) * 2**20) if text.strip().replace(".", "", 1).isdigit() else parse_bytes(text)
+    if not n or n < 1 << 20:
+        raise UserError(f"--mem {text}: give the memory to report, at least 1 MiB: MiB as a number (8192) or a "
+                        "size with a unit (8G, 512MiB)")
+    return n
+
+
 def cmd_rpc_server(args) -> int:
     import threading
 
@@ -177,10 +192,12 @@ def cmd_rpc_server(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
+    mem = rpc_memory(args.mem) if args.mem is not None else None
     addr = rpc_listen_address(args.host, args.port)
     _check_port(addr, args.port)
     shown = args.host if addr == args.host else f"{args.host} ({addr})"
-    print(f"pymoecache rpc-server: serving this machine's CPU at {shown}:{args.port} (Ctrl-C to stop); "
+    print(f"pymoecache rpc-server: serving this machine's CPU at {shown}:{args.port}"
+          + (f", reporting {mem / 2**20:.0f} MiB of memory" if mem is not None else "") + " (Ctrl-C to stop); "
           f"offload to it with -ngl N --rpc {args.host}:{args.port}", file=sys.stderr, flush=True)
     # ggml's server blocks in accept() and returns only when it cannot serve: it runs in a thread
     # of its own, so that this one takes Ctrl-C (a signal reaches Python code, never a C call)
@@ -188,7 +205,7 @@ def cmd_rpc_server(args) -> int:
 
     def run() -> None:
         try:
-            rpc.serve(f"{addr}:{args.port}", threads=args.threads)
+            rpc.serve(f"{addr}:{args.port}", threads=args.threads, mem=mem)
         finally:
             done.set()
 
@@ -216,4 +233,8 @@ def add_rpc_command(subparsers) -> None:
     s.add_argument("--port", type=int, default=50052, metavar="N", help="TCP port (default %(default)s, as llama.cpp)")
     s.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads computing the offloaded layers (default: half of the cores)")
+    s.add_argument("-m", "--mem", default=None, metavar="SIZE",
+                   help="memory the device reports to clients, free and total: MiB as a number, or a size with a "
+                        "unit (8G), as llama.cpp's rpc-server -m did; a client plans its GPU layers for that much "
+                        "(default: this machine's memory)")
     s.set_defaults(func=cmd_rpc_server)
