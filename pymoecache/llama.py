@@ -98,8 +98,8 @@ def _check_llama_kwargs(kw: dict) -> None:
             check_int(name, kw[name], 1, _MAX_THREADS)
     if "seed" in kw:
         check_int("seed", kw["seed"], -1, 2**32 - 1)
-    if "n_gpu_layers" in kw:
-        check_int("n_gpu_layers", kw["n_gpu_layers"], -1, INT32_MAX)
+    if "n_gpu_layers" in kw and kw["n_gpu_layers"] != "auto":
+        check_int("n_gpu_layers (or 'auto')", kw["n_gpu_layers"], -1, INT32_MAX)
     for name in ("type_k", "type_v"):  # (llama.cpp asserts on another type: the process aborts)
         v = kw.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v not in _KV_TYPES):
@@ -446,7 +446,10 @@ class Llama(llama_cpp.Llama):
         **kwargs: passed to ``llama_cpp.Llama`` (n_ctx, n_threads, seed, verbose, n_gpu_layers, ...).
             ``n_gpu_layers`` with residency stream or mmap puts those layers' dense part on the GPU
             and keeps the routed experts in the cache in CPU memory (llama.cpp's ``--cpu-moe``
-            placement). ``rpc_servers="HOST:PORT,..."`` (as llama-cpp-python's former option)
+            placement). ``n_gpu_layers="auto"`` (llama.cpp's ``-ngl auto``): every layer whose dense part
+            and KV cache fit in the GPUs' free memory beside a 1 GiB margin; where every expert is
+            cached but they do not fit beside, they stay in RAM and a VRAM tier takes what fits
+            (``CacheConfig.vram_size``). ``rpc_servers="HOST:PORT,..."`` (as llama-cpp-python's former option)
             offloads to ggml RPC servers (:mod:`pymoecache.rpc`). ``n_cpu_moe=N`` (or ``"all"``) and
             ``override_tensor="PATTERN=CPU,..."`` are llama-cli's ``--n-cpu-moe`` and ``-ot``: tensor
             buffer overrides that keep the routed experts of the first N layers (or the matching
@@ -524,6 +527,10 @@ class Llama(llama_cpp.Llama):
         if gone and kwargs.get("n_gpu_layers"):
             warnings.warn(f"rpc server {gone[0]} is gone: its device is left out of this load"
                           + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=2)
+        if kwargs.get("n_gpu_layers") == "auto":  # llama.cpp's -ngl auto: the layers whose dense part fits the GPUs
+            kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(
+                info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
+                _plan.device_free_memory(devices) if _plan.gpu_layers("auto", info.n_layer) else None)
         # the servers whose devices take this model's layers: each decode first checks that they are there
         self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"

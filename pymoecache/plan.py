@@ -169,9 +169,10 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
                          lowbit=max(0, lowbit))
 
 
-def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
-    """How many of a model's layers llama.cpp will put on a GPU for ``n_gpu_layers`` (-1: all): 0
-    where ggml has no GPU device (this build's backends, and the RPC servers registered so far)."""
+def gpu_layers(n_gpu_layers, n_layer: int) -> int:
+    """How many of a model's layers llama.cpp will put on a GPU for ``n_gpu_layers`` (-1: all; "auto",
+    not yet resolved by :func:`auto_gpu_layers`: all): 0 where ggml has no GPU device (this build's
+    backends, and the RPC servers registered so far)."""
     if not n_gpu_layers:
         return 0
     from ._lib import has_gpu_device  # (the library, only when GPU layers are asked for)
@@ -181,7 +182,31 @@ def gpu_layers(n_gpu_layers: Optional[int], n_layer: int) -> int:
             return 0
     except (OSError, AttributeError):
         return 0
+    if n_gpu_layers == "auto":
+        return n_layer
     return n_layer if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layer)
+
+
+def auto_gpu_layers(info: ModelInfo, n_ctx: int, free: Optional[int]) -> int:
+    """``n_gpu_layers="auto"`` (llama.cpp's ``-ngl auto``): every layer (-1, the output too) where the
+    dense part and the KV cache (upper bound) fit in ``free`` bytes of GPU memory beside
+    :data:`DEVICE_MARGIN`, else as many layers as fit (each an equal share of both); 0 without a GPU
+    (``free`` None). The experts are not counted: where they do not fit beside, the cache keeps them
+    in RAM (``Llama``, residency auto).
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=64, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20,
+    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024)
+    >>> auto_gpu_layers(info, 4096, 4 << 30), auto_gpu_layers(info, 4096, 1600 << 20), auto_gpu_layers(info, 4096, None)
+    (-1, 4, 0)
+    """
+    if not free:
+        return 0
+    per_layer = (max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)) / max(info.n_layer, 1)
+    n = int(max(0, free - DEVICE_MARGIN) // per_layer) if per_layer > 0 else info.n_layer
+    return -1 if n >= info.n_layer else n
 
 
 DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV cache: its compute buffers and the

@@ -561,7 +561,7 @@ LLAMA_CPP_SPELLINGS = [  # command line -> (option it sets, value)
     (["run", "-ngl", "0"], "n_gpu_layers", 0),
     (["run", "--n-gpu-layers", "0"], "n_gpu_layers", 0),
     (["run", "-ngl", "all"], "n_gpu_layers", -1),
-    (["run", "-ngl", "auto"], "n_gpu_layers", 0),                   # as many as fit: no GPU in this build
+    (["run", "-ngl", "auto"], "n_gpu_layers", "auto"),              # as many as fit: Llama resolves it
     (["run", "-fa", "on"], "flash_attn", "on"),                      # not -f a
     (["run", "-fa", "enabled"], "flash_attn", "on"),
     (["run", "--flash-attn", "off"], "flash_attn", "off"),

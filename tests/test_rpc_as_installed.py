@@ -191,7 +191,9 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
     llama.cpp's 1 GiB margin on the GPU. The run keeps every expert in the cache and as many per
     layer in a VRAM tier as fit there (the plan line says why), where llama.cpp (residency none) would
     put all of them on the GPU. The same run against a server with the machine's memory is unchanged
-    (every expert on the device, stock graph splits), and llama.cpp's --cpu-moe keeps its placement."""
+    (every expert on the device, stock graph splits), and llama.cpp's --cpu-moe keeps its placement.
+    `-ngl auto` (llama.cpp's) offloads every layer whose dense part and KV cache fit, then places the
+    experts as above."""
     from pymoecache.model_info import model_info
 
     model = model_path(fixture_dir, MODEL)
@@ -200,16 +202,29 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
     one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
     want = 30
     mem = (1 << 30) + dense + kv + want * one + one // 2  # (a GPU with room for 30.5 experts per layer)
-    with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large:
+    per_layer = (dense + kv) / info.n_layer  # -ngl auto: a layer's share of the dense part and the KV cache
+    few = (1 << 30) + int(2.5 * per_layer)   # (a GPU with room for the dense part of 2.5 layers)
+    with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large, \
+            rpc.LocalServer(register=False, mem=few) as tiny:
         out = {}
         for name, endpoint, flags in (("small", small.endpoint, ()), ("large", large.endpoint, ()),
                                       ("cpu-moe", small.endpoint, ("--cpu-moe",)),
-                                      ("auto", small.endpoint, ("--cache-size", "0.5", "--vram-size", "auto"))):
-            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", "-ngl", "99",
+                                      ("auto", small.endpoint, ("--cache-size", "0.5", "--vram-size", "auto")),
+                                      ("ngl-auto", small.endpoint, ("-ngl", "auto")),
+                                      ("ngl-auto-large", large.endpoint, ("-ngl", "auto")),
+                                      ("ngl-auto-tiny", tiny.endpoint, ("-ngl", "auto"))):
+            ngl = () if "-ngl" in flags else ("-ngl", "99")
+            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", *ngl,
                           "--rpc", endpoint, "-v", *flags, input="")
             assert r.returncode == 0, r.stderr[-3000:]
-            assert on_device(r.stderr, endpoint), r.stderr[-4000:]
+            assert name == "ngl-auto-tiny" or on_device(r.stderr, endpoint), r.stderr[-4000:]
             out[name] = r.stdout + r.stderr
+    # -ngl auto: every layer where its dense part fits, then the experts as -ngl 99; the dense part of 2 layers
+    n = info.n_layer + 1  # (llama.cpp counts the output layer)
+    for name in ("ngl-auto", "ngl-auto-large"):
+        assert f"offloaded {n}/{n} layers to GPU" in out[name], out[name][-3000:]
+    assert f"VRAM tier {want} of 60 per layer in" in out["ngl-auto"] and "VRAM tier" not in out["ngl-auto-large"]
+    assert f"offloaded 2/{n} layers to GPU" in out["ngl-auto-tiny"], out["ngl-auto-tiny"][-3000:]
     text = out["small"]
     assert f"VRAM tier {want} of 60 per layer in" in text, text[-3000:]
     assert f"the experts do not fit in the {mem / 2**20:.0f} MiB free on the GPU (less a 1024 MiB margin" in text, \

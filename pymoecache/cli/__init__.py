@@ -98,12 +98,12 @@ def _validate(args) -> None:
                  "top_k", "n_gpu_layers", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe", "repeat_last_n",
                  "keep"):
         v = getattr(args, name, None)
-        if v is not None and not -INT32_MAX <= v <= INT32_MAX:
+        if isinstance(v, int) and not -INT32_MAX <= v <= INT32_MAX:
             raise UserError(f"--{name.replace('_', '-')} = {v} is out of range")
     seed = getattr(args, "seed", None)
     if seed is not None and not -1 <= seed <= 2**32 - 1:
         raise UserError(f"-s/--seed must be in [-1, {2**32 - 1}] (-1: a random seed), got {seed}")
-    if getattr(args, "n_gpu_layers", None) is not None and args.n_gpu_layers < -1:
+    if isinstance(getattr(args, "n_gpu_layers", None), int) and args.n_gpu_layers < -1:
         raise UserError(f"-ngl must be >= -1 (-1: all layers), got {args.n_gpu_layers}")
     if getattr(args, "top_k", None) is not None and args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")

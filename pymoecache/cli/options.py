@@ -293,7 +293,9 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
                    metavar="N|all|auto",
                    help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
-                        "(0 here) (default 0). With --residency stream or mmap their dense part (attention, "
+                        "(those whose dense part and KV cache fit in the GPU's free memory, less 1 GiB, as llama.cpp's "
+                        "--fit; experts that do not fit beside stay in RAM, the GPU keeping what fits) (default 0). "
+                        "With --residency stream or mmap their dense part (attention, "
                         "norms, routers, shared experts) goes to the device and the routed experts stay in this "
                         "process's cache, as llama.cpp's --cpu-moe places them")
     p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
@@ -336,14 +338,14 @@ def vram_size(value: str):
         raise argparse.ArgumentTypeError(f"expected a number of experts per layer or auto, got {value!r}") from None
 
 
-def gpu_layers(value: str) -> int:
-    """-ngl as llama.cpp takes it: a number, ``all`` (-1: every layer) or ``auto`` (0 here: this
-    build has no GPU backend to fit layers into)."""
+def gpu_layers(value: str):
+    """-ngl as llama.cpp takes it: a number, ``all`` (-1: every layer) or ``auto`` (the layers whose
+    dense part fits in the GPUs' free memory, none without a GPU: pymoecache.Llama resolves it)."""
     v = value.strip().lower()
     if v == "all":
         return -1
     if v == "auto":
-        return 0
+        return v
     try:
         return int(v)
     except ValueError:
