@@ -527,10 +527,13 @@ class Llama(llama_cpp.Llama):
         if gone and kwargs.get("n_gpu_layers"):
             warnings.warn(f"rpc server {gone[0]} is gone: its device is left out of this load"
                           + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=2)
+        n_ctx = int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512)  # (the context the plans count the KV of)
         if kwargs.get("n_gpu_layers") == "auto":  # llama.cpp's -ngl auto: the layers whose dense part fits the GPUs
-            kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(
-                info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
-                _plan.device_free_memory(devices) if _plan.gpu_layers("auto", info.n_layer) else None)
+            free = _plan.device_free_memory(devices) if _plan.gpu_layers("auto", info.n_layer) else None
+            kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(info, n_ctx, free)
+            if free and not kwargs["n_gpu_layers"]:
+                warnings.warn(f"n_gpu_layers=auto: no layer fits in the {free / 2**20:.0f} MiB free on the GPU (less "
+                              f"a {_plan.DEVICE_MARGIN >> 20} MiB margin): every layer stays on the CPU", stacklevel=2)
         # the servers whose devices take this model's layers: each decode first checks that they are there
         self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"
@@ -540,7 +543,7 @@ class Llama(llama_cpp.Llama):
                               f"tier holds at most that many")
         if info.is_moe:  # check the parameters before spending time on loading weights
             if cache.size == "auto":
-                choice = auto_cache_size(info, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
+                choice = auto_cache_size(info, n_ctx,
                                          gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
                                          lowbit=_lowbit_pool_bytes(cache, info, str(model_path)),
                                          batch=int((n_seq_max - 1) * info.n_expert_used * info.cache_bytes
@@ -563,8 +566,7 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
                               "with a GPU or an RPC server)", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0)
-            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None,
-                                                   int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512))
+            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None, n_ctx)
             if cache.vram_size and cache.residency == "auto":
                 # a tier asked for: the experts fit in RAM but not in GPU memory. Where the cache holds every one
                 # (auto would be 'none': llama.cpp would put them all on the GPU), the seeds' scenario: each in the
@@ -603,7 +605,7 @@ class Llama(llama_cpp.Llama):
                                  (cache, companion.expert_bytes, _companion_name(companion))
                                  if companion is not None else None)
             if residency == "stream" and choice is None:
-                short = memory_shortfall(info, n, int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512),
+                short = memory_shortfall(info, n, n_ctx,
                                          cache.prefetch_spare, lowbit=_lowbit_pool_bytes(cache, info, str(model_path)),
                                          gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
                 if short:
