@@ -143,6 +143,8 @@ class MoECache:
         cp.eviction_decay = float(cache.eviction_decay)
         cp.router_record = int(cache.router_record)
         cp.router_record_input = bool(cache.router_record_input)
+        if cache.vram_size == "auto":
+            raise ConfigError('vram_size "auto" is resolved by pymoecache.Llama from the GPU\'s free memory')
         cp.n_vram = int(cache.vram_size)
         cp.vram_fill = VRAM_FILLS[cache.vram_fill]
         cp.unified = UNIFIED[cache.unified]

@@ -263,6 +263,41 @@ def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) 
     return int(min(info.n_expert, max(0, left) // (info.expert_bytes * moe_on_gpu)))
 
 
+def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List[tuple]:
+    """(what, value) rows for ``info --gpu-mem``: what ``-ngl 99`` and ``-ngl auto`` place where on a GPU
+    with ``free`` bytes, beside a host cache of ``n_cached`` experts per layer (Llama's own rules:
+    :func:`auto_gpu_layers`, :func:`device_experts_fit`)."""
+    n_gpu = auto_gpu_layers(info, n_ctx, free)
+    dense = max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)
+    experts = int(info.expert_bytes * info.n_expert * info.n_moe_layer)
+    def mib(n: float) -> str:  # (a GPU's memory in MiB, as llama.cpp prints it)
+        return f"{n / 2**20:.0f} MiB" if 10 << 20 <= n < 64 << 30 else _fmt(n)
+
+    rows = [("GPU memory free", mib(free)),
+            ("  margin (llama.cpp's --fit)", mib(DEVICE_MARGIN)),
+            ("  dense part + KV cache", f"{mib(dense)} (every layer; KV an upper bound, F16)"),
+            ("  routed experts", f"{mib(experts)} ({info.n_expert} per layer)")]
+    if n_gpu == 0:
+        rows.append(("-ngl auto", "no layer fits: every layer stays on the CPU"))
+        return rows
+    layers = info.n_layer if n_gpu < 0 else n_gpu
+    if n_gpu > 0:
+        rows.append(("-ngl auto", f"{n_gpu} of {info.n_layer} layers (the dense part of more does not fit)"))
+    fit = device_experts_fit(info, n_ctx, layers, free)
+    if fit >= info.n_expert:
+        where = "every expert on the GPU (llama.cpp's placement)" if n_cached >= info.n_expert else \
+            f"the experts streamed in the RAM cache ({n_cached} per layer); --vram-size auto: all {fit} on the GPU too"
+    elif n_cached >= info.n_expert:
+        where = (f"the experts do not fit: every expert in RAM, {fit} of {info.n_expert} per layer also in a VRAM "
+                 f"tier ({mib(fit * info.expert_bytes * info.n_moe_layer)})" if fit else
+                 "the experts do not fit: every expert in RAM, computed by the CPU (as --cpu-moe)")
+    else:
+        where = (f"the experts streamed in the RAM cache ({n_cached} per layer); --vram-size auto: {fit} per layer "
+                 "in a VRAM tier too")
+    rows.append(("-ngl 99" if n_gpu < 0 else f"-ngl {n_gpu}", where))
+    return rows
+
+
 def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
                      available: Optional[int] = None, gpu_layers: int = 0, lowbit: int = 0) -> Optional[str]:
     """Why a streamed run with ``n_cached`` experts per layer does not fit the free memory, or None

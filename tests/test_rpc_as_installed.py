@@ -225,6 +225,11 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
         assert f"offloaded {n}/{n} layers to GPU" in out[name], out[name][-3000:]
     assert f"VRAM tier {want} of 60 per layer in" in out["ngl-auto"] and "VRAM tier" not in out["ngl-auto-large"]
     assert f"offloaded 2/{n} layers to GPU" in out["ngl-auto-tiny"], out["ngl-auto-tiny"][-3000:]
+    # `info --gpu-mem` says it all before a load, with the same rules
+    for size, says in ((mem, f"the experts do not fit: every expert in RAM, {want} of 60 per layer also in a VRAM "
+                              "tier"), (few, f"2 of {info.n_layer} layers"), (64 << 30, "every expert on the GPU")):
+        r = installed(tmp_path, "info", model, "-c", "256", "--gpu-mem", f"{size}b")
+        assert r.returncode == 0 and says in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     text = out["small"]
     assert f"VRAM tier {want} of 60 per layer in" in text, text[-3000:]
     assert f"the experts do not fit in the {mem / 2**20:.0f} MiB free on the GPU (less a 1024 MiB margin" in text, \

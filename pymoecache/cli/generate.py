@@ -534,7 +534,7 @@ def cmd_info(args) -> int:
     from ..config import parse_memory
     from ..errors import Error
     from ..model_info import model_info
-    from ..plan import auto_cache_size, memory_plan, total_memory
+    from ..plan import auto_cache_size, gpu_plan_rows, memory_plan, total_memory
 
     info = model_info(resolve_model(args.model, args))
     try:
@@ -544,7 +544,16 @@ def cmd_info(args) -> int:
     if args.ctx is not None and args.ctx < 0:
         raise UserError(f"-c must be >= 0 (0: the model's training context), got {args.ctx}")
     n_ctx = args.ctx or info.n_ctx_train or 512
-    plan = companion = fc = None
+    plan = companion = fc = gpu = None
+    gpu_mem = None
+    if args.gpu_mem is not None:
+        from ..config import parse_bytes
+
+        gpu_mem = parse_bytes(args.gpu_mem)
+        if not gpu_mem:
+            raise UserError(f"--gpu-mem {args.gpu_mem}: give the GPU's free memory with a unit (8G, 512MiB)")
+        if not info.is_moe:
+            raise UserError(f"--gpu-mem is for MoE models: {info.path} has no routed experts")
     if args.forecast and not info.is_moe:
         raise UserError(f"--forecast is for MoE models: {info.path} has no routed experts")
     if args.threads is not None and args.threads < 1:
@@ -562,6 +571,7 @@ def cmd_info(args) -> int:
                 raise UserError(f"--cache-size: {e}") from None
         plan = memory_plan(info, n_ctx, n_cached, available=budget)
         companion = _companion_rows(info, n_cached)
+        gpu = gpu_plan_rows(info, n_ctx, gpu_mem, n_cached) if gpu_mem else None
         if args.forecast:
             fc = _forecast_with_companion(info, plan, args)
     if args.json:
@@ -571,6 +581,7 @@ def cmd_info(args) -> int:
             d["cache_size_for_budget"] = plan.n_cached if plan else 0
         d["plan"] = plan.as_dict() if plan else None
         d["lowbit"] = dict(companion) if companion else None
+        d["gpu_plan"] = dict(gpu) if gpu else None
         if fc is not None:
             d["forecast"] = dataclasses.asdict(fc)
         print(json.dumps(d, indent=2))
@@ -582,6 +593,10 @@ def cmd_info(args) -> int:
         rows = plan.rows()
         w = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    if gpu:
+        print(f"\nGPU layers on a GPU with {args.gpu_mem} free, a context of {n_ctx} tokens:")
+        w = max(len(k) for k, _ in gpu)
+        print("\n".join(f"{k:<{w}}  {v}" for k, v in gpu))
     if companion:
         print("\nlow-bit companion (--miss; by default a usable one runs lowbit-cache):")
         w = max(len(k) for k, _ in companion)
@@ -720,6 +735,10 @@ def add_commands(sub) -> None:
                         "come out of it (default: the free memory)")
     i.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=None, metavar="N",
                    help="context to plan the KV cache for (default: the model's training context)")
+    i.add_argument("--gpu-mem", metavar="SIZE",
+                   help="also plan GPU layers for a GPU with this much free memory (8G, 512MiB): what -ngl 99 and "
+                        "-ngl auto put on it, and whether the experts fit there or stay in RAM with a VRAM tier of "
+                        "what fits (as run decides from the GPU's own report)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--forecast", action="store_true",
                    help="also forecast the decode speed (tok/s, with a band) of run with the planned cache, the "
