@@ -390,6 +390,11 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
         CacheConfig(vram_size=2, vram_fill="gpu")
     with pytest.raises(ConfigError, match="vram_copy must be one of async, sync"):
         CacheConfig(vram_size=2, vram_copy="dma")
+    with pytest.raises(ConfigError, match="vram_size .* or 'auto'"):
+        CacheConfig(vram_size="all")
+    with pytest.raises(ConfigError, match='vram_size "auto" is resolved by pymoecache.Llama'):
+        pymoecache.MoECache.synthetic(n_layer=1, n_expert=8, n_expert_used=2,
+                                      cache=CacheConfig(size=4, residency="stream", vram_size="auto"))
     # no GPU layers: said, and dropped
     with pytest.warns(UserWarning, match="vram_size=2 ignored: no layer is on a GPU"):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), **KW)
