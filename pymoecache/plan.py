@@ -187,6 +187,10 @@ def gpu_layers(n_gpu_layers, n_layer: int) -> int:
     return n_layer if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layer)
 
 
+DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV cache: its compute buffers and the
+#                          driver's (llama.cpp's --fit keeps as much: its --fit-target default)
+
+
 def auto_gpu_layers(info: ModelInfo, n_ctx: int, free: Optional[int]) -> int:
     """``n_gpu_layers="auto"`` (llama.cpp's ``-ngl auto``): every layer (-1, the output too) where the
     dense part and the KV cache (upper bound) fit in ``free`` bytes of GPU memory beside
@@ -207,10 +211,6 @@ def auto_gpu_layers(info: ModelInfo, n_ctx: int, free: Optional[int]) -> int:
     per_layer = (max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)) / max(info.n_layer, 1)
     n = int(max(0, free - DEVICE_MARGIN) // per_layer) if per_layer > 0 else info.n_layer
     return -1 if n >= info.n_layer else n
-
-
-DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV cache: its compute buffers and the
-#                          driver's (llama.cpp's --fit keeps as much: its --fit-target default)
 
 
 def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
@@ -270,6 +270,7 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List
     n_gpu = auto_gpu_layers(info, n_ctx, free)
     dense = max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)
     experts = int(info.expert_bytes * info.n_expert * info.n_moe_layer)
+
     def mib(n: float) -> str:  # (a GPU's memory in MiB, as llama.cpp prints it)
         return f"{n / 2**20:.0f} MiB" if 10 << 20 <= n < 64 << 30 else _fmt(n)
 

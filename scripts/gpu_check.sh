@@ -93,6 +93,11 @@ say "## exclusive tiers: 3/4 of the experts in RAM, 1/4 in VRAM (model C)"
 say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
 "$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 \
     --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+say ""
+say "## -ngl auto: what the GPU reports free, and the layers and experts placed for it (model C widened)"
+"$PY" -c "from pymoecache import plan; print('device_free_memory:', plan.device_free_memory())" 2>&1 | tee -a "$LOG"
+"$PY" -m pymoecache run -m "$BENCH_TRAINED" -p "ROMEO:" -n 16 -ngl auto -v 2>&1 | grep "offloaded\|^plan:\|warning" \
+    | tee -a "$LOG"
 bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""
 say "done: $LOG"
