@@ -63,7 +63,9 @@ class ModelInfo:
     expert_bytes: float                # bytes of one routed expert (gate+up+down) in one layer
     expert_bytes_total: int            # all routed experts of all layers
     expert_types: List[str] = field(default_factory=list)  # ggml types of the expert tensors
-    n_embd: int = 0                    # embedding width (sizes the KV cache for --cache-size auto)
+    n_embd: int = 0                    # embedding width
+    n_embd_kv: int = 0                 # K and V elements of one token in one layer, KV heads x (key + value size):
+                                       #   what llama.cpp's KV cache holds (0: unknown, 2 x n_embd is planned)
     n_ctx_train: int = 0               # context the model was trained with
     slot_bytes: float = 0.0            # memory of one expert's slot when streamed (0: expert_bytes): expert_bytes,
                                        #   plus a page per tensor read in place (direct I/O with no copy)
@@ -354,6 +356,23 @@ def _check_attention(p: Path, kv: Dict[str, object], arch: str, kv_int) -> None:
                              + (f" ({arch} rotates whole heads)" if arch in _FULL_ROPE_ARCHS else ""))
 
 
+def _kv_width(kv: Dict[str, object], arch: str, kv_int) -> int:
+    """K and V elements per token and layer (KV heads x (key + value size), as llama.cpp sizes its KV
+    cache where every layer has the same heads); 0 where the heads are unknown or given per layer. MLA
+    (deepseek2): key and value of the latent, more than llama.cpp keeps (no V): an upper bound."""
+    if isinstance(kv.get(f"{arch}.attention.head_count"), _Array) or isinstance(
+            kv.get(f"{arch}.attention.head_count_kv"), _Array):
+        return 0
+    n_head = kv_int(f"{arch}.attention.head_count", 0, 0, 1 << 20)
+    n_embd = kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1)
+    if n_head == 0 or n_embd == 0:
+        return 0
+    n_head_kv = kv_int(f"{arch}.attention.head_count_kv", n_head, 0, n_head)
+    k = kv_int(f"{arch}.attention.key_length", n_embd // n_head, 0, 2**31 - 1)
+    v = kv_int(f"{arch}.attention.value_length", k, 0, 2**31 - 1)
+    return n_head_kv * (k + v)
+
+
 def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     """Read a GGUF header and describe the model; raise ModelFileError for a bad file.
 
@@ -491,5 +510,6 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         slot_bytes=slot_bytes,
         expert_types=sorted(types),
         n_embd=kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1),
+        n_embd_kv=_kv_width(h.kv, arch, kv_int),
         n_ctx_train=kv_int(f"{arch}.context_length", 0, 0, 2**31 - 1),
     )

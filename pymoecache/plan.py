@@ -88,7 +88,7 @@ class AutoCacheSize:
     n_expert_used: int     # K: a streamed token needs K slots per layer even when n_cached < K
     available: int         # bytes free when the model was loaded
     dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
-    kv: int                # bytes of the KV cache, an upper bound (F16 K and V, n_embd wide)
+    kv: int                # bytes of the KV cache at F16 (its KV heads' K and V; unknown heads: n_embd wide)
     margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
     fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
@@ -118,8 +118,9 @@ class AutoCacheSize:
 
 
 def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
-    """An upper bound of the KV cache: F16 K and V, n_embd wide, every layer and position."""
-    return 2 * 2 * n_ctx * info.n_layer * max(info.n_embd, 0)
+    """The KV cache llama.cpp allocates at F16 for every layer and position: K and V of its KV heads
+    (``ModelInfo.n_embd_kv``; where unknown an upper bound, K and V n_embd wide)."""
+    return 2 * n_ctx * info.n_layer * (info.n_embd_kv or 2 * max(info.n_embd, 0))
 
 
 def _mib(n: int) -> str:
@@ -129,7 +130,7 @@ def _mib(n: int) -> str:
 def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None,
                     gpu_layers: int = 0, lowbit: int = 0, batch: int = 0) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
-    weights, the KV cache (upper bound: F16 K and V of width n_embd per layer and position) and a
+    weights, the KV cache (F16 K and V of the KV heads per layer and position, :func:`_kv_bytes`) and a
     margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
     A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
     cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
@@ -193,7 +194,7 @@ DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV ca
 
 def auto_gpu_layers(info: ModelInfo, n_ctx: int, free: Optional[int]) -> int:
     """``n_gpu_layers="auto"`` (llama.cpp's ``-ngl auto``): every layer (-1, the output too) where the
-    dense part and the KV cache (upper bound) fit in ``free`` bytes of GPU memory beside
+    dense part and the KV cache fit in ``free`` bytes of GPU memory beside
     :data:`DEVICE_MARGIN`, else as many layers as fit (each an equal share of both); 0 without a GPU
     (``free`` None). The experts are not counted: where they do not fit beside, the cache keeps them
     in RAM (``Llama``, residency auto).
@@ -241,7 +242,7 @@ def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
 
 def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) -> int:
     """Experts per MoE layer that fit in ``free`` bytes of GPU memory beside what ``gpu_layers``
-    offloaded layers put there (their share of the dense part, their KV cache: upper bound) and
+    offloaded layers put there (their share of the dense part, their KV cache) and
     :data:`DEVICE_MARGIN`; at most N. llama.cpp offloads the last ``gpu_layers`` layers.
 
     >>> from pymoecache.model_info import ModelInfo
@@ -276,7 +277,7 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List
 
     rows = [("GPU memory free", mib(free)),
             ("  margin (llama.cpp's --fit)", mib(DEVICE_MARGIN)),
-            ("  dense part + KV cache", f"{mib(dense)} (every layer; KV an upper bound, F16)"),
+            ("  dense part + KV cache", f"{mib(dense)} (every layer; KV at F16)"),
             ("  routed experts", f"{mib(experts)} ({info.n_expert} per layer)")]
     if n_gpu == 0:
         rows.append(("-ngl auto", "no layer fits: every layer stays on the CPU"))
@@ -338,7 +339,7 @@ class MemoryPlan:
     available: int            # bytes free now (MemAvailable, a cgroup limit), or the budget given
     budget_from: str          # "free" or "budget": where ``available`` came from
     dense: int                # non-expert weights (resident; locked when streamed)
-    kv: int                   # KV cache for n_ctx, an upper bound (F16 K and V, n_embd wide)
+    kv: int                   # KV cache for n_ctx at F16 (_kv_bytes)
     n_ctx: int
     n_cached: int             # experts cached per MoE layer
     n_spare: int              # more slots per layer that read ahead (prefetch auto), not cached
@@ -471,7 +472,7 @@ class MemoryPlan:
         return [
             ("memory " + ("free" if self.budget_from == "free" else "budget"), _fmt(self.available)),
             ("  dense part", _fmt(self.dense)),
-            ("  KV cache", f"{_fmt(self.kv)} for {self.n_ctx} tokens (upper bound, F16)"),
+            ("  KV cache", f"{_fmt(self.kv)} for {self.n_ctx} tokens (F16)"),
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
              + (" (low-bit copies)" if self.miss == "lowbit-cache" else "")
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")

@@ -58,6 +58,21 @@ def test_info_table_and_json(fixture_dir):
     assert r.returncode == 0 and "dense model" in r.stdout and "memory plan" not in r.stdout
 
 
+@pytest.mark.parametrize("name, exact", [("mixtral-8x2", True), ("qwen2moe-60x4", True), ("deepseek2-sigmoid-64x6", False)])
+def test_the_plan_counts_the_kv_cache_llama_cpp_allocates(fixture_dir, name, exact):
+    """The plan's KV cache (what --cache-size auto, -ngl auto and the GPU fit set aside) is the one
+    llama.cpp allocates at F16: its KV heads' K and V, half the heads' on the mixtral fixture (GQA;
+    it was planned n_embd wide, twice that). deepseek2's MLA keeps no V: there the plan is above it."""
+    m = model_path(fixture_dir, name)
+    plan = json.loads(cli("info", m, "--json", "-c", "256").stdout)["plan"]
+    r = cli("run", m, "-p", "hi", "-n", "1", "-c", "256", "-v")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = re.search(r"llama_kv_cache: size = +([0-9.]+) MiB \( *256 cells", r.stderr)
+    assert got, r.stderr[-3000:]
+    theirs, ours = float(got.group(1)), plan["kv"] / 2**20
+    assert abs(ours - theirs) < 0.006 if exact else theirs <= ours <= 2 * theirs, (ours, theirs)  # (printed to 0.01)
+
+
 @pytest.mark.parametrize("ram,budget", [("64M", 64 << 20), ("64MiB", 64 << 20), ("0.0625G", 64 << 20),
                                         ("67108864b", 64 << 20), ("50%", None)])
 def test_info_ram_budgets_everything_and_plans_what_auto_picks(fixture_dir, ram, budget):

@@ -29,7 +29,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def serve_context(info, available=None):
-    """(n_ctx, note) for -c 0: the model's training context, halved while its KV cache (upper bound)
+    """(n_ctx, note) for -c 0: the model's training context, halved while its KV cache (F16)
     would take more than a quarter of the memory left beside the dense part; at least 512."""
     from ..plan import _available_memory, _kv_bytes
 
