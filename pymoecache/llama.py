@@ -286,7 +286,7 @@ def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: boo
                 f"VRAM tier sized to {room}" if fit else "")
     held = f", {fit} per layer also in GPU memory" if fit else ", computed by the CPU (as --cpu-moe)"
     return (dataclasses.replace(cache, residency="stream", vram_size=fit),
-            f"the experts do not fit in {room}: every expert in RAM{held}")
+            f"the experts do not fit in {room}: every expert in RAM{held} (--residency none: all on the GPU)")
 
 
 def _prefers_device(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: int) -> bool:
