@@ -33,6 +33,12 @@ counter deterministic (auto decides each copy from measured times).
 
     python scripts/bench_vram_share.py --model MODEL --lowbit MODEL.lowbit-Q8_0.gguf --vram-fill copy --ppl-chunks 20
 
+--device-fit: the local server reports as its memory what the --share's tier needs beside the dense part,
+the KV cache and llama.cpp's 1 GiB margin (`rpc-server --mem`), and a row runs `-ngl 99` with nothing
+else: the tier the device fit gives by itself (Llama, residency auto), beside the rows asked for explicitly.
+
+    python scripts/bench_vram_share.py --model MODEL --device-fit --ppl-chunks 20
+
 --count-rpc (with --rpc local): each row's ggml RPC commands per decoded token, counted by a proxy in
 front of the server (scripts/bench_device.py's): reads of device tensors (GET_TENSOR, each a round trip
 the scheduler waits for), writes (SET_TENSOR: graph inputs, what the CPU's splits send back, copies
@@ -90,6 +96,10 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=0.0,
                     help="with --rpc local: the server behind a link of this many MB/s from this process (a GPU "
                          "machine across a network: 1 Gbit Ethernet is about 117)")
+    ap.add_argument("--device-fit", action="store_true",
+                    help="the local server reports as its memory llama.cpp's 1 GiB margin, the dense part, the KV "
+                         "cache and the device bytes of the --share (every row runs against it), and a row runs "
+                         "`-ngl 99` with nothing else: the tier the device fit gives, against the explicit rows")
     ap.add_argument("--lowbit", metavar="COMPANION",
                     help="a low-bit companion of MODEL: our rows hold its copies (miss lowbit-cache), plus a top-k row at "
                          "full precision")
@@ -101,8 +111,18 @@ def main() -> None:
     proxied = args.count_rpc or args.link_mbps > 0
     if proxied and args.rpc != "local":
         ap.error("--count-rpc and --link-mbps need --rpc local")
+    if args.device_fit and args.rpc != "local":
+        ap.error("--device-fit needs --rpc local (a server reporting the device bytes)")
+    info = pymoecache.model_info(args.model)
+    n_vram = max(1, round(args.share * info.n_expert))
+    mem = None
+    if args.device_fit:  # the GPU's free memory: the margin, the dense part, the KV cache, n_vram experts + half a one
+        from pymoecache.plan import DEVICE_MARGIN, _kv_bytes
+
+        one = info.expert_bytes * info.n_moe_layer
+        mem = DEVICE_MARGIN + info.non_expert_bytes + _kv_bytes(info, 512) + int((n_vram + 0.5) * one)
     servers = contextlib.ExitStack()
-    endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not proxied)).endpoint \
+    endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not proxied, mem=mem)).endpoint \
         if args.rpc == "local" else args.rpc
     counter = None
     if proxied:
@@ -112,8 +132,6 @@ def main() -> None:
         endpoint = link.endpoint
         counter = link if args.count_rpc else None
     device = {} if args.rpc == "none" else {"rpc_servers": endpoint}
-    info = pymoecache.model_info(args.model)
-    n_vram = max(1, round(args.share * info.n_expert))
     n_layers = info.n_moe_layer
     on_device = round(args.share * n_layers)
     rows = [{"placement": f"--n-cpu-moe {n_layers - on_device} (stock llama.cpp)", "routing": "any",
@@ -142,13 +160,17 @@ def main() -> None:
     runs = [(r, x, args.lowbit) for x in ([False, True] if args.exclusive else [False]) for r in routings]
     if args.lowbit:  # the baseline at full precision: top-k, no companion
         runs.append(("lru", False, None))
+    if args.device_fit:  # -ngl 99 and nothing else: what the device fit makes of the server's memory
+        runs.append(("fit", False, None))
     for routing, exclusive, lowbit in runs:
         miss = dict(miss="lowbit-cache", lowbit=lowbit) if lowbit else dict(miss="full")
-        llm = pymoecache.Llama(args.model, cache=CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off",
-                                                                vram_fill=args.vram_fill, vram_exclusive=exclusive,
-                                                                **miss),
-                               routing=routing, n_gpu_layers=99, n_ctx=512, verbose=False, **device,
-                               logits_all=bool(args.ppl_chunks), n_threads=args.threads, n_threads_batch=args.threads)
+        cache = CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off", vram_fill=args.vram_fill,
+                            vram_exclusive=exclusive, **miss)
+        fit = routing == "fit"
+        llm = pymoecache.Llama(args.model, **({} if fit else dict(cache=cache, routing=routing)), n_gpu_layers=99,
+                               n_ctx=512, verbose=False, **device, logits_all=bool(args.ppl_chunks),
+                               n_threads=args.threads, n_threads_batch=args.threads)
+        routing = None if fit else routing
         used = llm.moecache.routing.spec()
         tokens = evaluate.tokenize_text(llm, text)
         speed = decode_tok_s(llm, tokens, args) if args.speed else None
@@ -167,8 +189,10 @@ def main() -> None:
         st = llm.moe_stats()
         rs = st.residency
         n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
-        ram = ("every expert" if n_host >= info.n_expert else f"{n_host}/{info.n_expert} per layer") + " in RAM"
-        row = {"placement": f"ours: {ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
+        held = int(st.capacity_per_layer[0])
+        ram = ("every expert" if held >= info.n_expert else f"{held}/{info.n_expert} per layer") + " in RAM"
+        row = {"placement": ("ours, -ngl 99 alone (the device fit): " if fit else "ours: ")
+                            + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
