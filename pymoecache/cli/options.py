@@ -327,29 +327,26 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="no llama.cpp log (the default here)")
 
 
-def vram_size(value: str):
-    """--vram-size: experts per layer, or ``auto``."""
+def _number_or(value: str, words: dict, what: str):
+    """An integer, or one of ``words`` (each mapped to what it means); ArgumentTypeError naming ``what``."""
     v = value.strip().lower()
-    if v == "auto":
-        return v
+    if v in words:
+        return words[v]
     try:
         return int(v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of experts per layer or auto, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+
+
+def vram_size(value: str):
+    """--vram-size: experts per layer, or ``auto``."""
+    return _number_or(value, {"auto": "auto"}, "a number of experts per layer or auto")
 
 
 def gpu_layers(value: str):
     """-ngl as llama.cpp takes it: a number, ``all`` (-1: every layer) or ``auto`` (the layers whose
     dense part fits in the GPUs' free memory, none without a GPU: pymoecache.Llama resolves it)."""
-    v = value.strip().lower()
-    if v == "all":
-        return -1
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers, all or auto, got {value!r}") from None
+    return _number_or(value, {"all": -1, "auto": "auto"}, "a number of layers, all or auto")
 
 
 def on_off_auto(value: str) -> str:
