@@ -198,7 +198,7 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
 
     model = model_path(fixture_dir, MODEL)
     info = model_info(model)
-    dense, kv = info.non_expert_bytes, 2 * 2 * 256 * info.n_layer * info.n_embd  # KV: F16 K and V, -c 256
+    dense, kv = info.non_expert_bytes, 2 * 256 * info.n_layer * info.n_embd_kv  # KV: F16 K and V, -c 256
     one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
     want = 30
     mem = (1 << 30) + dense + kv + want * one + one // 2  # (a GPU with room for 30.5 experts per layer)
