@@ -277,7 +277,7 @@ def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: boo
     fit = _plan.device_experts_fit(info, n_ctx, n_gpu, free) if free else None
     if cache.vram_size != "auto" and (fit is None or fit >= info.n_expert):
         return cache, ""  # (they fit: llama.cpp puts every one on the GPU)
-    room = (f"the {free / 2**20:.0f} MiB free on the GPU (less a {_plan.DEVICE_MARGIN >> 20} MiB margin, the dense "
+    room = (f"the {_plan._mib(free)} free on the GPU (less a {_plan._mib(_plan.DEVICE_MARGIN)} margin, the dense "
             f"part and the KV cache of {n_gpu} layers)" if free else "the GPU, which reports no free memory")
     if cache.vram_size == "auto":
         if not fit:
@@ -532,8 +532,8 @@ class Llama(llama_cpp.Llama):
             free = _plan.device_free_memory(devices) if _plan.gpu_layers("auto", info.n_layer) else None
             kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(info, n_ctx, free)
             if free and not kwargs["n_gpu_layers"]:
-                warnings.warn(f"n_gpu_layers=auto: no layer fits in the {free / 2**20:.0f} MiB free on the GPU (less "
-                              f"a {_plan.DEVICE_MARGIN >> 20} MiB margin): every layer stays on the CPU", stacklevel=2)
+                warnings.warn(f"n_gpu_layers=auto: no layer fits in the {_plan._mib(free)} free on the GPU (less "
+                              f"a {_plan._mib(_plan.DEVICE_MARGIN)} margin): every layer stays on the CPU", stacklevel=2)
         # the servers whose devices take this model's layers: each decode first checks that they are there
         self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
         residency = "none"

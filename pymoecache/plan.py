@@ -229,15 +229,15 @@ def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
         devs = live_devices([]) if devices is None else devices
         free = ctypes.c_size_t(0)
         total = ctypes.c_size_t(0)
-        n = 0
+        free_sum = 0
         for dev in devs:
             if ggml.ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU:
                 continue
             ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            n += free.value
+            free_sum += free.value
     except (OSError, AttributeError):
         return None
-    return n or None
+    return free_sum or None
 
 
 def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) -> int:
@@ -273,7 +273,7 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List
     experts = int(info.expert_bytes * info.n_expert * info.n_moe_layer)
 
     def mib(n: float) -> str:  # (a GPU's memory in MiB, as llama.cpp prints it)
-        return f"{n / 2**20:.0f} MiB" if 10 << 20 <= n < 64 << 30 else _fmt(n)
+        return _mib(n) if 10 << 20 <= n < 64 << 30 else _fmt(n)
 
     rows = [("GPU memory free", mib(free)),
             ("  margin (llama.cpp's --fit)", mib(DEVICE_MARGIN)),

@@ -189,6 +189,7 @@ def cmd_rpc_server(args) -> int:
     import threading
 
     from .. import rpc
+    from ..plan import _mib
 
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
@@ -197,7 +198,7 @@ def cmd_rpc_server(args) -> int:
     _check_port(addr, args.port)
     shown = args.host if addr == args.host else f"{args.host} ({addr})"
     print(f"pymoecache rpc-server: serving this machine's CPU at {shown}:{args.port}"
-          + (f", reporting {mem / 2**20:.0f} MiB of memory" if mem is not None else "") + " (Ctrl-C to stop); "
+          + (f", reporting {_mib(mem)} of memory" if mem is not None else "") + " (Ctrl-C to stop); "
           f"offload to it with -ngl N --rpc {args.host}:{args.port}", file=sys.stderr, flush=True)
     # ggml's server blocks in accept() and returns only when it cannot serve: it runs in a thread
     # of its own, so that this one takes Ctrl-C (a signal reaches Python code, never a C call)
