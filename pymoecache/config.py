@@ -643,12 +643,16 @@ class CacheConfig:
     also live in GPU memory (a VRAM tier over the host cache, for the layers whose dense part is
     on a discrete GPU or an RPC server), and a decoded token computes those there; ``"auto"``: as
     many as fit in the free memory the GPUs report, beside the dense part and KV cache of their
-    layers and a margin of 1 GiB (llama.cpp's --fit keeps as much). Residency ``"auto"`` with a tier
-    is ``"stream"``, also where the cache holds every expert (every one in RAM, the hot ones on the
-    GPU). With GPU layers, residency "auto" and every expert cached, where the experts do not fit in
-    the GPUs' free memory, that is what a Llama does by itself (``vram_size`` "auto"; not where
-    llama.cpp's placement flags, n_cpu_moe / override_tensor, name where the experts go). Without
-    GPU layers the tier is dropped with a warning. A selected
+    layers and a margin of 1 GiB (llama.cpp's --fit keeps as much); where the cache holds fewer than
+    every expert, those are others than the cache's (``vram_exclusive``). Residency ``"auto"`` with a
+    tier is ``"stream"``, also where the cache holds every expert (every one in RAM, the hot ones on
+    the GPU). With GPU layers, residency "auto" and no tier given, a Llama spends the GPUs' free
+    memory by itself (``plan.device_fit``; not where llama.cpp's placement flags, n_cpu_moe /
+    override_tensor, name where the experts go): every expert on the GPU where they fit (residency
+    none; with a stated cache size smaller than every expert, a tier of the others instead), else a
+    tier as ``"auto"`` sizes it: the hot ones where RAM holds every expert, others where it holds
+    fewer (a model larger than RAM: the two hold more, the file is read less). Residency
+    ``"stream"`` keeps them all in RAM. Without GPU layers the tier is dropped with a warning. A selected
     expert that is not there: vram_fill ``"copy"`` copies it up from its host slot (into a free
     device slot, else the one the ``eviction`` policy frees), ``"cpu"`` computes it on the CPU (only free
     device slots are filled), ``"auto"`` (the default) copies when the measured copy time is at

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import dataclasses
 import functools
@@ -261,32 +262,48 @@ def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Opt
     return min(n_cached, n_expert) / n_expert
 
 
-def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: bool, n_ctx: int):
-    """The cache with ``vram_size="auto"`` resolved, and with residency "auto" where every expert is
-    cached (llama.cpp would put those of the GPU layers on the GPUs) but they do not fit in the
-    GPUs' free memory: residency stream (every expert in RAM) and a VRAM tier of what fits, unless a
-    tier was asked for or llama.cpp's placement flags (``placed_by_us`` False) say where the experts
-    go. Also the line the plan says it in ("" where nothing was decided here)."""
-    if not n_gpu or not (cache.vram_size == "auto" or (placed_by_us and not cache.vram_size and
-                                                       cache.residency == "auto")):
+def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: bool, n_ctx: int, size_stated: bool):
+    """Where the experts of GPU layers go. A tier stated: the cache streams (a tier is filled from its
+    host slots). Where nothing says where they go (residency "auto", no tier or ``vram_size="auto"``,
+    no llama.cpp placement flag: ``placed_by_us``), the GPUs' free memory is spent on them
+    (:func:`plan.device_fit`): every expert on the GPU where they fit (residency none); else RAM keeps
+    what the cache holds and a VRAM tier takes what fits: copies where RAM holds every expert, others
+    (exclusive tiers) where it holds fewer, a model larger than RAM. A stated cache size or tier
+    (``size_stated``, ``vram_size="auto"``) keeps the RAM cache. Also the line the plan says it in
+    ("" where nothing was decided here)."""
+    asked = cache.vram_size == "auto"
+    if n_gpu and cache.vram_size and not asked:  # a tier stated: the cache streams, also where it holds every
+        # expert (auto would be 'none', llama.cpp putting them all on the GPU): the seeds' scenario, each in the
+        # cache's host slots, the hot ones in the tier, the routing steered to them
+        return (dataclasses.replace(cache, residency="stream") if cache.residency == "auto" else cache), ""
+    if not n_gpu or cache.unified == "on" or not (asked or (placed_by_us and not cache.vram_size and
+                                                            cache.residency == "auto")):
         return cache, ""
     n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-    if cache.vram_size != "auto" and cache.residency_for(cache.capacities(n), info.n_expert) != "none":
-        return cache, ""  # (the cache streams: the experts stay in RAM, none on the GPU)
     free = _plan.device_free_memory(devices)
-    fit = _plan.device_experts_fit(info, n_ctx, n_gpu, free) if free else None
-    if cache.vram_size != "auto" and (fit is None or fit >= info.n_expert):
-        return cache, ""  # (they fit: llama.cpp puts every one on the GPU)
+    fit = _plan.device_fit(info, n_ctx, n_gpu, free, n, keep_ram=size_stated or asked)
     room = (f"the {_plan._mib(free)} free on the GPU (less a {_plan._mib(_plan.DEVICE_MARGIN)} margin, the dense "
             f"part and the KV cache of {n_gpu} layers)" if free else "the GPU, which reports no free memory")
-    if cache.vram_size == "auto":
-        if not fit:
+    if asked:  # (every expert cached and fitting the GPU: a tier of them all, as asked)
+        n_vram = info.n_expert if fit.residency == "none" else fit.n_vram
+        if not n_vram:
             warnings.warn(f"vram_size=auto: no VRAM tier, no expert fits in {room}", stacklevel=3)
-        return (dataclasses.replace(cache, vram_size=fit or 0, vram_exclusive=cache.vram_exclusive and bool(fit)),
-                f"VRAM tier sized to {room}" if fit else "")
-    held = f", {fit} per layer also in GPU memory" if fit else ", computed by the CPU (as --cpu-moe)"
-    return (dataclasses.replace(cache, residency="stream", vram_size=fit),
-            f"the experts do not fit in {room}: every expert in RAM{held} (--residency none: all on the GPU)")
+        return (dataclasses.replace(cache, vram_size=n_vram, residency="stream" if n_vram else cache.residency,
+                                    vram_exclusive=fit.exclusive or (cache.vram_exclusive and bool(n_vram))),
+                f"VRAM tier sized to {room}" + (f": {fit.where}" if fit.exclusive else "") if n_vram else "")
+    if fit.residency == "none":
+        if n >= info.n_expert:
+            return cache, ""  # (llama.cpp puts every one on the GPU, as it would without us)
+        return (dataclasses.replace(cache, size=info.n_expert),
+                f"the experts fit in {room}: {fit.where}; --residency stream keeps them in RAM")
+    if n >= info.n_expert:
+        return (dataclasses.replace(cache, residency="stream", vram_size=fit.n_vram),
+                f"the experts do not fit in {room}: {fit.where} (--residency none: all on the GPU)")
+    if not fit.n_vram:
+        return cache, ""  # (the cache streams and the GPU has no room for an expert: as without a GPU)
+    return (dataclasses.replace(cache, residency="stream", vram_size=fit.n_vram, vram_exclusive=True),
+            f"the cache holds fewer than every expert: the tier holds others, sized to {room} (--residency stream: "
+            "no tier)")
 
 
 def _prefers_device(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: int) -> bool:
@@ -389,6 +406,18 @@ def _lowbit_pool_bytes(cache: CacheConfig, info, model_path: str) -> int:
         return 0
     slots = (info.n_expert if cache.lowbit_in_ram else info.n_expert_used) + 1
     return int(slots * companion.expert_bytes * info.n_moe_layer)
+
+
+def _utf8_repaired(b: bytes) -> bytes:
+    """``b`` with U+FFFD for each byte sequence that is not UTF-8, except an unfinished character at
+    the end, which the next token may finish.
+
+    >>> _utf8_repaired(b"\\xcb Dez"), _utf8_repaired(b"ok \\xe2\\x81"), _utf8_repaired(b"\\xe2\\x81\\xb8")
+    (b'\\xef\\xbf\\xbd Dez', b'ok \\xe2\\x81', b'\\xe2\\x81\\xb8')
+    """
+    d = codecs.getincrementaldecoder("utf-8")("replace")
+    text = d.decode(b, final=False)
+    return text.encode() + d.getstate()[0]
 
 
 def _file_signature(path: str) -> Tuple[int, int, int, int]:
@@ -566,12 +595,8 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
                               "with a GPU or an RPC server)", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0)
-            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None, n_ctx)
-            if cache.vram_size and cache.residency == "auto":
-                # a tier asked for: the experts fit in RAM but not in GPU memory. Where the cache holds every one
-                # (auto would be 'none': llama.cpp would put them all on the GPU), the seeds' scenario: each in the
-                # cache's host slots, the hot ones in the tier, the routing steered to them
-                cache = dataclasses.replace(cache, residency="stream")
+            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None, n_ctx,
+                                                    size_stated=choice is None)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
                 cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
@@ -913,7 +938,33 @@ class Llama(llama_cpp.Llama):
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         """``llama_cpp.Llama.detokenize``; ModelFileError for a model without a tokenizer."""
         self._check_vocab()
-        return super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
+        b = super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
+        return _utf8_repaired(b) if self.__dict__.get("_repair_utf8") else b
+
+    def _completion(self, prompt, args, kwargs):
+        """``llama_cpp.Llama.create_completion``, whose detokenize, while its code runs, gives U+FFFD for
+        bytes that no later token can make UTF-8 (:func:`_utf8_repaired`). Its stream yields only
+        text that decodes, trying every prefix of what it holds: a model that samples a lone byte (a
+        UTF-8 lead byte, then a token of plain text) held back the rest of the completion, re-decoding
+        all of it at every token, so that a long one never ended; and the text dropped the byte."""
+        if not kwargs.get("stream"):
+            self._repair_utf8 = True
+            try:
+                return super().create_completion(prompt, *args, **kwargs)
+            finally:
+                self._repair_utf8 = False
+        return self._repaired_chunks(super().create_completion(prompt, *args, **kwargs))
+
+    def _repaired_chunks(self, chunks):
+        while True:  # (the repair only while llama-cpp-python's code runs: not the consumer's between chunks)
+            self._repair_utf8 = True
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            finally:
+                self._repair_utf8 = False
+            yield chunk
 
     def _check_logits(self, synced: bool = False) -> None:
         """ModelFileError when the last decode's last row of logits is not finite: NaN or inf in the
@@ -968,7 +1019,7 @@ class Llama(llama_cpp.Llama):
         """
         n = kwargs.get("logprobs")
         if n is None or self._logits_all:
-            return super().create_completion(prompt, *args, **kwargs)
+            return self._completion(prompt, args, kwargs)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_vocab():
             raise ConfigError(f"logprobs must be an integer in [0, {self.n_vocab()}], got {n!r}")
         if kwargs.get("echo"):
@@ -977,10 +1028,10 @@ class Llama(llama_cpp.Llama):
         steps, kwargs["logprobs"] = StepLogprobs(n), None
         offset = len(prompt) if isinstance(prompt, str) else len(self.detokenize(prompt).decode("utf-8", "ignore"))
         if kwargs.get("stream"):
-            return self._stream_logprobs(super().create_completion(prompt, *args, **kwargs), steps, offset)
+            return self._stream_logprobs(self._completion(prompt, args, kwargs), steps, offset)
         self._step_logprobs = steps
         try:
-            result = super().create_completion(prompt, *args, **kwargs)
+            result = self._completion(prompt, args, kwargs)
         finally:
             self._step_logprobs = None
         choice = result["choices"][0]

@@ -264,10 +264,56 @@ def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) 
     return int(min(info.n_expert, max(0, left) // (info.expert_bytes * moe_on_gpu)))
 
 
-def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List[tuple]:
+@dataclasses.dataclass(frozen=True)
+class DeviceFit:
+    """Where the experts of a load with GPU layers go, from the GPUs' free memory (:func:`device_fit`)."""
+    residency: str  # "none": every expert on the GPU, none in RAM (llama.cpp's placement); "stream": the RAM cache
+    n_vram: int     # experts per MoE layer in a VRAM tier (0: none)
+    exclusive: bool  # the tier's experts keep no host slot: RAM and GPU together hold n_cached + n_vram
+    where: str      # what the plan line and ``info --gpu-mem`` say of it
+
+
+def device_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: Optional[int], n_cached: int,
+               keep_ram: bool = False) -> DeviceFit:
+    """Where the experts go beside ``gpu_layers`` offloaded layers and a RAM cache of ``n_cached``
+    experts per layer, given ``free`` bytes of GPU memory (:func:`device_experts_fit`), the one rule
+    ``Llama`` (residency auto) and ``info --gpu-mem`` follow:
+
+    - every expert fits the GPU: llama.cpp's placement, all of them there, whatever RAM holds; unless
+      ``keep_ram`` (a cache size or a tier was stated) and RAM holds fewer than all: then the tier
+      takes the rest;
+    - RAM holds every expert: it keeps them, the GPU as many per layer as fit, copies in a VRAM tier;
+    - RAM holds fewer (a model larger than RAM): RAM keeps its share and the GPU as many others as fit,
+      exclusive tiers, so the two together hold more and the file is read less.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
+    ...                  moe_layers=list(range(8)), n_expert=64, n_expert_used=4, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20,
+    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024)
+    >>> [(f.residency, f.n_vram, f.exclusive) for f in (device_fit(info, 4096, 8, 8 << 30, 64),
+    ...  device_fit(info, 4096, 8, 4 << 30, 64), device_fit(info, 4096, 8, 4 << 30, 20),
+    ...  device_fit(info, 4096, 8, 8 << 30, 20), device_fit(info, 4096, 8, 8 << 30, 20, keep_ram=True))]
+    [('none', 0, False), ('stream', 30, False), ('stream', 30, True), ('none', 0, False), ('stream', 44, True)]
+    """
+    n_expert = info.n_expert
+    fit = device_experts_fit(info, n_ctx, gpu_layers, free) if free else 0
+    if fit >= n_expert and (n_cached >= n_expert or not keep_ram):
+        return DeviceFit("none", 0, False, "every expert on the GPU" + (
+            "" if n_cached >= n_expert else ", none in RAM") + " (llama.cpp's placement)")
+    if n_cached >= n_expert:
+        return DeviceFit("stream", fit, False, f"every expert in RAM, {fit} per layer also in GPU memory" if fit else
+                         "every expert in RAM, computed by the CPU (as --cpu-moe)")
+    n = min(fit, n_expert - n_cached)
+    held = "all" if n_cached + n >= n_expert else f"{n_cached + n} of {n_expert}"
+    return DeviceFit("stream", n, n > 0, f"{n_cached} per layer in RAM, {n} others in GPU memory (exclusive: the two "
+                     f"hold {held})" if n else f"{n_cached} per layer streamed in RAM, none in GPU memory")
+
+
+def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int, keep_ram: bool = False) -> List[tuple]:
     """(what, value) rows for ``info --gpu-mem``: what ``-ngl 99`` and ``-ngl auto`` place where on a GPU
-    with ``free`` bytes, beside a host cache of ``n_cached`` experts per layer (Llama's own rules:
-    :func:`auto_gpu_layers`, :func:`device_experts_fit`)."""
+    with ``free`` bytes, beside a host cache of ``n_cached`` experts per layer (``keep_ram``: a size the
+    user stated; Llama's own rules: :func:`auto_gpu_layers`, :func:`device_fit`)."""
     n_gpu = auto_gpu_layers(info, n_ctx, free)
     dense = max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)
     experts = int(info.expert_bytes * info.n_expert * info.n_moe_layer)
@@ -285,17 +331,8 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int) -> List
     layers = info.n_layer if n_gpu < 0 else n_gpu
     if n_gpu > 0:
         rows.append(("-ngl auto", f"{n_gpu} of {info.n_layer} layers (the dense part of more does not fit)"))
-    fit = device_experts_fit(info, n_ctx, layers, free)
-    if fit >= info.n_expert:
-        where = "every expert on the GPU (llama.cpp's placement)" if n_cached >= info.n_expert else \
-            f"the experts streamed in the RAM cache ({n_cached} per layer); --vram-size auto: all {fit} on the GPU too"
-    elif n_cached >= info.n_expert:
-        where = (f"the experts do not fit: every expert in RAM, {fit} of {info.n_expert} per layer also in a VRAM "
-                 f"tier ({mib(fit * info.expert_bytes * info.n_moe_layer)})" if fit else
-                 "the experts do not fit: every expert in RAM, computed by the CPU (as --cpu-moe)")
-    else:
-        where = (f"the experts streamed in the RAM cache ({n_cached} per layer); --vram-size auto: {fit} per layer "
-                 "in a VRAM tier too")
+    fit = device_fit(info, n_ctx, layers, free, n_cached, keep_ram)
+    where = fit.where + (f" ({mib(fit.n_vram * info.expert_bytes * info.n_moe_layer)})" if fit.n_vram else "")
     rows.append(("-ngl 99" if n_gpu < 0 else f"-ngl {n_gpu}", where))
     return rows
 

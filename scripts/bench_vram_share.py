@@ -36,8 +36,11 @@ counter deterministic (auto decides each copy from measured times).
 --device-fit: the local server reports as its memory what the --share's tier needs beside the dense part,
 the KV cache and llama.cpp's 1 GiB margin (`rpc-server --mem`), and a row runs `-ngl 99` with nothing
 else: the tier the device fit gives by itself (Llama, residency auto), beside the rows asked for explicitly.
+With --host-share below 1 that row gives the cache's size too (a machine whose RAM holds fewer than every
+expert: the fit makes the tiers exclusive), and a row runs the same without a tier (what it did before).
 
     python scripts/bench_vram_share.py --model MODEL --device-fit --ppl-chunks 20
+    python scripts/bench_vram_share.py --model MODEL --device-fit --host-share 0.5 --exclusive --warmup 256
 
 --count-rpc (with --rpc local): each row's ggml RPC commands per decoded token, counted by a proxy in
 front of the server (scripts/bench_device.py's): reads of device tensors (GET_TENSOR, each a round trip
@@ -162,12 +165,19 @@ def main() -> None:
         runs.append(("lru", False, None))
     if args.device_fit:  # -ngl 99 and nothing else: what the device fit makes of the server's memory
         runs.append(("fit", False, None))
+        if n_host < info.n_expert:  # and what -ngl 99 with that cache did before it: no tier, the experts streamed
+            runs.append(("no-tier", False, None))
     for routing, exclusive, lowbit in runs:
         miss = dict(miss="lowbit-cache", lowbit=lowbit) if lowbit else dict(miss="full")
         cache = CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off", vram_fill=args.vram_fill,
                             vram_exclusive=exclusive, **miss)
         fit = routing == "fit"
-        llm = pymoecache.Llama(args.model, **({} if fit else dict(cache=cache, routing=routing)), n_gpu_layers=99,
+        if routing == "no-tier":
+            cache, routing = CacheConfig(size=n_host, residency="stream", **miss), None  # (prefetch as it was: auto)
+        # (the fit row: -ngl 99 alone, or with the host cache's size where it holds fewer than every expert, as
+        # --cache-size auto would on a machine whose RAM is smaller than the model)
+        asked = (dict(cache=n_host) if n_host < info.n_expert else {}) if fit else dict(cache=cache, routing=routing)
+        llm = pymoecache.Llama(args.model, **asked, n_gpu_layers=99,
                                n_ctx=512, verbose=False, **device, logits_all=bool(args.ppl_chunks),
                                n_threads=args.threads, n_threads_batch=args.threads)
         routing = None if fit else routing
@@ -191,11 +201,13 @@ def main() -> None:
         n = rs.vram_hits + rs.vram_from_ram + rs.vram_from_file
         held = int(st.capacity_per_layer[0])
         ram = ("every expert" if held >= info.n_expert else f"{held}/{info.n_expert} per layer") + " in RAM"
-        row = {"placement": ("ours, -ngl 99 alone (the device fit): " if fit else "ours: ")
+        alone = "-ngl 99" + (f" --cache-size {n_host}" if n_host < info.n_expert else "") + " alone"
+        row = {"placement": (f"ours, {alone} (the device fit): " if fit else
+                             "ours, no tier (-ngl 99 before the device fit): " if not rs.vram_slots else "ours: ")
                             + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
-               "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / n,
+               "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / max(1, n),
                "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes,
                "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
                "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens),

@@ -400,7 +400,7 @@ def test_gpu_layers_on_an_rpc_server_from_the_command_line():
     with rpc.LocalServer(register=False) as server:  # (the runs below register it, in their processes)
         args = ("run", "-p", "ROMEO:", "--prior", "0.5", "--cache-size", "0.25", "-n", "8", "--temp", "0", "--json")
         r0 = cli(*args)
-        r = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "-v")
+        r = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "-v", "--residency", "stream")  # (auto: a GPU tier)
         rv = cli(*args, "-ngl", "99", "--rpc", server.endpoint, "--vram-size", "6", "--vram-fill", "copy",
                  "--vram-copy", "async")
     assert r.returncode == 0 and r0.returncode == 0 and rv.returncode == 0, r.stderr + r0.stderr + rv.stderr

@@ -392,3 +392,41 @@ def test_a_llama_is_built_from_its_configuration_resolved_once(fixture_dir, monk
         assert llm.moe_stats().capacity_per_layer[0] == 30  # built from the resolved size
     finally:
         llm.close()
+
+
+def test_a_completion_goes_on_past_a_byte_that_is_not_utf8(llm):
+    """A model can sample a lone UTF-8 lead byte (seen: b"\\xcb" then " Dez", the 60-expert fixture behind a
+    VRAM tier): llama-cpp-python's stream held back everything after it, re-decoding all of it at every
+    token (a 4000-token `run` never ended), and the text dropped the byte. Forced here by a logits
+    processor: the lone byte, plain text, then a character whose three bytes come as three tokens. The
+    stream goes on token by token, the byte is U+FFFD as in the text returned whole, and the split
+    character arrives whole."""
+    byte = {}  # a token of each single byte
+    for t in range(llm.n_vocab()):
+        b = llm.detokenize([t])
+        if len(b) == 1:
+            byte.setdefault(b[0], t)
+    words = llm.tokenize(b"Dez and more words", add_bos=False)  # (" Dez", " and", ...: SPM puts the space in)
+    end = llm.tokenize(b"end", add_bos=False)
+    before = llm.tokenize(b"But soft", add_bos=False)
+    forced = before + [byte[0xCB]] + words + [byte[0xE2], byte[0x81], byte[0xB8]] + end
+    n_prompt = len(llm.tokenize(b"ROMEO:"))
+
+    def force(input_ids, scores):
+        out = np.full_like(scores, -1e9)
+        out[forced[len(input_ids) - n_prompt]] = 0.0
+        return out
+
+    kw = dict(max_tokens=len(forced), temperature=0.0, logits_processor=[force])
+    chunks, at = [], []
+    for c in llm("ROMEO:", stream=True, **kw):
+        chunks.append(c["choices"][0]["text"])
+        at.append(llm.n_tokens)
+    want = llm.detokenize(before).decode() + "\ufffd" + llm.detokenize(words).decode() + "\u2078" + llm.detokenize(end).decode()
+    assert "".join(chunks) == want, chunks
+    whole = llm("ROMEO:", **kw)
+    assert whole["choices"][0]["text"] == want
+    assert sum(1 for c in chunks if c) >= len(words), chunks  # (token by token, not all at the end)
+    first = next(i for i, c in enumerate(chunks) if "Dez" in c)
+    assert at[first] < n_prompt + len(forced) - 2, (at, chunks)
+    assert "\u2078" in chunks  # (the three bytes yielded as one character)

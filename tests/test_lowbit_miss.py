@@ -439,8 +439,8 @@ def device_run(m, gpu, tokens, vram, miss=None, profile=None):
     """The tokens decoded one by one with every layer on the RPC device and the experts streamed into
     8 host slots (lowbit-cache: the copies that fit there), a VRAM tier of `vram` experts' bytes."""
     llm = pymoecache.Llama(str(m), n_ctx=128, verbose=False, n_threads=2, routing="lru", n_gpu_layers=99,
-                           rpc_servers=gpu, cache=CacheConfig(size=8, prefetch="off", vram_size=vram, vram_fill="copy",
-                                                              miss=miss))
+                           rpc_servers=gpu, cache=CacheConfig(size=8, residency="stream", prefetch="off", vram_size=vram,
+                                                              vram_fill="copy", miss=miss))
     if profile is not None:
         llm.load_profile(profile, warm=True)
     held = {il: llm.moecache.vram_cached(il) for il in llm.model_info.moe_layers}

@@ -9,6 +9,7 @@ buffer in the log. A server that goes away must cost the model that used it, not
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -226,8 +227,7 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
     assert f"VRAM tier {want} of 60 per layer in" in out["ngl-auto"] and "VRAM tier" not in out["ngl-auto-large"]
     assert f"offloaded 2/{n} layers to GPU" in out["ngl-auto-tiny"], out["ngl-auto-tiny"][-3000:]
     # `info --gpu-mem` says it all before a load, with the same rules
-    for size, says in ((mem, f"the experts do not fit: every expert in RAM, {want} of 60 per layer also in a VRAM "
-                              "tier"), (few, f"2 of {info.n_layer} layers"), (64 << 30, "every expert on the GPU")):
+    for size, says in ((mem, f"every expert in RAM, {want} per layer also in GPU memory"), (few, f"2 of {info.n_layer} layers"), (64 << 30, "every expert on the GPU")):
         r = installed(tmp_path, "info", model, "-c", "256", "--gpu-mem", f"{size}b")
         assert r.returncode == 0 and says in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     text = out["small"]
@@ -244,6 +244,83 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
     assert "device: 2.0 graph splits/tok" in out["large"], out["large"][-3000:]
     assert f"VRAM tier {want} of 60 per layer in" in out["auto"] and "VRAM tier sized to the" in out["auto"]
     assert "(30 of 60 per layer" in out["auto"], out["auto"][-3000:]
+
+
+LARGER_THAN_RAM_SCRIPT = r"""
+import json, sys
+import pymoecache
+from pymoecache import CacheConfig
+path, endpoint, residency = sys.argv[1:4]
+llm = pymoecache.Llama(path, cache=CacheConfig(size=30, residency=residency), routing="lru", n_gpu_layers=99,
+                       rpc_servers=endpoint, n_ctx=256, verbose=False)
+tokens = llm.tokenize(b"ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.")
+for p in range(2):  # the same tokens twice, each decoded alone: top-k selects the same experts in the second pass
+    llm.reset()
+    llm.reset_moe_stats()
+    for t in tokens:
+        llm.eval([t])
+st = llm.moe_stats()
+rs = st.residency
+print(json.dumps(dict(loads=rs.decode_loads, evictions=st.evictions, tokens=rs.decode_tokens, vram=rs.vram_slots,
+                      exclusive=rs.vram_exclusive_layers, vram_hits=rs.vram_hits, from_file=rs.vram_from_file,
+                      plan=llm.memory_plan().summary())))
+"""
+
+
+def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(fixture_dir, tmp_path):
+    """`run -ngl 99 --rpc HOST --cache-size 30`, the cache holding half of each layer's experts as it does
+    on a machine whose RAM is smaller than the model: the GPU's free memory holds others, exclusive
+    tiers (an expert in GPU memory keeps no RAM slot), so the two hold more than RAM alone and the file is
+    read less. Against a server with room for 20.5 experts per layer beside the rest the tier is 20 (the
+    two hold 50 of 60); against one with the machine's memory it is the other 30: once every expert was
+    read, none is read again (the Python API, the same keywords alone, top-k decoding the same tokens
+    twice), where `--residency stream` (the previous default: no tier) keeps reading. `info --gpu-mem`
+    says the same before a load, and with a RAM budget smaller than the model (`--ram`) and a GPU that
+    holds every expert, llama.cpp's placement: every expert on the GPU, none in RAM."""
+    from pymoecache.model_info import model_info
+
+    model = model_path(fixture_dir, MODEL)
+    info = model_info(model)
+    dense, kv = info.non_expert_bytes, 2 * 256 * info.n_layer * info.n_embd_kv  # KV: F16 K and V, -c 256
+    one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
+    mem = (1 << 30) + dense + kv + 20 * one + one // 2  # (a GPU with room for 20.5 experts per layer)
+    with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large:
+        out = {}
+        for name, endpoint in (("small", small.endpoint), ("large", large.endpoint)):
+            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", "-ngl", "99",
+                          "--rpc", endpoint, "-v", "--cache-size", "30", input="")
+            assert r.returncode == 0 and on_device(r.stderr, endpoint), r.stderr[-3000:]
+            out[name] = r.stdout + r.stderr
+        got = {}
+        for residency in ("auto", "stream"):
+            r = subprocess.run([sys.executable, "-c", LARGER_THAN_RAM_SCRIPT, str(model), large.endpoint, residency],
+                               cwd=tmp_path, env=installed_env(), capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            got[residency] = json.loads(r.stdout.splitlines()[-1])
+    for name, n_vram, held in (("small", 20, "50 of 60"), ("large", 30, "60 of 60 (all")):
+        text = out[name]
+        assert f"VRAM tier {n_vram} of 60 per layer in" in text and f"exclusive: RAM and VRAM hold {held}" in text, \
+            text[-3000:]
+        assert "the cache holds fewer than every expert: the tier holds others, sized to the" in text, text[-3000:]
+        assert "(30 of 60 per layer" in text and "warning" not in text, text[-3000:]
+        m = re.search(r"selections from vram (\d+), ram (\d+), file (\d+).*; exclusive", text)
+        assert m and int(m.group(1)) > 0, text[-3000:]
+    tiers, stream = got["auto"], got["stream"]
+    assert tiers["vram"] == 30 and tiers["exclusive"] == info.n_moe_layer, tiers
+    assert tiers["tokens"] > 0 and tiers["loads"] == 0 and tiers["evictions"] == 0, tiers  # (the second pass)
+    assert tiers["vram_hits"] > 0 and tiers["from_file"] == 0, tiers
+    assert stream["vram"] == 0 and stream["loads"] > 0 and stream["evictions"] > 0, stream
+    assert "VRAM tier" not in stream["plan"], stream["plan"]
+    # `info --gpu-mem`: the same rule before a load; a RAM budget that holds a fifth of the experts and a GPU
+    # that holds them all: every expert on the GPU
+    budget = int(dense + kv + 0.2 * info.expert_bytes_total) + (128 << 20)
+    for flags, says in ((("--cache-size", "30", "--gpu-mem", f"{mem}b"),
+                         "30 per layer in RAM, 20 others in GPU memory (exclusive: the two hold 50 of 60)"),
+                        (("--cache-size", "30", "--gpu-mem", "64G"),
+                         "30 per layer in RAM, 30 others in GPU memory (exclusive: the two hold all)"),
+                        (("--ram", f"{budget}b", "--gpu-mem", "64G"), "every expert on the GPU, none in RAM")):
+        r = installed(tmp_path, "info", model, "-c", "256", *flags)
+        assert r.returncode == 0 and says in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mem", ["0", "-5", "lots", "512k"])

@@ -561,7 +561,8 @@ def cmd_info(args) -> int:
     if info.is_moe:  # what --cache-size auto picks with this budget (default: the free memory), all of it planned
         choice = auto_cache_size(info, n_ctx, available=budget)
         n_cached = choice.n_cached
-        if args.cache_size is not None and args.cache_size.strip() != "auto":
+        stated = args.cache_size is not None and args.cache_size.strip() != "auto"
+        if stated:
             from ..config import CacheConfig, parse_cache_size
 
             try:
@@ -571,7 +572,7 @@ def cmd_info(args) -> int:
                 raise UserError(f"--cache-size: {e}") from None
         plan = memory_plan(info, n_ctx, n_cached, available=budget)
         companion = _companion_rows(info, n_cached)
-        gpu = gpu_plan_rows(info, n_ctx, gpu_mem, n_cached) if gpu_mem else None
+        gpu = gpu_plan_rows(info, n_ctx, gpu_mem, n_cached, keep_ram=stated) if gpu_mem else None
         if args.forecast:
             fc = _forecast_with_companion(info, plan, args)
     if args.json:

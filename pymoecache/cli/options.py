@@ -214,8 +214,10 @@ def _add_residency_options(c) -> None:
                         "layers whose dense part is on a discrete GPU or an --rpc server), where a decoded token "
                         "computes them; the cache streams (a model that fits in RAM: every expert in it, the hot ones "
                         "on the GPU, the routing steered to them). auto: as many as fit in the GPUs' free memory "
-                        "(less 1 GiB, as llama.cpp's --fit). Without it, a model that fits in RAM but whose experts "
-                        "do not fit in the GPUs gets auto (default 0: none, the CPU computes every expert)")
+                        "(less 1 GiB, as llama.cpp's --fit), others than the RAM cache's where it holds fewer than "
+                        "every expert (--vram-exclusive). Without it, with --residency auto: every expert on the GPU "
+                        "where they fit, else auto (a model larger than RAM: RAM and GPU together hold more); "
+                        "--residency stream: none")
     c.add_argument("--no-batch-share", dest="batch_share", action="store_false",
                    help="sequences decoded together (serve -np, bench --parallel): route each as if alone, without "
                         "counting the experts the other sequences of the step select as cached, and with the "
