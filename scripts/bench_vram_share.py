@@ -41,6 +41,7 @@ expert: the fit makes the tiers exclusive), and a row runs the same without a ti
 
     python scripts/bench_vram_share.py --model MODEL --device-fit --ppl-chunks 20
     python scripts/bench_vram_share.py --model MODEL --device-fit --host-share 0.5 --exclusive --warmup 256
+    python scripts/bench_vram_share.py --model MODEL --device-fit --host-share 0.5 --speed --storage-mbps 25
 
 --count-rpc (with --rpc local): each row's ggml RPC commands per decoded token, counted by a proxy in
 front of the server (scripts/bench_device.py's): reads of device tensors (GET_TENSOR, each a round trip
@@ -103,6 +104,10 @@ def main() -> None:
                     help="the local server reports as its memory llama.cpp's 1 GiB margin, the dense part, the KV "
                          "cache and the device bytes of the --share (every row runs against it), and a row runs "
                          "`-ngl 99` with nothing else: the tier the device fit gives, against the explicit rows")
+    ap.add_argument("--storage-mbps", type=float, default=None, metavar="MBPS",
+                    help="this process's reads from the model's disk throttled to MBPS MB/s (root: a cgroup, "
+                         "scripts/storage.py): where a model larger than RAM reads the experts it does not hold "
+                         "(our reads are direct I/O, past the page cache)")
     ap.add_argument("--lowbit", metavar="COMPANION",
                     help="a low-bit companion of MODEL: our rows hold its copies (miss lowbit-cache), plus a top-k row at "
                          "full precision")
@@ -127,6 +132,12 @@ def main() -> None:
     servers = contextlib.ExitStack()
     endpoint = servers.enter_context(rpc.LocalServer(threads=1, register=not proxied, mem=mem)).endpoint \
         if args.rpc == "local" else args.rpc
+    if args.storage_mbps is not None:  # (after the server started: it reads no model)
+        from storage import ReadThrottle
+
+        throttle = servers.enter_context(ReadThrottle(args.model, args.storage_mbps))
+        throttle.join()
+        servers.callback(throttle.leave)
     counter = None
     if proxied:
         from bench_device import CommandCounter
@@ -206,7 +217,7 @@ def main() -> None:
                              "ours, no tier (-ngl 99 before the device fit): " if not rs.vram_slots else "ours: ")
                             + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
-                            + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive else ""),
+                            + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive and rs.vram_slots else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / max(1, n),
                "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes,
                "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
@@ -230,7 +241,8 @@ def main() -> None:
           f"for {args.share:.0%} of the experts (vram_fill {args.vram_fill}); {args.tokens} decoded tokens of "
           f"{Path(args.text).name if args.text else 'the held-out tenth of Tiny Shakespeare'}"
           + (f", counted after {args.warmup} decoded ones" if args.warmup else "")
-          + (f"; the RPC server behind a {args.link_mbps:g} MB/s link" if args.link_mbps else ""))
+          + (f"; the RPC server behind a {args.link_mbps:g} MB/s link" if args.link_mbps else "")
+          + (f"; reads from the model's disk at most {args.storage_mbps:g} MB/s" if args.storage_mbps else ""))
     speed = "tok_s" in rows[0]
     cmds = "rpc" in rows[0]
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "

@@ -87,6 +87,11 @@ class ReadThrottle:
         if self.dir is not None:
             (self.dir / "cgroup.procs").write_text(f"{os.getpid()}\n")
 
+    def leave(self) -> None:
+        """Moves the calling process back to the hierarchy's root, so that the group can go."""
+        if self.dir is not None:
+            (self.dir.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
     @staticmethod
     def _rmdir(d: Path) -> None:
         try:
