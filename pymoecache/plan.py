@@ -421,10 +421,15 @@ class MemoryPlan:
         return self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory
 
     @property
+    def n_held(self) -> int:
+        """Experts per layer held in memory: the cache's, and with exclusive tiers the VRAM tier's too."""
+        return min(self.n_expert, self.n_cached + (self.n_vram if self.vram_exclusive else 0))
+
+    @property
     def miss_rate(self) -> float:
-        """Misses per selection if routing were uniform under top-k + LRU: 1 - cached / N. Real
+        """Misses per selection if routing were uniform under top-k + LRU: 1 - held / N. Real
         routing concentrates on fewer experts, and cache-aware routing lowers it further."""
-        return 1.0 - self.n_cached / self.n_expert if self.streamed else 0.0
+        return 1.0 - self.n_held / self.n_expert if self.streamed else 0.0
 
     @property
     def read_per_token(self) -> int:
@@ -457,6 +462,8 @@ class MemoryPlan:
             return "from memory: every expert is cached, nothing is read while decoding" + (
                 f" (every one a low-bit copy from the companion{' ' + self.lowbit_name if self.lowbit_name else ''})"
                 if self.miss == "lowbit-cache" else "")
+        if self.n_held >= self.n_expert and self.miss in ("full", "lowbit-cache"):
+            return "from memory once warm: RAM and VRAM hold every expert, each read once"
         text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
                 "were uniform)")
         if self.disk_bytes_per_s and self.read_per_token:
@@ -497,7 +504,7 @@ class MemoryPlan:
         ...            miss="lowbit-cache", n_vram=9, vram_bytes=168960).vram_text()
         'VRAM tier 9 of 60 per layer low-bit in 0.16 MiB of GPU memory'
         """
-        held = min(self.n_expert, self.n_cached + self.n_vram)
+        held = self.n_held
         return (f"VRAM tier {self.n_vram} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
                 + f" in {_fmt(self.vram_bytes)} of GPU memory"
                 + (f", exclusive: RAM and VRAM hold {held} of {self.n_expert}"
