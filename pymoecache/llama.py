@@ -594,7 +594,7 @@ class Llama(llama_cpp.Llama):
             if cache.vram_size and not gpu:
                 warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
                               "with a GPU or an RPC server)", stacklevel=2)
-                cache = dataclasses.replace(cache, vram_size=0)
+                cache = dataclasses.replace(cache, vram_size=0, vram_exclusive=False)
             cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None, n_ctx,
                                                     size_stated=choice is None)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget

@@ -119,12 +119,13 @@ def main() -> None:
     proxied = args.count_rpc or args.link_mbps > 0
     if proxied and args.rpc != "local":
         ap.error("--count-rpc and --link-mbps need --rpc local")
-    if args.device_fit and args.rpc != "local":
-        ap.error("--device-fit needs --rpc local (a server reporting the device bytes)")
+    if args.device_fit and args.rpc not in ("local", "none"):
+        ap.error("--device-fit needs --rpc local (a server reporting the device bytes) or none (a GPU of this "
+                 "build, reporting its own free memory)")
     info = pymoecache.model_info(args.model)
     n_vram = max(1, round(args.share * info.n_expert))
     mem = None
-    if args.device_fit:  # the GPU's free memory: the margin, the dense part, the KV cache, n_vram experts + half a one
+    if args.device_fit and args.rpc == "local":  # the server's memory: margin, dense part, KV, n_vram experts + half
         from pymoecache.plan import DEVICE_MARGIN, _kv_bytes
 
         one = info.expert_bytes * info.n_moe_layer
@@ -182,8 +183,8 @@ def main() -> None:
         miss = dict(miss="lowbit-cache", lowbit=lowbit) if lowbit else dict(miss="full")
         cache = CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off", vram_fill=args.vram_fill,
                             vram_exclusive=exclusive, **miss)
-        fit = routing == "fit"
-        if routing == "no-tier":
+        fit, notier = routing == "fit", routing == "no-tier"
+        if notier:
             cache, routing = CacheConfig(size=n_host, residency="stream", **miss), None  # (prefetch as it was: auto)
         # (the fit row: -ngl 99 alone, or with the host cache's size where it holds fewer than every expert, as
         # --cache-size auto would on a machine whose RAM is smaller than the model)
@@ -214,7 +215,7 @@ def main() -> None:
         ram = ("every expert" if held >= info.n_expert else f"{held}/{info.n_expert} per layer") + " in RAM"
         alone = "-ngl 99" + (f" --cache-size {n_host}" if n_host < info.n_expert else "") + " alone"
         row = {"placement": (f"ours, {alone} (the device fit): " if fit else
-                             "ours, no tier (-ngl 99 before the device fit): " if not rs.vram_slots else "ours: ")
+                             "ours, no tier (-ngl 99 before the device fit): " if notier else "ours: ")
                             + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive and rs.vram_slots else ""),

@@ -9,7 +9,8 @@
 #   - scripts/bench_device.py: llama_decode, and eval + sample, per token of stock, ours (device path,
 #     top-k and the prior as GPU ops) and ours through the CPU routing op, in one process;
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
-#     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (3/4 in RAM);
+#     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (1/2 in RAM; the
+#     device fit's own tier beside no tier);
 #   - low-bit copies (a Q4_K companion) in the host slots and the VRAM tier, against full precision;
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
@@ -89,10 +90,10 @@ say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --roun
 "$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 say ""
-say "## exclusive tiers: 3/4 of the experts in RAM, 1/4 in VRAM (model C)"
-say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
-"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.75 \
-    --exclusive --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+say "## exclusive tiers: 1/2 of the experts in RAM, 1/4 in VRAM, and -ngl 99 --cache-size 16 alone (the GPU's free memory takes the rest) against no tier (model C)"
+say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 --exclusive --device-fit --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
+"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 \
+    --exclusive --device-fit --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 say ""
 say "## -ngl auto: what the GPU reports free, and the layers and experts placed for it (model C widened)"
 "$PY" -c "from pymoecache import plan; print('device_free_memory:', plan.device_free_memory())" 2>&1 | tee -a "$LOG"

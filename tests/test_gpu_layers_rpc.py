@@ -400,6 +400,10 @@ def test_vram_tier_needs_a_device_and_stream(fixture_dir, gpu):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=1.0, vram_size=2), **KW)
     assert llm.moe_stats().residency.vram_bytes == 0 and llm.cache_config.vram_size == 0
     llm.close()
+    with pytest.warns(UserWarning, match="vram_size=2 ignored: no layer is on a GPU"):  # (exclusive with it: it was
+        llm = pymoecache.Llama(str(path), cache=CacheConfig(size=4, vram_size=2, vram_exclusive=True), **KW)  # a crash)
+    assert llm.moe_stats().residency.vram_exclusive_layers == 0 and not llm.cache_config.vram_exclusive
+    llm.close()
     # every expert fits in RAM, GPU layers: residency auto is stream (every expert in the host slots), not
     # none (llama.cpp would put every expert on the device the tier was asked for because they do not fit)
     with warnings.catch_warnings():
