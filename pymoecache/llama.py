@@ -956,15 +956,18 @@ class Llama(llama_cpp.Llama):
         return self._repaired_chunks(super().create_completion(prompt, *args, **kwargs))
 
     def _repaired_chunks(self, chunks):
-        while True:  # (the repair only while llama-cpp-python's code runs: not the consumer's between chunks)
-            self._repair_utf8 = True
-            try:
-                chunk = next(chunks)
-            except StopIteration:
-                return
-            finally:
-                self._repair_utf8 = False
-            yield chunk
+        try:
+            while True:  # (the repair only while llama-cpp-python's code runs: not the consumer's between chunks)
+                self._repair_utf8 = True
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    return
+                finally:
+                    self._repair_utf8 = False
+                yield chunk
+        finally:
+            chunks.close()  # (a consumer that stops early ends llama-cpp-python's generator, as it did directly)
 
     def _check_logits(self, synced: bool = False) -> None:
         """ModelFileError when the last decode's last row of logits is not finite: NaN or inf in the
