@@ -558,7 +558,7 @@ class Llama(llama_cpp.Llama):
                           + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=2)
         n_ctx = int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512)  # (the context the plans count the KV of)
         if kwargs.get("n_gpu_layers") == "auto":  # llama.cpp's -ngl auto: the layers whose dense part fits the GPUs
-            free = _plan.device_free_memory(devices) if _plan.gpu_layers("auto", info.n_layer) else None
+            free = _plan.device_free_memory(devices) if _plan.has_gpu() else None
             kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(info, n_ctx, free)
             if free and not kwargs["n_gpu_layers"]:
                 warnings.warn(f"n_gpu_layers=auto: no layer fits in the {_plan._mib(free)} free on the GPU (less "
@@ -819,6 +819,7 @@ class Llama(llama_cpp.Llama):
                 rs = self.moecache.residency_stats()
                 self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes,
                                                  vram_exclusive=rs.vram_exclusive_layers > 0,
+                                                 exclusive_layers=rs.vram_exclusive_layers,
                                                  device_note=self._device_note)
         return self._plan
 

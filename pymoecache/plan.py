@@ -170,22 +170,26 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
                          lowbit=max(0, lowbit))
 
 
-def gpu_layers(n_gpu_layers, n_layer: int) -> int:
-    """How many of a model's layers llama.cpp will put on a GPU for ``n_gpu_layers`` (-1: all; "auto",
-    not yet resolved by :func:`auto_gpu_layers`: all): 0 where ggml has no GPU device (this build's
-    backends, and the RPC servers registered so far)."""
-    if not n_gpu_layers:
-        return 0
+def has_gpu() -> bool:
+    """ggml has a GPU device: this build's backends', or an RPC server registered so far."""
     from ._lib import has_gpu_device  # (the library, only when GPU layers are asked for)
 
     try:
-        if not has_gpu_device():
-            return 0
+        return bool(has_gpu_device())
     except (OSError, AttributeError):
+        return False
+
+
+def gpu_layers(n_gpu_layers, n_layer: int) -> int:
+    """How many of a model's ``n_layer`` repeating layers llama.cpp puts on a GPU for
+    ``n_gpu_layers``: ``-ngl N`` offloads the output layer first, then the last N - 1 layers (the
+    pin's llama-model.cpp); all for -1, for N > ``n_layer`` and for "auto" (not yet resolved by
+    :func:`auto_gpu_layers`); 0 where ggml has no GPU device (:func:`has_gpu`)."""
+    if not n_gpu_layers or not has_gpu():
         return 0
-    if n_gpu_layers == "auto":
+    if n_gpu_layers == "auto" or n_gpu_layers < 0 or n_gpu_layers > n_layer:
         return n_layer
-    return n_layer if n_gpu_layers < 0 else min(int(n_gpu_layers), n_layer)
+    return int(n_gpu_layers) - 1
 
 
 DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV cache: its compute buffers and the
@@ -328,9 +332,10 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int, keep_ra
     if n_gpu == 0:
         rows.append(("-ngl auto", "no layer fits: every layer stays on the CPU"))
         return rows
-    layers = info.n_layer if n_gpu < 0 else n_gpu
+    layers = info.n_layer if n_gpu < 0 else n_gpu - 1  # (-ngl N: the output layer, then N - 1 repeating layers)
     if n_gpu > 0:
-        rows.append(("-ngl auto", f"{n_gpu} of {info.n_layer} layers (the dense part of more does not fit)"))
+        rows.append(("-ngl auto", f"{n_gpu} of {info.n_layer + 1} layers, the output layer first, as llama.cpp counts "
+                                  "them (the dense part of more does not fit)"))
     fit = device_fit(info, n_ctx, layers, free, n_cached, keep_ram)
     where = fit.where + (f" ({mib(fit.n_vram * info.expert_bytes * info.n_moe_layer)})" if fit.n_vram else "")
     rows.append(("-ngl 99" if n_gpu < 0 else f"-ngl {n_gpu}", where))
@@ -395,6 +400,7 @@ class MemoryPlan:
                               #   lowbit-cache, the low-bit copies that fit in that many experts' bytes)
     vram_bytes: int = 0       # GPU memory of the tier (every layer's slots)
     vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
+    exclusive_layers: int = 0  # MoE layers whose tiers are exclusive (the GPU layers'; 0 with vram_exclusive: all)
     n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
     device_note: str = ""     # what the GPUs' free memory decided (the tier's size, the experts kept in RAM), or ""
 
@@ -422,14 +428,30 @@ class MemoryPlan:
 
     @property
     def n_held(self) -> int:
-        """Experts per layer held in memory: the cache's, and with exclusive tiers the VRAM tier's too."""
+        """Experts per layer held in memory in a layer with a tier: the cache's, and with exclusive tiers
+        the VRAM tier's too."""
         return min(self.n_expert, self.n_cached + (self.n_vram if self.vram_exclusive else 0))
 
     @property
+    def tier_layers(self) -> int:
+        """MoE layers whose experts :attr:`n_held` counts (the others hold the cache's alone)."""
+        return min(self.exclusive_layers or self.n_moe_layer, self.n_moe_layer) if self.vram_exclusive else 0
+
+    @property
     def miss_rate(self) -> float:
-        """Misses per selection if routing were uniform under top-k + LRU: 1 - held / N. Real
-        routing concentrates on fewer experts, and cache-aware routing lowers it further."""
-        return 1.0 - self.n_held / self.n_expert if self.streamed else 0.0
+        """Misses per selection if routing were uniform under top-k + LRU: 1 - held / N, averaged over
+        the layers. Real routing concentrates on fewer experts, and cache-aware routing lowers it further.
+
+        >>> p = MemoryPlan(available=1, budget_from="free", dense=0, kv=0, n_ctx=1, n_cached=30, n_spare=0,
+        ...                n_expert=60, n_expert_used=4, n_moe_layer=4, slot_bytes=1, expert_bytes=1,
+        ...                disk_bytes_per_s=0, n_vram=30, vram_exclusive=True)
+        >>> p.miss_rate, dataclasses.replace(p, exclusive_layers=2).miss_rate   # all 4 layers' tiers, or 2 of them
+        (0.0, 0.25)
+        """
+        if not self.streamed:
+            return 0.0
+        share = self.tier_layers / max(self.n_moe_layer, 1)
+        return 1.0 - (share * self.n_held + (1.0 - share) * self.n_cached) / self.n_expert
 
     @property
     def read_per_token(self) -> int:
@@ -462,7 +484,7 @@ class MemoryPlan:
             return "from memory: every expert is cached, nothing is read while decoding" + (
                 f" (every one a low-bit copy from the companion{' ' + self.lowbit_name if self.lowbit_name else ''})"
                 if self.miss == "lowbit-cache" else "")
-        if self.n_held >= self.n_expert and self.miss in ("full", "lowbit-cache"):
+        if self.miss_rate <= 0.0 and self.miss in ("full", "lowbit-cache"):
             return "from memory once warm: RAM and VRAM hold every expert, each read once"
         text = (f"reads ~{_fmt(self.read_per_token)}/token ({100 * self.miss_rate:.0f}% misses if routing "
                 "were uniform)")
@@ -508,7 +530,10 @@ class MemoryPlan:
         return (f"VRAM tier {self.n_vram} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
                 + f" in {_fmt(self.vram_bytes)} of GPU memory"
                 + (f", exclusive: RAM and VRAM hold {held} of {self.n_expert}"
-                   + (" (all: none read again after warm-up)" if held == self.n_expert else "")
+                   + (f" in the {self.tier_layers} MoE layer{'s' if self.tier_layers != 1 else ''} on the GPU "
+                      f"(the others {self.n_cached})"
+                      if self.tier_layers < self.n_moe_layer else "")
+                   + (" (all: none read again after warm-up)" if held == self.n_expert and not self.miss_rate else "")
                    if self.vram_exclusive else ""))
 
     def rows(self) -> List[tuple]:

@@ -108,8 +108,11 @@ def test_auto_cache_size_leaves_out_what_is_on_the_device(fixture_dir, gpu):
 
     path = model_path(fixture_dir, "qwen2moe-60x4")
     info = pymoecache.model_info(path)
-    assert gpu_layers(0, info.n_layer) == 0 and gpu_layers(2, info.n_layer) == 2  # (the server's device is registered)
-    assert gpu_layers(-1, info.n_layer) == gpu_layers(99, info.n_layer) == info.n_layer
+    # (the server's device is registered) -ngl N: llama.cpp's output layer, then N - 1 repeating layers
+    assert gpu_layers(0, info.n_layer) == 0 and gpu_layers(2, info.n_layer) == 1
+    assert gpu_layers(info.n_layer, info.n_layer) == info.n_layer - 1
+    assert gpu_layers(-1, info.n_layer) == gpu_layers(99, info.n_layer) == gpu_layers(info.n_layer + 1, info.n_layer) \
+        == info.n_layer
     # a machine where the dense part matters: 20 experts per layer fit beside it and the 128 MiB margin
     kv = auto_cache_size(info, 256, available=1 << 40).kv
     free = info.non_expert_bytes + kv + (128 << 20) + 20 * info.cache_bytes * info.n_moe_layer

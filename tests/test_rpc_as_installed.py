@@ -227,7 +227,7 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
     assert f"VRAM tier {want} of 60 per layer in" in out["ngl-auto"] and "VRAM tier" not in out["ngl-auto-large"]
     assert f"offloaded 2/{n} layers to GPU" in out["ngl-auto-tiny"], out["ngl-auto-tiny"][-3000:]
     # `info --gpu-mem` says it all before a load, with the same rules
-    for size, says in ((mem, f"every expert in RAM, {want} per layer also in GPU memory"), (few, f"2 of {info.n_layer} layers"), (64 << 30, "every expert on the GPU")):
+    for size, says in ((mem, f"every expert in RAM, {want} per layer also in GPU memory"), (few, f"2 of {info.n_layer + 1} layers"), (64 << 30, "every expert on the GPU")):
         r = installed(tmp_path, "info", model, "-c", "256", "--gpu-mem", f"{size}b")
         assert r.returncode == 0 and says in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     text = out["small"]
@@ -286,8 +286,9 @@ def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(
     mem = (1 << 30) + dense + kv + 20 * one + one // 2  # (a GPU with room for 20.5 experts per layer)
     with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large:
         out = {}
-        for name, endpoint in (("small", small.endpoint), ("large", large.endpoint)):
-            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", "-ngl", "99",
+        for name, endpoint, ngl in (("small", small.endpoint, "99"), ("large", large.endpoint, "99"),
+                                    ("partial", large.endpoint, "3")):  # (-ngl 3: the output layer and 2 more)
+            r = installed(tmp_path, "run", "-m", model, "-p", "ROMEO:", "-n", "16", "-c", "256", "-ngl", ngl,
                           "--rpc", endpoint, "-v", "--cache-size", "30", input="")
             assert r.returncode == 0 and on_device(r.stderr, endpoint), r.stderr[-3000:]
             out[name] = r.stdout + r.stderr
@@ -308,6 +309,10 @@ def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(
                 "decode from memory once warm: RAM and VRAM hold every expert" in text), text[-3000:]
         m = re.search(r"selections from vram (\d+), ram (\d+), file (\d+).*; exclusive", text)
         assert m and int(m.group(1)) > 0, text[-3000:]
+    # -ngl 3: the tiers of the 2 MoE layers on the GPU hold every expert, the other layers the cache's 30
+    text = out["partial"]
+    assert ("VRAM tier 30 of 60 per layer in" in text and "exclusive: RAM and VRAM hold 60 of 60 in the 2 MoE layers "
+            "on the GPU (the others 30);" in text and "(25% misses if routing were uniform)" in text), text[-3000:]
     tiers, stream = got["auto"], got["stream"]
     assert tiers["vram"] == 30 and tiers["exclusive"] == info.n_moe_layer, tiers
     assert tiers["tokens"] > 0 and tiers["loads"] == 0 and tiers["evictions"] == 0, tiers  # (the second pass)

@@ -128,9 +128,9 @@ def _validate(args) -> None:
         print(f"pymoecache {args.command}: note: --no-warmup: pymoecache runs no warm-up pass, nothing to skip",
               file=sys.stderr)
     if getattr(args, "n_gpu_layers", 0) and getattr(args, "rpc", None) is None:
-        from ..plan import gpu_layers
+        from ..plan import has_gpu
 
-        if gpu_layers(args.n_gpu_layers, 1) == 0:  # (0 where ggml has no GPU device)
+        if not has_gpu():
             print(f"pymoecache {args.command}: note: -ngl {args.n_gpu_layers}: this build has no GPU device (no GPU "
                   "backend found one, and no --rpc server): the layers stay on the CPU", file=sys.stderr)
 
