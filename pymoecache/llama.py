@@ -276,8 +276,7 @@ def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: boo
         # expert (auto would be 'none', llama.cpp putting them all on the GPU): the seeds' scenario, each in the
         # cache's host slots, the hot ones in the tier, the routing steered to them
         return (dataclasses.replace(cache, residency="stream") if cache.residency == "auto" else cache), ""
-    if not n_gpu or cache.unified == "on" or not (asked or (placed_by_us and not cache.vram_size and
-                                                            cache.residency == "auto")):
+    if not n_gpu or cache.unified == "on" or not (asked or (placed_by_us and cache.residency == "auto")):
         return cache, ""
     n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
     free = _plan.device_free_memory(devices)
@@ -940,7 +939,9 @@ class Llama(llama_cpp.Llama):
         """``llama_cpp.Llama.detokenize``; ModelFileError for a model without a tokenizer."""
         self._check_vocab()
         b = super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
-        return _utf8_repaired(b) if self.__dict__.get("_repair_utf8") else b
+        return _utf8_repaired(b) if self._repair_utf8 else b
+
+    _repair_utf8 = False  # llama-cpp-python's completion code is running (_completion)
 
     def _completion(self, prompt, args, kwargs):
         """``llama_cpp.Llama.create_completion``, whose detokenize, while its code runs, gives U+FFFD for
