@@ -603,8 +603,19 @@ class Llama(llama_cpp.Llama):
                                                n_expert=info.n_expert)
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
+                if cache.vram_exclusive and cache.prefetch_spare and self._device_note:  # the spare slots came out of
+                    # the cache: an exclusive tier sized to the GPU also takes the experts they leave
+                    fit = _plan.device_fit(info, n_ctx, n_gpu, _plan.device_free_memory(devices),
+                                           cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer), True)
+                    if fit.exclusive and fit.n_vram > cache.vram_size:
+                        cache = dataclasses.replace(cache, vram_size=fit.n_vram)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
             residency = cache.residency_for(cache.capacities(n), info.n_expert)
+            self._plan_gpu = (n_gpu, _plan.moe_layers_on_gpu(info, n_gpu)  # (llama.cpp places the experts: of
+                              if residency == "none" and self._overrides is None  # the GPU layers, on a discrete GPU)
+                              and _plan.device_free_memory(devices) is not None else 0) if n_gpu else (0, 0)
+            if choice is not None and self._plan_gpu[1]:
+                choice = dataclasses.replace(choice, n_cached=max(n, choice.n_cached), gpu_expert_layers=self._plan_gpu[1])
             if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:
                 warnings.warn(f"vram_exclusive ignored: the cache holds every expert ({n} of {info.n_expert} per layer), "
                               "so the VRAM tier copies part of it", stacklevel=2)
@@ -787,6 +798,7 @@ class Llama(llama_cpp.Llama):
                            f"{why[:300]}") from None
 
     _plan_inputs = None
+    _plan_gpu = (0, 0)  # (layers whose dense part is on a GPU, MoE layers whose experts llama.cpp put there)
     _plan = None
     _lowbit_sig = None
 
@@ -803,8 +815,10 @@ class Llama(llama_cpp.Llama):
             from .plan import memory_plan
 
             n_cached, spare, available, low = self._plan_inputs
-            self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available)
-            self._plan = dataclasses.replace(self._plan, budget_from="free",
+            n_gpu, on_gpu = self._plan_gpu
+            self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available,
+                                     gpu_layers=n_gpu)
+            self._plan = dataclasses.replace(self._plan, budget_from="free", gpu_expert_layers=on_gpu,
                                              n_batch=(self.n_seq_max - 1) * self.model_info.n_expert_used)
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
                 low, low_bytes, low_name = low

@@ -96,6 +96,8 @@ class AutoCacheSize:
     gpu_layers: int = 0    # layers whose dense part and KV cache are on a GPU (n_gpu_layers), not counted above
     lowbit: int = 0        # bytes of the low-bit pools (miss "lowbit"/"lowbit-all": K + 1 copies per layer, N + 1
                            #   with lowbit_in_ram), set aside before the cache
+    gpu_expert_layers: int = 0  # MoE layers whose experts went to the GPU instead (llama.cpp's placement: the GPU
+                                #   holds them where RAM does not; device_fit), n_cached then N
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
@@ -107,6 +109,10 @@ class AutoCacheSize:
                 f"{on_gpu})")
         if self.spare:
             head += f"; {self.spare} of them per layer are spare slots for reading ahead"
+        if self.n_cached >= self.n_expert and fit < self.n_expert and self.gpu_expert_layers:
+            return head + (f"; every expert of the {self.gpu_expert_layers} MoE layer"
+                           f"{'s' if self.gpu_expert_layers != 1 else ''} on the GPU goes there (llama.cpp's "
+                           "placement): all resident, nothing streamed")
         if self.n_cached >= self.n_expert:
             return head + ": all resident, nothing streamed"
         if fit < self.n_expert_used:
@@ -244,6 +250,13 @@ def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
     return free_sum or None
 
 
+def moe_layers_on_gpu(info: ModelInfo, gpu_layers: int) -> int:
+    """MoE layers among the last ``gpu_layers`` repeating layers, those llama.cpp offloads
+    (:func:`gpu_layers`)."""
+    n_gpu = min(max(gpu_layers, 0), info.n_layer)
+    return sum(1 for il in info.moe_layers if il >= info.n_layer - n_gpu)
+
+
 def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) -> int:
     """Experts per MoE layer that fit in ``free`` bytes of GPU memory beside what ``gpu_layers``
     offloaded layers put there (their share of the dense part, their KV cache) and
@@ -261,7 +274,7 @@ def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) 
     """
     n_gpu = min(max(gpu_layers, 0), info.n_layer)
     share = n_gpu / max(info.n_layer, 1)
-    moe_on_gpu = sum(1 for il in info.moe_layers if il >= info.n_layer - n_gpu)
+    moe_on_gpu = moe_layers_on_gpu(info, n_gpu)
     left = free - DEVICE_MARGIN - int(max(0, info.non_expert_bytes) * share) - int(_kv_bytes(info, n_ctx) * share)
     if moe_on_gpu == 0 or info.expert_bytes <= 0:
         return info.n_expert
@@ -288,7 +301,9 @@ def device_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: Optional[int]
       takes the rest;
     - RAM holds every expert: it keeps them, the GPU as many per layer as fit, copies in a VRAM tier;
     - RAM holds fewer (a model larger than RAM): RAM keeps its share and the GPU as many others as fit,
-      exclusive tiers, so the two together hold more and the file is read less.
+      exclusive tiers, so the two together hold more and the file is read less. Where some MoE layers
+      stay on the CPU, llama.cpp's placement (every expert of theirs in RAM) is taken only where RAM
+      holds them (``n_cached`` experts of every layer are as many bytes as all of fewer layers).
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
@@ -299,19 +314,32 @@ def device_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: Optional[int]
     ...  device_fit(info, 4096, 8, 4 << 30, 64), device_fit(info, 4096, 8, 4 << 30, 20),
     ...  device_fit(info, 4096, 8, 8 << 30, 20), device_fit(info, 4096, 8, 8 << 30, 20, keep_ram=True))]
     [('none', 0, False), ('stream', 30, False), ('stream', 30, True), ('none', 0, False), ('stream', 44, True)]
+    >>> device_fit(info, 4096, 4, 8 << 30, 40).where   # 4 of 8 layers on the GPU: RAM holds the other 4's 64
+    "every expert on the GPU (the other 4 MoE layers: every expert in RAM) (llama.cpp's placement)"
+    >>> f = device_fit(info, 4096, 4, 8 << 30, 20); (f.residency, f.n_vram, f.exclusive)   # RAM holds fewer
+    ('stream', 44, True)
     """
     n_expert = info.n_expert
+    on_gpu = moe_layers_on_gpu(info, gpu_layers)
+    on_cpu = info.n_moe_layer - on_gpu
+    if on_gpu == 0:  # (the output layer alone: every expert where it is without a GPU)
+        return DeviceFit("none" if n_cached >= n_expert else "stream", 0, False, "no MoE layer on the GPU: "
+                         + ("every expert in RAM" if n_cached >= n_expert else f"{n_cached} per layer streamed in RAM"))
     fit = device_experts_fit(info, n_ctx, gpu_layers, free) if free else 0
-    if fit >= n_expert and (n_cached >= n_expert or not keep_ram):
-        return DeviceFit("none", 0, False, "every expert on the GPU" + (
-            "" if n_cached >= n_expert else ", none in RAM") + " (llama.cpp's placement)")
+    others = f" (the other {on_cpu} MoE layer{'s' if on_cpu != 1 else ''}: {{}})" if on_cpu else ""
+    # llama.cpp's placement loads every expert of the layers left on the CPU: RAM must hold them
+    ram_holds_cpu_layers = n_cached >= n_expert or n_expert * on_cpu <= n_cached * info.n_moe_layer
+    if fit >= n_expert and ram_holds_cpu_layers and (n_cached >= n_expert or not keep_ram):
+        return DeviceFit("none", 0, False, "every expert on the GPU" + others.format("every expert in RAM") + (
+            "" if n_cached >= n_expert or on_cpu else ", none in RAM") + " (llama.cpp's placement)")
     if n_cached >= n_expert:
         return DeviceFit("stream", fit, False, f"every expert in RAM, {fit} per layer also in GPU memory" if fit else
                          "every expert in RAM, computed by the CPU (as --cpu-moe)")
     n = min(fit, n_expert - n_cached)
     held = "all" if n_cached + n >= n_expert else f"{n_cached + n} of {n_expert}"
     return DeviceFit("stream", n, n > 0, f"{n_cached} per layer in RAM, {n} others in GPU memory (exclusive: the two "
-                     f"hold {held})" if n else f"{n_cached} per layer streamed in RAM, none in GPU memory")
+                     f"hold {held})" + others.format(f"{n_cached} in RAM") if n else
+                     f"{n_cached} per layer streamed in RAM, none in GPU memory")
 
 
 def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int, keep_ram: bool = False) -> List[tuple]:
@@ -403,6 +431,8 @@ class MemoryPlan:
     exclusive_layers: int = 0  # MoE layers whose tiers are exclusive (the GPU layers'; 0 with vram_exclusive: all)
     n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
     device_note: str = ""     # what the GPUs' free memory decided (the tier's size, the experts kept in RAM), or ""
+    gpu_expert_layers: int = 0  # MoE layers whose experts llama.cpp placed in GPU memory (residency none beside GPU
+                                #   layers): not in RAM, not counted in cache_bytes
 
     @property
     def streamed(self) -> bool:
@@ -412,7 +442,27 @@ class MemoryPlan:
     def cache_bytes(self) -> int:
         slots = max(self.n_cached, self.n_expert_used if self.streamed else 0) + self.n_spare
         slots += self.n_batch if self.streamed else 0
-        return int(slots * self.slot_bytes * self.n_moe_layer)
+        return int(slots * self.slot_bytes * self.ram_expert_layers)
+
+    @property
+    def ram_expert_layers(self) -> int:
+        """MoE layers whose experts are in RAM (the cache's): those not on the GPU (:attr:`gpu_expert_layers`)."""
+        return max(0, self.n_moe_layer - (0 if self.streamed else self.gpu_expert_layers))
+
+    @property
+    def gpu_expert_bytes(self) -> int:
+        """GPU memory the experts of :attr:`gpu_expert_layers` take (llama.cpp's placement)."""
+        return int(self.n_expert * self.expert_bytes * (0 if self.streamed else self.gpu_expert_layers))
+
+    def _cache_text(self) -> str:
+        """Where the experts are when every one is in memory: 'N of N per layer', and the layers on the GPU."""
+        layers = self.gpu_expert_layers if not self.streamed else 0
+        if not layers:
+            return ""
+        if layers >= self.n_moe_layer:
+            return f"every expert on the GPU: {_fmt(self.gpu_expert_bytes)} of GPU memory"
+        return (f"in the {self.ram_expert_layers} MoE layer{'s' if self.ram_expert_layers != 1 else ''} on the CPU; "
+                f"the other {layers}'s on the GPU: {_fmt(self.gpu_expert_bytes)} of GPU memory")
 
     @property
     def lowbit_memory(self) -> int:
@@ -481,7 +531,8 @@ class MemoryPlan:
 
     def decode_text(self) -> str:
         if not self.streamed:
-            return "from memory: every expert is cached, nothing is read while decoding" + (
+            return ("from memory: every expert is " + ("in RAM or on the GPU" if self.gpu_expert_layers else "cached")
+                    + ", nothing is read while decoding") + (
                 f" (every one a low-bit copy from the companion{' ' + self.lowbit_name if self.lowbit_name else ''})"
                 if self.miss == "lowbit-cache" else "")
         if self.miss_rate <= 0.0 and self.miss in ("full", "lowbit-cache"):
@@ -508,7 +559,9 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: the sum, then the decode's reads."""
         free = "free" if self.budget_from == "free" else "budget"
+        on_gpu = self._cache_text()
         cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
+                 + (f" {on_gpu}" if on_gpu.startswith("in ") else f"; {on_gpu}" if on_gpu else "")
                  + (f" + {self.n_spare} spare" if self.n_spare else "")
                  + (f" + {self.n_batch} for a batch" if self.n_batch and self.streamed else ""))
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
@@ -546,7 +599,8 @@ class MemoryPlan:
              + (" (low-bit copies)" if self.miss == "lowbit-cache" else "")
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
              + (f" + {self.n_batch} slots for a batch's selections" if self.n_batch and self.streamed else "")
-             + ("" if self.streamed else ", all of them: nothing streamed")),
+             + ("" if self.streamed else ", all of them: nothing streamed")
+             + (f" ({self._cache_text()})" if self._cache_text() else "")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),
             *((("  VRAM tier", self.vram_text()[len("VRAM tier "):]),) if self.n_vram else ()),
             ("  headroom", _fmt(self.headroom) + (" (too little: expect page faults)"
@@ -558,24 +612,27 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(cache_bytes=self.cache_bytes, headroom=self.headroom, streamed=self.streamed,
+        d.update(cache_bytes=self.cache_bytes, gpu_expert_bytes=self.gpu_expert_bytes, headroom=self.headroom, streamed=self.streamed,
                  miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s,
                  lowbit_memory=self.lowbit_memory, critical_per_token=self.critical_per_token)
         return d
 
 
 def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0, available: Optional[int] = None,
-                disk_bytes_per_s: Optional[float] = None) -> MemoryPlan:
+                disk_bytes_per_s: Optional[float] = None, gpu_layers: int = 0) -> MemoryPlan:
     """The plan for ``info`` with ``n_cached`` experts per layer (and ``n_spare`` more slots that
     read ahead) and a context of ``n_ctx``. available: a budget in bytes (default: what is free now).
     disk_bytes_per_s: the disk's speed (default: probed with :func:`probe_disk` when the cache
-    streams, not probed when every expert is cached)."""
+    streams, not probed when every expert is cached). ``gpu_layers`` of the layers have their dense
+    part and KV cache on a GPU (:func:`gpu_layers`): RAM holds the rest's share, as
+    :func:`auto_cache_size` counts it."""
     budget_from = "budget" if available is not None else "free"
     available = _available_memory() if available is None else available
     if disk_bytes_per_s is None:
         disk_bytes_per_s = probe_disk(info.path, info.expert_bytes) if n_cached < info.n_expert else 0.0
-    return MemoryPlan(available=available, budget_from=budget_from, dense=max(0, info.non_expert_bytes),
-                      kv=_kv_bytes(info, n_ctx), n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
+    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
+    return MemoryPlan(available=available, budget_from=budget_from, dense=int(max(0, info.non_expert_bytes) * host),
+                      kv=int(_kv_bytes(info, n_ctx) * host), n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
                       n_expert=info.n_expert, n_expert_used=info.n_expert_used, n_moe_layer=info.n_moe_layer,
                       slot_bytes=info.cache_bytes, expert_bytes=info.expert_bytes,
                       disk_bytes_per_s=disk_bytes_per_s)

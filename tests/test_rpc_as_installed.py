@@ -331,6 +331,54 @@ def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(
         assert r.returncode == 0 and says in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
+SMALL_RAM_SCRIPT = r"""
+import sys
+import pymoecache.plan as plan
+plan._available_memory = lambda: int(sys.argv[1])  # (a machine with this much memory free)
+from pymoecache.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_where_the_gpu_holds_them(fixture_dir,
+                                                                                                       tmp_path):
+    """`run -ngl N --rpc HOST` with `--cache-size auto` (the default) on a machine whose free memory holds a
+    third of the experts and a GPU that holds them all. -ngl 99: llama.cpp's placement, every expert on the
+    GPU, and the plan line says so (it counted them as an expert cache in RAM, over the memory free, with
+    the dense part and KV cache that the GPU holds). -ngl 3 leaves 2 of the 4 MoE layers on the CPU, whose
+    experts alone are more than RAM holds: llama.cpp's placement would load every one of them, so the
+    cache streams there and the GPU layers' tiers hold what it does not (it was residency none: all of
+    them in RAM)."""
+    from pymoecache.model_info import model_info
+
+    model = model_path(fixture_dir, MODEL)
+    info = model_info(model)
+    free = int(0.3 * info.expert_bytes_total) + (128 << 20)  # (-ngl 99: the dense part and the KV cache on the GPU)
+    with rpc.LocalServer(register=False) as server:
+        out = {}
+        for ngl in ("99", "3"):
+            r = subprocess.run([sys.executable, "-c", SMALL_RAM_SCRIPT, str(free), "run", "-m", str(model), "-p",
+                                "ROMEO:", "-n", "8", "-c", "256", "-ngl", ngl, "--rpc", server.endpoint, "-v"],
+                               cwd=tmp_path, env=installed_env(), capture_output=True, text=True, timeout=300, input="")
+            assert r.returncode == 0 and on_device(r.stderr, server.endpoint), r.stderr[-3000:]
+            out[ngl] = r.stdout + r.stderr
+    experts = info.expert_bytes * info.n_expert * info.n_moe_layer
+    text = out["99"]
+    assert "expert cache 0.00 MiB (60 of 60 per layer; every expert on the GPU: " in text, text[-3000:]
+    m = re.search(r"every expert on the GPU: ([\d.]+) MiB of GPU memory\)", text)
+    assert m and abs(float(m.group(1)) - experts / 2**20) < 0.01, text[-3000:]
+    assert "dense part 0.00 MiB + KV cache 0.00 MiB" in text and "too little" not in text, text[-3000:]
+    assert "decode from memory: every expert is in RAM or on the GPU" in text, text[-3000:]
+    assert "every expert of the 4 MoE layers on the GPU goes there (llama.cpp's placement)" in text, text[-3000:]
+    assert re.search(r"\| none: device: ", text), text[-3000:]
+    text = out["3"]
+    m = re.search(r"expert cache [\d.]+ MiB \((\d+) of 60 per layer(?: \+ (\d+) spare)?\)", text)
+    assert m and int(m.group(1)) < 30, text[-3000:]  # (a third of 60, less the margin and the spare slots)
+    assert (f"VRAM tier {60 - int(m.group(1))} of 60 per layer" in text and "exclusive: RAM and VRAM hold 60 of 60 in "
+            f"the 2 MoE layers on the GPU (the others {m.group(1)})" in text), text[-3000:]
+    assert "| stream: read " in text and "; exclusive, " in text, text[-3000:]
+
+
 @pytest.mark.parametrize("mem", ["0", "-5", "lots", "512k"])
 def test_rpc_server_mem_refuses_what_is_not_a_size(tmp_path, mem):
     r = installed(tmp_path, "rpc-server", "--port", str(free_port()), "--mem", mem, timeout=60)
