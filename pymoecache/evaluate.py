@@ -392,20 +392,22 @@ def load_for_eval(model_path: "str | Path", cache_size, ctx: int, *, n_threads: 
                   insertion: str = "top-bottom", prefetch: str = "off", prefetch_distance: int = 1,
                   prefetch_min_p: float = 0.0, eviction: str = "lru", eviction_decay: float = 0.95,
                   per_layer: Optional[Sequence[int]] = None, miss: str = "full", lowbit=None,
-                  stream: bool = False, lowbit_max_p: float = 1.0):
+                  stream: bool = False, lowbit_max_p: float = 1.0, device: Optional[dict] = None):
     """A Llama ready for :func:`perplexity` at ``ctx`` (routing: every token). Residency "none":
     perplexity and miss rates do not depend on where the experts live, and all weights stay resident;
     except with a low-bit miss path (``miss`` "lowbit" or "lowbit-all", companion ``lowbit``), which
     computes streamed misses from their low-bit copies: then the experts stream (evaluate with
     ``decode=True``: prompts compute every expert at full precision). stream=True streams them with
     full-precision misses too, so that the rows count the bytes read on each token's critical path.
-    per_layer: sizes of single layers (``CacheConfig.per_layer``)."""
+    per_layer: sizes of single layers (``CacheConfig.per_layer``). device: ``n_gpu_layers`` and
+    ``rpc_servers`` of ``Llama`` (GPU layers: with residency none their experts are where llama.cpp
+    puts them, the cache counting)."""
     cache = CacheConfig(size=cache_size, insertion=insertion, residency="stream" if stream or miss != "full" else "none",
                         prefetch=prefetch, prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p,
                         eviction=eviction, eviction_decay=eviction_decay, per_layer=per_layer, miss=miss,
                         lowbit=lowbit, lowbit_max_p=lowbit_max_p)
     llm = load_llama(model_path, cache=cache, routing=TopK(),
-                     routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads)
+                     routing_scope="all", n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=n_threads, **(device or {}))
     check_loaded_model(llm, ctx)
     return llm
 
@@ -415,11 +417,12 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
           insertion: str = "top-bottom", decode: bool = False, prefetch: str = "off",
           prefetch_distance: int = 1, prefetch_min_p: float = 0.0, eviction: str = "lru",
           eviction_decay: float = 0.95, miss: str = "full", lowbit=None, stream: bool = False,
-          lowbit_max_p: float = 1.0, on_row=None) -> List[dict]:
+          lowbit_max_p: float = 1.0, on_row=None, device: Optional[dict] = None) -> List[dict]:
     """Perplexity and cache counters for every (cache size, routing); LRU is always included.
 
     miss, lowbit, lowbit_max_p, stream: the low-bit miss path and streamed experts
     (:func:`load_for_eval`); the miss path acts on decoded tokens only, so it needs ``decode=True``.
+    device: GPU layers (:func:`load_for_eval`); each row says how many layers were on a GPU.
 
     The model is loaded once per cache size; before each routing the cache is emptied (which also
     restarts the prior's running Delta) and the counters are reset, so the rows are independent.
@@ -439,8 +442,11 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
         llm = load_for_eval(model_path, size, ctx, n_threads=n_threads, insertion=insertion, prefetch=prefetch,
                             prefetch_distance=prefetch_distance, prefetch_min_p=prefetch_min_p, eviction=eviction,
                             eviction_decay=eviction_decay, miss=miss, lowbit=lowbit, stream=stream,
-                            lowbit_max_p=lowbit_max_p)
+                            lowbit_max_p=lowbit_max_p, device=device)
         try:
+            from .plan import gpu_layers
+
+            on_gpu = gpu_layers(llm.model_params.n_gpu_layers, llm.model_info.n_layer)
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:
                 if not isinstance(routing, Preset):  # (a preset brings its own eviction: Llama.set_routing)
@@ -456,7 +462,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                              "eviction": llm.moecache.eviction, "prefetch_min_p": prefetch_min_p,
                              "lowbit_max_p": lowbit_max_p if miss != "full" else None,
                              # the setting as asked (a preset and a cache size resolve per miss path)
-                             "routing_asked": asked, "cache_asked": str(size)})
+                             "routing_asked": asked, "cache_asked": str(size),
+                             "gpu_layers": on_gpu})  # (repeating layers on a GPU or an RPC server)
                 if on_row is not None:
                     on_row(rows, total)
         finally:

@@ -25,7 +25,7 @@ CTX, CHUNKS = 64, 3
 ROW_KEYS = {"model", "policy", "knob", "top_j", "spec", "cache_size", "n_expert", "ppl", "nll", "miss_rate",
             "hit_rate", "lifetime", "tokens", "chunks", "ctx", "prefetch", "prefetch_recall", "loads_per_token", "eviction",
             "prefetch_min_p", "miss_path", "lowbit_per_token", "critical_mib_per_token", "lowbit_max_p", "ppl_err", "chunk_nll",
-            "routing_asked", "cache_asked"}
+            "routing_asked", "cache_asked", "gpu_layers"}
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "pymoecache", *map(str, args)], cwd=ROOT, capture_output=True, text=True,

@@ -379,6 +379,33 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
     assert "| stream: read " in text and "; exclusive, " in text, text[-3000:]
 
 
+def test_ppl_with_gpu_layers_on_an_rpc_server_scores_as_the_cpu_does(fixture_dir, tmp_path, server):
+    """`ppl -ngl 99 --rpc HOST` (it took neither flag): the layers, their experts with them, on the
+    server's device, every row saying so (gpu_layers), and the same perplexities and miss rates as on
+    the CPU, for top-k and a cache-aware routing, batched and one token at a time; the CPU's rows say
+    0 layers."""
+    model = model_path(fixture_dir, MODEL)
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the "
+                    "sun. Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.\n" * 12)
+    rows = {}
+    for where, flags in (("cpu", ()), ("gpu", ("-ngl", "99", "--rpc", server))):
+        for decode in ((), ("--decode",)):
+            out = tmp_path / f"{where}{len(decode)}.json"
+            r = installed(tmp_path, "ppl", "-m", model, "-f", text, "-c", "64", "--chunks", "3", "--prior", "0.5",
+                          "--cache-size", "0.5", "--no-progress", "--json", out, *decode, *flags)
+            assert r.returncode == 0, r.stderr[-3000:]
+            rows[where, bool(decode)] = json.loads(out.read_text())
+    n_layer = 4  # (the fixture's)
+    for decode in (False, True):
+        cpu, gpu = rows["cpu", decode], rows["gpu", decode]
+        assert [r["policy"] for r in gpu] == ["lru", "prior"] == [r["policy"] for r in cpu], gpu
+        for c, g in zip(cpu, gpu):
+            assert c["gpu_layers"] == 0 and g["gpu_layers"] == n_layer, (c, g)
+            assert g["tokens"] == c["tokens"] > 0 and abs(g["ppl"] / c["ppl"] - 1) < 1e-3, (c, g)
+            assert abs(g["miss_rate"] - c["miss_rate"]) < 0.01, (c, g)
+
+
 @pytest.mark.parametrize("mem", ["0", "-5", "lots", "512k"])
 def test_rpc_server_mem_refuses_what_is_not_a_size(tmp_path, mem):
     r = installed(tmp_path, "rpc-server", "--port", str(free_port()), "--mem", mem, timeout=60)

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .options import UserError, add_model_argument, add_routing_options, cache_from_args, resolve_model, routing_from_args
+from .options import (UserError, add_device_options, add_model_argument, add_routing_options, cache_from_args,
+                      device_kwargs, resolve_model, routing_from_args)
 
 
 def _check_out_path(path) -> None:
@@ -53,6 +54,7 @@ def cmd_ppl(args) -> int:
     if _routing_option_given(args) or not args.sweep:
         routings.append(routing_from_args(args))
     sizes = [parse_cache_size(s) for s in args.cache_size]
+    device = device_kwargs(args)
     load_text(args.text)  # a missing text file is reported before the model is loaded
     if args.prefetch == "auto":
         args.prefetch = "off"  # (auto reads ahead for streamed experts; ppl keeps them resident)
@@ -92,7 +94,7 @@ def cmd_ppl(args) -> int:
                 prefetch_distance=args.prefetch_distance, prefetch_min_p=args.prefetch_min_p,
                 eviction=args.eviction or "lru", eviction_decay=args.eviction_decay, miss=miss,
                 lowbit=args.lowbit if miss != "full" else None, stream=stream, lowbit_max_p=max_p,
-                on_row=lambda r, total, before=before: on_row(before + r, total * len(paths)))
+                on_row=lambda r, total, before=before: on_row(before + r, total * len(paths)), device=device)
     except KeyboardInterrupt:  # Ctrl-C: the finished rows are kept, printed, and said where they are
         if done:
             print(format_table(done))
@@ -207,6 +209,7 @@ def add_commands(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="also draw the perplexity / miss rate plot, needs matplotlib (default: no plot)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: llama.cpp's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_device_options(p, evaluation=True)
     add_routing_options(p, multi_cache_size=True, cache_default="0.5")
     lb = p.add_argument_group("low-bit miss path (quality of `run --miss lowbit`)")
     lb.add_argument("--miss", nargs="+", choices=["auto", "full", "lowbit", "lowbit-all", "lowbit-cache"], default=None,

@@ -272,6 +272,27 @@ def _add_residency_options(c) -> None:
                    help="stream: read experts through the page cache, then drop them (default: O_DIRECT)")
 
 
+def add_device_options(p: argparse.ArgumentParser, evaluation: bool = False) -> None:
+    """-ngl and --rpc, as llama.cpp takes them (``run``, ``serve``, ``chat``, ``bench``; ``ppl`` with
+    ``evaluation``: every expert where llama.cpp puts it, the cache counting)."""
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
+                   metavar="N|all|auto",
+                   help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
+                        "(default 0): perplexity at a GPU's speed. Their experts go there too, as llama.cpp puts "
+                        "them, the cache counting what it would hold (the rows do not depend on where the experts "
+                        "are); with a streamed miss path (--miss lowbit-cache) they stay in the cache in RAM"
+                        if evaluation else
+                        "layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
+                        "(those whose dense part and KV cache fit in the GPU's free memory, less 1 GiB, as llama.cpp's "
+                        "--fit; experts that do not fit beside stay in RAM, the GPU keeping what fits) (default 0). "
+                        "With --residency stream or mmap their dense part (attention, "
+                        "norms, routers, shared experts) goes to the device and the routed experts stay in this "
+                        "process's cache, as llama.cpp's --cpu-moe places them")
+    p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
+                   help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
+                        "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
+
+
 def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: bool = True) -> None:
     """Context, threads, batches, GPU layers, memory flags and seed, with llama.cpp's short and long
     names (its multi-letter short flags such as -tb and -fa are whole options here too, as there)."""
@@ -292,17 +313,7 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default="auto", metavar="on|off|auto",
                    help="flash attention, as llama.cpp: auto lets llama.cpp turn it on where every device computing "
                         "attention supports it (the CPU does) (default: auto, as llama.cpp)")
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
-                   metavar="N|all|auto",
-                   help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
-                        "(those whose dense part and KV cache fit in the GPU's free memory, less 1 GiB, as llama.cpp's "
-                        "--fit; experts that do not fit beside stay in RAM, the GPU keeping what fits) (default 0). "
-                        "With --residency stream or mmap their dense part (attention, "
-                        "norms, routers, shared experts) goes to the device and the routed experts stay in this "
-                        "process's cache, as llama.cpp's --cpu-moe places them")
-    p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
-                   help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
-                        "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
+    add_device_options(p)
     p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
                    help="keep the experts in CPU memory beside -ngl layers, as llama.cpp; with --residency stream or "
                         "mmap they are there anyway (streamed or cached in RAM)")
@@ -385,7 +396,6 @@ def resolve_seed(args) -> int:
 def runtime_kwargs(args) -> dict:
     """Keyword arguments of ``pymoecache.Llama`` for the runtime options; UserError for a flag that
     cannot mean anything with the residency in force (said before anything loads)."""
-    ngl = getattr(args, "n_gpu_layers", 0) or 0
     if getattr(args, "n_cpu_moe", None) is not None and args.n_cpu_moe < 0:
         raise UserError(f"--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
     ot = getattr(args, "override_tensor", None)
@@ -400,7 +410,7 @@ def runtime_kwargs(args) -> dict:
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=ngl,
+    kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
               verbose=bool(getattr(args, "verbose", False)))
     if getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None):  # (buffer overrides, as llama-cli's)
         kw["n_cpu_moe"] = "all" if getattr(args, "cpu_moe", False) else args.n_cpu_moe
@@ -420,6 +430,13 @@ def runtime_kwargs(args) -> dict:
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
         kw["use_mmap"] = False
+    kw.update(device_kwargs(args))
+    return kw
+
+
+def device_kwargs(args) -> dict:
+    """``n_gpu_layers`` and ``rpc_servers`` of ``pymoecache.Llama`` from -ngl and --rpc (add_device_options)."""
+    kw = dict(n_gpu_layers=getattr(args, "n_gpu_layers", 0) or 0)
     if getattr(args, "rpc", None) is not None:
         from ..rpc import parse_endpoints
 
