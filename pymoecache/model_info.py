@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .errors import ModelFileError, ModelNotFoundError
 
@@ -69,6 +69,11 @@ class ModelInfo:
     n_ctx_train: int = 0               # context the model was trained with
     slot_bytes: float = 0.0            # memory of one expert's slot when streamed (0: expert_bytes): expert_bytes,
                                        #   plus a page per tensor read in place (direct I/O with no copy)
+    input_bytes: int = 0               # the input layer (token_embd.*): llama.cpp keeps it on the CPU whatever -ngl says
+    output_bytes: int = 0              # the output layer in the file (output.weight, output_norm.*): the first layer
+                                       #   -ngl offloads
+    output_tied_bytes: int = 0         # without output.weight, the copy of token_embd.weight the output layer's
+                                       #   device gets (llama.cpp duplicates it there)
 
     @property
     def cache_bytes(self) -> float:
@@ -92,6 +97,25 @@ class ModelInfo:
     @property
     def non_expert_bytes(self) -> int:
         return self.file_bytes - self.expert_bytes_total
+
+    def dense_bytes(self, gpu_layers: int = 0) -> Tuple[int, int]:
+        """(host, GPU) bytes of the non-expert weights with the last ``gpu_layers`` repeating layers on a
+        GPU (pymoecache.plan.gpu_layers: -ngl N is the output layer and N - 1 of them): the input layer
+        stays on the host, the output layer goes first, the repeating layers' share in proportion.
+
+        >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=1000, n_layer=4, moe_layers=[0, 1, 2, 3],
+        ...                  n_expert=8, n_expert_used=2, n_expert_shared=0, gating="softmax", n_expert_groups=0,
+        ...                  expert_bytes=20, expert_bytes_total=640, input_bytes=100, output_bytes=100)
+        >>> info.dense_bytes(0), info.dense_bytes(2), info.dense_bytes(4)   # 160 bytes in the 4 repeating layers
+        ((360, 0), (180, 180), (100, 260))
+        """
+        dense = max(0, self.non_expert_bytes)
+        n_gpu = min(max(gpu_layers, 0), self.n_layer)
+        if n_gpu == 0:
+            return dense, 0
+        layers = max(0, dense - self.input_bytes - self.output_bytes)
+        on_gpu = self.output_bytes + self.output_tied_bytes + int(layers * n_gpu / max(self.n_layer, 1))
+        return dense - self.output_bytes - int(layers * n_gpu / max(self.n_layer, 1)), on_gpu
 
     def cache_size_for_budget(self, budget_bytes: int) -> int:
         """Experts per layer whose bytes, over all MoE layers, fit in ``budget_bytes`` (at most N)."""
@@ -491,6 +515,9 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
     if n_shared == 0 and any("_shexp." in t[0] for t in tensors):
         n_shared = 1  # qwen2moe stores one shared expert without a count key
     total = sum(per_layer.values())
+    input_bytes = sum(t[4] for t in tensors if t[0].startswith(("token_embd", "token_types.", "position_embd.")))
+    output_bytes = sum(t[4] for t in tensors if t[0].startswith(("output.", "output_norm.")))
+    tied = 0 if any(t[0] == "output.weight" for t in tensors) else sum(t[4] for t in tensors if t[0] == "token_embd.weight")
     expert_bytes = total / (len(moe_layers) * n_expert) if moe_layers and n_expert else 0.0
     slot_bytes = expert_bytes + (slot_pad / len(moe_layers) if moe_layers else 0.0)
     return ModelInfo(
@@ -512,4 +539,7 @@ def model_info(path: "os.PathLike[str] | str") -> ModelInfo:
         n_embd=kv_int(f"{arch}.embedding_length", 0, 0, 2**31 - 1),
         n_embd_kv=_kv_width(h.kv, arch, kv_int),
         n_ctx_train=kv_int(f"{arch}.context_length", 0, 0, 2**31 - 1),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        output_tied_bytes=tied,
     )

@@ -161,7 +161,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     """
     free = _available_memory() if available is None else available
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
-    dense = int(max(0, info.non_expert_bytes) * host)
+    dense = info.dense_bytes(gpu_layers)[0]
     kv = int(_kv_bytes(info, n_ctx) * host)
     budget = free - dense - kv - max(0, lowbit) - max(0, batch)
     margin = max(128 << 20, budget // 10)
@@ -205,23 +205,30 @@ DEVICE_MARGIN = 1 << 30  # bytes left free on a GPU beside the weights and KV ca
 def auto_gpu_layers(info: ModelInfo, n_ctx: int, free: Optional[int]) -> int:
     """``n_gpu_layers="auto"`` (llama.cpp's ``-ngl auto``): every layer (-1, the output too) where the
     dense part and the KV cache fit in ``free`` bytes of GPU memory beside
-    :data:`DEVICE_MARGIN`, else as many layers as fit (each an equal share of both); 0 without a GPU
-    (``free`` None). The experts are not counted: where they do not fit beside, the cache keeps them
-    in RAM (``Llama``, residency auto).
+    :data:`DEVICE_MARGIN`, else the output layer (-ngl counts it first) and as many repeating layers as
+    fit (each an equal share of theirs and of the KV cache; the input layer stays on the CPU,
+    :meth:`ModelInfo.dense_bytes`); 0 without a GPU (``free`` None) or where no repeating layer fits.
+    The experts are not counted: where they do not fit beside, the cache keeps them in RAM
+    (``Llama``, residency auto).
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=5 << 30, n_layer=8,
     ...                  moe_layers=list(range(8)), n_expert=64, n_expert_used=4, n_expert_shared=0,
     ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20,
-    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024)
-    >>> auto_gpu_layers(info, 4096, 4 << 30), auto_gpu_layers(info, 4096, 1600 << 20), auto_gpu_layers(info, 4096, None)
-    (-1, 4, 0)
+    ...                  expert_bytes_total=8 * 64 * (8 << 20), n_embd=1024, input_bytes=256 << 20, output_bytes=256 << 20)
+    >>> auto_gpu_layers(info, 4096, 4 << 30), auto_gpu_layers(info, 4096, None)
+    (-1, 0)
+    >>> auto_gpu_layers(info, 4096, 1600 << 20)  # (1600 - 1024 margin - 256 output) MiB / (64 dense + 16 KV) MiB a layer
+    5
     """
     if not free:
         return 0
-    per_layer = (max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)) / max(info.n_layer, 1)
-    n = int(max(0, free - DEVICE_MARGIN) // per_layer) if per_layer > 0 else info.n_layer
-    return -1 if n >= info.n_layer else n
+    _, every = info.dense_bytes(info.n_layer)
+    output = info.output_bytes + info.output_tied_bytes  # (-ngl 1: the output layer; each 1 more, a repeating one)
+    per_layer = (every - output + _kv_bytes(info, n_ctx)) / max(info.n_layer, 1)
+    left = free - DEVICE_MARGIN - output
+    n = int(max(0, left) // per_layer) if per_layer > 0 else info.n_layer
+    return -1 if n >= info.n_layer else n + 1 if left >= 0 and n > 0 else 0
 
 
 def device_free_memory(devices: Optional[list] = None) -> Optional[int]:
@@ -275,7 +282,7 @@ def device_experts_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: int) 
     n_gpu = min(max(gpu_layers, 0), info.n_layer)
     share = n_gpu / max(info.n_layer, 1)
     moe_on_gpu = moe_layers_on_gpu(info, n_gpu)
-    left = free - DEVICE_MARGIN - int(max(0, info.non_expert_bytes) * share) - int(_kv_bytes(info, n_ctx) * share)
+    left = free - DEVICE_MARGIN - info.dense_bytes(n_gpu)[1] - int(_kv_bytes(info, n_ctx) * share)
     if moe_on_gpu == 0 or info.expert_bytes <= 0:
         return info.n_expert
     return int(min(info.n_expert, max(0, left) // (info.expert_bytes * moe_on_gpu)))
@@ -347,7 +354,7 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int, keep_ra
     with ``free`` bytes, beside a host cache of ``n_cached`` experts per layer (``keep_ram``: a size the
     user stated; Llama's own rules: :func:`auto_gpu_layers`, :func:`device_fit`)."""
     n_gpu = auto_gpu_layers(info, n_ctx, free)
-    dense = max(0, info.non_expert_bytes) + _kv_bytes(info, n_ctx)
+    dense = info.dense_bytes(info.n_layer)[1] + _kv_bytes(info, n_ctx)
     experts = int(info.expert_bytes * info.n_expert * info.n_moe_layer)
 
     def mib(n: float) -> str:  # (a GPU's memory in MiB, as llama.cpp prints it)
@@ -355,7 +362,8 @@ def gpu_plan_rows(info: ModelInfo, n_ctx: int, free: int, n_cached: int, keep_ra
 
     rows = [("GPU memory free", mib(free)),
             ("  margin (llama.cpp's --fit)", mib(DEVICE_MARGIN)),
-            ("  dense part + KV cache", f"{mib(dense)} (every layer; KV at F16)"),
+            ("  dense part + KV cache", f"{mib(dense)} (every layer, the input layer's {mib(info.input_bytes)} staying "
+                                        "in RAM; KV at F16)" if info.input_bytes else f"{mib(dense)} (every layer; KV at F16)"),
             ("  routed experts", f"{mib(experts)} ({info.n_expert} per layer)")]
     if n_gpu == 0:
         rows.append(("-ngl auto", "no layer fits: every layer stays on the CPU"))
@@ -392,7 +400,7 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
         return None
     slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)  # (the rest is on a GPU)
-    dense = int(max(0, info.non_expert_bytes) * host)
+    dense = info.dense_bytes(gpu_layers)[0]
     kv = int(_kv_bytes(info, n_ctx) * host)
     need = slots + max(0, lowbit) + dense + kv + (64 << 20)
     if need <= free:
@@ -631,7 +639,7 @@ def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0,
     if disk_bytes_per_s is None:
         disk_bytes_per_s = probe_disk(info.path, info.expert_bytes) if n_cached < info.n_expert else 0.0
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
-    return MemoryPlan(available=available, budget_from=budget_from, dense=int(max(0, info.non_expert_bytes) * host),
+    return MemoryPlan(available=available, budget_from=budget_from, dense=info.dense_bytes(gpu_layers)[0],
                       kv=int(_kv_bytes(info, n_ctx) * host), n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
                       n_expert=info.n_expert, n_expert_used=info.n_expert_used, n_moe_layer=info.n_moe_layer,
                       slot_bytes=info.cache_bytes, expert_bytes=info.expert_bytes,

@@ -117,12 +117,33 @@ def test_auto_cache_size_leaves_out_what_is_on_the_device(fixture_dir, gpu):
     kv = auto_cache_size(info, 256, available=1 << 40).kv
     free = info.non_expert_bytes + kv + (128 << 20) + 20 * info.cache_bytes * info.n_moe_layer
     cpu, half = (auto_cache_size(info, 256, available=free, gpu_layers=g) for g in (0, info.n_layer // 2))
-    assert cpu.n_cached == 20 and half.dense == info.non_expert_bytes // 2 and half.kv == kv // 2
+    # the input layer stays on the CPU, the output layer goes first, then half of the repeating layers' share
+    layers = info.non_expert_bytes - info.input_bytes - info.output_bytes
+    assert cpu.n_cached == 20 and half.dense == info.input_bytes + layers - layers // 2 and half.kv == kv // 2
     assert half.n_cached > cpu.n_cached
     assert f"the dense part of {info.n_layer // 2} layers on the GPU" in str(half)
     llm = pymoecache.Llama(str(path), **dict(KW, n_gpu_layers=99, rpc_servers=gpu))
-    assert llm.cache_choice.gpu_layers == info.n_layer and llm.cache_choice.dense == 0
+    assert llm.cache_choice.gpu_layers == info.n_layer and llm.cache_choice.dense == info.input_bytes > 0
     llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe-60x4", "mixtral-8x2"])
+def test_the_input_and_output_layers_are_counted_where_llama_cpp_puts_them(fixture_dir, name):
+    """ModelInfo's input and output layers, from the file's tensors as gguf reads them: token_embd.*
+    (on the CPU whatever -ngl says) and output.* (the first layer -ngl offloads); a model without
+    output.weight (mixtral fixture: tied) gets a copy of token_embd.weight on the output's device."""
+    import gguf
+
+    path = model_path(fixture_dir, name)
+    info = pymoecache.model_info(path)
+    size = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    assert info.input_bytes == sum(v for k, v in size.items() if k.startswith("token_embd")) > 0
+    assert info.output_bytes == sum(v for k, v in size.items() if k.startswith(("output.", "output_norm."))) > 0
+    assert info.output_tied_bytes == (0 if "output.weight" in size else size["token_embd.weight"])
+    assert (name == "mixtral-8x2") == (info.output_tied_bytes > 0)
+    host, dev = info.dense_bytes(info.n_layer)
+    assert host == info.input_bytes and dev == info.non_expert_bytes - info.input_bytes + info.output_tied_bytes
+    assert info.dense_bytes(0) == (info.non_expert_bytes, 0)
 
 
 def test_partial_offload_runs_as_the_cpu_does(fixture_dir, gpu):

@@ -199,12 +199,14 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
 
     model = model_path(fixture_dir, MODEL)
     info = model_info(model)
-    dense, kv = info.non_expert_bytes, 2 * 256 * info.n_layer * info.n_embd_kv  # KV: F16 K and V, -c 256
+    # -ngl 99 puts the dense part there but the input layer (token_embd), and the KV cache: F16 K and V, -c 256
+    dense, kv = info.dense_bytes(info.n_layer)[1], 2 * 256 * info.n_layer * info.n_embd_kv
     one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
     want = 30
     mem = (1 << 30) + dense + kv + want * one + one // 2  # (a GPU with room for 30.5 experts per layer)
-    per_layer = (dense + kv) / info.n_layer  # -ngl auto: a layer's share of the dense part and the KV cache
-    few = (1 << 30) + int(2.5 * per_layer)   # (a GPU with room for the dense part of 2.5 layers)
+    output = info.output_bytes + info.output_tied_bytes  # -ngl auto: the output layer, then each repeating one's
+    per_layer = (dense - output + kv) / info.n_layer     # share of the dense part and the KV cache
+    few = (1 << 30) + output + int(1.5 * per_layer)     # (a GPU with room for the output and 1.5 layers: -ngl 2)
     with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large, \
             rpc.LocalServer(register=False, mem=few) as tiny:
         out = {}
@@ -281,7 +283,7 @@ def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(
 
     model = model_path(fixture_dir, MODEL)
     info = model_info(model)
-    dense, kv = info.non_expert_bytes, 2 * 256 * info.n_layer * info.n_embd_kv  # KV: F16 K and V, -c 256
+    dense, kv = info.dense_bytes(info.n_layer)[1], 2 * 256 * info.n_layer * info.n_embd_kv  # KV: F16 K and V, -c 256
     one = int(info.expert_bytes * info.n_moe_layer)  # an expert of every layer
     mem = (1 << 30) + dense + kv + 20 * one + one // 2  # (a GPU with room for 20.5 experts per layer)
     with rpc.LocalServer(register=False, mem=mem) as small, rpc.LocalServer(register=False) as large:
@@ -321,7 +323,7 @@ def test_a_model_larger_than_ram_keeps_its_share_there_and_the_gpu_holds_others(
     assert "VRAM tier" not in stream["plan"], stream["plan"]
     # `info --gpu-mem`: the same rule before a load; a RAM budget that holds a fifth of the experts and a GPU
     # that holds them all: every expert on the GPU
-    budget = int(dense + kv + 0.2 * info.expert_bytes_total) + (128 << 20)
+    budget = int(info.non_expert_bytes + kv + 0.2 * info.expert_bytes_total) + (128 << 20)
     for flags, says in ((("--cache-size", "30", "--gpu-mem", f"{mem}b"),
                          "30 per layer in RAM, 20 others in GPU memory (exclusive: the two hold 50 of 60)"),
                         (("--cache-size", "30", "--gpu-mem", "64G"),
@@ -353,7 +355,8 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
 
     model = model_path(fixture_dir, MODEL)
     info = model_info(model)
-    free = int(0.3 * info.expert_bytes_total) + (128 << 20)  # (-ngl 99: the dense part and the KV cache on the GPU)
+    free = info.input_bytes + int(0.3 * info.expert_bytes_total) + (128 << 20)  # (-ngl 99: the dense part but the
+    #                                                                              input layer on the GPU, the KV cache)
     with rpc.LocalServer(register=False) as server:
         out = {}
         for ngl in ("99", "3"):
@@ -367,7 +370,8 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
     assert "expert cache 0.00 MiB (60 of 60 per layer; every expert on the GPU: " in text, text[-3000:]
     m = re.search(r"every expert on the GPU: ([\d.]+) MiB of GPU memory\)", text)
     assert m and abs(float(m.group(1)) - experts / 2**20) < 0.01, text[-3000:]
-    assert "dense part 0.00 MiB + KV cache 0.00 MiB" in text and "too little" not in text, text[-3000:]
+    assert f"dense part {info.input_bytes / 2**20:.2f} MiB + KV cache 0.00 MiB" in text and "too little" not in text, \
+        text[-3000:]
     assert "decode from memory: every expert is in RAM or on the GPU" in text, text[-3000:]
     assert "every expert of the 4 MoE layers on the GPU goes there (llama.cpp's placement)" in text, text[-3000:]
     assert re.search(r"\| none: device: ", text), text[-3000:]
