@@ -266,9 +266,10 @@ def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: boo
     """Where the experts of GPU layers go. A tier stated: the cache streams (a tier is filled from its
     host slots). Where nothing says where they go (residency "auto", no tier or ``vram_size="auto"``,
     no llama.cpp placement flag: ``placed_by_us``), the GPUs' free memory is spent on them
-    (:func:`plan.device_fit`): every expert on the GPU where they fit (residency none); else RAM keeps
-    what the cache holds and a VRAM tier takes what fits: copies where RAM holds every expert, others
-    (exclusive tiers) where it holds fewer, a model larger than RAM. A stated cache size or tier
+    (:func:`plan.device_fit`): every expert on the GPU where they fit (residency none; with MoE layers
+    left on the CPU, only where RAM holds all of theirs); else RAM keeps what the cache holds and a VRAM
+    tier takes what fits: copies where RAM holds every expert, others (exclusive tiers) where it holds
+    fewer, a model larger than RAM. A stated cache size or tier
     (``size_stated``, ``vram_size="auto"``) keeps the RAM cache. Also the line the plan says it in
     ("" where nothing was decided here)."""
     asked = cache.vram_size == "auto"

@@ -322,9 +322,9 @@ def device_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: Optional[int]
     ...  device_fit(info, 4096, 8, 8 << 30, 20), device_fit(info, 4096, 8, 8 << 30, 20, keep_ram=True))]
     [('none', 0, False), ('stream', 30, False), ('stream', 30, True), ('none', 0, False), ('stream', 44, True)]
     >>> device_fit(info, 4096, 4, 8 << 30, 40).where   # 4 of 8 layers on the GPU: RAM holds the other 4's 64
-    "every expert on the GPU (the other 4 MoE layers: every expert in RAM) (llama.cpp's placement)"
-    >>> f = device_fit(info, 4096, 4, 8 << 30, 20); (f.residency, f.n_vram, f.exclusive)   # RAM holds fewer
-    ('stream', 44, True)
+    "every expert of the 4 MoE layers on the GPU there, of the other 4 in RAM (llama.cpp's placement)"
+    >>> device_fit(info, 4096, 4, 8 << 30, 20).where   # RAM holds fewer: the cache streams in every layer
+    '20 per layer in RAM, 44 others in GPU memory in the 4 MoE layers on the GPU (exclusive: the two hold all there)'
     """
     n_expert = info.n_expert
     on_gpu = moe_layers_on_gpu(info, gpu_layers)
@@ -333,19 +333,22 @@ def device_fit(info: ModelInfo, n_ctx: int, gpu_layers: int, free: Optional[int]
         return DeviceFit("none" if n_cached >= n_expert else "stream", 0, False, "no MoE layer on the GPU: "
                          + ("every expert in RAM" if n_cached >= n_expert else f"{n_cached} per layer streamed in RAM"))
     fit = device_experts_fit(info, n_ctx, gpu_layers, free) if free else 0
-    others = f" (the other {on_cpu} MoE layer{'s' if on_cpu != 1 else ''}: {{}})" if on_cpu else ""
+    s = "s" if on_gpu != 1 else ""
+    there = f" in the {on_gpu} MoE layer{s} on the GPU" if on_cpu else ""  # (the others stream n_cached in RAM)
     # llama.cpp's placement loads every expert of the layers left on the CPU: RAM must hold them
     ram_holds_cpu_layers = n_cached >= n_expert or n_expert * on_cpu <= n_cached * info.n_moe_layer
     if fit >= n_expert and ram_holds_cpu_layers and (n_cached >= n_expert or not keep_ram):
-        return DeviceFit("none", 0, False, "every expert on the GPU" + others.format("every expert in RAM") + (
-            "" if n_cached >= n_expert or on_cpu else ", none in RAM") + " (llama.cpp's placement)")
+        return DeviceFit("none", 0, False, (f"every expert of the {on_gpu} MoE layer{s} on the GPU there, of the "
+                                            f"other {on_cpu} in RAM" if on_cpu else "every expert on the GPU"
+                                            + ("" if n_cached >= n_expert else ", none in RAM"))
+                         + " (llama.cpp's placement)")
     if n_cached >= n_expert:
         return DeviceFit("stream", fit, False, f"every expert in RAM, {fit} per layer also in GPU memory" if fit else
                          "every expert in RAM, computed by the CPU (as --cpu-moe)")
     n = min(fit, n_expert - n_cached)
     held = "all" if n_cached + n >= n_expert else f"{n_cached + n} of {n_expert}"
-    return DeviceFit("stream", n, n > 0, f"{n_cached} per layer in RAM, {n} others in GPU memory (exclusive: the two "
-                     f"hold {held})" + others.format(f"{n_cached} in RAM") if n else
+    return DeviceFit("stream", n, n > 0, f"{n_cached} per layer in RAM, {n} others in GPU memory{there} (exclusive: "
+                     f"the two hold {held}{' there' if there else ''})" if n else
                      f"{n_cached} per layer streamed in RAM, none in GPU memory")
 
 
