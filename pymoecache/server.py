@@ -700,7 +700,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                              "miss": llm.cache_config.miss if llm.moecache is not None else None,
                              "lowbit": (str(llm.cache_config.lowbit) if llm.moecache is not None
                                         and llm.cache_config.lowbit else None),
-                             "cache_choice": app.state.cache_choice}}
+                             "cache_choice": app.state.cache_choice,
+                             # where the memory goes (the plan line at start, as numbers): the dense part, the
+                             # cache, a VRAM tier (n_vram, vram_exclusive), experts llama.cpp put on a GPU
+                             "memory_plan": (app.state.memory_plan.as_dict()
+                                             if app.state.memory_plan is not None else None)}}
 
     @ours.get("/slots", summary="Slots (llama-server's /slots)", tags=["pymoecache"], dependencies=auth)
     def slots() -> list:

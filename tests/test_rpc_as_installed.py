@@ -105,10 +105,18 @@ def test_serve_with_rpc_offloads_the_layers(fixture_dir, tmp_path, server):
             time.sleep(0.25)
         status, _ = http_request(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4})
         assert status == 200
+        status, text = http_request(f"http://127.0.0.1:{port}/props")
+        plan = json.loads(text)["moecache"]["memory_plan"]  # the model fits the server: every expert there
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert on_device(log.read_text(), server), log.read_text()[-4000:]
+    from pymoecache.model_info import model_info
+
+    info = model_info(model_path(fixture_dir, MODEL))
+    assert plan["gpu_expert_layers"] == info.n_moe_layer and plan["cache_bytes"] == 0, plan
+    assert plan["gpu_expert_bytes"] == int(info.expert_bytes * info.n_expert * info.n_moe_layer), plan
+    assert plan["dense"] == info.input_bytes and plan["n_vram"] == 0, plan
 
 
 
