@@ -429,6 +429,8 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
     on_row(rows, total): called before the first row (rows empty) and after each finished row, with
     the rows so far and how many there will be: progress, and rows kept if the sweep is stopped.
     """
+    from .plan import gpu_layers
+
     if miss != "full" and not decode:
         raise EvalError(f"miss={miss!r} acts on decoded tokens only: evaluate with decode=True")
     text = load_text(text_path)
@@ -444,8 +446,6 @@ def sweep(model_path: "str | Path", text_path: "str | Path", routings: Sequence[
                             eviction_decay=eviction_decay, miss=miss, lowbit=lowbit, stream=stream,
                             lowbit_max_p=lowbit_max_p, device=device)
         try:
-            from .plan import gpu_layers
-
             on_gpu = gpu_layers(llm.model_params.n_gpu_layers, llm.model_info.n_layer)
             tokens = tokens if tokens is not None else tokenize_text(llm, text)
             for routing in routings:

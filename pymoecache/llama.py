@@ -262,10 +262,10 @@ def _routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Opt
     return min(n_cached, n_expert) / n_expert
 
 
-def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: bool, n_ctx: int, size_stated: bool):
+def _fit_device(cache: CacheConfig, info, n_gpu: int, free, placed_by_us: bool, n_ctx: int, size_stated: bool):
     """Where the experts of GPU layers go. A tier stated: the cache streams (a tier is filled from its
     host slots). Where nothing says where they go (residency "auto", no tier or ``vram_size="auto"``,
-    no llama.cpp placement flag: ``placed_by_us``), the GPUs' free memory is spent on them
+    no llama.cpp placement flag: ``placed_by_us``), the GPUs' ``free`` memory is spent on them
     (:func:`plan.device_fit`): every expert on the GPU where they fit (residency none; with MoE layers
     left on the CPU, only where RAM holds all of theirs); else RAM keeps what the cache holds and a VRAM
     tier takes what fits: copies where RAM holds every expert, others (exclusive tiers) where it holds
@@ -280,7 +280,6 @@ def _fit_device(cache: CacheConfig, info, n_gpu: int, devices, placed_by_us: boo
     if not n_gpu or cache.unified == "on" or not (asked or (placed_by_us and cache.residency == "auto")):
         return cache, ""
     n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-    free = _plan.device_free_memory(devices)
     fit = _plan.device_fit(info, n_ctx, n_gpu, free, n, keep_ram=size_stated or asked)
     room = (f"the {_plan._mib(free)} free on the GPU (less a {_plan._mib(_plan.DEVICE_MARGIN)} margin, the dense "
             f"part and the KV cache of {n_gpu} layers)" if free else "the GPU, which reports no free memory")
@@ -595,7 +594,8 @@ class Llama(llama_cpp.Llama):
                 warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
                               "with a GPU or an RPC server)", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0, vram_exclusive=False)
-            cache, self._device_note = _fit_device(cache, info, n_gpu, devices, self._overrides is None, n_ctx,
+            gpu_free = _plan.device_free_memory(devices) if gpu else None  # (the discrete GPUs'; None: none)
+            cache, self._device_note = _fit_device(cache, info, n_gpu, gpu_free, self._overrides is None, n_ctx,
                                                     size_stated=choice is None)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
@@ -606,15 +606,15 @@ class Llama(llama_cpp.Llama):
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
                 if cache.vram_exclusive and cache.prefetch_spare and self._device_note:  # the spare slots came out of
                     # the cache: an exclusive tier sized to the GPU also takes the experts they leave
-                    fit = _plan.device_fit(info, n_ctx, n_gpu, _plan.device_free_memory(devices),
+                    fit = _plan.device_fit(info, n_ctx, n_gpu, gpu_free,
                                            cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer), True)
                     if fit.exclusive and fit.n_vram > cache.vram_size:
                         cache = dataclasses.replace(cache, vram_size=fit.n_vram)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
             residency = cache.residency_for(cache.capacities(n), info.n_expert)
-            self._plan_gpu = (n_gpu, _plan.moe_layers_on_gpu(info, n_gpu)  # (llama.cpp places the experts: of
-                              if residency == "none" and self._overrides is None  # the GPU layers, on a discrete GPU)
-                              and _plan.device_free_memory(devices) is not None else 0) if n_gpu else (0, 0)
+            # llama.cpp places the experts (residency none, no placement flag): the GPU layers' are on a discrete GPU
+            placed = residency == "none" and self._overrides is None and gpu_free is not None
+            self._plan_gpu = (n_gpu, _plan.moe_layers_on_gpu(info, n_gpu) if placed else 0)
             if choice is not None and self._plan_gpu[1]:
                 choice = dataclasses.replace(choice, n_cached=max(n, choice.n_cached), gpu_expert_layers=self._plan_gpu[1])
             if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:

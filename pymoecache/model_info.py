@@ -113,9 +113,8 @@ class ModelInfo:
         n_gpu = min(max(gpu_layers, 0), self.n_layer)
         if n_gpu == 0:
             return dense, 0
-        layers = max(0, dense - self.input_bytes - self.output_bytes)
-        on_gpu = self.output_bytes + self.output_tied_bytes + int(layers * n_gpu / max(self.n_layer, 1))
-        return dense - self.output_bytes - int(layers * n_gpu / max(self.n_layer, 1)), on_gpu
+        layers = int(max(0, dense - self.input_bytes - self.output_bytes) * n_gpu / max(self.n_layer, 1))
+        return dense - self.output_bytes - layers, self.output_bytes + self.output_tied_bytes + layers
 
     def cache_size_for_budget(self, budget_bytes: int) -> int:
         """Experts per layer whose bytes, over all MoE layers, fit in ``budget_bytes`` (at most N)."""

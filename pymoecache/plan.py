@@ -20,7 +20,7 @@ import dataclasses
 import os
 import random
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .model_info import ModelInfo
 
@@ -129,6 +129,13 @@ def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
     return 2 * n_ctx * info.n_layer * (info.n_embd_kv or 2 * max(info.n_embd, 0))
 
 
+def _on_host(info: ModelInfo, n_ctx: int, gpu_layers: int) -> Tuple[int, int]:
+    """(dense part, KV cache) in RAM with ``gpu_layers`` repeating layers on a GPU (:func:`gpu_layers`): the
+    dense part as llama.cpp places it (:meth:`ModelInfo.dense_bytes`), the KV cache of the other layers."""
+    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
+    return info.dense_bytes(gpu_layers)[0], int(_kv_bytes(info, n_ctx) * host)
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
@@ -160,9 +167,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     25
     """
     free = _available_memory() if available is None else available
-    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
-    dense = info.dense_bytes(gpu_layers)[0]
-    kv = int(_kv_bytes(info, n_ctx) * host)
+    dense, kv = _on_host(info, n_ctx, gpu_layers)
     budget = free - dense - kv - max(0, lowbit) - max(0, batch)
     margin = max(128 << 20, budget // 10)
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
@@ -402,9 +407,7 @@ def memory_shortfall(info: ModelInfo, n_cached: int, n_ctx: int, spare: int = 0,
     if not free:
         return None
     slots = int((max(n_cached, info.n_expert_used) + spare) * info.cache_bytes * info.n_moe_layer)
-    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)  # (the rest is on a GPU)
-    dense = info.dense_bytes(gpu_layers)[0]
-    kv = int(_kv_bytes(info, n_ctx) * host)
+    dense, kv = _on_host(info, n_ctx, gpu_layers)  # (the rest is on a GPU)
     need = slots + max(0, lowbit) + dense + kv + (64 << 20)
     if need <= free:
         return None
@@ -570,9 +573,10 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: the sum, then the decode's reads."""
         free = "free" if self.budget_from == "free" else "budget"
-        on_gpu = self._cache_text()
+        on_gpu = self._cache_text()  # (a part of the layers: "in the N MoE layers on the CPU; ...")
+        sep = "; " if self.gpu_expert_layers >= self.n_moe_layer else " "
         cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
-                 + (f" {on_gpu}" if on_gpu.startswith("in ") else f"; {on_gpu}" if on_gpu else "")
+                 + (sep + on_gpu if on_gpu else "")
                  + (f" + {self.n_spare} spare" if self.n_spare else "")
                  + (f" + {self.n_batch} for a batch" if self.n_batch and self.streamed else ""))
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
@@ -602,6 +606,7 @@ class MemoryPlan:
 
     def rows(self) -> List[tuple]:
         """(what, value) rows for ``info``'s table."""
+        on_gpu = self._cache_text()
         return [
             ("memory " + ("free" if self.budget_from == "free" else "budget"), _fmt(self.available)),
             ("  dense part", _fmt(self.dense)),
@@ -611,7 +616,7 @@ class MemoryPlan:
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
              + (f" + {self.n_batch} slots for a batch's selections" if self.n_batch and self.streamed else "")
              + ("" if self.streamed else ", all of them: nothing streamed")
-             + (f" ({self._cache_text()})" if self._cache_text() else "")),
+             + (f" ({on_gpu})" if on_gpu else "")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),
             *((("  VRAM tier", self.vram_text()[len("VRAM tier "):]),) if self.n_vram else ()),
             ("  headroom", _fmt(self.headroom) + (" (too little: expect page faults)"
@@ -623,8 +628,8 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(cache_bytes=self.cache_bytes, gpu_expert_bytes=self.gpu_expert_bytes, headroom=self.headroom, streamed=self.streamed,
-                 miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s,
+        d.update(cache_bytes=self.cache_bytes, gpu_expert_bytes=self.gpu_expert_bytes, headroom=self.headroom,
+                 streamed=self.streamed, miss_rate_uniform=self.miss_rate, read_per_token=self.read_per_token, io_tok_s=self.io_tok_s,
                  lowbit_memory=self.lowbit_memory, critical_per_token=self.critical_per_token)
         return d
 
@@ -641,9 +646,8 @@ def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0,
     available = _available_memory() if available is None else available
     if disk_bytes_per_s is None:
         disk_bytes_per_s = probe_disk(info.path, info.expert_bytes) if n_cached < info.n_expert else 0.0
-    host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
-    return MemoryPlan(available=available, budget_from=budget_from, dense=info.dense_bytes(gpu_layers)[0],
-                      kv=int(_kv_bytes(info, n_ctx) * host), n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
+    dense, kv = _on_host(info, n_ctx, gpu_layers)
+    return MemoryPlan(available=available, budget_from=budget_from, dense=dense, kv=kv, n_ctx=n_ctx, n_cached=n_cached, n_spare=n_spare,
                       n_expert=info.n_expert, n_expert_used=info.n_expert_used, n_moe_layer=info.n_moe_layer,
                       slot_bytes=info.cache_bytes, expert_bytes=info.expert_bytes,
                       disk_bytes_per_s=disk_bytes_per_s)
