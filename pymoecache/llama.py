@@ -595,8 +595,10 @@ class Llama(llama_cpp.Llama):
                               "with a GPU or an RPC server)", stacklevel=2)
                 cache = dataclasses.replace(cache, vram_size=0, vram_exclusive=False)
             gpu_free = _plan.device_free_memory(devices) if gpu else None  # (the discrete GPUs'; None: none)
-            cache, self._device_note = _fit_device(cache, info, n_gpu, gpu_free, self._overrides is None, n_ctx,
-                                                    size_stated=choice is None)
+            asked_cache = cache
+            fit_device = functools.partial(_fit_device, info=info, n_gpu=n_gpu, free=gpu_free,
+                                           placed_by_us=self._overrides is None, n_ctx=n_ctx, size_stated=choice is None)
+            cache, self._device_note = fit_device(cache)
             if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
                 n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
                 cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
@@ -604,12 +606,11 @@ class Llama(llama_cpp.Llama):
                                                n_expert=info.n_expert)
                 if choice is not None and cache.size != choice.n_cached:
                     choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
-                if cache.vram_exclusive and cache.prefetch_spare and self._device_note:  # the spare slots came out of
-                    # the cache: an exclusive tier sized to the GPU also takes the experts they leave
-                    fit = _plan.device_fit(info, n_ctx, n_gpu, gpu_free,
-                                           cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer), True)
-                    if fit.exclusive and fit.n_vram > cache.vram_size:
-                        cache = dataclasses.replace(cache, vram_size=fit.n_vram)
+                if self._device_note and cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer) < n:
+                    # the spare slots came out of the cache the GPU's tier was sized beside: sized again (and said)
+                    # for the cache that is left, so an exclusive tier also takes the experts they leave
+                    refit, self._device_note = fit_device(dataclasses.replace(asked_cache, size=cache.size))
+                    cache = dataclasses.replace(cache, vram_size=refit.vram_size, vram_exclusive=refit.vram_exclusive)
             n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
             residency = cache.residency_for(cache.capacities(n), info.n_expert)
             # llama.cpp places the experts (residency none, no placement flag): the GPU layers' are on a discrete GPU

@@ -358,7 +358,8 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
     the dense part and KV cache that the GPU holds). -ngl 3 leaves 2 of the 4 MoE layers on the CPU, whose
     experts alone are more than RAM holds: llama.cpp's placement would load every one of them, so the
     cache streams there and the GPU layers' tiers hold what it does not (it was residency none: all of
-    them in RAM)."""
+    them in RAM). -ngl 99 --vram-size auto: exclusive tiers, sized and said for the RAM cache that the
+    spare slots for reading ahead leave."""
     from pymoecache.model_info import model_info
 
     model = model_path(fixture_dir, MODEL)
@@ -367,9 +368,9 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
     #                                                                              input layer on the GPU, the KV cache)
     with rpc.LocalServer(register=False) as server:
         out = {}
-        for ngl in ("99", "3"):
+        for ngl in ("99", "3", "99 --vram-size auto"):
             r = subprocess.run([sys.executable, "-c", SMALL_RAM_SCRIPT, str(free), "run", "-m", str(model), "-p",
-                                "ROMEO:", "-n", "8", "-c", "256", "-ngl", ngl, "--rpc", server.endpoint, "-v"],
+                                "ROMEO:", "-n", "8", "-c", "256", "-ngl", *ngl.split(), "--rpc", server.endpoint, "-v"],
                                cwd=tmp_path, env=installed_env(), capture_output=True, text=True, timeout=300, input="")
             assert r.returncode == 0 and on_device(r.stderr, server.endpoint), r.stderr[-3000:]
             out[ngl] = r.stdout + r.stderr
@@ -389,6 +390,14 @@ def test_auto_cache_size_on_a_machine_smaller_than_the_model_puts_the_experts_wh
     assert (f"VRAM tier {60 - int(m.group(1))} of 60 per layer" in text and "exclusive: RAM and VRAM hold 60 of 60 in "
             f"the 2 MoE layers on the GPU (the others {m.group(1)})" in text), text[-3000:]
     assert "| stream: read " in text and "; exclusive, " in text, text[-3000:]
+    # a tier asked for (--vram-size auto) beside every layer: sized, and said, for the cache that the spare slots
+    # for reading ahead leave (it was sized before they were taken: the line said 2 more in RAM, 2 fewer in VRAM)
+    text = out["99 --vram-size auto"]
+    m = re.search(r"expert cache [\d.]+ MiB \((\d+) of 60 per layer \+ (\d+) spare\)", text)
+    assert m, text[-3000:]
+    n = int(m.group(1))
+    assert (f"VRAM tier {60 - n} of 60 per layer" in text and f": {n} per layer in RAM, {60 - n} others in GPU memory "
+            "(exclusive: the two hold all)" in text), text[-3000:]
 
 
 def test_ppl_with_gpu_layers_on_an_rpc_server_scores_as_the_cpu_does(fixture_dir, tmp_path, server):
