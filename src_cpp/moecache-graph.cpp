@@ -697,6 +697,12 @@ void moecache_graph_mark_dirty(moecache * mc) {
 // --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------
 
 void moecache_hook_detach(moecache * mc) {
+    if (mc->ctx) {
+        // the context's last graph may still run on an asynchronous device (Vulkan, Metal, CUDA) with this
+        // cache's device buffers in it (the VRAM tier, the device path's rows), which the caller frees next:
+        // freed under a running graph, lavapipe's queue thread corrupted the heap (glibc aborted the process)
+        llama_synchronize(mc->ctx);
+    }
     moecache_device_flush(*mc); // (its read is on the context's backends)
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!mc->ctx) {
