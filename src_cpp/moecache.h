@@ -555,7 +555,8 @@ MOECACHE_API struct moecache * moecache_init(
 // for its type). NONE (the default) restores stock loading.
 MOECACHE_API void moecache_set_load_residency(enum moecache_residency residency);
 
-// Detaches (if attached) and frees.
+// Detaches (if attached) and frees. Detaching waits for the context's work in flight
+// (llama_synchronize): its last graph may still run on a device with this cache's buffers in it.
 MOECACHE_API void moecache_free(struct moecache * mc);
 
 // Route ctx's MoE layers through mc from its next llama_decode on (the graph is rebuilt once).
