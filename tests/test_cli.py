@@ -58,6 +58,21 @@ def test_info_table_and_json(fixture_dir):
     assert r.returncode == 0 and "dense model" in r.stdout and "memory plan" not in r.stdout
 
 
+def test_info_plans_a_gpu_only_where_ggml_sees_one(fixture_dir):
+    """Without a GPU (this build's backends see none: lavapipe is not made visible here) `info` plans no
+    GPU layers, and `--gpu-mem auto` says why and what to give instead; `--gpu-mem SIZE` still plans them."""
+    m = model_path(fixture_dir, QWEN)
+    d = json.loads(cli("info", m, "--json").stdout)
+    assert d["gpu_plan"] is None and d["gpu_free"] is None
+    r = cli("info", m, "--gpu-mem", "auto")
+    assert r.returncode == 2 and "--gpu-mem auto: ggml sees no GPU here" in r.stderr and "--gpu-mem 8G" in r.stderr, \
+        r.stderr[-2000:]
+    d = json.loads(cli("info", m, "--json", "--gpu-mem", "8G").stdout)
+    assert d["gpu_free"] == 8 << 30 and "every expert on the GPU" in d["gpu_plan"]["-ngl 99"]
+    r = cli("info", model_path(fixture_dir, DENSE_FIXTURES[0]), "--gpu-mem", "auto")
+    assert r.returncode == 2 and "has no routed experts" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name, exact", [("mixtral-8x2", True), ("qwen2moe-60x4", True), ("deepseek2-sigmoid-64x6", False)])
 def test_the_plan_counts_the_kv_cache_llama_cpp_allocates(fixture_dir, name, exact):
     """The plan's KV cache (what --cache-size auto, -ngl auto and the GPU fit set aside) is the one

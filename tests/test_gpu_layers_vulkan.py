@@ -239,3 +239,25 @@ def test_a_llama_closed_right_after_a_decode_frees_its_device_buffers_after_the_
     r = subprocess.run([sys.executable, "-c", CLOSE_SCRIPT, str(model)], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("closed"), (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+
+
+def test_info_plans_gpu_layers_for_the_gpu_ggml_sees(fixture_dir, tmp_path):
+    """`info MODEL` from the installed package where ggml sees a GPU (lavapipe, made visible): the GPU plan
+    is there without --gpu-mem, from the free memory the device reports (the same number a load reads),
+    and `--gpu-mem none` leaves it out. Without a GPU it is left out (tests/test_cli.py)."""
+    from test_rpc_as_installed import installed_env
+
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+
+    def py(*args):
+        r = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    model = model_path(fixture_dir, "qwen2moe-60x4")
+    free = int(py("-c", "from pymoecache import plan; print(plan.device_free_memory())").strip())
+    d = json.loads(py("-m", "pymoecache", "info", str(model), "--json"))
+    assert d["gpu_free"] == free > 0 and "-ngl 99" in d["gpu_plan"], d["gpu_plan"]
+    assert "GPU layers on this machine's GPU (its free memory as it reports it)" in py("-m", "pymoecache", "info",
+                                                                                       str(model))
+    assert json.loads(py("-m", "pymoecache", "info", str(model), "--json", "--gpu-mem", "none"))["gpu_plan"] is None

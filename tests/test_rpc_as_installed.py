@@ -230,6 +230,12 @@ def test_experts_that_do_not_fit_the_gpu_stay_in_ram_and_the_tier_takes_what_fit
             assert r.returncode == 0, r.stderr[-3000:]
             assert name == "ngl-auto-tiny" or on_device(r.stderr, endpoint), r.stderr[-4000:]
             out[name] = r.stdout + r.stderr
+        # `info --rpc HOST`: the plan from the server's own report of its free memory, before any load
+        r = installed(tmp_path, "info", model, "-c", "256", "--rpc", small.endpoint)
+        assert r.returncode == 0 and "GPU layers on the --rpc server's device (its free memory as it reports it)" in \
+            r.stdout and f"every expert in RAM, {want} per layer also in GPU memory" in r.stdout, r.stdout[-3000:]
+        d = json.loads(installed(tmp_path, "info", model, "-c", "256", "--rpc", tiny.endpoint, "--json").stdout)
+        assert d["gpu_free"] == few and f"2 of {info.n_layer + 1} layers" in d["gpu_plan"]["-ngl auto"], d["gpu_plan"]
     # -ngl auto: every layer where its dense part fits, then the experts as -ngl 99; the dense part of 2 layers
     n = info.n_layer + 1  # (llama.cpp counts the output layer)
     for name in ("ngl-auto", "ngl-auto-large"):

@@ -530,6 +530,52 @@ def print_bench_table(rows: list) -> None:
               f"{r['route_ms_per_token']:>8.3f} {r['rss_mib']:>8.0f}")
 
 
+def _info_gpu_memory(args, info):
+    """(free bytes, the words for where) of the GPU ``info`` plans GPU layers for: ``--gpu-mem SIZE``
+    as given; by default (``auto``) what this build's GPUs and the ``--rpc`` servers report free, as
+    ``run -ngl`` reads it, where there is one; (None, "") where none is planned (``none``, no GPU,
+    a GPU that shares the host's memory, a dense model)."""
+    from ..config import parse_bytes
+    from ..plan import device_free_memory, has_gpu
+
+    spec = (args.gpu_mem or "auto").strip().lower()
+    if spec == "none":
+        return None, ""
+    if spec != "auto":
+        n = parse_bytes(args.gpu_mem)
+        if not n:
+            raise UserError(f"--gpu-mem {args.gpu_mem}: give the GPU's free memory with a unit (8G, 512MiB), auto or "
+                            "none")
+        if not info.is_moe:
+            raise UserError(f"--gpu-mem is for MoE models: {info.path} has no routed experts")
+        return n, f"a GPU with {args.gpu_mem} free"
+    asked = args.gpu_mem is not None or args.rpc is not None
+    if args.rpc is not None:
+        from .. import rpc
+        from ..errors import Error
+
+        try:
+            for endpoint in rpc.parse_endpoints(args.rpc):
+                rpc.add_server(endpoint)
+        except Error as e:
+            raise UserError(f"--rpc: {e}") from None
+    if not info.is_moe:
+        if asked:
+            raise UserError(f"--gpu-mem / --rpc plan GPU layers for MoE models: {info.path} has no routed experts")
+        return None, ""
+    seen = has_gpu()
+    free = device_free_memory() if seen else None
+    if free is None:
+        if asked:
+            raise UserError("--gpu-mem auto: " + (
+                "the GPU reports no memory of its own (it shares the host's, which the memory plan counts)" if seen else
+                "ggml sees no GPU here (this build's backends found none, and no --rpc server was given): give its "
+                "free memory instead, e.g. --gpu-mem 8G"))
+        return None, ""
+    return free, ("the --rpc server's device" if args.rpc is not None else "this machine's GPU") + " (its free memory as it " \
+        "reports it)"
+
+
 def cmd_info(args) -> int:
     from ..config import parse_memory
     from ..errors import Error
@@ -545,15 +591,7 @@ def cmd_info(args) -> int:
         raise UserError(f"-c must be >= 0 (0: the model's training context), got {args.ctx}")
     n_ctx = args.ctx or info.n_ctx_train or 512
     plan = companion = fc = gpu = None
-    gpu_mem = None
-    if args.gpu_mem is not None:
-        from ..config import parse_bytes
-
-        gpu_mem = parse_bytes(args.gpu_mem)
-        if not gpu_mem:
-            raise UserError(f"--gpu-mem {args.gpu_mem}: give the GPU's free memory with a unit (8G, 512MiB)")
-        if not info.is_moe:
-            raise UserError(f"--gpu-mem is for MoE models: {info.path} has no routed experts")
+    gpu_mem, gpu_where = _info_gpu_memory(args, info)
     if args.forecast and not info.is_moe:
         raise UserError(f"--forecast is for MoE models: {info.path} has no routed experts")
     if args.threads is not None and args.threads < 1:
@@ -583,6 +621,7 @@ def cmd_info(args) -> int:
         d["plan"] = plan.as_dict() if plan else None
         d["lowbit"] = dict(companion) if companion else None
         d["gpu_plan"] = dict(gpu) if gpu else None
+        d["gpu_free"] = gpu_mem if gpu else None
         if fc is not None:
             d["forecast"] = dataclasses.asdict(fc)
         print(json.dumps(d, indent=2))
@@ -595,7 +634,7 @@ def cmd_info(args) -> int:
         w = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     if gpu:
-        print(f"\nGPU layers on a GPU with {args.gpu_mem} free, a context of {n_ctx} tokens:")
+        print(f"\nGPU layers on {gpu_where}, a context of {n_ctx} tokens:")
         w = max(len(k) for k, _ in gpu)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in gpu))
     if companion:
@@ -736,10 +775,15 @@ def add_commands(sub) -> None:
                         "come out of it (default: the free memory)")
     i.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=None, metavar="N",
                    help="context to plan the KV cache for (default: the model's training context)")
-    i.add_argument("--gpu-mem", metavar="SIZE",
+    i.add_argument("--gpu-mem", metavar="SIZE|auto|none",
                    help="also plan GPU layers for a GPU with this much free memory (8G, 512MiB): what -ngl 99 and "
                         "-ngl auto put on it, and whether the experts fit there or stay in RAM with a VRAM tier of "
-                        "what fits (as run decides from the GPU's own report)")
+                        "what fits (as run decides from the GPU's own report). auto (the default where ggml sees a "
+                        "GPU, or with --rpc): the free memory this machine's GPU or the --rpc server reports, as run "
+                        "-ngl reads it; none: no GPU plan")
+    i.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
+                   help="plan GPU layers for the devices of these ggml RPC servers, as run -ngl N --rpc would "
+                        "place them (their reported free memory; default: none)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--forecast", action="store_true",
                    help="also forecast the decode speed (tok/s, with a band) of run with the planned cache, the "
