@@ -696,13 +696,18 @@ void moecache_graph_mark_dirty(moecache * mc) {
 
 // --- attach / detach (the registry; the API is in moecache.cpp) ---------------------------
 
-void moecache_hook_detach(moecache * mc) {
-    if (mc->ctx) {
-        // the context's last graph may still run on an asynchronous device (Vulkan, Metal, CUDA) with this
-        // cache's device buffers in it (the VRAM tier, the device path's rows), which the caller frees next:
-        // freed under a running graph, lavapipe's queue thread corrupted the heap (glibc aborted the process)
-        llama_synchronize(mc->ctx);
+// The context's last graph may still run on an asynchronous device (Vulkan, Metal, CUDA) after
+// llama_decode returns, with this cache's buffers in it: the VRAM tier's slots, the device path's
+// rows, the host slots a GPU computes in place. Whatever frees or rewrites them waits for it first:
+// freed under a running graph, lavapipe's queue thread corrupted the heap (glibc aborted the process).
+void moecache_graph_wait(moecache & mc) {
+    if (mc.ctx) {
+        llama_synchronize(mc.ctx);
     }
+}
+
+void moecache_hook_detach(moecache * mc) {
+    moecache_graph_wait(*mc);
     moecache_device_flush(*mc); // (its read is on the context's backends)
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!mc->ctx) {

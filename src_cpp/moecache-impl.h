@@ -602,7 +602,8 @@ int32_t moecache_state_write(const moecache & mc, const char * path);
 int32_t moecache_state_read(moecache & mc, const char * path);
 // moecache-graph.cpp: the context registry behind moecache_attach / moecache_detach
 int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
-void    moecache_hook_detach(moecache * mc);
+void    moecache_hook_detach(moecache * mc);       // (waits for the context's work in flight first)
+void    moecache_graph_wait(moecache & mc);         // the attached context's work in flight, waited for
 void    moecache_graph_set_load_residency(enum moecache_residency residency);
 void    moecache_graph_mark_dirty(moecache * mc);  // the attached context builds its next graph afresh
 // moecache-ahead.cpp: reads ahead of the layer that needs them

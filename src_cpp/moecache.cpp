@@ -245,6 +245,10 @@ extern "C" void moecache_begin_request(struct moecache * mc) {
 
 void moecache_clear(struct moecache * mc) {
     moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
+    if (!mc) {
+        return;
+    }
+    moecache_graph_wait(*mc); // (its slots are emptied and refilled: not under a graph still running)
     for (moecache_layer & L : mc->layers) {
         moecache_layer_empty(L); // the entries leaving now end their lifetimes here
         moecache_layer_clear(L);
@@ -503,6 +507,7 @@ extern "C" int32_t moecache_state_load(struct moecache * mc, const char * path) 
     if (!mc || !path) {
         return fail(MOECACHE_ERR_INVALID, "moecache_state_load: NULL argument");
     }
+    moecache_graph_wait(*mc); // (the slots are refilled: not under a graph still running)
     try {
         const int32_t rc = moecache_state_read(*mc, path);
         if (rc == MOECACHE_OK) {
@@ -554,6 +559,7 @@ extern "C" int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin) {
     if (!mc) {
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_warm: NULL moecache");
     }
+    moecache_graph_wait(*mc); // (the slots and the VRAM tier are refilled: not under a graph still running)
     const int32_t pinned = moecache_profile_warm_start(*mc, n_pin);
     if (pinned >= 0) {
         moecache_residency_hold_all(*mc); // (a layer whose slots hold every expert caches them all: none is evicted)
