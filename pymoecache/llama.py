@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 import warnings
 from typing import Optional, Tuple, Union
 
@@ -76,6 +77,9 @@ class _TolerantChatFormatter(bounded_formatter()):
         except Exception as e:  # the template's own errors, its size and time bounds
             raise ConfigError(f"the model's chat template could not render the conversation: {type(e).__name__}: "
                               f"{str(e)[:300]}") from None
+
+
+CHECK_INTERVAL_S = 0.01  # decoded tokens check the model file and count page faults at most this often (seconds)
 
 
 def _major_faults() -> int:
@@ -846,21 +850,29 @@ class Llama(llama_cpp.Llama):
                 "at a time; use one Llama per thread, or a lock around calls")
 
     def _check_file(self) -> None:
-        files = ([("model file", self.model_path, self._file_sig)] if self._file_sig is not None else []) + (
-            [("low-bit companion", *self._lowbit_sig)] if self._lowbit_sig is not None else [])
-        for kind, path, sig in files:
-            try:
-                now = _file_signature(path)
-            except OSError as e:
-                now, what = None, f"is gone ({e.strerror})"
+        """MoECacheIOError where the model file (or the low-bit companion) is gone, replaced, resized
+        or modified since the load: before a prompt, and every CHECK_INTERVAL_S while decoding (a
+        truncation inside a decode is the guard's: moecache-guard.cpp)."""
+        if self._file_sig is not None:
+            self._check_signature("model file", self.model_path, self._file_sig)
+        if self._lowbit_sig is not None:
+            self._check_signature("low-bit companion", *self._lowbit_sig)
+
+    @staticmethod
+    def _check_signature(kind: str, path: str, sig: Tuple[int, int, int, int]) -> None:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            now, what = None, f"is gone ({e.strerror})"
+        else:
+            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # (_file_signature's, without its call)
             if now == sig:
-                continue
-            if now is not None:
-                (dev0, ino0, size0, _), (dev1, ino1, size1, _) = sig, now
-                what = ("was replaced by another file" if (dev0, ino0) != (dev1, ino1) else
-                        f"changed size from {size0} to {size1} bytes" if size0 != size1 else "was modified")
-            raise MoECacheIOError(f"the {kind} {path} {what} since it was loaded: its weights can no longer be "
-                                  "trusted; load the model again")
+                return
+            (dev0, ino0, size0, _), (dev1, ino1, size1, _) = sig, now
+            what = ("was replaced by another file" if (dev0, ino0) != (dev1, ino1) else
+                    f"changed size from {size0} to {size1} bytes" if size0 != size1 else "was modified")
+        raise MoECacheIOError(f"the {kind} {path} {what} since it was loaded: its weights can no longer be "
+                              "trusted; load the model again")
 
     def eval(self, tokens) -> None:
         """``llama_cpp.Llama.eval``; a failed expert read, or a model file changed since it was
@@ -881,15 +893,20 @@ class Llama(llama_cpp.Llama):
         try:
             if self._rpc_used:
                 self._check_rpc()
-            self._check_file()
+            # the file check and the fault count: before every prompt, and for decoded tokens at most every
+            # CHECK_INTERVAL_S (each cost 5-15 us a token here, after a decode has evicted the CPU's caches)
+            now = time.monotonic()
+            due = n_tokens != 1 or self._faults_from is None or now - self._checked_at >= CHECK_INTERVAL_S
+            if due:
+                self._checked_at = now
+                self._check_file()
             if self._logits_unchecked:  # (the last decode's, nobody sampled from them)
                 self._check_logits()
             with self._token_lock:
                 t0 = C.moecache_time_now_us() if self._timeline_spans is not None else 0
-                faults = _major_faults() if n_tokens == 1 else 0
+                if due:
+                    self._count_decode_faults(decoding=n_tokens == 1)
                 decode()
-                if n_tokens == 1:  # a decoded token: the pages it had to read back (a dropped dense part)
-                    self._decode_major_faults += _major_faults() - faults
                 if self._timeline_spans is not None:
                     self._timeline_spans.append((t0, C.moecache_time_now_us(), n_tokens))
                 if self._guard >= 0 and C.moecache_guard_faults(self._guard):
@@ -908,6 +925,19 @@ class Llama(llama_cpp.Llama):
             raise e
         finally:
             self._busy.release()
+
+    def _count_decode_faults(self, decoding: bool) -> None:
+        """The major page faults of decoded tokens (the pages they had to read back: a dropped dense
+        part): the process's count read before an eval where one is due (_decode_checked), the window
+        since the last reading added where it held decoded tokens only (a prompt's eval closes it before
+        it runs; the sampling between tokens is in it)."""
+        now = _major_faults()
+        if self._faults_from is not None:
+            self._decode_major_faults += now - self._faults_from
+        self._faults_from = now if decoding else None
+
+    _faults_from: Optional[int] = None  # the process's major faults when the window of decoded tokens began
+    _checked_at = 0.0  # time.monotonic() of the last file check and fault reading
 
     def _check_rpc(self) -> None:
         """DeviceLostError when an RPC server this model's layers are on is gone. ggml would abort the
@@ -1152,6 +1182,7 @@ class Llama(llama_cpp.Llama):
         cache = self._require_cache()
         with self._token_lock:  # between tokens: a consistent snapshot, even while another thread generates
             st = cache.stats()
+            self._count_decode_faults(decoding=False)  # (the last decoded token's, up to now)
         if st.residency is not None:  # compute time, as bench counts it: llama.cpp's own decode timer
             st.residency.decode_t_eval_ms = llama_cpp.llama_perf_context(self._ctx.ctx).t_eval_ms
             st.residency.decode_major_faults = self._decode_major_faults
@@ -1203,6 +1234,7 @@ class Llama(llama_cpp.Llama):
         with self._token_lock:
             cache.reset_stats()
             self._decode_major_faults = 0
+            self._faults_from = None
             llama_cpp.llama_perf_context_reset(self._ctx.ctx)  # the decode timer moe_stats() reads
 
     def set_routing(self, routing: Union[Routing, str], *, scope: Optional[str] = None) -> None:

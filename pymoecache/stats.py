@@ -54,7 +54,7 @@ class ResidencyStats:
     decode_t_read_ms: float = 0.0    # stream: wall time with at least one expert read in flight (decode)
     prefetch_tokens_on: int = 0      # prefetch_spare: decoded tokens with the reads ahead on
     dense_locked_bytes: int = 0      # the dense part mlocked (CacheConfig.lock_dense)
-    decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults during decoded tokens
+    decode_major_faults: int = 0     # Llama.moe_stats(): the process's major page faults while decoding tokens (their sampling in)
     load_bytes_read: int = 0         # stream: read at load, filling the layers whose cache holds every expert
     load_t_io_ms: float = 0.0
     # VRAM tier (CacheConfig.vram_size): the selections of its layers by the tier their expert came

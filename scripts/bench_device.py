@@ -15,7 +15,8 @@ the order; medians over rounds):
 Two timings each, in ms per token: `llama_decode` alone (the library: graph, splits, our hooks),
 each token ended by llama_synchronize as llama-bench ends a generated one; and a generated token as
 `generate` makes one, `eval` then `sample` (greedy, the sampler chain built once), the Python layers
-on top included (llama-cpp-python's and ours); and the graph splits of a decoded token.
+on top included (llama-cpp-python's and ours); what pymoecache.Llama's eval and sample add to
+llama-cpp-python's (tokens made alternately by the two, paired); and the graph splits of a decoded token.
 
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_device.py --model bench.gguf --gpu-layers 99 --tokens 200 --rounds 5   # a GPU
@@ -255,15 +256,43 @@ def main() -> None:
     reads = {name: (llm.moecache.residency_stats().device_reads_per_token if name != "stock" else 0.0)
              for name, llm in contexts.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
+
+    def ours_over_theirs(llm) -> float:
+        """What pymoecache.Llama's eval and sample add per token to llama-cpp-python's (its checks and
+        counting), in us: tokens made alternately by the two on the same context, each pair's difference,
+        the median of the pairs (the two tokens of a pair cost the library the same)."""
+        llm.reset()
+        llm.eval(prompt)
+        llm._sampler = llm._init_sampler(top_k=1)
+        diffs = []
+        try:
+            for _ in range(args.rounds):
+                for i in range(0, len(decodes) - 1, 2):
+                    t0 = time.perf_counter()
+                    llm.eval([decodes[i]])
+                    llm.sample()
+                    t1 = time.perf_counter()
+                    llama_cpp.Llama.eval(llm, [decodes[i + 1]])
+                    llama_cpp.Llama.sample(llm)
+                    diffs.append(2 * t1 - t0 - time.perf_counter())
+                llm.reset()
+                llm.eval(prompt)
+        finally:
+            llm._sampler = None
+        return statistics.median(diffs) * 1e6
+
+    python_us = {name: ours_over_theirs(llm) for name, llm in contexts.items() if name != "stock"}
     print(f"{Path(args.model).name}: -ngl {args.gpu_layers}" + (f" over RPC {args.rpc}" if args.rpc else "")
           + f", {args.threads} thread(s), {args.tokens} decoded tokens, medians of {args.rounds} rounds")
-    print("\n| context | llama_decode ms/token | of stock | eval + sample ms/token | of stock | graph splits/token | "
-          "device reads/token |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| context | llama_decode ms/token | of stock | eval + sample ms/token | of stock | ours over "
+          "llama-cpp-python's us/token | graph splits/token | device reads/token |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         print(f"| {name} | {med[(name, 'decode')]:.4f} | {med[('stock', 'decode')] / med[(name, 'decode')]:.2f}x | "
-              f"{med[(name, 'eval')]:.4f} | {med[('stock', 'eval')] / med[(name, 'eval')]:.2f}x | {splits[name]} | "
-              f"{reads[name]:.2f} |")
+              f"{med[(name, 'eval')]:.4f} | {med[('stock', 'eval')] / med[(name, 'eval')]:.2f}x | "
+              + (f"{python_us[name]:.1f}" if name in python_us else "-") + f" | {splits[name]} | {reads[name]:.2f} |")
+    print("\nours over llama-cpp-python's: what pymoecache.Llama's eval and sample add to llama-cpp-python's per token "
+          "(its checks and counting), tokens made alternately by the two on the same context, median of the pairs")
     for llm in contexts.values():
         llm.close()
     servers.close()
