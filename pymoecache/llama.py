@@ -898,8 +898,8 @@ class Llama(llama_cpp.Llama):
             now = time.monotonic()
             due = n_tokens != 1 or self._faults_from is None or now - self._checked_at >= CHECK_INTERVAL_S
             if due:
-                self._checked_at = now
                 self._check_file()
+                self._checked_at = now  # (after it passed: a retry after its error checks again)
             if self._logits_unchecked:  # (the last decode's, nobody sampled from them)
                 self._check_logits()
             with self._token_lock:

@@ -56,6 +56,29 @@ def test_a_file_changed_during_generation_is_an_error_not_a_signal(fixture_dir, 
     assert all(o == "REFUSED" for o in outcomes), outcomes
 
 
+def test_every_decode_after_the_change_is_refused(fixture_dir, tmp_path):
+    """Decoded tokens check the file every 10 ms (llama.CHECK_INTERVAL_S), not each one: a decode
+    10 ms after the file was modified is refused, and so is one right after that (a retry): the
+    refusal does not count as a check that passed."""
+    import os
+    import time
+
+    import pymoecache
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_path(fixture_dir, QWEN), path)
+    llm = pymoecache.Llama(str(path), cache=pymoecache.CacheConfig(size=1.0), verbose=False)
+    llm.eval(llm.tokenize(b"Hello"))
+    llm.eval([42])
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # (its bytes unchanged: modified, as far as a stat says)
+    time.sleep(2 * pymoecache.llama.CHECK_INTERVAL_S)
+    for _ in range(3):
+        with pytest.raises(pymoecache.MoECacheIOError, match="was modified since it was loaded"):
+            llm.eval([43])
+    llm.close()
+
+
 def test_the_guard_answers_a_fault_inside_a_decode(fixture_dir, tmp_path):
     """No check before the decode (llama_cpp.Llama.eval directly): the truncated pages fault in the
     middle of the matmuls, the guard maps zeros and counts, and the process lives."""
