@@ -97,6 +97,7 @@ say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2m
 say ""
 say "## -ngl auto: what the GPU reports free, and the layers and experts placed for it (model C widened)"
 "$PY" -c "from pymoecache import plan; print('device_free_memory:', plan.device_free_memory())" 2>&1 | tee -a "$LOG"
+"$PY" -m pymoecache info "$BENCH_TRAINED" -c 256 2>&1 | sed -n '/^GPU layers on/,/^$/p' | tee -a "$LOG"  # (its plan, before a load)
 "$PY" -m pymoecache run -m "$BENCH_TRAINED" -p "ROMEO:" -n 16 -ngl auto -v 2>&1 | grep "offloaded\|^plan:\|warning" \
     | tee -a "$LOG"
 bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
