@@ -567,13 +567,14 @@ def _info_gpu_memory(args, info):
     free = device_free_memory() if seen else None
     if free is None:
         if asked:
-            raise UserError("--gpu-mem auto: " + (
+            flag = "--gpu-mem auto" if args.gpu_mem is not None else "--rpc"
+            raise UserError(f"{flag}: " + (
                 "the GPU reports no memory of its own (it shares the host's, which the memory plan counts)" if seen else
                 "ggml sees no GPU here (this build's backends found none, and no --rpc server was given): give its "
                 "free memory instead, e.g. --gpu-mem 8G"))
         return None, ""
-    return free, ("the --rpc server's device" if args.rpc is not None else "this machine's GPU") + " (its free memory as it " \
-        "reports it)"
+    where = "the --rpc server's device" if args.rpc is not None else "this machine's GPU"
+    return free, f"{where} (its free memory as it reports it)"
 
 
 def cmd_info(args) -> int:
