@@ -187,7 +187,7 @@ def has_gpu() -> bool:
 
     try:
         return bool(has_gpu_device())
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, ImportError):  # (ImportError: no native library, as `info` runs without one)
         return False
 
 

@@ -6,6 +6,7 @@ hits; and a missing or unusable companion is a clear error (or, with miss='auto'
 from __future__ import annotations
 
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -285,6 +286,7 @@ def test_a_companion_changed_during_a_run_stops_the_next_eval(files, tmp_path):
     llm.eval(tokens[:1])
     with open(companion, "ab") as f:
         f.write(b"\0" * 64)
+    time.sleep(2 * pymoecache.llama.CHECK_INTERVAL_S)  # (decoded tokens check the files that often, not each one)
     with pytest.raises(pymoecache.MoECacheIOError, match="low-bit companion .* changed size"):
         llm.eval(tokens[1:2])
     llm.close()
