@@ -553,9 +553,11 @@ def _info_gpu_memory(args, info):
     if args.rpc is not None:
         from .. import rpc
         from ..errors import Error
+        from .options import device_kwargs
 
+        endpoints = device_kwargs(args)["rpc_servers"]  # (parsed as run's --rpc is; UserError if malformed)
         try:
-            for endpoint in rpc.parse_endpoints(args.rpc):
+            for endpoint in endpoints:
                 rpc.add_server(endpoint)
         except Error as e:
             raise UserError(f"--rpc: {e}") from None
