@@ -156,6 +156,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("decode_steps", c_int64),
         ("device_routed", c_int64),
         ("device_route_differs", c_int64),
+        ("vram_pinned_bytes", c_int64),
     ]
 
 

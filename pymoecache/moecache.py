@@ -371,7 +371,7 @@ class MoECache:
                               prefetch_wasted=rs.prefetch_wasted, predicted_selected=rs.predicted_selected,
                               predicted_total=rs.predicted_total, decode_t_read_ms=rs.decode_t_read_ms,
                               prefetch_tokens_on=rs.prefetch_tokens_on, load_bytes_read=rs.load_bytes_read,
-                              load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch, vram_bytes=rs.vram_bytes,
+                              load_t_io_ms=rs.load_t_io_ms, prefetch=self.prefetch, vram_bytes=rs.vram_bytes, vram_pinned_bytes=rs.vram_pinned_bytes,
                               vram_hits=rs.vram_hits, vram_from_ram=rs.vram_from_ram,
                               vram_from_file=rs.vram_from_file, vram_copies=rs.vram_copies,
                               vram_copy_bytes=rs.vram_copy_bytes, vram_cpu=rs.vram_cpu, vram_ahead=rs.vram_ahead,

@@ -60,6 +60,7 @@ class ResidencyStats:
     # VRAM tier (CacheConfig.vram_size): the selections of its layers by the tier their expert came
     # from (hits + from_ram + from_file), and where those not in GPU memory were computed
     vram_bytes: int = 0              # GPU memory of the tier
+    vram_pinned_bytes: int = 0       # host slots pinned for the tier's copies up (CUDA; 0: pageable)
     vram_hits: int = 0               # in GPU memory: computed there
     vram_from_ram: int = 0           # not, but in host memory (the cache, or read ahead)
     vram_from_file: int = 0          # not, read from the file for the token
@@ -165,7 +166,7 @@ class ResidencyStats:
                 "t_read_ms_per_token": self.decode_t_read_ms / self.decode_tokens if self.decode_tokens else 0.0,
                 "overlap": self.overlap, "major_faults_per_token": self.major_faults_per_token,
                 "load_bytes_read": self.load_bytes_read, "load_t_io_ms": self.load_t_io_ms,
-                "vram_bytes": self.vram_bytes, "vram_hits": self.vram_hits, "vram_from_ram": self.vram_from_ram,
+                "vram_bytes": self.vram_bytes, "vram_pinned_bytes": self.vram_pinned_bytes, "vram_hits": self.vram_hits, "vram_from_ram": self.vram_from_ram,
                 "vram_from_file": self.vram_from_file, "vram_copies": self.vram_copies,
                 "vram_copy_bytes": self.vram_copy_bytes, "vram_cpu": self.vram_cpu,
                 "vram_ahead": self.vram_ahead, "vram_ahead_used": self.vram_ahead_used,

@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=0.0,
                     help="with --rpc local: the server behind a link of this many MB/s from this process (a GPU "
                          "machine across a network: 1 Gbit Ethernet is about 117)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also where a decoded token's time goes in each of our rows (the library's timeline)")
     ap.add_argument("--device-fit", action="store_true",
                     help="the local server reports as its memory llama.cpp's 1 GiB margin, the dense part, the KV "
                          "cache and the device bytes of the --share (every row runs against it), and a row runs "
@@ -197,6 +199,7 @@ def main() -> None:
         tokens = evaluate.tokenize_text(llm, text)
         speed = decode_tok_s(llm, tokens, args) if args.speed else None
         commands = count_commands(llm, tokens, counter) if counter is not None else None
+        times = layer_times(llm, tokens) if args.timeline else None
         if args.warmup:  # warm-up and counted tokens in windows of the model's trained context (KV reset between)
             window = max(32, (info.n_ctx_train or 512) - 16)
             decode_windows(llm, tokens[:args.warmup], window)
@@ -218,17 +221,22 @@ def main() -> None:
                              "ours, no tier (-ngl 99 before the device fit): " if notier else "ours: ")
                             + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
-                            + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive and rs.vram_slots else ""),
+                            + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive and rs.vram_slots else "")
+                            + (", copied up from pinned memory" if rs.vram_pinned_bytes else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / max(1, n),
                "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes,
                "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),
                "on_cpu_per_token": rs.vram_cpu / max(1, rs.decode_tokens),
                "reads_per_token": rs.decode_loads / max(1, rs.decode_tokens) / max(1, len(st.moe_layers)),
-               "copies_down_per_token": rs.vram_copies_down / max(1, rs.decode_tokens)}
+               "copies_down_per_token": rs.vram_copies_down / max(1, rs.decode_tokens),
+               "copy_ms_per_token": rs.vram_t_copy_ms / max(1, rs.decode_tokens),
+               "route_ms_per_token": rs.t_route_ms_per_token, "pinned_bytes": rs.vram_pinned_bytes}
         if speed is not None:
             row["tok_s"] = speed
         if commands is not None:
             row["rpc"] = commands
+        if times:
+            row["times"] = times
         if args.ppl_chunks:
             llm.moecache.clear()
             res = evaluate.perplexity(llm, tokens, 256, limit_chunks=args.ppl_chunks, decode=True, progress=False)
@@ -248,9 +256,10 @@ def main() -> None:
     cmds = "rpc" in rows[0]
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "
           "| expert reads per token and layer | ppl | vs top-k |" + (" vs full top-k |" if full else "")
+          + " copies up / down per token | copying ms/token | on the CPU per token | routing ms/token |"
           + (" decode tok/s | vs stock --n-cpu-moe |" if speed else "")
           + (" RPC reads / writes / graphs per token | KiB sent per token |" if cmds else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + ("---|---|" if speed else "")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + "---|---|---|---|" + ("---|---|" if speed else "")
           + ("---|---|" if cmds else ""))
 
     def vs(r, b):
@@ -264,10 +273,69 @@ def main() -> None:
               f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | "
               f"{vs(r, own)} |"
               + (f" {vs(r, full)} |" if full else "")
+              + (f" {r['copies_up_per_token']:.2f} / {r['copies_down_per_token']:.2f} | {r['copy_ms_per_token']:.3f} |"
+                 f" {r['on_cpu_per_token']:.2f} | {r['route_ms_per_token']:.3f} |" if "copy_ms_per_token" in r else
+                 " - | - | - | - |")
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else "")
               + (" {GET_TENSOR:.2f} / {SET_TENSOR:.2f} / {GRAPH_COMPUTE:.2f} | {KIB:.1f} |".format(**r["rpc"]) if cmds else ""))
+    timed = [r for r in rows if "times" in r]
+    if timed:
+        print(f"\nwhere a decoded token's time goes (the timeline of 64 tokens, microseconds per token; "
+              f"{timed[0]['times']['n_moe']} MoE layers):\n")
+        print("| placement | routing | token period | routing ops | residency ops | between a layer's experts and the "
+              "next layer's routing, each | the rest | copies up |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in timed:
+            t = r["times"]
+            print(f"| {r['placement']} | {r['routing']} | {t['period_us']:.0f} | {t['routing_us']:.0f} | "
+                  f"{t['waits_us']:.0f} | {t['between_us']:.0f} | {t['rest_us']:.0f} | {t['copy_up_us']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def layer_times(llm, tokens, n: int = 64) -> dict:
+    """Where a decoded token's time goes, from the timeline of n tokens (each ended by llama_synchronize):
+    per token, the routing ops and the residency ops (waits, copies up sent) of its MoE layers, the time
+    between one layer's residency op and the next layer's routing op (the CPU's expert matmuls, the write
+    to the device, the device's matmuls, the next layer's attention on the device and the read back), and
+    the rest of the token's period (the last layer's experts, the output, Python, the next token's first
+    layer), in microseconds."""
+    import numpy as np
+
+    import llama_cpp
+
+    from pymoecache.timeline import KIND
+
+    llm.reset()
+    llm.eval(tokens[:16])
+    for t in tokens[16:32]:
+        llm.eval([t])
+    llm.start_timeline()
+    for t in tokens[32:32 + n + 1]:
+        llm.eval([t])
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
+    ev = llm.timeline().events
+    ev = ev[(ev["thread"] == 0) & (ev["n_tokens"] == 1) | (ev["kind"] == KIND["copy_up"])]
+
+    def of(kind):
+        e = ev[ev["kind"] == kind]
+        return e[np.argsort(e["t_start_us"], kind="stable")]
+
+    route, wait, up = of(KIND["route"]), of(KIND["wait"]), of(KIND["copy_up"])
+    wait = wait[wait["expert"] == -1]
+    n_moe = len(set(route["layer"].tolist()))
+    n_tok = min(len(route), len(wait)) // max(1, n_moe) - 1  # (the last token: its period's end not seen)
+    if n_moe == 0 or n_tok < 1:
+        return {}
+    r = route[:(n_tok + 1) * n_moe].reshape(n_tok + 1, n_moe)
+    w = wait[:(n_tok + 1) * n_moe].reshape(n_tok + 1, n_moe)
+    period = (r["t_start_us"][1:, 0] - r["t_start_us"][:-1, 0]).mean()
+    routing = (r["t_end_us"] - r["t_start_us"])[:-1].sum(axis=1).mean()
+    waits = (w["t_end_us"] - w["t_start_us"])[:-1].sum(axis=1).mean()
+    between = (r["t_start_us"][:-1, 1:] - w["t_end_us"][:-1, :-1]).mean() if n_moe > 1 else 0.0
+    copy = (up["t_end_us"] - up["t_start_us"]).sum() / n_tok if len(up) else 0.0
+    return {"period_us": period, "routing_us": routing, "waits_us": waits, "between_us": between,
+            "rest_us": period - routing - waits - between * (n_moe - 1), "copy_up_us": copy, "n_moe": n_moe}
 
 
 def decode_windows(llm, tokens, window: int) -> None:

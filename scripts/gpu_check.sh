@@ -15,8 +15,11 @@
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
 #
-#   bash scripts/gpu_check.sh                     # build + run (about 10 minutes on 16 cores; the acceptance rows come first)
+#   bash scripts/gpu_check.sh                     # build + run (7 minutes on an H200's 16 cores, 3 of them the build)
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
+#   GPU_CHECK_STEPS=share,tier bash scripts/gpu_check.sh   # only these steps (a short lease): trained, share,
+#                                  # tier (the seeds' scenario's time per token: pinned or not, fill cpu), lowbit,
+#                                  # device, exclusive, auto, random
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
 # docs, models and tests), and llama-cpp-python, gguf and diskcache on PYTHONPATH, must be there;
@@ -57,6 +60,17 @@ fi
 export PYTHONPATH="$PREFIX${PYTHONPATH:+:$PYTHONPATH}"
 (cd /tmp && "$PY" -c "import pymoecache, llama_cpp; print('pymoecache from', pymoecache.__file__)") 2>&1 | tee -a "$LOG"
 
+step() { # whether GPU_CHECK_STEPS (a comma-separated list; unset: every step) asks for step $1
+    [ -z "${GPU_CHECK_STEPS:-}" ] || [[ ",$GPU_CHECK_STEPS," == *",$1,"* ]]
+}
+share() { # a titled bench_vram_share run into the log
+    local title=$1; shift
+    say ""
+    say "## $title"
+    say "\`python scripts/bench_vram_share.py $*\`"
+    "$PY" scripts/bench_vram_share.py "$@" 2>&1 | grep -v "^llama_context\|n_ctx_seq\|^ggml_cuda_init\|^  Device 0" | tee -a "$LOG"
+}
+
 bench() { # a titled bench_residency run; its table and ratios into the log
     local title=$1; shift
     say ""
@@ -74,32 +88,37 @@ bench() { # a titled bench_residency run; its table and ratios into the log
 COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routings lru,prior:0.5 --reps $REPS --threads $THREADS --tokens 64 --warmup 8 --keep-going"
 # the acceptance rows first (a run cut short by the time limit keeps them): every expert on the GPU against
 # stock, a quarter of the experts' bytes in VRAM against --n-cpu-moe, low-bit copies on the GPU
-bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
-BENCH_TRAINED=$(ls models/_bench/bench-trained-*.gguf 2>/dev/null | head -1)
-say ""
-say "## every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)"
-say "\`python scripts/bench_vram_share.py --model $BENCH_TRAINED --rpc none --speed --reps 2 --tokens 128 --threads $THREADS\`"
-"$PY" scripts/bench_vram_share.py --model "$BENCH_TRAINED" --rpc none --speed --reps 2 --tokens 128 --threads "$THREADS" 2>&1 \
-    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
-bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
+step trained && bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
+BENCH_TRAINED=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model())" | tail -1)
+step share && share "every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)" \
+    --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+if step tier; then
+    GGML_CUDA_NO_PINNED=1 share "the same, the host slots pageable (GGML_CUDA_NO_PINNED=1: copies up staged by the driver)" \
+        --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+    share "the same, --vram-fill cpu (no copies up once the tier is full)" \
+        --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline --vram-fill cpu
+fi
+step lowbit && bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
     --gpu-layers 99 --stock --no-mmap --cache-sizes 0.25 --routings prior:0.5 --prefetch off,off:m=lowbit-cache \
     --vram-size 8 --vram-fill copy --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
+if step device; then
 say ""
 say "## where a token's time goes, every layer on the GPU (model C widened)"
 say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS\`"
 "$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
-say ""
-say "## exclusive tiers: 1/2 of the experts in RAM, 1/4 in VRAM, and -ngl 99 --cache-size 16 alone (the GPU's free memory takes the rest) against no tier (model C)"
-say "\`python scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 --exclusive --device-fit --warmup 512 --tokens 256 --speed --reps 2 --threads $THREADS\`"
-"$PY" scripts/bench_vram_share.py --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 \
-    --exclusive --device-fit --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+fi
+step exclusive && share "exclusive tiers: 1/2 of the experts in RAM, 1/4 in VRAM, and -ngl 99 --cache-size 16 alone (the GPU's free memory takes the rest) against no tier (model C)" \
+    --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 --exclusive --device-fit \
+    --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" --timeline
+if step auto; then
 say ""
 say "## -ngl auto: what the GPU reports free, and the layers and experts placed for it (model C widened)"
 "$PY" -c "from pymoecache import plan; print('device_free_memory:', plan.device_free_memory())" 2>&1 | tee -a "$LOG"
 "$PY" -m pymoecache info "$BENCH_TRAINED" -c 256 2>&1 | sed -n '/^GPU layers on/,/^$/p' | tee -a "$LOG"  # (its plan, before a load)
 "$PY" -m pymoecache run -m "$BENCH_TRAINED" -p "ROMEO:" -n 16 -ngl auto -v 2>&1 | grep "offloaded\|^plan:\|warning" \
     | tee -a "$LOG"
-bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
+fi
+step random && bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""
 say "done: $LOG"

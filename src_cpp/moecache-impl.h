@@ -344,6 +344,8 @@ struct moecache {
     char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
     size_t        arena_size = 0;
     bool          arena_locked = false;
+    void       (* arena_unpin)(void *) = nullptr; // the VRAM tier's device unregisters the arena with it (pinned)
+    int64_t       arena_pinned = 0;           //   bytes of the arena registered with that device for its DMA
     const struct llama_model * dense_model = nullptr; // lock_dense: the model whose dense part this holds locked
     int64_t       dense_locked = 0;           //   bytes of it mlocked (shared with other moecaches on the model)
     ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)

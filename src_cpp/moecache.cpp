@@ -651,6 +651,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->load_bytes_read   = mc->load_bytes;
     out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
     out->vram_bytes        = moecache_vram_bytes(*mc);
+    out->vram_pinned_bytes = mc->arena_pinned;
     out->lowbit_bytes      = moecache_lowbit_bytes(*mc);
     out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
