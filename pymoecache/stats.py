@@ -216,7 +216,8 @@ class ResidencyStats:
                 + (f" | vram {self.vram_bytes / mib:.0f} MiB: selections from vram {self.vram_hits}, ram "
                    f"{self.vram_from_ram}, file {self.vram_from_file}; {self.vram_copies} copied up "
                    + (f"and {self.vram_ahead} ahead ({self.vram_ahead_used} used) " if self.vram_ahead else "")
-                   + f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms), {self.vram_cpu} on the CPU"
+                   + f"({self.vram_copy_bytes / mib:.1f} MiB, {self.vram_t_copy_ms:.1f} ms"
+                   + (", from pinned memory" if self.vram_pinned_bytes else "") + f"), {self.vram_cpu} on the CPU"
                    + (f"; exclusive, {self.vram_copies_down} moved down" if self.vram_exclusive_layers else "")
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "

@@ -154,6 +154,8 @@ struct moecache_layer_vram {
     std::vector<uint8_t> keep_out;         // [n_expert] scratch: pinned or held here (the host cache's victims)
     std::vector<int32_t> down_e, down_hs;  // the current token's moves down: expert, the host slot it takes
     std::vector<char>    down_bytes;       //   their bytes, read from the device before their slot was reused
+    char *               down_stage = nullptr; // the token's moves down read into moecache's pinned staging
+                                           //   instead (by the copier, before the copies up), or nullptr
 };
 
 // the tokens after a low-bit miss that compute the expert from the companion too: its full copy was
@@ -346,6 +348,9 @@ struct moecache {
     bool          arena_locked = false;
     void       (* arena_unpin)(void *) = nullptr; // the VRAM tier's device unregisters the arena with it (pinned)
     int64_t       arena_pinned = 0;           //   bytes of the arena registered with that device for its DMA
+    struct ggml_backend_buffer * down_stage = nullptr; // exclusive tiers with a copier: pinned host memory
+                                              //   for one token's moves down of a layer (K experts)
+    int32_t       down_stage_layer = -1;      //   the layer whose moves down it holds until they settle, or -1
     const struct llama_model * dense_model = nullptr; // lock_dense: the model whose dense part this holds locked
     int64_t       dense_locked = 0;           //   bytes of it mlocked (shared with other moecaches on the model)
     ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)

@@ -88,12 +88,13 @@ void moecache_vram_plan(moecache & mc, const llama_model * model) {
 
 // The host slots that copies up are sent from, registered with the device as pinned memory where its
 // backend offers that (CUDA: "ggml_backend_register_host_buffer", cudaHostRegister; ggml's own
-// GGML_CUDA_NO_PINNED leaves it off). From pageable memory the driver stages each copy through a
-// bounce buffer while the sending thread waits (0.25 ms for a 1.67 MB expert on an H200, 6.6 GB/s);
-// from pinned memory the copy is the copier stream's DMA. Once per cache; a refusal changes nothing
+// GGML_CUDA_NO_PINNED, or lock_memory off, leaves it off: pinned pages are locked pages). From
+// pageable memory the driver stages each copy through a bounce buffer while the sending thread
+// waits (a 1.67 MB expert: 0.24 ms on an H200); from pinned memory the copy is the copier stream's
+// DMA (0.025 ms). Once per cache; a refusal changes nothing
 static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (mc.arena_unpin || !mc.arena || !reg || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
+    if (mc.arena_unpin || !mc.arena || !reg || !mc.cparams.lock_memory || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
         return;
     }
     typedef bool (*register_fn)(void * buffer, size_t size);
@@ -108,6 +109,22 @@ static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
         mc.arena_unpin  = unpin;
         mc.arena_pinned = (int64_t) mc.arena_size;
     }
+}
+
+// Exclusive tiers with a copier: pinned host memory of the device (its host buffer type; none over RPC)
+// for one layer's moves down of a token, K experts of the largest layer, so that they are read back
+// by the copier beside the copies up rather than one synchronous read per tensor. Where there is none,
+// or a step moves more, they are read synchronously (exclusive_claim)
+static void vram_stage_down(moecache & mc, const moecache_layer & L, ggml_backend_dev_t dev) {
+    ggml_backend_buffer_type_t host = dev && L.vram.exclusive && L.vram.copier ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    const size_t need = (size_t) mc.n_expert_used * moecache_slot_bytes(L);
+    if (!host || (mc.down_stage && ggml_backend_buffer_get_size(mc.down_stage) >= need)) {
+        return;
+    }
+    if (mc.down_stage) {
+        ggml_backend_buffer_free(mc.down_stage);
+    }
+    mc.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
 }
 
 int32_t moecache_vram_init(moecache & mc) {
@@ -157,6 +174,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.fresh.assign(mc.n_expert, 0);
         L.vram.ahead.assign(mc.n_expert, 0);
         L.vram.tok_slot.assign(MOECACHE_MAX_USED, -1);
+        vram_stage_down(mc, L, dev);
     }
     return MOECACHE_OK;
 }
@@ -180,6 +198,11 @@ void moecache_vram_free(moecache & mc) {
     }
     for (ggml_backend_t be : copiers) {
         ggml_backend_free(be);
+    }
+    if (mc.down_stage) {
+        ggml_backend_buffer_free(mc.down_stage);
+        mc.down_stage       = nullptr;
+        mc.down_stage_layer = -1;
     }
     if (mc.arena_unpin) { // (before the arena is unmapped)
         mc.arena_unpin(mc.arena);
@@ -217,6 +240,9 @@ void moecache_vram_forget(moecache_layer & L) {
 // token's copies); the slot's previous expert, if any, moves down into e's host slot hs: its bytes are
 // read back from the device now, before e's copy can overwrite them, and written to hs once e's copy
 // has left it (vram_finish)
+// With a copier and the pinned staging (down_stage), the read back is queued on the copier ahead of the
+// token's copies up (the same stream: done before any of them overwrites the slot), and waited for with
+// them; otherwise it is made now, one synchronous read per expert tensor.
 static void exclusive_claim(moecache_layer & L, int32_t e, int32_t old, int32_t vs, int32_t hs) {
     moecache_layer_vram & V = L.vram;
     V.excl[e] = 1;
@@ -225,12 +251,18 @@ static void exclusive_claim(moecache_layer & L, int32_t e, int32_t old, int32_t 
         return;
     }
     V.excl[old] = 0;
-    const size_t at = V.down_bytes.size();
-    V.down_bytes.resize(at + moecache_slot_bytes(L));
-    size_t off = at;
+    size_t off = V.down_e.size() * moecache_slot_bytes(L);
+    if (!V.down_stage) {
+        V.down_bytes.resize(off + moecache_slot_bytes(L));
+    }
     for (size_t j = 0; j < L.res.xt.size(); j++) {
-        ggml_backend_tensor_get(V.t[j], V.down_bytes.data() + off, (size_t) vs * V.t[j]->nb[2], L.res.xt[j].src_nb2);
-        off += L.res.xt[j].src_nb2;
+        const size_t at = (size_t) vs * V.t[j]->nb[2], len = L.res.xt[j].src_nb2;
+        if (V.down_stage) {
+            ggml_backend_tensor_get_async(V.copier, V.t[j], V.down_stage + off, at, len);
+        } else {
+            ggml_backend_tensor_get(V.t[j], V.down_bytes.data() + off, at, len);
+        }
+        off += len;
     }
     V.down_e.push_back(old);
     V.down_hs.push_back(hs);
@@ -254,11 +286,12 @@ static void exclusive_settle(moecache & mc, moecache_layer & L) {
             L.res.expert_slot[e]  = -1;
         }
     }
+    const char * down = V.down_stage ? V.down_stage : V.down_bytes.data(); // (the copier was waited for)
     size_t off = 0;
     for (size_t i = 0; i < V.down_e.size(); i++) {
         const int32_t v = V.down_e[i], hs = V.down_hs[i];
         for (const moecache_expert_tensor & x : L.res.xt) {
-            memcpy((char *) x.slots_t->data + (size_t) hs * x.slot_nb2, V.down_bytes.data() + off, x.src_nb2);
+            memcpy((char *) x.slots_t->data + (size_t) hs * x.slot_nb2, down + off, x.src_nb2);
             off += x.src_nb2;
         }
         if (L.last_use[v] >= 0 && L.res.slot_expert[hs] < 0) {
@@ -270,6 +303,10 @@ static void exclusive_settle(moecache & mc, moecache_layer & L) {
     V.down_e.clear();
     V.down_hs.clear();
     V.down_bytes.clear();
+    if (V.down_stage) {
+        V.down_stage        = nullptr;
+        mc.down_stage_layer = -1;
+    }
 }
 
 // the device slot a selected expert may take: a free one, else that of the expert the eviction
@@ -529,6 +566,11 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
         V.in_use[ids[i]] = 1;
     }
     V.copy_t0 = moecache_time_us();
+    if (V.exclusive && V.copier && mc.down_stage && mc.down_stage_layer < 0 && V.down_e.empty() &&
+        (size_t) n * moecache_slot_bytes(L) <= ggml_backend_buffer_get_size(mc.down_stage)) {
+        V.down_stage        = (char *) ggml_backend_buffer_get_base(mc.down_stage); // (until this layer's finish)
+        mc.down_stage_layer = L.il;
+    }
     for (int64_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
         const int32_t e = ids[i];
         int32_t vs = V.expert_slot[e];

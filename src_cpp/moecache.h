@@ -483,8 +483,8 @@ struct moecache_residency_stats {
                                   //   tied exactly, which ggml's sort breaks its own way (the cache and the
                                   //   counters follow moecache_route_token's choice)
     int64_t vram_pinned_bytes;    // n_vram: bytes of the host slot arena registered with the tier's device as
-                                  //   pinned memory, so that copies up are its DMA (CUDA; unset
-                                  //   GGML_CUDA_NO_PINNED); 0 = pageable (other devices, or refused)
+                                  //   pinned memory, so that copies up are its DMA (CUDA, with lock_memory and
+                                  //   GGML_CUDA_NO_PINNED unset); 0 = pageable (other devices, or refused)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.

@@ -593,6 +593,7 @@ def test_exclusive_tiers_hold_a_model_larger_than_the_host_cache(fixture_dir, gp
         assert np.allclose(g, r, rtol=RTOL, atol=ATOL), f"max |diff| = {np.abs(g - r).max()}"
     rs = st.residency
     assert rs.vram_exclusive_layers == len(st.moe_layers) and rs.vram_slots == vram
+    assert rs.vram_pinned_bytes == 0  # (RPC registers no host memory: its copies are sent over the socket)
     assert rs.decode_loads == 0 and st.evictions == 0  # (the second pass; its prompt reads the mapping, as
     assert rs.decode_tokens > 0                        # every prompt does where the host cache lacks an expert)
     assert rs.vram_hits > 0 and rs.vram_from_file == 0

@@ -208,6 +208,48 @@ def test_vulkan_in_place_on_low_bit_copies(fixture_dir, tmp_path):
     assert d.max() <= 1e-3 * np.abs(device).max(), f"max |diff| {d.max()}"
 
 
+EXCLUSIVE_SCRIPT = r"""
+import sys
+from pathlib import Path
+sys.path[:0] = [sys.argv[1]]
+import numpy as np
+from pymoecache import CacheConfig
+from test_gpu_layers_rpc import two_passes
+cache = CacheConfig(size=int(sys.argv[3]), residency="stream", prefetch="off", vram_size=int(sys.argv[4]),
+                    vram_fill="copy", vram_exclusive=True)
+got, st, held, _ = two_passes(Path(sys.argv[2]), None, cache)
+rs = st.residency
+np.savez(sys.argv[5], first=got[0], second=got[1], counters=np.array([rs.vram_exclusive_layers, rs.vram_copies,
+         rs.vram_copies_down, rs.decode_loads, st.evictions, len(st.moe_layers)]))
+"""
+
+
+@pytest.mark.parametrize("name, host, vram", [("qwen2moe-60x4", 45, 15), ("mixtral-8x2", 6, 2)])
+def test_vulkan_exclusive_tiers_move_experts_down_through_the_copier(fixture_dir, tmp_path, name, host, vram):
+    """Exclusive tiers on a device that computes asynchronously, with a host buffer type (pinned memory
+    on a GPU): a copy up's victim moves down into the host slot it frees, its bytes read back by the
+    copier into the pinned staging ahead of the copies up that overwrite its device slot, and settled
+    once the copier is waited for (src_cpp/moecache-vram.cpp, exclusive_claim). vram_fill copy makes
+    every miss a swap. The logits of both passes are the CPU run's with every expert resident (an
+    expert moved down with the wrong bytes computes garbage the next time it is used), and the warm
+    pass reads nothing from the file."""
+    from test_gpu_layers_rpc import two_passes
+
+    path = model_path(fixture_dir, name)
+    ref, _, _, _ = two_passes(path, None, pymoecache.CacheConfig(size=1.0, residency="none"), n_gpu_layers=0)
+    env = dict(os.environ, VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    r = subprocess.run([sys.executable, "-c", EXCLUSIVE_SCRIPT, str(ROOT / "tests"), str(path), str(host), str(vram),
+                        str(tmp_path / "out.npz")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    layers, copies, down, loads, evictions, n_moe = got["counters"].tolist()
+    assert layers == n_moe and copies > 0 and down == copies  # (the warm pass: every copy up a swap)
+    assert loads == 0 and evictions == 0
+    for g, want in ((got["first"], ref[0]), (got["second"], ref[1])):
+        d, scale = row_diffs(g, want), np.abs(want).max()
+        assert np.median(d) <= 1e-2 * scale and d.max() <= 0.15 * scale, f"max |diff| {d.max()}, scale {scale}"
+
+
 CLOSE_SCRIPT = r"""
 import sys
 import pymoecache
