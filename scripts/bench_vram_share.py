@@ -265,12 +265,15 @@ def main() -> None:
     def vs(r, b):
         return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
 
+    def share_vs(r):  # (a share so small that --n-cpu-moe puts no layer's experts on the device: none to compare)
+        return f"{r['device_share'] / rows[0]['device_share']:.2f}x" if rows[0]["device_share"] else "-"
+
     for r in rows:
         own = full if full and r.get("full_precision") else base  # (top-k on the same tiers)
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
         reads = f"{r['reads_per_token']:.3f}" if "reads_per_token" in r else "-"
         print(f"| {r['placement']} | {r['routing']} | {r['vram_bytes'] / 2**20:.2f} | {100 * r['device_share']:.1f}% | "
-              f"{r['device_share'] / rows[0]['device_share']:.2f}x | {reads} | {ppl} | "
+              f"{share_vs(r)} | {reads} | {ppl} | "
               f"{vs(r, own)} |"
               + (f" {vs(r, full)} |" if full else "")
               + (f" {r['copies_up_per_token']:.2f} / {r['copies_down_per_token']:.2f} | {r['copy_ms_per_token']:.3f} |"

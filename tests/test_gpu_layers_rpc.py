@@ -6,6 +6,9 @@ the expert matmuls run on this process's CPU. The run must be the CPU run: the s
 same logits within the backend's tolerance, the same counters and the same cache contents."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -689,6 +692,28 @@ def test_a_vram_tier_costs_two_graph_splits_per_moe_layer(fixture_dir, gpu, name
     assert rs.decode_graphs > 0  # (a dense layer adds nothing: it stays on the device)
     assert rs.decode_graph_splits == rs.decode_graphs * (2 + 2 * info.n_moe_layer), (
         rs.decode_graph_splits / rs.decode_graphs)
+
+
+def test_bench_vram_share_splits_a_decoded_token_into_its_layers_on_the_timeline(fixture_dir, tmp_path):
+    """`bench_vram_share.py --timeline`, as a user runs it (over a local RPC server): for each of our rows,
+    each decoded token's routing and residency ops found per MoE layer on the library's timeline (one of
+    each per layer and token, in order), the time between them positive, the parts within the token's
+    period; with vram_fill copy and a tier of 4 of 60, copies up in flight."""
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vram_share.py"), "--model", str(path),
+                        "--tokens", "24", "--vram-fill", "copy", "--share", str(4 / 60), "--timeline",
+                        "--json", str(tmp_path / "rows.json")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "where a decoded token's time goes" in r.stdout
+    ours = [row for row in json.loads((tmp_path / "rows.json").read_text()) if "times" in row]
+    assert len(ours) == 2  # (default and lru)
+    for row in ours:
+        t = row["times"]
+        assert t["n_moe"] == pymoecache.model_info(path).n_moe_layer
+        assert t["routing_us"] > 0 and t["waits_us"] > 0 and t["between_us"] > 0 and t["copy_up_us"] > 0, t
+        assert 0 < t["rest_us"] < t["period_us"], t
+        assert row["copies_up_per_token"] > 0 and row["pinned_bytes"] == 0  # (RPC: nothing registered)
 
 
 TIER_SCRIPT = r"""
