@@ -484,7 +484,9 @@ struct moecache_residency_stats {
                                   //   counters follow moecache_route_token's choice)
     int64_t vram_pinned_bytes;    // n_vram: bytes of the host slot arena registered with the tier's device as
                                   //   pinned memory, so that copies up are its DMA (CUDA, with lock_memory and
-                                  //   GGML_CUDA_NO_PINNED unset); 0 = pageable (other devices, or refused)
+                                  //   GGML_CUDA_NO_PINNED unset; the library sets GGML_CUDA_REGISTER_HOST=1,
+                                  //   which ggml-cuda asks for, where it is unset); 0 = pageable (other
+                                  //   devices, or refused)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
