@@ -37,7 +37,9 @@ PY=${PYTHON:-python3}
 say() { echo "$*" | tee -a "$LOG"; }
 : > "$LOG"
 
-say "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# (the sources' digest too: a copy of the tree sent to a lent machine may carry a stale .git)
+SRC_DIGEST=$(cat src_cpp/*.h src_cpp/*.cpp patches/*.patch pymoecache/*.py 2>/dev/null | sha256sum | cut -c1-12)
+say "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), sources $SRC_DIGEST"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$LOG"
 say "nvcc: $(nvcc --version 2>/dev/null | tail -1); python: $($PY --version 2>&1); cores: $(nproc)"
 
