@@ -928,7 +928,7 @@ class Llama(llama_cpp.Llama):
 
     def _count_decode_faults(self, decoding: bool) -> None:
         """The major page faults of decoded tokens (the pages they had to read back: a dropped dense
-        part): the process's count read before an eval where one is due (_decode_checked), the window
+        part): the process's count read before an eval where a check is due (eval), the window
         since the last reading added where it held decoded tokens only (a prompt's eval closes it before
         it runs; the sampling between tokens is in it)."""
         now = _major_faults()

@@ -91,10 +91,10 @@ void moecache_vram_plan(moecache & mc, const llama_model * model) {
 // GGML_CUDA_NO_PINNED, or lock_memory off, leaves it off: pinned pages are locked pages). From
 // pageable memory the driver stages each copy through a bounce buffer while the sending thread
 // waits (a 1.67 MB expert: 0.24 ms on an H200); from pinned memory the copy is the copier stream's
-// DMA (0.025 ms). Once per cache; a refusal changes nothing
+// DMA (0.025 ms). A refusal changes nothing
 static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (mc.arena_unpin || !mc.arena || !reg || !mc.cparams.lock_memory || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
+    if (!mc.arena || !reg || !mc.cparams.lock_memory || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
         return;
     }
     typedef bool (*register_fn)(void * buffer, size_t size);
@@ -111,20 +111,15 @@ static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
     }
 }
 
-// Exclusive tiers with a copier: pinned host memory of the device (its host buffer type; none over RPC)
-// for one layer's moves down of a token, K experts of the largest layer, so that they are read back
-// by the copier beside the copies up rather than one synchronous read per tensor. Where there is none,
-// or a step moves more, they are read synchronously (exclusive_claim)
-static void vram_stage_down(moecache & mc, const moecache_layer & L, ggml_backend_dev_t dev) {
-    ggml_backend_buffer_type_t host = dev && L.vram.exclusive && L.vram.copier ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    const size_t need = (size_t) mc.n_expert_used * moecache_slot_bytes(L);
-    if (!host || (mc.down_stage && ggml_backend_buffer_get_size(mc.down_stage) >= need)) {
-        return;
+// Exclusive tiers with a copier: `need` bytes of pinned host memory of the device (its host buffer type;
+// none over RPC) for one layer's moves down of a token, so that the copier reads them back beside the
+// copies up rather than one synchronous read per tensor. Where there is none, or a step moves more,
+// they are read synchronously (exclusive_claim)
+static void vram_stage_down(moecache & mc, ggml_backend_dev_t dev, size_t need) {
+    ggml_backend_buffer_type_t host = dev && need > 0 ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (host) {
+        mc.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
     }
-    if (mc.down_stage) {
-        ggml_backend_buffer_free(mc.down_stage);
-    }
-    mc.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
 }
 
 int32_t moecache_vram_init(moecache & mc) {
@@ -157,7 +152,6 @@ int32_t moecache_vram_init(moecache & mc) {
             }
             L.vram.copier = L.vram.copier ? L.vram.copier : ggml_backend_dev_init(dev, nullptr);
         }
-        vram_pin_arena(mc, dev);
         ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
         L.vram.unacked = reg && strcmp(ggml_backend_reg_name(reg), "RPC") == 0; // (a send returns once queued)
         L.vram.exclusive = mc.cparams.vram_exclusive && L.capacity < mc.n_expert; // (a host cache of every expert: inclusive)
@@ -174,8 +168,21 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.fresh.assign(mc.n_expert, 0);
         L.vram.ahead.assign(mc.n_expert, 0);
         L.vram.tok_slot.assign(MOECACHE_MAX_USED, -1);
-        vram_stage_down(mc, L, dev);
     }
+    // once per cache: the arena pinned for the first tier's device, the staging of moves down sized for
+    // the largest exclusive layer with a copier (K experts)
+    ggml_backend_dev_t first = nullptr, staged = nullptr;
+    size_t need = 0;
+    for (const moecache_layer & L : mc.layers) {
+        ggml_backend_dev_t dev = L.vram.n > 0 ? ggml_backend_buft_get_device(L.vram.buft) : nullptr;
+        first = first ? first : dev;
+        if (dev && L.vram.exclusive && L.vram.copier) {
+            staged = dev;
+            need   = std::max(need, (size_t) mc.n_expert_used * moecache_slot_bytes(L));
+        }
+    }
+    vram_pin_arena(mc, first);
+    vram_stage_down(mc, staged, need);
     return MOECACHE_OK;
 }
 
