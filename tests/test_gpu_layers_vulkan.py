@@ -209,37 +209,47 @@ def test_vulkan_in_place_on_low_bit_copies(fixture_dir, tmp_path):
 
 
 EXCLUSIVE_SCRIPT = r"""
-import sys
-from pathlib import Path
-sys.path[:0] = [sys.argv[1]]
+import json, sys
 import numpy as np
+import pymoecache
 from pymoecache import CacheConfig
-from test_gpu_layers_rpc import two_passes
-cache = CacheConfig(size=int(sys.argv[3]), residency="stream", prefetch="off", vram_size=int(sys.argv[4]),
-                    vram_fill="copy", vram_exclusive=True)
-got, st, held, _ = two_passes(Path(sys.argv[2]), None, cache)
+path, host, vram, kw, prompt, tokens, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *map(json.loads, sys.argv[4:7]), sys.argv[7]
+cache = CacheConfig(size=host, residency="stream", prefetch="off", vram_size=vram, vram_fill="copy", vram_exclusive=True)
+llm = pymoecache.Llama(path, cache=cache, routing="lru", n_gpu_layers=99, **kw)
+passes = []
+for _ in range(2):  # (as test_gpu_layers_rpc.two_passes: the second pass's stats, the tiers warm)
+    llm.reset()
+    llm.reset_moe_stats()
+    llm.eval(prompt)
+    for t in tokens:
+        llm.eval([t])
+    passes.append(np.array(llm.scores[: llm.n_tokens]))
+st = llm.moe_stats()
 rs = st.residency
-np.savez(sys.argv[5], first=got[0], second=got[1], counters=np.array([rs.vram_exclusive_layers, rs.vram_copies,
+np.savez(out, first=passes[0], second=passes[1], counters=np.array([rs.vram_exclusive_layers, rs.vram_copies,
          rs.vram_copies_down, rs.decode_loads, st.evictions, len(st.moe_layers)]))
+llm.close()
 """
 
 
 @pytest.mark.parametrize("name, host, vram", [("qwen2moe-60x4", 45, 15), ("mixtral-8x2", 6, 2)])
 def test_vulkan_exclusive_tiers_move_experts_down_through_the_copier(fixture_dir, tmp_path, name, host, vram):
-    """Exclusive tiers on a device that computes asynchronously, with a host buffer type (pinned memory
+    """The installed package in a fresh process: exclusive tiers on a device that computes asynchronously, with a host buffer type (pinned memory
     on a GPU): a copy up's victim moves down into the host slot it frees, its bytes read back by the
     copier into the pinned staging ahead of the copies up that overwrite its device slot, and settled
     once the copier is waited for (src_cpp/moecache-vram.cpp, exclusive_claim). vram_fill copy makes
     every miss a swap. The logits of both passes are the CPU run's with every expert resident (an
     expert moved down with the wrong bytes computes garbage the next time it is used), and the warm
     pass reads nothing from the file."""
-    from test_gpu_layers_rpc import two_passes
+    from test_gpu_layers_rpc import KW, two_passes
+    from test_rpc_as_installed import installed_env
 
     path = model_path(fixture_dir, name)
     ref, _, _, _ = two_passes(path, None, pymoecache.CacheConfig(size=1.0, residency="none"), n_gpu_layers=0)
-    env = dict(os.environ, VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
-    r = subprocess.run([sys.executable, "-c", EXCLUSIVE_SCRIPT, str(ROOT / "tests"), str(path), str(host), str(vram),
-                        str(tmp_path / "out.npz")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    r = subprocess.run([sys.executable, "-c", EXCLUSIVE_SCRIPT, str(path), str(host), str(vram), json.dumps(KW),
+                        json.dumps(PROMPT), json.dumps(DECODES + list(range(2000, 2040))), str(tmp_path / "out.npz")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # (the installed package)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
     layers, copies, down, loads, evictions, n_moe = got["counters"].tolist()
