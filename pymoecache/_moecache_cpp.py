@@ -157,6 +157,7 @@ class moecache_residency_stats(ctypes.Structure):
         ("device_routed", c_int64),
         ("device_route_differs", c_int64),
         ("vram_pinned_bytes", c_int64),
+        ("device_steps", c_int64),
     ]
 
 

@@ -384,7 +384,7 @@ class MoECache:
                               lowbit_loads=rs.lowbit_loads, lowbit_bytes_read=rs.lowbit_bytes_read,
                               lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"),
                               decode_graphs=rs.decode_graphs, decode_graph_splits=rs.decode_graph_splits,
-                              device_reads=rs.device_reads, decode_steps=rs.decode_steps,
+                              device_reads=rs.device_reads, decode_steps=rs.decode_steps, device_steps=rs.device_steps,
                               device_routed=rs.device_routed, device_route_differs=rs.device_route_differs)
 
     def timeline_start(self, capacity: int = 262_144) -> None:

@@ -82,12 +82,14 @@ class ResidencyStats:
     lowbit_behind: int = 0           #   full copies read behind those tokens
     miss: str = "full"               # CacheConfig.miss that runs; "lowbit-cache": the slots hold low-bit copies
     # the device path: decoded tokens' graphs, their graph splits (each a copy between backends and a
-    # wait), and the reads of device memory our hooks made after them (where the cache only counts, one
-    # per device each 32 tokens under top-k routing, each token under the prior, instead of a CPU split
-    # per MoE layer); layer-tokens the prior routed on the device, and of those where our reference
-    # routing chose otherwise (exact ties of boosted scores, broken by ggml's sort)
+    # wait), the decode steps routed on their device and counted after the graph, and the reads of device
+    # memory our hooks made after them (where the cache only counts: one per device and step, queued
+    # behind the graph, instead of a CPU split per MoE layer; none on the CPU); layer-tokens the prior
+    # routed on the device, and of those where our reference routing chose otherwise (exact ties of
+    # boosted scores, broken by ggml's sort)
     decode_graphs: int = 0
     decode_graph_splits: int = 0
+    device_steps: int = 0
     device_reads: int = 0
     device_routed: int = 0
     device_route_differs: int = 0
@@ -176,7 +178,8 @@ class ResidencyStats:
                 "vram_copies_down": self.vram_copies_down, "vram_exclusive_layers": self.vram_exclusive_layers, "lowbit_bytes": self.lowbit_bytes,
                 "lowbit_loads": self.lowbit_loads, "lowbit_bytes_read": self.lowbit_bytes_read,
                 "lowbit_behind": self.lowbit_behind, "miss": self.miss,
-                "graph_splits_per_token": self.splits_per_token, "device_reads_per_token": self.device_reads_per_token,
+                "graph_splits_per_token": self.splits_per_token, "device_steps": self.device_steps,
+                "device_reads_per_token": self.device_reads_per_token,
                 "device_routed": self.device_routed, "device_route_differs": self.device_route_differs,
                 "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps}
 

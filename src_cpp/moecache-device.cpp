@@ -6,24 +6,26 @@
 // goes back (two splits and a synchronization per layer). Here a decoded token's graph keeps the
 // selection on the device: llama.cpp's own top-k, or the prior as ggml ops on the router's outputs
 // (device_prior_select: the boosts of the cache and Delta before the token, uploaded once per token
-// before it computes). Per MoE layer it copies what the counting reads into a ring of rows in one
-// persistent buffer on that layer's device, one row per token (ggml_set_rows at the rows `pos` names;
-// a decode step of several sequences under top-k: one row per sequence):
+// before it computes). What the counting reads is computed straight into one persistent buffer per
+// device, the staging: llama.cpp's router logits and its argsort write there (their memory is placed
+// in it when the graph is built, so no copy runs), and the counting's own softmax (sigmoid, ...) of
+// the logits, so that llama.cpp's routing ops keep no use outside themselves and a GPU backend fuses
+// them into its one top-k MoE kernel as it does without us (ggml-cuda and ggml-vulkan do so only
+// where the gating's output has no other use, and the ops are next to each other in the graph: ours
+// go in after them). A decoded step of T tokens (one, or one per sequence of a batch under top-k):
 //
-//     ring [MOECACHE_DEVICE_RING rows] of
-//          [ per layer: stock ids K | ids run K (the prior's) | pad | z N | p N | s N (absent where s is p) ]
+//     staging, per layer on the device, each field aligned to the device's alignment:
+//          [ ids I32 [N, T] (llama.cpp's argsort: its top K first) | z [N, T] | p [N, T] |
+//            s [N, T] (where s is not p) | ids run I32 [K, T] (the prior's) ]
 //
-// After each graph the next step's row numbers are written to `pos` behind it (asynchronously, in the
-// device's order); when the ring has no room for another step (the prior: after each token, whose counting its next boosts
-// need), one read per device is queued behind the graph, and its tokens are counted when it has
-// arrived (at the next ubatch). Before the cache is next looked at or changed (every API entry calls
-// moecache_device_flush), and before a graph is built, the rows not yet read are read at once. So no
-// wait is added to a decode, and under top-k a device is read once per MOECACHE_DEVICE_RING tokens
-// instead of once per token (over RPC, a round trip each). Each layer of each token is counted by
-// moecache_route_token, in token order, exactly as op_select counts it (same inputs, same code: the
-// hits, misses, evictions, Delta and trace of the CPU op), and the prior's choice is checked against
-// it. A graph with any other routing policy, reads ahead, router recording or a prompt of several
-// tokens keeps the CPU op.
+// After each graph one read per device is queued behind it (asynchronously; on the CPU the staging is
+// host memory and nothing is read), and the step is counted when it has arrived: at the next ubatch,
+// before the cache is next looked at or changed (every API entry calls moecache_device_flush), or
+// before a graph is built. So no wait is added to a decode and no op per layer beside the gating's
+// copy. Each layer of each token is counted by moecache_route_token, in token order, exactly as
+// op_select counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU
+// op), and the prior's choice is checked against it. A graph with any other routing policy, reads
+// ahead, router recording or a prompt of several tokens keeps the CPU op.
 
 #include "moecache-impl.h"
 #include "moecache-hook.h"
@@ -36,12 +38,22 @@
 #include <algorithm>
 #include <cstring>
 
-// a layer's block in elements (4 bytes each), padded so every block starts 64-byte aligned: the stock
-// top-K ids, the ids that ran (the prior's; top-k: the same, not copied), z, p, s
-static int64_t device_block(const moecache & mc, int64_t * z_off) {
-    const int64_t k_pad = (2 * mc.n_expert_used + 15) / 16 * 16;
-    *z_off = k_pad;
-    return (k_pad + 3 * (int64_t) mc.n_expert + 15) / 16 * 16;
+// a layer's fields in its device's staging for a step of T tokens, in bytes from the layer's start
+struct device_fields {
+    size_t ids, z, p, s, ran; // see the top of this file
+    size_t size;              // the layer's share of the staging
+};
+
+static device_fields device_layout(const moecache & mc, int64_t T, size_t align) {
+    const size_t row = GGML_PAD((size_t) mc.n_expert * T * sizeof(float), align);
+    device_fields f;
+    f.ids  = 0;
+    f.z    = row;
+    f.p    = 2 * row;
+    f.s    = 3 * row;
+    f.ran  = 4 * row;
+    f.size = 4 * row + GGML_PAD((size_t) mc.n_expert_used * T * sizeof(int32_t), align);
+    return f;
 }
 
 // the device a layer's router runs on: the one its router weight lives on
@@ -64,8 +76,6 @@ static bool device_alloc(moecache & mc) {
         return d.ready;
     }
     d.failed = true; // until it succeeds below
-    int64_t z_off = 0;
-    const int64_t block = device_block(mc, &z_off);
     d.layer_group.assign(mc.n_layer, -1);
     d.layer_slot.assign(mc.n_layer, -1);
     std::vector<int32_t> n_in;
@@ -82,10 +92,6 @@ static bool device_alloc(moecache & mc) {
         d.layer_group[il] = g;
         d.layer_slot[il]  = n_in[g]++;
     }
-    d.row_index.resize(MOECACHE_DEVICE_RING);
-    for (int64_t r = 0; r < MOECACHE_DEVICE_RING; r++) {
-        d.row_index[r] = r;
-    }
     ggml_init_params ip = { ggml_tensor_overhead() * (3 * d.devs.size() + 1), nullptr, true };
     d.ctx = ggml_init(ip);
     if (!d.ctx) {
@@ -93,37 +99,37 @@ static bool device_alloc(moecache & mc) {
     }
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
-        ggml_tensor * ring = ggml_new_tensor_2d(d.ctx, GGML_TYPE_F32, block * n_in[g], MOECACHE_DEVICE_RING);
-        ggml_tensor * pos  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I64, MOECACHE_DEVICE_RING);
-        ggml_tensor * bias = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ((int64_t) mc.n_expert + mc.n_expert_used) * n_in[g]);
         const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
-        const size_t ring_size = GGML_PAD(ggml_nbytes(ring), align);
-        const size_t pos_size  = GGML_PAD(ggml_nbytes(pos), align);
-        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, ring_size + pos_size + ggml_nbytes(bias))
-                                         : nullptr;
+        const size_t stage_size = (size_t) n_in[g] * device_layout(mc, MOECACHE_DEVICE_MAX_STEP, align).size;
+        // (the staging as one tensor of each type, for the reads and the copies; the fields are placed by offset)
+        ggml_tensor * stage     = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, (int64_t) (stage_size / sizeof(int32_t)));
+        ggml_tensor * stage_f32 = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ggml_nelements(stage));
+        ggml_tensor * bias  = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ((int64_t) mc.n_expert + mc.n_expert_used) * n_in[g]);
+        ggml_backend_buffer_t buf = buft ? ggml_backend_buft_alloc_buffer(buft, stage_size + ggml_nbytes(bias)) : nullptr;
         if (!buf) {
             return false;
         }
         d.bufs.push_back(buf);
-        d.ring.push_back(ring);
-        d.pos.push_back(pos);
+        d.align.push_back(align);
+        d.stage.push_back(stage);
+        d.stage_f32.push_back(stage_f32);
         d.bias.push_back(bias);
         d.bias_host.emplace_back(ggml_nelements(bias), 0.0f);
-        // pinned host memory where the device has it: a read into pageable memory would wait for the graph
-        ggml_backend_buffer_type_t hbt = ggml_backend_dev_host_buffer_type(d.devs[g]);
-        ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, ggml_nbytes(ring)) : nullptr;
-        d.host_bufs.push_back(hbuf);
-        d.host_vec.emplace_back(hbuf ? 0 : ggml_nbytes(ring));
-        d.host.push_back(hbuf ? (char *) ggml_backend_buffer_get_base(hbuf) : d.host_vec.back().data());
         char * base = (char *) ggml_backend_buffer_get_base(buf);
-        if (ggml_backend_tensor_alloc(buf, ring, base) != GGML_STATUS_SUCCESS ||
-            ggml_backend_tensor_alloc(buf, pos, base + ring_size) != GGML_STATUS_SUCCESS ||
-            ggml_backend_tensor_alloc(buf, bias, base + ring_size + pos_size) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_tensor_alloc(buf, stage, base) != GGML_STATUS_SUCCESS ||
+            ggml_backend_tensor_alloc(buf, stage_f32, base) != GGML_STATUS_SUCCESS ||
+            ggml_backend_tensor_alloc(buf, bias, base + stage_size) != GGML_STATUS_SUCCESS) {
             return false;
         }
-        ggml_backend_tensor_set(pos, d.row_index.data(), 0, ggml_nbytes(pos));
+        // where the counting reads the staging: in place where it is host memory (the CPU); else pinned host
+        // memory where the device has it (an asynchronous read lands there directly), else plain memory
+        ggml_backend_buffer_type_t hbt = ggml_backend_buffer_is_host(buf) ? nullptr : ggml_backend_dev_host_buffer_type(d.devs[g]);
+        ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, stage_size) : nullptr;
+        d.host_bufs.push_back(hbuf);
+        d.host_vec.emplace_back(hbuf || ggml_backend_buffer_is_host(buf) ? 0 : stage_size);
+        d.host.push_back(ggml_backend_buffer_is_host(buf) ? base
+                         : hbuf ? (char *) ggml_backend_buffer_get_base(hbuf) : d.host_vec.back().data());
     }
-    d.n_ring = 0;
     d.n_read = 0;
     d.ready  = true;
     d.failed = false;
@@ -154,8 +160,9 @@ void moecache_device_free(moecache & mc) {
     }
     d.events.clear();
     d.bufs.clear();
-    d.ring.clear();
-    d.pos.clear();
+    d.align.clear();
+    d.stage.clear();
+    d.stage_f32.clear();
     d.bias.clear();
     d.bias_host.clear();
     d.ctx   = nullptr;
@@ -170,6 +177,7 @@ void moecache_device_graph_begin(moecache & mc) {
     mc.dev.deferred.assign(mc.n_layer, 0);
     mc.dev.s_is_p.assign(mc.n_layer, 0);
     mc.dev.prior.assign(mc.n_layer, 0);
+    mc.dev.pending.clear();
 }
 
 // the routing a decoded token's layer can take on its device: top-k (any device), or the prior on the
@@ -183,7 +191,7 @@ static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
     *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f && !rp.prior_on_probs;
     return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
            mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && mc.model != nullptr &&
-           n_tokens >= 1 && n_tokens <= MOECACHE_DEVICE_RING && mc.build_n_ubatch == n_tokens &&
+           n_tokens >= 1 && n_tokens <= MOECACHE_DEVICE_MAX_STEP && mc.build_n_ubatch == n_tokens &&
            (n_tokens == 1 || (mc.build_decode && !*prior));
 }
 
@@ -265,6 +273,63 @@ static ggml_tensor * device_prior_select(moecache & mc, ggml_context * ctx, int 
     return out;
 }
 
+// t, one of the router's outputs, computed again from the logits by the same ops (llama.cpp's gating:
+// softmax, sigmoid, softplus and sqrt, a bias added), `from` replaced by `to` on the way; nullptr where
+// the chain is another. The counting reads these copies, so that llama.cpp's routing ops are used by
+// nothing outside them and a device can fuse them into one kernel as it does without us (ggml-cuda's
+// and ggml-vulkan's top-k MoE kernels take softmax -> argsort -> get_rows only where the softmax has
+// no other use). The same op on the same input and device: the same values as the outputs it copies.
+static ggml_tensor * device_regate(ggml_context * ctx, ggml_tensor * t, ggml_tensor * logits, ggml_tensor * from,
+                                   ggml_tensor * to, int depth) {
+    if (t == logits) {
+        return logits;
+    }
+    if (t == from) {
+        return to;
+    }
+    const bool gating = t->op == GGML_OP_SOFT_MAX || t->op == GGML_OP_UNARY || t->op == GGML_OP_SQRT ||
+                        t->op == GGML_OP_ADD;
+    if (depth >= 4 || !gating || t->view_src || !ggml_is_contiguous(t) || !t->src[0]) {
+        return nullptr;
+    }
+    for (int j = 1; j < GGML_MAX_SRC; j++) {
+        if (t->src[j] && t->src[j]->op != GGML_OP_NONE) { // (a mask, sinks or a bias: weights only)
+            return nullptr;
+        }
+    }
+    ggml_tensor * src = device_regate(ctx, t->src[0], logits, from, to, depth + 1);
+    if (!src || !ggml_are_same_shape(src, t->src[0])) {
+        return nullptr;
+    }
+    ggml_tensor * c = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+    c->op = t->op;
+    memcpy(c->op_params, t->op_params, sizeof(t->op_params));
+    c->src[0] = src;
+    for (int j = 1; j < GGML_MAX_SRC; j++) {
+        c->src[j] = t->src[j];
+    }
+    return c;
+}
+
+// t's output can go to a field of `bytes` in its device's staging: an op of its own that nothing has
+// placed yet, which the device computes
+static bool device_placeable(const moecache_device & d, int32_t g, const ggml_tensor * t, size_t bytes) {
+    return t->op != GGML_OP_NONE && !t->view_src && !t->data && !t->buffer && ggml_is_contiguous(t) &&
+           ggml_nbytes(t) <= bytes && ggml_backend_dev_supports_op(d.devs[g], t);
+}
+
+// a copy of src into the field at `off`, where src cannot go there itself: an op for the graph, or nullptr
+// where the device has no such copy
+static ggml_tensor * device_copy(moecache_device & d, ggml_context * ctx, int32_t g, ggml_tensor * src, size_t off) {
+    ggml_tensor * base = src->type == GGML_TYPE_I32 ? d.stage[g] : d.stage_f32[g];
+    if (src->type != base->type) {
+        return nullptr;
+    }
+    ggml_tensor * dst = ggml_view_1d(ctx, base, ggml_nelements(src), off);
+    ggml_tensor * c = ggml_cpy(ctx, src, ggml_reshape(ctx, dst, src));
+    return ggml_backend_dev_supports_op(d.devs[g], c) ? c : nullptr;
+}
+
 ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
                                     ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
     bool prior = false;
@@ -276,48 +341,72 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     moecache_device & d = mc.dev;
     const int32_t g = d.layer_group[il];
     ggml_backend_dev_t dev = d.devs[g];
-    if (prior && (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU ||
-                  (mc.layers[il].graph.rank_on_logits && selection != probs))) {
+    const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    if (prior && (on_cpu || (mc.layers[il].graph.rank_on_logits && selection != probs))) {
         return nullptr; // (the CPU: its op; a softmax router whose s is not p: masked experts, which u does not show)
+    }
+    // llama.cpp's top-k: the view of an argsort of [N, T], whose output goes to the staging
+    ggml_tensor * sorted = selected->src[0];
+    if (selected->op != GGML_OP_VIEW || selected->view_offs != 0 || !sorted || sorted->op != GGML_OP_ARGSORT ||
+        sorted->type != GGML_TYPE_I32) {
+        return nullptr;
     }
     ggml_tensor * ran = prior ? device_prior_select(mc, ctx, il, selected, logits, selection) : selected;
     if (!ran) {
         return nullptr;
     }
-    const int64_t N = mc.n_expert;
-    const int64_t K = mc.n_expert_used;
     const int64_t T = selected->ne[1]; // tokens: 1, or one per sequence of a batch
     const bool s_is_p = selection == probs;
-    int64_t z_off = 0;
-    const size_t at = (size_t) d.layer_slot[il] * device_block(mc, &z_off) * sizeof(float);
-    ggml_tensor * ring = d.ring[g];
-    ggml_tensor * rows = ggml_view_1d(ctx, d.pos[g], T, 0);
-    auto row_of = [&](ggml_tensor * src, int64_t n, int64_t off) { // src [n, T] into the step's rows of the ring
-        ggml_tensor * dst = ggml_view_2d(ctx, ring, n, MOECACHE_DEVICE_RING, ring->nb[1], at + off * sizeof(float));
-        return ggml_set_rows(ctx, dst, ggml_reshape_2d(ctx, src, n, T), rows);
+    const device_fields f = device_layout(mc, T, d.align[g]);
+    const size_t at = (size_t) d.layer_slot[il] * f.size;
+    // p and s: the counting's own copy of the gating ops, so that llama.cpp's are used by nothing outside
+    // them; on the CPU (which fuses none of them) and under the prior (which uses them) llama.cpp's
+    ggml_tensor * p_out = on_cpu || prior ? probs : device_regate(ctx, probs, logits, nullptr, nullptr, 0);
+    ggml_tensor * s_out = s_is_p ? nullptr
+                        : on_cpu || prior || !p_out ? selection : device_regate(ctx, selection, logits, probs, p_out, 0);
+    p_out = p_out ? p_out : probs;
+    s_out = s_is_p || s_out ? s_out : selection;
+    // each into its field: the op's output placed there where it can be, else a copy (an op more)
+    struct field { ggml_tensor * t; size_t off; size_t bytes; };
+    field fields[5] = {
+        { sorted,                             at + f.ids, f.z - f.ids },
+        { logits,                             at + f.z,   f.p - f.z   },
+        { p_out,                              at + f.p,   f.s - f.p   },
+        { s_out,                              at + f.s,   f.ran - f.s },
+        { prior ? ran->src[0] : nullptr,      at + f.ran, f.size - f.ran }, // (ran: a reshape of the get_rows)
     };
-    ggml_tensor * ids = ggml_cast(ctx, selected, GGML_TYPE_F32); // [K, T] (expert ids are exact as floats)
-    ggml_tensor * ids_ran = prior ? ggml_cast(ctx, ran, GGML_TYPE_F32) : nullptr;
-    ggml_tensor * set[5] = {
-        row_of(ids,    K, 0),
-        prior ? row_of(ids_ran, K, K) : nullptr,
-        row_of(logits, N, z_off),
-        row_of(probs,  N, z_off + N),
-        s_is_p ? nullptr : row_of(selection, N, z_off + 2 * N),
-    };
-    if (!ggml_backend_dev_supports_op(dev, ids)) {
-        return nullptr; // (left out of the graph: the CPU op routes this layer)
-    }
-    for (ggml_tensor * c : set) {
-        if (c && !ggml_backend_dev_supports_op(dev, c)) {
-            return nullptr;
+    std::vector<ggml_tensor *> copies;
+    bool placeable[5] = {};
+    for (int i = 0; i < 5; i++) {
+        ggml_tensor * t = fields[i].t;
+        if (!t) {
+            continue;
+        }
+        placeable[i] = device_placeable(d, g, t, fields[i].bytes);
+        if (!placeable[i]) {
+            ggml_tensor * c = i > 0 && ggml_nbytes(t) <= fields[i].bytes ? device_copy(d, ctx, g, t, fields[i].off)
+                                                                          : nullptr;
+            if (!c) {
+                return nullptr; // (the CPU op routes this layer; none of the above is in the graph)
+            }
+            copies.push_back(c);
         }
     }
-    for (ggml_tensor * c : set) {
-        if (c) {
-            ggml_format_name(c, "moecache_counted-%d", il);
-            ggml_build_forward_expand(gf, c);
+    for (int i = 0; i < 5; i++) {
+        if (placeable[i] && ggml_backend_tensor_alloc(d.bufs[g], fields[i].t, (char *) d.stage[g]->data + fields[i].off) !=
+                            GGML_STATUS_SUCCESS) {
+            return nullptr; // (not reached: a buffer of ggml's init_tensor fails only for quantized tensors)
         }
+    }
+    for (ggml_tensor * t : { p_out, s_out }) {
+        if (t && t != probs && t != selection && t != logits) {
+            ggml_format_name(t, "moecache_counted-%d", il);
+            d.pending.push_back(t); // (into the graph after llama.cpp's routing ops: moecache_device_expand)
+        }
+    }
+    for (ggml_tensor * c : copies) {
+        ggml_format_name(c, "moecache_counted-%d", il);
+        d.pending.push_back(c);
     }
     d.deferred[il] = 1;
     d.s_is_p[il]   = s_is_p;
@@ -326,6 +415,8 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     d.n_prior     += prior;
     d.step_n       = (int32_t) T;
     if (prior) { // (this token's boosts: the cache is counted up to the token before, graph_begin flushed)
+        const int64_t N = mc.n_expert;
+        const int64_t K = mc.n_expert_used;
         std::lock_guard<std::mutex> lock(d.mutex);
         device_prior_boosts(mc, il);
         const size_t bytes = (size_t) (N + K) * sizeof(float);
@@ -333,6 +424,14 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
                                 (size_t) d.layer_slot[il] * bytes, bytes);
     }
     return ran;
+}
+
+void moecache_device_expand(moecache & mc, ggml_cgraph * gf) {
+    moecache_device & d = mc.dev;
+    for (ggml_tensor * c : d.pending) {
+        ggml_build_forward_expand(gf, c);
+    }
+    d.pending.clear();
 }
 
 // the backend of the scheduler that runs `dev`
@@ -347,112 +446,88 @@ static ggml_backend_t sched_backend(ggml_backend_sched_t sched, ggml_backend_dev
     return nullptr;
 }
 
-// Counts the first n tokens of the rings as read to the host, step by step in order (a step: step_n
-// tokens, one per sequence), each deferred layer in layer order and within it the step's tokens in
-// order, as the graph runs the CPU op, with the routing of the tokens (the graph's deferred layers are
-// still theirs: moecache_device_graph_begin flushes before it changes them); the last step's hits and
-// misses per row, as op_select keeps them
-static void device_count(moecache & mc, int32_t n) {
+// Counts the step the staging holds (read to the host), each deferred layer in layer order and within
+// it the step's tokens in order, as the graph runs the CPU op, with the routing of the tokens (the
+// graph's deferred layers are still theirs: moecache_device_graph_begin flushes before it changes
+// them); the step's hits and misses added to each row's, as op_select keeps them
+static void device_count(moecache & mc) {
     moecache_device & d = mc.dev;
     const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
     const int64_t t0 = moecache_time_us();
-    int64_t z_off = 0;
-    const int64_t block = device_block(mc, &z_off);
     const int64_t N = mc.n_expert;
     const int64_t K = mc.n_expert_used;
     const int32_t T = std::max(1, d.step_n);
-    int32_t ids[MOECACHE_MAX_USED];
-    int32_t ran[MOECACHE_MAX_USED];
     int32_t sel[MOECACHE_MAX_USED];
     int8_t  hit[MOECACHE_MAX_USED];
-    for (int32_t t0_step = 0; t0_step + T <= n; t0_step += T) {
-        if ((int32_t) mc.step_hits.size() != T) {
-            mc.step_hits.assign(T, 0);
-            mc.step_misses.assign(T, 0);
+    if ((int32_t) mc.step_hits.size() != T) { // (summed per row until moecache_get_step_rows reads them)
+        mc.step_hits.assign(T, 0);
+        mc.step_misses.assign(T, 0);
+    }
+    for (int il = 0; il < mc.n_layer; il++) {
+        if (!d.deferred[il]) {
+            continue;
         }
-        for (int il = 0; il < mc.n_layer; il++) {
-            if (!d.deferred[il]) {
-                continue;
+        moecache_layer & L = mc.layers[il];
+        const int32_t g = d.layer_group[il];
+        const device_fields f = device_layout(mc, T, d.align[g]);
+        const char * at = d.host[g] + (size_t) d.layer_slot[il] * f.size;
+        const int64_t t1 = moecache_time_us();
+        for (int32_t t = 0; t < T; t++) {
+            const int32_t * ids = (const int32_t *) (at + f.ids) + t * N; // (the argsort's row: its top K first)
+            const int32_t * ran = (const int32_t *) (at + f.ran) + t * K;
+            const float   * z   = (const float *) (at + f.z) + t * N;
+            const float   * p   = (const float *) (at + f.p) + t * N;
+            const float   * s   = d.s_is_p[il] ? p : (const float *) (at + f.s) + t * N;
+            const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+            if (d.prior[il]) {
+                mc.rst.device_routed += 1;
+                // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
+                mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
             }
-            moecache_layer & L = mc.layers[il];
-            const int32_t g = d.layer_group[il];
-            const int64_t t1 = moecache_time_us();
-            for (int32_t t = 0; t < T; t++) {
-                const float * at = (const float *) (d.host[g] + (size_t) (t0_step + t) * d.ring[g]->nb[1]) +
-                                   d.layer_slot[il] * block;
-                for (int64_t k = 0; k < K; k++) {
-                    ids[k] = (int32_t) at[k];
-                    ran[k] = (int32_t) at[K + k];
-                }
-                const float * z = at + z_off;
-                const float * p = z + N;
-                const float * s = d.s_is_p[il] ? p : p + N;
-                const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
-                if (d.prior[il]) {
-                    mc.rst.device_routed += 1;
-                    // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
-                    mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
-                }
-                for (int32_t i = 0; i < n_sel; i++) {
-                    mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
-                    mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
-                }
+            for (int32_t i = 0; i < n_sel; i++) {
+                mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
+                mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
             }
-            L.decode_tokens += T;
-            L.decode_steps  += 1;
-            if (timeline) {
-                moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, T, t1, t1, moecache_time_us());
-            }
+        }
+        L.decode_tokens += T;
+        L.decode_steps  += 1;
+        if (timeline) {
+            moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, T, t1, t1, moecache_time_us());
         }
     }
+    mc.rst.device_steps  += 1;
     mc.t_route_decode_us += moecache_time_us() - t0;
 }
 
-// the read queued when the rings were full, counted once it has arrived (waiting for it alone where the
-// device has events); caller holds d.mutex
+// the step the last graph left in the staging, counted once its read has arrived (waiting for it alone
+// where the device has events); caller holds d.mutex
 static void device_count_read(moecache & mc) {
     moecache_device & d = mc.dev;
     if (d.n_read == 0) {
         return;
     }
     for (size_t g = 0; g < d.devs.size(); g++) {
-        if (d.events[g]) {
+        if (g < d.events.size() && d.events[g]) {
             ggml_backend_event_synchronize(d.events[g]);
-        } else if (d.read_backends[g]) {
+        } else if (g < d.read_backends.size() && d.read_backends[g]) {
             ggml_backend_synchronize(d.read_backends[g]);
         }
     }
-    const int32_t n = d.n_read;
     d.n_read = 0;
-    device_count(mc, n);
+    device_count(mc);
 }
 
 void moecache_device_flush(moecache & mc) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
     device_count_read(mc);
-    if (d.n_ring == 0) {
-        return;
-    }
-    // the rows not yet read: read now, once their graphs are done, and the ring starts again
-    for (size_t g = 0; g < d.devs.size(); g++) {
-        if (d.read_backends[g]) {
-            ggml_backend_synchronize(d.read_backends[g]);
-        }
-        ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
-        ggml_backend_tensor_set(d.pos[g], d.row_index.data(), 0, ggml_nbytes(d.pos[g]));
-        mc.rst.device_reads += 1;
-    }
-    const int32_t n = d.n_ring;
-    d.n_ring = 0;
-    device_count(mc, n);
 }
 
 void moecache_device_ubatch_begin(moecache & mc) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
-    device_count_read(mc); // (under the prior: the token before, whose graph is done when its logits were read)
-    if (d.n_prior > 0 && d.n_ring == 0) {
+    device_count_read(mc); // (the token before, whose graph is done when its logits were read)
+    if (d.n_prior > 0) {
         device_prior_upload(mc);
     }
 }
@@ -460,7 +535,7 @@ void moecache_device_ubatch_begin(moecache & mc) {
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
-    device_count_read(mc); // the read before: it arrived while this token's graph was queued
+    device_count_read(mc); // (a step not counted yet: none, each ubatch counts the one before first)
     if (d.n_deferred == 0 || !sched) {
         return;
     }
@@ -468,42 +543,33 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
     d.read_backends.assign(d.devs.size(), nullptr);
     d.read_rp = mc.rparams; // (the layers are the graph's: a graph is built only after a flush)
     const int32_t T = d.step_n;
-    d.n_ring += T;
-    // full: no room for the next step; the prior's next boosts need this token counted first: read at once
-    const bool full = d.n_prior > 0 || d.n_ring + T > MOECACHE_DEVICE_RING;
-    const int64_t * next = &d.row_index[full ? 0 : d.n_ring]; // (row_index outlives the copies)
     for (size_t g = 0; g < d.devs.size(); g++) {
+        if (ggml_backend_buffer_is_host(d.bufs[g])) {
+            d.read_backends[g] = sched_backend(sched, d.devs[g]); // (counted in place, once the graph is done)
+            continue;
+        }
+        // the step's fields of every layer: one read, queued behind the graph; no wait here: the step is counted
+        // at the next ubatch or when the cache is next looked at, by when the application's own wait for the
+        // logits has brought it in. An event where the copy lands in the device's pinned memory, or where the
+        // device has none (RPC: its client writes the answer in place); a device that copies into pageable
+        // memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device has no events
+        const size_t bytes = (size_t) std::count(d.layer_group.begin(), d.layer_group.end(), (int32_t) g) *
+                             device_layout(mc, T, d.align[g]).size;
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
         if (!b) { // (no backend of the scheduler runs the device: the graph has run, read it plainly)
-            if (full) {
-                ggml_backend_tensor_get(d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
-                mc.rst.device_reads += 1;
-            }
-            ggml_backend_tensor_set(d.pos[g], next, 0, (size_t) T * sizeof(int64_t));
+            ggml_backend_tensor_get(d.stage[g], d.host[g], 0, bytes);
+            mc.rst.device_reads += 1;
             continue;
         }
-        if (full) {
-            // one read of the ring's rows, queued behind the graph; no wait here: its tokens are counted at the
-            // next ubatch or when the cache is next looked at, by when the application's own wait for the
-            // logits has brought it in. An event where the copy lands in the device's pinned memory, or where
-            // the device has none (RPC: its client writes the answer in place); a device that copies into
-            // pageable memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device
-            // has no events: the CPU
-            if (!d.events[g] && (d.host_bufs[g] || !ggml_backend_dev_host_buffer_type(d.devs[g]))) {
-                d.events[g] = ggml_backend_event_new(d.devs[g]);
-            }
-            ggml_backend_tensor_get_async(b, d.ring[g], d.host[g], 0, (size_t) d.n_ring * d.ring[g]->nb[1]);
-            if (d.events[g]) {
-                ggml_backend_event_record(d.events[g], b);
-            }
-            mc.rst.device_reads += 1;
+        if (!d.events[g] && (d.host_bufs[g] || !ggml_backend_dev_host_buffer_type(d.devs[g]))) {
+            d.events[g] = ggml_backend_event_new(d.devs[g]);
         }
-        // the next step's rows, written behind this graph in the device's order
-        ggml_backend_tensor_set_async(b, d.pos[g], next, 0, (size_t) T * sizeof(int64_t));
+        ggml_backend_tensor_get_async(b, d.stage[g], d.host[g], 0, bytes);
+        if (d.events[g]) {
+            ggml_backend_event_record(d.events[g], b);
+        }
+        mc.rst.device_reads += 1;
     }
-    if (full) {
-        d.n_read = d.n_ring;
-        d.n_ring = 0;
-    }
+    d.n_read = T;
 }

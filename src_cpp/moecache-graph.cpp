@@ -267,6 +267,7 @@ void moecache_hook_graph_begin(const llama_context * lctx, int64_t n_tokens, int
 void moecache_hook_graph_end(const llama_context * lctx) {
     (void) lctx;
     if (g_building && g_gf) {
+        moecache_device_expand(*g_building, g_gf); // (a layer whose expert matmuls were not seen)
         moecache_vram_graph_end(*g_building, g_gf); // (the weights join what crosses to the device)
     }
     g_gf       = nullptr;
@@ -573,6 +574,9 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
 
 ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggml_tensor * b, ggml_tensor * ids) {
     moecache * mc = g_building;
+    if (mc && g_gf) { // (llama.cpp has put the layer's weights, and so its routing ops, into the graph)
+        moecache_device_expand(*mc, g_gf);
+    }
     ggml_tensor * res = mc ? moecache_residency_mul_mat_id(*mc, ctx, as, b, ids) : nullptr;
     return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
 }

@@ -256,10 +256,11 @@ struct moecache_layer {
     int32_t            n_embd_in = 0;
 };
 
-// the device path where the cache only counts (moecache-device.cpp): per MoE layer a block in a
-// persistent buffer on its router's device, read once per device after a decoded token's graph
-// tokens the device path's rows hold on the device before one read brings them in (moecache-device.cpp)
-#define MOECACHE_DEVICE_RING 32
+// the device path where the cache only counts (moecache-device.cpp): per MoE layer its fields in a
+// persistent buffer on its router's device (the staging), where the graph computes what the counting
+// reads; one read per device after each decode step's graph
+// the most tokens of a decode step (one per sequence) the staging has room for
+#define MOECACHE_DEVICE_MAX_STEP 32
 
 struct moecache_device {
     bool ready  = false;                           // the buffers below exist
@@ -267,35 +268,36 @@ struct moecache_device {
     ggml_context * ctx = nullptr;                  // the tensors' metadata (no data of its own)
     std::vector<ggml_backend_dev_t>    devs;       // [n_groups] the devices holding MoE layers' routers
     std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
-    std::vector<ggml_tensor *>         ring;       // [n_groups] F32 [row, MOECACHE_DEVICE_RING]: a row per token,
-                                                   //   the device's layers' blocks in it
-    std::vector<ggml_tensor *>         pos;        // [n_groups] I64 [MOECACHE_DEVICE_RING]: the rows the next
-                                                   //   step's tokens go to (the first step_n are used)
+    std::vector<size_t>                align;      // [n_groups] its buffer type's alignment (each field's)
+    std::vector<ggml_tensor *>         stage;      // [n_groups] I32: the staging, the device's layers' fields
+                                                   //   for a step of up to MOECACHE_DEVICE_MAX_STEP tokens
+    std::vector<ggml_tensor *>         stage_f32;  // [n_groups] the same memory as F32 (copies of floats)
     std::vector<ggml_tensor *>         bias;       // [n_groups] F32 [n_layers there * (N + K)]: the prior on the
                                                    //   device, per layer the boost of each expert (0 or b) and K b's
     std::vector<std::vector<float>>    bias_host;  // [n_groups] what was uploaded to it last
-    std::vector<char *>                host;       // [n_groups] where the ring is read to: pinned memory where the
-                                                   //   device has a host buffer type (an asynchronous read lands
-                                                   //   there directly), else host_vec
+    std::vector<char *>                host;       // [n_groups] where the counting reads the staging: the staging
+                                                   //   itself where it is host memory (the CPU), else pinned memory
+                                                   //   where the device has a host buffer type (an asynchronous
+                                                   //   read lands there directly), else host_vec
     std::vector<ggml_backend_buffer_t> host_bufs;  // [n_groups] that pinned memory, or NULL
     std::vector<std::vector<char>>     host_vec;   // [n_groups] plain memory where there is none
     std::vector<int32_t>       layer_group;        // [n_layer] the layer's device, -1 = none
-    std::vector<int32_t>       layer_slot;         // [n_layer] its block in that device's row
-    std::vector<int64_t>       row_index;          // [MOECACHE_DEVICE_RING] 0, 1, ...: what pos is set from
+    std::vector<int32_t>       layer_slot;         // [n_layer] its fields' place in that device's staging
     // the graph built last (moecache_device_graph_begin resets them)
     std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
-    std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no third copy)
+    std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no field s)
     std::vector<uint8_t> prior;                    // [n_layer] routed by the prior on the device (else top-k)
     int32_t n_deferred = 0;
-    int32_t n_prior    = 0;                        // layers routed by the prior on the device: a read per token
+    int32_t n_prior    = 0;                        // layers routed by the prior on the device (boosts per token)
     int32_t step_n     = 1;                        // tokens of a step (one per sequence of a batch)
-    // the tokens in the rings, counted by moecache_device_flush
+    std::vector<ggml_tensor *> pending;            // the counting's own ops (the gating's copy), put into the
+                                                   //   graph after llama.cpp's routing ops (moecache_device_expand)
+    // the step in the staging, counted by moecache_device_flush or at the next ubatch
     std::mutex                         mutex;      // the reads and their counting (stats may be read from another thread)
-    int32_t                            n_ring = 0; // tokens written to the rings and not yet read
-    int32_t                            n_read = 0; // tokens in the read queued when the rings were full
+    int32_t                            n_read = 0; // tokens of the step whose read is queued, not yet counted
     std::vector<ggml_backend_event_t>  events;     // [n_groups] marks that read's end on its device (NULL: none)
     std::vector<ggml_backend_t>        read_backends;
-    struct moecache_routing_params     read_rp = {}; // the routing of the tokens in the rings
+    struct moecache_routing_params     read_rp = {}; // the routing of the step's tokens
 };
 
 struct moecache {
@@ -476,6 +478,9 @@ void moecache_residency_graph_begin(moecache & mc);
 ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
                                     ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection);
 void moecache_device_graph_begin(moecache & mc);
+// the copies moecache_device_defer made, into gf: after llama.cpp has put the layer's routing ops there
+// (its first expert matmul), so that they stay together as a device fuses them; the rest at the graph's end
+void moecache_device_expand(moecache & mc, ggml_cgraph * gf);
 void moecache_device_ubatch_begin(moecache & mc); // before a ubatch computes: the token before counted, the prior's boosts
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
 void moecache_device_free(moecache & mc);

@@ -471,9 +471,9 @@ struct moecache_residency_stats {
                                   //   boundary between backends is a copy and a wait; stock llama.cpp's count
                                   //   for the same model and placement is moecache_context_graph_splits's)
     int64_t device_reads;         // reads of device memory our hooks made after those graphs (residency
-                                  //   NONE with top-k routing, which replaces a CPU split per MoE layer: one
-                                  //   per device that holds MoE layers each 32 decoded tokens, and before
-                                  //   the cache is looked at or a graph is built)
+                                  //   NONE with top-k or the prior on the device, which replaces a CPU split
+                                  //   per MoE layer: one per device that holds MoE layers each decode step,
+                                  //   queued behind its graph; none on the CPU, whose staging is host memory)
     int64_t decode_steps;         // decode ubatches routed: a batch of several sequences' tokens (n_seq) is one
                                   //   step of several decode_tokens; one sequence: = decode_tokens
     int64_t device_routed;        // layer-tokens the prior routed on a device (residency NONE beside GPU
@@ -487,6 +487,8 @@ struct moecache_residency_stats {
                                   //   GGML_CUDA_NO_PINNED unset; the library sets GGML_CUDA_REGISTER_HOST=1,
                                   //   which ggml-cuda asks for, where it is unset); 0 = pageable (other
                                   //   devices, or refused)
+    int64_t device_steps;         // decode steps routed on their device and counted after the graph (the
+                                  //   device path above ran; on the CPU too, with no read)
 };
 
 // Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
