@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -313,3 +314,52 @@ def test_info_plans_gpu_layers_for_the_gpu_ggml_sees(fixture_dir, tmp_path):
     assert "GPU layers on this machine's GPU (its free memory as it reports it)" in py("-m", "pymoecache", "info",
                                                                                        str(model))
     assert json.loads(py("-m", "pymoecache", "info", str(model), "--json", "--gpu-mem", "none"))["gpu_plan"] is None
+
+
+STOCK_SCRIPT = r"""
+import sys
+import pymoecache  # (llama_cpp on the package's libllama, as every stock run here)
+import llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_gpu_layers=99, n_ctx=128, verbose=False)
+llm.eval(llm.tokenize(b"The cat"))
+for _ in range(4):
+    llm.eval([llm.sample(temp=0.0)])
+llm.close()
+"""
+
+
+def vulkan_dispatches(stderr: str) -> dict:
+    """op -> dispatches in the last graph ggml-vulkan's perf logger printed (GGML_VK_PERF_LOGGER: one
+    block per graph, a line per op or fused ops, e.g. 'TOPK_MOE_EARLY_SOFTMAX SOFT_MAX: 4 x 88.3 us = ...')."""
+    block = stderr.rsplit("Vulkan Timings:", 1)[-1].split("Total time:")[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(.+?): (\d+) x ", block, re.M)}
+
+
+@pytest.mark.parametrize("model", ["tiny-shakespeare-qwen2moe-32x4-w256", "tiny-shakespeare-mixtral-8x2", "olmoe-64x8"])
+def test_every_expert_on_the_gpu_dispatches_what_stock_does_and_a_gating_copy(fixture_dir, tmp_path, model):
+    """`pymoecache run MODEL -ngl 99` from the installed package where every expert fits the GPU (the cache
+    only counts, top-k; `-fa off`, llama-cpp-python's default): a decoded token dispatches on the GPU what stock llama.cpp's does, its routing
+    fused into ggml-vulkan's one top-k MoE kernel per MoE layer, plus one op per MoE layer (the counting's
+    own softmax of the router's logits; what it reads is computed straight into its staging buffer,
+    src_cpp/moecache-device.cpp). Before, the counting's copies used llama.cpp's softmax and came between
+    its routing ops, so nothing was fused: 6 dispatches more per MoE layer (the softmax, argsort and get_rows
+    apart, a cast and three copies). ggml-cuda fuses the same ops the same way."""
+    from test_rpc_as_installed import installed_env
+
+    path = ROOT / "models" / f"{model}.gguf" if model.startswith("tiny") else model_path(fixture_dir, model)
+    if not path.exists():
+        pytest.skip(f"{path.name} is not in this checkout")
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], GGML_VK_PERF_LOGGER="1", **VK_ENV)
+    stock = subprocess.run([sys.executable, "-c", STOCK_SCRIPT, str(path)], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    ours = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-ngl", "99", "-p", "The cat", "-n", "5",
+                           "--temp", "0", "-fa", "off"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert "routing counted after the graph" in ours.stderr + ours.stdout, ours.stderr[-2000:]  # (the device path ran)
+    n_moe = len(pymoecache.model_info(str(path)).moe_layers)
+    want, got = vulkan_dispatches(stock.stderr), vulkan_dispatches(ours.stderr)
+    fused = {op: n for op, n in want.items() if op.startswith("TOPK_MOE")}
+    assert fused and sum(fused.values()) == n_moe, want  # (lavapipe fuses stock's routing)
+    more = {op: got.get(op, 0) - want.get(op, 0) for op in set(want) | set(got) if got.get(op, 0) != want.get(op, 0)}
+    assert more == {"SOFT_MAX": n_moe}, (more, want, got)
