@@ -238,7 +238,7 @@ class BatchDecoder:
     def _count_rows(self) -> None:
         """The hits and misses the engine summed per row since the last read, to the sequences of those
         rows: read when the rows change and when one of them ends, not every step (on the device path a
-        read waits for the device)."""
+        read waits for the step's read of the device)."""
         mc = getattr(self.llm, "moecache", None)
         if mc is not None:  # (read with no rows too: the sums of steps no sequence takes start over)
             hits, misses = mc.step_rows(len(self._rows) + 1)

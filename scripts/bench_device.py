@@ -24,7 +24,7 @@ llama-cpp-python's (tokens made alternately by the two, paired); and the graph s
 
 --parallel N: instead, N sequences decoded together (pymoecache.BatchDecoder, a step of one token per
 sequence), --tokens each, tok/s of stock llama.cpp's batch (its context made for N sequences), ours on the
-device path (top-k, residency none: a ring row per sequence) and ours through the CPU routing op:
+device path (top-k, residency none: a staging row per sequence) and ours through the CPU routing op:
 
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local --parallel 4
 

@@ -3,7 +3,8 @@
 # builds pymoecache with CUDA (or uses the build in $GPU_CHECK_PREFIX), then measures decode
 # against stock llama.cpp (llama_cpp.Llama on the same library) with scripts/bench_residency.py:
 #   - every layer and expert on the GPU: stock, and ours with the cache counting (residency none,
-#     top-k: llama.cpp's selection kept on the GPU, its rows read once per 32 tokens);
+#     top-k: llama.cpp's selection kept on the GPU and fused into ggml-cuda's top-k MoE kernel as
+#     stock's is, the counting's inputs computed into a staging buffer read once per token);
 #   - a quarter of the experts cached, streamed, the dense part on the GPU: top-k and prior:0.5,
 #     beside --cpu-moe placement (every expert in RAM);
 #   - scripts/bench_device.py: llama_decode, and eval + sample, per token of stock, ours (device path,
