@@ -19,10 +19,11 @@
 //            s [N, T] (where s is not p) | ids run I32 [K, T] (the prior's) ]
 //
 // After each graph one read per device is queued behind it (asynchronously; on the CPU the staging is
-// host memory and nothing is read), and the step is counted when it has arrived: at the next ubatch,
-// before the cache is next looked at or changed (every API entry calls moecache_device_flush), or
-// before a graph is built. So no wait is added to a decode and no op per layer beside the gating's
-// copy. Each layer of each token is counted by moecache_route_token, in token order, exactly as
+// host memory and nothing is read), and the step is counted once it has arrived: once the next ubatch's
+// graph is queued (the host counts while the device computes; before it where the prior's next boosts
+// need the count, or the CPU's graph would overwrite its staging), before the cache is next looked at
+// or changed (every API entry calls moecache_device_flush), or before a graph is built. So no wait is
+// added to a decode and no op per layer beside the gating's copy. Each layer of each token is counted by moecache_route_token, in token order, exactly as
 // op_select counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU
 // op), and the prior's choice is checked against it. A graph with any other routing policy, reads
 // ahead, router recording or a prompt of several tokens keeps the CPU op.
@@ -526,7 +527,16 @@ void moecache_device_flush(moecache & mc) {
 void moecache_device_ubatch_begin(moecache & mc) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
-    device_count_read(mc); // (the token before, whose graph is done when its logits were read)
+    // the step before is counted here where the next one needs it (the prior's boosts) or would overwrite it
+    // (a staging in host memory, read in place); otherwise after this ubatch's graph is queued, while the
+    // device computes it (moecache_device_ubatch_computed)
+    bool in_place = false;
+    for (ggml_backend_buffer_t b : d.bufs) {
+        in_place = in_place || ggml_backend_buffer_is_host(b);
+    }
+    if (d.n_prior > 0 || in_place) {
+        device_count_read(mc); // (the token before, whose graph is done when its logits were read)
+    }
     if (d.n_prior > 0) {
         device_prior_upload(mc);
     }
@@ -535,7 +545,7 @@ void moecache_device_ubatch_begin(moecache & mc) {
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
-    device_count_read(mc); // (a step not counted yet: none, each ubatch counts the one before first)
+    device_count_read(mc); // (the step before: its read has arrived, and this graph runs meanwhile)
     if (d.n_deferred == 0 || !sched) {
         return;
     }
