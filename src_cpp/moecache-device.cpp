@@ -361,20 +361,29 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     const device_fields f = device_layout(mc, T, d.align[g]);
     const size_t at = (size_t) d.layer_slot[il] * f.size;
     // p and s: the counting's own copy of the gating ops, so that llama.cpp's are used by nothing outside
-    // them; on the CPU (which fuses none of them) and under the prior (which uses them) llama.cpp's
-    ggml_tensor * p_out = on_cpu || prior ? probs : device_regate(ctx, probs, logits, nullptr, nullptr, 0);
-    ggml_tensor * s_out = s_is_p ? nullptr
-                        : on_cpu || prior || !p_out ? selection : device_regate(ctx, selection, logits, probs, p_out, 0);
-    p_out = p_out ? p_out : probs;
-    s_out = s_is_p || s_out ? s_out : selection;
+    // them; on the CPU (which fuses none of them) and under the prior (which uses them) llama.cpp's. Where
+    // no copy could be made, llama.cpp's is copied, not placed: a device that fuses the routing would not
+    // compute it, but with the copy reading it, it does not fuse it
+    ggml_tensor * p_out = probs;
+    ggml_tensor * s_out = s_is_p ? nullptr : selection;
+    bool copy_p = false;
+    bool copy_s = false;
+    if (!on_cpu && !prior) {
+        ggml_tensor * p2 = device_regate(ctx, probs, logits, nullptr, nullptr, 0);
+        ggml_tensor * s2 = p2 && !s_is_p ? device_regate(ctx, selection, logits, probs, p2, 0) : nullptr;
+        p_out  = p2 ? p2 : probs;
+        copy_p = !p2;
+        s_out  = s_is_p ? nullptr : s2 ? s2 : selection;
+        copy_s = !s_is_p && !s2;
+    }
     // each into its field: the op's output placed there where it can be, else a copy (an op more)
-    struct field { ggml_tensor * t; size_t off; size_t bytes; };
+    struct field { ggml_tensor * t; size_t off; size_t bytes; bool copy; };
     field fields[5] = {
-        { sorted,                             at + f.ids, f.z - f.ids },
-        { logits,                             at + f.z,   f.p - f.z   },
-        { p_out,                              at + f.p,   f.s - f.p   },
-        { s_out,                              at + f.s,   f.ran - f.s },
-        { prior ? ran->src[0] : nullptr,      at + f.ran, f.size - f.ran }, // (ran: a reshape of the get_rows)
+        { sorted,                        at + f.ids, f.z - f.ids,    false  },
+        { logits,                        at + f.z,   f.p - f.z,      false  },
+        { p_out,                         at + f.p,   f.s - f.p,      copy_p },
+        { s_out,                         at + f.s,   f.ran - f.s,    copy_s },
+        { prior ? ran->src[0] : nullptr, at + f.ran, f.size - f.ran, false  }, // (ran: a reshape of the get_rows)
     };
     std::vector<ggml_tensor *> copies;
     bool placeable[5] = {};
@@ -383,7 +392,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         if (!t) {
             continue;
         }
-        placeable[i] = device_placeable(d, g, t, fields[i].bytes);
+        placeable[i] = !fields[i].copy && device_placeable(d, g, t, fields[i].bytes);
         if (!placeable[i]) {
             ggml_tensor * c = i > 0 && ggml_nbytes(t) <= fields[i].bytes ? device_copy(d, ctx, g, t, fields[i].off)
                                                                           : nullptr;
