@@ -20,7 +20,7 @@
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
 #   GPU_CHECK_STEPS=share,tier bash scripts/gpu_check.sh   # only these steps (a short lease): trained, share,
 #                                  # tier (the seeds' scenario's time per token: pinned or not, fill cpu), lowbit,
-#                                  # device, exclusive, auto, random
+#                                  # device, fusion (device with ggml-cuda's fusion off), exclusive, auto, random
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
 # docs, models and tests), and llama-cpp-python, gguf and diskcache on PYTHONPATH, must be there;
@@ -109,6 +109,13 @@ say ""
 say "## where a token's time goes, every layer on the GPU (model C widened)"
 say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS\`"
 "$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
+    | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+fi
+if step fusion; then
+say ""
+say "## the same with ggml-cuda's fusion off (GGML_CUDA_DISABLE_FUSION=1): what the fused top-k MoE kernel gives stock, and ours"
+say "\`GGML_CUDA_DISABLE_FUSION=1 python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 3 --threads $THREADS\`"
+GGML_CUDA_DISABLE_FUSION=1 "$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 3 --threads "$THREADS" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 fi
 step exclusive && share "exclusive tiers: 1/2 of the experts in RAM, 1/4 in VRAM, and -ngl 99 --cache-size 16 alone (the GPU's free memory takes the rest) against no tier (model C)" \
