@@ -17,6 +17,7 @@
 //     staging, per layer on the device, each field aligned to the device's alignment:
 //          [ ids I32 [N, T] (llama.cpp's argsort: its top K first) | z [N, T] | p [N, T] |
 //            s [N, T] (where s is not p) | ids run I32 [K, T] (the prior's) ]
+//     (a layer that routes twice a token, grovemoe's: its second routing's fields after every layer's first)
 //
 // After each graph one read per device is queued behind it (asynchronously; on the CPU the staging is
 // host memory and nothing is read), and the step is counted once it has arrived: once the next ubatch's
@@ -101,7 +102,7 @@ static bool device_alloc(moecache & mc) {
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
         const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
-        const size_t stage_size = (size_t) n_in[g] * device_layout(mc, MOECACHE_DEVICE_MAX_STEP, align).size;
+        const size_t stage_size = (size_t) n_in[g] * MOECACHE_DEVICE_CALLS * device_layout(mc, MOECACHE_DEVICE_MAX_STEP, align).size;
         // (the staging as one tensor of each type, for the reads and the copies; the fields are placed by offset)
         ggml_tensor * stage     = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, (int64_t) (stage_size / sizeof(int32_t)));
         ggml_tensor * stage_f32 = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ggml_nelements(stage));
@@ -111,6 +112,7 @@ static bool device_alloc(moecache & mc) {
             return false;
         }
         d.bufs.push_back(buf);
+        d.n_in.push_back(n_in[g]);
         d.align.push_back(align);
         d.stage.push_back(stage);
         d.stage_f32.push_back(stage_f32);
@@ -161,6 +163,7 @@ void moecache_device_free(moecache & mc) {
     }
     d.events.clear();
     d.bufs.clear();
+    d.n_in.clear();
     d.align.clear();
     d.stage.clear();
     d.stage_f32.clear();
@@ -173,10 +176,14 @@ void moecache_device_free(moecache & mc) {
 void moecache_device_graph_begin(moecache & mc) {
     moecache_device_flush(mc); // (before a graph that may route another way)
     mc.dev.n_deferred = 0;
+    mc.dev.n_calls    = 0;
     mc.dev.n_prior    = 0;
     mc.dev.step_n     = 1;
+    mc.dev.calls.assign(mc.n_layer, 0);
     mc.dev.deferred.assign(mc.n_layer, 0);
-    mc.dev.s_is_p.assign(mc.n_layer, 0);
+    mc.dev.s_is_p.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
+    mc.dev.p_is_z.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
+    mc.dev.s_is_z.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
     mc.dev.prior.assign(mc.n_layer, 0);
     mc.dev.pending.clear();
 }
@@ -333,6 +340,10 @@ static ggml_tensor * device_copy(moecache_device & d, ggml_context * ctx, int32_
 
 ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
                                     ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
+    // a layer that routes twice a token (grovemoe: its experts, then its chunk experts), seen in any graph
+    if (il < (int) mc.dev.calls.size() && ++mc.dev.calls[il] > 1) {
+        mc.dev.routes_twice = true;
+    }
     bool prior = false;
     if (!gf || !device_routes(mc, selected->ne[1], &prior) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
         !ggml_is_contiguous(logits) || !ggml_is_contiguous(probs) || !ggml_is_contiguous(selection) ||
@@ -343,6 +354,14 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     const int32_t g = d.layer_group[il];
     ggml_backend_dev_t dev = d.devs[g];
     const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    // the layer's routings of this token, counted in their order after the graph: top-k only where there are
+    // two (the prior's boosts of the second would need the first counted; in the first graph that shows a
+    // second routing, under the prior, that one is the op's and counted before the first)
+    const int32_t call = d.deferred[il];
+    if (call >= MOECACHE_DEVICE_CALLS || (prior && (call > 0 || d.routes_twice))) {
+        return nullptr;
+    }
+    const int32_t k = il * MOECACHE_DEVICE_CALLS + call;
     if (prior && (on_cpu || (mc.layers[il].graph.rank_on_logits && selection != probs))) {
         return nullptr; // (the CPU: its op; a softmax router whose s is not p: masked experts, which u does not show)
     }
@@ -359,7 +378,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     const int64_t T = selected->ne[1]; // tokens: 1, or one per sequence of a batch
     const bool s_is_p = selection == probs;
     const device_fields f = device_layout(mc, T, d.align[g]);
-    const size_t at = (size_t) d.layer_slot[il] * f.size;
+    const size_t at = (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.size; // (the second routings after the first)
     // p and s: the counting's own copy of the gating ops, so that llama.cpp's are used by nothing outside
     // them; on the CPU (which fuses none of them) and under the prior (which uses them) llama.cpp's. Where
     // no copy could be made, llama.cpp's is copied, not placed: a device that fuses the routing would not
@@ -376,13 +395,16 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         s_out  = s_is_p ? nullptr : s2 ? s2 : selection;
         copy_s = !s_is_p && !s2;
     }
+    // (a router whose probabilities are its logits, gpt-oss's: the counting reads p, or s, from z's field)
+    const bool p_is_z = p_out == logits;
+    const bool s_is_z = !s_is_p && s_out == logits;
     // each into its field: the op's output placed there where it can be, else a copy (an op more)
     struct field { ggml_tensor * t; size_t off; size_t bytes; bool copy; };
     field fields[5] = {
         { sorted,                        at + f.ids, f.z - f.ids,    false  },
         { logits,                        at + f.z,   f.p - f.z,      false  },
-        { p_out,                         at + f.p,   f.s - f.p,      copy_p },
-        { s_out,                         at + f.s,   f.ran - f.s,    copy_s },
+        { p_is_z ? nullptr : p_out,      at + f.p,   f.s - f.p,      copy_p },
+        { s_is_z ? nullptr : s_out,      at + f.s,   f.ran - f.s,    copy_s },
         { prior ? ran->src[0] : nullptr, at + f.ran, f.size - f.ran, false  }, // (ran: a reshape of the get_rows)
     };
     std::vector<ggml_tensor *> copies;
@@ -391,6 +413,11 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         ggml_tensor * t = fields[i].t;
         if (!t) {
             continue;
+        }
+        for (int j = 0; j < i; j++) {
+            if (fields[j].t == t) {
+                return nullptr; // (one tensor in two fields: a router of another shape; the CPU op routes it)
+            }
         }
         placeable[i] = !fields[i].copy && device_placeable(d, g, t, fields[i].bytes);
         if (!placeable[i]) {
@@ -418,8 +445,11 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         ggml_format_name(c, "moecache_counted-%d", il);
         d.pending.push_back(c);
     }
-    d.deferred[il] = 1;
-    d.s_is_p[il]   = s_is_p;
+    d.deferred[il] = call + 1;
+    d.n_calls      = std::max(d.n_calls, call + 1);
+    d.s_is_p[k]    = s_is_p;
+    d.p_is_z[k]    = p_is_z;
+    d.s_is_z[k]    = s_is_z;
     d.prior[il]    = prior;
     d.n_deferred  += 1;
     d.n_prior     += prior;
@@ -474,35 +504,35 @@ static void device_count(moecache & mc) {
         mc.step_misses.assign(T, 0);
     }
     for (int il = 0; il < mc.n_layer; il++) {
-        if (!d.deferred[il]) {
-            continue;
-        }
         moecache_layer & L = mc.layers[il];
-        const int32_t g = d.layer_group[il];
-        const device_fields f = device_layout(mc, T, d.align[g]);
-        const char * at = d.host[g] + (size_t) d.layer_slot[il] * f.size;
-        const int64_t t1 = moecache_time_us();
-        for (int32_t t = 0; t < T; t++) {
-            const int32_t * ids = (const int32_t *) (at + f.ids) + t * N; // (the argsort's row: its top K first)
-            const int32_t * ran = (const int32_t *) (at + f.ran) + t * K;
-            const float   * z   = (const float *) (at + f.z) + t * N;
-            const float   * p   = (const float *) (at + f.p) + t * N;
-            const float   * s   = d.s_is_p[il] ? p : (const float *) (at + f.s) + t * N;
-            const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
-            if (d.prior[il]) {
-                mc.rst.device_routed += 1;
-                // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
-                mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
+        for (int32_t call = 0; call < d.deferred[il]; call++) { // (its routings in their order: as the op's)
+            const int32_t k = il * MOECACHE_DEVICE_CALLS + call;
+            const int32_t g = d.layer_group[il];
+            const device_fields f = device_layout(mc, T, d.align[g]);
+            const char * at = d.host[g] + (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.size;
+            const int64_t t1 = moecache_time_us();
+            for (int32_t t = 0; t < T; t++) {
+                const int32_t * ids = (const int32_t *) (at + f.ids) + t * N; // (the argsort's row: its top K first)
+                const int32_t * ran = (const int32_t *) (at + f.ran) + t * K;
+                const float   * z   = (const float *) (at + f.z) + t * N;
+                const float   * p   = d.p_is_z[k] ? z : (const float *) (at + f.p) + t * N;
+                const float   * s   = d.s_is_p[k] ? p : d.s_is_z[k] ? z : (const float *) (at + f.s) + t * N;
+                const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
+                if (d.prior[il]) {
+                    mc.rst.device_routed += 1;
+                    // a tie of boosted scores that ggml's sort broke otherwise (the cache follows the reference)
+                    mc.rst.device_route_differs += n_sel != K || !std::equal(sel, sel + K, ran);
+                }
+                for (int32_t i = 0; i < n_sel; i++) {
+                    mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
+                    mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
+                }
             }
-            for (int32_t i = 0; i < n_sel; i++) {
-                mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
-                mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
+            L.decode_tokens += T;
+            L.decode_steps  += 1;
+            if (timeline) {
+                moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, T, t1, t1, moecache_time_us());
             }
-        }
-        L.decode_tokens += T;
-        L.decode_steps  += 1;
-        if (timeline) {
-            moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, T, t1, t1, moecache_time_us());
         }
     }
     mc.rst.device_steps  += 1;
@@ -572,8 +602,7 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         // logits has brought it in. An event where the copy lands in the device's pinned memory, or where the
         // device has none (RPC: its client writes the answer in place); a device that copies into pageable
         // memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device has no events
-        const size_t bytes = (size_t) std::count(d.layer_group.begin(), d.layer_group.end(), (int32_t) g) *
-                             device_layout(mc, T, d.align[g]).size;
+        const size_t bytes = (size_t) d.n_calls * d.n_in[g] * device_layout(mc, T, d.align[g]).size;
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
         if (!b) { // (no backend of the scheduler runs the device: the graph has run, read it plainly)

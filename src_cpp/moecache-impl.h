@@ -261,6 +261,8 @@ struct moecache_layer {
 // reads; one read per device after each decode step's graph
 // the most tokens of a decode step (one per sequence) the staging has room for
 #define MOECACHE_DEVICE_MAX_STEP 32
+// the most routings of a layer per token it has room for (grovemoe routes twice)
+#define MOECACHE_DEVICE_CALLS 2
 
 struct moecache_device {
     bool ready  = false;                           // the buffers below exist
@@ -268,6 +270,7 @@ struct moecache_device {
     ggml_context * ctx = nullptr;                  // the tensors' metadata (no data of its own)
     std::vector<ggml_backend_dev_t>    devs;       // [n_groups] the devices holding MoE layers' routers
     std::vector<ggml_backend_buffer_t> bufs;       // [n_groups] one buffer each
+    std::vector<int32_t>               n_in;       // [n_groups] the MoE layers it holds
     std::vector<size_t>                align;      // [n_groups] its buffer type's alignment (each field's)
     std::vector<ggml_tensor *>         stage;      // [n_groups] I32: the staging, the device's layers' fields
                                                    //   for a step of up to MOECACHE_DEVICE_MAX_STEP tokens
@@ -282,12 +285,20 @@ struct moecache_device {
     std::vector<ggml_backend_buffer_t> host_bufs;  // [n_groups] that pinned memory, or NULL
     std::vector<std::vector<char>>     host_vec;   // [n_groups] plain memory where there is none
     std::vector<int32_t>       layer_group;        // [n_layer] the layer's device, -1 = none
-    std::vector<int32_t>       layer_slot;         // [n_layer] its fields' place in that device's staging
-    // the graph built last (moecache_device_graph_begin resets them)
-    std::vector<uint8_t> deferred;                 // [n_layer] the layer is counted after the graph
-    std::vector<uint8_t> s_is_p;                   // [n_layer] its selection score is p (no field s)
+    std::vector<int32_t>       layer_slot;         // [n_layer] its fields' place among that device's layers in
+                                                   //   the staging (a second routing's: after every first one)
+    bool routes_twice = false;                     // a layer routed twice a token in a graph seen (the prior
+                                                   //   then stays with the op)
+    // the graph built last (moecache_device_graph_begin resets them); [n_layer * MOECACHE_DEVICE_CALLS]: per
+    // routing of a layer
+    std::vector<int32_t> calls;                    // [n_layer] the layer's routings in this graph
+    std::vector<int32_t> deferred;                 // [n_layer] of those, counted after the graph (the first ones)
+    std::vector<uint8_t> s_is_p;                   // [.. * CALLS] its selection score is p (no field s)
+    std::vector<uint8_t> p_is_z;                   // [.. * CALLS] its probabilities are its logits (no field p)
+    std::vector<uint8_t> s_is_z;                   // [.. * CALLS] its selection score is its logits (no field s)
     std::vector<uint8_t> prior;                    // [n_layer] routed by the prior on the device (else top-k)
     int32_t n_deferred = 0;
+    int32_t n_calls    = 0;                        // the most routings of one layer counted after the graph
     int32_t n_prior    = 0;                        // layers routed by the prior on the device (boosts per token)
     int32_t step_n     = 1;                        // tokens of a step (one per sequence of a batch)
     std::vector<ggml_tensor *> pending;            // the counting's own ops (the gating's copy), put into the

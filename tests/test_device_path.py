@@ -30,6 +30,7 @@ import pymoecache
 from pymoecache import CacheConfig
 from pymoecache import _moecache_cpp as C
 from conftest import model_path
+from test_arch_models import arch_models  # noqa: F401 (the fixture: every architecture's random-weight model)
 
 KW = dict(n_ctx=128, n_batch=32, n_ubatch=32, logits_all=True, verbose=False, n_threads=1, seed=1)
 PROMPT = list(range(300, 320))
@@ -195,3 +196,41 @@ def test_run_with_every_expert_on_the_device_as_users_run_it(fixture_dir, gpu, t
     assert m and float(m.group(1)) == stock, out[-2000:]
     assert float(m.group(2)) == 1.0, out[-2000:]
     assert ("the prior routed on the device" in out) == bool(routing), out[-2000:]
+
+
+def test_every_architecture_counts_on_the_device_as_the_op_does(arch_models, gpu):
+    """Every MoE architecture of the pin (tests/test_arch_models.py's random-weight models) over RPC,
+    `-ngl 99`, top-k counting half the experts: where the device path routes a layer (llama.cpp's argsort
+    and logits computed into the staging, the gating computed again beside them: softmax, sigmoid,
+    softplus and sqrt, a selection bias; gpt-oss's probabilities are its logits), the counters, the trace
+    and the logits are the CPU op's, bit for bit; where a router has another shape the op routes it."""
+    from test_arch_models import DENSE, KW as ARCH_KW, NO_ROUTING, NOT_EVALUATED, TOKENS
+
+    failures, on_device = {}, []
+    for arch, path in sorted(arch_models.items()):
+        if arch in NOT_EVALUATED or arch in DENSE or arch in NO_ROUTING:
+            continue
+        out = []
+        for record in (0, len(TOKENS)):  # (recording the router keeps the op)
+            llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.5, residency="none", trace=1024,
+                                                                router_record=record),
+                                   routing="topk", **dict(ARCH_KW, n_gpu_layers=99, rpc_servers=gpu))
+            llm.eval(TOKENS[:16])
+            for t in TOKENS[16:]:
+                llm.eval([t])
+            st = llm.moe_stats()
+            out.append(dict(logits=np.array(llm.scores[: len(TOKENS)]), counters=(st.hits, st.misses, st.evictions),
+                            trace=llm.moecache.trace().tobytes(), steps=st.residency.device_steps))
+            llm.close()
+        fast, op = out
+        if op["steps"] != 0:
+            failures[arch] = "the op path counted after the graph"
+        elif fast["counters"] != op["counters"] or fast["trace"] != op["trace"]:
+            failures[arch] = f"counted otherwise: {fast['counters']} against {op['counters']}"
+        elif not np.array_equal(fast["logits"], op["logits"]):
+            failures[arch] = f"logits differ by {np.abs(fast['logits'] - op['logits']).max()}"
+        if fast["steps"] == len(TOKENS) - 16:
+            on_device.append(arch)
+    assert not failures, failures
+    assert {"gpt-oss", "qwen3moe", "deepseek2", "olmoe"} <= set(on_device), on_device
+    assert len(on_device) >= 45, on_device
