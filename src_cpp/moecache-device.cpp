@@ -340,9 +340,13 @@ static ggml_tensor * device_copy(moecache_device & d, ggml_context * ctx, int32_
 
 ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected,
                                     ggml_tensor * logits, ggml_tensor * probs, ggml_tensor * selection) {
-    // a layer that routes twice a token (grovemoe: its experts, then its chunk experts), seen in any graph
-    if (il < (int) mc.dev.calls.size() && ++mc.dev.calls[il] > 1) {
+    // a layer that routes twice a token (grovemoe: its experts, then its chunk experts; known from the
+    // architecture, else seen in a graph: one with the prior on the device is built again, without it)
+    if (il < (int) mc.dev.calls.size() && ++mc.dev.calls[il] > 1 && !mc.dev.routes_twice) {
         mc.dev.routes_twice = true;
+        if (mc.dev.n_prior > 0) {
+            moecache_graph_mark_dirty(&mc);
+        }
     }
     bool prior = false;
     if (!gf || !device_routes(mc, selected->ne[1], &prior) || !device_alloc(mc) || mc.dev.layer_group[il] < 0 ||
@@ -355,8 +359,9 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     ggml_backend_dev_t dev = d.devs[g];
     const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     // the layer's routings of this token, counted in their order after the graph: top-k only where there are
-    // two (the prior's boosts of the second would need the first counted; in the first graph that shows a
-    // second routing, under the prior, that one is the op's and counted before the first)
+    // two (the prior's boosts of the second would need the first counted; in a graph that showed a second
+    // routing of an architecture not known for it, under the prior, that one token's second routing is the
+    // op's, counted before the first)
     const int32_t call = d.deferred[il];
     if (call >= MOECACHE_DEVICE_CALLS || (prior && (call > 0 || d.routes_twice))) {
         return nullptr;

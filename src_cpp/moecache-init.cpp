@@ -228,6 +228,7 @@ moecache * moecache_new(const llama_model * model, moecache_cache_params cparams
     mc->desc     = std::string(arch) + " | " + desc;
     mc->n_params = llama_model_n_params(model);
     mc->model    = model;
+    mc->dev.routes_twice = std::string(arch) == "grovemoe"; // (its experts, then its chunk experts: moecache-device.cpp)
     mc->cparams.model_path  = cparams.model_path;
     mc->cparams.lowbit_path = cparams.lowbit_path;
     const int32_t rc = moecache_residency_init(*mc, model);
