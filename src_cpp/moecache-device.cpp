@@ -571,14 +571,15 @@ void moecache_device_flush(moecache & mc) {
 void moecache_device_ubatch_begin(moecache & mc) {
     moecache_device & d = mc.dev;
     std::lock_guard<std::mutex> lock(d.mutex);
-    // the step before is counted here where the next one needs it (the prior's boosts) or would overwrite it
-    // (a staging in host memory, read in place); otherwise after this ubatch's graph is queued, while the
-    // device computes it (moecache_device_ubatch_computed)
-    bool in_place = false;
-    for (ggml_backend_buffer_t b : d.bufs) {
-        in_place = in_place || ggml_backend_buffer_is_host(b);
+    // the step before is counted here where the next one needs it (the prior's boosts), would overwrite it
+    // (a staging in host memory, read in place), or where its read has no event (waiting for it there would
+    // wait for the next graph too); otherwise after this ubatch's graph is queued, while the device computes
+    // it (moecache_device_ubatch_computed)
+    bool early = d.n_prior > 0;
+    for (size_t g = 0; g < d.bufs.size(); g++) {
+        early = early || ggml_backend_buffer_is_host(d.bufs[g]) || g >= d.events.size() || !d.events[g];
     }
-    if (d.n_prior > 0 || in_place) {
+    if (early) {
         device_count_read(mc); // (the token before, whose graph is done when its logits were read)
     }
     if (d.n_prior > 0) {
@@ -604,7 +605,7 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         }
         // the step's fields of every layer: one read, queued behind the graph; no wait here: the step is counted
         // at the next ubatch or when the cache is next looked at, by when the application's own wait for the
-        // logits has brought it in. An event where the copy lands in the device's pinned memory, or where the
+        // logits has brought it in (see moecache_device_ubatch_begin). An event where the copy lands in the device's pinned memory, or where the
         // device has none (RPC: its client writes the answer in place); a device that copies into pageable
         // memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device has no events
         const size_t bytes = (size_t) d.n_calls * d.n_in[g] * device_layout(mc, T, d.align[g]).size;
