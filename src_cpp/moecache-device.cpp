@@ -24,10 +24,11 @@
 // graph is queued (the host counts while the device computes; before it where the prior's next boosts
 // need the count, or the CPU's graph would overwrite its staging), before the cache is next looked at
 // or changed (every API entry calls moecache_device_flush), or before a graph is built. So no wait is
-// added to a decode and no op per layer beside the gating's copy. Each layer of each token is counted by moecache_route_token, in token order, exactly as
-// op_select counts it (same inputs, same code: the hits, misses, evictions, Delta and trace of the CPU
-// op), and the prior's choice is checked against it. A graph with any other routing policy, reads
-// ahead, router recording or a prompt of several tokens keeps the CPU op.
+// added to a decode and no op per layer beside the gating's copy. Each layer of each token is counted
+// by moecache_route_token, in token order, exactly as op_select counts it (same inputs, same code: the
+// hits, misses, evictions, Delta and trace of the CPU op), and the prior's choice is checked against it.
+// A graph with any other routing policy, reads ahead, router recording or a prompt of several tokens
+// keeps the CPU op.
 
 #include "moecache-impl.h"
 #include "moecache-hook.h"
@@ -603,11 +604,12 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
             d.read_backends[g] = sched_backend(sched, d.devs[g]); // (counted in place, once the graph is done)
             continue;
         }
-        // the step's fields of every layer: one read, queued behind the graph; no wait here: the step is counted
-        // at the next ubatch or when the cache is next looked at, by when the application's own wait for the
-        // logits has brought it in (see moecache_device_ubatch_begin). An event where the copy lands in the device's pinned memory, or where the
-        // device has none (RPC: its client writes the answer in place); a device that copies into pageable
-        // memory only when it synchronizes (Vulkan) is waited for whole. NULL where the device has no events
+        // the step's fields of every layer: one read, queued behind the graph; no wait here: the step is
+        // counted at the next ubatch or when the cache is next looked at, by when the application's own wait
+        // for the logits has brought it in (see moecache_device_ubatch_begin). An event where the copy lands
+        // in the device's pinned memory, or where the device has none (RPC: its client writes the answer in
+        // place); a device that copies into pageable memory only when it synchronizes (Vulkan) is waited for
+        // whole. NULL where the device has no events
         const size_t bytes = (size_t) d.n_calls * d.n_in[g] * device_layout(mc, T, d.align[g]).size;
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
