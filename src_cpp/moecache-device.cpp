@@ -41,21 +41,20 @@
 #include <algorithm>
 #include <cstring>
 
-// a layer's fields in its device's staging for a step of T tokens, in bytes from the layer's start
+// a layer's fields in its device's staging for a step of T tokens (see the top of this file)
+enum device_field { FIELD_IDS, FIELD_Z, FIELD_P, FIELD_S, FIELD_RAN, N_FIELDS };
+
 struct device_fields {
-    size_t ids, z, p, s, ran; // see the top of this file
-    size_t size;              // the layer's share of the staging
+    size_t off[N_FIELDS + 1]; // bytes from the layer's start; off[N_FIELDS]: the layer's share of the staging
 };
 
 static device_fields device_layout(const moecache & mc, int64_t T, size_t align) {
     const size_t row = GGML_PAD((size_t) mc.n_expert * T * sizeof(float), align);
     device_fields f;
-    f.ids  = 0;
-    f.z    = row;
-    f.p    = 2 * row;
-    f.s    = 3 * row;
-    f.ran  = 4 * row;
-    f.size = 4 * row + GGML_PAD((size_t) mc.n_expert_used * T * sizeof(int32_t), align);
+    for (int i = 0; i <= FIELD_RAN; i++) {
+        f.off[i] = (size_t) i * row;
+    }
+    f.off[N_FIELDS] = f.off[FIELD_RAN] + GGML_PAD((size_t) mc.n_expert_used * T * sizeof(int32_t), align);
     return f;
 }
 
@@ -103,7 +102,7 @@ static bool device_alloc(moecache & mc) {
     for (size_t g = 0; g < d.devs.size(); g++) {
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.devs[g]);
         const size_t align = buft ? ggml_backend_buft_get_alignment(buft) : 64;
-        const size_t stage_size = (size_t) n_in[g] * MOECACHE_DEVICE_CALLS * device_layout(mc, MOECACHE_DEVICE_MAX_STEP, align).size;
+        const size_t stage_size = (size_t) n_in[g] * MOECACHE_DEVICE_CALLS * device_layout(mc, MOECACHE_DEVICE_MAX_STEP, align).off[N_FIELDS];
         // (the staging as one tensor of each type, for the reads and the copies; the fields are placed by offset)
         ggml_tensor * stage     = ggml_new_tensor_1d(d.ctx, GGML_TYPE_I32, (int64_t) (stage_size / sizeof(int32_t)));
         ggml_tensor * stage_f32 = ggml_new_tensor_1d(d.ctx, GGML_TYPE_F32, ggml_nelements(stage));
@@ -182,9 +181,8 @@ void moecache_device_graph_begin(moecache & mc) {
     mc.dev.step_n     = 1;
     mc.dev.calls.assign(mc.n_layer, 0);
     mc.dev.deferred.assign(mc.n_layer, 0);
-    mc.dev.s_is_p.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
-    mc.dev.p_is_z.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
-    mc.dev.s_is_z.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, 0);
+    mc.dev.p_from.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, FIELD_P);
+    mc.dev.s_from.assign((size_t) mc.n_layer * MOECACHE_DEVICE_CALLS, FIELD_S);
     mc.dev.prior.assign(mc.n_layer, 0);
     mc.dev.pending.clear();
 }
@@ -310,7 +308,7 @@ static ggml_tensor * device_regate(ggml_context * ctx, ggml_tensor * t, ggml_ten
     if (!src || !ggml_are_same_shape(src, t->src[0])) {
         return nullptr;
     }
-    ggml_tensor * c = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+    ggml_tensor * c = ggml_dup_tensor(ctx, t);
     c->op = t->op;
     memcpy(c->op_params, t->op_params, sizeof(t->op_params));
     c->src[0] = src;
@@ -384,7 +382,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     const int64_t T = selected->ne[1]; // tokens: 1, or one per sequence of a batch
     const bool s_is_p = selection == probs;
     const device_fields f = device_layout(mc, T, d.align[g]);
-    const size_t at = (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.size; // (the second routings after the first)
+    const size_t at = (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.off[N_FIELDS]; // (second routings after the first)
     // p and s: the counting's own copy of the gating ops, so that llama.cpp's are used by nothing outside
     // them; on the CPU (which fuses none of them) and under the prior (which uses them) llama.cpp's. Where
     // no copy could be made, llama.cpp's is copied, not placed: a device that fuses the routing would not
@@ -401,42 +399,43 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         s_out  = s_is_p ? nullptr : s2 ? s2 : selection;
         copy_s = !s_is_p && !s2;
     }
-    // (a router whose probabilities are its logits, gpt-oss's: the counting reads p, or s, from z's field)
-    const bool p_is_z = p_out == logits;
-    const bool s_is_z = !s_is_p && s_out == logits;
-    // each into its field: the op's output placed there where it can be, else a copy (an op more)
-    struct field { ggml_tensor * t; size_t off; size_t bytes; bool copy; };
-    field fields[5] = {
-        { sorted,                        at + f.ids, f.z - f.ids,    false  },
-        { logits,                        at + f.z,   f.p - f.z,      false  },
-        { p_is_z ? nullptr : p_out,      at + f.p,   f.s - f.p,      copy_p },
-        { s_is_z ? nullptr : s_out,      at + f.s,   f.ran - f.s,    copy_s },
-        { prior ? ran->src[0] : nullptr, at + f.ran, f.size - f.ran, false  }, // (ran: a reshape of the get_rows)
+    // each into its field: the op's output placed there where it can be, else a copy (an op more); one that
+    // is another field's tensor (s that is p; gpt-oss's probabilities, its logits) is read from that field
+    struct field { ggml_tensor * t; bool copy; };
+    field fields[N_FIELDS] = {
+        { sorted,                        false  },
+        { logits,                        false  },
+        { p_out,                         copy_p },
+        { s_out,                         copy_s },
+        { prior ? ran->src[0] : nullptr, false  }, // (ran: a reshape of the get_rows)
     };
+    uint8_t from[N_FIELDS] = { FIELD_IDS, FIELD_Z, FIELD_P, FIELD_S, FIELD_RAN };
     std::vector<ggml_tensor *> copies;
-    bool placeable[5] = {};
-    for (int i = 0; i < 5; i++) {
+    bool placeable[N_FIELDS] = {};
+    for (int i = 0; i < N_FIELDS; i++) {
         ggml_tensor * t = fields[i].t;
+        for (int j = 0; j < i && t; j++) {
+            if (fields[j].t == t) {
+                from[i] = from[j];
+                t = fields[i].t = nullptr;
+            }
+        }
         if (!t) {
             continue;
         }
-        for (int j = 0; j < i; j++) {
-            if (fields[j].t == t) {
-                return nullptr; // (one tensor in two fields: a router of another shape; the CPU op routes it)
-            }
-        }
-        placeable[i] = !fields[i].copy && device_placeable(d, g, t, fields[i].bytes);
+        const size_t off   = at + f.off[i];
+        const size_t bytes = f.off[i + 1] - f.off[i];
+        placeable[i] = !fields[i].copy && device_placeable(d, g, t, bytes);
         if (!placeable[i]) {
-            ggml_tensor * c = i > 0 && ggml_nbytes(t) <= fields[i].bytes ? device_copy(d, ctx, g, t, fields[i].off)
-                                                                          : nullptr;
+            ggml_tensor * c = i > 0 && ggml_nbytes(t) <= bytes ? device_copy(d, ctx, g, t, off) : nullptr;
             if (!c) {
                 return nullptr; // (the CPU op routes this layer; none of the above is in the graph)
             }
             copies.push_back(c);
         }
     }
-    for (int i = 0; i < 5; i++) {
-        if (placeable[i] && ggml_backend_tensor_alloc(d.bufs[g], fields[i].t, (char *) d.stage[g]->data + fields[i].off) !=
+    for (int i = 0; i < N_FIELDS; i++) {
+        if (placeable[i] && ggml_backend_tensor_alloc(d.bufs[g], fields[i].t, (char *) d.stage[g]->data + at + f.off[i]) !=
                             GGML_STATUS_SUCCESS) {
             return nullptr; // (not reached: a buffer of ggml's init_tensor fails only for quantized tensors)
         }
@@ -453,9 +452,8 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     }
     d.deferred[il] = call + 1;
     d.n_calls      = std::max(d.n_calls, call + 1);
-    d.s_is_p[k]    = s_is_p;
-    d.p_is_z[k]    = p_is_z;
-    d.s_is_z[k]    = s_is_z;
+    d.p_from[k]    = from[FIELD_P];
+    d.s_from[k]    = s_is_p ? from[FIELD_P] : from[FIELD_S];
     d.prior[il]    = prior;
     d.n_deferred  += 1;
     d.n_prior     += prior;
@@ -515,14 +513,14 @@ static void device_count(moecache & mc) {
             const int32_t k = il * MOECACHE_DEVICE_CALLS + call;
             const int32_t g = d.layer_group[il];
             const device_fields f = device_layout(mc, T, d.align[g]);
-            const char * at = d.host[g] + (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.size;
+            const char * at = d.host[g] + (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.off[N_FIELDS];
             const int64_t t1 = moecache_time_us();
             for (int32_t t = 0; t < T; t++) {
-                const int32_t * ids = (const int32_t *) (at + f.ids) + t * N; // (the argsort's row: its top K first)
-                const int32_t * ran = (const int32_t *) (at + f.ran) + t * K;
-                const float   * z   = (const float *) (at + f.z) + t * N;
-                const float   * p   = d.p_is_z[k] ? z : (const float *) (at + f.p) + t * N;
-                const float   * s   = d.s_is_p[k] ? p : d.s_is_z[k] ? z : (const float *) (at + f.s) + t * N;
+                const int32_t * ids = (const int32_t *) (at + f.off[FIELD_IDS]) + t * N; // (the argsort's row: top K first)
+                const int32_t * ran = (const int32_t *) (at + f.off[FIELD_RAN]) + t * K;
+                const float   * z   = (const float *) (at + f.off[FIELD_Z]) + t * N;
+                const float   * p   = (const float *) (at + f.off[d.p_from[k]]) + t * N;
+                const float   * s   = (const float *) (at + f.off[d.s_from[k]]) + t * N;
                 const int32_t n_sel = moecache_route_token(mc, L, d.read_rp, z, p, s, ids, true, true, sel, hit);
                 if (d.prior[il]) {
                     mc.rst.device_routed += 1;
@@ -610,7 +608,7 @@ void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) 
         // in the device's pinned memory, or where the device has none (RPC: its client writes the answer in
         // place); a device that copies into pageable memory only when it synchronizes (Vulkan) is waited for
         // whole. NULL where the device has no events
-        const size_t bytes = (size_t) d.n_calls * d.n_in[g] * device_layout(mc, T, d.align[g]).size;
+        const size_t bytes = (size_t) d.n_calls * d.n_in[g] * device_layout(mc, T, d.align[g]).off[N_FIELDS];
         ggml_backend_t b = sched_backend(sched, d.devs[g]);
         d.read_backends[g] = b;
         if (!b) { // (no backend of the scheduler runs the device: the graph has run, read it plainly)

@@ -293,9 +293,10 @@ struct moecache_device {
     // routing of a layer
     std::vector<int32_t> calls;                    // [n_layer] the layer's routings in this graph
     std::vector<int32_t> deferred;                 // [n_layer] of those, counted after the graph (the first ones)
-    std::vector<uint8_t> s_is_p;                   // [.. * CALLS] its selection score is p (no field s)
-    std::vector<uint8_t> p_is_z;                   // [.. * CALLS] its probabilities are its logits (no field p)
-    std::vector<uint8_t> s_is_z;                   // [.. * CALLS] its selection score is its logits (no field s)
+    std::vector<uint8_t> p_from;                   // [.. * CALLS] the field its probabilities are read from (p; z
+                                                   //   where they are the logits, gpt-oss's)
+    std::vector<uint8_t> s_from;                   // [.. * CALLS] the field its selection score is read from (s; p
+                                                   //   where it is p)
     std::vector<uint8_t> prior;                    // [n_layer] routed by the prior on the device (else top-k)
     int32_t n_deferred = 0;
     int32_t n_calls    = 0;                        // the most routings of one layer counted after the graph
