@@ -74,17 +74,17 @@ def bench_model(size_mb: float) -> Path:
     return synth.build_model(spec, ROOT / "models" / "_bench" / f"bench-residency-{int(size_mb)}mb.gguf")
 
 
-def trained_bench_model() -> Path:
-    """Model C with every routed expert widened by zeros to 2048 (tools/synth/widen.py): the random
-    model's 1.67 MB and multiply-adds per Q8_0 expert, a trained model's routing; its logits are model
-    C's. Built once into models/_bench/."""
+def trained_bench_model(width: int = TRAINED_WIDTH) -> Path:
+    """Model C with every routed expert widened by zeros to ``width`` (tools/synth/widen.py): at 2048
+    the random model's 1.67 MB and multiply-adds per Q8_0 expert (at 4096 twice that), a trained
+    model's routing; its logits are model C's. Built once into models/_bench/."""
     from synth.widen import widen_experts  # tools/
 
-    out = ROOT / "models" / "_bench" / f"bench-trained-{MODEL_C.stem}-w{TRAINED_WIDTH}.gguf"
+    out = ROOT / "models" / "_bench" / f"bench-trained-{MODEL_C.stem}-w{width}.gguf"
     if not out.exists() or out.stat().st_mtime < MODEL_C.stat().st_mtime:
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(f"widening {MODEL_C.name}'s experts to {TRAINED_WIDTH} (once) ...", file=sys.stderr)
-        widen_experts(MODEL_C, out, TRAINED_WIDTH)
+        print(f"widening {MODEL_C.name}'s experts to {width} (once) ...", file=sys.stderr)
+        widen_experts(MODEL_C, out, width)
     return out
 
 

@@ -12,6 +12,10 @@
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
 #     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (1/2 in RAM; the
 #     device fit's own tier beside no tier);
+#   - the same share with experts twice as wide (3.3 MB): how the ratio to --n-cpu-moe grows where the
+#     CPU's expert matmuls weigh more against a layer's fixed costs (the round trip, the routing op);
+#   - the CPU alone at the same threads: our expert op on the slots (stream, every expert cached)
+#     against ggml's mul_mat_id (resident, stock), which computes the CPU's share of both placements;
 #   - low-bit copies (a Q4_K companion) in the host slots and the VRAM tier, against full precision;
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
 # Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
@@ -20,7 +24,8 @@
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
 #   GPU_CHECK_STEPS=share,tier bash scripts/gpu_check.sh   # only these steps (a short lease): trained, share,
 #                                  # tier (the seeds' scenario's time per token: pinned or not, fill cpu), lowbit,
-#                                  # device, fusion (device with ggml-cuda's fusion off), exclusive, auto, random
+#                                  # device, fusion (device with ggml-cuda's fusion off), wide (share, 3.3 MB
+#                                  # experts), cpu (no GPU layers), exclusive, auto, random
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
 # docs, models and tests), and llama-cpp-python, gguf and diskcache on PYTHONPATH, must be there;
@@ -101,6 +106,11 @@ if step tier; then
     share "the same, --vram-fill cpu (no copies up once the tier is full)" \
         --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline --vram-fill cpu
 fi
+if step wide; then
+    BENCH_WIDE=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model(4096))" | tail -1)
+    share "the same share with experts twice as wide (model C widened to 4096: 3.3 MB a Q8_0 expert)" \
+        --model "$BENCH_WIDE" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+fi
 step lowbit && bench "low-bit copies on the GPU: a Q4_K companion in the host slots and the VRAM tier (model C widened)" --model trained \
     --gpu-layers 99 --stock --no-mmap --cache-sizes 0.25 --routings prior:0.5 --prefetch off,off:m=lowbit-cache \
     --vram-size 8 --vram-fill copy --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
@@ -118,6 +128,9 @@ say "\`GGML_CUDA_DISABLE_FUSION=1 python scripts/bench_device.py --model $BENCH_
 GGML_CUDA_DISABLE_FUSION=1 "$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 3 --threads "$THREADS" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 fi
+step cpu && bench "the CPU alone, $THREADS threads: our expert op on the slots (stream, every expert cached) against ggml's (resident, stock) (model C widened)" \
+    --model trained --gpu-layers 0 --stock --no-mmap --cache-sizes 1.0 --routings lru --reps "$REPS" --threads "$THREADS" \
+    --tokens 64 --warmup 8 --keep-going
 step exclusive && share "exclusive tiers: 1/2 of the experts in RAM, 1/4 in VRAM, and -ngl 99 --cache-size 16 alone (the GPU's free memory takes the rest) against no tier (model C)" \
     --model models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --rpc none --host-share 0.5 --exclusive --device-fit \
     --warmup 512 --tokens 256 --speed --reps 2 --threads "$THREADS" --timeline
