@@ -363,3 +363,78 @@ def test_every_expert_on_the_gpu_dispatches_what_stock_does_and_a_gating_copy(fi
     assert fused and sum(fused.values()) == n_moe, want  # (lavapipe fuses stock's routing)
     more = {op: got.get(op, 0) - want.get(op, 0) for op in set(want) | set(got) if got.get(op, 0) != want.get(op, 0)}
     assert more == {"SOFT_MAX": n_moe}, (more, want, got)
+
+
+FUSED_SCRIPT = r"""
+import json
+import sys
+import pymoecache
+from pymoecache import BatchDecoder, CacheConfig
+
+PROMPT, DECODES = list(range(300, 320)), list(range(1000, 1040))
+PROMPTS, LENGTHS = [[1, 5, 9, 13, 17], [1, 200, 33], [1, 7, 7, 7, 7, 7, 100], [1, 50], [1, 9, 2000]], [24, 9, 17, 24, 10]
+
+
+def llama(record, **kw):  # recording the router keeps the CPU routing op (the op path)
+    cache = CacheConfig(size=0.25, residency="none", trace=4096, router_record=record, eviction="router-mass")
+    return pymoecache.Llama(sys.argv[1], cache=cache, routing="top-k", verbose=False, n_threads=1, n_gpu_layers=99,
+                            flash_attn=False, **kw)
+
+
+def result(llm, **more):
+    st = llm.moe_stats()
+    trace = [(int(r["token"]), int(r["layer"]), sorted(r["experts"][:r["n_selected"]].tolist()),
+              sorted(int(e) for i, e in enumerate(r["experts"][:r["n_selected"]]) if int(r["hit_mask"]) >> i & 1))
+             for r in llm.moecache.trace()]  # (token, layer, the experts selected, those of them cached)
+    return dict(hits=st.hits, misses=st.misses, evictions=st.evictions, trace=trace,
+                device_steps=st.residency.device_steps, **more)
+
+
+out = {}
+for record in (0, 1 << 16):
+    llm = llama(record, n_ctx=128, n_batch=32, n_ubatch=32)
+    llm.eval(PROMPT)
+    llm.reset_moe_stats()
+    for t in DECODES:
+        llm.eval([t])
+    single = result(llm)
+    llm.close()
+    llm = llama(record, n_ctx=512, n_seq_max=4)
+    dec = BatchDecoder(llm)
+    seqs = [dec.add(p, max_tokens=n) for p, n in zip(PROMPTS, LENGTHS)]
+    dec.run()
+    batch = result(llm, tokens=[s.tokens for s in seqs], rows=[(s.hits, s.misses) for s in seqs])
+    dec.close()
+    llm.close()
+    out["op" if record else "device"] = dict(single=single, batch=batch)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("model", ["qwen2moe-60x4", "olmoe-64x8"])
+def test_the_device_path_on_a_device_that_fuses_the_routing_counts_what_the_op_counts(fixture_dir, tmp_path, model):
+    """Every expert on the GPU, the cache only counting (top-k): where ggml-vulkan fuses llama.cpp's routing
+    into its top-k MoE kernel (as ggml-cuda does), that kernel writes only the top K of each row of the
+    argsort, which the counting reads from its staging buffer; over RPC, whose CPU fuses nothing, every
+    entry is written. Decoded one token at a time and four sequences at a time (BatchDecoder: a row per
+    sequence), from the installed package on lavapipe, the device path counts what the CPU routing op
+    counts on the same device, under router-mass eviction, which reads the router's probabilities (the
+    fused kernel computes none that the graph keeps: the counting computes its own beside it): hits,
+    misses, evictions, each sequence's hits and misses, and each token's
+    selected experts in every layer (as sets: where two experts' scores tie, the fused kernel orders them
+    its own way, and the trace records the order the device computed)."""
+    from test_rpc_as_installed import installed_env
+
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], GGML_VK_PERF_LOGGER="1", **VK_ENV)
+    r = subprocess.run([sys.executable, "-c", FUSED_SCRIPT, str(model_path(fixture_dir, model))], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TOPK_MOE" in r.stderr  # (the device fused the routing: what this test is about)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    device, op = got["device"], got["op"]
+    for kind in ("single", "batch"):
+        a, b = device[kind], op[kind]
+        assert a["device_steps"] > 0 and b["device_steps"] == 0, kind  # (each took its path)
+        assert a["misses"] > 0 and a["evictions"] > 0, kind
+        for key in ("hits", "misses", "evictions", "trace") + (("tokens", "rows") if kind == "batch" else ()):
+            assert a[key] == b[key], (kind, key)
