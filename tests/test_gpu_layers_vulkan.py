@@ -420,9 +420,9 @@ def test_the_device_path_on_a_device_that_fuses_the_routing_counts_what_the_op_c
     sequence), from the installed package on lavapipe, the device path counts what the CPU routing op
     counts on the same device, under router-mass eviction, which reads the router's probabilities (the
     fused kernel computes none that the graph keeps: the counting computes its own beside it): hits,
-    misses, evictions, each sequence's hits and misses, and each token's
-    selected experts in every layer (as sets: where two experts' scores tie, the fused kernel orders them
-    its own way, and the trace records the order the device computed)."""
+    misses, evictions, each sequence's hits and misses, and each token's selected experts in every layer
+    (as sets: where two experts' scores tie, the fused kernel orders them its own way, and the trace
+    records the order the device computed)."""
     from test_rpc_as_installed import installed_env
 
     env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], GGML_VK_PERF_LOGGER="1", **VK_ENV)
