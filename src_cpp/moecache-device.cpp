@@ -388,7 +388,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     // no copy could be made, llama.cpp's is copied, not placed: a device that fuses the routing would not
     // compute it, but with the copy reading it, it does not fuse it
     ggml_tensor * p_out = probs;
-    ggml_tensor * s_out = s_is_p ? nullptr : selection;
+    ggml_tensor * s_out = selection; // (where s is p: p's tensor, read from p's field below)
     bool copy_p = false;
     bool copy_s = false;
     if (!on_cpu && !prior) {
@@ -396,7 +396,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
         ggml_tensor * s2 = p2 && !s_is_p ? device_regate(ctx, selection, logits, probs, p2, 0) : nullptr;
         p_out  = p2 ? p2 : probs;
         copy_p = !p2;
-        s_out  = s_is_p ? nullptr : s2 ? s2 : selection;
+        s_out  = s_is_p ? p_out : s2 ? s2 : selection;
         copy_s = !s_is_p && !s2;
     }
     // each into its field: the op's output placed there where it can be, else a copy (an op more); one that
@@ -440,7 +440,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
             return nullptr; // (not reached: a buffer of ggml's init_tensor fails only for quantized tensors)
         }
     }
-    for (ggml_tensor * t : { p_out, s_out }) {
+    for (ggml_tensor * t : { p_out, s_out == p_out ? nullptr : s_out }) {
         if (t && t != probs && t != selection && t != logits) {
             ggml_format_name(t, "moecache_counted-%d", il);
             d.pending.push_back(t); // (into the graph after llama.cpp's routing ops: moecache_device_expand)
@@ -453,7 +453,7 @@ ggml_tensor * moecache_device_defer(moecache & mc, ggml_context * ctx, ggml_cgra
     d.deferred[il] = call + 1;
     d.n_calls      = std::max(d.n_calls, call + 1);
     d.p_from[k]    = from[FIELD_P];
-    d.s_from[k]    = s_is_p ? from[FIELD_P] : from[FIELD_S];
+    d.s_from[k]    = from[FIELD_S];
     d.prior[il]    = prior;
     d.n_deferred  += 1;
     d.n_prior     += prior;
