@@ -3,11 +3,12 @@ prefilled again, across requests, conversations and restarts (llama-cpp-python's
 keeps whole ``LlamaState`` objects, logits included; this keeps llama.cpp's KV cache of the sequence).
 
 After each generation :meth:`PromptCache.save` writes the context's conversation (its tokens and
-their KV cache, llama.cpp's ``llama_state_seq_save_file``) to ``DIR/<hash>.prompt``; an entry whose
-tokens begin another's is dropped (the longer one serves every prompt it served). Before a generation
-:meth:`PromptCache.restore` loads the entry sharing the longest prefix with the prompt, where that is
-longer than what the context already holds: only the rest of the prompt is then decoded, and the
-restored history reads no expert. Files beyond ``capacity`` bytes go, least recently used first.
+their KV cache, a pymoecache.kv state file naming the model and the context size) to ``DIR/<hash>.prompt``;
+an entry whose tokens begin another's is dropped (the longer one serves every prompt it served). Before a
+generation :meth:`PromptCache.restore` loads the entry of the same model and context size sharing the
+longest prefix with the prompt, where that is longer than what the context already holds: only the rest
+of the prompt is then decoded, and the restored history reads no expert. An entry that is truncated or
+damaged is dropped when it would be used; entries of other models stay, unused. Files beyond ``capacity`` bytes go, least recently used first.
 
 >>> cache = PromptCache("/tmp/prompts", capacity=2 << 30)                       # doctest: +SKIP
 >>> llm.set_prompt_cache(cache)                                                 # doctest: +SKIP
@@ -15,17 +16,15 @@ restored history reads no expert. Files beyond ``capacity`` bytes go, least rece
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from .errors import ConfigError
+from .errors import ConfigError, StateFileError
 from .files import make_directory
 
-_SEQ_MAGIC = 0x67677371  # 'ggsq', llama.cpp's LLAMA_STATE_SEQ_MAGIC
 _MIN_GAIN = 8            # tokens a restore must save over what the context holds
 
 
@@ -54,67 +53,73 @@ def _lcp(a, b) -> int:
     return n
 
 
-def _read_tokens(path: Path) -> Optional[Tuple[int, ...]]:
-    """The tokens a .prompt file holds (its header), None where it is not one."""
+def _read_entry(path: Path) -> "Optional[_Entry]":
+    """What a .prompt file says of itself (its header), None where it is not an entry."""
+    from .kv import SEQUENCE, read_header
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(12)
-            if len(head) < 12 or int.from_bytes(head[:4], "little") != _SEQ_MAGIC:
-                return None
-            n = int.from_bytes(head[8:12], "little")
-            if not 0 < n <= 1 << 22:
-                return None
-            raw = f.read(4 * n)
-    except OSError:
+        h = read_header(path)
+    except (OSError, StateFileError):
         return None
-    if len(raw) < 4 * n:
-        return None
-    return tuple(int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, 4 * n, 4))
+    return _Entry(h.tokens, h.model, h.n_ctx) if h.kind == SEQUENCE and h.tokens else None
+
+
+class _Entry(NamedTuple):
+    tokens: Tuple[int, ...]
+    model: bytes  # the model's fingerprint (pymoecache.kv)
+    n_ctx: int
 
 
 class PromptCache:
     """Conversations on disk in ``directory`` (made if missing), at most ``capacity`` bytes."""
 
     def __init__(self, directory: "os.PathLike[str] | str", capacity: int = 2 << 30):
+        if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(f"prompt cache directory must be a path (str or os.PathLike), got {directory!r:.60}")
+        if not os.fspath(directory) or "\0" in os.fspath(directory):
+            raise ConfigError(f"prompt cache directory {os.fspath(directory)!r:.60} is empty or holds a NUL character")
         self.directory = Path(directory)
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ConfigError(f"prompt cache capacity must be a positive number of bytes, got {capacity!r}")
         self.capacity = capacity
         make_directory(self.directory, "prompt cache", ConfigError)
         self._lock = threading.Lock()
-        self.entries: Dict[Path, Tuple[int, ...]] = {}
+        self.entries: Dict[Path, _Entry] = {}
         for p in self.directory.glob("*.prompt"):  # (files that are not entries are left alone and unused)
-            tokens = _read_tokens(p)
-            if tokens is not None:
-                self.entries[p] = tokens
+            entry = _read_entry(p)
+            if entry is not None:
+                self.entries[p] = entry
         self.restored = 0   # entries loaded so far, and the tokens they gave
         self.restored_tokens = 0
 
     def restore(self, llm, prompt: List[int]) -> int:
-        """Load into ``llm``'s context the entry sharing the longest prefix with ``prompt`` where that beats
-        what the context holds by at least a few tokens; returns the tokens restored (0: none)."""
-        import llama_cpp
+        """Load into ``llm``'s context the entry of this model and context size sharing the longest prefix
+        with ``prompt`` where that beats what the context holds by at least a few tokens; returns the tokens
+        restored (0: none). An entry that is truncated or damaged is dropped (its file removed)."""
+        from .kv import load_file, model_fingerprint
 
         have = _lcp(llm.input_ids[:llm.n_tokens].tolist(), prompt)
+        model, n_ctx = model_fingerprint(llm.model_path), llm.n_ctx()
         with self._lock:
             best, gain = None, have + _MIN_GAIN
-            for p, tokens in self.entries.items():
-                n = _lcp(tokens, prompt)
+            for p, e in self.entries.items():
+                if e.model != model or e.n_ctx != n_ctx:  # (another model's, or another context size's)
+                    continue
+                n = _lcp(e.tokens, prompt)
                 if n >= gain:
                     best, gain = p, n
         if best is None:
             return 0
-        n_ctx = llm.n_ctx()
-        buf = (llama_cpp.llama_token * n_ctx)()
-        n_out = ctypes.c_size_t(0)
-        if not llama_cpp.llama_state_seq_load_file(llm._ctx.ctx, str(best).encode(), 0, buf, n_ctx,
-                                                   ctypes.byref(n_out)) or not 0 < n_out.value <= n_ctx:
-            with self._lock:  # (not one of this model and context, or gone: dropped, the context emptied)
+        try:
+            tokens = load_file(llm, best, 0)
+        except (OSError, StateFileError):  # (damaged, truncated, or gone: dropped, the context emptied)
+            with self._lock:
                 self.entries.pop(best, None)
+            best.unlink(missing_ok=True)
             empty_context(llm)
             return 0
-        n = int(n_out.value)
-        adopt_conversation(llm, buf[:n])
+        n = len(tokens)
+        adopt_conversation(llm, tokens)
         try:
             os.utime(best)  # (recently used)
         except OSError:
@@ -124,14 +129,16 @@ class PromptCache:
         return min(n, gain)
 
     def save(self, llm) -> Optional[Path]:
-        """The context's conversation as an entry (None where it holds too little to be worth one)."""
-        import llama_cpp
+        """The context's conversation as an entry (None where it holds too little to be worth one, or where
+        it cannot be written: the cache is a help, not a duty)."""
+        from .kv import model_fingerprint, save_file
 
         n = llm.n_tokens
         if n < _MIN_GAIN:
             return None
         tokens = tuple(llm.input_ids[:n].tolist())
-        name = hashlib.sha1(repr(tokens).encode()).hexdigest()[:24] + ".prompt"
+        model, n_ctx = model_fingerprint(llm.model_path), llm.n_ctx()
+        name = hashlib.sha1(repr((model, n_ctx, tokens)).encode()).hexdigest()[:24] + ".prompt"
         path = self.directory / name
         if path in self.entries and path.exists():
             try:
@@ -139,22 +146,16 @@ class PromptCache:
             except OSError:
                 pass
             return path
-        tmp = self.directory / (name + ".tmp")
-        arr = (llama_cpp.llama_token * n)(*tokens)
         try:
-            if not llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, str(tmp).encode(), 0, arr, n):
-                return None
-            os.replace(tmp, path)
-        except OSError:  # (a full disk: the cache is a help, not a duty)
+            save_file(llm, path, list(tokens), 0, "prompt-cache entry")
+        except StateFileError:  # (a full disk, a read-only directory, something not a file at the name)
             return None
-        finally:
-            tmp.unlink(missing_ok=True)
         with self._lock:
-            for p, t in list(self.entries.items()):  # a prefix of this one serves nothing this one does not
-                if len(t) <= n and tokens[:len(t)] == t:
+            for p, e in list(self.entries.items()):  # a prefix of this one serves nothing this one does not
+                if e.model == model and e.n_ctx == n_ctx and len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens:
                     p.unlink(missing_ok=True)
                     del self.entries[p]
-            self.entries[path] = tokens
+            self.entries[path] = _Entry(tokens, model, n_ctx)
             self._trim()
         return path
 

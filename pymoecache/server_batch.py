@@ -215,10 +215,18 @@ class BatchServer:
                 with contextlib.suppress(Exception):
                     fut.result(timeout=10)
 
+    def own_context(self) -> None:
+        """With the model lock held: where a request outside the batch used the context since the batch
+        last did (slot 0 and more), what the free slots kept is gone; so is, after, that request's
+        conversation (the Llama's own, in slot 0)."""
+        if self.llm.n_evals != self._evals:
+            self.dec.forget()
+            self.llm.n_tokens = 0
+            self._evals = self.llm.n_evals
+
     def _batch(self) -> None:
         """Steps while there is anything to decode; the model lock is held."""
-        if self.llm.n_evals != self._evals:  # a request outside the batch used the context (slot 0 and more)
-            self.dec.forget()
+        self.own_context()
         try:
             while True:
                 with self._cv:

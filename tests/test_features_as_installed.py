@@ -434,14 +434,14 @@ def test_slot_save_and_restore(fixture_dir, tmp_path):
         assert cont["timings"]["prompt_n"] <= cont["tokens_evaluated"] - saved["n_saved"] + 1
         assert cont["moecache"]["tokens"] < cont["tokens_evaluated"], cont["moecache"]
         # refused: a file that is not one, a path, a missing file, a slot that does not exist, an unknown action
-        good = (slots / "conversation.bin").read_bytes()  # magic, version, then a token count and tokens: garbage after
-        (slots / "junk.bin").write_bytes(good[:8] + (3).to_bytes(4, "little") + b"\x05\0\0\0" * 3 + b"\xff" * 256)
+        good = (slots / "conversation.bin").read_bytes()  # its header, then garbage
+        (slots / "junk.bin").write_bytes(good[:96] + b"\xff" * 256)
         (slots / "text.bin").write_text("hello")
         (slots / "cut.bin").write_bytes(good[:len(good) // 2])  # truncated
         for path, body, status, words in (
-                ("/slots/0?action=restore", {"filename": "junk.bin"}, 400, "not a slot file of this model"),
-                ("/slots/0?action=restore", {"filename": "text.bin"}, 400, "is not a slot file"),
-                ("/slots/0?action=restore", {"filename": "cut.bin"}, 400, "not a slot file of this model"),
+                ("/slots/0?action=restore", {"filename": "junk.bin"}, 400, "truncated or damaged"),
+                ("/slots/0?action=restore", {"filename": "text.bin"}, 400, "is not a pymoecache state file"),
+                ("/slots/0?action=restore", {"filename": "cut.bin"}, 400, "truncated or damaged"),
                 ("/slots/0?action=restore", {"filename": "../x.bin"}, 400, "not a plain file name"),
                 ("/slots/0?action=save", {"filename": ".hidden"}, 400, "not a plain file name"),
                 ("/slots/0?action=restore", {"filename": "none.bin"}, 404, "no slot file"),
