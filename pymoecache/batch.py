@@ -322,6 +322,7 @@ class BatchDecoder:
         """Waiting sequences into free slots, their prompts prefilled together: one ubatch of every new
         prompt's tokens (n_batch at a time), so an expert the prompts share is read once."""
         new = []
+        pending = 0  # cells the prompts admitted in this step will take (not in _kept before their prefill)
         while len(self._running) < self.n_slots:
             with self._lock:
                 if not self._waiting:
@@ -335,14 +336,15 @@ class BatchDecoder:
             # the free slots keep for prefixes that come back. Those go first; a prompt that still does
             # not fit waits for the running sequences to end
             need = len(s.prompt) - n_keep + 1
-            if self._cells() - len(self._kept[slot]) + n_keep + need > self._n_ctx:
+            if self._cells() + pending - len(self._kept[slot]) + n_keep + need > self._n_ctx:
                 self.forget()
                 slot, n_keep = self._free_slot(s.prompt)
                 need = len(s.prompt) + 1
-                if self._cells() + need > self._n_ctx and (self._running or new):
+                if self._cells() + pending + need > self._n_ctx and (self._running or new):
                     with self._lock:
                         self._waiting.appendleft(s)
                     break
+            pending += need
             s.slot, s.n_prompt_reused = slot, n_keep
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), slot, n_keep, -1)
             self._kept[slot] = list(s.prompt[:n_keep])

@@ -16,12 +16,15 @@ pymoecache.errors.GrammarError: grammar: not a valid GBNF grammar with a 'root' 
 
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Tuple
 
 from .errors import GrammarError
 
 MAX_CHARS = 128 << 10  # characters of a grammar
 MAX_DEPTH = 200        # nested parentheses (llama.cpp's parser recurses once per level)
+
+_QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")  # a regex's {m}, {m,}, {m,n}
 
 _SIMPLE_ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
@@ -113,3 +116,39 @@ def check_grammar(text, vocab=None, root: str = "root") -> None:
         why = take_log_lines(2)
         raise GrammarError(f"grammar: not a valid GBNF grammar with a {root!r} rule" + (f": {why}" if why else ""))
     llama_cpp.llama_sampler_free(sampler)
+
+
+def _count(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
+
+
+def check_schema_size(schema, limit: int = MAX_CHARS) -> None:
+    """GrammarError where a JSON schema asks for more repetitions than a grammar of ``limit`` characters
+    holds, before any grammar is built. llama-cpp-python's converter writes every repetition a schema asks
+    for out in full (``minLength``/``maxLength``, ``minItems``/``maxItems``, a pattern's ``{m,n}``), at least
+    one character each: ``{"type": "string", "minLength": 1000000000}`` would take minutes and gigabytes
+    before check_grammar refused the result. The walk is iterative (no recursion on deep schemas).
+
+    >>> check_schema_size({"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 8})
+    >>> check_schema_size({"type": "string", "minLength": 10**9})
+    Traceback (most recent call last):
+    ...
+    pymoecache.errors.GrammarError: schema: asks for 1000000000 repetitions (minLength, maxItems, a pattern's {m,n}, ...); its grammar would be larger than 131072 characters
+    """
+    total, stack = 0.0, [schema]
+    while stack and total <= limit:
+        x = stack.pop()
+        if isinstance(x, dict):
+            total += max(_count(x.get("minLength")), _count(x.get("maxLength")))
+            total += max(_count(x.get("minItems")), _count(x.get("maxItems")))
+            pattern = x.get("pattern")
+            if isinstance(pattern, str):
+                for m in _QUANTIFIER.finditer(pattern):
+                    total += max((float(g) if len(g) < 20 else float("inf")) if g else 0.0 for g in m.groups(""))
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    if total > limit:
+        many = f"{total:.0f}" if total < 1e19 else "more than 10^19"
+        raise GrammarError(f"schema: asks for {many} repetitions (minLength, maxItems, a pattern's {{m,n}}, ...); "
+                           f"its grammar would be larger than {limit} characters")

@@ -66,6 +66,18 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
         raise RequestError(f"'{param}' " + str(e).removeprefix("grammar: "), 400, param) from None
 
 
+def check_schema(schema, param: str) -> None:
+    """RequestError (400) where a JSON schema would make a grammar larger than any grammar this server
+    takes (pymoecache.grammar.check_schema_size: decided before anything is built)."""
+    from .errors import GrammarError
+    from .grammar import check_schema_size
+
+    try:
+        check_schema_size(schema)
+    except GrammarError as e:
+        raise RequestError(f"'{param}' " + str(e).removeprefix("schema: "), 400, param) from None
+
+
 def schema_grammar(schema, param: str) -> str:
     """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
     llama-server reads it); RequestError (400) where the schema cannot be converted."""
@@ -75,6 +87,7 @@ def schema_grammar(schema, param: str) -> str:
 
     if not isinstance(schema, dict):
         raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
+    check_schema(schema, param)
     try:
         return json_schema_to_gbnf(json.dumps(schema or {"type": "object"}))
     except Exception as e:  # the converter raises anything from KeyError to RecursionError
@@ -229,6 +242,7 @@ def validate_request(llm, path: str, raw: bytes):
                            400, "max_tokens")
     if chat:
         d["response_format"] = _response_format(d.get("response_format"))
+        _check_tool_schemas(d)
     try:
         body = (CreateChatCompletionRequest if chat else CreateCompletionRequest)(**d)
     except ValidationError as e:
@@ -251,6 +265,18 @@ def validate_request(llm, path: str, raw: bytes):
     return body
 
 
+def _check_tool_schemas(d: dict) -> None:
+    """The parameters of every tool and function a chat request names, bounded as a schema is: llama-cpp-python
+    builds a grammar from the chosen one's."""
+    for field in ("tools", "functions"):
+        items = d.get(field)
+        for i, t in enumerate(items if isinstance(items, list) else ()):
+            f = t.get("function") if isinstance(t, dict) and field == "tools" else t
+            params = f.get("parameters") if isinstance(f, dict) else None
+            if params is not None:
+                check_schema(params, f"{field}[{i}]" + (".function" if field == "tools" else "") + ".parameters")
+
+
 def _response_format(rf):
     """OpenAI's ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (and llama-server's
     ``{"type": "json_schema", "schema": ...}``) as llama-cpp-python's ``{"type": "json_object", "schema": ...}``:
@@ -265,6 +291,9 @@ def _response_format(rf):
     if wrapper is not None and not isinstance(wrapper, dict):
         raise RequestError("'response_format.json_schema' must be an object such as {\"name\": ..., \"schema\": "
                            "{...}}", 400, "response_format")
+    if wrapper is None and rf.get("schema") is None:
+        raise RequestError("'response_format' of type json_schema needs its schema: {\"type\": \"json_schema\", "
+                           "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", 400, "response_format")
     schema = (wrapper or {}).get("schema", rf.get("schema", {}))
     if not isinstance(schema, dict):
         raise RequestError("'response_format.json_schema.schema' must be a JSON schema object", 400, "response_format")

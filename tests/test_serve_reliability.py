@@ -1,0 +1,77 @@
+"""The server against what issue 74 found (items 2, 3, 12): schemas whose grammar has no bound, prompts admitted
+together past the context, small refusals; the installed package's serve in a fresh process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+from conftest import http_json, model_path
+from test_features_as_installed import installed_server
+
+MODEL = "qwen2moe-60x4"
+HUGE = 10**9
+
+
+def test_a_schema_whose_grammar_would_be_huge_is_refused_before_it_is_built(fixture_dir, tmp_path):
+    """Item 2: ``{"type": "string", "minLength": 10**9}`` grew a -np 4 server to 14 GB until the kernel killed it
+    (10**8: 11.8 s and 650 MB before its 400). Every way a schema reaches the grammar builder is now a 400 naming
+    the field, given before anything is built (the http client's timeout is 20 s), and the server goes on."""
+    with installed_server(tmp_path, model_path(fixture_dir, MODEL), "--routing", "lru", "-np", "4") as base:
+        def post(path, body):
+            return http_json(base + path, body)
+
+        msgs = [{"role": "user", "content": "Hi"}]
+        cases = [
+            ("/completion", {"prompt": "Hi", "json_schema": {"type": "string", "minLength": HUGE}}, "json_schema"),
+            ("/completion", {"prompt": "Hi", "json_schema": {"type": "string", "minLength": 10**8}}, "json_schema"),
+            ("/completion", {"prompt": "Hi", "json_schema": {"type": "array", "items": {}, "maxItems": HUGE}},
+             "json_schema"),
+            ("/completion", {"prompt": "Hi", "json_schema": {"type": "string", "pattern": "^a{1000000000}$"}},
+             "json_schema"),
+            ("/completion", {"prompt": "Hi", "json_schema": {"type": "object", "properties": {
+                f"p{i}": {"type": "string", "maxLength": 20000} for i in range(10)}}}, "json_schema"),
+            ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "string", "minLength": HUGE}}}}, "response_format.schema"),
+            ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object", "schema": {
+                "type": "string", "maxLength": HUGE}}}, "response_format.schema"),
+            ("/v1/chat/completions", {"messages": msgs, "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "minLength": HUGE}}}
+            }}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
+            ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_schema"}}, "response_format"),
+        ]
+        for path, body, param in cases:
+            status, r = post(path, body)
+            assert status == 400 and r["error"]["param"] == param, (body, r)
+        # (a schema of a sensible size still constrains the answer)
+        status, r = post("/completion", {"prompt": "Answer:", "n_predict": 24, "temperature": 0,
+                                         "json_schema": {"type": "string", "maxLength": 6}})
+        assert status == 200 and isinstance(json.loads(r["content"]), str) and len(json.loads(r["content"])) <= 6, r
+
+
+def _chat(base, text, max_tokens):
+    return http_json(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                                     "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_prompts_admitted_together_past_the_context_wait_their_turn(fixture_dir, tmp_path):
+    """Item 3: ``serve -np 4 -c 256`` and four chats of ~65 tokens at once: all four were 500s (llama_decode
+    returned 1), each alone a 200; at -c 1024 three long and three short prompts failed together. The batch now
+    admits what fits and queues the rest: every answer is a 200, and each is the answer it gets alone."""
+    long = "The king said nothing at all to the queen that night, and the queen said nothing back to him. " * 3
+    m = model_path(fixture_dir, MODEL)
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "4", "-c", "256") as base:
+        texts = [f"{i}: {long}" for i in range(4)]
+        alone = [_chat(base, t, 8) for t in texts]
+        assert all(s == 200 for s, _ in alone), alone
+        assert all(60 <= r["usage"]["prompt_tokens"] <= 120 for _, r in alone), [r["usage"] for _, r in alone]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda t: _chat(base, t, 8), texts))
+        assert [s for s, _ in together] == [200] * 4, together
+        assert [r["choices"][0]["message"]["content"] for _, r in together] == \
+            [r["choices"][0]["message"]["content"] for _, r in alone]
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "6", "-c", "1024") as base:
+        texts = [f"{i}: {long * 2}" for i in range(3)] + [f"{i}: Hello there." for i in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(lambda t: _chat(base, t, 16), texts))
+        assert [s for s, _ in together] == [200] * 6, together
