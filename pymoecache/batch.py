@@ -31,6 +31,7 @@ import llama_cpp
 import numpy as np
 
 from .config import ConfigError
+from .errors import ClosedError
 
 
 @dataclass(eq=False)
@@ -54,6 +55,7 @@ class Sequence:
     logits: Optional[list] = None      # add(keep_logits=True): each token's logits row (numpy float32 [n_vocab])
     forced: Optional[List[int]] = None  # add(forced=...): the tokens it takes instead of sampling (a text scored)
     nll: Optional[List[float]] = None   #   and each one's negative log-likelihood under the model
+    error: Optional[BaseException] = None  # what its on_token raised (it then ended, finish_reason "error")
     _sampler: object = None
     _cancel: bool = False
 
@@ -96,6 +98,31 @@ def _sampler(n_vocab: int, temperature: float, top_k: int, top_p: float, min_p: 
     return chain
 
 
+def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed, penalties) -> None:
+    """ConfigError for what the sampler chain would misread: NaN or infinite numbers, probabilities
+    outside [0, 1], integers beyond what llama.cpp takes (32 bits), penalties not three numbers."""
+    import math
+    import numbers
+
+    def number(name, v, lo, hi, integer=False):
+        ok = (not isinstance(v, bool) and isinstance(v, numbers.Integral if integer else numbers.Real)
+              and not math.isnan(v) and lo <= v <= hi)
+        if not ok:
+            raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'} in [{lo:g}, {hi:g}], "
+                              f"got {v!r:.40}")
+
+    number("max_tokens", max_tokens, 1, 2**31 - 1, integer=True)
+    number("temperature", temperature, -1e6, 1e6)
+    number("top_k", top_k, -2**31, 2**31 - 1, integer=True)
+    number("top_p", top_p, 0.0, 1.0)
+    number("min_p", min_p, 0.0, 1.0)
+    number("seed", seed, -2**63, 2**64 - 1, integer=True)
+    if not isinstance(penalties, (tuple, list)) or len(penalties) != 3:
+        raise ConfigError(f"penalties must be (repeat, frequency, presence), got {penalties!r:.60}")
+    for name, v in zip(("repeat", "frequency", "presence"), penalties):
+        number(f"penalties' {name}", v, -1e6, 1e6)
+
+
 class BatchDecoder:
     """Sequences decoded together on ``llm`` (a :class:`pymoecache.Llama` made with ``n_seq_max`` > 1:
     that many run at once; more wait for a slot). One thread drives it (:meth:`step` or :meth:`run`);
@@ -119,6 +146,8 @@ class BatchDecoder:
         self.steps = 0              # batched decode steps
         self.step_tokens = 0        # tokens they decoded (a step of 3 sequences: 3)
         self._closed = False
+        self._evals = getattr(llm, "n_evals", 0)  # the Llama's own evals so far (they use the context too)
+        self._raised: List[BaseException] = []   # what on_token raised during a step, raised after it
         # the slots start empty: the Llama's own conversation (slot 0) is forgotten
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
         llm.n_tokens = 0
@@ -142,6 +171,13 @@ class BatchDecoder:
         except Exception:
             pass
 
+    def _check_open(self) -> None:
+        """ClosedError once this decoder or its Llama is closed (their memory is freed: llama.cpp would crash)."""
+        if self._closed:
+            raise ClosedError("BatchDecoder: it was closed (close(), or the end of its with block)")
+        if "_closed_why" in self.llm.__dict__ or getattr(self.llm._ctx, "ctx", None) is None:
+            raise ClosedError("BatchDecoder: its Llama was closed")
+
     # --- what callers see -------------------------------------------------------------------
     def add(self, prompt: Seq[int], *, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 40,
             top_p: float = 0.95, min_p: float = 0.05, seed: int = 0,
@@ -153,7 +189,9 @@ class BatchDecoder:
         token)`` is called on the decoding thread with each token; ``keep_logits`` keeps each token's
         logits row in ``seq.logits``; ``forced`` makes it take these tokens instead of sampling (at most
         ``max_tokens`` of them) and score each (``seq.nll``), as perplexity does, one token a step."""
+        self._check_open()
         prompt = [int(t) for t in prompt]
+        _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed, penalties)
         if not prompt:
             raise ConfigError("a sequence needs a prompt of at least one token")
         if len(prompt) >= self._n_ctx:
@@ -162,8 +200,6 @@ class BatchDecoder:
         bad = [t for t in prompt if not 0 <= t < n_vocab]
         if bad:
             raise ConfigError(f"token id {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}")
         if forced is not None:
             forced = [int(t) for t in forced]
             bad = [t for t in forced if not 0 <= t < self._n_vocab_n]
@@ -188,11 +224,16 @@ class BatchDecoder:
 
     def kept(self, slot: int) -> List[int]:
         """The tokens slot ``slot``'s KV sequence holds (a free slot: what a prompt may continue)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
+            raise ConfigError(f"slot {slot!r} does not exist: slots are 0 to {self.n_slots - 1}")
         return list(self._kept[slot])
 
     def set_kept(self, slot: int, tokens: List[int], in_cache: bool = False) -> None:
         """A free slot's KV sequence: emptied (``tokens`` empty), or ``tokens`` that llama.cpp has just put in
         the KV cache for it (``in_cache``: a sequence state restored from a file)."""
+        self._check_open()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
+            raise ConfigError(f"slot {slot!r} does not exist: slots are 0 to {self.n_slots - 1}")
         if any(s.slot == slot for s in self._running):
             raise ConfigError(f"slot {slot} is decoding a sequence")
         if not in_cache:
@@ -203,6 +244,8 @@ class BatchDecoder:
     def forget(self) -> None:
         """Forget what the free slots hold (another user of the context changed its KV cache): the
         next sequences are prefilled whole."""
+        self._check_open()
+        self._evals = getattr(self.llm, "n_evals", 0)
         busy = {s.slot for s in self._running}
         mem = llama_cpp.llama_get_memory(self._ctx)
         for slot in range(self.n_slots):
@@ -215,18 +258,35 @@ class BatchDecoder:
 
     def run(self) -> None:
         """Steps until every sequence added so far (and while running) has ended."""
+        self._check_open()
         while not self.idle():
             self.step()
 
     def step(self) -> List[tuple]:
         """Admit waiting sequences into free slots (each prefilled alone, its first token sampled), then
         decode one token of every running sequence in one llama_decode. Returns the (sequence, token)
-        pairs of this step."""
+        pairs of this step. What an ``on_token`` raised is raised after the step (its sequence ended,
+        finish_reason "error"); ConfigError where the Llama's own completion used the context since the
+        last step (the running sequences' KV cache is gone: they end, "error")."""
+        self._check_open()
         out = []
+        if getattr(self.llm, "n_evals", 0) != self._evals:
+            self._evals = getattr(self.llm, "n_evals", 0)
+            lost = list(self._running)
+            for s in lost:
+                self._end(s, "error")
+            self.forget()
+            if lost:
+                raise ConfigError(f"the Llama decoded on its own (a completion, eval) while this BatchDecoder ran "
+                                  f"{len(lost)} sequence(s): their KV cache is gone, they ended (finish_reason "
+                                  "\"error\"); use the Llama between runs, not between steps")
         self._admit(out)
         self._end_cancelled()
         if self._running:
             self._decode_step(out)
+        if self._raised:
+            e, self._raised = self._raised[0], []
+            raise e
         return out
 
     # --- internals ----------------------------------------------------------------------------
@@ -312,7 +372,13 @@ class BatchDecoder:
             s.t_first = time.perf_counter()
         out.append((s, tok))
         if s.on_token is not None:
-            s.on_token(s, tok)
+            try:
+                s.on_token(s, tok)
+            except Exception as e:  # (its sequence ends; the step goes on for the others, then raises it)
+                s.error = e
+                self._end(s, "error")
+                self._raised.append(e)
+                return
         if llama_cpp.llama_vocab_is_eog(self._vocab, tok) and s.forced is None:
             self._end(s, "stop")
         elif len(s.tokens) >= s.max_tokens or len(self._kept[s.slot]) + 1 >= self._n_ctx:

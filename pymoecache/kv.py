@@ -134,6 +134,8 @@ def _open_regular(path: "os.PathLike[str] | str"):
 
 
 def _parse_header(name: str, raw: bytes, size: int) -> Header:
+    if len(raw) < _HEAD.size and len(raw) >= 8 and raw[:8] == MAGIC:
+        raise StateFileError(f"{name} is truncated or damaged: {size} bytes, shorter than its header")
     if len(raw) < _HEAD.size or raw[:8] != MAGIC:
         raise StateFileError(f"{name} is not a pymoecache state file (llama.cpp's own state files and files of "
                              "pymoecache before 0.9 are not read)")

@@ -542,6 +542,12 @@ class Llama(llama_cpp.Llama):
         n_seq_max = kwargs.pop("n_seq_max", 1)
         check_int("n_seq_max", n_seq_max, 1, 256)
         self.n_seq_max = int(n_seq_max)
+        n_batch = kwargs.get("n_batch", 512)  # (llama-cpp-python's default, which it cuts to n_ctx)
+        if 0 < kwargs.get("n_ctx", 512) < n_batch:
+            n_batch = kwargs.get("n_ctx", 512)
+        if self.n_seq_max > n_batch:  # (llama.cpp would abort: a step's outputs, one per sequence, beyond n_batch)
+            raise ConfigError(f"n_batch ({n_batch}) must be at least n_seq_max ({self.n_seq_max}): a batched step "
+                              "decodes one token of every sequence (serve: -b at least -np)")
         asked = []
         if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
             asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))

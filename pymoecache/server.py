@@ -442,9 +442,10 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         (through _CLIENT_GONE), set when the client disconnects or the response ends for any reason,
         so the decoding thread stops at its next token and llama_cpp.server's lock is released."""
 
-        def __init__(self, response, request, gone: threading.Event, routing=None):
+        def __init__(self, response, request, gone: threading.Event, routing=None, on_end=None):
             super().__init__()
             self.response, self.request, self.gone, self.routing = response, request, gone, routing
+            self.on_end = on_end  # (a batched stream: its sequence, cancelled however the stream ends)
             queue.active += 1  # the request keeps its place until its stream ends
 
         async def __call__(self, scope, receive, send):
@@ -460,6 +461,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
             finally:
                 queue.active -= 1
                 self.gone.set()
+                if self.on_end is not None:
+                    self.on_end()
                 watcher.cancel()
                 _CLIENT_GONE.reset(reset)
                 _REQUEST_ROUTING.reset(reset_routing)
@@ -572,7 +575,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
         if body.stream:
             events = server_batch.chunks(batch, req, chat, _include_usage(raw), gone)
             return StopWhenGone(EventSourceResponse(events, sep="\n", ping_message_factory=app_mod._ping_message_factory),
-                                request, gone)
+                                request, gone, on_end=req.seq.cancel)
         watcher = asyncio.create_task(_watch_disconnect(request, gone))
         queue.active += 1
         try:

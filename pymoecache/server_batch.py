@@ -339,6 +339,8 @@ async def chunks(server: BatchServer, req: _Request, chat: bool, include_usage: 
             continue
         if kind == "end":
             break
+        if gone.is_set():  # (the client left: its sequence ends at the next step)
+            req.seq.cancel()
         yield {"data": json.dumps(chunk(piece, None))}
     if req.error is not None:
         raise req.error

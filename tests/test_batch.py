@@ -366,6 +366,72 @@ def test_serve_np_slot_files_are_per_sequence(fixture_dir, tmp_path):
         assert status == 400 and "-np 1" in r["error"]["message"], r
         (slots / "junk.bin").write_bytes((slots / "conversation.bin").read_bytes()[:12] + b"\xff" * 64)
         status, r = post(base, "/slots/0?action=restore", {"filename": "junk.bin"})
-        assert status == 400 and "not a slot file of this model" in r["error"]["message"], r
+        assert status == 400 and "truncated or damaged" in r["error"]["message"], r
         _, again = post(base, "/v1/completions", first)  # the server goes on
         assert again["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+def test_batch_decoder_refuses_what_it_cannot_do_and_outlives_a_raising_callback(fixture_dir, tmp_path):
+    """Issue 74 items 7, 8, 11: a BatchDecoder used after close() (its own or the Llama's) segfaulted; NaN or
+    infinite temperature, NaN min_p, top_k=2**40 and malformed penalties were taken; an on_token that raised once
+    raised again on every later run(); a completion on the Llama between steps gave a bare RuntimeError;
+    set_kept(99) an IndexError; n_seq_max above n_batch aborted at load. Each is now an error of the package
+    that says why, and the decoder goes on where it can."""
+    out = run_script(tmp_path, f"""
+        import json
+        from pymoecache import BatchDecoder, Llama
+        from pymoecache.errors import ClosedError, ConfigError
+        M = {str(model_path(fixture_dir, "qwen2moe-60x4")) !r}
+        said = {{}}
+
+        def refused(name, call, kind=ConfigError):
+            try:
+                call()
+                said[name] = "accepted"
+            except kind as e:
+                said[name] = "refused: " + str(e)
+
+        refused("n_batch", lambda: Llama(M, n_seq_max=4, n_batch=2, verbose=False))
+        llm = Llama(M, n_seq_max=2, n_ctx=256, verbose=False)
+        dec = BatchDecoder(llm)
+        p = [1, 5, 9, 13]
+        for name, kw in (("temp_nan", dict(temperature=float("nan"))), ("temp_inf", dict(temperature=float("inf"))),
+                         ("min_p_nan", dict(min_p=float("nan"))), ("top_k", dict(top_k=2**40)),
+                         ("penalties", dict(penalties=(1.0, "x", 0.0))), ("penalties_len", dict(penalties=(1.0,))),
+                         ("max_tokens", dict(max_tokens=2.5))):
+            refused(name, lambda: dec.add(p, **kw))
+        refused("set_kept", lambda: dec.set_kept(99, []))
+        refused("kept", lambda: dec.kept(-1))
+
+        def boom(seq, tok):
+            raise ValueError("from on_token")
+        a = dec.add(p, max_tokens=4, on_token=boom)
+        b = dec.add([1, 200, 33], max_tokens=4)
+        refused("on_token", dec.run, ValueError)
+        dec.run()  # (raised once; the other sequence goes on)
+        said["on_token_seq"] = [a.finish_reason, type(a.error).__name__, b.finish_reason, len(b.tokens)]
+        c = dec.add(p, max_tokens=8)
+        dec.step()
+        llm.create_completion("Hi", max_tokens=2)
+        refused("between_steps", dec.step)
+        said["between_steps_seq"] = c.finish_reason
+        d = dec.add(p, max_tokens=3)
+        dec.run()
+        said["after"] = [d.finish_reason, len(d.tokens)]
+        dec.close()
+        refused("closed_add", lambda: dec.add(p), ClosedError)
+        refused("closed_run", dec.run, ClosedError)
+        dec2 = BatchDecoder(llm)
+        dec2.add(p, max_tokens=2)
+        llm.close()
+        refused("llama_closed_step", dec2.step, ClosedError)
+        refused("llama_closed_add", lambda: dec2.add(p), ClosedError)
+        print(json.dumps(said))
+    """)
+    for name in ("n_batch", "temp_nan", "temp_inf", "min_p_nan", "top_k", "penalties", "penalties_len", "max_tokens",
+                 "set_kept", "kept", "on_token", "between_steps", "closed_add", "closed_run", "llama_closed_step",
+                 "llama_closed_add"):
+        assert out[name].startswith("refused"), (name, out[name])
+    assert "n_seq_max" in out["n_batch"] and "from on_token" in out["on_token"], out
+    assert out["on_token_seq"][:3] == ["error", "ValueError", "length"] and out["on_token_seq"][3] == 4, out
+    assert out["between_steps_seq"] == "error" and out["after"] == ["length", 3], out

@@ -75,3 +75,39 @@ def test_prompts_admitted_together_past_the_context_wait_their_turn(fixture_dir,
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             together = list(pool.map(lambda t: _chat(base, t, 16), texts))
         assert [s for s, _ in together] == [200] * 6, together
+
+
+def test_a_batched_stream_whose_client_left_stops_within_a_step(fixture_dir, tmp_path):
+    """Item 4: a batched stream whose client hung up decoded on to its max_tokens (1,476 tokens after 20 s), and
+    after four such cuts a short request waited 35.6 s. Now the slot is idle again right after the cut, and
+    a short request is answered beside nothing."""
+    import http.client
+    import time
+
+    from conftest import http_request
+
+    m = model_path(fixture_dir, MODEL)
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "2", "-c", "4096") as base:
+        port = int(base.rsplit(":", 1)[1])
+        for cut in range(4):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps({
+                "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 1.5, "seed": cut, "stream": True}),
+                {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            for _ in range(6):  # a few chunks
+                assert resp.readline()
+            states = [s["state"] for s in json.loads(http_request(base + "/slots")[1])]
+            assert "generating" in states, states  # (still generating when cut)
+            resp.close()
+            conn.close()
+            deadline = time.monotonic() + 10  # (a hang, not a speed, is what this bounds: it took 20 s and more)
+            while time.monotonic() < deadline:
+                states = [s.get("state") for s in json.loads(http_request(base + "/slots")[1])]
+                if all(st == "idle" for st in states):
+                    break
+                time.sleep(0.05)
+            assert all(st == "idle" for st in states), (cut, states)
+        status, r = http_json(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert status == 200 and r["usage"]["completion_tokens"] >= 1, r
