@@ -393,6 +393,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     app.state.memory_plan = proxy().memory_plan()
     proxy().set_prompt_cache(prompt_cache)
     app.state.chat_template = proxy().chat_template.label
+    app.state.n_ctx = proxy().n_ctx()  # (what llama.cpp made: it pads a small -c up)
     app.state.profile_pinned = None
     if profile is not None:
         served = proxy()

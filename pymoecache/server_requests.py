@@ -214,9 +214,16 @@ def validate_request(llm, path: str, raw: bytes):
     chat = path.endswith("/chat/completions")
     if chat:
         _check_messages(d.get("messages"))
-        for m in d["messages"]:  # OpenAI's newer name of the system role; chat templates know "system"
+        for i, m in enumerate(d["messages"]):  # OpenAI's newer name of the system role; chat templates know "system"
             if m.get("role") == "developer":
                 m["role"] = "system"
+            if m["role"] == "system" and isinstance(m.get("content"), list):  # (text parts, as OpenAI takes them)
+                parts = m["content"]
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in parts):
+                    raise RequestError(f"messages[{i}].content: a system or developer message's parts must be text "
+                                       "parts ({\"type\": \"text\", \"text\": ...})", 400, "messages")
+                m["content"] = "\n".join(p["text"] for p in parts)
     elif "prompt" in d and not isinstance(d["prompt"], str) and not (
             isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
         raise RequestError("'prompt' must be a string (or a list of at most one string)", 400, "prompt")

@@ -106,7 +106,7 @@ def bounded_formatter():
             env.filters["tojson"] = self.tojson
             env.max_bytes = self.max_bytes
             self._sandbox = env
-            self._environment = env.from_string(self.template)
+            self._environment = _CountedTemplate(env.from_string(self.template), self)
 
         def bound(self, max_bytes: int) -> None:
             self.max_bytes = self._sandbox.max_bytes = max_bytes
@@ -118,6 +118,24 @@ def bounded_formatter():
             return r
 
     return BoundedJinjaFormatter
+
+
+class _CountedTemplate:
+    """A Jinja template whose ``render`` counts its output as it is made (``generate``) and stops it past
+    its formatter's ``max_bytes``: a loop of pieces each under the bound is stopped at the bound, not
+    after gigabytes and the time bound."""
+
+    def __init__(self, template, formatter):
+        self.template, self.formatter = template, formatter
+
+    def render(self, *args, **kwargs) -> str:
+        out, n = [], 0
+        for piece in self.template.generate(*args, **kwargs):
+            n += len(piece)
+            if n > self.formatter.max_bytes:
+                raise TemplateBoundError(f"the prompt grew past the bound of {self.formatter.max_bytes} bytes")
+            out.append(piece)
+        return "".join(out)
 
 
 def builtin_names() -> List[str]:

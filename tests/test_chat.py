@@ -452,6 +452,8 @@ _UNBOUNDED = {
     "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"
                 "{{ ns.s }}",
     "a call's argument": "{{ 'a'.ljust(1000000000) }}",
+    # (issue 74 item 12: pieces each under the bound, 3.6 GB in all, were stopped by the time bound only)
+    "a loop of pieces": "{% for i in range(60000) %}{{ 'a' * 60000 }}{% endfor %}",
     "division by zero": "{{ 1 / 0 }}",
     "raise_exception": "{{ raise_exception('this template refuses') }}",
     "type error": "{{ messages + 1 }}",

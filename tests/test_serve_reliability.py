@@ -111,3 +111,36 @@ def test_a_batched_stream_whose_client_left_stops_within_a_step(fixture_dir, tmp
             assert all(st == "idle" for st in states), (cut, states)
         status, r = http_json(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
         assert status == 200 and r["usage"]["completion_tokens"] >= 1, r
+
+
+def test_small_refusals_and_what_the_commands_say(fixture_dir, tmp_path):
+    """Item 12 and the CLI of items 8, 9: a developer message of text parts is taken (it was a 400); ``serve -c 128``
+    says the context llama.cpp made (256); ``ppl -fa on`` is flash attention (it was read as ``-f a``); ``bench
+    -f FIFO`` is refused (it blocked); ``-np`` above ``-b`` is refused with the reason (llama.cpp aborted)."""
+    import os
+
+    from test_rpc_as_installed import installed
+
+    m = model_path(fixture_dir, MODEL)
+    with installed_server(tmp_path, m, "--routing", "lru", "-c", "128") as base:
+        parts = [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in one word."}]
+        status, r = http_json(base + "/v1/chat/completions", {"messages": [
+            {"role": "developer", "content": parts}, {"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert status == 200, r
+        status, r = http_json(base + "/v1/chat/completions", {"messages": [
+            {"role": "developer", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            {"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert status == 400 and "text parts" in r["error"]["message"], r
+    said = (tmp_path / "server.log").read_text()
+    assert "context 256 (-c 128, rounded up by llama.cpp)" in said, said[-2000:]
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a king who lived in a castle by the sea. " * 20)
+    r = installed(tmp_path, "ppl", m, "-f", text, "-fa", "on", "-c", "64", "--chunks", "1", "--no-progress")
+    assert r.returncode == 0 and "lru" in r.stdout, r.stderr[-2000:]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = installed(tmp_path, "bench", m, "-f", fifo, timeout=60)
+    assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr[-2000:]
+    for args in (("serve", m, "-np", "4", "-b", "2"), ("bench", m, "--parallel", "2", "-b", "1", "-ub", "1", "-n", "2")):
+        r = installed(tmp_path, *args, timeout=120)
+        assert r.returncode == 2 and "must be at least n_seq_max" in r.stderr, r.stderr[-2000:]

@@ -18,7 +18,7 @@ from ..config import DEFAULT_PRESET, resolved_top_j
 from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument,
                       add_routing_options, add_runtime_options, add_sampling_options, cache_from_args,
                       chat_template_from_args, check_profile_args, load_profile_from_args, prompt_text, resolve_model, resolve_seed,
-                      routing_from_args, runtime_kwargs, sampling_kwargs, save_profile_from_args, system_prompt,
+                      read_text_file, routing_from_args, runtime_kwargs, sampling_kwargs, save_profile_from_args, system_prompt,
                       use_color)
 
 
@@ -280,14 +280,8 @@ def cmd_bench(args) -> int:
     if not routings:
         raise UserError("--routing needs at least one spec, e.g. lru,prior:0.5")
     if args.prompts:
-        try:
-            with open(args.prompts, encoding="utf-8") as f:
-                prompts = [ln.rstrip("\n") for ln in f if ln.strip()]
-        except OSError as e:
-            raise UserError(f"cannot read --prompts {args.prompts}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise UserError(f"--prompts {args.prompts} is not UTF-8 text (an undecodable byte at offset {e.start} "
-                            "of a line)") from None
+        text = read_text_file(args.prompts, "--prompts", 1 << 22)  # (a FIFO or a device refused, not waited on)
+        prompts = [ln for ln in text.split("\n") if ln.strip()]
         if not prompts:
             raise UserError(f"--prompts {args.prompts} has no non-empty line")
     else:

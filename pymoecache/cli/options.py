@@ -291,6 +291,9 @@ def add_device_options(p: argparse.ArgumentParser, evaluation: bool = False) -> 
     p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
                    help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
                         "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
+    if evaluation:  # (run, chat, serve, bench take it with the runtime options)
+        p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default="auto",
+                       metavar="on|off|auto", help="flash attention, as llama-perplexity's -fa (default: auto)")
 
 
 def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: bool = True) -> None:
@@ -437,6 +440,8 @@ def runtime_kwargs(args) -> dict:
 def device_kwargs(args) -> dict:
     """``n_gpu_layers`` and ``rpc_servers`` of ``pymoecache.Llama`` from -ngl and --rpc (add_device_options)."""
     kw = dict(n_gpu_layers=getattr(args, "n_gpu_layers", 0) or 0)
+    if getattr(args, "flash_attn", "auto") != "auto":
+        kw["flash_attn"] = args.flash_attn == "on"
     if getattr(args, "rpc", None) is not None:
         from ..rpc import parse_endpoints
 

@@ -85,12 +85,14 @@ def cmd_serve(args) -> int:
                      n_parallel=args.parallel, chat_template=args.chat_template,
                      chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, prompt_cache=prompts, **kw)
     url = f"http://{args.host}:{args.port}"
+    if kw.get("n_ctx") and app.state.n_ctx != kw["n_ctx"]:
+        ctx_note += f" (-c {kw['n_ctx']}, rounded up by llama.cpp)"
     choice = getattr(app.state, "cache_choice", None)
     plan = app.state.memory_plan
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
     print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"context {kw['n_ctx']}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
+          f"context {app.state.n_ctx}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
           f"/slots, /metrics, /moecache/stats" + (f"; cache size {choice}" if choice else "")
           + ("; API key required" if args.api_key else "")
           + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else "")
