@@ -115,7 +115,10 @@ class PromptCache:
         except (OSError, StateFileError):  # (damaged, truncated, or gone: dropped, the context emptied)
             with self._lock:
                 self.entries.pop(best, None)
-            best.unlink(missing_ok=True)
+            try:
+                best.unlink(missing_ok=True)
+            except OSError:  # (a read-only directory: the entry is unused, not removed)
+                pass
             empty_context(llm)
             return 0
         n = len(tokens)
