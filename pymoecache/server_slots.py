@@ -43,7 +43,7 @@ def _filename(d: dict) -> str:
 def handle(llm, directory: "str | None", n_slots: int, id_slot: int, action: str, raw: bytes, batch=None) -> dict:
     """One slot action on ``llm`` (the caller holds the model's lock); RequestError otherwise. ``batch``: the
     server's BatchServer (-np N > 1), whose slots are sequences of the one KV cache: each saved, restored
-    and erased on its own (llama.cpp's sequence state files)."""
+    and erased on its own (pymoecache.kv's state files of one sequence)."""
     if directory is None:
         raise RequestError("slot save and restore are off: start serve with --slot-save-path DIR", 501)
     if not 0 <= id_slot < n_slots:
