@@ -167,27 +167,32 @@ def read_header(path: "os.PathLike[str] | str") -> Header:
 
 def read_file(llm, path: "os.PathLike[str] | str", seq_id: Optional[int] = None) -> Tuple[List[int], bytearray, int]:
     """(tokens, the file's bytes, where the state starts) of a state file that fits ``llm``'s context (``seq_id``
-    None) or a sequence of it; StateFileError with the reason otherwise, before llama.cpp sees anything."""
+    None) or a sequence of it; StateFileError with the reason otherwise, before llama.cpp sees anything. The
+    header is checked before the state is read (a large file of another model is not read whole)."""
     name = Path(path).name
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
+        head = f.read(_HEAD.size)
+        h = _parse_header(name, head, size)
+        if h.kind != _kind_of(seq_id):
+            raise StateFileError(f"{name} holds {_KIND_NAME[h.kind]}; here it must hold {_KIND_NAME[_kind_of(seq_id)]}")
+        if h.model != model_fingerprint(llm.model_path):
+            raise StateFileError(f"{name} was saved by another model (or another version of this one)")
+        if h.n_ctx != llm.n_ctx():
+            raise StateFileError(f"{name} was saved from a context of {h.n_ctx} tokens; this one has {llm.n_ctx()}")
+        if (h.offset - _HEAD.size) // 4 > llm.n_ctx():
+            raise StateFileError(f"{name} is damaged: more tokens than its context holds")
         buf = bytearray(size)
-        n = f.readinto(buf)
+        buf[:_HEAD.size] = head
+        n = _HEAD.size + f.readinto(memoryview(buf)[_HEAD.size:])
     if n != size:
         raise StateFileError(f"{name} changed while it was read")
-    h = _parse_header(name, bytes(buf[:_HEAD.size]), size)
-    if h.kind != _kind_of(seq_id):
-        raise StateFileError(f"{name} holds {_KIND_NAME[h.kind]}; here it must hold {_KIND_NAME[_kind_of(seq_id)]}")
-    if h.model != model_fingerprint(llm.model_path):
-        raise StateFileError(f"{name} was saved by another model (or another version of this one)")
-    if h.n_ctx != llm.n_ctx():
-        raise StateFileError(f"{name} was saved from a context of {h.n_ctx} tokens; this one has {llm.n_ctx()}")
     if hashlib.sha256(memoryview(buf)[_HEAD.size:]).digest() != h.checksum:
         raise StateFileError(f"{name} is damaged: its checksum does not match its content")
     tokens = list(struct.unpack_from(f"<{(h.offset - _HEAD.size) // 4}i", buf, _HEAD.size))
     n_vocab = llm.n_vocab()
-    if len(tokens) > llm.n_ctx() or any(not 0 <= t < n_vocab for t in tokens):
-        raise StateFileError(f"{name} is damaged: its tokens are not tokens of this model and context")
+    if any(not 0 <= t < n_vocab for t in tokens):
+        raise StateFileError(f"{name} is damaged: its tokens are not tokens of this model")
     return tokens, buf, h.offset
 
 
