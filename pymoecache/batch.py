@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence as Seq
 import llama_cpp
 import numpy as np
 
+from . import kv
 from .config import ConfigError
 from .errors import ClosedError
 
@@ -149,8 +150,7 @@ class BatchDecoder:
         self._evals = getattr(llm, "n_evals", 0)  # the Llama's own evals so far (they use the context too)
         self._raised: List[BaseException] = []   # what on_token raised during a step, raised after it
         # the slots start empty: the Llama's own conversation (slot 0) is forgotten
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
-        llm.n_tokens = 0
+        kv.clear(llm)
 
     def close(self) -> None:
         if not self._closed:
@@ -237,7 +237,7 @@ class BatchDecoder:
         if any(s.slot == slot for s in self._running):
             raise ConfigError(f"slot {slot} is decoding a sequence")
         if not in_cache:
-            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), slot, -1, -1)
+            kv.remove(self._ctx, slot)
             tokens = []
         self._kept[slot] = [int(t) for t in tokens]
 
@@ -247,11 +247,10 @@ class BatchDecoder:
         self._check_open()
         self._evals = getattr(self.llm, "n_evals", 0)
         busy = {s.slot for s in self._running}
-        mem = llama_cpp.llama_get_memory(self._ctx)
         for slot in range(self.n_slots):
             if slot not in busy:
                 self._kept[slot] = []
-                llama_cpp.llama_memory_seq_rm(mem, slot, -1, -1)
+                kv.remove(self._ctx, slot)
 
     def idle(self) -> bool:
         return not self._running and not self._waiting
@@ -412,7 +411,7 @@ class BatchDecoder:
                     break
             pending += need
             s.slot, s.n_prompt_reused = slot, n_keep
-            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), slot, n_keep, -1)
+            kv.remove(self._ctx, slot, n_keep)
             self._kept[slot] = list(s.prompt[:n_keep])
             s._sampler = _sampler(self._n_vocab_n, *s._sampler)
             self._running.append(s)
@@ -438,11 +437,10 @@ class BatchDecoder:
                         s.prefill_s = time.perf_counter() - t0
                         self._sample(s, j, out)
         except BaseException:
-            mem = llama_cpp.llama_get_memory(self._ctx)
             for s in new:
                 if not s.tokens:  # (those whose prompt was not prefilled whole)
                     self._kept[s.slot] = []
-                    llama_cpp.llama_memory_seq_rm(mem, s.slot, -1, -1)
+                    kv.remove(self._ctx, s.slot)
                     self._end(s, "error")
             raise
 
@@ -456,7 +454,7 @@ class BatchDecoder:
             while self._running and self._cells() + len(self._running) > self._n_ctx:
                 longest = max(self._running, key=lambda q: len(self._kept[q.slot]))
                 self._end(longest, "length")  # the context is full: the longest sequence ends, as one alone would
-                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), longest.slot, -1, -1)
+                kv.remove(self._ctx, longest.slot)
                 self._kept[longest.slot] = []
             if not self._running:
                 return
@@ -469,8 +467,7 @@ class BatchDecoder:
             self._decode(len(run))
         except BaseException:
             for s in run:  # (their KV sequences may hold the step half done)
-                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), s.slot,
-                                              len(self._kept[s.slot]), -1)
+                kv.remove(self._ctx, s.slot, len(self._kept[s.slot]))
                 self._end(s, "error")
             raise
         self.steps += 1

@@ -1,4 +1,6 @@
-"""KV state files: a conversation's tokens and llama.cpp's KV cache of them, on disk and back.
+"""The KV memory: the one module that clears, trims and adopts the context's sequences, and that saves and
+loads them as state files (only this module and llama.py call llama.cpp's ``llama_memory_*`` and
+``llama_state_*``, or set a Llama's ``n_tokens``).
 
 The slot files of ``serve --slot-save-path`` and the entries of the prompt cache are written here and
 read back only here. A file is ours, not llama.cpp's session file: a header that names what it fits,
@@ -56,6 +58,44 @@ class Header:
     n_state: int    # bytes of llama.cpp's state after the tokens
     checksum: bytes
     offset: int     # where the state starts in the file
+
+
+def remove(ctx, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+    """Positions [p0, p1) of sequence ``seq_id`` (-1: all of them; p0 -1: from the start) gone from the KV
+    memory of the context ``ctx`` (a ``llama_context *``)."""
+    import llama_cpp
+
+    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, p0, p1)
+
+
+def clear(llm) -> None:
+    """Every sequence of ``llm``'s context gone, and the Llama's own conversation with them."""
+    import llama_cpp
+
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+    llm.n_tokens = 0
+
+
+def forget_conversation(llm) -> None:
+    """The Llama's own conversation (slot 0) no longer what its KV memory holds: its next prompt is decoded
+    whole (another user of the context, a batch, changed that sequence)."""
+    llm.n_tokens = 0
+
+
+def empty_context(llm) -> None:
+    """``llm``'s context emptied (no tokens, no KV cache): what a load that failed halfway leaves."""
+    llm.reset()
+    llm._ctx.kv_cache_clear()
+
+
+def adopt_conversation(llm, tokens) -> None:
+    """After llama.cpp has loaded a conversation's KV cache into ``llm``'s context: its tokens as the
+    context's, so that the next prompt beginning with them decodes only the rest (the last token's logits
+    are not kept: llama-cpp-python evaluates it again)."""
+    llm.input_ids[:len(tokens)] = tokens
+    llm.n_tokens = len(tokens)
+    llm._requires_eval = True
+    llm._logits_unchecked = False  # (what a state file restored is not a decode of this context)
 
 
 _fingerprints: Dict[tuple, bytes] = {}

@@ -24,24 +24,9 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .errors import ConfigError, StateFileError
 from .files import make_directory
+from .kv import adopt_conversation, empty_context
 
 _MIN_GAIN = 8            # tokens a restore must save over what the context holds
-
-
-def adopt_conversation(llm, tokens) -> None:
-    """After llama.cpp has loaded a conversation's KV cache into ``llm``'s context: its tokens as the
-    context's, so that the next prompt beginning with them decodes only the rest (the last token's logits
-    are not kept: llama-cpp-python evaluates it again)."""
-    llm.input_ids[:len(tokens)] = tokens
-    llm.n_tokens = len(tokens)
-    llm._requires_eval = True
-    llm._logits_unchecked = False  # (what a state file restored is not a decode of this context)
-
-
-def empty_context(llm) -> None:
-    """``llm``'s context emptied (no tokens, no KV cache): what a load that failed halfway leaves."""
-    llm.reset()
-    llm._ctx.kv_cache_clear()
 
 
 def _lcp(a, b) -> int:

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import llama_cpp
 
+from . import kv
 from .batch import BatchDecoder, Sequence
 from .server_requests import request_routing, request_stats
 
@@ -221,7 +222,7 @@ class BatchServer:
         conversation (the Llama's own, in slot 0)."""
         if self.llm.n_evals != self._evals:
             self.dec.forget()
-            self.llm.n_tokens = 0
+            kv.forget_conversation(self.llm)
             self._evals = self.llm.n_evals
 
     def _batch(self) -> None:
@@ -243,7 +244,7 @@ class BatchServer:
                     self.dec.forget()
                 self._reap()
         finally:
-            self.llm.n_tokens = 0  # slot 0 held a batch's sequence: the Llama's own conversation is gone
+            kv.forget_conversation(self.llm)  # slot 0 held a batch's sequence: the Llama's own conversation is gone
             self._evals = self.llm.n_evals
             self._reap()
 

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from .prompt_cache import adopt_conversation, empty_context
+from .kv import adopt_conversation, empty_context
 from .server_requests import RequestError, json_object
 
 # a slot file's name, in bytes: the longest that leaves room for its temporary's suffix (.NAME.tmp.PID.RANDOM)

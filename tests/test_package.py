@@ -134,6 +134,22 @@ def test_no_import_cycle_inside_the_package():
     assert not cycles, cycles
 
 
+def test_only_llama_and_kv_touch_the_context_memory_and_state():
+    """Issue 75 item 2 (a house rule): llama.cpp's ``llama_memory_*`` and ``llama_state_*`` are called, and a
+    Llama's ``n_tokens`` (what its context holds) is set, only in llama.py and kv.py. Failed before kv.py
+    owned them (batch.py, prompt_cache.py, server_slots.py and server_batch.py called them)."""
+    call = re.compile(r"\bllama_(memory|state)_\w+|\b(llm|self\.llm)\.n_tokens\s*=[^=]|_ctx\.kv_cache_clear")
+    found = []
+    for f in sorted((ROOT / "pymoecache").rglob("*.py")):
+        if f.relative_to(ROOT / "pymoecache").as_posix() in ("llama.py", "kv.py"):
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if call.search(line.split("#", 1)[0]):
+                found.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert call.search((ROOT / "pymoecache" / "kv.py").read_text())  # (the pattern finds what kv.py does)
+
+
 def test_readme_and_docs_links_resolve_inside_the_repository():
     """Every relative markdown link of README.md and docs/ names a file of this repository."""
     link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
