@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import json
 import os
@@ -148,6 +149,44 @@ def test_only_llama_and_kv_touch_the_context_memory_and_state():
                 found.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
     assert call.search((ROOT / "pymoecache" / "kv.py").read_text())  # (the pattern finds what kv.py does)
+
+
+def test_the_server_is_a_package_whose_create_app_only_assembles():
+    """Issue 75 item 1: the server was five flat modules in the package root and one 474-line create_app
+    with 30 nested functions. Now pymoecache/server/ holds them; create_app (app.py) assembles in at most 80
+    lines and defines nothing; each route module adds its routes with one function."""
+    root = ROOT / "pymoecache"
+    assert not sorted(p.name for p in root.glob("server*.py")), "server modules in the package root"
+    tree = ast.parse((root / "server" / "app.py").read_text())
+    (create,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "create_app"]
+    assert create.end_lineno - create.lineno + 1 <= 80
+    inner = [n for n in ast.walk(create) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
+                                                           ast.ClassDef)) and n is not create]
+    assert not inner, [getattr(n, "name", "lambda") for n in inner]
+    for name in ("completions", "info", "native", "slots"):
+        mod = ast.parse((root / "server" / f"{name}.py").read_text())
+        assert [n.name for n in mod.body if isinstance(n, ast.FunctionDef) and n.name == "add_routes"], name
+
+
+# files over the house limits (Python 800 lines, C++ 600, the C API's header and facade 700) today, each at
+# most the lines it has: none may grow past them, no other file may pass its limit (issue 75 splits these)
+_OVER_THE_LIMIT = {"pymoecache/llama.py": 1354, "pymoecache/config.py": 894, "src_cpp/moecache-vram.cpp": 871,
+                   "src_cpp/moecache-graph.cpp": 761, "src_cpp/moecache-impl.h": 754, "src_cpp/moecache-device.cpp": 629,
+                   "src_cpp/moecache.h": 763, "src_cpp/moecache.cpp": 751}
+
+
+def test_no_file_grows_past_the_house_limits():
+    """Issue 75 item 6, as a ratchet while the files above are split: every Python file within 800 lines,
+    every C++ file within 600 (moecache.h and moecache.cpp, the C API, 700), or within what it has today."""
+    over = []
+    for f in sorted((ROOT / "pymoecache").rglob("*.py")) + sorted((ROOT / "src_cpp").glob("*.[ch]*")):
+        rel = f.relative_to(ROOT).as_posix()
+        limit = 800 if f.suffix == ".py" else 700 if f.name in ("moecache.h", "moecache.cpp") else 600
+        n = len(f.read_text().splitlines())
+        if n > max(limit, _OVER_THE_LIMIT.get(rel, 0)):
+            over.append(f"{rel}: {n} lines (limit {limit}" + (f", today {_OVER_THE_LIMIT[rel]}" if rel in
+                                                              _OVER_THE_LIMIT else "") + ")")
+    assert not over, over
 
 
 def test_readme_and_docs_links_resolve_inside_the_repository():

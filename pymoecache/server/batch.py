@@ -30,9 +30,9 @@ from typing import List, Optional
 
 import llama_cpp
 
-from . import kv
-from .batch import BatchDecoder, Sequence
-from .server_requests import request_routing, request_stats
+from .. import kv
+from ..batch import BatchDecoder, Sequence
+from .requests import request_routing, request_stats
 
 _log = logging.getLogger("pymoecache.serve")
 GATHER_S = 0.02  # how long the batch waits, from idle, for requests sent at the same time

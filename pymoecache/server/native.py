@@ -1,7 +1,7 @@
 """llama-server's own endpoints on ``pymoecache serve``: ``POST /completion``, ``/tokenize``, ``/detokenize``.
 
 Their request and response fields are llama-server's (tools/server/README.md of the pinned llama.cpp);
-``create_app`` (server.py) routes them through the same API key, queue and model lock as the OpenAI
+``create_app`` (app.py) routes them through the same API key, queue and model lock as the OpenAI
 endpoints. Nothing here imports the server extras.
 
 ``/completion`` takes ``prompt`` (a string, token ids, a list mixing both, or a list of such prompts,
@@ -22,7 +22,7 @@ import math
 import time
 from typing import Dict, Iterator, List
 
-from .server_requests import RequestError, _check_messages, check_grammar, json_object, schema_grammar
+from .requests import RequestError, _check_messages, check_grammar, json_object, schema_grammar
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -172,8 +172,8 @@ def generate(llm, req: NativeCompletion) -> Iterator[dict]:
 def _generate_one(llm, req: NativeCompletion, index: int, prompt: List[int], n_predict: int) -> Iterator[dict]:
     import llama_cpp
 
-    from .logprobs import StepLogprobs, logits_row
-    from .server_requests import request_stats
+    from ..logprobs import StepLogprobs, logits_row
+    from .requests import request_stats
 
     if req.seed != -1:
         llm.set_seed(req.seed)
@@ -329,7 +329,7 @@ def apply_template(llm, raw: bytes) -> dict:
     """``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the conversation as the
     server's chat template renders it for a chat completion (the assistant's turn opened), as llama-server
     answers; nothing is generated."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     d = json_object(raw)
     _check_messages(d.get("messages"))
@@ -339,3 +339,50 @@ def apply_template(llm, raw: bytes) -> dict:
     except ConfigError as e:
         raise RequestError(str(e), 400, "messages") from None
     return {"prompt": prompt}
+
+
+def extras_detokenize(llm, raw: bytes) -> dict:
+    """llama-cpp-python's /extras/detokenize: {"tokens"} -> {"text"}, ids checked, bytes replaced."""
+    return {"text": detokenize(llm, raw)["content"]}
+
+
+def _on_a_worker(fn):
+    """A route answering ``fn(llm, body)`` on a worker thread (the event loop answers /health meanwhile)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+
+    async def handler(request: Request):
+        try:
+            return JSONResponse(await run_in_threadpool(fn, request.app.state.served.llm(), await request.body()))
+        except RequestError as e:
+            return e.response()
+    handler.__annotations__ = {"request": Request}  # (a real class: this module's annotations are strings)
+    return handler
+
+
+async def embeddings_refused(request):
+    from .requests import error_response
+
+    return error_response(501, "this server runs a generation model and does not compute embeddings "
+                               f"({request.url.path}); llama-server answers the same without --embeddings",
+                          headers={"x-should-retry": "false"})  # (the openai client would retry a 5xx)
+
+
+def add_routes(router, served) -> None:
+    """llama-server's /tokenize, /detokenize and /apply-template, llama-cpp-python's /extras/detokenize, and
+    the embedding paths refused (501) as llama-server refuses them without --embeddings."""
+    from fastapi import Request
+
+    for path, fn, summary, tags in (
+            ("/tokenize", tokenize, "Tokenize (llama-server's /tokenize)", ["llama-server"]),
+            ("/detokenize", detokenize, "Detokenize (llama-server's /detokenize)", ["llama-server"]),
+            ("/apply-template", apply_template, "The chat template applied (llama-server's /apply-template)",
+             ["llama-server"]),
+            ("/extras/detokenize", extras_detokenize, "Detokenize", ["Extras"])):
+        router.add_api_route(path, _on_a_worker(fn), methods=["POST"], tags=tags, summary=summary,
+                             dependencies=served.auth)
+    embeddings_refused.__annotations__ = {"request": Request}
+    for path in ("/v1/embeddings", "/embedding", "/embeddings"):
+        router.add_api_route(path, embeddings_refused, methods=["POST"], include_in_schema=False,
+                             dependencies=served.auth)

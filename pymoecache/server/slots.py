@@ -3,7 +3,7 @@ writes the conversation a slot holds (its tokens and llama.cpp's KV cache) to ``
 ``action=restore`` reads one back, ``action=erase`` empties the slot.
 
 With one slot (-np 1) the context holds one conversation, the last request's, and its file holds the whole
-context. With -np N > 1 the slots are the sequences of one KV cache, decoded together (server_batch.py): a
+context. With -np N > 1 the slots are the sequences of one KV cache, decoded together (batch.py): a
 slot's file holds that slot's sequence, and a restore puts it in the slot named. A restored conversation
 continues without being prefilled again: the next request whose prompt begins with it decodes only what
 follows (its ``timings.prompt_n``), and its history reads no expert. The files are pymoecache.kv's state
@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from .kv import adopt_conversation, empty_context
-from .server_requests import RequestError, json_object
+from ..kv import adopt_conversation, empty_context
+from .requests import RequestError, json_object
 
 # a slot file's name, in bytes: the longest that leaves room for its temporary's suffix (.NAME.tmp.PID.RANDOM)
 MAX_NAME = 200
@@ -70,8 +70,8 @@ def handle(llm, directory: "str | None", n_slots: int, id_slot: int, action: str
 def save(llm, path: Path, id_slot: int, batch=None) -> dict:
     """The slot's conversation to ``path``, whole or not at all (pymoecache.kv's state file): the
     context's, or with ``batch`` the slot's sequence."""
-    from .errors import StateFileError
-    from .kv import save_file
+    from ..errors import StateFileError
+    from ..kv import save_file
 
     held = llm.input_ids[:llm.n_tokens].tolist() if batch is None else batch.dec.kept(id_slot)
     t0 = time.perf_counter()
@@ -88,8 +88,8 @@ def restore(llm, path: Path, id_slot: int, batch=None) -> dict:
     sequence. A request whose prompt begins with it then decodes only the rest. A file that is not one of
     this model, context and kind of slot is refused (400) before anything is loaded; one llama.cpp refuses
     leaves the slot empty."""
-    from .errors import StateFileError
-    from .kv import load_file
+    from ..errors import StateFileError
+    from ..kv import load_file
 
     t0 = time.perf_counter()
     seq_id = None if batch is None else id_slot
@@ -111,3 +111,33 @@ def restore(llm, path: Path, id_slot: int, batch=None) -> dict:
         batch.dec.set_kept(id_slot, tokens, in_cache=True)
     return {"id_slot": id_slot, "filename": path.name, "n_restored": len(tokens), "n_read": path.stat().st_size,
             "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
+
+
+async def slot_action(id_slot, request, action=""):
+    """POST /slots/{id_slot}?action=save|restore|erase, under the model's lock, on a worker thread."""
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+
+    served = request.app.state.served
+    try:
+        raw = await request.body()
+        try:
+            slot = int(id_slot)
+        except ValueError:
+            raise RequestError(f"slot id {id_slot[:20]!r} is not a number", 400, "id_slot") from None
+        async with served.model_lock() as lp:
+            return JSONResponse(await run_in_threadpool(handle, lp(), served.slot_dir, served.n_parallel, slot,
+                                                        action, raw, served.batch))
+    except RequestError as e:
+        return e.response()
+
+
+def add_routes(router, served) -> None:
+    """POST /slots/{id_slot} (llama-server's slot actions)."""
+    from fastapi import Request
+
+    slot_action.__annotations__ = {"id_slot": str, "request": Request, "action": str}  # (real classes)
+    router.add_api_route("/slots/{id_slot}", slot_action, methods=["POST"], tags=["llama-server"],
+                         dependencies=served.auth,
+                         summary="Save, restore or erase a slot's conversation (llama-server's slot actions; serve "
+                                 "--slot-save-path DIR)")

@@ -1,6 +1,6 @@
 """What a request to ``pymoecache serve`` must be: the checks every completion passes before the
 model sees it, and the one error body of every status (OpenAI's ``{"error": {...}}``). Used by
-server.py (the OpenAI endpoints) and server_native.py (llama-server's); the server extras are
+completions.py (the OpenAI endpoints) and native.py (llama-server's); the server extras are
 imported only inside the functions that answer.
 """
 
@@ -10,7 +10,7 @@ import json
 import math
 from typing import Optional
 
-from .stats import MoEStats
+from ..stats import MoEStats
 
 _MAX_BODY = 8 << 20          # bytes of one request body
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer")
@@ -55,8 +55,8 @@ def _field_error(errors: list) -> RequestError:
 def check_grammar(llm, text, param: str = "grammar") -> None:
     """RequestError (400) unless ``text`` passes pymoecache.grammar.check_grammar, whose last
     check is llama.cpp's own parser (the sampler llama-cpp-python would build)."""
-    from .errors import GrammarError
-    from .grammar import check_grammar as check
+    from ..errors import GrammarError
+    from ..grammar import check_grammar as check
 
     if not isinstance(text, str) or not text.strip():
         raise RequestError(f"'{param}' must be a non-empty GBNF grammar string", 400, param)
@@ -69,8 +69,8 @@ def check_grammar(llm, text, param: str = "grammar") -> None:
 def check_schema(schema, param: str) -> None:
     """RequestError (400) where a JSON schema would make a grammar larger than any grammar this server
     takes (pymoecache.grammar.check_schema_size: decided before anything is built)."""
-    from .errors import GrammarError
-    from .grammar import check_schema_size
+    from ..errors import GrammarError
+    from ..grammar import check_schema_size
 
     try:
         check_schema_size(schema)
@@ -317,7 +317,7 @@ def request_routing(raw: bytes):
     >>> request_routing(b'{"prompt": "x"}') is None
     True
     """
-    from .config import ConfigError, Preset, parse_routing
+    from ..config import ConfigError, Preset, parse_routing
 
     try:
         d = json.loads(raw or b"{}")
