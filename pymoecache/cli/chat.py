@@ -202,7 +202,7 @@ def save_conversation(conv: Conversation, path: str) -> int:
 def cmd_chat(args) -> int:
     from ..config import parse_routing
     from ..errors import Error
-    from .generate import cache_line, llama_from_args, print_plan
+    from .loading import cache_line, llama_from_args, print_plan
 
     routing = routing_from_args(args)
     args.system = system_prompt(args)
