@@ -399,7 +399,7 @@ def stock_llama(model, n_cpu_moe: int, **kw):
     import llama_cpp
 
     import pymoecache
-    from pymoecache.llama import _buffer_overrides, _cpu_patterns
+    from pymoecache.placement import buffer_overrides as _buffer_overrides, cpu_patterns as _cpu_patterns
 
     n_layer = pymoecache.model_info(model).n_layer
     overrides = _buffer_overrides(_cpu_patterns(n_cpu_moe, None, n_layer))  # (what pymoecache's n_cpu_moe makes)
