@@ -160,8 +160,8 @@ def forecast(plan, n_layer: int, n_threads: int, mem_bytes_per_s: Optional[float
     """
     from .plan import probe_disk
 
-    if mem_bytes_per_s is None:
-        mem_bytes_per_s = probe_memory(n_threads)
+    if mem_bytes_per_s is None:  # (its buffer within a quarter of the plan's headroom: a capped run stays in its cap)
+        mem_bytes_per_s = probe_memory(n_threads, size=min(128 << 20, max(16 << 20, plan.headroom // 4)))
     disk = plan.disk_bytes_per_s if plan.streamed else 0.0
     if disk and path:
         disk = max(disk, probe_disk(path, plan.slot_bytes))

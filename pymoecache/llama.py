@@ -601,7 +601,7 @@ class Llama(llama_cpp.Llama):
             n_gpu, on_gpu = self._plan_gpu
             self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available,
                                      gpu_layers=n_gpu)
-            self._plan = dataclasses.replace(self._plan, budget_from="free", gpu_expert_layers=on_gpu,
+            self._plan = dataclasses.replace(self._plan, budget_from=_plan._free_source(), gpu_expert_layers=on_gpu,
                                              n_batch=(self.n_seq_max - 1) * self.model_info.n_expert_used)
             if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
                 low, low_bytes, low_name = low

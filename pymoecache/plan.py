@@ -34,30 +34,103 @@ def _fmt(n: float) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
-def _cgroup_available() -> Optional[int]:
-    """Bytes a cgroup v2 memory limit still leaves this process (containers, systemd slices), or None."""
+_PROC_CGROUP, _MOUNTINFO, _CGROUP_ROOT = "/proc/self/cgroup", "/proc/self/mountinfo", "/sys/fs/cgroup"
+_NO_LIMIT = 1 << 62  # (cgroup v1 writes "no limit" as the largest page-aligned 64-bit number)
+
+
+def _read_int(path: str) -> Optional[int]:
     try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            current = int(f.read().strip())
-        return max(0, int(limit) - current)
-    except (OSError, ValueError, IndexError):
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
         return None
+    return None if text == "max" else int(text) if text.isdigit() else None
+
+
+def _cgroup_v1_dir(rel: str) -> str:
+    """Where cgroup v1's memory controller shows the cgroup ``rel`` (its mount, from mountinfo)."""
+    try:
+        with open(_MOUNTINFO) as f:
+            for line in f:
+                fields = line.split()
+                dash = fields.index("-") if "-" in fields else -1
+                if dash > 0 and fields[dash + 1] == "cgroup" and "memory" in fields[-1].split(","):
+                    root, mount = fields[3], fields[4]
+                    inner = rel[len(root):] if root != "/" and rel.startswith(root) else rel
+                    return os.path.join(mount, inner.lstrip("/"))
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.path.join(_CGROUP_ROOT, "memory", rel.lstrip("/"))
+
+
+def _cgroup_limit() -> Optional[Tuple[int, str]]:
+    """(bytes a cgroup's memory limit still leaves this process, "cgroup v1" or "cgroup v2"), or None where
+    no limit binds. v1 (many container hosts, Android): the memory controller's limit with its ancestors'
+    (``hierarchical_memory_limit``) less its usage; v2: the tightest ``memory.max`` less ``memory.current`` of
+    the cgroup and its ancestors. Both count the page cache, as the kernel charges it."""
+    try:
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # v1's memory controller (on a hybrid host it, not v2, holds the limit)
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "memory" in parts[1].split(","):
+            d = _cgroup_v1_dir(parts[2])
+            limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
+            try:
+                with open(os.path.join(d, "memory.stat")) as f:
+                    for row in f:
+                        if row.startswith("hierarchical_memory_limit "):
+                            limit = min(limit or _NO_LIMIT, int(row.split()[1]))
+            except (OSError, ValueError):
+                pass
+            usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
+            if limit is None or limit >= _NO_LIMIT or usage is None:
+                return None
+            return max(0, limit - usage), "cgroup v1"
+    rel = next((ln[3:] for ln in lines if ln.startswith("0::")), None)
+    if rel is None:
+        return None
+    left = None
+    d = rel.strip() or "/"
+    while True:  # the cgroup and each ancestor: the tightest limit binds
+        base = os.path.join(_CGROUP_ROOT, d.lstrip("/"))
+        limit, current = _read_int(os.path.join(base, "memory.max")), _read_int(os.path.join(base, "memory.current"))
+        if limit is not None and current is not None:
+            left = max(0, limit - current) if left is None else min(left, max(0, limit - current))
+        if d in ("/", ""):
+            break
+        d = os.path.dirname(d.rstrip("/")) or "/"
+    return (left, "cgroup v2") if left is not None else None
+
+
+def _cgroup_available() -> Optional[int]:
+    """Bytes a cgroup memory limit (v1 or v2) still leaves this process (containers, systemd slices), or None."""
+    got = _cgroup_limit()
+    return got[0] if got is not None else None
+
+
+def _free_source() -> str:
+    """What bounds the memory free now: "free" (the OS's MemAvailable), or "cgroup v1" / "cgroup v2" where a
+    cgroup's limit leaves less (the plan line and ``auto`` say which)."""
+    got = _cgroup_limit()
+    if got is None:
+        return "free"
+    free = 0
+    try:
+        with open(_MEMINFO) as f:
+            free = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")), 0)
+    except (OSError, ValueError):
+        pass
+    return got[1] if not free or got[0] < free else "free"
 
 
 _MEMINFO = "/proc/meminfo"
 
 
 def _available_memory() -> int:
-    """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v2 limit),
+    """Bytes the OS can give this process now: MemAvailable on Linux (capped by a cgroup v1 or v2 limit),
     free pages elsewhere, half of the physical memory where neither is known (macOS); 0 if nothing is."""
     free = 0
     try:
@@ -98,13 +171,15 @@ class AutoCacheSize:
                            #   with lowbit_in_ram), set aside before the cache
     gpu_expert_layers: int = 0  # MoE layers whose experts went to the GPU instead (llama.cpp's placement: the GPU
                                 #   holds them where RAM does not; device_fit), n_cached then N
+    source: str = "free"   # what bounded ``available``: "free", "budget", "cgroup v1" or "cgroup v2" (its limit)
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
         on_gpu = f"; the dense part of {self.gpu_layers} layers on the GPU" if self.gpu_layers else ""
         pools = f", {_mib(self.lowbit)} low-bit pools" if self.lowbit else ""
-        head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} free "
+        free += " free" + (f" under the {self.source} limit" if self.source.startswith("cgroup") else "")
+        head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache{pools}, {_mib(self.margin)} margin"
                 f"{on_gpu})")
         if self.spare:
@@ -178,7 +253,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
                          dense=dense, kv=kv, margin=margin, fit=fit, left=left, gpu_layers=min(max(gpu_layers, 0),
                                                                                                  info.n_layer),
-                         lowbit=max(0, lowbit))
+                         lowbit=max(0, lowbit), source=_free_source() if available is None else "budget")
 
 
 def has_gpu() -> bool:
@@ -421,7 +496,7 @@ class MemoryPlan:
     """Where the memory goes and what a decoded token will read (:func:`memory_plan`)."""
 
     available: int            # bytes free now (MemAvailable, a cgroup limit), or the budget given
-    budget_from: str          # "free" or "budget": where ``available`` came from
+    budget_from: str          # "free", "budget", "cgroup v1" or "cgroup v2": where ``available`` came from
     dense: int                # non-expert weights (resident; locked when streamed)
     kv: int                   # KV cache for n_ctx at F16 (_kv_bytes)
     n_ctx: int
@@ -570,9 +645,13 @@ class MemoryPlan:
                                                    else f"{self.n_expert_used} low-bit slots per layer")
                 + f" ({_fmt(self.lowbit_bytes)} each) and a zero slot")
 
+    def free_word(self) -> str:
+        """"free", "budget", or "free under the cgroup v1 limit" (what bounded ``available``)."""
+        return self.budget_from if self.budget_from in ("free", "budget") else f"free under the {self.budget_from} limit"
+
     def summary(self) -> str:
         """One line: the sum, then the decode's reads."""
-        free = "free" if self.budget_from == "free" else "budget"
+        free = self.free_word()
         on_gpu = self._cache_text()  # (a part of the layers: "in the N MoE layers on the CPU; ...")
         sep = "; " if self.gpu_expert_layers >= self.n_moe_layer else " "
         cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
@@ -608,7 +687,7 @@ class MemoryPlan:
         """(what, value) rows for ``info``'s table."""
         on_gpu = self._cache_text()
         return [
-            ("memory " + ("free" if self.budget_from == "free" else "budget"), _fmt(self.available)),
+            ("memory " + self.free_word(), _fmt(self.available)),
             ("  dense part", _fmt(self.dense)),
             ("  KV cache", f"{_fmt(self.kv)} for {self.n_ctx} tokens (F16)"),
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
@@ -642,7 +721,7 @@ def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0,
     streams, not probed when every expert is cached). ``gpu_layers`` of the layers have their dense
     part and KV cache on a GPU (:func:`gpu_layers`): RAM holds the rest's share, as
     :func:`auto_cache_size` counts it."""
-    budget_from = "budget" if available is not None else "free"
+    budget_from = "budget" if available is not None else _free_source()
     available = _available_memory() if available is None else available
     if disk_bytes_per_s is None:
         disk_bytes_per_s = probe_disk(info.path, info.expert_bytes) if n_cached < info.n_expert else 0.0

@@ -772,3 +772,97 @@ def test_reverse_prompt_no_warmup_and_gpu_layers_without_a_gpu():
     assert r.returncode == 0, r.stderr
     said = "-ngl 99: this build has no GPU device" in r.stderr
     assert said == (probe.stdout.strip() == "False"), (probe.stdout, r.stderr)
+
+
+def _fake_cgroups(tmp_path, monkeypatch, proc_cgroup: str, files: dict, mountinfo: str = ""):
+    import pymoecache.plan as L
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc_cgroup").write_text(proc_cgroup)
+    (tmp_path / "mountinfo").write_text(mountinfo)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(L, "_PROC_CGROUP", str(tmp_path / "proc_cgroup"))
+    monkeypatch.setattr(L, "_MOUNTINFO", str(tmp_path / "mountinfo"))
+    monkeypatch.setattr(L, "_CGROUP_ROOT", str(tmp_path / "cg"))
+    return L
+
+
+def test_cgroup_limits_v1_and_v2_are_read_with_their_ancestors(monkeypatch, tmp_path):
+    """Issue 76 item 3: auto sizing read a cgroup v2 limit only; under cgroup v1 (this project's development
+    machines, many container hosts, Android) a capped run sized its cache from the machine's memory. v1: the
+    memory controller's hierarchical limit less its usage, found through mountinfo; v2: the tightest of the
+    cgroup's and its ancestors' memory.max less memory.current; no limit is None."""
+    mb = 1 << 20
+    L = _fake_cgroups(tmp_path / "v1", monkeypatch, "5:cpu:/\n4:memory:/box/job\n0::/\n", {
+        "mnt/box/job/memory.limit_in_bytes": str(9223372036854771712),
+        "mnt/box/job/memory.stat": f"cache 1\nhierarchical_memory_limit {900 * mb}\n",
+        "mnt/box/job/memory.usage_in_bytes": str(100 * mb)},
+        "35 31 0:32 / " + str(tmp_path / "v1" / "mnt") + " rw,relatime - cgroup cgroup rw,memory\n")
+    assert L._cgroup_limit() == (800 * mb, "cgroup v1") and L._cgroup_available() == 800 * mb
+    assert L._free_source() == "cgroup v1"  # (this machine has more than 800 MiB available)
+    L = _fake_cgroups(tmp_path / "v1-none", monkeypatch, "4:memory:/\n", {
+        "cg/memory/memory.limit_in_bytes": str(9223372036854771712), "cg/memory/memory.usage_in_bytes": "5"})
+    assert L._cgroup_limit() is None and L._free_source() == "free"
+    L = _fake_cgroups(tmp_path / "v2", monkeypatch, "0::/user.slice/app\n", {
+        "cg/user.slice/app/memory.max": "max", "cg/user.slice/app/memory.current": str(50 * mb),
+        "cg/user.slice/memory.max": str(600 * mb), "cg/user.slice/memory.current": str(200 * mb)})
+    assert L._cgroup_limit() == (400 * mb, "cgroup v2")
+    plan = L.memory_plan(_info_for_plan(), 256, 30, disk_bytes_per_s=1e9)
+    assert plan.budget_from == "cgroup v2" and "free under the cgroup v2 limit =" in plan.summary(), plan.summary()
+
+
+def _info_for_plan():
+    from pymoecache.model_info import ModelInfo
+
+    return ModelInfo(path="m.gguf", arch="qwen2moe", name="m", file_bytes=1 << 30, n_layer=8, moe_layers=list(range(8)),
+                     n_expert=60, n_expert_used=4, n_expert_shared=0, gating="softmax", n_expert_groups=1,
+                     expert_bytes=2 << 20, expert_bytes_total=8 * 60 * (2 << 20), expert_types=["Q8_0"], n_embd=1024,
+                     n_embd_kv=1024, n_ctx_train=4096, slot_bytes=2 << 20, input_bytes=1 << 20, output_bytes=1 << 20,
+                     output_tied_bytes=0)
+
+
+def _own_cgroup(tmp_path, limit: int):
+    """A memory cgroup of this process's own, limited to ``limit`` bytes, as (its cgroup.procs, "v1"/"v2"); skips
+    with the reason where none can be made here."""
+    import pymoecache.plan as L
+
+    try:
+        lines = open(L._PROC_CGROUP).read().splitlines()
+    except OSError as e:
+        pytest.skip(f"no {L._PROC_CGROUP}: {e}")
+    v1 = next((p.split(":", 2)[2] for p in lines if len(p.split(":", 2)) == 3 and "memory" in p.split(":")[1].split(",")),
+              None)
+    rel = next((ln[3:] for ln in lines if ln.startswith("0::")), None)
+    d = os.path.join(L._cgroup_v1_dir(v1), f"pmc-test-{os.getpid()}") if v1 is not None else \
+        os.path.join(L._CGROUP_ROOT, (rel or "/").lstrip("/"), f"pmc-test-{os.getpid()}")
+    try:
+        os.mkdir(d)
+        with open(os.path.join(d, "memory.limit_in_bytes" if v1 is not None else "memory.max"), "w") as f:
+            f.write(str(limit))
+    except OSError as e:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+        pytest.skip(f"cannot make a memory cgroup here ({d}: {e.strerror})")
+    return d, "cgroup v1" if v1 is not None else "cgroup v2"
+
+
+def test_run_sizes_its_cache_by_the_cgroup_it_runs_in(fixture_dir, tmp_path):
+    """Issue 76 item 3, as users have it: `pymoecache run M` started in a memory cgroup of 120 MiB (made here, v1
+    or v2) sizes `--cache-size auto` by what the cgroup leaves, and its plan line says which limit it read."""
+    d, which = _own_cgroup(tmp_path, 120 << 20)
+    try:
+        procs = os.path.join(d, "cgroup.procs")
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(model_path(fixture_dir, QWEN)), "-n", "2",
+                            "-p", "Hi", "--cache-size", "auto"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, preexec_fn=lambda: open(procs, "w").write(str(os.getpid())))
+    finally:
+        os.rmdir(d)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"^plan: ([\d.]+) (MiB|GiB) free under the (cgroup v\d) limit =", r.stderr, re.M)
+    assert m and m.group(3) == which, r.stderr[-2000:]
+    assert float(m.group(1)) * (1024 if m.group(2) == "GiB" else 1) <= 120, m.group(0)
+    assert f"free under the {which} limit" in r.stdout + r.stderr  # (auto's reason names it too)
