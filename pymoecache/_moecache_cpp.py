@@ -270,6 +270,8 @@ moecache_get_vram_cached = _fn("moecache_get_vram_cached", [moecache_p, c_int32,
 moecache_get_trace = _fn("moecache_get_trace", [moecache_p, POINTER(moecache_trace_record), c_int32], c_int32)
 moecache_state_save = _fn("moecache_state_save", [moecache_p, c_char_p], c_int32)
 moecache_state_load = _fn("moecache_state_load", [moecache_p, c_char_p], c_int32)
+# int32_t moecache_set_model_id(struct moecache * mc, const char * id);
+moecache_set_model_id = _fn("moecache_set_model_id", [moecache_p, c_char_p], c_int32)
 # void * moecache_device_with_memory(void * dev, size_t free, size_t total);
 moecache_device_with_memory = _fn("moecache_device_with_memory", [c_void_p, c_size_t, c_size_t], c_void_p)
 # int32_t moecache_guard_add(const struct llama_model * model, const char * path);

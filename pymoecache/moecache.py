@@ -578,6 +578,11 @@ class MoECache:
             raise StateFileError(f"{path}: 'delta' must hold {self.n_layer} finite numbers >= 0, one per layer")
         self.set_prior_delta(np.asarray(delta, dtype=np.float32))
 
+    def set_model_id(self, model_id: str) -> None:
+        """The model's id its cache state and profile files carry besides its description and shape (and a load
+        compares): ``pymoecache.Llama`` sets the GGUF's content fingerprint before it saves or loads one."""
+        _check(C.moecache_set_model_id(self._h, model_id.encode("utf-8")), ConfigError)
+
     def save(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache state atomically (temporary file, fsync, rename); StateFileError on any error."""
         _check(C.moecache_state_save(self._h, _checked_path(path, "cache state")), StateFileError)

@@ -309,3 +309,20 @@ int32_t moecache_state_read(moecache & mc, const char * path) {
     return MOECACHE_OK;
 }
 
+// the model's id in the description the files carry: "<arch> | <desc>" then " | id <id>" (replaced)
+extern "C" int32_t moecache_set_model_id(struct moecache * mc, const char * id) {
+    if (!mc) {
+        return fail(MOECACHE_ERR_INVALID, "moecache_set_model_id: NULL moecache");
+    }
+    const size_t at = mc->desc.find(" | id ");
+    if (at != std::string::npos) {
+        mc->desc.resize(at);
+    }
+    if (id && *id) {
+        if (std::strlen(id) > 256) {
+            return fail(MOECACHE_ERR_INVALID, "moecache_set_model_id: an id of more than 256 bytes");
+        }
+        mc->desc += std::string(" | id ") + id;
+    }
+    return MOECACHE_OK;
+}

@@ -667,14 +667,15 @@ MOECACHE_API int32_t moecache_get_router_input(const struct moecache * mc, int32
 // the router's, or a value that is not finite.
 MOECACHE_API int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w, int32_t n_embd);
 
-// Cache contents (with recency order) and Delta per layer, tied to the model's identity
-// (description, parameter count, layer and expert counts). Load into a moecache of the same model.
-// Save writes a temporary file beside `path`, syncs it and renames it over `path` (a failed save
-// leaves the old file); any write error is MOECACHE_ERR_IO. Load reads regular files only, checks
-// a checksum and every field (ids in range and unique, Delta finite and >= 0) before it changes
-// anything: a damaged file is MOECACHE_ERR_CORRUPT, another model's MOECACHE_ERR_MISMATCH.
+// Cache contents (with recency order) and Delta per layer, tied to the model's identity (description,
+// parameter count, layer and expert counts, and the id set by moecache_set_model_id: pymoecache sets a
+// content fingerprint of the GGUF). Save writes a temporary file beside `path`, syncs it and renames it
+// over `path` (a failed save leaves the old file; a write error is MOECACHE_ERR_IO). Load reads regular
+// files only, checks a checksum and every field (ids in range and unique, Delta finite and >= 0) before
+// it changes anything: a damaged file is MOECACHE_ERR_CORRUPT, another model's MOECACHE_ERR_MISMATCH.
 MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
+MOECACHE_API int32_t moecache_set_model_id(struct moecache * mc, const char * id); // NULL, "": none; MOECACHE_OK
 
 // The model file shrinking under a running process (moecache-guard.cpp). llama.cpp maps the GGUF;
 // once another process truncates it, touching a page past the new end raises SIGBUS. While a
@@ -692,11 +693,10 @@ MOECACHE_API void    moecache_guard_remove(int32_t id);   // before the model is
 // NULL or free > total.
 MOECACHE_API void * moecache_device_with_memory(void * dev, size_t free, size_t total);
 
-// Usage profile (moecache-profile.cpp): what past requests selected, kept across processes.
-// It holds, per layer, the count of every expert's selections over the requests filed by
-// moecache_begin_request (a request's tokens are filed when the next one begins), and the
-// PREFETCH_TRACE store of past requests. Saved atomically, tied to the model and checked on load
-// like the state files above (status codes and messages alike); a load replaces the profile.
+// Usage profile (moecache-profile.cpp): what past requests selected, kept across processes. It holds,
+// per layer, the count of every expert's selections over the requests filed by moecache_begin_request (a
+// request's tokens are filed when the next one begins), and the PREFETCH_TRACE store of past requests. Saved
+// atomically, tied to the model and checked on load as the state files above; a load replaces the profile.
 MOECACHE_API int32_t moecache_profile_save(const struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_profile_load(struct moecache * mc, const char * path);
 // counts: out [N] selections of layer il's experts in the profile (past requests, not the current one)

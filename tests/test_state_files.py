@@ -186,3 +186,46 @@ def test_a_prompt_cache_that_cannot_be_written_or_named_says_so(fixture_dir, tmp
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=installed_env(), capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.count("refused") == 3, (r.stdout, r.stderr)
     shutil.rmtree(store)
+
+
+def test_profiles_and_cache_states_name_the_model_by_its_content(fixture_dir, tmp_path):
+    """The rule for every file read back, on usage profiles and cache states: they named the model by its
+    description and shape only, so a same-shape model of other weights (a fine-tune, here every F16 weight's last
+    mantissa bit flipped) loaded another's. Now they carry its content fingerprint: refused, while a copy of the
+    same file elsewhere still loads them."""
+    import numpy as np
+
+    from test_batch import run_script
+
+    from pymoecache.model_info import _Header
+
+    m = model_path(fixture_dir, MODEL)
+    copy, other = tmp_path / "copy.gguf", tmp_path / "other.gguf"
+    shutil.copy(m, copy)
+    data = np.fromfile(m, dtype=np.uint8)
+    start = _Header(m).data_start
+    data[start::2] ^= 1  # (the low byte of each F16: its mantissa's last bit)
+    data.tofile(other)
+    out = run_script(tmp_path, f"""
+        import json
+        from pymoecache import Llama
+        from pymoecache.errors import StateFileError
+        said = {{}}
+        a = Llama({str(m)!r}, verbose=False)
+        a("Once upon a time", max_tokens=4)
+        a.save_profile("p.moeprofile")
+        a.save_cache_state("s.moestate")
+        a.close()
+        for name, path in (("copy", {str(copy)!r}), ("other", {str(other)!r})):
+            llm = Llama(path, verbose=False)
+            for what, load in (("profile", llm.load_profile), ("state", llm.load_cache_state)):
+                try:
+                    load("p.moeprofile" if what == "profile" else "s.moestate")
+                    said[name + " " + what] = "loaded"
+                except StateFileError as e:
+                    said[name + " " + what] = "refused: " + str(e)
+            llm.close()
+        print(json.dumps(said))
+    """)
+    assert out["copy profile"] == "loaded" and out["copy state"] == "loaded", out
+    assert "another model" in out["other profile"] and "another model" in out["other state"], out
