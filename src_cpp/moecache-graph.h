@@ -1,0 +1,37 @@
+// moecache-graph.h - our ops in llama.cpp's graph (moecache-graph.cpp): where they are placed, the context
+// registry behind moecache_attach, and the reads ahead of the layer that needs them (moecache-ahead.cpp).
+// Not installed.
+#pragma once
+
+#include "moecache-layer.h"
+
+struct moecache;
+
+// places an op of ours on the CPU backend when the graph being built has GPU layers; returns t
+ggml_tensor * moecache_graph_on_cpu(ggml_tensor * t);
+// b where it is the layer's FFN input on the device and the CPU read a copy of it (with the router's
+// logits): that copy, shaped as b; b otherwise
+ggml_tensor * moecache_graph_host_input(moecache_layer & L, ggml_context * ctx, ggml_tensor * b);
+// places t on the backend of the device whose memory buft is, when that backend computes t; returns t
+ggml_tensor * moecache_graph_on_device(ggml_tensor * t, struct ggml_backend_buffer_type * buft);
+// where layer il's dense part lives: its router weight's buffer type; nullptr where there is none
+struct ggml_backend_buffer_type * moecache_layer_buft(const struct llama_model * model, int32_t il);
+// moecache-graph.cpp: the context registry behind moecache_attach / moecache_detach
+int32_t moecache_graph_attach(moecache * mc, llama_context * ctx);
+void    moecache_hook_detach(moecache * mc);       // (waits for the context's work in flight first)
+void    moecache_graph_wait(moecache & mc);         // the attached context's work in flight, waited for
+void    moecache_graph_set_load_residency(enum moecache_residency residency);
+void    moecache_graph_mark_dirty(moecache * mc);  // the attached context builds its next graph afresh
+// moecache-ahead.cpp: reads ahead of the layer that needs them
+// GATE prefetch, decode graphs: layer il + d's router (or its fitted predictor) applied to layer il's
+// FFN input, [n_expert, 1]; nullptr when there is nothing to predict
+ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il,
+                                            int64_t n_tokens);
+// during layer L's decode, after it routed: predict what layer L + d selects, read the misses
+// (pred: moecache_ahead_predict_router's output, computed; nullptr without GATE)
+void          moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tensor * pred);
+void          moecache_ahead_trial_token(moecache & mc, int64_t now); // prefetch_adaptive: a decoded token starts
+int32_t       moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
+void          moecache_ahead_free_predictors(moecache & mc);
+const float * moecache_row_f32(const ggml_tensor * t, int64_t i1); // row i1 of a 2-d F32 tensor on the host
+bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
