@@ -924,17 +924,6 @@ class Llama(llama_cpp.Llama):
             raise MoECacheError("this model has no MoE layers, so there is no expert cache")
         return self.moecache
 
-    def _identified_cache(self) -> MoECache:
-        """The cache, its files (profiles, cache states) naming this model by its content (kv.model_fingerprint)
-        besides its description and shape: a same-shape fine-tune's or requantization's files are refused."""
-        cache = self._require_cache()
-        if not self.__dict__.get("_model_id_set"):
-            from .kv import model_fingerprint
-
-            cache.set_model_id(model_fingerprint(self.model_path).hex()[:16])
-            self._model_id_set = True
-        return cache
-
     def start_timeline(self, capacity: int = 262_144) -> None:
         """Record what every token does from now on: each layer's routing and wait on the graph
         thread, each expert read on the reader threads (queued, started, finished, bytes) and each
@@ -1058,7 +1047,7 @@ class Llama(llama_cpp.Llama):
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (which experts every request so far selected, this one included,
         and the trace store of past requests) to ``path``, atomically."""
-        cache = self._identified_cache()
+        cache = self._require_cache().identify(self.model_path)
         with self._token_lock:
             cache.save_profile(path)
 
@@ -1071,7 +1060,7 @@ class Llama(llama_cpp.Llama):
         >>> llm.load_profile("chat.moeprofile", pin_hot=4)   # doctest: +SKIP
         88
         """
-        cache = self._identified_cache()
+        cache = self._require_cache().identify(self.model_path)
         check_int("pin_hot", pin_hot, 0, C.MOECACHE_MAX_EXPERTS)
         with self._token_lock:
             cache.load_profile(path)
@@ -1099,14 +1088,14 @@ class Llama(llama_cpp.Llama):
 
     def save_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache contents (per layer, in recency order) to ``path``, atomically."""
-        cache = self._identified_cache()
+        cache = self._require_cache().identify(self.model_path)
         with self._token_lock:
             cache.save(path)
 
     def load_cache_state(self, path: "os.PathLike[str] | str") -> None:
         """Start warm: load contents saved by :meth:`save_cache_state` for the same model
         (:class:`StateFileError` for a damaged file or another model's; nothing is changed then)."""
-        cache = self._identified_cache()
+        cache = self._require_cache().identify(self.model_path)
         with self._token_lock:
             cache.load(path)
 

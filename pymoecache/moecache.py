@@ -580,8 +580,18 @@ class MoECache:
 
     def set_model_id(self, model_id: str) -> None:
         """The model's id its cache state and profile files carry besides its description and shape (and a load
-        compares): ``pymoecache.Llama`` sets the GGUF's content fingerprint before it saves or loads one."""
+        compares): :meth:`identify` sets the GGUF's content fingerprint."""
         _check(C.moecache_set_model_id(self._h, model_id.encode("utf-8")), ConfigError)
+        self._model_id = model_id
+
+    def identify(self, model_path: "os.PathLike[str] | str") -> "MoECache":
+        """This cache, its files (profiles, cache states) naming the model at ``model_path`` by its content
+        (pymoecache.kv.model_fingerprint), so a same-shape model of other weights refuses them; set once."""
+        if not getattr(self, "_model_id", ""):
+            from .kv import model_fingerprint
+
+            self.set_model_id(model_fingerprint(model_path).hex()[:16])
+        return self
 
     def save(self, path: "os.PathLike[str] | str") -> None:
         """Write the cache state atomically (temporary file, fsync, rename); StateFileError on any error."""
