@@ -1,7 +1,8 @@
 // moecache-graph.cpp - what patched llama.cpp calls (moecache-hook.h): which moecache belongs
-// to which llama_context, the two ggml custom ops that route a MoE layer, and the op in front of
-// a layer's expert matmuls that makes the residency follow the cache. What the ops start for the
-// layers ahead is moecache-ahead.cpp's.
+// to which llama_context, and where the graph being built takes our ops: the two that route a MoE
+// layer (moecache-graph-route.cpp) and the one in front of its expert matmuls that makes the
+// residency follow the cache (moecache-graph-residency.cpp). What the ops start for the layers
+// ahead is moecache-ahead.cpp's.
 //
 // Graph reuse: llama.cpp reuses a built graph for later ubatches of the same shape. The ops
 // keep only a pointer to their moecache_layer and read the routing parameters when they run,
@@ -43,155 +44,6 @@ thread_local moecache *                                  g_building = nullptr; /
 thread_local ggml_backend_sched_t                        g_sched    = nullptr;
 thread_local ggml_backend_t                              g_cpu      = nullptr;
 thread_local ggml_cgraph *                               g_gf       = nullptr; // the graph being built
-
-// dst: I32 [K + 2, n_tokens], per token: the K selected experts, then how many of them run
-// (n_active) and SWAP_RANK's replaced expert whose weight the last slot takes (or -1); the
-// graph hands the first K rows to llama.cpp and the whole tensor to op_weights.
-// src: stock top-K, logits, probs, selection score
-void op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    moecache_layer & L  = *(moecache_layer *) userdata;
-    moecache       & mc = *L.mc;
-    const ggml_tensor * stock = dst->src[0];
-    const ggml_tensor * z     = dst->src[1];
-    const ggml_tensor * p     = dst->src[2];
-    const ggml_tensor * s     = dst->src[3];
-    const int64_t K        = dst->ne[0] - 2;
-    const int64_t n_tokens = dst->ne[1];
-
-    const moecache_routing_params rp = mc.rparams; // one consistent set for the whole ubatch
-    const bool decode = L.graph.decode;            // (a prompt's last layer routes one token too: its output row)
-    const bool single = decode && n_tokens == 1;   // (a batch of sequences reads nothing ahead)
-    const bool apply  = rp.scope == MOECACHE_SCOPE_ALL || decode;
-    const bool update = decode || mc.cparams.update_on_prompt;
-    if (!single && moecache_counts_ahead(mc)) { // (a prediction is for the next decoded token, not a prompt)
-        std::fill(L.pf.ahead.begin(), L.pf.ahead.end(), 0);
-    }
-
-    const bool    timeline = mc.timeline.on.load(std::memory_order_relaxed);
-    const int64_t t0 = decode || timeline ? moecache_time_us() : 0;
-    int8_t hit[MOECACHE_MAX_USED];
-    // batch_share: a first pass learns what each token of the step selects, the second routes each token
-    // with the others' selections preferred as if cached (moecache-route.cpp)
-    const bool share = decode && apply && update && moecache_route_shares(rp, n_tokens);
-    const moecache_routing_params rs = share ? moecache_route_share_params(rp) : rp; // (batch_prior)
-    if (share) {
-        std::vector<const float *>   zr(n_tokens), pr(n_tokens), sr(n_tokens);
-        std::vector<const int32_t *> str(n_tokens);
-        for (int64_t t = 0; t < n_tokens; t++) {
-            zr[t]  = moecache_row_f32(z, t);
-            pr[t]  = moecache_row_f32(p, t);
-            sr[t]  = moecache_row_f32(s, t);
-            str[t] = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
-        }
-        moecache_route_share_first(mc, L, rs, n_tokens, zr.data(), pr.data(), sr.data(), str.data());
-    }
-    if (decode && L.il == mc.first_routed && (int64_t) mc.step_hits.size() != n_tokens) { // (a step's first layer)
-        mc.step_hits.assign(n_tokens, 0);
-        mc.step_misses.assign(n_tokens, 0);
-    }
-    const bool rows = decode && update && (int64_t) mc.step_hits.size() == n_tokens;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-        const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
-        if (share) {
-            moecache_route_share_token(mc, L, t);
-        }
-        if (L.n_rec < mc.cparams.router_record) { // the router's outputs, for offline replay (pymoecache.simulate)
-            for (const ggml_tensor * x : { z, p, s }) {
-                L.router_rec.insert(L.router_rec.end(), moecache_row_f32(x, t), moecache_row_f32(x, t) + mc.n_expert);
-            }
-            if (L.graph.src_input >= 0 && (L.n_rec == 0 || L.n_embd_in > 0)) { // (and its input, for fitting predictors)
-                const ggml_tensor * x = dst->src[L.graph.src_input];
-                L.n_embd_in = (int32_t) x->ne[0];
-                L.router_in.insert(L.router_in.end(), moecache_row_f32(x, t), moecache_row_f32(x, t) + x->ne[0]);
-            } else {
-                L.n_embd_in = 0; // (rows without an input: none is kept)
-                L.router_in.clear();
-            }
-            L.n_rec += 1;
-        }
-        const int32_t n = moecache_route_token(mc, L, rs, moecache_row_f32(z, t), moecache_row_f32(p, t), moecache_row_f32(s, t), st,
-                                               apply, update, out, hit);
-        // dropped slots run an expert that runs anyway, with weight 0 (moecache_hook_weights)
-        for (int64_t i = n; i < K; i++) {
-            out[i] = out[0];
-        }
-        for (int32_t i = 0; i < n && rows; i++) {
-            mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
-            mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
-        }
-        if (single && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
-            const float * pr = moecache_row_f32(p, t);
-            for (int64_t i = 0; i < K && i < MOECACHE_MAX_USED; i++) {
-                L.low.tok_p[i] = i < n ? pr[out[i]] : 0.0f;
-            }
-        }
-        out[K]     = n;
-        out[K + 1] = L.scratch.swapped_from; // the replacement is the last slot: it is outside r[0:K]
-    }
-    moecache_route_share_end(L);
-    if (decode) {
-        L.decode_tokens      += n_tokens;
-        L.decode_steps       += 1;
-        mc.t_route_decode_us += moecache_time_us() - t0;
-    }
-    if (single) {
-        if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
-            mc.spec_pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
-            if (mc.cparams.prefetch_adaptive) {
-                moecache_ahead_trial_token(mc, t0);
-            }
-            mc.rst.prefetch_tokens_on += mc.spec_ctl.on;
-        }
-        if (update && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
-            const int32_t * out = (const int32_t *) dst->data;
-            moecache_layer_prefetch_outcome(L, out, out[K]);
-            const int64_t t1 = moecache_time_us();
-            moecache_ahead_prefetch(mc, L, dst->src[4]);
-            if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
-                mc.t_io_decode_us += moecache_time_us() - t1; // (a slot taken back waits for its stale read)
-            }
-        }
-    }
-    if (timeline) {
-        moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, (int32_t) n_tokens, t0, t0, moecache_time_us());
-    }
-}
-
-// dst: F32 [1, K, n_tokens] = weights, with the slots a policy dropped set to 0
-// (-inf for SOFTMAX_WEIGHT gating, whose weights are softmaxed afterwards), and SWAP_RANK's
-// replacement given the weight of the expert it replaced. src[1]: op_select's [K + 2, n_tokens],
-// src[2]: probs [1, n_expert, n_tokens]
-void op_weights(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    const moecache_layer & L = *(const moecache_layer *) userdata;
-    const ggml_tensor * w     = dst->src[0];
-    const ggml_tensor * route = dst->src[1];
-    const ggml_tensor * p     = dst->src[2];
-    const int64_t K        = dst->ne[1];
-    const int64_t n_tokens = dst->ne[2];
-    const float dropped = L.graph.dropped_weight;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const int32_t * r = (const int32_t *) ((const char *) route->data + t * route->nb[1]);
-        const int32_t n_active = r[K], weight_from = r[K + 1];
-        for (int64_t i = 0; i < K; i++) {
-            const float v = *(const float *) ((const char *) w->data + i * w->nb[1] + t * w->nb[2]);
-            float * o = (float *) ((char *) dst->data + i * dst->nb[1] + t * dst->nb[2]);
-            *o = i < n_active ? v : dropped;
-        }
-        if (weight_from >= 0) {
-            *(float *) ((char *) dst->data + (K - 1) * dst->nb[1] + t * dst->nb[2]) =
-                *(const float *) ((const char *) p->data + weight_from * p->nb[1] + t * p->nb[2]);
-        }
-    }
-}
 
 } // namespace
 
@@ -546,7 +398,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
         args[n_args++]    = L.graph.x_host ? L.graph.x_host : mm->src[1]; // (its copy, where read_joint made one)
     }
     L.graph.route_out = ggml_custom_4d(ctx, GGML_TYPE_I32, K + 2, selected->ne[1], 1, 1, args, n_args,
-                                       op_select, 1, &L);
+                                       moecache_op_select, 1, &L);
     ggml_format_name(moecache_graph_on_cpu(L.graph.route_out), "moecache_select-%d", il);
     // llama.cpp gets the K selected experts per token, contiguous as its own top-K
     L.graph.select_out = ggml_cont(ctx, ggml_view_2d(ctx, L.graph.route_out, K, selected->ne[1], L.graph.route_out->nb[1], 0));
@@ -565,7 +417,7 @@ ggml_tensor * moecache_hook_weights(ggml_context * ctx, ggml_tensor * weights, g
     // weights = get_rows(probs, selected): its src[0] is probs
     ggml_tensor * args[3] = { weights, L.graph.route_out, weights->src[0] };
     ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, weights->ne[0], weights->ne[1], weights->ne[2], 1,
-                                       args, 3, op_weights, 1, &L);
+                                       args, 3, moecache_op_weights, 1, &L);
     ggml_format_name(moecache_graph_on_cpu(out), "moecache_weights-%d", il);
     L.graph.select_out = nullptr;
     L.graph.route_out  = nullptr;
@@ -579,92 +431,6 @@ ggml_tensor * moecache_hook_mul_mat_id(ggml_context * ctx, ggml_tensor * as, ggm
     }
     ggml_tensor * res = mc ? moecache_residency_mul_mat_id(*mc, ctx, as, b, ids) : nullptr;
     return res ? res : ggml_mul_mat_id(ctx, as, b, ids);
-}
-
-// the layer runs a decode: one token per sequence (not the output row of a prompt's last layer);
-// n_tokens: what the layer sees, for a layer the routing hook did not see (n_ubatch 0)
-static bool moecache_layer_decodes(const moecache_layer & L, int64_t n_tokens) {
-    return L.graph.n_ubatch > 0 ? L.graph.decode : n_tokens == 1;
-}
-
-// dst: I32 [K, n_tokens] = slot ids (STREAM decode) or the expert ids; src[0]: the expert ids.
-// Reads or locks what the layer's experts need first (moecache-residency.cpp).
-static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    moecache_layer & L = *(moecache_layer *) userdata;
-    moecache_residency_sync(L, (const int32_t *) dst->src[0]->data, (int32_t *) dst->data, ggml_nelements(dst),
-                            moecache_layer_decodes(L, dst->ne[1]));
-}
-
-// --- residency: the op in front of a layer's expert matmuls ---------------------------------
-
-void moecache_residency_graph_begin(moecache & mc) {
-    mc.build_n_ubatch = 0;
-    moecache_device_graph_begin(mc);
-    for (moecache_layer & L : mc.layers) {
-        L.graph.ids_in   = nullptr;
-        L.graph.ids_out  = nullptr;
-        L.graph.arrival  = nullptr;
-        L.graph.ready    = nullptr;
-        L.graph.vram_joint = nullptr;
-        L.graph.vram_joint_dev = nullptr;
-        L.graph.vram_out = nullptr;
-        L.graph.vram_w   = nullptr;
-        L.graph.ffn_in   = nullptr;
-        L.graph.vram_slot = nullptr;
-        L.graph.vram_row = nullptr;
-        L.graph.n_vram_sum = 0;
-        L.graph.low_ids  = nullptr;
-        L.graph.x_dev    = nullptr;
-        L.graph.x_host   = nullptr;
-        L.graph.n_ubatch = 0;
-        L.graph.decode   = false;
-    }
-}
-
-ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, ggml_tensor * as,
-                                            ggml_tensor * b, ggml_tensor * ids) {
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_NONE) {
-        return nullptr;
-    }
-    auto it = mc.xt_layer.find(as);
-    if (it == mc.xt_layer.end() || ids->type != GGML_TYPE_I32) {
-        return nullptr;
-    }
-    moecache_layer & L = mc.layers[it->second];
-    if (L.graph.ids_in != ids) {
-        L.graph.ids_in  = ids;
-        L.graph.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);
-        L.graph.arrival = nullptr;
-        L.graph.ready   = nullptr;
-        ggml_format_name(moecache_graph_on_cpu(L.graph.ids_out), "moecache_experts-%d", L.il);
-    }
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
-        const bool decodes = moecache_layer_decodes(L, ids->ne[1]);
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            if (x.model_t != as) {
-                continue;
-            }
-            if (!L.uni.t.empty() && (decodes || L.res.all_in_slots)) { // on the device, in place (moecache-unified.cpp)
-                return moecache_unified_mul_mat_id(L, ctx, x, b, decodes ? moecache_matmul_ready(L, ctx) : L.graph.ids_out);
-            }
-            if (decodes) { // on the slots (moecache-matmul.cpp), the low-bit pool's and the VRAM tier's
-                ggml_tensor * b_gpu = b;
-                ggml_tensor * b_cpu = moecache_graph_host_input(L, ctx, b); // (the FFN's input read with the logits)
-                moecache_vram_split_act(L, ctx, b, &b_gpu, &b_cpu); // (down, beside a VRAM tier: each side's own)
-                ggml_tensor * host = moecache_lowbit_mul_mat_id(L, ctx, x, b_cpu,
-                                                                moecache_matmul_stream_decode(mc, L, ctx, x, b_cpu));
-                return moecache_vram_mul_mat_id(L, ctx, x, b_gpu, host);
-            }
-            if (L.res.all_in_slots) {
-                return ggml_mul_mat_id(ctx, x.slots_t, b, L.graph.ids_out); // a prompt, every expert in a slot
-            }
-        }
-    }
-    return ggml_mul_mat_id(ctx, as, b, L.graph.ids_out);
 }
 
 // --- model loading ---------------------------------------------------------------------------

@@ -35,3 +35,7 @@ int32_t       moecache_ahead_set_predictor(moecache & mc, int32_t il, const floa
 void          moecache_ahead_free_predictors(moecache & mc);
 const float * moecache_row_f32(const ggml_tensor * t, int64_t i1); // row i1 of a 2-d F32 tensor on the host
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
+// moecache-graph-route.cpp: the routing ops of a MoE layer (userdata: its moecache_layer). select: I32
+// [K + 2, n_tokens], each token's K experts, how many run, SWAP_RANK's replaced one; weights: F32 [1, K, n_tokens]
+void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata);
+void moecache_op_weights(ggml_tensor * dst, int ith, int nth, void * userdata);

@@ -191,7 +191,7 @@ def test_no_command_imports_another_and_none_sets_a_llamas_private_attribute():
 # files over the house limits (Python 800 lines, C++ 600, the C API's header and facade 700) today, each at
 # most the lines it has: none may grow past them, no other file may pass its limit (issue 75 splits these)
 _OVER_THE_LIMIT = {"pymoecache/llama.py": 1125, "src_cpp/moecache-vram.cpp": 648,
-                   "src_cpp/moecache-graph.cpp": 761, "src_cpp/moecache-device.cpp": 629,
+                   "src_cpp/moecache-device.cpp": 629,
                    "src_cpp/moecache.h": 763, "src_cpp/moecache.cpp": 751}
 
 
