@@ -23,7 +23,7 @@ another model's state without a word. Files are written whole or not at all (fil
 >>> read_header(p)
 Traceback (most recent call last):
 ...
-pymoecache.errors.StateFileError: x.bin is not a pymoecache state file (llama.cpp's own state files and files of pymoecache before 0.9 are not read)
+pymoecache.errors.StateFileError: x.bin is not a pymoecache state file (llama.cpp's own state files are not read, nor pymoecache's slot files from before its format 1)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ _fingerprints: Dict[tuple, bytes] = {}
 def model_fingerprint(model_path: "os.PathLike[str] | str") -> bytes:
     """sha256 of a GGUF's content as far as a KV cache depends on it: its header (metadata and
     tensor table) and three windows of every tensor's data. A fine-tune of the same shapes, a new
-    quantization or another model changes it; reading it takes a few hundred KiB at most. Kept per
+    quantization or another model changes it; it reads the header and a few hundred KiB more. Kept per
     file (device, inode, size, mtime)."""
     from .model_info import _Header
 
@@ -177,8 +177,8 @@ def _parse_header(name: str, raw: bytes, size: int) -> Header:
     if len(raw) < _HEAD.size and len(raw) >= 8 and raw[:8] == MAGIC:
         raise StateFileError(f"{name} is truncated or damaged: {size} bytes, shorter than its header")
     if len(raw) < _HEAD.size or raw[:8] != MAGIC:
-        raise StateFileError(f"{name} is not a pymoecache state file (llama.cpp's own state files and files of "
-                             "pymoecache before 0.9 are not read)")
+        raise StateFileError(f"{name} is not a pymoecache state file (llama.cpp's own state files are not read, "
+                             "nor pymoecache's slot files from before its format 1)")
     magic, version, kind, model, n_ctx, n_tok, n_state, checksum = _HEAD.unpack_from(raw)
     if version != VERSION:
         raise StateFileError(f"{name} is a state file of format {version}; this pymoecache reads format {VERSION}")
