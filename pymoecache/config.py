@@ -1,12 +1,6 @@
 """The cache's configuration (CacheConfig) and the parsers of the CLI's sizes; the routing policies live in
 routing.py (its names are imported here too).
 
->>> parse_routing("prior:0.5")
-Prior(strength=0.5, top_j=None)
->>> parse_routing("max-rank:4")
-MaxRank(m=4, top_j=None)
->>> parse_routing("lru")
-TopK()
 >>> CacheConfig(size=0.25).size
 0.25
 """
