@@ -11,9 +11,6 @@
 from __future__ import annotations
 
 import codecs
-import ctypes
-import dataclasses
-import functools
 import os
 import threading
 import time
@@ -24,59 +21,25 @@ import numpy as np
 
 from . import _moecache_cpp as C  # first: it finds our libllama (a clear error if none) before llama_cpp loads one
 import llama_cpp  # noqa: E402
-from .config import (INT32_MAX, RESIDENCIES, CacheConfig, ConfigError, Preset, Routing,
-                     check_int, parse_routing, resolved_top_j)
+from .config import CacheConfig, ConfigError, Preset, Routing, check_int, parse_routing
 from .errors import (ClosedError, ConcurrentUseError, DeviceLostError, ModelFileError, MoECacheError, MoECacheIOError,
                      ModelLoadError)
 from ._logtail import take_log_lines
-from .templates import bounded_formatter
 from .grammar import check_grammar
 from .logprobs import StepLogprobs, logits_row
-from .moecache import MoECache, _as_routing  # noqa: F401 (MoECache: also pymoecache.llama.MoECache)
+from .moecache import MoECache  # noqa: F401 (MoECache: also pymoecache.llama.MoECache)
 from .model_info import model_info
-from . import plan as _plan
 from . import placement, rpc
-from .plan import AutoCacheSize, auto_cache_size, memory_shortfall  # noqa: F401 (AutoCacheSize: re-exported)
+from .keywords import check_keywords
+from .plan import AutoCacheSize  # noqa: F401 (re-exported)
 from .stats import MoEStats
 
-_MAX_THREADS = 512    # GGML_MAX_N_THREADS
-
-
-from ._llamalog import log as _log  # noqa: E402  (importing it installs llama.cpp's log callback)
+from . import _llamalog  # noqa: E402,F401  (importing it installs llama.cpp's log callback)
 
 
 # one model load at a time: llama-cpp-python's verbose=False swaps the process's stdout/stderr
 # file descriptors while it loads, and moecache_set_load_residency is process-wide
 _LOAD_LOCK = threading.Lock()
-
-
-class _TolerantChatFormatter(bounded_formatter()):
-    """llama-cpp-python compiles every chat template of a GGUF while it loads the model, and a
-    template its Jinja cannot parse would abort the load. Installed for the duration of a load
-    (under _LOAD_LOCK): such a template loads, warns once, and fails only when used. It renders in
-    pymoecache.templates' bounded sandbox; its errors are ConfigErrors."""
-
-    def __init__(self, template: str, *args, **kwargs):
-        import jinja2
-
-        try:
-            super().__init__(template, *args, **kwargs)
-            self.error = None
-        except jinja2.TemplateError as e:
-            self.template, self.error = template, f"{type(e).__name__}: {e}"
-            _log.warning("the model's chat template is not valid Jinja (%s): create_chat_completion needs "
-                         "chat_format= or a chat_handler; `pymoecache chat` uses llama.cpp's own templates",
-                         self.error)
-
-    def __call__(self, *args, **kwargs):
-        if self.error is not None:
-            raise ConfigError(f"the model's chat template cannot be used ({self.error}): pass chat_format= "
-                              "(e.g. 'chatml') or a chat_handler to pymoecache.Llama")
-        try:
-            return super().__call__(*args, **kwargs)
-        except Exception as e:  # the template's own errors, its size and time bounds
-            raise ConfigError(f"the model's chat template could not render the conversation: {type(e).__name__}: "
-                              f"{str(e)[:300]}") from None
 
 
 CHECK_INTERVAL_S = 0.01  # decoded tokens check the model file and count page faults at most this often (seconds)
@@ -89,97 +52,6 @@ def _major_faults() -> int:
     except ImportError:  # (not on Windows)
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-
-
-def _check_llama_kwargs(kw: dict) -> None:
-    """Range checks for the llama_cpp.Llama options that reach ctypes as fixed-width integers."""
-    for name in ("n_ctx", "n_batch", "n_ubatch"):
-        if name in kw:
-            check_int(name, kw[name], 0 if name == "n_ctx" else 1, INT32_MAX)
-    if 0 < kw.get("n_ctx", 0) < 8:
-        raise ConfigError(f"n_ctx = {kw['n_ctx']} is too small: use 0 (the model's training context) or at least 8")
-    for name in ("n_threads", "n_threads_batch"):
-        if kw.get(name) is not None and kw[name] != -1:
-            check_int(name, kw[name], 1, _MAX_THREADS)
-    if "seed" in kw:
-        check_int("seed", kw["seed"], -1, 2**32 - 1)
-    if "n_gpu_layers" in kw and kw["n_gpu_layers"] != "auto":
-        check_int("n_gpu_layers (or 'auto')", kw["n_gpu_layers"], -1, INT32_MAX)
-    for name in ("type_k", "type_v"):  # (llama.cpp asserts on another type: the process aborts)
-        v = kw.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v not in _KV_TYPES):
-            raise ConfigError(f"{name} must be a ggml type llama.cpp keeps a KV cache in: "
-                              + ", ".join(f"{t} ({n})" for n, t in _KV_TYPES.items()) + f"; got {v!r}")
-    for name in ("lora_path", "lora_base"):  # (a missing adapter loaded, and the first decode crashed)
-        if kw.get(name) is not None:
-            _check_gguf_path(name, kw[name])
-    fmt = kw.get("chat_format")
-    if fmt is not None:
-        import difflib
-
-        known = sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers)
-        if not isinstance(fmt, str) or fmt not in known:
-            close = difflib.get_close_matches(str(fmt), known, n=1, cutoff=0.6)
-            raise ConfigError(f"unknown chat_format {fmt!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-                              + f" (one of: {', '.join(known)})")
-    fa = kw.get("flash_attn")
-    if fa is not None and fa not in (True, False, "on", "off", "auto") or isinstance(fa, (int, float)) and \
-            not isinstance(fa, bool):
-        raise ConfigError(f"flash_attn must be True, False, 'on', 'off' or 'auto' (llama.cpp decides: on where the "
-                          f"devices support it), got {fa!r}")
-    draft = kw.get("draft_model")
-    if draft is not None and not isinstance(draft, llama_cpp.llama_speculative.LlamaDraftModel):
-        raise ConfigError(f"draft_model must be a llama_cpp.llama_speculative.LlamaDraftModel (such as "
-                          f"LlamaPromptLookupDecoding()), got {draft!r}")
-
-
-# the KV cache types llama.cpp takes (-ctk / -ctv): ggml type -> name
-_KV_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 20: "IQ4_NL", 6: "Q5_0", 7: "Q5_1"}
-
-
-def _check_gguf_path(name: str, path) -> None:
-    """ConfigError unless ``path`` is a regular GGUF file (a LoRA adapter, its base model)."""
-    import stat
-
-    try:
-        p = os.fsdecode(path)
-    except TypeError:
-        raise ConfigError(f"{name} must be a path, got {path!r}") from None
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise ConfigError(f"{name} {p}: {e.strerror or e}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{name} {p} is not a regular file")
-        if os.read(fd, 4) != b"GGUF":
-            raise ConfigError(f"{name} {p} is not a GGUF file")
-    finally:
-        os.close(fd)
-
-
-@functools.lru_cache(maxsize=1)
-def _llama_keywords() -> frozenset:
-    """The keywords llama_cpp.Llama takes (its signature), ours, and rpc_servers (taken here)."""
-    import inspect
-
-    sig = inspect.signature(llama_cpp.Llama.__init__).parameters
-    return frozenset(n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD) \
-        - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope", "n_cpu_moe", "override_tensor",
-                      "n_seq_max"}
-
-
-def _check_keywords(kw: dict) -> None:
-    """ConfigError for a keyword neither llama_cpp.Llama nor we take (llama-cpp-python's ``**kwargs``
-    would swallow it: ``cache_size=0.25`` did nothing), with the closest one as a guess."""
-    import difflib
-
-    known = _llama_keywords()
-    for name in kw:
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-            raise ConfigError(f"Llama() got an unknown keyword {name!r}" + (f"; did you mean {close[0]!r}?" if close
-                                                                                else ""))
 
 
 def _utf8_repaired(b: bytes) -> bytes:
@@ -283,168 +155,17 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: Optional[str] = None, *, cache: Union[CacheConfig, int, float, str, None] = None,
                  routing: Union[Routing, str, None] = None, routing_scope: str = "all", **kwargs):
-        _check_keywords(kwargs)
+        check_keywords(kwargs)
         if model_path is None:  # as the CLI: the embedded default model
             from .models import default_model_path
 
             model_path = str(default_model_path())
         info = model_info(model_path)  # clear errors for missing, non-GGUF, truncated and impossible files
-        # llama-cli's --n-cpu-moe and -ot (=CPU): tensor buffer overrides, which llama-cpp-python does not take
-        self._overrides = placement.buffer_overrides(placement.cpu_patterns(kwargs.pop("n_cpu_moe", None),
-                                                          kwargs.pop("override_tensor", None), info.n_layer))
-        choice: Optional[AutoCacheSize] = None
-        cache = placement.as_cache(cache)
-        if isinstance(routing, str):
-            routing = parse_routing(routing)
-        if routing is None:  # the default: a preset (top-k where every expert is cached)
-            routing = Preset.default_for(cache)
-        preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
-        self._eviction_decay = float(cache.eviction_decay)  # the user's: what a preset without a decay keeps
-        if preset is None:
-            routing = _as_routing(routing)
-        _check_llama_kwargs(kwargs)
-        # flash attention: llama-cpp-python takes a bool; 'auto' is llama.cpp's own choice (llama-cli's default),
-        # set on the context's parameters as the context is made
-        flash_attn = kwargs.get("flash_attn", False)
-        if isinstance(flash_attn, str):
-            kwargs["flash_attn"] = flash_attn == "on"
-        fa_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn == "auto" else None
-        # sequences decoded together (pymoecache.BatchDecoder): llama.cpp's n_seq_max, one KV cache for all of them
-        n_seq_max = kwargs.pop("n_seq_max", 1)
-        check_int("n_seq_max", n_seq_max, 1, 256)
-        self.n_seq_max = int(n_seq_max)
-        n_batch = kwargs.get("n_batch", 512)  # (llama-cpp-python's default, which it cuts to n_ctx)
-        if 0 < kwargs.get("n_ctx", 512) < n_batch:
-            n_batch = kwargs.get("n_ctx", 512)
-        if self.n_seq_max > n_batch:  # (llama.cpp would abort: a step's outputs, one per sequence, beyond n_batch)
-            raise ConfigError(f"n_batch ({n_batch}) must be at least n_seq_max ({self.n_seq_max}): a batched step "
-                              "decodes one token of every sequence (serve: -b at least -np)")
-        asked = []
-        if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
-            asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))
-            for endpoint in asked:
-                rpc.add_server(endpoint)
-        # llama.cpp asks every registered device for its memory at load, and ggml aborts on a server that
-        # is gone (it cannot unregister one): a load then names the devices that are still there
-        gone = rpc.gone_servers() if rpc.servers() else []
-        for endpoint in asked:
-            if endpoint in gone:
-                raise ConfigError(f"rpc server {endpoint} is gone: " + (
-                    "a model of this process lost it, and ggml keeps that dead connection; load in a new process"
-                    if rpc.was_lost(endpoint) else "start it at that address again, or load in a new process"))
-        devices = rpc.live_devices(gone) if gone else None
-        if gone and kwargs.get("n_gpu_layers"):
-            warnings.warn(f"rpc server {gone[0]} is gone: its device is left out of this load"
-                          + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=2)
-        n_ctx = int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512)  # (the context the plans count the KV of)
-        if kwargs.get("n_gpu_layers") == "auto":  # llama.cpp's -ngl auto: the layers whose dense part fits the GPUs
-            free = _plan.device_free_memory(devices) if _plan.has_gpu() else None
-            kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(info, n_ctx, free)
-            if free and not kwargs["n_gpu_layers"]:
-                warnings.warn(f"n_gpu_layers=auto: no layer fits in the {_plan._mib(free)} free on the GPU (less "
-                              f"a {_plan._mib(_plan.DEVICE_MARGIN)} margin): every layer stays on the CPU", stacklevel=2)
-        # the servers whose devices take this model's layers: each decode first checks that they are there
-        self._rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
-        residency = "none"
-        self._device_note = ""  # what the GPUs' free memory decided (placement.fit_device), for the plan line
-        if info.is_moe and cache.vram_size != "auto" and cache.vram_size > info.n_expert:
-            raise ConfigError(f"vram_size={cache.vram_size}: the model has {info.n_expert} experts per layer; a VRAM "
-                              f"tier holds at most that many")
-        if info.is_moe:  # check the parameters before spending time on loading weights
-            if cache.size == "auto":
-                choice = auto_cache_size(info, n_ctx,
-                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
-                                         lowbit=placement.lowbit_pool_bytes(cache, info, str(model_path)),
-                                         batch=int((n_seq_max - 1) * info.n_expert_used * info.cache_bytes
-                                                   * info.n_moe_layer))
-                if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
-                    raise ConfigError(
-                        f"the low-bit pools need {choice.lowbit / 2**20:.0f} MiB (" + (
-                            "lowbit_in_ram keeps every expert's low-bit copy in memory" if cache.lowbit_in_ram else
-                            "K + 1 low-bit copies per layer") + f"), more than the "
-                        f"{max(0, choice.available - choice.dense - choice.kv) / 2**20:.0f} MiB free beside the dense part "
-                        "and the KV cache: the process would be killed for memory" + (
-                            "; leave lowbit_in_ram (--lowbit-in-ram) off" if cache.lowbit_in_ram else ""))
-                cache = dataclasses.replace(cache, size=choice.n_cached)
-            if cache.vram_size and cache.residency not in ("auto", "stream"):
-                raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
-                                  f"from the streamed cache's host slots), not {cache.residency!r}")
-            n_gpu = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer)
-            gpu = n_gpu > 0
-            if cache.vram_size and not gpu:
-                warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
-                              "with a GPU or an RPC server)", stacklevel=2)
-                cache = dataclasses.replace(cache, vram_size=0, vram_exclusive=False)
-            gpu_free = _plan.device_free_memory(devices) if gpu else None  # (the discrete GPUs'; None: none)
-            asked_cache = cache
-            fit_device = functools.partial(placement.fit_device, info=info, n_gpu=n_gpu, free=gpu_free,
-                                           placed_by_us=self._overrides is None, n_ctx=n_ctx, size_stated=choice is None)
-            cache, self._device_note = fit_device(cache)
-            if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
-                n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-                cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
-                                               from_memory=choice is not None or isinstance(cache.size, str),
-                                               n_expert=info.n_expert)
-                if choice is not None and cache.size != choice.n_cached:
-                    choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
-                if self._device_note and cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer) < n:
-                    # the spare slots came out of the cache the GPU's tier was sized beside: sized again (and said)
-                    # for the cache that is left, so an exclusive tier also takes the experts they leave
-                    refit, self._device_note = fit_device(dataclasses.replace(asked_cache, size=cache.size))
-                    cache = dataclasses.replace(cache, vram_size=refit.vram_size, vram_exclusive=refit.vram_exclusive)
-            n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
-            residency = cache.residency_for(cache.capacities(n), info.n_expert)
-            # llama.cpp places the experts (residency none, no placement flag): the GPU layers' are on a discrete GPU
-            placed = residency == "none" and self._overrides is None and gpu_free is not None
-            self._plan_gpu = (n_gpu, _plan.moe_layers_on_gpu(info, n_gpu) if placed else 0)
-            if choice is not None and self._plan_gpu[1]:
-                choice = dataclasses.replace(choice, n_cached=max(n, choice.n_cached), gpu_expert_layers=self._plan_gpu[1])
-            if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:
-                warnings.warn(f"vram_exclusive ignored: the cache holds every expert ({n} of {info.n_expert} per layer), "
-                              "so the VRAM tier copies part of it", stacklevel=2)
-            if cache.unified == "on" and residency != "stream":
-                if cache.residency != "auto":
-                    raise ConfigError(f"unified='on' needs residency 'stream' (the GPU computes on its host slots), "
-                                      f"not {residency!r}")
-                warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
-                              f"with n_gpu_layers llama.cpp places them itself", stacklevel=2)
-                cache = dataclasses.replace(cache, unified="auto")
-            cache, companion = placement.resolve_miss(cache, residency, str(model_path), gpu=gpu)
-            if preset is not None:  # routing and eviction from the model's K and the share each tier holds
-                ratio = companion.ratio if companion is not None and cache.miss == "lowbit-cache" else 1.0
-                held = (cache, placement.slots_with_companion(n, ratio, info.n_expert), info.n_expert,
-                        placement.slots_with_companion(cache.vram_size, ratio, info.n_expert))
-                routing, eviction, decay = preset.resolve_all(info.n_expert_used, placement.routing_share(*held),
-                                                              placement.prefers_device(*held))
-                cache = dataclasses.replace(cache, eviction=eviction,
-                                            eviction_decay=cache.eviction_decay if decay is None else decay)
-            self._plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
-                                 _plan._available_memory(),  # before the load takes its share
-                                 (cache, companion.expert_bytes, placement.companion_name(companion))
-                                 if companion is not None else None)
-            if residency == "stream" and choice is None:
-                short = memory_shortfall(info, n, n_ctx, cache.prefetch_spare,
-                                         lowbit=placement.lowbit_pool_bytes(cache, info, str(model_path)),
-                                         gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
-                if short:
-                    warnings.warn(f"cache size {cache.size} leaves no room: {short}. The OS will drop the dense "
-                                  "part or the runtime's pages and read them back every token (or end the process); "
-                                  "use cache size 'auto' (--cache-size auto) or a smaller one", stacklevel=2)
-            top_j = resolved_top_j(routing, info.n_expert_used)
-            if top_j > info.n_expert_used:
-                raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
-            if residency != "none" and kwargs.get("use_mmap", True) is False:
-                raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
-                                  "use_mmap must stay True (--no-mmap only with residency 'none', when the whole "
-                                  "model is loaded)")
-            if residency != "none" and kwargs.pop("use_mlock", False):
-                # llama.cpp's mlock would lock every expert of the mapping: here it means what the cache
-                # locks, the dense part and the cached experts (the rest is not meant to be in memory)
-                cache = dataclasses.replace(cache, lock_memory=True, lock_dense=True)
-            # the native parameters, once, from the values resolved above (MoECache.for_model takes them)
-            native = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
-                                      info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
-                                      n_seq=n_seq_max)
+        # where every tensor goes and how the cache is made, decided (and checked) before any weight is read
+        self.placement = p = placement.decide(str(model_path), info, cache, routing, routing_scope, kwargs)
+        kwargs, cache, routing, residency = p.kwargs, p.cache, p.routing, p.residency
+        self.n_seq_max = p.n_seq_max
+        self._rpc_used = p.rpc_used  # the servers whose devices take this model's layers: each decode checks them
         self._busy = threading.Lock()  # held by the thread in eval/sample: a second one gets ConcurrentUseError
         self.n_evals = 0  # calls of eval (one sequence's tokens in slot 0)
         self._token_lock = threading.Lock()  # held while a token is decoded or sampled: readers of the
@@ -462,37 +183,9 @@ class Llama(llama_cpp.Llama):
                             if info.is_moe and cache.miss != "full" and cache.lowbit else None)
         with _LOAD_LOCK:
             take_log_lines()  # drop older lines: only this load's reason goes into the message
-            # stream and mmap: the experts keep the file's layout and are not read at load time
-            C.moecache_set_load_residency(RESIDENCIES[residency])
-            formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter
-            llama_cpp.llama_chat_format.Jinja2ChatFormatter = _TolerantChatFormatter
-            default_params = llama_cpp.llama_cpp.llama_model_default_params
-            context_class = llama_cpp._internals.LlamaContext
-            if fa_type is not None or n_seq_max > 1:
-                def context_with_fa_type(*, params, **kw):
-                    if fa_type is not None:
-                        params.flash_attn_type = fa_type
-                    params.n_seq_max = n_seq_max
-                    params.kv_unified = n_seq_max > 1  # (every sequence may use the whole n_ctx, as llama-server's)
-                    return context_class(params=params, **kw)
-
-                llama_cpp._internals.LlamaContext = context_with_fa_type
-            if devices is not None or self._overrides is not None:
-                # llama.cpp's model params have a devices list and buffer overrides llama-cpp-python leaves unset
-                dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None) if devices is not None else None
-                overrides = self._overrides
-
-                def params_with_devices():
-                    p = default_params()
-                    if dev_list is not None:
-                        p.devices = ctypes.cast(dev_list, ctypes.c_void_p)
-                    if overrides is not None:
-                        p.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
-                    return p
-
-                llama_cpp.llama_cpp.llama_model_default_params = params_with_devices
             try:
-                super().__init__(model_path=str(model_path), **kwargs)
+                with placement.applied_to_load(p):
+                    super().__init__(model_path=str(model_path), **kwargs)
             except ValueError as e:  # llama-cpp-python's "Failed to load model from file" and friends
                 why = take_log_lines() or "no reason logged"
                 if str(e).startswith("Failed to create llama_context"):
@@ -503,11 +196,6 @@ class Llama(llama_cpp.Llama):
                 raise ConfigError(f"not enough memory for a context of n_ctx={kwargs.get('n_ctx', 512)} tokens"
                                   + (" with logits_all=True (n_ctx x n_vocab floats)" if kwargs.get("logits_all")
                                      else "") + ": use a smaller n_ctx (-c)") from None
-            finally:
-                C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
-                llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
-                llama_cpp.llama_cpp.llama_model_default_params = default_params
-                llama_cpp._internals.LlamaContext = context_class
         if (kwargs.get("chat_format") is None and kwargs.get("chat_handler") is None and self.chat_format == "llama-2"
                 and "tokenizer.chat_template" not in self.metadata):
             self.chat_format = "chatml"  # a model without a chat template: ChatML, as run, chat and serve (not
@@ -525,16 +213,16 @@ class Llama(llama_cpp.Llama):
             self.tokenizer_ = _Tokenizer(self)
         self.model_info = info
         self.cache_config = cache
-        self.cache_choice = choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
+        self.cache_choice = p.choice  # AutoCacheSize: what size="auto" chose and why; None for an explicit size
         # the Preset that was resolved into routing and eviction (routing="preset:NAME", or the default), or None
-        self.preset = preset if info.is_moe else None
+        self.preset = p.preset if info.is_moe else None
         self.moecache: Optional[MoECache] = None
         if not info.is_moe:
             warnings.warn(f"{model_path}: no MoE layers ({info.arch} is a dense model); running without an expert cache",
                           stacklevel=2)
             return
         self.moecache = MoECache.for_model(self._model.model, info, cache=cache, routing=routing, scope=routing_scope,
-                                           params=native)
+                                           params=p.native)
         self.moecache.attach(self._ctx.ctx)
         self.moecache._rpc_used = list(self._rpc_used)  # (collected apart from this Llama, it checks them itself)
         # runs before the context is freed (LIFO); the object stays usable as a name that raises ClosedError
@@ -580,8 +268,6 @@ class Llama(llama_cpp.Llama):
             raise HubError(f"cannot get {filename or 'a GGUF'} of {repo_id} from the Hugging Face Hub: "
                            f"{why[:300]}") from None
 
-    _plan_inputs = None
-    _plan_gpu = (0, 0)  # (layers whose dense part is on a GPU, MoE layers whose experts llama.cpp put there)
     _plan = None
     _lowbit_sig = None
 
@@ -594,29 +280,8 @@ class Llama(llama_cpp.Llama):
         >>> print(llm.memory_plan().summary())                                      # doctest: +SKIP
         plan: 23.1 GiB free = dense part 4 MiB + KV cache 1 MiB (256 tokens) + expert cache ...
         """
-        if self._plan is None and self._plan_inputs is not None:
-            from .plan import memory_plan
-
-            n_cached, spare, available, low = self._plan_inputs
-            n_gpu, on_gpu = self._plan_gpu
-            self._plan = memory_plan(self.model_info, self.n_ctx(), n_cached, n_spare=spare, available=available,
-                                     gpu_layers=n_gpu)
-            self._plan = dataclasses.replace(self._plan, budget_from=_plan._free_source(), gpu_expert_layers=on_gpu,
-                                             n_batch=(self.n_seq_max - 1) * self.model_info.n_expert_used)
-            if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
-                low, low_bytes, low_name = low
-                self._plan = dataclasses.replace(self._plan, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram,
-                                                 lowbit_bytes=low_bytes, lowbit_name=low_name)
-                if low.miss == "lowbit-cache" and self.moecache is not None:  # the slots hold the copies: as many
-                    n_cached = int(self.moecache.stats().capacity_per_layer.max())  # as fit in the memory
-                    self._plan = dataclasses.replace(self._plan, n_cached=n_cached, slot_bytes=low_bytes,
-                                                     expert_bytes=low_bytes)
-            if self.moecache is not None:  # the VRAM tier, as the library made it
-                rs = self.moecache.residency_stats()
-                self._plan = dataclasses.replace(self._plan, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes,
-                                                 vram_exclusive=rs.vram_exclusive_layers > 0,
-                                                 exclusive_layers=rs.vram_exclusive_layers,
-                                                 device_note=self._device_note)
+        if self._plan is None:
+            self._plan = placement.loaded_plan(self.placement, self.model_info, self.n_ctx(), self.moecache)
         return self._plan
 
     def _enter(self) -> None:
@@ -1028,7 +693,7 @@ class Llama(llama_cpp.Llama):
             routing, eviction, decay = routing.resolve_all(cache.n_expert_used, placement.routing_share(*held),
                                                            placement.prefers_device(*held))
             with self._token_lock:  # as at load: the preset's decay, else the CacheConfig's (never the last one's)
-                cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
+                cache.set_eviction(eviction, self.placement.eviction_decay if decay is None else decay)
                 cache.set_routing(routing, scope)
             return
         with self._token_lock:
@@ -1042,7 +707,7 @@ class Llama(llama_cpp.Llama):
         """
         cache = self._require_cache()
         with self._token_lock:
-            cache.set_eviction(eviction, self._eviction_decay if decay is None else decay)
+            cache.set_eviction(eviction, self.placement.eviction_decay if decay is None else decay)
 
     def save_profile(self, path: "os.PathLike[str] | str") -> None:
         """Write the usage profile (which experts every request so far selected, this one included,

@@ -6,15 +6,22 @@ what these decide.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Optional
 
-from . import _lib
-from . import plan as _plan
-from .config import INT32_MAX, CacheConfig, ConfigError, check_int
+from . import _moecache_cpp  # noqa: F401  (first: our libllama, before llama_cpp loads one)
+import llama_cpp  # noqa: E402
+from . import _lib, config, rpc  # noqa: E402
+from . import plan as _plan  # noqa: E402
+from .config import INT32_MAX, RESIDENCIES, CacheConfig, ConfigError, Preset, check_int, resolved_top_j  # noqa: E402
+from .keywords import check_llama_kwargs  # noqa: E402
+from .moecache import MoECache, _as_routing  # noqa: E402
+from .plan import AutoCacheSize, auto_cache_size, memory_shortfall  # noqa: E402
 
 
 def cpu_patterns(n_cpu_moe, override_tensor, n_layer: int) -> list:
@@ -244,3 +251,264 @@ def lowbit_pool_bytes(cache: CacheConfig, info, model_path: str) -> int:
         return 0
     slots = (info.n_expert if cache.lowbit_in_ram else info.n_expert_used) + 1
     return int(slots * companion.expert_bytes * info.n_moe_layer)
+
+
+@dataclasses.dataclass
+class Placement:
+    """What :func:`decide` settled before a load, which ``pymoecache.Llama.__init__`` applies."""
+    kwargs: dict                 # llama_cpp.Llama's keywords: n_gpu_layers resolved, flash_attn a bool, ours taken out
+    cache: CacheConfig           # size, prefetch, VRAM tier, miss path and a preset's eviction resolved
+    routing: object              # the Routing (a Preset resolved into one)
+    preset: object               # the Preset that was resolved, or None
+    choice: Optional[AutoCacheSize]  # what size="auto" chose and why; None for a stated size
+    residency: str               # "stream", "mmap" or "none": how llama.cpp loads the experts
+    native: object               # the cache's native parameters (MoECache.for_model); None for a dense model
+    n_seq_max: int               # sequences decoded together (llama.cpp's n_seq_max)
+    fa_type: Optional[int]       # LLAMA_FLASH_ATTN_TYPE_AUTO for flash_attn="auto", else None (llama-cpp-python's)
+    devices: Optional[list]      # the devices to load onto where an RPC server is gone; None: every device
+    overrides: object            # llama.cpp's tensor_buft_overrides (n_cpu_moe, override_tensor), or None
+    rpc_used: list               # the RPC servers whose devices take this model's layers
+    eviction_decay: float        # the user's decay: what a preset without one keeps
+    device_note: str             # what the GPUs' free memory decided (fit_device), for the plan line
+    plan_gpu: tuple              # (layers whose dense part is on a GPU, MoE layers whose experts llama.cpp put there)
+    plan_inputs: Optional[tuple]  # (experts cached, spare slots, memory free before the load, low-bit pools or None)
+
+
+def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: dict) -> Placement:
+    """Where the tensors of ``model_path`` (its :func:`model_info` ``info``) go and how its cache is made, from
+    ``Llama``'s arguments and the machine: every parameter checked before a byte of weights is read. Warns
+    about what it leaves out (a tier without GPU layers, a cache that leaves no room)."""
+    kwargs = dict(kwargs)
+    native, plan_gpu, plan_inputs = None, (0, 0), None
+    # llama-cli's --n-cpu-moe and -ot (=CPU): tensor buffer overrides, which llama-cpp-python does not take
+    overrides = buffer_overrides(cpu_patterns(kwargs.pop("n_cpu_moe", None), kwargs.pop("override_tensor", None),
+                                              info.n_layer))
+    choice: Optional[AutoCacheSize] = None
+    cache = as_cache(cache)
+    if isinstance(routing, str):
+        routing = config.parse_routing(routing)  # (config's name: what the routing tests count)
+    if routing is None:  # the default: a preset (top-k where every expert is cached)
+        routing = Preset.default_for(cache)
+    preset = routing if isinstance(routing, Preset) else None  # resolved below, once the size is known
+    eviction_decay = float(cache.eviction_decay)  # the user's: what a preset without a decay keeps
+    if preset is None:
+        routing = _as_routing(routing)
+    check_llama_kwargs(kwargs)
+    # flash attention: llama-cpp-python takes a bool; 'auto' is llama.cpp's own choice (llama-cli's default),
+    # set on the context's parameters as the context is made
+    flash_attn = kwargs.get("flash_attn", False)
+    if isinstance(flash_attn, str):
+        kwargs["flash_attn"] = flash_attn == "on"
+    fa_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn == "auto" else None
+    # sequences decoded together (pymoecache.BatchDecoder): llama.cpp's n_seq_max, one KV cache for all of them
+    n_seq_max = kwargs.pop("n_seq_max", 1)
+    check_int("n_seq_max", n_seq_max, 1, 256)
+    n_seq_max = int(n_seq_max)
+    n_batch = kwargs.get("n_batch", 512)  # (llama-cpp-python's default, which it cuts to n_ctx)
+    if 0 < kwargs.get("n_ctx", 512) < n_batch:
+        n_batch = kwargs.get("n_ctx", 512)
+    if n_seq_max > n_batch:  # (llama.cpp would abort: a step's outputs, one per sequence, beyond n_batch)
+        raise ConfigError(f"n_batch ({n_batch}) must be at least n_seq_max ({n_seq_max}): a batched step "
+                          "decodes one token of every sequence (serve: -b at least -np)")
+    asked = []
+    if kwargs.get("rpc_servers") is not None:  # their devices exist for llama.cpp before it loads
+        asked = rpc.parse_endpoints(kwargs.pop("rpc_servers"))
+        for endpoint in asked:
+            rpc.add_server(endpoint)
+    # llama.cpp asks every registered device for its memory at load, and ggml aborts on a server that
+    # is gone (it cannot unregister one): a load then names the devices that are still there
+    gone = rpc.gone_servers() if rpc.servers() else []
+    for endpoint in asked:
+        if endpoint in gone:
+            raise ConfigError(f"rpc server {endpoint} is gone: " + (
+                "a model of this process lost it, and ggml keeps that dead connection; load in a new process"
+                if rpc.was_lost(endpoint) else "start it at that address again, or load in a new process"))
+    devices = rpc.live_devices(gone) if gone else None
+    if gone and kwargs.get("n_gpu_layers"):
+        warnings.warn(f"rpc server {gone[0]} is gone: its device is left out of this load"
+                      + ("" if devices else " (no GPU device is left: the layers stay on the CPU)"), stacklevel=3)
+    n_ctx = int(kwargs.get("n_ctx", 512) or info.n_ctx_train or 512)  # (the context the plans count the KV of)
+    if kwargs.get("n_gpu_layers") == "auto":  # llama.cpp's -ngl auto: the layers whose dense part fits the GPUs
+        free = _plan.device_free_memory(devices) if _plan.has_gpu() else None
+        kwargs["n_gpu_layers"] = _plan.auto_gpu_layers(info, n_ctx, free)
+        if free and not kwargs["n_gpu_layers"]:
+            warnings.warn(f"n_gpu_layers=auto: no layer fits in the {_plan._mib(free)} free on the GPU (less "
+                          f"a {_plan._mib(_plan.DEVICE_MARGIN)} margin): every layer stays on the CPU", stacklevel=3)
+    # the servers whose devices take this model's layers: each decode first checks that they are there
+    rpc_used = [e for e in rpc.servers() if e not in gone] if kwargs.get("n_gpu_layers") else []
+    residency = "none"
+    device_note = ""  # what the GPUs' free memory decided (fit_device), for the plan line
+    if info.is_moe and cache.vram_size != "auto" and cache.vram_size > info.n_expert:
+        raise ConfigError(f"vram_size={cache.vram_size}: the model has {info.n_expert} experts per layer; a VRAM "
+                          f"tier holds at most that many")
+    if info.is_moe:  # check the parameters before spending time on loading weights
+        if cache.size == "auto":
+            choice = auto_cache_size(info, n_ctx,
+                                     gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
+                                     lowbit=lowbit_pool_bytes(cache, info, str(model_path)),
+                                     batch=int((n_seq_max - 1) * info.n_expert_used * info.cache_bytes
+                                               * info.n_moe_layer))
+            if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
+                raise ConfigError(
+                    f"the low-bit pools need {choice.lowbit / 2**20:.0f} MiB (" + (
+                        "lowbit_in_ram keeps every expert's low-bit copy in memory" if cache.lowbit_in_ram else
+                        "K + 1 low-bit copies per layer") + f"), more than the "
+                    f"{max(0, choice.available - choice.dense - choice.kv) / 2**20:.0f} MiB free beside the dense part "
+                    "and the KV cache: the process would be killed for memory" + (
+                        "; leave lowbit_in_ram (--lowbit-in-ram) off" if cache.lowbit_in_ram else ""))
+            cache = dataclasses.replace(cache, size=choice.n_cached)
+        if cache.vram_size and cache.residency not in ("auto", "stream"):
+            raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
+                              f"from the streamed cache's host slots), not {cache.residency!r}")
+        n_gpu = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer)
+        gpu = n_gpu > 0
+        if cache.vram_size and not gpu:
+            warnings.warn(f"vram_size={cache.vram_size} ignored: no layer is on a GPU (n_gpu_layers / -ngl, "
+                          "with a GPU or an RPC server)", stacklevel=3)
+            cache = dataclasses.replace(cache, vram_size=0, vram_exclusive=False)
+        gpu_free = _plan.device_free_memory(devices) if gpu else None  # (the discrete GPUs'; None: none)
+        asked_cache = cache
+        fit = functools.partial(fit_device, info=info, n_gpu=n_gpu, free=gpu_free,
+                                       placed_by_us=overrides is None, n_ctx=n_ctx, size_stated=choice is None)
+        cache, device_note = fit(cache)
+        if cache.prefetch == "auto":  # stream: gate into spare slots, taken out of a memory budget
+            n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
+            cache = cache.resolve_prefetch(cache.residency_for(cache.capacities(n), info.n_expert), n, info.n_expert_used,
+                                           from_memory=choice is not None or isinstance(cache.size, str),
+                                           n_expert=info.n_expert)
+            if choice is not None and cache.size != choice.n_cached:
+                choice = dataclasses.replace(choice, n_cached=cache.size, spare=cache.prefetch_spare)
+            if device_note and cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer) < n:
+                # the spare slots came out of the cache the GPU's tier was sized beside: sized again (and said)
+                # for the cache that is left, so an exclusive tier also takes the experts they leave
+                refit, device_note = fit(dataclasses.replace(asked_cache, size=cache.size))
+                cache = dataclasses.replace(cache, vram_size=refit.vram_size, vram_exclusive=refit.vram_exclusive)
+        n = cache.n_cached_for(info.n_expert, info.cache_bytes, info.n_moe_layer)
+        residency = cache.residency_for(cache.capacities(n), info.n_expert)
+        # llama.cpp places the experts (residency none, no placement flag): the GPU layers' are on a discrete GPU
+        placed = residency == "none" and overrides is None and gpu_free is not None
+        plan_gpu = (n_gpu, _plan.moe_layers_on_gpu(info, n_gpu) if placed else 0)
+        if choice is not None and plan_gpu[1]:
+            choice = dataclasses.replace(choice, n_cached=max(n, choice.n_cached), gpu_expert_layers=plan_gpu[1])
+        if cache.vram_exclusive and residency == "stream" and n >= info.n_expert:
+            warnings.warn(f"vram_exclusive ignored: the cache holds every expert ({n} of {info.n_expert} per layer), "
+                          "so the VRAM tier copies part of it", stacklevel=3)
+        if cache.unified == "on" and residency != "stream":
+            if cache.residency != "auto":
+                raise ConfigError(f"unified='on' needs residency 'stream' (the GPU computes on its host slots), "
+                                  f"not {residency!r}")
+            warnings.warn(f"unified='on' ignored: every expert fits in memory (residency '{residency}'), and "
+                          f"with n_gpu_layers llama.cpp places them itself", stacklevel=3)
+            cache = dataclasses.replace(cache, unified="auto")
+        cache, companion = resolve_miss(cache, residency, str(model_path), gpu=gpu)
+        if preset is not None:  # routing and eviction from the model's K and the share each tier holds
+            ratio = companion.ratio if companion is not None and cache.miss == "lowbit-cache" else 1.0
+            held = (cache, slots_with_companion(n, ratio, info.n_expert), info.n_expert,
+                    slots_with_companion(cache.vram_size, ratio, info.n_expert))
+            routing, eviction, decay = preset.resolve_all(info.n_expert_used, routing_share(*held),
+                                                          prefers_device(*held))
+            cache = dataclasses.replace(cache, eviction=eviction,
+                                        eviction_decay=cache.eviction_decay if decay is None else decay)
+        plan_inputs = (n, cache.prefetch_spare, choice.available if choice is not None else
+                             _plan._available_memory(),  # before the load takes its share
+                             (cache, companion.expert_bytes, companion_name(companion))
+                             if companion is not None else None)
+        if residency == "stream" and choice is None:
+            short = memory_shortfall(info, n, n_ctx, cache.prefetch_spare,
+                                     lowbit=lowbit_pool_bytes(cache, info, str(model_path)),
+                                     gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer))
+            if short:
+                warnings.warn(f"cache size {cache.size} leaves no room: {short}. The OS will drop the dense "
+                              "part or the runtime's pages and read them back every token (or end the process); "
+                              "use cache size 'auto' (--cache-size auto) or a smaller one", stacklevel=3)
+        top_j = resolved_top_j(routing, info.n_expert_used)
+        if top_j > info.n_expert_used:
+            raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
+        if residency != "none" and kwargs.get("use_mmap", True) is False:
+            raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
+                              "use_mmap must stay True (--no-mmap only with residency 'none', when the whole "
+                              "model is loaded)")
+        if residency != "none" and kwargs.pop("use_mlock", False):
+            # llama.cpp's mlock would lock every expert of the mapping: here it means what the cache
+            # locks, the dense part and the cached experts (the rest is not meant to be in memory)
+            cache = dataclasses.replace(cache, lock_memory=True, lock_dense=True)
+        # the native parameters, once, from the values resolved above (MoECache.for_model takes them)
+        native = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
+                                  info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
+                                  n_seq=n_seq_max)
+    return Placement(kwargs=kwargs, cache=cache, routing=routing, preset=preset, choice=choice, residency=residency,
+                     native=native, n_seq_max=n_seq_max, fa_type=fa_type, devices=devices, overrides=overrides,
+                     rpc_used=rpc_used, eviction_decay=eviction_decay, device_note=device_note, plan_gpu=plan_gpu,
+                     plan_inputs=plan_inputs)
+
+
+@contextlib.contextmanager
+def applied_to_load(p: Placement):
+    """For the duration of a load (one at a time: ``Llama``'s lock), what llama-cpp-python's load lacks: the
+    experts' residency (stream and mmap keep the file's layout and read nothing at load), a device list and
+    buffer overrides on the model's parameters, flash attention "auto" and n_seq_max on the context's, and a
+    chat formatter that lets a model with a broken template load (:func:`templates.tolerant_formatter`)."""
+    from . import _moecache_cpp as C
+    from .templates import tolerant_formatter
+
+    C.moecache_set_load_residency(RESIDENCIES[p.residency])
+    formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter
+    llama_cpp.llama_chat_format.Jinja2ChatFormatter = tolerant_formatter()
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+    context_class = llama_cpp._internals.LlamaContext
+    if p.fa_type is not None or p.n_seq_max > 1:
+        llama_cpp._internals.LlamaContext = functools.partial(_context_with, context_class, p)
+    if p.devices is not None or p.overrides is not None:
+        # llama.cpp's model params have a devices list and buffer overrides llama-cpp-python leaves unset
+        dev_list = (ctypes.c_void_p * (len(p.devices) + 1))(*p.devices, None) if p.devices is not None else None
+        llama_cpp.llama_cpp.llama_model_default_params = functools.partial(_params_with, default_params, dev_list,
+                                                                           p.overrides)
+    try:
+        yield
+    finally:
+        C.moecache_set_load_residency(C.MOECACHE_RESIDENCY_NONE)
+        llama_cpp.llama_chat_format.Jinja2ChatFormatter = formatter
+        llama_cpp.llama_cpp.llama_model_default_params = default_params
+        llama_cpp._internals.LlamaContext = context_class
+
+
+def _context_with(context_class, p: Placement, *, params, **kw):
+    if p.fa_type is not None:
+        params.flash_attn_type = p.fa_type
+    params.n_seq_max = p.n_seq_max
+    params.kv_unified = p.n_seq_max > 1  # (every sequence may use the whole n_ctx, as llama-server's)
+    return context_class(params=params, **kw)
+
+
+def _params_with(default_params, dev_list, overrides):
+    params = default_params()
+    if dev_list is not None:
+        params.devices = ctypes.cast(dev_list, ctypes.c_void_p)
+    if overrides is not None:
+        params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+    return params
+
+
+def loaded_plan(p: Placement, info, n_ctx: int, moecache):
+    """The :class:`plan.MemoryPlan` of a model loaded with ``p`` (``Llama.memory_plan``): the memory free before the
+    load, what each part takes, the low-bit pools and the VRAM tier as the library made them. None for a dense model."""
+    if p.plan_inputs is None:
+        return None
+    n_cached, spare, available, low = p.plan_inputs
+    n_gpu, on_gpu = p.plan_gpu
+    out = _plan.memory_plan(info, n_ctx, n_cached, n_spare=spare, available=available, gpu_layers=n_gpu)
+    out = dataclasses.replace(out, budget_from=_plan._free_source(), gpu_expert_layers=on_gpu,
+                              n_batch=(p.n_seq_max - 1) * info.n_expert_used)
+    if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
+        low, low_bytes, low_name = low
+        out = dataclasses.replace(out, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram, lowbit_bytes=low_bytes,
+                                  lowbit_name=low_name)
+        if low.miss == "lowbit-cache" and moecache is not None:  # the slots hold the copies: as many as fit
+            n_cached = int(moecache.stats().capacity_per_layer.max())
+            out = dataclasses.replace(out, n_cached=n_cached, slot_bytes=low_bytes, expert_bytes=low_bytes)
+    if moecache is not None:  # the VRAM tier, as the library made it
+        rs = moecache.residency_stats()
+        out = dataclasses.replace(out, n_vram=rs.vram_slots, vram_bytes=rs.vram_bytes,
+                                  vram_exclusive=rs.vram_exclusive_layers > 0, exclusive_layers=rs.vram_exclusive_layers,
+                                  device_note=p.device_note)
+    return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import difflib
 import functools
+import logging
 import sys
 import time
 from typing import List, Optional
@@ -118,6 +119,38 @@ def bounded_formatter():
             return r
 
     return BoundedJinjaFormatter
+
+
+@functools.lru_cache(maxsize=1)
+def tolerant_formatter():
+    """The Jinja formatter ``pymoecache.Llama`` installs for the duration of a load. llama-cpp-python compiles
+    every chat template of a GGUF while it loads the model, and a template its Jinja cannot parse would abort
+    the load: with this one such a template loads, warns once, and fails only when used. It renders in
+    :func:`bounded_formatter`'s sandbox; its errors are ConfigErrors. (A class made on first use.)"""
+    class TolerantChatFormatter(bounded_formatter()):
+        def __init__(self, template: str, *args, **kwargs):
+            import jinja2
+
+            try:
+                super().__init__(template, *args, **kwargs)
+                self.error = None
+            except jinja2.TemplateError as e:
+                self.template, self.error = template, f"{type(e).__name__}: {e}"
+                logging.getLogger("pymoecache").warning(
+                    "the model's chat template is not valid Jinja (%s): create_chat_completion needs chat_format= or "
+                    "a chat_handler; `pymoecache chat` uses llama.cpp's own templates", self.error)
+
+        def __call__(self, *args, **kwargs):
+            if self.error is not None:
+                raise ConfigError(f"the model's chat template cannot be used ({self.error}): pass chat_format= "
+                                  "(e.g. 'chatml') or a chat_handler to pymoecache.Llama")
+            try:
+                return super().__call__(*args, **kwargs)
+            except Exception as e:  # the template's own errors, its size and time bounds
+                raise ConfigError(f"the model's chat template could not render the conversation: {type(e).__name__}: "
+                                  f"{str(e)[:300]}") from None
+
+    return TolerantChatFormatter
 
 
 class _CountedTemplate:

@@ -74,3 +74,15 @@ void moecache_device_ubatch_begin(moecache & mc); // before a ubatch computes: t
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched);
 void moecache_device_free(moecache & mc);
 void moecache_device_flush(moecache & mc);  // count a read still pending (each API entry reading or changing the cache)
+
+// moecache-device-route.cpp: the prior on the device. boosts: layer il's for its next token, into the host
+// copy of its device's bias (b for each expert the prior's mask holds, then K copies of b for Top-J); upload:
+// every such layer's, before a token computes; select: the prior as ggml ops on the router's outputs (the
+// layer's selected experts in r order, nullptr where the device lacks an op); regate: the router's output t
+// computed again from the logits by the same gating ops, `from` replaced by `to` (nullptr: another chain)
+void          moecache_device_prior_boosts(moecache & mc, int il);
+void          moecache_device_prior_upload(moecache & mc);
+ggml_tensor * moecache_device_prior_select(moecache & mc, ggml_context * ctx, int il, ggml_tensor * selected,
+                                           ggml_tensor * logits, ggml_tensor * selection);
+ggml_tensor * moecache_device_regate(ggml_context * ctx, ggml_tensor * t, ggml_tensor * logits, ggml_tensor * from,
+                                     ggml_tensor * to, int depth);

@@ -12,7 +12,7 @@
 // cancels it, which drops its queued jobs and waits for those being read.
 #pragma once
 
-#include "moecache.h" // struct moecache_event (the timeline)
+#include "moecache-timeline.h" // struct moecache_event
 
 #include <atomic>
 #include <chrono>

@@ -13,7 +13,7 @@
 // A full tier evicts by the cache's eviction policy (moecache_layer_pick_victim: the same scores
 // as the host cache, recency from the tier's own uses), never an expert the current token selected.
 //
-// The graph of the tier's matmuls: moecache-vram-graph.cpp.
+// The graph of the tier's matmuls: moecache-vram-graph.cpp; exclusive tiers' moves down: moecache-vram-exclusive.cpp.
 //
 // Copies up (vram_copy ASYNC): the routing op decides them and sends each one whose read is in
 // to a second backend of the device (`copier`, its own stream: ggml_backend_tensor_set_async),
@@ -94,17 +94,6 @@ static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
     }
 }
 
-// Exclusive tiers with a copier: `need` bytes of pinned host memory of the device (its host buffer type;
-// none over RPC) for one layer's moves down of a token, so that the copier reads them back beside the
-// copies up rather than one synchronous read per tensor. Where there is none, or a step moves more,
-// they are read synchronously (exclusive_claim)
-static void vram_stage_down(moecache & mc, ggml_backend_dev_t dev, size_t need) {
-    ggml_backend_buffer_type_t host = dev && need > 0 ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
-    if (host) {
-        mc.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
-    }
-}
-
 int32_t moecache_vram_init(moecache & mc) {
     for (moecache_layer & L : mc.layers) {
         if (L.vram.n == 0) {
@@ -165,7 +154,7 @@ int32_t moecache_vram_init(moecache & mc) {
         }
     }
     vram_pin_arena(mc, first);
-    vram_stage_down(mc, staged, need);
+    moecache_vram_stage_down(mc, staged, need);
     return MOECACHE_OK;
 }
 
@@ -223,79 +212,6 @@ void moecache_vram_empty(moecache_layer & L) {
 void moecache_vram_forget(moecache_layer & L) {
     if (L.vram.exclusive) {
         moecache_vram_empty(L);
-    }
-}
-
-// exclusive: e, now in device slot vs, leaves the host tier (its host slot is freed at the end of the
-// token's copies); the slot's previous expert, if any, moves down into e's host slot hs: its bytes are
-// read back from the device now, before e's copy can overwrite them, and written to hs once e's copy
-// has left it (vram_finish)
-// With a copier and the pinned staging (down_stage), the read back is queued on the copier ahead of the
-// token's copies up (the same stream: done before any of them overwrites the slot), and waited for with
-// them; otherwise it is made now, one synchronous read per expert tensor.
-static void exclusive_claim(moecache_layer & L, int32_t e, int32_t old, int32_t vs, int32_t hs) {
-    moecache_layer_vram & V = L.vram;
-    V.excl[e] = 1;
-    if (old < 0) {
-        V.n_excl += 1;
-        return;
-    }
-    V.excl[old] = 0;
-    size_t off = V.down_e.size() * moecache_slot_bytes(L);
-    if (!V.down_stage) {
-        V.down_bytes.resize(off + moecache_slot_bytes(L));
-    }
-    for (size_t j = 0; j < L.res.xt.size(); j++) {
-        const size_t at = (size_t) vs * V.t[j]->nb[2], len = L.res.xt[j].src_nb2;
-        if (V.down_stage) {
-            ggml_backend_tensor_get_async(V.copier, V.t[j], V.down_stage + off, at, len);
-        } else {
-            ggml_backend_tensor_get(V.t[j], V.down_bytes.data() + off, at, len);
-        }
-        off += len;
-    }
-    V.down_e.push_back(old);
-    V.down_hs.push_back(hs);
-}
-
-// exclusive, once the token's copies up have left their host slots: each slot freed, or given the
-// expert that moved down into it
-static void exclusive_settle(moecache & mc, moecache_layer & L) {
-    moecache_layer_vram & V = L.vram;
-    for (size_t i = 0; i < V.copy_e.size(); i++) {
-        const int32_t e = V.copy_e[i], hs = V.copy_hs[i];
-        if (V.copy_t[i] == 0) { // its read failed (the decode is being stopped): held by neither tier
-            if (V.excl[e]) {
-                V.excl[e] = 0;
-                V.n_excl -= 1;
-            }
-            continue;
-        }
-        if (L.res.slot_expert[hs] == e) {
-            L.res.slot_expert[hs] = -1;
-            L.res.expert_slot[e]  = -1;
-        }
-    }
-    const char * down = V.down_stage ? V.down_stage : V.down_bytes.data(); // (the copier was waited for)
-    size_t off = 0;
-    for (size_t i = 0; i < V.down_e.size(); i++) {
-        const int32_t v = V.down_e[i], hs = V.down_hs[i];
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            memcpy((char *) x.slots_t->data + (size_t) hs * x.slot_nb2, down + off, x.src_nb2);
-            off += x.src_nb2;
-        }
-        if (L.last_use[v] >= 0 && L.res.slot_expert[hs] < 0) {
-            L.res.slot_expert[hs] = v;
-            L.res.expert_slot[v]  = hs;
-            mc.rst.vram_copies_down += 1;
-        }
-    }
-    V.down_e.clear();
-    V.down_hs.clear();
-    V.down_bytes.clear();
-    if (V.down_stage) {
-        V.down_stage        = nullptr;
-        mc.down_stage_layer = -1;
     }
 }
 
@@ -404,7 +320,7 @@ static int64_t vram_finish(moecache & mc, moecache_layer & L, int64_t t_send, in
         }
     }
     if (V.exclusive) { // the copies have left their host slots: those change hands now
-        exclusive_settle(mc, L);
+        moecache_vram_exclusive_settle(mc, L);
     }
     const double bytes    = (double) moecache_slot_bytes(L) * (double) V.copy_e.size();
     const double per_byte = (double) std::max<int64_t>(t_send, 1) / bytes;
@@ -493,7 +409,7 @@ static void vram_claim(moecache & mc, moecache_layer & L, int32_t e, int32_t hs,
     moecache_layer_vram & V = L.vram;
     const int32_t old = V.slot_expert[vs];
     if (V.exclusive) {
-        exclusive_claim(L, e, old, vs, hs);
+        moecache_vram_exclusive_claim(L, e, old, vs, hs);
     }
     if (old >= 0) {
         V.expert_slot[old] = -1;

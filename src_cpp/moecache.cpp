@@ -1,6 +1,6 @@
-// moecache.cpp - every extern "C" function of moecache.h: defaults, life cycle, routing changes,
-// stats, trace, state files, attach/detach, residency telemetry. Each checks its arguments and
-// calls the file of its concept: moecache-init.cpp (parameters, construction), moecache-route.cpp
+// moecache.cpp - the extern "C" functions of moecache.h: defaults, life cycle, routing changes, stats, trace,
+// state files, attach/detach, residency telemetry (the timeline's: moecache-timeline.cpp). Each checks its
+// arguments and calls the file of its concept: moecache-init.cpp (parameters, construction), moecache-route.cpp
 // (the per-token decision), moecache-state.cpp, moecache-graph.cpp, moecache-residency.cpp.
 
 #include "moecache-impl.h"
@@ -10,16 +10,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cerrno>
-#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 // a token the device path counts after its graph (moecache-device.cpp) is counted before any call
 // that reads or changes the cache
@@ -688,54 +683,6 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->dense_locked_bytes = mc->dense_locked;
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;
-}
-
-extern "C" int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity) {
-    if (!mc || capacity < 0) {
-        moecache_set_error("moecache_timeline_start: NULL moecache or capacity < 0");
-        return MOECACHE_ERR_INVALID;
-    }
-    std::lock_guard<std::mutex> lock(mc->timeline.mu);
-    mc->timeline.on.store(false);
-    mc->timeline.ev.clear();
-    mc->timeline.dropped = 0;
-    try {
-        if (capacity == 0) {
-            mc->timeline.ev.shrink_to_fit();
-        } else {
-            mc->timeline.ev.reserve((size_t) capacity);
-        }
-    } catch (const std::exception &) {
-        mc->timeline.cap = 0;
-        moecache_set_error("moecache_timeline_start: out of memory for " + std::to_string(capacity) + " events");
-        return MOECACHE_ERR_NO_MEMORY;
-    }
-    mc->timeline.cap = (size_t) capacity;
-    mc->timeline.on.store(capacity > 0);
-    return MOECACHE_OK;
-}
-
-extern "C" int32_t moecache_timeline_get(const struct moecache * mc, struct moecache_event * out, int32_t cap,
-                                         int64_t * n_dropped) {
-    moecache_device_flush_c(mc); // (a token counted after its graph: counted before this)
-    if (!mc || cap < 0 || (cap > 0 && !out)) {
-        moecache_set_error("moecache_timeline_get: NULL argument or cap < 0");
-        return MOECACHE_ERR_INVALID;
-    }
-    moecache_timeline & tl = mc->timeline;
-    std::lock_guard<std::mutex> lock(tl.mu);
-    const size_t n = std::min(tl.ev.size(), (size_t) cap);
-    if (n > 0) {
-        memcpy(out, tl.ev.data(), n * sizeof(moecache_event));
-    }
-    if (n_dropped) {
-        *n_dropped = tl.dropped;
-    }
-    return (int32_t) tl.ev.size();
-}
-
-extern "C" int64_t moecache_time_now_us(void) {
-    return moecache_time_us();
 }
 
 extern "C" const char * moecache_take_io_error(struct moecache * mc) {

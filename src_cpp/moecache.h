@@ -37,6 +37,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moecache-timeline.h" // the timeline's events (moecache_timeline_get)
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -491,46 +493,6 @@ struct moecache_residency_stats {
                                   //   device path above ran; on the CPU too, with no read)
 };
 
-// Timeline (moecache_timeline_start): what the graph thread and the reader threads did, and when.
-// Times are moecache_time_now_us(), a monotonic clock in microseconds.
-enum moecache_event_kind {
-    MOECACHE_EVENT_ROUTE      = 0, // graph thread: a layer's routing decision of a decoded token (and the
-                                   //   prefetch it issues)
-    MOECACHE_EVENT_WAIT       = 1, // graph thread: a layer's residency op: it queues the reads its experts
-                                   //   need (STREAM decode; without overlap_experts it also waits for them),
-                                   //   copies or locks them (prompt, MMAP); the layer's expert matmuls start
-                                   //   at t_end_us; `expert` is -1. With overlap_experts, the expert
-                                   //   matmuls then wait for each selected expert still being read: one
-                                   //   WAIT per wait, `expert` the expert waited for
-    MOECACHE_EVENT_READ       = 2, // reader thread: a read of an expert a token selected (on demand)
-    MOECACHE_EVENT_READ_AHEAD = 3, // reader thread: a read ahead of the routing (prefetch, a prompt's read-ahead)
-    MOECACHE_EVENT_LOCK       = 4, // reader thread: MMAP locking an expert's pages
-    MOECACHE_EVENT_COPY       = 5, // reader thread: a prompt copying an expert out of the mapping into its slot
-    MOECACHE_EVENT_EXPERT     = 6, // graph thread, STREAM decode with overlap_experts: the input-side matmuls
-                                   //   (up, gate) of the selected expert `expert`, once its bytes were in
-    MOECACHE_EVENT_COPY_UP    = 7, // graph thread, VRAM tier: copying expert `expert` from its host slot into
-                                   //   device memory (`bytes`): t_queued_us when the copy was decided or
-                                   //   its read waited for, t_start_us when it was sent, t_end_us when
-                                   //   the device had it (vram_copy ASYNC: when the layer's copies were
-                                   //   waited for, after the CPU's matmuls; they start at the decision)
-    MOECACHE_EVENT_LOWBIT     = 8, // reader thread, lowbit: reading (a piece of) expert `expert`'s low-bit copy
-                                   //   from the companion into its pool slot, for this token (`bytes`)
-};
-
-struct moecache_event {
-    int32_t kind;        // enum moecache_event_kind
-    int32_t layer;       // the layer
-    int32_t expert;      // READ*, LOCK, COPY, EXPERT, COPY_UP: the expert; WAIT: -1 or the expert (above); -1 otherwise
-    int32_t thread;      // 0: the graph thread (or a caller running a job itself); 1..: reader thread
-    int32_t n_tokens;    // ROUTE, WAIT, EXPERT: tokens of the ubatch (1: a decode); 0 otherwise
-    int32_t pad;
-    int64_t t_queued_us; // READ*, LOCK, COPY: when the job was queued; = t_start_us otherwise
-    int64_t t_start_us;
-    int64_t t_end_us;
-    int64_t bytes;       // READ*, LOCK, COPY: bytes requested from storage (one piece of an expert); COPY_UP: bytes
-                         //   copied to the device; 0 otherwise
-};
-
 // one (layer, token) routing decision, for timelines and offline analysis
 struct moecache_trace_record {
     int32_t  layer;
@@ -550,10 +512,8 @@ MOECACHE_API struct moecache_routing_params moecache_routing_default_params(void
 
 // Checks the parameters against the model (N and K come from its GGUF metadata).
 // Returns NULL on error (MoE-less model, n_cached > N, top_j > K, ...): see moecache_last_error().
-MOECACHE_API struct moecache * moecache_init(
-        const struct llama_model           * model,
-        struct moecache_cache_params         cparams,
-        struct moecache_routing_params       rparams);
+MOECACHE_API struct moecache * moecache_init(const struct llama_model * model, struct moecache_cache_params cparams,
+                                             struct moecache_routing_params rparams);
 
 // Models loaded by this thread from now on are prepared for `residency`: MMAP and STREAM turn
 // off the mmap prefetch (experts are not read at load time) and keep the routed experts in the
@@ -591,13 +551,10 @@ MOECACHE_API void    moecache_reset_stats(struct moecache * mc); // counters and
 // of the request that ends into its store (at most 32 requests; one within cosine 0.95 of a stored
 // one is merged into it) and starts counting anew. Harmless with other prefetch modes.
 MOECACHE_API void    moecache_begin_request(struct moecache * mc);
-MOECACHE_API void    moecache_clear(struct moecache * mc);       // empty every layer's cache (and the running Delta,
-                                                                 //   the eviction usage, the pins and the current
-                                                                 //   request's counts; the profile stays) and its
-                                                                 //   residency: no expert's bytes stay in a slot,
-                                                                 //   a lock or the VRAM tier (a layer filled with
-                                                                 //   every expert at creation keeps them): the next
-                                                                 //   misses read as a fresh cache's do
+// Empties every layer's cache (and the running Delta, the eviction usage, the pins and the current request's
+// counts; the profile stays) and its residency: no expert's bytes stay in a slot, a lock or the VRAM tier (a
+// layer filled with every expert at creation keeps them): the next misses read as a fresh cache's do.
+MOECACHE_API void    moecache_clear(struct moecache * mc);
 
 // Validated like moecache_init (decay in (0, 1]); the next eviction decides by the new policy.
 MOECACHE_API int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay);
@@ -721,42 +678,21 @@ MOECACHE_API int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 // rank_on_logits: PRIOR boosts logits (softmax models without bias) instead of scores.
 // Layer il must have n_expert == N of the moecache's model (or any N when the moecache was
 // made with moecache_init_synthetic).
-MOECACHE_API int32_t moecache_route(
-        struct moecache * mc,
-        int32_t           il,
-        const float     * logits,
-        const float     * probs,
-        const float     * scores,
-        int32_t           n_expert,
-        int32_t           n_expert_used,
-        int32_t           n_tokens,
-        bool              rank_on_logits,
-        int32_t         * selected,
-        int8_t          * hits);
+MOECACHE_API int32_t moecache_route(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                                    const float * scores, int32_t n_expert, int32_t n_expert_used, int32_t n_tokens,
+                                    bool rank_on_logits, int32_t * selected, int8_t * hits);
 
 // As moecache_route, the n_tokens rows being one decode step of n_tokens sequences (a batch, one token
 // each), routed as the graph op routes such a step: with routing params batch_share, in two passes.
-MOECACHE_API int32_t moecache_route_step(
-        struct moecache * mc,
-        int32_t           il,
-        const float     * logits,
-        const float     * probs,
-        const float     * scores,
-        int32_t           n_expert,
-        int32_t           n_expert_used,
-        int32_t           n_tokens,
-        bool              rank_on_logits,
-        int32_t         * selected,
-        int8_t          * hits);
+MOECACHE_API int32_t moecache_route_step(struct moecache * mc, int32_t il, const float * logits, const float * probs,
+                                         const float * scores, int32_t n_expert, int32_t n_expert_used,
+                                         int32_t n_tokens, bool rank_on_logits, int32_t * selected, int8_t * hits);
 
 // A moecache without a model, for moecache_route (tests, offline simulation): n_layer layers
 // of n_expert experts, n_expert_used per token.
-MOECACHE_API struct moecache * moecache_init_synthetic(
-        int32_t                              n_layer,
-        int32_t                              n_expert,
-        int32_t                              n_expert_used,
-        struct moecache_cache_params         cparams,
-        struct moecache_routing_params       rparams);
+MOECACHE_API struct moecache * moecache_init_synthetic(int32_t n_layer, int32_t n_expert, int32_t n_expert_used,
+                                                       struct moecache_cache_params cparams,
+                                                       struct moecache_routing_params rparams);
 
 #ifdef __cplusplus
 }
