@@ -48,19 +48,26 @@ class FileTooLarge(Exception):
         self.size = size
 
 
-def read_regular_file(path: str, max_bytes: Optional[int] = None) -> bytes:
-    """The bytes of ``path`` when it is a regular file of at most ``max_bytes`` (None: any size).
-    It is opened without waiting (a FIFO without a writer would block ``open``), checked before
-    anything is read (``/dev/zero`` never ends), and read once. OSError where it cannot be opened or
-    read, :class:`NotARegularFile`, :class:`FileTooLarge` (also for a file that grew while read)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+def open_regular(path, max_bytes: Optional[int] = None):
+    """``path`` opened for reading (binary) when it is a regular file of at most ``max_bytes`` (None: any size).
+    It is opened without waiting (a FIFO without a writer would block ``open``) and checked before anything is
+    read (``/dev/zero`` never ends). OSError where it cannot be opened, :class:`NotARegularFile`,
+    :class:`FileTooLarge`."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
         os.close(fd)  # (before fdopen, which refuses a directory with an error of its own)
         if not stat.S_ISREG(st.st_mode):
             raise NotARegularFile(stat.S_ISDIR(st.st_mode))
         raise FileTooLarge(st.st_size)
-    with os.fdopen(fd, "rb") as f:  # (closes fd)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular_file(path: str, max_bytes: Optional[int] = None) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``max_bytes`` (None: any size), opened by
+    :func:`open_regular` and read once. OSError where it cannot be opened or read, :class:`NotARegularFile`,
+    :class:`FileTooLarge` (also for a file that grew while read)."""
+    with open_regular(path, max_bytes) as f:
         data = f.read(max_bytes + 1 if max_bytes is not None else -1)
     if max_bytes is not None and len(data) > max_bytes:
         raise FileTooLarge(len(data))

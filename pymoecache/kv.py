@@ -31,13 +31,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .errors import StateFileError
+from .files import NotARegularFile, open_regular
 
 MAGIC = b"pmc-kv\0\0"
 VERSION = 1
@@ -159,18 +159,16 @@ def save_file(llm, path: "os.PathLike[str] | str", tokens: List[int], seq_id: Op
 
 
 def _open_regular(path: "os.PathLike[str] | str"):
-    """A regular file opened for reading (a FIFO would block a plain open, a device never ends)."""
+    """A regular file opened for reading (:func:`files.open_regular`), with a state file's messages."""
     p = Path(path)
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(p)
     except FileNotFoundError:
         raise FileNotFoundError(f"no file {p.name}") from None
     except OSError as e:
         raise StateFileError(f"cannot read {p.name}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise StateFileError(f"{p.name} is not a regular file")
-    return os.fdopen(fd, "rb")
+    except NotARegularFile:
+        raise StateFileError(f"{p.name} is not a regular file") from None
 
 
 def _parse_header(name: str, raw: bytes, size: int) -> Header:

@@ -133,7 +133,7 @@ static int64_t median_of(std::vector<int64_t> & v) {
 // ahead must win by MOECACHE_SPEC_MARGIN of the median token: without them a token reads fewer
 // bytes and spends less CPU on reading, so a tie goes to off.
 void moecache_ahead_trial_token(moecache & mc, int64_t now) {
-    auto & c = mc.spec_ctl;
+    auto & c = mc.ahead.trial;
     if (c.t_last > 0 && c.phase == 0 && c.left > 0) { // (c.on and c.phase are still the previous token's)
         (c.on ? c.dt_on : c.dt_off).push_back(now - c.t_last);
     }
@@ -205,7 +205,7 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
     // spare slots: T's cache is left as it is, the predicted experts it does not cache are read;
     // otherwise they are inserted into it (evicting by its policy) and read
     const bool spare = mc.cparams.prefetch_spare > 0;
-    if (spare && !mc.spec_ctl.on) {
+    if (spare && !mc.ahead.trial.on) {
         return; // (prefetch_adaptive: off while it loses, or during its trial without)
     }
     int32_t read[MOECACHE_MAX_USED];
@@ -228,12 +228,12 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
             read_score[j++] = score[i] / (float) mc.cparams.prefetch_distance;
         }
     }
-    if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io) {
+    if (m > 0 && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.res.io) {
         if (spare) { // queued by this layer's residency op once its own reads are (they must not wait behind these)
-            mc.spec_pending.target = T.il;
-            mc.spec_pending.n      = m;
-            std::copy(read, read + m, mc.spec_pending.ids);
-            std::copy(read_score, read_score + m, mc.spec_pending.score);
+            mc.ahead.pending.target = T.il;
+            mc.ahead.pending.n      = m;
+            std::copy(read, read + m, mc.ahead.pending.ids);
+            std::copy(read_score, read_score + m, mc.ahead.pending.score);
         } else {
             moecache_slots_prefetch(mc, T, read, read_score, m, false);
         }
@@ -258,8 +258,8 @@ ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, g
         next.ffn_gate_inp->ne[0] != mm->src[1]->ne[0] || next.ffn_gate_inp->ne[1] != mc.n_expert) {
         return nullptr; // a router of another shape (or none: a dense layer), or an input we do not recognize
     }
-    const bool fitted = (size_t) target < mc.pred_on.size() && mc.pred_on[target];
-    ggml_tensor * pred = ggml_mul_mat(ctx, fitted ? mc.pred_w[target] : next.ffn_gate_inp, mm->src[1]);
+    const bool fitted = (size_t) target < mc.ahead.pred_on.size() && mc.ahead.pred_on[target];
+    ggml_tensor * pred = ggml_mul_mat(ctx, fitted ? mc.ahead.pred_w[target] : next.ffn_gate_inp, mm->src[1]);
     if (next.ffn_gate_inp_b) {
         pred = ggml_add(ctx, pred, next.ffn_gate_inp_b);
     }
@@ -270,16 +270,16 @@ ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, g
 // --- fitted predictors (moecache_set_predictor) --------------------------------------------
 
 void moecache_ahead_free_predictors(moecache & mc) {
-    if (mc.pred_buf) {
-        ggml_backend_buffer_free(mc.pred_buf);
+    if (mc.ahead.pred_buf) {
+        ggml_backend_buffer_free(mc.ahead.pred_buf);
     }
-    if (mc.pred_ctx) {
-        ggml_free(mc.pred_ctx);
+    if (mc.ahead.pred_ctx) {
+        ggml_free(mc.ahead.pred_ctx);
     }
-    mc.pred_buf = nullptr;
-    mc.pred_ctx = nullptr;
-    mc.pred_w.clear();
-    mc.pred_on.clear();
+    mc.ahead.pred_buf = nullptr;
+    mc.ahead.pred_ctx = nullptr;
+    mc.ahead.pred_w.clear();
+    mc.ahead.pred_on.clear();
 }
 
 int32_t moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd) {
@@ -289,8 +289,8 @@ int32_t moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w,
         return MOECACHE_ERR_INVALID;
     }
     if (!w) {
-        if ((size_t) il < mc.pred_on.size()) {
-            mc.pred_on[il] = 0;
+        if ((size_t) il < mc.ahead.pred_on.size()) {
+            mc.ahead.pred_on[il] = 0;
         }
         moecache_graph_mark_dirty(&mc);
         return MOECACHE_OK;
@@ -307,29 +307,29 @@ int32_t moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w,
             return MOECACHE_ERR_INVALID;
         }
     }
-    if (!mc.pred_ctx) { // one [n_embd, N] F32 tensor per layer with a router, in one CPU buffer
+    if (!mc.ahead.pred_ctx) { // one [n_embd, N] F32 tensor per layer with a router, in one CPU buffer
         struct ggml_init_params ip = { (size_t) (mc.n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
-        mc.pred_ctx = ggml_init(ip);
-        mc.pred_w.assign(mc.n_layer, nullptr);
-        mc.pred_on.assign(mc.n_layer, 0);
-        for (int32_t l = 0; l < mc.n_layer && mc.pred_ctx; l++) {
+        mc.ahead.pred_ctx = ggml_init(ip);
+        mc.ahead.pred_w.assign(mc.n_layer, nullptr);
+        mc.ahead.pred_on.assign(mc.n_layer, 0);
+        for (int32_t l = 0; l < mc.n_layer && mc.ahead.pred_ctx; l++) {
             const ggml_tensor * r = mc.model->layers[l].ffn_gate_inp;
             if (r && r->ne[1] == mc.n_expert) {
-                mc.pred_w[l] = ggml_new_tensor_2d(mc.pred_ctx, GGML_TYPE_F32, r->ne[0], mc.n_expert);
-                ggml_format_name(mc.pred_w[l], "moecache.predictor-%d", l);
+                mc.ahead.pred_w[l] = ggml_new_tensor_2d(mc.ahead.pred_ctx, GGML_TYPE_F32, r->ne[0], mc.n_expert);
+                ggml_format_name(mc.ahead.pred_w[l], "moecache.predictor-%d", l);
             }
         }
-        mc.pred_buf = mc.pred_ctx ? ggml_backend_alloc_ctx_tensors_from_buft(mc.pred_ctx, ggml_backend_cpu_buffer_type())
+        mc.ahead.pred_buf = mc.ahead.pred_ctx ? ggml_backend_alloc_ctx_tensors_from_buft(mc.ahead.pred_ctx, ggml_backend_cpu_buffer_type())
                                   : nullptr;
-        if (!mc.pred_buf) {
+        if (!mc.ahead.pred_buf) {
             moecache_ahead_free_predictors(mc);
             moecache_set_error("moecache_set_predictor: out of memory");
             return MOECACHE_ERR_NO_MEMORY;
         }
-        ggml_backend_buffer_set_usage(mc.pred_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // (its matmul runs where it is)
+        ggml_backend_buffer_set_usage(mc.ahead.pred_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // (its matmul runs where it is)
     }
-    ggml_backend_tensor_set(mc.pred_w[il], w, 0, n * sizeof(float));
-    mc.pred_on[il] = 1;
+    ggml_backend_tensor_set(mc.ahead.pred_w[il], w, 0, n * sizeof(float));
+    mc.ahead.pred_on[il] = 1;
     moecache_graph_mark_dirty(&mc);
     return MOECACHE_OK;
 }

@@ -114,12 +114,12 @@ int32_t moecache_layer_pick_victim(const moecache_layer & L, const int64_t * sta
     const double * past = nullptr;
     double req_sum = 0.0, past_sum = 0.0;
     if (policy == MOECACHE_EVICTION_ACTIVATION) {
-        if (!mc.req_counts.empty()) {
-            req     = &mc.req_counts[(size_t) L.il * N];
+        if (!mc.prof.req_counts.empty()) {
+            req     = &mc.prof.req_counts[(size_t) L.il * N];
             req_sum = row_sum(req, N);
         }
-        if (!mc.profile_counts.empty()) {
-            past     = &mc.profile_counts[(size_t) L.il * N];
+        if (!mc.prof.counts.empty()) {
+            past     = &mc.prof.counts[(size_t) L.il * N];
             past_sum = row_sum(past, N);
         }
     }

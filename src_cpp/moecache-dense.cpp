@@ -33,16 +33,16 @@ static std::unordered_map<const llama_model *, dense_lock> g_dense; // model -> 
 void moecache_dense_lock(moecache & mc, const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_dense_mu);
     dense_lock & d = g_dense[model];
-    mc.dense_model = model;
+    mc.res.dense_model = model;
     if (d.users++ > 0) {
-        mc.dense_locked = d.bytes;
+        mc.res.dense_locked = d.bytes;
         return;
     }
     const size_t page = moecache_page_size();
     std::vector<std::pair<char *, size_t>> want; // [begin, end) per tensor
     for (const auto & nt : model->tensors_by_name) {
         const ggml_tensor * t = nt.second;
-        if (mc.xt_layer.count(t) || !moecache_tensor_is_mapped(t)) {
+        if (mc.res.xt_layer.count(t) || !moecache_tensor_is_mapped(t)) {
             continue; // a routed expert, or not in the mapping (already anonymous memory)
         }
         if (t == model->tok_embd && !(model->output && model->output->data == t->data)) {
@@ -84,28 +84,28 @@ void moecache_dense_lock(moecache & mc, const llama_model * model) {
         }
     }
     d.bytes = d.ranges.empty() ? 0 : total;
-    mc.dense_locked = d.bytes;
+    mc.res.dense_locked = d.bytes;
 #ifdef __linux__
     for (const moecache_layer & L : mc.layers) { // what the kernel read around the locked pages: not needed
         for (const moecache_expert_tensor & x : L.res.xt) {
-            posix_fadvise(mc.fd, (off_t) x.file_off, (off_t) (x.nb2 * (size_t) mc.n_expert), POSIX_FADV_DONTNEED);
+            posix_fadvise(mc.res.fd, (off_t) x.file_off, (off_t) (x.nb2 * (size_t) mc.n_expert), POSIX_FADV_DONTNEED);
         }
     }
 #endif
 }
 
 void moecache_dense_unlock(moecache & mc) {
-    if (!mc.dense_model) {
+    if (!mc.res.dense_model) {
         return;
     }
     std::lock_guard<std::mutex> lock(g_dense_mu);
-    auto it = g_dense.find(mc.dense_model);
+    auto it = g_dense.find(mc.res.dense_model);
     if (it != g_dense.end() && --it->second.users == 0) {
         for (const auto & r : it->second.ranges) {
             munlock(r.first, r.second);
         }
         g_dense.erase(it);
     }
-    mc.dense_model  = nullptr;
-    mc.dense_locked = 0;
+    mc.res.dense_model  = nullptr;
+    mc.res.dense_locked = 0;
 }

@@ -56,8 +56,8 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
     if (mc.cparams.residency == MOECACHE_RESIDENCY_NONE) {
         return nullptr;
     }
-    auto it = mc.xt_layer.find(as);
-    if (it == mc.xt_layer.end() || ids->type != GGML_TYPE_I32) {
+    auto it = mc.res.xt_layer.find(as);
+    if (it == mc.res.xt_layer.end() || ids->type != GGML_TYPE_I32) {
         return nullptr;
     }
     moecache_layer & L = mc.layers[it->second];

@@ -109,11 +109,11 @@ void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     if (single) {
         if (L.il == mc.first_routed && mc.cparams.prefetch_spare > 0 && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
-            mc.spec_pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
+            mc.ahead.pending.target = -1; // (a token's first layer: nothing left from an interrupted one)
             if (mc.cparams.prefetch_adaptive) {
                 moecache_ahead_trial_token(mc, t0);
             }
-            mc.rst.prefetch_tokens_on += mc.spec_ctl.on;
+            mc.rst.prefetch_tokens_on += mc.ahead.trial.on;
         }
         if (update && mc.cparams.prefetch != MOECACHE_PREFETCH_OFF) {
             const int32_t * out = (const int32_t *) dst->data;

@@ -22,17 +22,6 @@ void    moecache_hook_detach(moecache * mc);       // (waits for the context's w
 void    moecache_graph_wait(moecache & mc);         // the attached context's work in flight, waited for
 void    moecache_graph_set_load_residency(enum moecache_residency residency);
 void    moecache_graph_mark_dirty(moecache * mc);  // the attached context builds its next graph afresh
-// moecache-ahead.cpp: reads ahead of the layer that needs them
-// GATE prefetch, decode graphs: layer il + d's router (or its fitted predictor) applied to layer il's
-// FFN input, [n_expert, 1]; nullptr when there is nothing to predict
-ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il,
-                                            int64_t n_tokens);
-// during layer L's decode, after it routed: predict what layer L + d selects, read the misses
-// (pred: moecache_ahead_predict_router's output, computed; nullptr without GATE)
-void          moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tensor * pred);
-void          moecache_ahead_trial_token(moecache & mc, int64_t now); // prefetch_adaptive: a decoded token starts
-int32_t       moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
-void          moecache_ahead_free_predictors(moecache & mc);
 const float * moecache_row_f32(const ggml_tensor * t, int64_t i1); // row i1 of a 2-d F32 tensor on the host
 bool moecache_residency_abort(void * mc);  // llama_set_abort_callback: true after a failed read
 // moecache-graph-route.cpp: the routing ops of a MoE layer (userdata: its moecache_layer). select: I32

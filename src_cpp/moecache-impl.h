@@ -1,12 +1,16 @@
-// moecache-impl.h - struct moecache, the state of one expert cache, made of its layers (moecache-layer.h) and
-// its device path (moecache-device.h), with the small helpers every file of src_cpp/ uses; it includes the
-// header of each concept, so a file of src_cpp/ includes this one: the routing (moecache-route.h), the graph
-// (moecache-graph.h), the residencies (moecache-residency.h), the VRAM tier (moecache-vram.h), the files
+// moecache-impl.h - struct moecache, the state of one expert cache, made of its layers (moecache-layer.h), its
+// usage profile (moecache-profile.h), its reads ahead (moecache-ahead.h), its residency's files and arena
+// (moecache-residency.h) and its device path (moecache-device.h), with the small helpers every file of
+// src_cpp/ uses; it includes the header of each concept, so a file of src_cpp/ includes this one: the routing
+// (moecache-route.h), the graph (moecache-graph.h), the VRAM tier (moecache-vram.h), the files
 // (moecache-files.h), the reader threads (moecache-io.h). Not installed.
 #pragma once
 
 #include "moecache-layer.h"
+#include "moecache-ahead.h"
 #include "moecache-device.h"
+#include "moecache-profile.h"
+#include "moecache-residency.h"
 
 struct moecache {
     // model identity (for state files) and shape
@@ -21,22 +25,8 @@ struct moecache {
 
     std::vector<moecache_layer> layers; // [n_layer], never resized after init (ops keep pointers)
 
-    // moecache-profile.cpp: expert counts of the current request, [n_layer * N] (ACTIVATION eviction,
-    // PREFETCH_TRACE), and of every past request (the usage profile); the trace store: past requests,
-    // each normalized per layer; the best match of the current token, -1 = none
-    std::vector<float>              req_counts;
-    std::vector<double>             profile_counts;
-    std::vector<float>              req_share;  // req_counts, each row scaled to sum 1 (scratch)
-    std::vector<std::vector<float>> trace_store;
-    int32_t                         trace_best = -1;
-    int32_t                         trace_best_layer = -1; // the layer the match was made at
-
-    // GATE prefetch: fitted predictors (moecache_set_predictor), [n_layer] tensors [n_embd, N] in their own
-    // CPU buffer, used in place of a layer's router to predict it; nullptr = its router
-    ggml_context *               pred_ctx = nullptr;
-    ggml_backend_buffer *        pred_buf = nullptr;
-    std::vector<ggml_tensor *>   pred_w;
-    std::vector<uint8_t>         pred_on;
+    moecache_profile prof;  // the usage profile and the request traces (moecache-profile.h)
+    moecache_ahead   ahead; // reads ahead: predictors, a prompt's read-ahead, the trial (moecache-ahead.h)
 
     struct llama_context * ctx = nullptr; // attached context
     const struct llama_model * model = nullptr; // the model (nullptr for a synthetic moecache)
@@ -45,31 +35,7 @@ struct moecache {
     std::vector<moecache_trace_record> trace;
     int64_t trace_total = 0; // records ever written; the newest is at (trace_total - 1) % capacity
 
-    // residency (moecache-residency.cpp)
-    std::string   path;                       // the GGUF
-    std::string   src_path;                   // STREAM: the file the slots are read from (path, or the companion)
-    int           fd        = -1;             // buffered reads, fadvise
-    int           fd_direct = -1;             // O_DIRECT reads, or -1
-    int           fd_lowbit = -1;             // the low-bit companion (cache params lowbit), or -1
-    int           fd_lowbit_direct = -1;      //   and with O_DIRECT (cache params direct_io), or -1
-    moecache_io * io        = nullptr;        // reader threads
-    char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
-    size_t        arena_size = 0;
-    bool          arena_locked = false;
-    void       (* arena_unpin)(void *) = nullptr; // the VRAM tier's device unregisters the arena with it (pinned)
-    int64_t       arena_pinned = 0;           //   bytes of the arena registered with that device for its DMA
-    struct ggml_backend_buffer * down_stage = nullptr; // exclusive tiers with a copier: pinned host memory
-                                              //   for one token's moves down of a layer (K experts)
-    int32_t       down_stage_layer = -1;      //   the layer whose moves down it holds until they settle, or -1
-    const struct llama_model * dense_model = nullptr; // lock_dense: the model whose dense part this holds locked
-    int64_t       dense_locked = 0;           //   bytes of it mlocked (shared with other moecaches on the model)
-    ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)
-    ggml_backend_buffer * slots_buf = nullptr;//   wraps the arena for the CPU backend
-    std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
-    std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
-                                                           //   once that layer ran
-    std::vector<moecache_io_req> ahead_req;    // [n_layer] a prompt's read-ahead of a layer, on the reader threads
-    int32_t ahead_last = -1;                   // the last layer read ahead in this ubatch, or -1
+    moecache_residency_state res; // the files, the reader threads, the slot arena, the locks (moecache-residency.h)
     int32_t prompt_il_last = -1;               // the layer of the last prompt sync, -1 after a decode
     int64_t build_n_ubatch = 0;                // graph build: tokens the first MoE layer routes (0 before it)
     bool    build_decode   = false;            // graph build: the ubatch decodes (moecache_graph_decodes)
@@ -77,19 +43,6 @@ struct moecache {
                                                  // moecache_get_step_rows, over layers (a step of another
                                                  // number of rows starts them over)
     int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
-    struct {                                   // prefetch_adaptive: the on/off trial (moecache-graph.cpp)
-        bool    on      = true;                //   reads ahead are issued for this token
-        int32_t phase   = 0;                   //   0: the trial (on and off in turn), 1: running the winner
-        int32_t left    = 0;                   //   tokens left in this phase (0: not started)
-        int64_t t_last  = 0;                   //   when the previous decoded token started (us), 0 = none
-        std::vector<int64_t> dt_on, dt_off;    //   token times of the trial's two sides (us)
-    } spec_ctl;
-    struct {                                   // prefetch_spare: reads decided by a layer's routing, queued by
-        int32_t target = -1;                   //   its residency op after its own reads (target layer, or -1)
-        int32_t n      = 0;
-        int32_t ids[MOECACHE_MAX_USED];
-        float   score[MOECACHE_MAX_USED];
-    } spec_pending;
     moecache_device dev;                       // residency NONE, top-k: routing counted after the graph
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;
@@ -179,6 +132,5 @@ moecache * moecache_new(const llama_model * model, moecache_cache_params cparams
 
 #include "moecache-files.h"
 #include "moecache-graph.h"
-#include "moecache-residency.h"
 #include "moecache-route.h"
 #include "moecache-vram.h"

@@ -183,7 +183,7 @@ moecache * moecache_new_shape(int32_t n_layer, int32_t N, int32_t K, moecache_ca
     mc->n_expert_used = K;
     mc->cparams       = cp;
     mc->cparams.n_cached_per_layer = nullptr; // not kept: resolved into the layers
-    mc->cparams.model_path         = nullptr; // copied into mc->path by moecache_residency_init
+    mc->cparams.model_path         = nullptr; // copied into mc->res.path by moecache_residency_init
     mc->cparams.lowbit_path        = nullptr; // read by moecache_lowbit_open only
     mc->rparams       = rp;
     mc->layers.resize(n_layer);

@@ -153,6 +153,18 @@ static bool io_pop(moecache_io & io, moecache_io_item & it) {
     return true;
 }
 
+void moecache_timeline_add(moecache_timeline * tl, const moecache_event & e) {
+    if (!tl || !tl->on.load(std::memory_order_relaxed)) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(tl->mu);
+    if (tl->ev.size() < tl->cap) {
+        tl->ev.push_back(e);
+    } else if (tl->cap > 0) {
+        tl->dropped += 1;
+    }
+}
+
 // (io.mu held) a job starts or ends: the wall time with a READ in flight
 static void io_read_busy(moecache_io & io, const moecache_io_job & j, bool start, int64_t now) {
     if (j.kind != MOECACHE_IO_READ) {

@@ -114,19 +114,19 @@ int32_t moecache_lowbit_open(moecache & mc) {
         return fail("'" + path + "' cannot be read as a GGUF file (missing, truncated or damaged)");
     }
     struct stat st;
-    mc.fd_lowbit = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (mc.fd_lowbit < 0 || fstat(mc.fd_lowbit, &st) != 0) {
+    mc.res.fd_lowbit = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (mc.res.fd_lowbit < 0 || fstat(mc.res.fd_lowbit, &st) != 0) {
         const std::string why = strerror(errno);
         gguf_free(g);
         return fail("cannot open '" + path + "': " + why);
     }
 #if defined(O_DIRECT)
     if (cp.direct_io) { // (as the model's reads: the pool is the only copy; none where the file system has none)
-        mc.fd_lowbit_direct = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+        mc.res.fd_lowbit_direct = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
     }
 #endif
-    mc.io->aux_fd        = mc.fd_lowbit; // the reader threads read the copies
-    mc.io->aux_fd_direct = mc.fd_lowbit_direct;
+    mc.res.io->aux_fd        = mc.res.fd_lowbit; // the reader threads read the copies
+    mc.res.io->aux_fd_direct = mc.res.fd_lowbit_direct;
     const uint64_t data = gguf_get_data_offset(g);
     std::string err;
     for (moecache_layer & L : mc.layers) {
@@ -143,9 +143,9 @@ int32_t moecache_lowbit_open(moecache & mc) {
     }
     // SOURCE: every slot read is from the companion, and the cache holds as many copies as fit in
     // the bytes of the experts asked for
-    mc.io->fd        = mc.fd_lowbit;
-    mc.io->fd_direct = mc.fd_lowbit_direct;
-    mc.src_path      = path;
+    mc.res.io->fd        = mc.res.fd_lowbit;
+    mc.res.io->fd_direct = mc.res.fd_lowbit_direct;
+    mc.res.src_path      = path;
     for (moecache_layer & L : mc.layers) {
         if (L.res.xt.empty()) {
             continue;
@@ -214,13 +214,13 @@ void moecache_lowbit_free(moecache & mc) {
         }
         L.low = moecache_layer_lowbit();
     }
-    if (mc.fd_lowbit >= 0) {
-        close(mc.fd_lowbit);
-        mc.fd_lowbit = -1;
+    if (mc.res.fd_lowbit >= 0) {
+        close(mc.res.fd_lowbit);
+        mc.res.fd_lowbit = -1;
     }
-    if (mc.fd_lowbit_direct >= 0) {
-        close(mc.fd_lowbit_direct);
-        mc.fd_lowbit_direct = -1;
+    if (mc.res.fd_lowbit_direct >= 0) {
+        close(mc.res.fd_lowbit_direct);
+        mc.res.fd_lowbit_direct = -1;
     }
 }
 
@@ -250,7 +250,7 @@ static void copy_jobs(const moecache_layer & L, int32_t e, int32_t j, std::vecto
 // runs the reads on the reader threads, ahead of every other read, and waits for them: the bytes
 // read, or -1 after a failed read (the decode is stopped with the error)
 static int64_t read_copies(moecache & mc, moecache_layer & L, std::vector<moecache_io_job> & jobs) {
-    moecache_io_run(*mc.io, jobs);
+    moecache_io_run(*mc.res.io, jobs);
     int64_t bytes = 0;
     for (const moecache_io_job & j : jobs) {
         if (j.err != 0 || j.got != j.len) {

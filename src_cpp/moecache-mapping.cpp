@@ -20,12 +20,12 @@
 // the mapping of a truncated file raises SIGBUS: check the file still covers `end` before touching it
 static bool file_covers(moecache & mc, uint64_t end) {
     struct stat st;
-    if (fstat(mc.fd, &st) != 0) {
-        moecache_set_io_error(mc, "model file '" + mc.path + "' cannot be read any more: " + strerror(errno));
+    if (fstat(mc.res.fd, &st) != 0) {
+        moecache_set_io_error(mc, "model file '" + mc.res.path + "' cannot be read any more: " + strerror(errno));
         return false;
     }
     if ((uint64_t) st.st_size < end) {
-        moecache_set_io_error(mc, "model file '" + mc.path + "' was truncated to " + std::to_string((long long) st.st_size) +
+        moecache_set_io_error(mc, "model file '" + mc.res.path + "' was truncated to " + std::to_string((long long) st.st_size) +
                          " bytes while in use (the experts need " + std::to_string((unsigned long long) end) + ")");
         return false;
     }
@@ -48,7 +48,7 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
 // MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
 void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
-    if (L.il <= L.mc->ahead_last) {
+    if (L.il <= L.mc->ahead.last) {
         return; // asked for by the read-ahead of this prompt
     }
     for (const moecache_expert_tensor & x : L.res.xt) {
@@ -70,7 +70,7 @@ static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unloc
         madvise(a, len, MADV_DONTNEED);
 #ifdef __linux__
         const uint64_t off = x.file_off + (uint64_t) ((uintptr_t) a - (uintptr_t) x.model_t->data);
-        posix_fadvise(mc.fd, (off_t) off, (off_t) len, POSIX_FADV_DONTNEED);
+        posix_fadvise(mc.res.fd, (off_t) off, (off_t) len, POSIX_FADV_DONTNEED);
 #endif
     }
 }
@@ -79,10 +79,10 @@ static void drop_expert(moecache & mc, moecache_layer & L, int32_t e, bool unloc
 // ahead (il = -1: everything)
 static void drop_pending(moecache & mc, int32_t il) {
     size_t n_kept = 0; // (kept in place: no allocation per layer)
-    for (size_t i = 0; i < mc.drop_pending.size(); i++) {
-        const std::pair<int32_t, int32_t> le = mc.drop_pending[i];
-        if (il >= 0 && le.first >= il && le.first <= mc.ahead_last) {
-            mc.drop_pending[n_kept++] = le;
+    for (size_t i = 0; i < mc.res.drop_pending.size(); i++) {
+        const std::pair<int32_t, int32_t> le = mc.res.drop_pending[i];
+        if (il >= 0 && le.first >= il && le.first <= mc.ahead.last) {
+            mc.res.drop_pending[n_kept++] = le;
             continue;
         }
         moecache_layer & L = mc.layers[le.first];
@@ -91,7 +91,7 @@ static void drop_pending(moecache & mc, int32_t il) {
             drop_expert(mc, L, le.second, false);
         }
     }
-    mc.drop_pending.resize(n_kept);
+    mc.res.drop_pending.resize(n_kept);
 }
 
 #define MOECACHE_READ_AHEAD 2                 // MoE layers a prompt reads ahead of the one computing
@@ -137,11 +137,11 @@ static void ask_layer(moecache & mc, int32_t il) {
             j.len  = x.nb2;
             j.il   = il;
             j.e    = e;
-            moecache_io_submit(*mc.io, mc.ahead_req[il], j, (float) (mc.n_layer - il)); // nearest first
+            moecache_io_submit(*mc.res.io, mc.ahead.req[il], j, (float) (mc.n_layer - il)); // nearest first
         }
-        mc.drop_pending.emplace_back(il, e);
+        mc.res.drop_pending.emplace_back(il, e);
     }
-    mc.ahead_last = il;
+    mc.ahead.last = il;
 }
 
 // A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
@@ -152,7 +152,7 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
     int64_t room = read_room(); // (the page cache of layers asked for counts as available: less them)
     if (room >= 0) {
         room -= layer_file_bytes(mc, L);
-        for (int32_t il = L.il + 1; il <= mc.ahead_last; il++) {
+        for (int32_t il = L.il + 1; il <= mc.ahead.last; il++) {
             room -= mc.layers[il].res.xt.empty() ? 0 : layer_file_bytes(mc, mc.layers[il]);
         }
     }
@@ -163,7 +163,7 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
             continue; // (all in slots: its prompts read nothing)
         }
         n_ahead++;
-        if (il <= mc.ahead_last) {
+        if (il <= mc.ahead.last) {
             continue; // asked for already
         }
         if (room >= 0 && (room -= layer_file_bytes(mc, next)) < 0) {
@@ -177,12 +177,12 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
 // start of a ubatch or a decode, what an interrupted ubatch left queued is dropped
 static void finish_read_ahead(moecache & mc, int32_t il) {
     if (il < 0 || il <= mc.prompt_il_last) {
-        for (int32_t a = 0; a <= mc.ahead_last; a++) {
-            moecache_io_cancel(*mc.io, mc.ahead_req[a]);
+        for (int32_t a = 0; a <= mc.ahead.last; a++) {
+            moecache_io_cancel(*mc.res.io, mc.ahead.req[a]);
         }
-        mc.ahead_last = -1; // (its pages are dropped with the rest of drop_pending)
-    } else if (il <= mc.ahead_last) {
-        moecache_io_wait(*mc.io, mc.ahead_req[il]); // (a failed hint is no error: the matmul faults the pages in)
+        mc.ahead.last = -1; // (its pages are dropped with the rest of drop_pending)
+    } else if (il <= mc.ahead.last) {
+        moecache_io_wait(*mc.res.io, mc.ahead.req[il]); // (a failed hint is no error: the matmul faults the pages in)
     }
     mc.prompt_il_last = il;
 }
@@ -192,7 +192,7 @@ static void finish_read_ahead(moecache & mc, int32_t il) {
 // MMAP: lock the cached experts, unlock and drop the others; experts run uncached are dropped later
 static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
     const int32_t N = mc.n_expert;
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     jobs.clear();
     for (int32_t e = 0; e < N; e++) {
         const bool want = L.last_use[e] >= 0;
@@ -212,7 +212,7 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
             L.res.locked[e] = 0;
         }
     }
-    moecache_io_run(*mc.io, jobs);
+    moecache_io_run(*mc.res.io, jobs);
     int64_t bytes = 0;
     for (const moecache_io_job & j : jobs) {
         bytes += (int64_t) j.bytes_io;
@@ -224,7 +224,7 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
             L.res.keep[e] = 1;
             moecache_willneed_expert(L, e);
             bytes += (int64_t) L.res.expert_bytes; // faulted in by the matmul
-            mc.drop_pending.emplace_back(L.il, e);
+            mc.res.drop_pending.emplace_back(L.il, e);
         }
     }
     if (decode) {
@@ -250,12 +250,12 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
     if (!file_covers(mc, end)) {
         return;
     }
-    if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead_last) {
+    if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead.last) {
         // not read ahead (the first layer, or no room): all at once now, where it fits
         const int64_t room = read_room();
         if (room < 0 || room >= layer_file_bytes(mc, L)) {
             ask_layer(mc, L.il);
-            moecache_io_wait(*mc.io, mc.ahead_req[L.il]);
+            moecache_io_wait(*mc.res.io, mc.ahead.req[L.il]);
         }
     }
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {

@@ -182,7 +182,7 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
         bool ran = false;
         for (int64_t ik = 0; ik < n_ik; ik++) {
             const int32_t slot = slot_of(ik);
-            if (done[ik] || !moecache_io_idle(*mc.io, L.res.slot_req[slot])) {
+            if (done[ik] || !moecache_io_idle(*mc.res.io, L.res.slot_req[slot])) {
                 continue;
             }
             int64_t n_same = 0; // the selections of this slot, from ik on
@@ -241,11 +241,11 @@ static void op_arrival(ggml_tensor * dst, int ith, int nth, void * userdata) {
             moecache_io_req & req = L.res.slot_req[slot_of(ik)];
             const int64_t t0 = moecache_time_us();
             if (ith == 0) {
-                moecache_io_promote(*mc.io, req);
+                moecache_io_promote(*mc.res.io, req);
             }
-            while (!moecache_io_idle(*mc.io, req)) {
+            while (!moecache_io_idle(*mc.res.io, req)) {
                 if (moecache_time_us() - t0 > MOECACHE_SPIN_US) {
-                    moecache_io_wait(*mc.io, req);
+                    moecache_io_wait(*mc.res.io, req);
                     break;
                 }
                 for (int k = 0; k < 256; k++) {

@@ -23,10 +23,10 @@ static int32_t fail(int32_t status, const std::string & msg) {
 #define MOECACHE_TRACE_MIN_TOKENS 8  // shorter requests are not stored
 
 void moecache_request_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel) {
-    if (mc.req_counts.empty()) {
-        mc.req_counts.assign((size_t) mc.n_layer * mc.n_expert, 0.0f);
+    if (mc.prof.req_counts.empty()) {
+        mc.prof.req_counts.assign((size_t) mc.n_layer * mc.n_expert, 0.0f);
     }
-    float * row = &mc.req_counts[(size_t) L.il * mc.n_expert];
+    float * row = &mc.prof.req_counts[(size_t) L.il * mc.n_expert];
     for (int32_t i = 0; i < n_sel; i++) {
         row[sel[i]] += 1.0f;
     }
@@ -55,78 +55,78 @@ static double cosine_rows(const moecache & mc, const float * a, const float * b,
 }
 
 void moecache_profile_begin_request(moecache & mc) {
-    if (!mc.req_counts.empty()) { // the usage profile: every request, however short
-        if (mc.profile_counts.empty()) {
-            mc.profile_counts.assign(mc.req_counts.size(), 0.0);
+    if (!mc.prof.req_counts.empty()) { // the usage profile: every request, however short
+        if (mc.prof.counts.empty()) {
+            mc.prof.counts.assign(mc.prof.req_counts.size(), 0.0);
         }
-        for (size_t i = 0; i < mc.req_counts.size(); i++) {
-            mc.profile_counts[i] += (double) mc.req_counts[i];
+        for (size_t i = 0; i < mc.prof.req_counts.size(); i++) {
+            mc.prof.counts[i] += (double) mc.prof.req_counts[i];
         }
     }
     double total = 0.0; // tokens of the request: selections / (K x layers that routed)
     int32_t rows = 0;
-    for (int32_t il = 0; il < mc.n_layer && !mc.req_counts.empty(); il++) {
+    for (int32_t il = 0; il < mc.n_layer && !mc.prof.req_counts.empty(); il++) {
         double sum = 0.0;
         for (int32_t e = 0; e < mc.n_expert; e++) {
-            sum += mc.req_counts[(size_t) il * mc.n_expert + e];
+            sum += mc.prof.req_counts[(size_t) il * mc.n_expert + e];
         }
         total += sum;
         rows  += sum > 0.0;
     }
     const double tokens = rows > 0 ? total / ((double) mc.n_expert_used * rows) : 0.0;
     if (tokens >= MOECACHE_TRACE_MIN_TOKENS) {
-        std::vector<float> share(mc.req_counts.size());
+        std::vector<float> share(mc.prof.req_counts.size());
         for (int32_t il = 0; il < mc.n_layer; il++) {
-            row_share(&mc.req_counts[(size_t) il * mc.n_expert], &share[(size_t) il * mc.n_expert], mc.n_expert);
+            row_share(&mc.prof.req_counts[(size_t) il * mc.n_expert], &share[(size_t) il * mc.n_expert], mc.n_expert);
         }
         int32_t same = -1;
-        for (int32_t k = 0; k < (int32_t) mc.trace_store.size() && same < 0; k++) {
-            if (cosine_rows(mc, share.data(), mc.trace_store[k].data(), mc.n_layer) > MOECACHE_TRACE_MERGE) {
+        for (int32_t k = 0; k < (int32_t) mc.prof.trace_store.size() && same < 0; k++) {
+            if (cosine_rows(mc, share.data(), mc.prof.trace_store[k].data(), mc.n_layer) > MOECACHE_TRACE_MERGE) {
                 same = k;
             }
         }
         if (same >= 0) { // deduplicated: the stored one moves halfway toward the new one
             for (size_t i = 0; i < share.size(); i++) {
-                mc.trace_store[same][i] = 0.5f * (mc.trace_store[same][i] + share[i]);
+                mc.prof.trace_store[same][i] = 0.5f * (mc.prof.trace_store[same][i] + share[i]);
             }
         } else {
-            if ((int32_t) mc.trace_store.size() >= MOECACHE_TRACE_STORE) {
-                mc.trace_store.erase(mc.trace_store.begin()); // the oldest goes
+            if ((int32_t) mc.prof.trace_store.size() >= MOECACHE_TRACE_STORE) {
+                mc.prof.trace_store.erase(mc.prof.trace_store.begin()); // the oldest goes
             }
-            mc.trace_store.push_back(std::move(share));
+            mc.prof.trace_store.push_back(std::move(share));
         }
     }
-    std::fill(mc.req_counts.begin(), mc.req_counts.end(), 0.0f);
-    mc.trace_best       = -1;
-    mc.trace_best_layer = -1;
+    std::fill(mc.prof.req_counts.begin(), mc.prof.req_counts.end(), 0.0f);
+    mc.prof.trace_best       = -1;
+    mc.prof.trace_best_layer = -1;
 }
 
 bool moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score) {
-    if (mc.req_counts.empty()) {
+    if (mc.prof.req_counts.empty()) {
         return false;
     }
     const size_t N = (size_t) mc.n_expert;
     // the request's shares of layers 0..il and of the target (no other row is read)
-    std::vector<float> & now = mc.req_share;
-    now.resize(mc.req_counts.size());
+    std::vector<float> & now = mc.prof.req_share;
+    now.resize(mc.prof.req_counts.size());
     for (int32_t l = 0; l <= il; l++) {
-        row_share(&mc.req_counts[(size_t) l * N], &now[(size_t) l * N], (int32_t) N);
+        row_share(&mc.prof.req_counts[(size_t) l * N], &now[(size_t) l * N], (int32_t) N);
     }
-    row_share(&mc.req_counts[(size_t) target * N], &now[(size_t) target * N], (int32_t) N);
+    row_share(&mc.prof.req_counts[(size_t) target * N], &now[(size_t) target * N], (int32_t) N);
     // the best match of the request so far, over layers 0..il (remade at each layer: the counts grow)
-    mc.trace_best = -1;
+    mc.prof.trace_best = -1;
     double best = 0.0;
-    for (int32_t k = 0; k < (int32_t) mc.trace_store.size(); k++) {
-        const double c = cosine_rows(mc, now.data(), mc.trace_store[k].data(), il + 1);
+    for (int32_t k = 0; k < (int32_t) mc.prof.trace_store.size(); k++) {
+        const double c = cosine_rows(mc, now.data(), mc.prof.trace_store[k].data(), il + 1);
         if (c > best) {
             best          = c;
-            mc.trace_best = k;
+            mc.prof.trace_best = k;
         }
     }
-    mc.trace_best_layer = il;
+    mc.prof.trace_best_layer = il;
     bool any = false;
     for (size_t e = 0; e < N; e++) {
-        const float past = mc.trace_best >= 0 ? mc.trace_store[mc.trace_best][target * N + e] : 0.0f;
+        const float past = mc.prof.trace_best >= 0 ? mc.prof.trace_store[mc.prof.trace_best][target * N + e] : 0.0f;
         score[e] = past + 0.5f * now[target * N + e]; // the past request, then this request's own habits
         any = any || score[e] > 0.0f;
     }
@@ -147,12 +147,12 @@ int32_t moecache_profile_write(const moecache & mc, const char * path) {
     const size_t n = (size_t) mc.n_layer * mc.n_expert;
     std::vector<uint8_t> b = moecache_file_header(mc, PROFILE_MAGIC);
     for (size_t i = 0; i < n; i++) { // the current request counts too: a profile saved mid-request loses nothing
-        const double past = mc.profile_counts.empty() ? 0.0 : mc.profile_counts[i];
-        const double now  = mc.req_counts.empty() ? 0.0 : (double) mc.req_counts[i];
+        const double past = mc.prof.counts.empty() ? 0.0 : mc.prof.counts[i];
+        const double now  = mc.prof.req_counts.empty() ? 0.0 : (double) mc.prof.req_counts[i];
         moecache_put(b, past + now);
     }
-    moecache_put(b, (uint32_t) mc.trace_store.size());
-    for (const std::vector<float> & t : mc.trace_store) {
+    moecache_put(b, (uint32_t) mc.prof.trace_store.size());
+    for (const std::vector<float> & t : mc.prof.trace_store) {
         b.insert(b.end(), (const uint8_t *) t.data(), (const uint8_t *) (t.data() + t.size()));
     }
     moecache_put(b, moecache_fnv1a64(b.data(), b.size()));
@@ -205,21 +205,21 @@ int32_t moecache_profile_read(moecache & mc, const char * path) {
     if (r.pos != r.n) {
         return fail(MOECACHE_ERR_CORRUPT, corrupt + "trailing bytes");
     }
-    mc.profile_counts = std::move(counts);
-    mc.trace_store    = std::move(store);
-    std::fill(mc.req_counts.begin(), mc.req_counts.end(), 0.0f); // its tokens are in the loaded profile or lost
-    mc.trace_best       = -1;
-    mc.trace_best_layer = -1;
+    mc.prof.counts = std::move(counts);
+    mc.prof.trace_store    = std::move(store);
+    std::fill(mc.prof.req_counts.begin(), mc.prof.req_counts.end(), 0.0f); // its tokens are in the loaded profile or lost
+    mc.prof.trace_best       = -1;
+    mc.prof.trace_best_layer = -1;
     return MOECACHE_OK;
 }
 
 int32_t moecache_profile_hottest(const moecache & mc, int32_t il, std::vector<int32_t> & hot) {
     const int32_t N = mc.n_expert;
     hot.resize(N);
-    if (mc.profile_counts.empty()) {
+    if (mc.prof.counts.empty()) {
         return 0;
     }
-    const double * c = &mc.profile_counts[(size_t) il * N];
+    const double * c = &mc.prof.counts[(size_t) il * N];
     int32_t n_hot = 0;
     for (int32_t e = 0; e < N; e++) {
         if (c[e] > 0.0) {
@@ -254,7 +254,7 @@ int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin) {
     for (moecache_layer & L : mc.layers) {
         const int32_t n_hot = std::min(moecache_profile_hottest(mc, L.il, hot), L.capacity); // (before L empties)
         moecache_layer_empty(L);
-        if (mc.profile_counts.empty()) {
+        if (mc.prof.counts.empty()) {
             continue;
         }
         for (int32_t i = n_hot - 1; i >= 0; i--) { // the hottest is inserted last: the most recent

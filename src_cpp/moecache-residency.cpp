@@ -116,8 +116,8 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     } else {
         moecache_mapping_sync(mc, L, ids, n_ids, decode);
     }
-    if (mc.io->lock_failed.load() && mc.arena_locked == false && mc.cparams.lock_memory) {
-        moecache_warn_mlock_once(moecache_slot_bytes(L) * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.io->lock_errno.load());
+    if (mc.res.io->lock_failed.load() && mc.res.arena_locked == false && mc.cparams.lock_memory) {
+        moecache_warn_mlock_once(moecache_slot_bytes(L) * (size_t) std::max(L.capacity, 1) * mc.layers.size(), mc.res.io->lock_errno.load());
     }
     const int64_t t1 = moecache_time_us();
     (decode ? mc.t_io_decode_us : mc.t_io_prompt_us) += t1 - t0 - t_copy;
@@ -179,19 +179,19 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     if (!cp.model_path || !cp.model_path[0]) {
         return moecache_fail_residency(mode + " residency needs model_path: the GGUF file the model was loaded from");
     }
-    mc.path     = cp.model_path;
-    mc.src_path = mc.path;
-    mc.fd = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (mc.fd < 0) {
-        return moecache_fail_residency("cannot open '" + mc.path + "': " + strerror(errno));
+    mc.res.path     = cp.model_path;
+    mc.res.src_path = mc.res.path;
+    mc.res.fd = open(mc.res.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (mc.res.fd < 0) {
+        return moecache_fail_residency("cannot open '" + mc.res.path + "': " + strerror(errno));
     }
     struct gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_context * gg = gguf_init_from_file(mc.path.c_str(), gp);
+    gguf_context * gg = gguf_init_from_file(mc.res.path.c_str(), gp);
     if (!gg) {
-        return moecache_fail_residency("'" + mc.path + "' is not a readable GGUF file");
+        return moecache_fail_residency("'" + mc.res.path + "' is not a readable GGUF file");
     }
     struct stat st;
-    fstat(mc.fd, &st);
+    fstat(mc.res.fd, &st);
     const size_t data_off = gguf_get_data_offset(gg);
     std::string err;
     // the routed-expert weights of each layer, from the model's own layer struct
@@ -211,7 +211,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             }
             const int64_t id = gguf_find_tensor(gg, name.c_str());
             if (id < 0) {
-                err = "tensor " + name + " is not in '" + mc.path + "' (a split GGUF, or another file?): " + mode +
+                err = "tensor " + name + " is not in '" + mc.res.path + "' (a split GGUF, or another file?): " + mode +
                       " residency needs the single GGUF file the model was loaded from";
                 break;
             }
@@ -235,41 +235,41 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
             x.src_off  = x.file_off;
             x.src_nb2  = x.nb2;
             if (x.file_off + (uint64_t) x.nb2 * mc.n_expert > (uint64_t) st.st_size) {
-                err = "'" + mc.path + "' is truncated: tensor " + name + " ends past the end of the file";
+                err = "'" + mc.res.path + "' is truncated: tensor " + name + " ends past the end of the file";
                 break;
             }
             moecache_layer & L = mc.layers[il];
             L.res.xt.push_back(x);
             L.res.expert_bytes += x.nb2;
-            mc.xt_layer[t] = il;
+            mc.res.xt_layer[t] = il;
         }
     }
     gguf_free(gg);
     if (!err.empty()) {
         return moecache_fail_residency(err);
     }
-    if (mc.xt_layer.empty()) {
+    if (mc.res.xt_layer.empty()) {
         return moecache_fail_residency("no routed-expert tensors (blk.N.ffn_{gate,up,down,gate_up}_exps) found in the model");
     }
 
-    mc.io = new moecache_io();
-    mc.ahead_req = std::vector<moecache_io_req>((size_t) mc.n_layer);
-    mc.io->fd   = mc.fd;
-    mc.io->timeline = &mc.timeline;
-    mc.io->lock = cp.lock_memory;
+    mc.res.io = new moecache_io();
+    mc.ahead.req = std::vector<moecache_io_req>((size_t) mc.n_layer);
+    mc.res.io->fd   = mc.res.fd;
+    mc.res.io->timeline = &mc.timeline;
+    mc.res.io->lock = cp.lock_memory;
     if (cp.residency == MOECACHE_RESIDENCY_STREAM && cp.direct_io) {
 #if defined(O_DIRECT)
-        mc.fd_direct = open(mc.path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+        mc.res.fd_direct = open(mc.res.path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
 #elif defined(__APPLE__)
-        mc.fd_direct = open(mc.path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (mc.fd_direct >= 0) {
-            fcntl(mc.fd_direct, F_NOCACHE, 1); // no alignment rules on macOS
+        mc.res.fd_direct = open(mc.res.path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (mc.res.fd_direct >= 0) {
+            fcntl(mc.res.fd_direct, F_NOCACHE, 1); // no alignment rules on macOS
         }
 #endif
         // (a file system without O_DIRECT, e.g. tmpfs: buffered reads, then the pages are dropped)
     }
-    mc.io->fd_direct = mc.fd_direct;
-    moecache_io_start(*mc.io, cp.io_threads, cp.prefetch_threads);
+    mc.res.io->fd_direct = mc.res.fd_direct;
+    moecache_io_start(*mc.res.io, cp.io_threads, cp.prefetch_threads);
 
     for (moecache_layer & L : mc.layers) {
         if (L.res.xt.empty()) {
@@ -312,18 +312,18 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
 // a layer that holds every expert (filled at creation, as a fresh cache is); MMAP unlocks and drops
 // the pages it locked; the VRAM tier empties.
 void moecache_residency_clear(moecache & mc) {
-    if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && mc.fd >= 0) {
+    if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && mc.res.fd >= 0) {
         moecache_mapping_unlock_all(mc);
         for (moecache_layer & L : mc.layers) {
             std::fill(L.res.locked.begin(), L.res.locked.end(), 0);
         }
     }
     for (moecache_layer & L : mc.layers) {
-        if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.io && L.res.n_slots > 0 && !L.res.all_in_slots) {
+        if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.res.io && L.res.n_slots > 0 && !L.res.all_in_slots) {
             for (int32_t s = 0; s < L.res.n_slots; s++) {
                 moecache_io_req & req = L.res.slot_req[s];
-                if (!moecache_io_idle(*mc.io, req)) {
-                    moecache_io_cancel(*mc.io, req);
+                if (!moecache_io_idle(*mc.res.io, req)) {
+                    moecache_io_cancel(*mc.res.io, req);
                 }
                 req.err      = 0;
                 req.prefetch = false;
@@ -354,38 +354,38 @@ void moecache_residency_hold_all(moecache & mc) {
 
 void moecache_residency_free(moecache & mc) {
     moecache_dense_unlock(mc);
-    if (mc.io && mc.fd >= 0 && !mc.layers.empty()) {
+    if (mc.res.io && mc.res.fd >= 0 && !mc.layers.empty()) {
         moecache_mapping_begin(mc, -1); // (waits for and drops what a prompt read ahead)
     }
-    if (mc.io) {
-        moecache_io_stop(*mc.io);
+    if (mc.res.io) {
+        moecache_io_stop(*mc.res.io);
     }
-    if (mc.fd >= 0 && !mc.layers.empty()) {
+    if (mc.res.fd >= 0 && !mc.layers.empty()) {
         moecache_mapping_unlock_all(mc);
     }
-    delete mc.io;
-    mc.io = nullptr;
+    delete mc.res.io;
+    mc.res.io = nullptr;
     moecache_vram_free(mc);
     moecache_lowbit_free(mc);
     moecache_unified_free(mc); // (before the arena it wraps)
-    if (mc.slots_buf) {
-        ggml_backend_buffer_free(mc.slots_buf);
-        mc.slots_buf = nullptr;
+    if (mc.res.slots_buf) {
+        ggml_backend_buffer_free(mc.res.slots_buf);
+        mc.res.slots_buf = nullptr;
     }
-    if (mc.slots_ctx) {
-        ggml_free(mc.slots_ctx);
-        mc.slots_ctx = nullptr;
+    if (mc.res.slots_ctx) {
+        ggml_free(mc.res.slots_ctx);
+        mc.res.slots_ctx = nullptr;
     }
-    if (mc.arena) {
-        munmap(mc.arena, mc.arena_size);
-        mc.arena = nullptr;
+    if (mc.res.arena) {
+        munmap(mc.res.arena, mc.res.arena_size);
+        mc.res.arena = nullptr;
     }
-    if (mc.fd_direct >= 0) {
-        close(mc.fd_direct);
-        mc.fd_direct = -1;
+    if (mc.res.fd_direct >= 0) {
+        close(mc.res.fd_direct);
+        mc.res.fd_direct = -1;
     }
-    if (mc.fd >= 0) {
-        close(mc.fd);
-        mc.fd = -1;
+    if (mc.res.fd >= 0) {
+        close(mc.res.fd);
+        mc.res.fd = -1;
     }
 }

@@ -6,7 +6,39 @@
 
 #include "moecache-layer.h"
 
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
 struct moecache;
+
+// the residency's state of a moecache: the files the experts are read from, the reader threads, STREAM's
+// slot arena, the locks (moecache-residency.cpp, -slots.cpp, -dense.cpp)
+struct moecache_residency_state {
+    std::string   path;                       // the GGUF
+    std::string   src_path;                   // STREAM: the file the slots are read from (path, or the companion)
+    int           fd        = -1;             // buffered reads, fadvise
+    int           fd_direct = -1;             // O_DIRECT reads, or -1
+    int           fd_lowbit = -1;             // the low-bit companion (cache params lowbit), or -1
+    int           fd_lowbit_direct = -1;      //   and with O_DIRECT (cache params direct_io), or -1
+    moecache_io * io        = nullptr;        // reader threads
+    char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
+    size_t        arena_size = 0;
+    bool          arena_locked = false;
+    void       (* arena_unpin)(void *) = nullptr; // the VRAM tier's device unregisters the arena with it (pinned)
+    int64_t       arena_pinned = 0;           //   bytes of the arena registered with that device for its DMA
+    struct ggml_backend_buffer * down_stage = nullptr; // exclusive tiers with a copier: pinned host memory
+                                              //   for one token's moves down of a layer (K experts)
+    int32_t       down_stage_layer = -1;      //   the layer whose moves down it holds until they settle, or -1
+    const struct llama_model * dense_model = nullptr; // lock_dense: the model whose dense part this holds locked
+    int64_t       dense_locked = 0;           //   bytes of it mlocked (shared with other moecaches on the model)
+    ggml_context * slots_ctx = nullptr;       // STREAM: the slot tensors (no data of their own)
+    ggml_backend_buffer * slots_buf = nullptr;//   wraps the arena for the CPU backend
+    std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
+    std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
+                                                           //   once that layer ran
+};
 
 // moecache-residency.cpp
 // Finds the expert tensors of every layer in the model and the file, and sets up the slot arena

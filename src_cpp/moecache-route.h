@@ -66,15 +66,3 @@ int32_t moecache_layer_speculate(moecache_layer & T, const int32_t * pred, int32
 // after layer L routed a decoded token: recall of the prediction, prefetches used, last selection
 void    moecache_layer_prefetch_outcome(moecache_layer & L, const int32_t * sel, int32_t n_sel);
 
-// moecache-profile.cpp
-// the current request's expert counts: a token's selection of layer L
-void    moecache_request_count(moecache & mc, const moecache_layer & L, const int32_t * sel, int32_t n_sel);
-// moecache_begin_request: the request that ends goes into the profile and the trace store
-void    moecache_profile_begin_request(moecache & mc);
-// PREFETCH_TRACE: during layer il, scores of layer target's experts ([N], larger = likelier); false if none
-bool    moecache_trace_predict(moecache & mc, int32_t il, int32_t target, float * score);
-int32_t moecache_profile_write(const moecache & mc, const char * path);
-int32_t moecache_profile_read(moecache & mc, const char * path);
-int32_t moecache_profile_warm_start(moecache & mc, int32_t n_pin);
-// layer il's experts the usage profile counts, most selected first (ties by the lower id) in hot[0:n]; returns n
-int32_t moecache_profile_hottest(const moecache & mc, int32_t il, std::vector<int32_t> & hot);

@@ -40,7 +40,7 @@ int32_t moecache_slots_init(moecache & mc) {
             // and finds the first in whole blocks of the type: the padded layout only where those are whole
             const size_t block  = ggml_type_size(x.src_type);
             const bool   blocks = !L.uni.dev || (MOECACHE_IO_ALIGN % block == 0 && x.src_off % MOECACHE_IO_ALIGN % block == 0);
-            const bool in_place = mc.io->fd_direct >= 0 && x.src_nb2 % MOECACHE_IO_ALIGN == 0 &&
+            const bool in_place = mc.res.io->fd_direct >= 0 && x.src_nb2 % MOECACHE_IO_ALIGN == 0 &&
                                   x.src_nb2 >= MOECACHE_IN_PLACE_MIN && blocks;
             x.slot_head = in_place ? (size_t) (x.src_off % MOECACHE_IO_ALIGN) : 0;
             x.slot_nb2  = x.src_nb2 + (x.slot_head > 0 ? MOECACHE_IO_ALIGN : 0);
@@ -57,33 +57,33 @@ int32_t moecache_slots_init(moecache & mc) {
         snprintf(buf, sizeof(buf), "cannot reserve %.1f MiB for the expert slots: ", (double) total / (1 << 20));
         return moecache_fail_residency(buf + std::string(strerror(errno)));
     }
-    mc.arena      = (char *) arena;
-    mc.arena_size = total;
+    mc.res.arena      = (char *) arena;
+    mc.res.arena_size = total;
 #if defined(MADV_HUGEPAGE)
     madvise(arena, total, MADV_HUGEPAGE); // 2 MiB pages where the kernel has them: fewer TLB misses in the matmuls
 #endif
     if (cp.lock_memory) {
-        if (mlock(mc.arena, total) == 0) {
-            mc.arena_locked = true;
+        if (mlock(mc.res.arena, total) == 0) {
+            mc.res.arena_locked = true;
         } else {
             moecache_warn_mlock_once(total, errno);
         }
     }
     struct ggml_init_params ip = { (size_t) (n_xt + 1) * ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
-    mc.slots_ctx = ggml_init(ip);
-    mc.slots_buf = ggml_backend_cpu_buffer_from_ptr(mc.arena, total);
-    ggml_backend_buffer_set_usage(mc.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    char * p = mc.arena;
+    mc.res.slots_ctx = ggml_init(ip);
+    mc.res.slots_buf = ggml_backend_cpu_buffer_from_ptr(mc.res.arena, total);
+    ggml_backend_buffer_set_usage(mc.res.slots_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * p = mc.res.arena;
     for (moecache_layer & L : mc.layers) {
         const int32_t n_alloc = (int32_t) L.res.slot_expert.size();
         for (moecache_expert_tensor & x : L.res.xt) {
             const ggml_tensor * t = x.model_t;
-            x.slots_t = ggml_new_tensor_3d(mc.slots_ctx, x.src_type, t->ne[0], t->ne[1], n_alloc);
+            x.slots_t = ggml_new_tensor_3d(mc.res.slots_ctx, x.src_type, t->ne[0], t->ne[1], n_alloc);
             ggml_format_name(x.slots_t, "moecache.%s.slots", t->name);
             const bool same_rows = x.slots_t->nb[2] == x.src_nb2;
             x.slots_t->nb[2] = x.slot_nb2; // (mul_mat_id and the arrival op step from expert to expert by nb[2])
             x.slots_t->nb[3] = x.slot_nb2 * (size_t) n_alloc;
-            if (!same_rows || ggml_backend_tensor_alloc(mc.slots_buf, x.slots_t, p + x.slot_head) != GGML_STATUS_SUCCESS) {
+            if (!same_rows || ggml_backend_tensor_alloc(mc.res.slots_buf, x.slots_t, p + x.slot_head) != GGML_STATUS_SUCCESS) {
                 return moecache_fail_residency(std::string("cannot place the slots of ") + t->name);
             }
             p += moecache_round_up((size_t) n_alloc * x.slot_nb2, moecache_page_size()); // (anonymous: zero slot is 0)
@@ -105,8 +105,8 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
         const int32_t held = L.res.slot_expert[cursor];
         if (held < 0 || !L.res.keep[held] || L.res.expert_slot[held] != cursor) {
             moecache_io_req & req = L.res.slot_req[cursor];
-            if (!moecache_io_idle(*mc.io, req)) {
-                moecache_io_cancel(*mc.io, req);
+            if (!moecache_io_idle(*mc.res.io, req)) {
+                moecache_io_cancel(*mc.res.io, req);
             }
             req.err      = 0;
             req.prefetch = false;
@@ -164,7 +164,7 @@ static void keep_cached(moecache_layer & L) {
 static std::string read_error(const moecache & mc, int32_t il, int32_t e, uint64_t off, size_t len, int err) {
     char buf[512];
     snprintf(buf, sizeof(buf), "reading expert %d of layer %d from '%s' failed at offset %llu (%zu bytes): %s",
-             e, il, mc.src_path.c_str(), (unsigned long long) off, len,
+             e, il, mc.res.src_path.c_str(), (unsigned long long) off, len,
              err > 0 ? strerror(err) : "the file ends early (truncated?)");
     return buf;
 }
@@ -208,7 +208,7 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
             }
         }
     }
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
         if (!L.res.keep[e] || slot_holds(L, e)) {
@@ -222,7 +222,7 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         jobs.clear();
         slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
         // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
-        moecache_io_submit(*mc.io, L.res.slot_req[s], jobs.data(), jobs.size(),
+        moecache_io_submit(*mc.res.io, L.res.slot_req[s], jobs.data(), jobs.size(),
                            low && L.low.fresh[e] ? 0.0f : -1.0f);
         if (low && L.low.fresh[e] == 1) {
             L.low.hold[e] = L.low.tok + MOECACHE_LOWBIT_HOLD;
@@ -243,13 +243,13 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         moecache_lowbit_decode(mc, L, ids, out, n_ids);
     }
     for (int64_t i = 0; i < n_ids; i++) {
-        moecache_io_promote(*mc.io, L.res.slot_req[out[i]]); // (a read ahead of a selected expert is needed now)
+        moecache_io_promote(*mc.res.io, L.res.slot_req[out[i]]); // (a read ahead of a selected expert is needed now)
     }
-    if (mc.spec_pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own
-        const int32_t target = mc.spec_pending.target;
-        mc.spec_pending.target = -1;
-        moecache_slots_prefetch(mc, mc.layers[target], mc.spec_pending.ids, mc.spec_pending.score,
-                                mc.spec_pending.n, true);
+    if (mc.ahead.pending.target >= 0) { // the reads ahead this layer's routing decided, behind its own
+        const int32_t target = mc.ahead.pending.target;
+        mc.ahead.pending.target = -1;
+        moecache_slots_prefetch(mc, mc.layers[target], mc.ahead.pending.ids, mc.ahead.pending.score,
+                                mc.ahead.pending.n, true);
     }
     if (wait) {
         moecache_slots_wait(mc, L, out, n_ids);
@@ -262,8 +262,8 @@ int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * s
         const int32_t s = slots[i];
         moecache_io_req & req = L.res.slot_req[s];
         const int64_t t0 = moecache_time_us();
-        const bool    idle = moecache_io_idle(*mc.io, req);
-        if (moecache_io_wait(*mc.io, req) != 0 && L.res.slot_expert[s] >= 0) {
+        const bool    idle = moecache_io_idle(*mc.res.io, req);
+        if (moecache_io_wait(*mc.res.io, req) != 0 && L.res.slot_expert[s] >= 0) {
             slot_read_failed(mc, L, L.res.slot_expert[s], req);
             L.res.slot_expert[s] = -1; // a bad read is never used as weights; read again next time
         }
@@ -283,7 +283,7 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
     }
     keep_cached(T); // never taken (insertion: the experts just inserted are among them; spare: the cached
                     //   ones hold at most max(M, K) slots, the spare ones stay free of them)
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     int32_t cursor = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t e = ids[i];
@@ -302,7 +302,7 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
         req.prefetch = true;
         jobs.clear();
         slot_fill_jobs(T, e, s, MOECACHE_IO_READ, jobs);
-        moecache_io_submit(*mc.io, req, jobs.data(), jobs.size(), std::max(0.0f, score[i]));
+        moecache_io_submit(*mc.res.io, req, jobs.data(), jobs.size(), std::max(0.0f, score[i]));
     }
 }
 
@@ -325,7 +325,7 @@ int32_t moecache_slots_fill_all(moecache & mc) {
     if (jobs.empty()) {
         return MOECACHE_OK;
     }
-    moecache_io_run(*mc.io, jobs);
+    moecache_io_run(*mc.res.io, jobs);
     for (const moecache_io_job & j : jobs) {
         if (j.err != 0) {
             return moecache_fail_residency(read_error(mc, j.il, j.e, j.off, j.len, j.err));
@@ -333,9 +333,9 @@ int32_t moecache_slots_fill_all(moecache & mc) {
         mc.load_bytes += (int64_t) j.bytes_io;
     }
     {
-        std::lock_guard<std::mutex> lock(mc.io->mu); // a load, not a decode: the decode counters start at 0
-        mc.io->bytes_demand = 0;
-        mc.io->read_busy_us = 0;
+        std::lock_guard<std::mutex> lock(mc.res.io->mu); // a load, not a decode: the decode counters start at 0
+        mc.res.io->bytes_demand = 0;
+        mc.res.io->read_busy_us = 0;
     }
     mc.t_io_load_us = moecache_time_us() - t0;
     return MOECACHE_OK;
@@ -350,7 +350,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         touched[ids[i]] = 1;
     }
     keep_cached(L);
-    std::vector<moecache_io_job> & jobs = mc.io->scratch;
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     jobs.clear();
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
@@ -368,10 +368,10 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         if (touched[e]) {
             moecache_willneed_expert(L, e); // one large read request before the matmul or the copy faults it in
             mc.rst.prompt_bytes_read += (int64_t) L.res.expert_bytes;
-            mc.drop_pending.emplace_back(L.il, e);
+            mc.res.drop_pending.emplace_back(L.il, e);
         }
     }
-    moecache_io_run(*mc.io, jobs);
+    moecache_io_run(*mc.res.io, jobs);
     for (const moecache_io_job & j : jobs) {
         if (!copy && j.err != 0) { // (a copy from the mapping cannot fail)
             moecache_set_io_error(mc, read_error(mc, j.il, j.e, j.off, j.len, j.err));

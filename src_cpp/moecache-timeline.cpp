@@ -1,5 +1,5 @@
-// moecache-timeline.cpp - the timeline (moecache-timeline.h): the events the graph thread and the reader
-// threads record while one is on, and its three functions of the C API.
+// moecache-timeline.cpp - the timeline's three functions of the C API (moecache-timeline.h: its events; the
+// graph thread and the reader threads record them with moecache_timeline_add, moecache-io.cpp).
 
 #include "moecache-impl.h"
 #include "moecache-io.h"
@@ -7,18 +7,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-
-void moecache_timeline_add(moecache_timeline * tl, const moecache_event & e) {
-    if (!tl || !tl->on.load(std::memory_order_relaxed)) {
-        return;
-    }
-    std::lock_guard<std::mutex> lock(tl->mu);
-    if (tl->ev.size() < tl->cap) {
-        tl->ev.push_back(e);
-    } else if (tl->cap > 0) {
-        tl->dropped += 1;
-    }
-}
 
 extern "C" int32_t moecache_timeline_start(struct moecache * mc, int32_t capacity) {
     if (!mc || capacity < 0) {

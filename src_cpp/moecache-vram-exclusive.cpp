@@ -16,7 +16,7 @@
 void moecache_vram_stage_down(moecache & mc, ggml_backend_dev_t dev, size_t need) {
     ggml_backend_buffer_type_t host = dev && need > 0 ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
     if (host) {
-        mc.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
+        mc.res.down_stage = ggml_backend_buft_alloc_buffer(host, need); // (nullptr: refused, read synchronously)
     }
 }
 
@@ -89,6 +89,6 @@ void moecache_vram_exclusive_settle(moecache & mc, moecache_layer & L) {
     V.down_bytes.clear();
     if (V.down_stage) {
         V.down_stage        = nullptr;
-        mc.down_stage_layer = -1;
+        mc.res.down_stage_layer = -1;
     }
 }

@@ -77,7 +77,7 @@ void moecache_vram_plan(moecache & mc, const llama_model * model) {
 // DMA (0.025 ms). A refusal changes nothing
 static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (!mc.arena || !reg || !mc.cparams.lock_memory || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
+    if (!mc.res.arena || !reg || !mc.cparams.lock_memory || getenv("GGML_CUDA_NO_PINNED") != nullptr) {
         return;
     }
     typedef bool (*register_fn)(void * buffer, size_t size);
@@ -88,9 +88,9 @@ static void vram_pin_arena(moecache & mc, ggml_backend_dev_t dev) {
         return;
     }
     setenv("GGML_CUDA_REGISTER_HOST", "1", 0); // (ggml-cuda registers host memory only where it is set)
-    if (pin(mc.arena, mc.arena_size)) {
-        mc.arena_unpin  = unpin;
-        mc.arena_pinned = (int64_t) mc.arena_size;
+    if (pin(mc.res.arena, mc.res.arena_size)) {
+        mc.res.arena_unpin  = unpin;
+        mc.res.arena_pinned = (int64_t) mc.res.arena_size;
     }
 }
 
@@ -178,15 +178,15 @@ void moecache_vram_free(moecache & mc) {
     for (ggml_backend_t be : copiers) {
         ggml_backend_free(be);
     }
-    if (mc.down_stage) {
-        ggml_backend_buffer_free(mc.down_stage);
-        mc.down_stage       = nullptr;
-        mc.down_stage_layer = -1;
+    if (mc.res.down_stage) {
+        ggml_backend_buffer_free(mc.res.down_stage);
+        mc.res.down_stage       = nullptr;
+        mc.res.down_stage_layer = -1;
     }
-    if (mc.arena_unpin) { // (before the arena is unmapped)
-        mc.arena_unpin(mc.arena);
-        mc.arena_unpin  = nullptr;
-        mc.arena_pinned = 0;
+    if (mc.res.arena_unpin) { // (before the arena is unmapped)
+        mc.res.arena_unpin(mc.res.arena);
+        mc.res.arena_unpin  = nullptr;
+        mc.res.arena_pinned = 0;
     }
 }
 
@@ -251,7 +251,7 @@ static int64_t vram_send(moecache & mc, moecache_layer & L, bool wait, int64_t &
     int64_t t_send = 0;
     for (; V.copy_sent < (int32_t) V.copy_e.size(); V.copy_sent++) {
         const int32_t e = V.copy_e[V.copy_sent], hs = V.copy_hs[V.copy_sent], vs = V.copy_vs[V.copy_sent];
-        if (!wait && !moecache_io_idle(*mc.io, L.res.slot_req[hs])) {
+        if (!wait && !moecache_io_idle(*mc.res.io, L.res.slot_req[hs])) {
             break;
         }
         const int64_t t0 = moecache_time_us();
@@ -360,7 +360,7 @@ bool moecache_vram_warm(moecache & mc) {
     std::vector<int32_t> hot;
     std::vector<char>    copy;
     for (moecache_layer & L : mc.layers) {
-        if (L.vram.n == 0 || mc.profile_counts.empty()) {
+        if (L.vram.n == 0 || mc.prof.counts.empty()) {
             continue;
         }
         int64_t t_wait = 0;
@@ -375,9 +375,9 @@ bool moecache_vram_warm(moecache & mc) {
                 const char * src = (const char *) x.model_t->data + (size_t) e * x.nb2;
                 if (mc.cparams.lowbit == MOECACHE_LOWBIT_SOURCE) { // the companion's copy, from its file
                     copy.resize(x.src_nb2);
-                    if (!read_whole(mc.fd_lowbit, copy.data(), x.src_nb2, x.src_off + (uint64_t) e * x.src_nb2)) {
+                    if (!read_whole(mc.res.fd_lowbit, copy.data(), x.src_nb2, x.src_off + (uint64_t) e * x.src_nb2)) {
                         moecache_set_error("cannot read expert " + std::to_string(e) + " of " + x.model_t->name +
-                                           " from the low-bit companion '" + mc.src_path + "': " + strerror(errno));
+                                           " from the low-bit companion '" + mc.res.src_path + "': " + strerror(errno));
                         return false;
                     }
                     src = copy.data();
@@ -388,7 +388,7 @@ bool moecache_vram_warm(moecache & mc) {
             L.vram.expert_slot[e] = s;
             L.vram.stamp[e]       = ++L.vram.clock;
             if (mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE) {
-                mc.drop_pending.emplace_back(L.il, e);
+                mc.res.drop_pending.emplace_back(L.il, e);
             }
             if (L.vram.exclusive) { // here only, and an entry of the layer's cache (which holds capacity + n_excl)
                 L.vram.excl[e] = 1;
@@ -472,10 +472,10 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
         V.in_use[ids[i]] = 1;
     }
     V.copy_t0 = moecache_time_us();
-    if (V.exclusive && V.copier && mc.down_stage && mc.down_stage_layer < 0 && V.down_e.empty() &&
-        (size_t) n * moecache_slot_bytes(L) <= ggml_backend_buffer_get_size(mc.down_stage)) {
-        V.down_stage        = (char *) ggml_backend_buffer_get_base(mc.down_stage); // (until this layer's finish)
-        mc.down_stage_layer = L.il;
+    if (V.exclusive && V.copier && mc.res.down_stage && mc.res.down_stage_layer < 0 && V.down_e.empty() &&
+        (size_t) n * moecache_slot_bytes(L) <= ggml_backend_buffer_get_size(mc.res.down_stage)) {
+        V.down_stage        = (char *) ggml_backend_buffer_get_base(mc.res.down_stage); // (until this layer's finish)
+        mc.res.down_stage_layer = L.il;
     }
     for (int64_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
         const int32_t e = ids[i];

@@ -42,7 +42,7 @@ enum { VRAM_JOINT_ROW = 64, VRAM_JOINT_W = 128, VRAM_JOINT_DOWN = 192 };
 // output written for the device (moecache-vram.cpp; the graph, moecache-vram-graph.cpp, builds it)
 void          moecache_vram_op_joint(ggml_tensor * dst, int ith, int nth, void * userdata);
 // moecache-vram-exclusive.cpp: exclusive tiers. stage_down: pinned host memory of the device for a token's moves
-// down (mc.down_stage); claim: e, now in device slot vs, leaves the host tier and the slot's previous expert old
+// down (mc.res.down_stage); claim: e, now in device slot vs, leaves the host tier and the slot's previous expert old
 // (-1: none) moves down into e's host slot hs; settle: once the token's copies up have left their host slots
 void          moecache_vram_stage_down(moecache & mc, ggml_backend_dev_t dev, size_t need);
 void          moecache_vram_exclusive_claim(moecache_layer & L, int32_t e, int32_t old, int32_t vs, int32_t hs);

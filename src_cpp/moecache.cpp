@@ -214,12 +214,12 @@ void moecache_reset_stats(struct moecache * mc) {
     mc->rst = {};
     mc->step_hits.clear();
     mc->step_misses.clear();
-    if (mc->io) {
-        std::lock_guard<std::mutex> lock(mc->io->mu);
-        mc->io->bytes_demand   = 0;
-        mc->io->bytes_prefetch = 0;
-        mc->io->read_busy_us   = 0;
-        mc->io->reads_since    = moecache_time_us(); // (reads running now count from here)
+    if (mc->res.io) {
+        std::lock_guard<std::mutex> lock(mc->res.io->mu);
+        mc->res.io->bytes_demand   = 0;
+        mc->res.io->bytes_prefetch = 0;
+        mc->res.io->read_busy_us   = 0;
+        mc->res.io->reads_since    = moecache_time_us(); // (reads running now count from here)
     }
     mc->t_route_decode_us = 0;
     mc->t_io_decode_us    = 0;
@@ -250,7 +250,7 @@ void moecache_clear(struct moecache * mc) {
     }
     moecache_residency_clear(*mc); // and no expert's bytes stay: a cleared cache reads as a fresh one
     moecache_residency_hold_all(*mc); // (but for the layers whose slots hold every expert, as a fresh cache's)
-    std::fill(mc->req_counts.begin(), mc->req_counts.end(), 0.0f); // the profile of past requests stays
+    std::fill(mc->prof.req_counts.begin(), mc->prof.req_counts.end(), 0.0f); // the profile of past requests stays
 }
 
 int32_t moecache_set_eviction(struct moecache * mc, enum moecache_eviction eviction, float decay) {
@@ -544,7 +544,7 @@ extern "C" int32_t moecache_profile_get(const struct moecache * mc, int32_t il, 
         return fail(MOECACHE_ERR_INVALID, "moecache_profile_get: layer out of range or counts shorter than N");
     }
     for (int32_t e = 0; e < mc->n_expert; e++) {
-        counts[e] = mc->profile_counts.empty() ? 0.0 : mc->profile_counts[(size_t) il * mc->n_expert + e];
+        counts[e] = mc->prof.counts.empty() ? 0.0 : mc->prof.counts[(size_t) il * mc->n_expert + e];
     }
     return MOECACHE_OK;
 }
@@ -628,25 +628,25 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     }
     *out = mc->rst;
     out->residency   = mc->cparams.residency;
-    out->arena_bytes = (int64_t) mc->arena_size;
+    out->arena_bytes = (int64_t) mc->res.arena_size;
     for (const moecache_layer & L : mc->layers) {
         if (!L.res.xt.empty()) {
             out->expert_bytes = (int64_t) moecache_slot_bytes(L); // the first MoE layer's (the companion's: SOURCE)
             break;
         }
     }
-    out->io_threads = mc->io ? (int32_t) mc->io->workers.size() : 0;
-    out->direct_io  = mc->io && mc->io->fd_direct >= 0;
+    out->io_threads = mc->res.io ? (int32_t) mc->res.io->workers.size() : 0;
+    out->direct_io  = mc->res.io && mc->res.io->fd_direct >= 0;
     out->locked     = mc->cparams.lock_memory &&
-                      (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc->arena_locked
-                                                                          : (mc->io && !mc->io->lock_failed.load()));
+                      (mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc->res.arena_locked
+                                                                          : (mc->res.io && !mc->res.io->lock_failed.load()));
     out->decode_t_io_ms    = (double) mc->t_io_decode_us / 1000.0;
     out->decode_t_route_ms = (double) mc->t_route_decode_us / 1000.0;
     out->prompt_t_io_ms    = (double) mc->t_io_prompt_us / 1000.0;
     out->load_bytes_read   = mc->load_bytes;
     out->load_t_io_ms      = (double) mc->t_io_load_us / 1000.0;
     out->vram_bytes        = moecache_vram_bytes(*mc);
-    out->vram_pinned_bytes = mc->arena_pinned;
+    out->vram_pinned_bytes = mc->res.arena_pinned;
     out->lowbit_bytes      = moecache_lowbit_bytes(*mc);
     out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
@@ -669,18 +669,18 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     }
     out->decode_tokens = decode_tokens;
     out->decode_steps  = decode_steps;
-    if (mc->io && mc->cparams.residency == MOECACHE_RESIDENCY_STREAM) { // decode reads run on the reader threads
-        moecache_io_counters(*mc->io, &out->demand_bytes_read, &out->prefetch_bytes_read);
+    if (mc->res.io && mc->cparams.residency == MOECACHE_RESIDENCY_STREAM) { // decode reads run on the reader threads
+        moecache_io_counters(*mc->res.io, &out->demand_bytes_read, &out->prefetch_bytes_read);
         out->decode_bytes_read = out->demand_bytes_read + out->prefetch_bytes_read;
-        std::lock_guard<std::mutex> lock(mc->io->mu);
-        int64_t busy = mc->io->read_busy_us;
-        if (mc->io->reads_running > 0) {
-            busy += moecache_time_us() - mc->io->reads_since;
+        std::lock_guard<std::mutex> lock(mc->res.io->mu);
+        int64_t busy = mc->res.io->read_busy_us;
+        if (mc->res.io->reads_running > 0) {
+            busy += moecache_time_us() - mc->res.io->reads_since;
         }
         out->decode_t_read_ms = (double) busy / 1000.0;
     }
-    out->locked_bytes  = mc->arena_locked ? (int64_t) mc->arena_size : (out->locked ? locked : 0);
-    out->dense_locked_bytes = mc->dense_locked;
+    out->locked_bytes  = mc->res.arena_locked ? (int64_t) mc->res.arena_size : (out->locked ? locked : 0);
+    out->dense_locked_bytes = mc->res.dense_locked;
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;
 }
