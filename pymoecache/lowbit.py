@@ -41,7 +41,7 @@ KEY = "moecache.lowbit."  # the companion's own keys: KEY + version, type, paren
 # item 4, a model with 256-wide rows) decides.
 _DEFAULT = {"F32": "Q4_K", "F16": "Q4_K", "BF16": "Q4_K", "Q8_0": "Q4_K",
             "Q6_K": "Q3_K", "Q5_K": "Q2_K", "Q5_0": "Q2_K", "Q5_1": "Q2_K", "Q4_K": "Q2_K", "Q4_0": "Q2_K",
-            "Q4_1": "Q2_K", "IQ4_NL": "Q2_K", "IQ4_XS": "Q2_K"}
+            "Q4_1": "Q2_K", "IQ4_NL": "Q2_K", "IQ4_XS": "Q2_K", "MXFP4": "Q2_K"}
 # what --type takes (Q8_0: for F16/BF16/F32 experts, half the bytes at almost no cost; a companion
 # must be smaller than the model's experts): llama.cpp makes these without an importance matrix
 # (IQ1_*, IQ2_XXS, IQ2_XS and IQ2_S need one: llama_model_quantize refuses them without)

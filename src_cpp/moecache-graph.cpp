@@ -373,6 +373,7 @@ ggml_tensor * moecache_hook_select(ggml_context * ctx, ggml_cgraph * gf, ggml_te
     L.graph.n_ubatch = mc->build_n_ubatch;
     L.graph.decode   = mc->build_decode && mc->build_n_ubatch == selected->ne[1]; // (a prompt's output rows: not)
     L.graph.rank_on_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX && !has_bias; // softmax keeps the logits' order
+    L.graph.probs_are_logits = gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT;
     if (ggml_tensor * ran = moecache_device_defer(*mc, ctx, gf, il, selected, logits, probs, selection)) {
         return ran; // llama.cpp's top-k or the prior, on its device; counted after the graph (moecache-device.cpp)
     }

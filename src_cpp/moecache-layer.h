@@ -73,6 +73,8 @@ struct moecache_layer_scratch {
 // set while the graph is built (graph-build thread), for the ops (moecache-graph.cpp)
 struct moecache_layer_graph {
     bool          rank_on_logits = false;   // PRIOR boosts logits z (softmax without bias)
+    bool          probs_are_logits = false; // the router's p are its logits (softmax over the chosen, gpt-oss's):
+                                            //   what a token gives up is counted on their softmax
     ggml_tensor * route_out      = nullptr; // op_select's [K + 2, n_tokens]: selected, n_active, weight_from
     ggml_tensor * select_out     = nullptr; // its first K rows, what llama.cpp uses
     float         dropped_weight = 0.0f;    // weight of a dropped slot: 0, or -inf before a softmax

@@ -340,16 +340,33 @@ int32_t moecache_route_token(
         L.st.pinned_hits += L.use.pinned[sel[i]]; // pinned experts are cached
     }
     moecache_layer_observe(L, p, sel, n_sel); // the usage the eviction policy scores, before any eviction
-    // what the policy cost this token against the router's own top K (r[0:K], allowed ones)
+    // what the policy cost this token against the router's own top K (r[0:K], allowed ones), in probabilities:
+    // where p are logits (probs_are_logits), their softmax over the N experts
+    double p_max = 0.0, p_sum = 1.0;
+    if (L.graph.probs_are_logits) {
+        p_max = -INFINITY;
+        for (int32_t e = 0; e < N; e++) {
+            p_max = std::isfinite(p[e]) ? std::max(p_max, (double) p[e]) : p_max;
+        }
+        p_sum = 0.0;
+        for (int32_t e = 0; e < N; e++) {
+            p_sum += std::isfinite(p[e]) ? std::exp((double) p[e] - p_max) : 0.0;
+        }
+    }
+    auto prob = [&](int32_t e) -> double {
+        if (!std::isfinite(p[e])) {
+            return 0.0;
+        }
+        return L.graph.probs_are_logits ? std::exp((double) p[e] - p_max) / p_sum : (double) p[e];
+    };
     double p_top = 0.0;
     double p_run = 0.0;
     for (int32_t i = 0; i < K && i < N && is_allowed(s[L.scratch.rank[i]]); i++) {
-        const float pe = p[L.scratch.rank[i]];
-        p_top += std::isfinite(pe) ? (double) pe : 0.0;
+        p_top += prob(L.scratch.rank[i]);
     }
     for (int32_t i = 0; i < n_sel; i++) {
         L.st.rerouted += L.scratch.pos[sel[i]] >= K ? 1 : 0;
-        p_run += std::isfinite(p[sel[i]]) ? (double) p[sel[i]] : 0.0;
+        p_run += prob(sel[i]);
     }
     L.st.p_given_up += p_top - p_run;
     const bool top_bottom = mc.cparams.insertion == MOECACHE_INSERTION_TOP_BOTTOM;

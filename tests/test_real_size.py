@@ -1,0 +1,97 @@
+"""Real-size shapes (issue 76 item 1): scripts/real_size.py builds a GGUF with a real model's hyperparameters,
+tensors and quantization mix; one layer of each (CI cannot hold 18 GB) loads in llama.cpp and decodes under
+stream with every routing, in a fresh process as a user runs it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import real_size  # noqa: E402
+
+SHAPES = sorted(real_size.SHAPES)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real")
+    paths = {}
+    for shape in SHAPES:
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), shape, "--layers", "1",
+                            "--out-dir", str(out)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        paths[shape] = Path(r.stdout.strip().splitlines()[-1])  # the last line: the path
+        assert paths[shape].is_file()
+    return paths
+
+
+def test_the_full_size_files_are_the_real_ones_sizes():
+    """The full files as the real GGUFs are (random weights aside): Qwen3-30B-A3B Q4_K_M 18.6 GB of which 48 x 128
+    experts of 2.7 MiB; gpt-oss-20b MXFP4 12.1 GB; OLMoE-1B-7B Q4_K_M 4.2 GB (the published files' sizes)."""
+    size = {s: sum(real_size.nbytes(t) for t in real_size.tensors(real_size.SHAPES[s])) / 1e9 for s in SHAPES}
+    assert abs(size["qwen3-30b-a3b"] - 18.6) < 0.2
+    assert abs(size["gpt-oss-20b"] - 12.1) < 0.3
+    assert abs(size["olmoe-1b-7b"] - 4.2) < 0.2
+    assert 25 < size["mixtral-8x7b"] < 29.5
+    qwen = real_size.tensors(real_size.SHAPES["qwen3-30b-a3b"])
+    types = {t.name: t.qtype.name for t in qwen}
+    # llama-quantize's Q4_K_M: Q6_K output, attn_v and ffn_down where use_more_bits picks the layer (0-5, 42-47,
+    # and every third from 8), Q4_K elsewhere; F32 routers
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in (0, 6, 7, 8, 47)] == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert types["blk.3.ffn_gate_inp.weight"] == "F32" and types["blk.3.ffn_up_exps.weight"] == "Q4_K"
+    oss = {t.name: t.qtype.name for t in real_size.tensors(real_size.SHAPES["gpt-oss-20b"])}
+    assert oss["blk.0.ffn_up_exps.weight"] == "MXFP4" and oss["blk.0.attn_q.weight"] == "Q8_0"
+
+
+def test_a_built_file_is_kept_and_its_card_says_what_it_is(built):
+    for shape, path in built.items():
+        card = json.loads(path.with_suffix(".json").read_text())
+        assert card["card"]["shape"]["n_layer"] == 1 and card["bytes"] == path.stat().st_size
+        mtime = path.stat().st_mtime_ns
+        assert real_size.build(shape, 1, out_dir=path.parent, progress=False) == path
+        assert path.stat().st_mtime_ns == mtime  # (not written again)
+
+
+_DECODE = r"""
+import json, math, sys
+import numpy as np
+import pymoecache
+path, routing = sys.argv[1], sys.argv[2]
+llm = pymoecache.Llama(path, cache=pymoecache.CacheConfig(size=0.25, residency="stream"), routing=routing,
+                       n_ctx=256, n_threads=2, verbose=False)
+prompt = llm.tokenize(b"The quick brown fox")
+llm.eval(prompt)
+for _ in range(6):
+    row = np.array(llm.eval_logits[-1])
+    assert np.isfinite(row).all(), "non-finite logits"
+    llm.eval([int(row.argmax())])
+st = llm.moe_stats()
+info = llm.model_info
+print(json.dumps({"n_vocab": llm.n_vocab(), "n_expert": info.n_expert, "k": info.n_expert_used,
+                  "arch": info.arch, "hits": int(st.hits), "misses": int(st.misses), "tokens": int(st.tokens),
+                  "given_up": st.p_given_up, "n_prompt": len(prompt)}))
+"""
+
+
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5", "max-rank:4", "cumsum:0.7", "preset:balanced"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_layer_of_each_shape_decodes_under_stream_with_every_routing(built, shape, routing):
+    s = real_size.SHAPES[shape]
+    r = subprocess.run([sys.executable, "-c", _DECODE, str(built[shape]), routing], capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(built[shape]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n_vocab"] == s.n_vocab and out["n_expert"] == s.n_expert and out["k"] == s.n_expert_used
+    assert out["arch"] == s.arch
+    # (the only layer is the last, where llama.cpp computes the prompt's output row only, unless the arch's graph
+    # computes every row there)
+    assert out["tokens"] in (1 + 6, out["n_prompt"] + 6) and out["hits"] + out["misses"] > 0
+    assert 0.0 <= out["given_up"] <= 1.0 + 1e-6  # a probability (gpt-oss's p are its logits: counted on their softmax)
