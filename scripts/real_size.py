@@ -335,11 +335,12 @@ def build(shape: str, layers: Optional[int] = None, seed: int = 0, out_dir: Path
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 256, size=64 << 20, dtype=np.uint8)  # 64 MiB of random bytes, read from anywhere
-    t0, done = time.monotonic(), 0
+    t0, done, said = time.monotonic(), 0, 0.0
     for t in plan:
         w.write_tensor_data(small_tensor(t, rng) if t.qtype == T.F32 else random_blocks(t, pool, rng))
         done += nbytes(t)
-        if progress:
+        if progress and (time.monotonic() - said > 0.5 or done == total):
+            said = time.monotonic()
             dt = max(time.monotonic() - t0, 1e-6)
             print(f"\r{path.name}: {done / 2**30:6.2f} / {total / 2**30:.2f} GiB  {done / dt / 2**20:5.0f} MiB/s  ",
                   end="", file=sys.stderr, flush=True)
