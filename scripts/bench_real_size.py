@@ -147,15 +147,23 @@ def run_way(model: Path, way: str, cap: int, a, companion) -> dict:
            "--budget-s", str(a.budget_s)] + (["--companion", str(companion)] if companion else [])
     with MemoryCap(cap) as c:
         t0 = time.monotonic()
-        r = subprocess.run(cmd, preexec_fn=c.join, capture_output=True, text=True, timeout=a.budget_s * 6 + 900)
+        try:
+            r = subprocess.run(cmd, preexec_fn=c.join, capture_output=True, text=True, timeout=a.timeout_s)
+            rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:  # (subprocess.run killed it)
+            rc, stdout, stderr = None, e.stdout or "", e.stderr or ""
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
         row = {"way": way, "cap": cap, "cgroup": c.kind, "page_cache": how, "peak": c.peak(), "oom_kills": c.oom_kills(),
-               "rc": r.returncode, "wall_s": time.monotonic() - t0}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode == 0 and lines:
+               "rc": rc, "wall_s": time.monotonic() - t0}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if rc == 0 and lines:
         row.update(json.loads(lines[-1]))
+    elif rc is None:
+        row["error"] = f"no result in {a.timeout_s:.0f} s (stopped; thrashing at the cap)"
     else:
-        row["error"] = ("killed by the cap (OOM)" if row["oom_kills"] or r.returncode in (-9, 137)
-                        else (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1][:200])
+        text = stderr.decode() if isinstance(stderr, bytes) else stderr
+        row["error"] = ("killed by the cap (OOM)" if row["oom_kills"] or rc in (-9, 137)
+                        else (text.strip().splitlines() or ["exit %d" % rc])[-1][:200])
     return row
 
 
@@ -200,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop decoding a way after this long (seconds)")
+    ap.add_argument("--timeout-s", type=float, default=900.0,
+                    help="stop a way that has not finished after this long, load included (default %(default)s)")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

@@ -95,3 +95,24 @@ def test_one_layer_of_each_shape_decodes_under_stream_with_every_routing(built, 
     # computes every row there)
     assert out["tokens"] in (1 + 6, out["n_prompt"] + 6) and out["hits"] + out["misses"] > 0
     assert 0.0 <= out["given_up"] <= 1.0 + 1e-6  # a probability (gpt-oss's p are its logits: counted on their softmax)
+
+
+def test_the_bench_runs_each_way_in_its_own_capped_cgroup(tmp_path):
+    """scripts/bench_real_size.py as a user runs it, at its smallest: one layer of OLMoE's shape under a cap of half
+    the file, stock llama.cpp without repacking and pymoecache's defaults, each in a memory cgroup of its own. The
+    defaults size their cache by the cgroup's limit (the plan says which it read) and stay within the cap."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_real_size.py"), "olmoe-1b-7b", "--layers", "1",
+                        "--caps", "1/2", "--ways", "stock-no-repack,default", "--tokens", "3", "--warmup", "1",
+                        "--prompt-tokens", "8", "--budget-s", "60", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and "cannot make a memory cgroup" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {row["way"]: row for row in data["rows"]}
+    assert set(rows) == {"stock-no-repack", "default"} and all("error" not in row for row in rows.values()), rows
+    cap = rows["default"]["cap"]
+    assert rows["default"]["budget_from"] == rows["default"]["cgroup"]  # ("cgroup v1" or "cgroup v2")
+    assert rows["default"]["peak"] <= cap and rows["default"]["tokens"] == 3 and rows["default"]["decode_tok_s"] > 0
+    assert "| default |" in r.stdout and "random weights" in r.stdout
