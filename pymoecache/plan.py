@@ -127,6 +127,7 @@ def _free_source() -> str:
 
 
 _MEMINFO = "/proc/meminfo"
+PROMPT_READ_AHEAD = 1  # MoE layers of a prompt's read-ahead the plan leaves room for (moecache-mapping.cpp reads up to 2)
 
 
 def _available_memory() -> int:
@@ -162,7 +163,8 @@ class AutoCacheSize:
     available: int         # bytes free when the model was loaded
     dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
     kv: int                # bytes of the KV cache at F16 (its KV heads' K and V; unknown heads: n_embd wide)
-    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB
+    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB; where experts
+                           #   stream, at least the room of a prompt's reads (up to a quarter of the rest)
     fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
     spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
@@ -172,16 +174,18 @@ class AutoCacheSize:
     gpu_expert_layers: int = 0  # MoE layers whose experts went to the GPU instead (llama.cpp's placement: the GPU
                                 #   holds them where RAM does not; device_fit), n_cached then N
     source: str = "free"   # what bounded ``available``: "free", "budget", "cgroup v1" or "cgroup v2" (its limit)
+    prompt_room: bool = False  # the margin is the room a prompt's reads through the mapping take (streamed experts)
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
         on_gpu = f"; the dense part of {self.gpu_layers} layers on the GPU" if self.gpu_layers else ""
         pools = f", {_mib(self.lowbit)} low-bit pools" if self.lowbit else ""
+        for_prompt = " for a prompt's reads" if self.prompt_room else ""
         free += " free" + (f" under the {self.source} limit" if self.source.startswith("cgroup") else "")
         head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache{pools}, {_mib(self.margin)} margin"
-                f"{on_gpu})")
+                f"{for_prompt}{on_gpu})")
         if self.spare:
             head += f"; {self.spare} of them per layer are spare slots for reading ahead"
         if self.n_cached >= self.n_expert and fit < self.n_expert and self.gpu_expert_layers:
@@ -219,7 +223,10 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
                     gpu_layers: int = 0, lowbit: int = 0, batch: int = 0) -> AutoCacheSize:
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (F16 K and V of the KV heads per layer and position, :func:`_kv_bytes`) and a
-    margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N.
+    margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N. Where the
+    experts do not all fit, the margin is at least the room a prompt's reads take (a layer's experts, read
+    through the mapping, for the layer computing and :data:`PROMPT_READ_AHEAD` more), up to a quarter of the rest:
+    with less, the pages read ahead are evicted before their layer runs and read again.
     A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
     cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
     their dense part and KV cache on a GPU (:func:`gpu_layers`): their share of both is not
@@ -232,19 +239,28 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     ...                  moe_layers=list(range(8)), n_expert=60, n_expert_used=4, n_expert_shared=0,
     ...                  gating="softmax", n_expert_groups=0, expert_bytes=8 << 20, expert_bytes_total=8 * 60 * (8 << 20),
     ...                  n_embd=1024)
-    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB dense - 16 MiB KV) * 0.9 / (8 x 8 MiB)
-    39
+    >>> auto_cache_size(info, n_ctx=512, available=3 << 30).n_cached   # (3 GiB - 256 MiB dense - 16 MiB KV) * 3/4 / (8 x 8 MiB)
+    32
     >>> auto_cache_size(info, n_ctx=512, available=512 << 20).n_cached  # 1 fits after a 128 MiB margin; K = 4 is the floor
     4
     >>> auto_cache_size(info, n_ctx=512, available=3 << 30, gpu_layers=8).n_cached   # dense part and KV cache on the GPU
-    43
+    36
     >>> auto_cache_size(info, n_ctx=512, available=3 << 30, lowbit=8 * 61 * (2 << 20)).n_cached  # every copy in RAM
-    25
+    21
     """
     free = _available_memory() if available is None else available
     dense, kv = _on_host(info, n_ctx, gpu_layers)
     budget = free - dense - kv - max(0, lowbit) - max(0, batch)
     margin = max(128 << 20, budget // 10)
+    prompt_room = False
+    if info.cache_size_for_budget(max(0, budget - margin)) < info.n_expert:
+        # streamed: a prompt reads every expert of a layer through the mapping, the next layers' asked for while
+        # one computes, as far as the free memory holds them (moecache-mapping.cpp); too little room, and the
+        # pages read ahead are evicted before their layer runs (read twice or thrice). Room for the layer that
+        # computes and PROMPT_READ_AHEAD more, up to a quarter of the budget.
+        room = (1 + PROMPT_READ_AHEAD) * (info.expert_bytes_total // max(1, info.n_moe_layer)) + (64 << 20)
+        if min(room, budget // 4) > margin:
+            margin, prompt_room = min(room, budget // 4), True
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
     n, left = fit, 0
     if fit < min(info.n_expert_used, info.n_expert):
@@ -253,7 +269,8 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     return AutoCacheSize(n_cached=n, n_expert=info.n_expert, n_expert_used=info.n_expert_used, available=free,
                          dense=dense, kv=kv, margin=margin, fit=fit, left=left, gpu_layers=min(max(gpu_layers, 0),
                                                                                                  info.n_layer),
-                         lowbit=max(0, lowbit), source=_free_source() if available is None else "budget")
+                         lowbit=max(0, lowbit), source=_free_source() if available is None else "budget",
+                         prompt_room=prompt_room)
 
 
 def has_gpu() -> bool:

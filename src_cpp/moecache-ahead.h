@@ -18,6 +18,9 @@ struct moecache_ahead {
     std::vector<uint8_t>         pred_on;
     std::vector<moecache_io_req> req;          // [n_layer] a prompt's read-ahead of a layer, on the reader threads
     int32_t last = -1;                         // the last layer read ahead in this ubatch, or -1
+    int32_t last_e = 0;                        // its experts asked for, in order (n_expert: all of them)
+    int32_t faulted = -1;                      // STREAM: a prompt's layer left to the kernel's readahead (no room
+                                               //   to ask for it whole: asked experts would evict each other), or -1
     struct {                                   // prefetch_adaptive: the on/off trial
         bool    on      = true;                //   reads ahead are issued for this token
         int32_t phase   = 0;                   //   0: the trial (on and off in turn), 1: running the winner

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -45,11 +46,16 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
     return true;
 }
 
+// expert e of layer il was asked for by this prompt's read-ahead
+static bool asked_ahead(const moecache & mc, int32_t il, int32_t e) {
+    return il < mc.ahead.last || (il == mc.ahead.last && e < mc.ahead.last_e);
+}
+
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
 // MADV_RANDOM: no readahead drags neighbours into the page cache behind the budget's back)
 void moecache_willneed_expert(const moecache_layer & L, int32_t e) {
-    if (L.il <= L.mc->ahead.last) {
-        return; // asked for by the read-ahead of this prompt
+    if (asked_ahead(*L.mc, L.il, e) || L.il == L.mc->ahead.faulted) {
+        return;
     }
     for (const moecache_expert_tensor & x : L.res.xt) {
         moecache_io_willneed((const char *) x.model_t->data + (size_t) e * x.nb2, x.nb2);
@@ -97,8 +103,125 @@ static void drop_pending(moecache & mc, int32_t il) {
 #define MOECACHE_READ_AHEAD 2                 // MoE layers a prompt reads ahead of the one computing
 #define MOECACHE_READ_AHEAD_RESERVE (64 << 20) // bytes of free memory a read-ahead leaves alone
 
-// bytes a prompt may read into the page cache now: what the OS can give (Linux: MemAvailable)
-// less MOECACHE_READ_AHEAD_RESERVE; -1 where unknown
+static int64_t read_file_int(const std::string & path) {
+    FILE * f = fopen(path.c_str(), "r");
+    if (!f) {
+        return -1;
+    }
+    long long v = -1;
+    if (fscanf(f, "%lld", &v) != 1) {
+        v = -1; // ("max": no limit)
+    }
+    fclose(f);
+    return (int64_t) v;
+}
+
+// the value of `key` in a memory.stat file, -1 where absent
+static int64_t read_stat(const std::string & path, const char * key) {
+    FILE * f = fopen(path.c_str(), "r");
+    if (!f) {
+        return -1;
+    }
+    char name[128];
+    long long v;
+    int64_t got = -1;
+    while (fscanf(f, "%127s %lld", name, &v) == 2) {
+        if (strcmp(name, key) == 0) {
+            got = (int64_t) v;
+            break;
+        }
+    }
+    fclose(f);
+    return got;
+}
+
+// this process's memory cgroup, found once: its folder and whether it is v1 ("" where none)
+struct cgroup_memory {
+    std::string dir;
+    bool        v1 = false;
+};
+
+static cgroup_memory find_cgroup_memory() {
+    cgroup_memory cg;
+#if defined(__linux__)
+    FILE * f = fopen("/proc/self/cgroup", "r");
+    if (!f) {
+        return cg;
+    }
+    char line[4096];
+    std::string v2;
+    while (fgets(line, sizeof(line), f)) { // "hierarchy:controllers:path"
+        std::string s(line);
+        s.erase(s.find_last_not_of("\n") + 1);
+        const size_t c1 = s.find(':');
+        const size_t c2 = c1 == std::string::npos ? c1 : s.find(':', c1 + 1);
+        if (c2 == std::string::npos) {
+            continue;
+        }
+        const std::string ctrl = "," + s.substr(c1 + 1, c2 - c1 - 1) + ",";
+        const std::string rel  = s.substr(c2 + 1);
+        if (ctrl.find(",memory,") != std::string::npos) {
+            // v1 (the memory controller's own mount; a container sees its cgroup at the mount's root)
+            for (const std::string & d : { "/sys/fs/cgroup/memory" + rel, std::string("/sys/fs/cgroup/memory") }) {
+                if (read_file_int(d + "/memory.limit_in_bytes") >= 0) {
+                    cg.dir = d;
+                    cg.v1  = true;
+                    break;
+                }
+            }
+            break;
+        }
+        if (s.compare(0, 3, "0::") == 0) {
+            v2 = "/sys/fs/cgroup" + rel;
+        }
+    }
+    fclose(f);
+    if (!cg.v1 && !v2.empty()) {
+        cg.dir = v2;
+    }
+#endif
+    return cg;
+}
+
+// bytes a cgroup's memory limit still leaves (limit less usage, its inactive page cache counted as
+// free as MemAvailable counts it): v1 its hierarchical limit, v2 the tightest of it and its
+// ancestors; -1 where no limit binds
+static int64_t cgroup_room() {
+    static const cgroup_memory cg = find_cgroup_memory();
+    if (cg.dir.empty()) {
+        return -1;
+    }
+    if (cg.v1) {
+        int64_t limit = read_file_int(cg.dir + "/memory.limit_in_bytes");
+        const int64_t hier = read_stat(cg.dir + "/memory.stat", "hierarchical_memory_limit");
+        if (hier >= 0 && (limit < 0 || hier < limit)) {
+            limit = hier;
+        }
+        const int64_t usage = read_file_int(cg.dir + "/memory.usage_in_bytes");
+        if (limit < 0 || limit >= ((int64_t) 1 << 62) || usage < 0) {
+            return -1;
+        }
+        const int64_t inactive = std::max<int64_t>(0, read_stat(cg.dir + "/memory.stat", "total_inactive_file"));
+        return std::max<int64_t>(0, limit - usage + inactive);
+    }
+    int64_t room = -1;
+    for (std::string d = cg.dir; ; d = d.substr(0, d.find_last_of('/'))) {
+        const int64_t limit = read_file_int(d + "/memory.max");
+        const int64_t usage = read_file_int(d + "/memory.current");
+        if (limit >= 0 && usage >= 0) {
+            const int64_t inactive = std::max<int64_t>(0, read_stat(d + "/memory.stat", "inactive_file"));
+            const int64_t r = std::max<int64_t>(0, limit - usage + inactive);
+            room = room < 0 ? r : std::min(room, r);
+        }
+        if (d.size() <= strlen("/sys/fs/cgroup")) {
+            break;
+        }
+    }
+    return room;
+}
+
+// bytes a prompt may read into the page cache now: what the OS can give (Linux: MemAvailable,
+// capped by a cgroup's limit) less MOECACHE_READ_AHEAD_RESERVE; -1 where unknown
 static int64_t read_room() {
     int64_t kib = -1;
 #if defined(__linux__)
@@ -115,18 +238,28 @@ static int64_t read_room() {
         fclose(f);
     }
 #endif
-    return kib < 0 ? -1 : kib * 1024 - MOECACHE_READ_AHEAD_RESERVE;
+    if (kib < 0) {
+        return -1;
+    }
+    int64_t room = kib * 1024;
+    const int64_t cg = cgroup_room();
+    if (cg >= 0 && cg < room) {
+        room = cg;
+    }
+    return room - MOECACHE_READ_AHEAD_RESERVE;
 }
 
 static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
     return (int64_t) L.res.expert_bytes * mc.n_expert;
 }
 
-// the reader threads ask the kernel for all experts of layer il (MADV_WILLNEED: large read
-// requests instead of a page per fault), to be dropped once the prompt is past that layer
-static void ask_layer(moecache & mc, int32_t il) {
+// the reader threads ask the kernel for the experts of layer il up to e_end (MADV_WILLNEED: large
+// read requests instead of a page per fault), in order, after those asked already; they are
+// dropped once the prompt is past that layer
+static void ask_layer(moecache & mc, int32_t il, int32_t e_end) {
     const moecache_layer & next = mc.layers[il];
-    for (int32_t e = 0; e < mc.n_expert; e++) {
+    const int32_t e_begin = il == mc.ahead.last ? mc.ahead.last_e : 0;
+    for (int32_t e = e_begin; e < e_end; e++) {
         if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
             continue;
         }
@@ -141,19 +274,25 @@ static void ask_layer(moecache & mc, int32_t il) {
         }
         mc.res.drop_pending.emplace_back(il, e);
     }
-    mc.ahead.last = il;
+    mc.ahead.last   = il;
+    mc.ahead.last_e = e_end;
 }
 
 // A prompt ubatch that touches most experts of a layer will touch most of the next MoE layers'
 // too: they are asked for while this layer computes, MOECACHE_READ_AHEAD MoE layers ahead, as
-// far as the free memory holds them beside this layer's (on a small device, pages read ahead and
-// dropped again before their layer runs would be read twice, and then a page per fault)
+// far as the free memory holds them beside this layer's. Where it holds only part of the next
+// layer, that part (its first experts: the matmul runs them first) is read while this layer
+// computes and the rest when its own layer starts: the disk stays busy through the compute. (On a
+// small device, pages read ahead and dropped again before their layer runs would be read twice.)
 static void read_ahead(moecache & mc, const moecache_layer & L) {
+    const int32_t N = mc.n_expert;
     int64_t room = read_room(); // (the page cache of layers asked for counts as available: less them)
-    if (room >= 0) {
+    const bool known = room >= 0; // (less what is asked, the room may fall below 0: nothing more is asked then)
+    if (known) {
         room -= layer_file_bytes(mc, L);
         for (int32_t il = L.il + 1; il <= mc.ahead.last; il++) {
-            room -= mc.layers[il].res.xt.empty() ? 0 : layer_file_bytes(mc, mc.layers[il]);
+            const int32_t n = il == mc.ahead.last ? mc.ahead.last_e : N;
+            room -= mc.layers[il].res.xt.empty() ? 0 : (int64_t) mc.layers[il].res.expert_bytes * n;
         }
     }
     int32_t n_ahead = 0;
@@ -163,13 +302,23 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
             continue; // (all in slots: its prompts read nothing)
         }
         n_ahead++;
-        if (il <= mc.ahead.last) {
+        if (il < mc.ahead.last || (il == mc.ahead.last && mc.ahead.last_e >= N)) {
             continue; // asked for already
         }
-        if (room >= 0 && (room -= layer_file_bytes(mc, next)) < 0) {
+        const int32_t e_begin = il == mc.ahead.last ? mc.ahead.last_e : 0;
+        int32_t       e_end   = N;
+        if (known) {
+            const int64_t fit = room / std::max<int64_t>(1, (int64_t) next.res.expert_bytes);
+            e_end = (int32_t) std::min<int64_t>(N, e_begin + std::max<int64_t>(0, fit));
+            room -= (int64_t) next.res.expert_bytes * (e_end - e_begin);
+        }
+        if (e_end <= e_begin) {
             break; // asked for by its own layer then (moecache_residency_sync)
         }
-        ask_layer(mc, il);
+        ask_layer(mc, il, e_end);
+        if (e_end < N) {
+            break;
+        }
     }
 }
 
@@ -180,7 +329,8 @@ static void finish_read_ahead(moecache & mc, int32_t il) {
         for (int32_t a = 0; a <= mc.ahead.last; a++) {
             moecache_io_cancel(*mc.res.io, mc.ahead.req[a]);
         }
-        mc.ahead.last = -1; // (its pages are dropped with the rest of drop_pending)
+        mc.ahead.last   = -1; // (its pages are dropped with the rest of drop_pending)
+        mc.ahead.last_e = 0;
     } else if (il <= mc.ahead.last) {
         moecache_io_wait(*mc.res.io, mc.ahead.req[il]); // (a failed hint is no error: the matmul faults the pages in)
     }
@@ -250,12 +400,19 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
     if (!file_covers(mc, end)) {
         return;
     }
-    if (!decode && n_ids >= mc.n_expert && L.il > mc.ahead.last) {
-        // not read ahead (the first layer, or no room): all at once now, where it fits
-        const int64_t room = read_room();
-        if (room < 0 || room >= layer_file_bytes(mc, L)) {
-            ask_layer(mc, L.il);
+    const bool whole = L.il < mc.ahead.last || (L.il == mc.ahead.last && mc.ahead.last_e >= mc.n_expert);
+    mc.ahead.faulted = -1;
+    if (!decode && n_ids >= mc.n_expert && !whole) {
+        // not read ahead, or in part (the first layer, or little room): the rest now, where it fits; where it
+        // does not, STREAM leaves the rest to the kernel's readahead as the matmul faults it in, in order (what
+        // stock llama.cpp's mapping does at any memory size); MMAP's expert regions are MADV_RANDOM: asked for
+        const int32_t asked = L.il == mc.ahead.last ? mc.ahead.last_e : 0;
+        const int64_t room  = read_room();
+        if (room < 0 || room >= (int64_t) L.res.expert_bytes * (mc.n_expert - asked)) {
+            ask_layer(mc, L.il, mc.n_expert);
             moecache_io_wait(*mc.res.io, mc.ahead.req[L.il]);
+        } else if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
+            mc.ahead.faulted = L.il;
         }
     }
     if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
