@@ -152,3 +152,30 @@ def check_schema_size(schema, limit: int = MAX_CHARS) -> None:
         many = f"{total:.0f}" if total < 1e19 else "more than 10^19"
         raise GrammarError(f"schema: asks for {many} repetitions (minLength, maxItems, a pattern's {{m,n}}, ...); "
                            f"its grammar would be larger than {limit} characters")
+
+
+# any JSON value, as llama.cpp's grammars/json.gbnf: no control character inside a string (JSON has none unescaped),
+# whitespace bounded (a newline and at most 20 spaces or tabs), so a model cannot fill max_tokens with it
+JSON_GRAMMAR = r'''root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws     ::= | " " | "\n" [ \t]{0,20}
+'''
+
+
+def json_schema_grammar(schema: dict) -> str:
+    r"""The GBNF grammar of a JSON schema: llama-cpp-python's converter, with its string characters
+    as llama.cpp's converter has them (no control character: its ``[^"\\]`` let a model write a raw
+    newline into a string, which ``json.loads`` refuses). Raises what the converter raises.
+
+    >>> [line for line in json_schema_grammar({"type": "string"}).splitlines() if line.startswith("char")]
+    ['char ::= [^"\\\\\\x7F\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])']
+    """
+    import json
+
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf(json.dumps(schema)).replace('[^"\\\\]', '[^"\\\\\\x7F\\x00-\\x1F]')

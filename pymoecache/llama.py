@@ -426,10 +426,12 @@ class Llama(llama_cpp.Llama):
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         """``llama_cpp.Llama.detokenize``; ModelFileError for a model without a tokenizer."""
         self._check_vocab()
+        special = special or (self._repair_utf8 and self.special_text)
         b = super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
         return _utf8_repaired(b) if self._repair_utf8 else b
 
     _repair_utf8 = False  # llama-cpp-python's completion code is running (_completion)
+    special_text = False  # completions' text shows special tokens (chat markers), as llama-cli's -sp
 
     def _completion(self, prompt, args, kwargs):
         """``llama_cpp.Llama.create_completion``, whose detokenize, while its code runs, gives U+FFFD for

@@ -425,9 +425,9 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
         if top_j > info.n_expert_used:
             raise ConfigError(f"top_j = {top_j} is larger than the model's K = {info.n_expert_used} experts per token")
         if residency != "none" and kwargs.get("use_mmap", True) is False:
-            raise ConfigError(f"residency '{residency}' reads the experts through the file mapping: "
-                              "use_mmap must stay True (--no-mmap only with residency 'none', when the whole "
-                              "model is loaded)")
+            raise ConfigError(f"residency '{residency}' reads the experts through the file's mapping: not mapping "
+                              "the model (--no-mmap, use_mmap=False) works only with residency 'none' (--residency "
+                              "none), where the whole model is loaded")
         if residency != "none" and kwargs.pop("use_mlock", False):
             # llama.cpp's mlock would lock every expert of the mapping: here it means what the cache
             # locks, the dense part and the cached experts (the rest is not meant to be in memory)

@@ -163,8 +163,7 @@ class AutoCacheSize:
     available: int         # bytes free when the model was loaded
     dense: int             # bytes of the non-expert weights (always resident: locked when streamed)
     kv: int                # bytes of the KV cache at F16 (its KV heads' K and V; unknown heads: n_embd wide)
-    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB; where experts
-                           #   stream, at least the room of a prompt's reads (up to a quarter of the rest)
+    margin: int            # bytes left for the runtime and the OS: 10% of the rest, at least 128 MiB, or a prompt's reads
     fit: int = -1          # experts per layer the budget holds (n_cached is at least K when streaming)
     left: int = 0          # fit < K: bytes left for the runtime beside the K slots a streamed token needs
     spare: int = 0         # of the fit, slots per layer given to reading ahead (prefetch "auto"), not cached
@@ -174,18 +173,17 @@ class AutoCacheSize:
     gpu_expert_layers: int = 0  # MoE layers whose experts went to the GPU instead (llama.cpp's placement: the GPU
                                 #   holds them where RAM does not; device_fit), n_cached then N
     source: str = "free"   # what bounded ``available``: "free", "budget", "cgroup v1" or "cgroup v2" (its limit)
-    prompt_room: bool = False  # the margin is the room a prompt's reads through the mapping take (streamed experts)
+    prompt_room: bool = False  # the margin is the room of a prompt's reads (streamed experts)
 
     def __str__(self) -> str:
         free = f"{self.available / (1 << 30):.1f} GiB" if self.available >= 1 << 30 else _mib(self.available)
         fit = self.n_cached if self.fit < 0 else self.fit
         on_gpu = f"; the dense part of {self.gpu_layers} layers on the GPU" if self.gpu_layers else ""
         pools = f", {_mib(self.lowbit)} low-bit pools" if self.lowbit else ""
-        for_prompt = " for a prompt's reads" if self.prompt_room else ""
         free += " free" + (f" under the {self.source} limit" if self.source.startswith("cgroup") else "")
         head = (f"auto: {fit} of {self.n_expert} experts per layer fit in {free} "
                 f"(less {_mib(self.dense)} dense weights, {_mib(self.kv)} KV cache{pools}, {_mib(self.margin)} margin"
-                f"{for_prompt}{on_gpu})")
+                + (" for a prompt's reads" if self.prompt_room else "") + f"{on_gpu})")
         if self.spare:
             head += f"; {self.spare} of them per layer are spare slots for reading ahead"
         if self.n_cached >= self.n_expert and fit < self.n_expert and self.gpu_expert_layers:
@@ -224,9 +222,7 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     """Experts per layer for ``CacheConfig(size="auto")``: the free memory, less the non-expert
     weights, the KV cache (F16 K and V of the KV heads per layer and position, :func:`_kv_bytes`) and a
     margin of 10% (at least 128 MiB, the runtime's own memory), spent on cached experts; at most N. Where the
-    experts do not all fit, the margin is at least the room a prompt's reads take (a layer's experts, read
-    through the mapping, for the layer computing and :data:`PROMPT_READ_AHEAD` more), up to a quarter of the rest:
-    with less, the pages read ahead are evicted before their layer runs and read again.
+    experts stream, the margin holds a prompt's reads (below), up to a quarter of the rest.
     A streamed token needs K slots per layer whatever the size, so where fewer than K fit, the
     cache is K (those slots keep the last experts read). ``gpu_layers`` of the model's layers have
     their dense part and KV cache on a GPU (:func:`gpu_layers`): their share of both is not
@@ -252,15 +248,12 @@ def auto_cache_size(info: ModelInfo, n_ctx: int, available: Optional[int] = None
     dense, kv = _on_host(info, n_ctx, gpu_layers)
     budget = free - dense - kv - max(0, lowbit) - max(0, batch)
     margin = max(128 << 20, budget // 10)
-    prompt_room = False
-    if info.cache_size_for_budget(max(0, budget - margin)) < info.n_expert:
-        # streamed: a prompt reads every expert of a layer through the mapping, the next layers' asked for while
-        # one computes, as far as the free memory holds them (moecache-mapping.cpp); too little room, and the
-        # pages read ahead are evicted before their layer runs (read twice or thrice). Room for the layer that
-        # computes and PROMPT_READ_AHEAD more, up to a quarter of the budget.
-        room = (1 + PROMPT_READ_AHEAD) * (info.expert_bytes_total // max(1, info.n_moe_layer)) + (64 << 20)
-        if min(room, budget // 4) > margin:
-            margin, prompt_room = min(room, budget // 4), True
+    # streamed: a prompt reads each layer's experts through the mapping, ahead as far as the free memory holds them
+    # (moecache-mapping.cpp); with less room than the layer computing and PROMPT_READ_AHEAD more, pages read ahead
+    # are evicted before their layer runs and read again
+    room = min((1 + PROMPT_READ_AHEAD) * (info.expert_bytes_total // max(1, info.n_moe_layer)) + (64 << 20), budget // 4)
+    prompt_room = info.cache_size_for_budget(max(0, budget - margin)) < info.n_expert and room > margin
+    margin = room if prompt_room else margin
     fit = max(0, info.cache_size_for_budget(max(0, budget - margin)))
     n, left = fit, 0
     if fit < min(info.n_expert_used, info.n_expert):

@@ -95,7 +95,7 @@ def test_run_and_chat_run_a_dense_model_as_plain_llama_cpp(fixture_dir):
     assert r.returncode == 0, r.stderr
     assert "is a dense model (no routed experts): it runs as plain llama.cpp" in r.stderr
     assert "UserWarning" not in r.stderr and "plan:" not in r.stderr
-    assert r.stdout.startswith("Hello") and r.stdout.strip().splitlines()[-1].startswith(
+    assert r.stdout.startswith("Hello") and r.stderr.strip().splitlines()[-1].startswith(
         "[dense model, no expert cache] prompt ")
     d = json.loads(cli("run", path, "-p", "Hello", "-n", "4", "--json").stdout)
     assert d["generated_tokens"] == 4 and "hit_rate" not in d

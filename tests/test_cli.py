@@ -24,7 +24,8 @@ def cli(*args, timeout=300):
 def test_run_prints_text_then_one_stats_line(fixture_dir):
     r = cli("run", model_path(fixture_dir, QWEN), "-p", "Hello", "-n", "12", "--prior", "0.5", "--cache-size", "30")
     assert r.returncode == 0, r.stderr
-    last = r.stdout.strip().splitlines()[-1]
+    assert r.stdout.startswith("Hello") and "tok/s" not in r.stdout  # the text alone; the stats line on stderr
+    last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("[prior:0.5, cache 30/60 experts per layer]")
     for field in ("prompt", "decode", "tok/s", "hit rate", "misses/token", "layer hit rate min"):
         assert field in last
@@ -264,7 +265,7 @@ def _auto_run(monkeypatch, capsys, available, *args):
     rc = main(["run", "-n", "8", "--prior", "0.5", *args])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    return out.strip().splitlines()[-1]
+    return err.strip().splitlines()[-1]  # (the stats line)
 
 
 def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
@@ -705,7 +706,7 @@ def test_the_default_seed_is_random_and_printed(fixture_dir):
     again = json.loads(cli("run", m, "-p", "Hi", "-n", "12", "--temp", "1.5", "--json", "-s", str(seeds[0])).stdout)
     assert again["seed"] == seeds[0] and again["text"] in texts  # a printed seed replays its text
     r = cli("run", m, "-p", "Hi", "-n", "2", "--temp", "0.8", "-s", "42")
-    assert r.stdout.strip().splitlines()[-1].endswith("| seed 42")
+    assert r.stderr.strip().splitlines()[-1].endswith("| seed 42")
 
 
 def test_color_marks_the_prompt_only_when_asked(fixture_dir):

@@ -123,9 +123,8 @@ def _short_prefix_cases():
 def test_no_single_dash_option_is_taken_by_a_prefix(capsys):
     """Issue 56 item 1: argparse's allow_abbrev=False still matched single-dash options by a prefix:
     `run -u 7` ran with -ub 7, `-o exps=CUDA0` was -ot, `run -hf_` printed help and exited 0. Every
-    proper prefix of every single-dash option of every command is refused (exit 2): unknown where its
-    first two characters are no option, else the value of that one-letter option (`-sy` is `-s y`,
-    an invalid seed)."""
+    proper prefix of every single-dash option of every command is refused (exit 2), by its name (issue 77: no
+    option takes a value run on, so `-sy` is no longer `-s y` and `-ctk` no longer `-c tk`)."""
     cases = list(_short_prefix_cases())
     assert len(cases) > 30
     required = {"ppl": ["--text", "t"], "trace": ["--text", "t", "--out", "o"], "simulate": ["--text", "t"],
@@ -146,7 +145,9 @@ def test_no_single_dash_option_is_taken_by_a_prefix(capsys):
             cli.build_parser().parse_args(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err, (argv, err)
-    assert cli.build_parser().parse_args(["run", "-n64"]).n == 64  # (a one-letter option, value attached)
+    with pytest.raises(SystemExit) as e:  # (no value run on: llama.cpp's parser takes none, and "-ctk" was "-c tk")
+        cli.build_parser().parse_args(["run", "-n64"])
+    assert e.value.code == 2 and "unrecognized arguments: -n64" in capsys.readouterr().err
 
 
 def test_a_guess_is_never_an_option_the_command_does_not_have(capsys):

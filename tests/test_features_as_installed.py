@@ -52,11 +52,11 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     # (named by what llama.cpp made: the fixture's 64-wide rows take Q4_K's fallback, Q5_0)
     assert r.returncode == 0 and (tmp_path / "model.lowbit-Q5_0.gguf").is_file(), r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "-n", "8", "-p", "Once upon a time")
-    assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+    assert r.returncode == 0 and "experts/tok from the companion" in r.stderr, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-in-ram", "-n", "4")
     assert r.returncode == 0 and "no read (its copies are in memory)" in r.stderr, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "lowbit", "--lowbit-max-p", "0.3", "-n", "4")
-    assert r.returncode == 0 and "experts/tok from the companion" in r.stdout, r.stderr
+    assert r.returncode == 0 and "experts/tok from the companion" in r.stderr, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "auto", "-n", "4", "-p", "Once upon a time")
     # (auto: the companion beside the model as the cache's source; the fixture's rows take Q4_K's fallback
     # Q5_0: 8 Q8_0 experts' bytes hold 12)
@@ -84,9 +84,9 @@ def test_reads_ahead_flags(fixture_dir, tmp_path):
     def stats(*flags):
         r = installed(tmp_path, *base, *flags)
         assert r.returncode == 0, r.stderr
-        hit = re.search(r"hit rate ([0-9.]+)%", r.stdout)
-        issued = re.search(r"(\d+) issued", r.stdout)
-        on = re.search(r"on for (\d+)/(\d+) tokens", r.stdout)
+        hit = re.search(r"hit rate ([0-9.]+)%", r.stderr)
+        issued = re.search(r"(\d+) issued", r.stderr)
+        on = re.search(r"on for (\d+)/(\d+) tokens", r.stderr)
         return hit.group(1), int(issued.group(1)) if issued else 0, on and int(on.group(1)) < int(on.group(2))
 
     off = stats("--prefetch", "off")
@@ -144,7 +144,7 @@ def test_llama_cpp_names_and_escapes(fixture_dir, tmp_path):
     for args, says in ((("run", m, "--keep", "4"), "never shifts the context"),
                        (("run", m, "--repeat-last-n", "-2"), "--repeat-last-n must be >= 0"),
                        (("run", m, "--mirostat", "2"), "llama.cpp's --mirostat is not available here"),
-                       (("run", m, "--temperature", "0.5"), "did you mean --temp?"),
+                       (("run", m, "--max_tokens", "5"), "did you mean -n?"),
                        (("run", m, "-u", "7"), "unrecognized arguments: -u"),
                        (("serve", m, "-n", "64"), "each request says how many tokens"),
                        (("serve", m, "--embeddings"), "computes no embeddings"),

@@ -138,7 +138,7 @@ def test_cli_prefetch_stats_line():
                         "--prefetch", "gate", "--prefetch-distance", "2", "--prefetch-min-p", "0.05",
                         "--prefetch-threads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    last = r.stdout.strip().splitlines()[-1]
+    last = r.stderr.strip().splitlines()[-1]
     assert "| prefetch gate: recall " in last and " issued, " in last and "read ahead" in last
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", "-n", "1", "--prefetch", "sometimes"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

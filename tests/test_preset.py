@@ -81,7 +81,7 @@ def test_cli_preset_says_what_ran_and_what_it_costs(fixture_dir):
     m = model_path(fixture_dir, QWEN)
     r = _cli("run", m, "--preset", "balanced", "--cache-size", "15", "-n", "4")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1].startswith(
+    assert r.stderr.strip().splitlines()[-1].startswith(
         "[preset balanced: prior:0.2:j=2, router-mass eviction (+0.92-1.94% perplexity for 1.11-3.97x fewer misses "
         "on our reference models), cache 15/60 experts per layer]")
     d = json.loads(_cli("run", m, "--preset", "quality", "--cache-size", "30", "-n", "2", "--json",

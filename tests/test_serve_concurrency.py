@@ -129,7 +129,7 @@ def test_a_full_queue_answers_503_with_retry_after(base):
     status, text, headers = out["result"]
     assert status == 503, text
     assert headers.get("retry-after") == "1"
-    assert json.loads(text)["error"]["type"] == "server_busy"
+    assert json.loads(text)["error"]["type"] == "unavailable_error"  # (llama-server's type of a 503)
     for t, out in [first] + waiting:  # the queued ones are served in turn
         t.join()
         assert out["result"][0] == 200, out

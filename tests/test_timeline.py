@@ -202,7 +202,7 @@ def test_cli_timeline(fixture_dir, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["otherData"]["routing"] == "prior:0.5" and doc["otherData"]["decode_tokens"] == 11
     assert png.stat().st_size > 0
-    assert "overlap" in r.stdout.strip().splitlines()[-1]  # the stats line
+    assert "overlap" in r.stderr.strip().splitlines()[-1]  # the stats line
     # a target that cannot be written is refused before the model loads
     r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(model), "-n", "4", "--timeline", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -95,7 +95,7 @@ def _validate(args) -> None:
     if getattr(args, "routing", None) is not None and not args.routing.strip():
         raise UserError("--routing needs a spec, e.g. lru or prior:0.5")
     for name in ("max_rank", "prune", "io_threads", "reps", "tokens", "chunks", "layer", "ctx", "threads",
-                 "top_k", "n_gpu_layers", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe", "repeat_last_n",
+                 "top_k", "n_gpu_layers", "main_gpu", "threads_http", "threads_batch", "batch_size", "ubatch_size", "n_cpu_moe", "repeat_last_n",
                  "keep"):
         v = getattr(args, name, None)
         if isinstance(v, int) and not -INT32_MAX <= v <= INT32_MAX:
@@ -105,6 +105,8 @@ def _validate(args) -> None:
         raise UserError(f"-s/--seed must be in [-1, {2**32 - 1}] (-1: a random seed), got {seed}")
     if isinstance(getattr(args, "n_gpu_layers", None), int) and args.n_gpu_layers < -1:
         raise UserError(f"-ngl must be >= -1 (-1: all layers), got {args.n_gpu_layers}")
+    if getattr(args, "threads_http", None) is not None and args.threads_http < 1:
+        raise UserError(f"--threads-http must be >= 1, got {args.threads_http}")
     if getattr(args, "top_k", None) is not None and args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
     if getattr(args, "keep", None) is not None:

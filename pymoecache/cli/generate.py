@@ -106,6 +106,14 @@ def cmd_run(args) -> int:
         llm.close()
         raise UserError(f"{model} is a dense model: --profile and --timeline record experts, and it has none")
     args.prompt = prompt
+    if not (args.chat or args.system is not None):
+        given = [f for f, v in (("--chat-template", args.chat_template), ("--chat-template-file",
+                                                                          args.chat_template_file)) if v is not None]
+        if given:
+            chat_template_from_args(args, llm)  # (an unknown name or a bad file is said first)
+            llm.close()
+            raise UserError(f"{given[0]} is the template of a chat turn: add --chat (or -sys, or -cnv for a "
+                            "conversation); without one, run completes the prompt as it is given")
     note = load_profile_from_args(args, llm)
     if note:
         print(note, file=sys.stderr)
@@ -122,6 +130,7 @@ def cmd_run(args) -> int:
                             f"{llm.n_ctx()} tokens: raise -c (--ctx-size) or shorten them")
     # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
     kw = dict(max_tokens=args.n, stream=True, **sampling_kwargs(args, llm))
+    llm.special_text = args.special
     print_plan(llm)
     if args.n == 0:
         import llama_cpp
@@ -146,7 +155,7 @@ def cmd_run(args) -> int:
             print_prompt(llm, args.prompt)
         stream = llm(args.prompt, **kw)
         pieces = (c["choices"][0]["text"] for c in stream)
-    if not args.json and not (args.chat or args.system is not None):
+    if not args.json and not (args.chat or args.system is not None) and args.display_prompt:
         out.write(f"\x1b[33m{args.prompt}\x1b[0m" if use_color(args, out) else args.prompt)  # llama.cpp's yellow prompt
     try:
         for piece in pieces:
@@ -177,15 +186,16 @@ def cmd_run(args) -> int:
         "cache_choice": str(llm.cache_choice) if llm.cache_choice is not None else None,
         "text": "".join(text),
     }
+    stats_out = sys.stdout if args.stats_stdout else sys.stderr  # (stdout holds the text alone, as llama-cli's)
+    if not args.json and (text or (args.display_prompt and not (args.chat or args.system is not None))):
+        print()  # (the text ends its line; the stats line follows, on stderr)
     if args.json:
         print(json.dumps(res, indent=2))
     elif st is None:  # a dense model: llama.cpp's speed, nothing about experts
-        print()
         print(f"[dense model, no expert cache] prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} "
               f"tok {res['decode_tok_s']:.1f} tok/s" + (f" | seed {args.seed}" if args.temp > 0 else ""),
-              file=sys.stderr if args.stats_stderr else sys.stdout)
+              file=stats_out)
     else:
-        print()
         print(f"{cache_line(llm, res['routing'])} "
               f"prompt {n_prompt} tok {res['prompt_tok_s']:.1f} tok/s | decode {n_gen} tok {res['decode_tok_s']:.1f} tok/s | "
               f"hit rate {100 * res['hit_rate']:.1f}% | misses/token {res['misses_per_token']:.2f}"
@@ -195,7 +205,7 @@ def cmd_run(args) -> int:
               + (f" | {st.residency.summary()}" if st.residency and (st.residency.residency != "none" or
                                                                      st.residency.device_summary()) else "")
               + (f" | seed {args.seed}" if args.temp > 0 else ""),
-              file=sys.stderr if args.stats_stderr else sys.stdout)
+              file=stats_out)
     if args.timeline or args.timeline_plot:
         write_timeline(args, llm)
     save_profile_from_args(args, llm)
@@ -566,7 +576,8 @@ def cmd_info(args) -> int:
     print(info.table())
     if plan is not None:
         where = f"a budget of {args.ram}" if budget is not None else "this machine's free memory"
-        print(f"\nmemory plan with --cache-size auto, {where}, a context of {n_ctx} tokens:")
+        size = args.cache_size.strip() if args.cache_size is not None else "auto"
+        print(f"\nmemory plan with --cache-size {size}, {where}, a context of {n_ctx} tokens:")
         rows = plan.rows()
         w = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
@@ -649,16 +660,27 @@ def add_commands(sub) -> None:
     r.add_argument("--chat", action="store_true",
                    help="send the prompt as one user message with the model's chat template (for a conversation: "
                         "-cnv or pymoecache chat)")
-    r.add_argument("-cnv", "--conversation", dest="conversation", action="store_true",
+    r.add_argument("-cnv", "--conversation", "-i", "--interactive", dest="conversation", action="store_true",
                    help="an interactive conversation, as llama-cli -cnv (the same as pymoecache chat; -p is the "
-                        "first message) (default: off, complete the prompt once)")
+                        "first message); -i, llama-cli's interactive mode, is one too (with the chat template) "
+                        "(default: off, complete the prompt once)")
     r.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
                    help="complete the prompt once (the default)")
     add_conversation_options(r)  # -sys without -cnv: one turn with that system prompt
     add_runtime_options(r)
     add_sampling_options(r)
     r.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of streaming")
-    r.add_argument("--stats-stderr", action="store_true", help="print the stats line on stderr")
+    r.add_argument("--stats-stderr", action="store_true",
+                   help="print the stats line on stderr: the default now, as llama-cli writes its timings there "
+                        "(stdout holds the prompt and the text alone)")
+    r.add_argument("--stats-stdout", action="store_true",
+                   help="print the stats line on stdout after the text, as earlier versions did (default: stderr)")
+    r.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="do not print the prompt before the text, as llama-cli (default: printed)")
+    r.add_argument("-sp", "--special", action="store_true",
+                   help="print special tokens (end of text, chat markers) in the text, as llama-cli (default: not)")
+    r.add_argument("--simple-io", action="store_true",
+                   help="accepted for llama-cli's command lines: the output is plain text already")
     r.add_argument("--timeline", metavar="FILE", default=None,
                    help="record what every token did (each layer's routing, its experts' matmuls in the order "
                         "they arrived and each wait for one, each expert read on the reader threads: queued, "

@@ -11,79 +11,11 @@ from typing import Optional
 
 from ..config import PRESET_NAMES, ConfigError, parse_override_tensor
 from ..errors import Error
-
-EXIT_USAGE = 2
-EXIT_INTERNAL = 1
-
+from .parser import (EXIT_INTERNAL, EXIT_USAGE, KV_CACHE_TYPES, Parser, _tensor_split,  # noqa: F401  (the parser,
+                     gpu_layers, kv_cache_type, on_off, on_off_auto, vram_size)      # its exit codes, value types)
 
 class UserError(Error):
     """An error caused by the command's input: one line on stderr, exit code 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (usage stays in --help) and a "did you mean" for an unknown
-    option; subcommands inherit it. As llama.cpp, no option is taken by a prefix of its name
-    (``--prio`` is not ``--prior``), and a subcommand reports its own unknown options: the guess is
-    one of its options, and the error points at its own --help."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def _get_option_tuples(self, option_string):
-        # no option by a prefix of its name, single dash included (allow_abbrev covers "--" only: "-u 7"
-        # was "-ub 7", "-o" was "-ot"), and no one-letter flags run together ("-hf_" was -h: help, exit 0);
-        # what is left is a one-letter option with its value attached ("-n64")
-        return [t for t in super()._get_option_tuples(option_string)
-                if len(t[1]) == 2 and t[1] == option_string[:2] and t[0].nargs != 0]
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, extras = super().parse_known_args(args, namespace)
-        if extras and self._is_subcommand():
-            self.error("unrecognized arguments: " + " ".join(extras))
-        return ns, extras
-
-    def _is_subcommand(self) -> bool:
-        return " " in self.prog  # "pymoecache run": made by add_subparsers
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
-
-    def _did_you_mean(self, message: str) -> str:
-        """A guess only where it is one: a name users bring from llama.cpp or the OpenAI API that this
-        command spells otherwise, or a typo close to one of the command's own options (difflib ratio
-        >= 0.75: --predict was offered --predictor, --temperature --chat-template); llama.cpp's samplers
-        that are not here are said to be so; nothing rather than a wrong guess."""
-        import difflib
-
-        if not message.startswith("unrecognized arguments: "):
-            return ""
-        known = [o for a in self._actions for o in a.option_strings]  # this command's own options
-        for word in message[len("unrecognized arguments: "):].split():
-            if word.startswith("-"):
-                name = word.split("=", 1)[0]
-                if ALIASES.get(name) in known:
-                    return f"; did you mean {ALIASES[name]}?"
-                if name in LLAMA_SAMPLERS_NOT_HERE:
-                    return (f"; llama.cpp's {name} is not available here (sampling: --temp, --top-k, --top-p, --min-p, "
-                            "--repeat-penalty, --presence-penalty, --frequency-penalty, --grammar)")
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.75) if len(name) > 3 else []
-                if close:
-                    return f"; did you mean {close[0]}?"
-        return ""
-
-
-# names users bring (llama.cpp's other spellings, the OpenAI API's) -> this CLI's
-ALIASES = {"--temperature": "--temp", "--max-tokens": "-n", "--max_tokens": "-n", "--n-ctx": "--ctx-size",
-           "--ctx": "--ctx-size", "--context": "--ctx-size", "--n-threads": "--threads", "--gpu-layers": "-ngl",
-           "--top_k": "--top-k", "--top_p": "--top-p", "--min_p": "--min-p", "--stop": "--reverse-prompt",
-           "--system": "--system-prompt"}
-# llama.cpp's samplers this runtime does not offer
-LLAMA_SAMPLERS_NOT_HERE = frozenset({
-    "--mirostat", "--mirostat-lr", "--mirostat-ent", "--typical", "--typical-p", "--dynatemp-range", "--dynatemp-exp",
-    "--xtc-probability", "--xtc-threshold", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
-    "--dry-penalty-last-n", "--dry-sequence-breaker", "--top-nsigma", "--samplers", "--sampling-seq",
-    "--logit-bias", "-l"})
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -275,7 +207,7 @@ def _add_residency_options(c) -> None:
 def add_device_options(p: argparse.ArgumentParser, evaluation: bool = False) -> None:
     """-ngl and --rpc, as llama.cpp takes them (``run``, ``serve``, ``chat``, ``bench``; ``ppl`` with
     ``evaluation``: every expert where llama.cpp puts it, the cache counting)."""
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=0,
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=None,
                    metavar="N|all|auto",
                    help="layers to offload to a GPU or an --rpc server, as in llama.cpp: a number, all, or auto "
                         "(default 0): perplexity at a GPU's speed. Their experts go there too, as llama.cpp puts "
@@ -291,6 +223,19 @@ def add_device_options(p: argparse.ArgumentParser, evaluation: bool = False) -> 
     p.add_argument("--rpc", dest="rpc", default=None, metavar="HOST:PORT,...",
                    help="ggml RPC servers whose devices take the -ngl layers, as llama.cpp's --rpc "
                         "(`pymoecache rpc-server` or llama.cpp's rpc-server runs there) (default: none)")
+    p.add_argument("-sm", "--split-mode", dest="split_mode", choices=("none", "layer", "row"), default=None,
+                   help="how -ngl layers spread over several GPUs, as llama.cpp: none (one GPU, -mg), layer (whole "
+                        "layers each) or row (rows of each weight) (default: layer)")
+    p.add_argument("-ts", "--tensor-split", dest="tensor_split", type=_tensor_split, default=None, metavar="N0,N1,...",
+                   help="the share of the offloaded layers each GPU takes, as llama.cpp, e.g. 3,1 (default: by their "
+                        "free memory)")
+    p.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=None, metavar="I",
+                   help="the GPU that takes the model with -sm none, and the intermediate results with -sm row, as "
+                        "llama.cpp (default 0)")
+    p.add_argument("-fit", "--fit", dest="fit", type=on_off, nargs="?", const="on", default=None, metavar="on|off",
+                   help="llama.cpp's --fit: on (a bare -fit too) sets -ngl to auto where -ngl is not given: the "
+                        "layers whose dense part and KV cache fit in the GPU's free memory; off leaves -ngl as given "
+                        "(default here: off, -ngl 0, the CPU)")
     if evaluation:  # (run, chat, serve, bench take it with the runtime options)
         p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default="auto",
                        metavar="on|off|auto", help="flash attention, as llama-perplexity's -fa (default: auto)")
@@ -316,6 +261,16 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("-fa", "--flash-attn", dest="flash_attn", type=on_off_auto, default="auto", metavar="on|off|auto",
                    help="flash attention, as llama.cpp: auto lets llama.cpp turn it on where every device computing "
                         "attention supports it (the CPU does) (default: auto, as llama.cpp)")
+    p.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", type=kv_cache_type, default=None, metavar="TYPE",
+                   help="the KV cache's type of K, as llama.cpp: " + ", ".join(KV_CACHE_TYPES) + " (default f16)")
+    p.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", type=kv_cache_type, default=None, metavar="TYPE",
+                   help="the KV cache's type of V, as -ctk; a quantized V needs flash attention (-fa on or auto, "
+                        "which the CPU supports) (default f16)")
+    p.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true",
+                   help="keep the KV cache in CPU memory when -ngl offloads layers, as llama.cpp (default: the KV "
+                        "cache of an offloaded layer is on its device)")
+    p.add_argument("-cb", "--cont-batching", dest="cont_batching", action="store_true",
+                   help="accepted for llama.cpp's command lines: serve -np N batches its slots continuously anyway")
     add_device_options(p)
     p.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true",
                    help="keep the experts in CPU memory beside -ngl layers, as llama.cpp; with --residency stream or "
@@ -341,40 +296,6 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                    help="print llama.cpp's log on stderr (default: off)")
     p.add_argument("--log-disable", dest="verbose", action="store_false",
                    help="no llama.cpp log (the default here)")
-
-
-def _number_or(value: str, words: dict, what: str):
-    """An integer, or one of ``words`` (each mapped to what it means); ArgumentTypeError naming ``what``."""
-    v = value.strip().lower()
-    if v in words:
-        return words[v]
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
-
-
-def vram_size(value: str):
-    """--vram-size: experts per layer, or ``auto``."""
-    return _number_or(value, {"auto": "auto"}, "a number of experts per layer or auto")
-
-
-def gpu_layers(value: str):
-    """-ngl as llama.cpp takes it: a number, ``all`` (-1: every layer) or ``auto`` (the layers whose
-    dense part fits in the GPUs' free memory, none without a GPU: pymoecache.Llama resolves it)."""
-    return _number_or(value, {"all": -1, "auto": "auto"}, "a number of layers, all or auto")
-
-
-def on_off_auto(value: str) -> str:
-    """llama.cpp's on/off/auto values (on, enabled, true, 1 / off, disabled, false, 0 / auto, -1)."""
-    v = value.strip().lower()
-    if v in ("on", "enabled", "true", "1"):
-        return "on"
-    if v in ("off", "disabled", "false", "0"):
-        return "off"
-    if v in ("auto", "-1"):
-        return "auto"
-    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {value!r}")
 
 
 def use_color(args, stream=None) -> bool:
@@ -429,6 +350,14 @@ def runtime_kwargs(args) -> dict:
         kw["n_ubatch"] = args.ubatch_size
     if getattr(args, "flash_attn", None) is not None:
         kw["flash_attn"] = {"on": True, "off": False}.get(args.flash_attn, args.flash_attn)  # ('auto': llama.cpp's)
+    for name, key in (("cache_type_k", "type_k"), ("cache_type_v", "type_v")):
+        if getattr(args, name, None) is not None:
+            kw[key] = KV_CACHE_TYPES[getattr(args, name)]
+    if kw.get("type_v", 1) not in (0, 1, 30) and kw.get("flash_attn") is False:
+        raise UserError(f"-ctv {args.cache_type_v} needs flash attention (llama.cpp keeps a quantized V only with "
+                        "it): drop -fa off, or keep V at f16")
+    if getattr(args, "no_kv_offload", False):
+        kw["offload_kqv"] = False
     if getattr(args, "mlock", False):
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
@@ -440,6 +369,16 @@ def runtime_kwargs(args) -> dict:
 def device_kwargs(args) -> dict:
     """``n_gpu_layers`` and ``rpc_servers`` of ``pymoecache.Llama`` from -ngl and --rpc (add_device_options)."""
     kw = dict(n_gpu_layers=getattr(args, "n_gpu_layers", 0) or 0)
+    if getattr(args, "fit", None) == "on" and getattr(args, "n_gpu_layers", None) is None:  # (-ngl not given)
+        kw["n_gpu_layers"] = "auto"
+    if getattr(args, "split_mode", None) is not None:
+        kw["split_mode"] = {"none": 0, "layer": 1, "row": 2}[args.split_mode]
+    if getattr(args, "tensor_split", None) is not None:
+        kw["tensor_split"] = args.tensor_split
+    if getattr(args, "main_gpu", None) is not None:
+        if args.main_gpu < 0:
+            raise UserError(f"-mg must be >= 0, got {args.main_gpu}")
+        kw["main_gpu"] = args.main_gpu
     if getattr(args, "flash_attn", "auto") != "auto":
         kw["flash_attn"] = args.flash_attn == "on"
     if getattr(args, "rpc", None) is not None:
@@ -501,7 +440,7 @@ def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) 
     g.add_argument("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=None, metavar="TEXT",
                    help="stop generating where TEXT appears (not printed), as llama.cpp's -r; may be given more "
                         "than once (default: none)")
-    g.add_argument("--temp", type=float, default=temp_default, metavar="T",
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=temp_default, metavar="T",
                    help=f"temperature; 0 = greedy, always the most likely token (default {temp_default:g})")
     g.add_argument("--top-k", type=int, default=40, metavar="K",
                    help="sample among the K most likely tokens; 0 = all (default %(default)s)")
@@ -524,6 +463,11 @@ def add_sampling_options(p: argparse.ArgumentParser, temp_default: float = 0.0) 
     g.add_argument("--grammar", metavar="GBNF", default=None,
                    help="constrain the output to a GBNF grammar with a 'root' rule, as llama.cpp (default: none)")
     g.add_argument("--grammar-file", metavar="FILE", default=None, help="--grammar read from FILE (default: none)")
+    g.add_argument("-j", "--json-schema", dest="json_schema", metavar="SCHEMA", default=None,
+                   help="constrain the output to JSON that a JSON schema admits, as llama.cpp's -j, e.g. "
+                        "'{\"type\": \"object\"}'; {} is any JSON object (default: none)")
+    g.add_argument("-jf", "--json-schema-file", dest="json_schema_file", metavar="FILE", default=None,
+                   help="-j read from FILE (default: none)")
     add_escape_options(g)
     g.add_argument("--keep", type=int, default=None, metavar="N",
                    help="llama.cpp's tokens kept when the context shifts: refused here, no context shifts (the "
@@ -548,6 +492,11 @@ def sampling_kwargs(args, llm) -> dict:
         if grammar is not None:
             raise UserError("give either --grammar or --grammar-file, not both")
         grammar = read_text_file(args.grammar_file, "grammar file")
+    schema = text_or_file(args, "json_schema", "json_schema_file", "-j and -jf", "JSON schema")
+    if schema is not None:
+        if grammar is not None:
+            raise UserError("give either a grammar (--grammar, --grammar-file) or a JSON schema (-j, -jf), not both")
+        grammar = _schema_grammar(schema)
     if grammar is not None:
         import llama_cpp
 
@@ -556,6 +505,28 @@ def sampling_kwargs(args, llm) -> dict:
         check_grammar(grammar, llm._model.vocab)  # before any work: GrammarError, exit 2
         kw["grammar"] = llama_cpp.LlamaGrammar.from_string(grammar, verbose=False)
     return kw
+
+
+def _schema_grammar(text: str) -> str:
+    """-j: the grammar of a JSON schema given as JSON text (llama.cpp's converter's strings); UserError where it
+    is not a schema this can turn into one."""
+    import json
+
+    from ..grammar import JSON_GRAMMAR, GrammarError, check_schema_size, json_schema_grammar
+
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"-j: not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise UserError("-j: a JSON schema is an object, such as {\"type\": \"object\"}")
+    try:
+        check_schema_size(schema)
+        return json_schema_grammar(schema) if schema else JSON_GRAMMAR
+    except GrammarError as e:
+        raise UserError(f"-j: {e}") from None
+    except Exception as e:  # (the converter raises anything from KeyError to RecursionError)
+        raise UserError(f"-j: this schema cannot be turned into a grammar: {str(e)[:200]}") from None
 
 
 def text_or_file(args, text: str, file: str, flags: str, what: str) -> Optional[str]:

@@ -53,6 +53,13 @@ def _check_llama_server_flags(args) -> None:
                         "/completion); serve has no server-wide number")
 
 
+def _slot_note(n_ctx: int, args) -> str:
+    """How the slots share the context, on the line serve prints at start."""
+    if args.parallel < 2:
+        return ""
+    return " shared by the slots (-kvu)" if args.kv_unified else f" ({n_ctx // args.parallel} per slot; -kvu shares it)"
+
+
 def cmd_serve(args) -> int:
     from ..model_info import model_info
     from ..server import create_app, server_module
@@ -82,7 +89,7 @@ def cmd_serve(args) -> int:
         kw["n_ctx"], ctx_note = serve_context(info)
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
-                     n_parallel=args.parallel, chat_template=args.chat_template,
+                     n_parallel=args.parallel, kv_unified=args.kv_unified, chat_template=args.chat_template,
                      chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, prompt_cache=prompts, **kw)
     url = f"http://{args.host}:{args.port}"
     if kw.get("n_ctx") and app.state.n_ctx != kw["n_ctx"]:
@@ -92,7 +99,8 @@ def cmd_serve(args) -> int:
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
     print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
-          f"context {app.state.n_ctx}{ctx_note}, {args.parallel} slot(s) + {args.max_queue} queued; /health, /props, "
+          f"context {app.state.n_ctx}{ctx_note}{_slot_note(app.state.n_ctx, args)}, {args.parallel} slot(s) + "
+          f"{args.max_queue} queued; /health, /props, "
           f"/slots, /metrics, /moecache/stats" + (f"; cache size {choice}" if choice else "")
           + ("; API key required" if args.api_key else "")
           + (f"; usage profile {args.profile} (saved at shutdown)" if args.profile else "")
@@ -127,6 +135,12 @@ def add_command(subparsers) -> None:
                         "prefers what the other slots read); a request with logprobs, a grammar, logit_bias or a "
                         "routing of its own runs alone between batches. The cache keeps (N - 1) x K more slots per "
                         "layer for a batch; /slots shows them (default %(default)s)")
+    s.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
+                   help="every slot may use the whole context, shared (llama-server's -kvu); without it each of the "
+                        "-np N slots has n_ctx / N of it, as llama-server's, and a request that cannot fit its slot "
+                        "is a 400 at once (default: off)")
+    s.add_argument("--threads-http", dest="threads_http", type=int, default=None, metavar="N",
+                   help="accepted for llama-server's command lines: the HTTP side here is one asyncio loop")
     s.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="completion requests that wait besides the slots; past that the server answers 503 "
                         "with Retry-After (default %(default)s)")

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..files import make_directory
 from . import batch as server_batch
 from . import completions, info, native, slots
-from .model import Queue, Served, _log, load_model, perf_counters
+from .model import Queue, Served, _log, authenticate, load_model, perf_counters
 from .requests import _field_error, error_response
 
 
@@ -31,7 +31,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                routing: Union[Routing, str, None] = None, routing_scope: str = "all", n_ctx: int = 2048,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
                max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
-               n_parallel: int = 1, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
+               n_parallel: int = 1, kv_unified: bool = False, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
                slot_save_path: "str | Path | None" = None, prompt_cache=None, **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints, llama-server's
     and ours (``/moecache/stats``). Loads the model now (errors surface here, not at the first request); run it
@@ -41,9 +41,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     profile: a usage profile (``Llama.load_profile``), loaded now if it exists (``pin_hot`` experts pinned per
     layer), saved at shutdown; each completion is one request of it. max_queue: completions that may wait
     while one generates (past that, 503 + Retry-After). alias: the model's id in answers (default: the file's
-    name). api_key: every endpoint but /health answers 401 without ``Authorization: Bearer KEY``.
+    name). api_key: every endpoint but /health answers 401 without ``Authorization: Bearer KEY`` or ``X-Api-Key:
+    KEY``; "A1,B2" is two keys, either of which opens it (llama-server's).
     n_parallel: slots, as llama-server's -np, decoded together (server/batch.py); a request the batch does not
-    take (logprobs, a grammar, a routing of its own, ...) runs alone between batches. prompt_cache: a
+    take (logprobs, a grammar, a routing of its own, ...) runs alone between batches. Each slot's context is
+    n_ctx / n_parallel, as llama-server's; kv_unified (-kvu): every slot may use the whole context. prompt_cache: a
     :class:`pymoecache.prompt_cache.PromptCache`. slot_save_path: the directory of llama-server's slot files
     (server/slots.py; without it those actions answer 501). chat_template: a llama.cpp built-in name;
     chat_template_file: a Jinja file (default: the model's template by Jinja, ChatML without one).
@@ -60,11 +62,11 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     if routing is None:  # as Llama: the default preset (top-k where every expert is cached)
         routing = Preset.default_for(cache)
     served = Served(app_mod, str(model_path), alias or Path(model_path).name, routing, routing_scope, n_parallel,
-                    max_queue, slot_dir, api_key, queue=Queue(max_queue, n_parallel))
+                    max_queue, slot_dir, kv_unified, api_key, queue=Queue(max_queue, n_parallel))
     # model_construct: these settings come from our arguments only, not from environment variables
     # (pydantic-settings would read MODEL, N_CTX, API_KEY, ... from the environment). interrupt_requests
     # off: a streamed answer runs to its end while the next request waits (the stock default cuts it)
-    app_mod.set_server_settings(ServerSettings.model_construct(interrupt_requests=False, api_key=api_key))
+    app_mod.set_server_settings(ServerSettings.model_construct(interrupt_requests=False, api_key=None))  # (ours: auth)
     load_model(served, ModelSettings.model_construct(model=str(model_path), model_alias=served.model_id, n_ctx=n_ctx),
                chat_template=chat_template, chat_template_file=chat_template_file, cache=cache, routing=routing,
                routing_scope=routing_scope, n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_parallel,
@@ -73,7 +75,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     served.cache_choice = str(llm.cache_choice) if getattr(llm, "cache_choice", None) is not None else None
     served.memory_plan = llm.memory_plan()
     llm.set_prompt_cache(prompt_cache)
-    served.auth = [Depends(app_mod.authenticate)]
+    served.auth = [Depends(authenticate)] if served.api_keys() else []
     # with an API key the documentation is behind it too, as every endpoint but /health
     docs = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="pymoecache", version=__version__,
@@ -139,5 +141,5 @@ def add_stock_routes(app, router, served) -> None:
         if r.path in completions.COMPLETION_PATHS or r.path in ("/v1/embeddings", "/extras/detokenize"):
             continue
         router.add_api_route(r.path, r.endpoint, methods=sorted(r.methods), response_model=r.response_model,
-                             dependencies=r.dependencies, summary=r.summary, tags=r.tags,
+                             dependencies=served.auth if r.dependencies else [], summary=r.summary, tags=r.tags,
                              include_in_schema=r.include_in_schema, name=r.name)

@@ -19,7 +19,8 @@ from ..errors import ConfigError, Error
 from . import batch as server_batch
 from . import native as server_native
 from .model import CLIENT_GONE, REQUEST_ROUTING, ClientGone, _log
-from .requests import RequestError, _include_usage, error_response, request_routing, validate_request
+from .requests import (RequestError, _include_usage, error_response, request_routing, slot_context,
+                       validate_request)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
 
@@ -109,8 +110,8 @@ async def batched(request, body, raw, chat: bool, gone: threading.Event):
     else:
         prompt = server_batch.completion_tokens(llm, body.prompt if isinstance(body.prompt, str)
                                                 else (body.prompt[0] if body.prompt else ""))
-    if len(prompt) >= llm.n_ctx():
-        raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context of {llm.n_ctx()} tokens",
+    if len(prompt) >= slot_context(llm):
+        raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context of {slot_context(llm)} tokens",
                            400, "messages" if chat else "prompt")
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
     req = batch.submit(prompt, body, stop, stream=bool(body.stream))
@@ -129,6 +130,45 @@ async def batched(request, body, raw, chat: bool, gone: threading.Event):
     if gone.is_set():
         raise ClientGone()
     return JSONResponse(server_batch.answer(batch, req, chat))
+
+
+async def each_prompt(request, body, raw, endpoint, gone: threading.Event):
+    """A list of prompts (OpenAI's /v1/completions): each prompt's answer is a choice, ``index`` its place in the
+    list, usage summed. With -np N they join the batch together; else they run one after another."""
+    served = request.app.state.served
+    bodies = [body.model_copy(update={"prompt": p}) for p in body.prompt]
+    answers = []
+    if served.batch is not None and server_batch.batchable(bodies[0], False, raw):
+        batch = served.batch
+        stop = body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
+        reqs = [batch.submit(server_batch.completion_tokens(served.llm(), b.prompt), b, stop, stream=False)
+                for b in bodies]
+        served.queue.active += 1
+        watcher = asyncio.create_task(watch_disconnect(request, gone))
+        try:
+            for req in reqs:
+                await server_batch.wait(req, gone)
+        finally:
+            served.queue.active -= 1
+            watcher.cancel()
+            for req in reqs:
+                req.seq.cancel()
+        if gone.is_set():
+            raise ClientGone()
+        answers = [server_batch.answer(batch, req, False) for req in reqs]
+    else:
+        served.queue.active += 1
+        try:
+            for b in bodies:
+                a = await endpoint(request=request, body=b)
+                answers.append(json.loads(a.body) if isinstance(a, Response) else a)
+        finally:
+            served.queue.active -= 1
+    out = dict(answers[0])
+    out["choices"] = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
+    usages = [a.get("usage") or {} for a in answers]
+    out["usage"] = {k: sum(u.get(k, 0) for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return JSONResponse(out)
 
 
 def checked(endpoint, validate=validate_request, stream=stream_response):
@@ -150,6 +190,8 @@ def checked(endpoint, validate=validate_request, stream=stream_response):
                 return served.queue.busy_response()
             served.llm()._check_file()  # a model file replaced or truncated since load: 503 now, not a broken stream
             chat = request.url.path.endswith("/chat/completions")
+            if not chat and isinstance(getattr(body, "prompt", None), list) and len(body.prompt) > 1:
+                return await each_prompt(request, body, raw, endpoint, gone)
             if (served.batch is not None and validate is validate_request
                     and server_batch.batchable(body, chat, raw)):
                 return await batched(request, body, raw, chat, gone)

@@ -12,6 +12,7 @@ from .. import __version__
 from ..config import Routing, resolved_top_j
 from ..llama import Llama
 from .model import perf_counters
+from .requests import slot_context
 
 
 def metrics_text(llm, generating: bool, waiting: int, since: tuple = (0, 0.0, 0, 0.0)) -> str:
@@ -96,10 +97,11 @@ def props(request: Request) -> dict:
     served = request.app.state.served
     llm = served.llm()
     tmpl = llm.chat_template
-    return {"default_generation_settings": {"n_ctx": llm.n_ctx(), "model": served.model_id,
+    return {"default_generation_settings": {"n_ctx": slot_context(llm), "model": served.model_id,
                                             "params": {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
                                                        "min_p": 0.05, "repeat_penalty": 1.0}},
-            "total_slots": served.n_parallel, "model_alias": served.model_id, "model_path": served.model_path,
+            "total_slots": served.n_parallel, "n_ctx": llm.n_ctx(), "kv_unified": served.kv_unified,
+            "model_alias": served.model_id, "model_path": served.model_path,
             "chat_template": tmpl.text if tmpl.text is not None else tmpl.name.decode("utf-8", "replace"),
             "chat_template_source": tmpl.label,
             "build_info": f"pymoecache {__version__} on llama-cpp-python {llama_cpp.__version__}",
@@ -121,7 +123,7 @@ def props(request: Request) -> dict:
 def slots(request: Request) -> list:
     served = request.app.state.served
     generating, waiting = served.load()
-    n_ctx = served.llm().n_ctx()
+    n_ctx = slot_context(served.llm())  # (each slot's own: n_ctx / N, or all of it with -kvu)
     batch = served.batch
     if batch is not None and batch.dec.running:  # each slot's own state: the batch's sequences in theirs
         seqs = batch.slots()

@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from fastapi import HTTPException, Request
+
 from ..config import Routing
 from ..errors import Error
 from ..llama import Llama
@@ -54,7 +56,7 @@ class Queue:
 
     def busy_response(self):
         return error_response(503, f"the server is busy: {self.n_parallel} slot(s) and {self.max_queue} places in "
-                                   "the queue are taken; retry later", "server_busy", headers={"Retry-After": "1"})
+                                   "the queue are taken; retry later", headers={"Retry-After": "1"})
 
 
 @dataclass
@@ -69,7 +71,8 @@ class Served:
     n_parallel: int
     max_queue: int
     slot_dir: Optional[str]      # --slot-save-path, made; None: slot actions answer 501
-    api_key: Optional[str]
+    kv_unified: bool             # -kvu: the slots share the whole context (else n_ctx / n_parallel each)
+    api_key: Optional[str]       # --api-key as given: one key, or several separated by commas (llama-server's)
     queue: Queue = None
     batch: Any = None            # server.batch.BatchServer where n_parallel > 1
     perf0: tuple = (0, 0.0, 0, 0.0)  # llama.cpp's counters after the load: /metrics counts from there
@@ -79,6 +82,10 @@ class Served:
 
     def llm(self) -> "ServedLlama":
         return self.app_mod._llama_proxy()
+
+    def api_keys(self) -> frozenset:
+        """The keys a request may carry: ``--api-key "A1,B2"`` is two, as llama-server splits it."""
+        return frozenset(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
     def model_lock(self):
         """llama_cpp.server's model lock, as ``async with`` holds it."""
@@ -104,6 +111,8 @@ def load_model(served: Served, model_settings, *, chat_template=None, chat_templ
         def load_llama_from_model_settings(self, settings):
             llm = ServedLlama(settings.model, **llama_kwargs)
             llm.model_alias = served.model_id
+            if served.n_parallel > 1 and not served.kv_unified:  # llama-server's slots: n_ctx / N each
+                llm.n_ctx_slot = llm.n_ctx() // served.n_parallel
             try:
                 tmpl = ChatTemplate(llm, name=chat_template, file=chat_template_file, default_jinja=True)
             except Error:
@@ -131,6 +140,7 @@ class ServedLlama(Llama):
         super().eval(tokens)
 
     model_alias: Optional[str] = None  # the id answers carry (the alias, or the file's name)
+    n_ctx_slot: Optional[int] = None   # cells one request may use: n_ctx / -np N (llama-server's slots), None: all
 
     def create_completion(self, *args, **kwargs):
         self._begin_request()
@@ -219,3 +229,13 @@ class ServedLlama(Llama):
         finally:
             if restore is not None:  # (the request's routing, until its last token)
                 restore()
+
+
+async def authenticate(request: Request) -> None:
+    """The API key, as llama-server checks it: 401 unless ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``
+    carries one of the server's keys (a route dependency where there are keys)."""
+    keys = request.app.state.served.api_keys()
+    auth = request.headers.get("authorization", "")
+    bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+    if keys and bearer not in keys and request.headers.get("x-api-key", "").strip() not in keys:
+        raise HTTPException(401, "Invalid API key", headers={"WWW-Authenticate": "Bearer"})

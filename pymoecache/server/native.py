@@ -22,7 +22,7 @@ import math
 import time
 from typing import Dict, Iterator, List
 
-from .requests import RequestError, _check_messages, check_grammar, json_object, schema_grammar
+from .requests import RequestError, _check_messages, check_grammar, json_object, schema_grammar, slot_context
 
 # llama-server's /completion defaults (tools/server/README.md)
 _DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -90,7 +90,7 @@ class NativeCompletion:
                 raise RequestError("'prompt' is empty" if len(self.prompts) == 1 else f"prompt[{i}] is empty", 400,
                                    "prompt")
         self.tokens = self.prompts[0]
-        n_ctx = llm.n_ctx()
+        n_ctx = slot_context(llm)
         n = d.get("n_predict", -1)
         if isinstance(n, bool) or not isinstance(n, int) or n < -1:
             raise RequestError(f"'n_predict' must be an integer >= -1 (-1: no limit), got {n!r}", 400, "n_predict")

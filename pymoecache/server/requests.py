@@ -10,9 +10,11 @@ import json
 import math
 from typing import Optional
 
+from ..grammar import JSON_GRAMMAR, json_schema_grammar
 from ..stats import MoEStats
 
 _MAX_BODY = 8 << 20          # bytes of one request body
+MAX_PROMPTS = 64             # prompts of one /v1/completions request (each answered as its own choice)
 _ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 
 
@@ -21,6 +23,20 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 499: "client_gone", 500: "server_error", 501: "not_supported_error",
                 503: "unavailable_error"}
+
+
+def slot_context(llm) -> int:
+    """Cells one request may use: the context over the slots (-np N gives each n_ctx / N, as llama-server's), the
+    whole context where the slots share it (-kvu) or there is one."""
+    return getattr(llm, "n_ctx_slot", None) or llm.n_ctx()
+
+
+def _too_long(what: str, n_prompt: int, max_tokens, n_ctx: int, llm) -> "RequestError":
+    """The 400 of a request that cannot fit its slot, saying which context it is."""
+    where = (f"its slot's context of {n_ctx} tokens (the context of {llm.n_ctx()} over the slots; serve -kvu shares "
+             "it)" if n_ctx < llm.n_ctx() else f"the context of {n_ctx} tokens")
+    return RequestError(f"{what} ({n_prompt} tokens) and max_tokens ({max_tokens}) exceed {where}", 400,
+                        "messages" if what == "the messages" else "prompt")
 
 
 def error_response(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
@@ -81,15 +97,13 @@ def check_schema(schema, param: str) -> None:
 def schema_grammar(schema, param: str) -> str:
     """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
     llama-server reads it); RequestError (400) where the schema cannot be converted."""
-    import json
-
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     if not isinstance(schema, dict):
         raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
     check_schema(schema, param)
+    if not schema:
+        return JSON_GRAMMAR
     try:
-        return json_schema_to_gbnf(json.dumps(schema or {"type": "object"}))
+        return json_schema_grammar(schema)
     except Exception as e:  # the converter raises anything from KeyError to RecursionError
         raise RequestError(f"'{param}' cannot be turned into a grammar: {str(e)[:200]}", 400, param) from None
 
@@ -225,15 +239,20 @@ def validate_request(llm, path: str, raw: bytes):
                                        "parts ({\"type\": \"text\", \"text\": ...})", 400, "messages")
                 m["content"] = "\n".join(p["text"] for p in parts)
     elif "prompt" in d and not isinstance(d["prompt"], str) and not (
-            isinstance(d["prompt"], list) and len(d["prompt"]) <= 1 and all(isinstance(x, str) for x in d["prompt"])):
-        raise RequestError("'prompt' must be a string (or a list of at most one string)", 400, "prompt")
+            isinstance(d["prompt"], list) and len(d["prompt"]) <= MAX_PROMPTS
+            and all(isinstance(x, str) for x in d["prompt"])):
+        raise RequestError(f"'prompt' must be a string or a list of at most {MAX_PROMPTS} strings (token ids are not "
+                           "taken)", 400, "prompt")
+    elif isinstance(d.get("prompt"), list) and len(d["prompt"]) > 1 and d.get("stream"):
+        raise RequestError("a list of prompts is answered whole: send it without \"stream\", or stream each prompt "
+                           "in a request of its own", 400, "stream")
     opts = d.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
         raise RequestError("'stream_options' must be an object such as {\"include_usage\": true} or null", 400,
                            "stream_options")
     if opts is not None and not d.get("stream"):
         raise RequestError("'stream_options' is only allowed with \"stream\": true", 400, "stream_options")
-    n_ctx = llm.n_ctx()
+    n_ctx = slot_context(llm)
     # what current OpenAI SDKs send (max_completion_tokens) and llama-server's n_predict (-1: no limit)
     # are max_tokens by other names: one of them, or the same value in each
     given = {k: d.pop(k) for k in ("max_completion_tokens", "n_predict", "max_tokens") if d.get(k) is not None}
@@ -245,8 +264,8 @@ def validate_request(llm, path: str, raw: bytes):
         d["max_tokens"] = next(iter(given.values()))
     mt = d.get("max_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= n_ctx):
-        raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context) or null, got {mt!r}",
-                           400, "max_tokens")
+        raise RequestError(f"'max_tokens' must be an integer in [1, {n_ctx}] (the context" + (
+            " of a slot" if n_ctx < llm.n_ctx() else "") + f") or null, got {mt!r}", 400, "max_tokens")
     if chat:
         d["response_format"] = _response_format(d.get("response_format"))
         _check_tool_schemas(d)
@@ -261,14 +280,32 @@ def validate_request(llm, path: str, raw: bytes):
     if body.grammar is not None:
         check_grammar(llm, body.grammar)
     rf = d.get("response_format") if chat else None
-    if isinstance(rf, dict) and rf.get("schema") is not None:
-        check_grammar(llm, schema_grammar(rf["schema"], "response_format.schema"), "response_format.schema")
+    if isinstance(rf, dict) and rf.get("type") == "json_object":
+        # the grammar is ours (llama-cpp-python's chat handlers would build theirs, whose strings take raw control
+        # characters: invalid JSON); a request's own grammar beside it is refused above (pydantic) or wins here
+        grammar = JSON_GRAMMAR if rf.get("schema") is None else schema_grammar(rf["schema"], "response_format.schema")
+        check_grammar(llm, grammar, "response_format.schema")
+        if body.grammar is not None:
+            raise RequestError("give 'response_format' or 'grammar', not both", 400, "grammar")
+        body.grammar, body.response_format = grammar, None
     if not chat:
-        prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt[0] if body.prompt else "")
-        n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
-        if n_prompt + (body.max_tokens or 1) > n_ctx:
-            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens ({body.max_tokens}) exceed the "
-                               f"context of {n_ctx} tokens", 400, "prompt")
+        prompts = [body.prompt] if isinstance(body.prompt, str) else (body.prompt or [""])
+        longest = 0
+        for i, prompt in enumerate(prompts):
+            n_prompt = len(llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
+            longest = max(longest, n_prompt)
+            if n_prompt + (body.max_tokens or 1) > n_ctx:
+                raise _too_long(f"the prompt[{i}]" if len(prompts) > 1 else "the prompt", n_prompt, body.max_tokens,
+                                n_ctx, llm)
+    elif n_ctx < llm.n_ctx():  # a slot's context: the rendered messages must fit it with max_tokens
+        try:
+            longest = len(llm.chat_template.tokens([dict(m) for m in d["messages"]]))
+        except Exception:  # (what the template cannot render here is the chat handler's to refuse, later)
+            longest = 0
+        if longest + (body.max_tokens or 1) > n_ctx:
+            raise _too_long("the messages", longest, body.max_tokens, n_ctx, llm)
+    if n_ctx < llm.n_ctx() and not body.max_tokens:  # no limit: until the slot is full, then "length"
+        body.max_tokens = max(1, n_ctx - longest)
     return body
 
 
