@@ -222,7 +222,7 @@ def test_run_without_a_model_uses_the_embedded_trained_model():
     r = cli("run", "-p", "ROMEO:", "-n", "24", "--prior", "0.5")
     assert r.returncode == 0, r.stderr
     assert "using the embedded default model" in r.stderr and "tiny-shakespeare-qwen2moe-60x4.gguf" in r.stderr
-    text, last = r.stdout.strip().rsplit("\n", 1)
+    text, last = r.stdout.strip(), r.stderr.strip().splitlines()[-1]  # (the stats line on stderr, as llama-cli's)
     # cache size auto (the default): the 21 MB model fits this machine, so every expert stays resident
     assert last.startswith("[prior:0.5, cache 60/60 experts per layer; auto: 60 of 60 experts per layer fit in ")
     assert "all resident, nothing streamed" in last and "stream:" not in last

@@ -60,9 +60,9 @@ def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "auto", "-n", "4", "-p", "Once upon a time")
     # (auto: the companion beside the model as the cache's source; the fixture's rows take Q4_K's fallback
     # Q5_0: 8 Q8_0 experts' bytes hold 12)
-    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stderr, r.stderr
     r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "4", "-p", "Once upon a time")  # no flag: the default
-    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "12 of 60 per layer low-bit" in r.stderr and "(lowbit-cache)" in r.stderr, r.stderr
     r = installed(tmp_path, "info", m)
     assert r.returncode == 0 and "low-bit companion" in r.stdout and "--lowbit-in-ram" in r.stdout, r.stderr
     text = tmp_path / "text.txt"
@@ -161,9 +161,9 @@ def test_the_cost_of_cache_conditional_routing_per_reply(fixture_dir, tmp_path):
     m = model_path(fixture_dir, MODEL)
     r = installed(tmp_path, "run", m, "-p", "ROMEO:", "-n", "32", "--prior", "0.5", "--cache-size", "0.25")
     assert r.returncode == 0 and re.search(r"\| rerouted \d+\.\d\d/token \(router probability given up "
-                                           r"\d+\.\d\d% per layer\) \|", r.stdout), r.stdout[-600:]
+                                           r"\d+\.\d\d% per layer\) \|", r.stderr), r.stderr[-600:]
     r = installed(tmp_path, "run", m, "-p", "ROMEO:", "-n", "32", "--routing", "lru", "--cache-size", "0.25")
-    assert r.returncode == 0 and "rerouted" not in r.stdout, r.stdout[-600:]
+    assert r.returncode == 0 and "rerouted" not in r.stderr, r.stderr[-600:]
 
     with installed_server(tmp_path, m, "--prior", "0.5", "--cache-size", "0.25") as base:
 

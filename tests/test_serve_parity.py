@@ -85,11 +85,13 @@ def test_api_key_alias_props_slots_health(keyed, fixture_dir):
     assert res["model"] == "tiny-moe"
     props = json.loads(_get(base + "/props", KEY)[2])
     assert props["total_slots"] == 2 and props["model_alias"] == "tiny-moe"
-    assert props["default_generation_settings"]["n_ctx"] == n_ctx_train  # -c 0 (the default): the model's
+    # -c 0 (the default): the model's context, half of it each of the 2 slots' (issue 77: llama-server's slots)
+    assert props["n_ctx"] == n_ctx_train and props["default_generation_settings"]["n_ctx"] == n_ctx_train // 2
     assert props["moecache"]["routing"] == "prior:0.5"
     slots = json.loads(_get(base + "/slots", KEY)[2])
     assert [s["id"] for s in slots] == [0, 1] and not any(s["is_processing"] for s in slots)
-    assert f"context {n_ctx_train} (the model's), 2 slot(s) + 1 queued" in log.read_text()
+    assert f"context {n_ctx_train} (the model's) ({n_ctx_train // 2} per slot; -kvu shares it), 2 slot(s) + 1 queued" \
+        in log.read_text()
 
 
 def test_metrics_count_tokens_and_the_cache(keyed):
@@ -123,7 +125,7 @@ def test_slots_take_turns_and_the_queue_holds_the_rest(fixture_dir, tmp_path):
             errors.append(e)
 
     with running_server(model_path(fixture_dir, MODEL), tmp_path / "log", "-np", "2", "--max-queue", "1",
-                        "-c", "2048", "--cache-size", "30") as (base, _):
+                        "-c", "2048", "--cache-size", "30", "-kvu") as (base, _):  # (-kvu: 1500 tokens in one slot)
         threads = [threading.Thread(target=request, args=(base, 1500))]
         threads[0].start()
         deadline = time.monotonic() + 60

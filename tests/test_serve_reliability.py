@@ -60,7 +60,9 @@ def test_prompts_admitted_together_past_the_context_wait_their_turn(fixture_dir,
     admits what fits and queues the rest: every answer is a 200, and each is the answer it gets alone."""
     long = "The king said nothing at all to the queen that night, and the queen said nothing back to him. " * 3
     m = model_path(fixture_dir, MODEL)
-    with installed_server(tmp_path, m, "--routing", "lru", "-np", "4", "-c", "256") as base:
+    # (-kvu: the slots share the context, as before per-slot contexts (issue 77); what this tests is the batch's
+    # admission of prompts past the shared context)
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "4", "-c", "256", "-kvu") as base:
         texts = [f"{i}: {long}" for i in range(4)]
         alone = [_chat(base, t, 8) for t in texts]
         assert all(s == 200 for s, _ in alone), alone
@@ -70,7 +72,7 @@ def test_prompts_admitted_together_past_the_context_wait_their_turn(fixture_dir,
         assert [s for s, _ in together] == [200] * 4, together
         assert [r["choices"][0]["message"]["content"] for _, r in together] == \
             [r["choices"][0]["message"]["content"] for _, r in alone]
-    with installed_server(tmp_path, m, "--routing", "lru", "-np", "6", "-c", "1024") as base:
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "6", "-c", "1024", "-kvu") as base:
         texts = [f"{i}: {long * 2}" for i in range(3)] + [f"{i}: Hello there." for i in range(3)]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             together = list(pool.map(lambda t: _chat(base, t, 16), texts))
@@ -87,7 +89,7 @@ def test_a_batched_stream_whose_client_left_stops_within_a_step(fixture_dir, tmp
     from conftest import http_request
 
     m = model_path(fixture_dir, MODEL)
-    with installed_server(tmp_path, m, "--routing", "lru", "-np", "2", "-c", "4096") as base:
+    with installed_server(tmp_path, m, "--routing", "lru", "-np", "2", "-c", "4096", "-kvu") as base:
         port = int(base.rsplit(":", 1)[1])
         for cut in range(4):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
