@@ -220,3 +220,26 @@ def test_each_slot_has_its_share_of_the_context_unless_kvu(fixture_dir, tmp_path
             outs = list(ex.map(one, range(4)))
         for st, out in outs:
             assert st == 200 and out["usage"]["completion_tokens"] == 200, out
+
+
+def test_models_meta_and_logprob_bytes(fixture_dir, tmp_path):
+    """/v1/models as llama-server's (owned_by "llamacpp", the model's meta); a chat answer's logprobs carry each
+    token's UTF-8 bytes (llama-cpp-python left them null)."""
+    from pymoecache import model_info
+
+    m = model_path(fixture_dir, MODEL)
+    info = model_info(str(m))
+    with installed_server(tmp_path, m, "-c", "256") as base:
+        st, out = http_json(base + "/v1/models")
+        assert st == 200 and out["object"] == "list" and len(out["data"]) == 1, out
+        model = out["data"][0]
+        assert model["id"] == m.name and model["owned_by"] == "llamacpp" and model["created"] > 0, model
+        meta = model["meta"]
+        assert meta["n_ctx_train"] == info.n_ctx_train and meta["n_embd"] == info.n_embd and meta["n_params"] > 0
+        assert meta["n_expert"] == info.n_expert and 0 < meta["size"] <= m.stat().st_size, meta
+        st, out = http_json(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                             "max_tokens": 4, "logprobs": True, "top_logprobs": 2})
+        assert st == 200, out
+        content = out["choices"][0]["logprobs"]["content"]
+        assert content and all(e["bytes"] == list(e["token"].encode("utf-8")) for e in content), content
+        assert all(t["bytes"] == list(t["token"].encode("utf-8")) for e in content for t in e["top_logprobs"])

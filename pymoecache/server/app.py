@@ -138,7 +138,7 @@ def add_stock_routes(app, router, served) -> None:
         app.add_api_route("/openapi.json", openapi_behind_the_key, include_in_schema=False, dependencies=served.auth)
         app.add_api_route("/docs", docs_behind_the_key, include_in_schema=False, dependencies=served.auth)
     for r in served.app_mod.router.routes:
-        if r.path in completions.COMPLETION_PATHS or r.path in ("/v1/embeddings", "/extras/detokenize"):
+        if r.path in completions.COMPLETION_PATHS or r.path in ("/v1/embeddings", "/extras/detokenize", "/v1/models"):
             continue
         router.add_api_route(r.path, r.endpoint, methods=sorted(r.methods), response_model=r.response_model,
                              dependencies=served.auth if r.dependencies else [], summary=r.summary, tags=r.tags,

@@ -152,8 +152,22 @@ def moecache_stats(request: Request) -> dict:
     return stats_json(llm, served.routing, served.routing_scope)
 
 
+def models(request: Request) -> dict:
+    """OpenAI's model list, as llama-server answers it: the served model, owned by "llamacpp", with its ``meta``."""
+    served = request.app.state.served
+    llm = served.llm()
+    info = llm.model_info
+    return {"object": "list", "data": [{
+        "id": served.model_id, "object": "model", "created": served.created, "owned_by": "llamacpp",
+        "meta": {"n_vocab": llm.n_vocab(), "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd,
+                 "n_params": int(llm._model.n_params()), "size": int(llm._model.size()),
+                 "n_expert": info.n_expert, "n_expert_used": info.n_expert_used}}]}
+
+
 def add_routes(router, served) -> None:
-    """/health (and /v1/health), /props, /slots, /metrics and /moecache/stats on ``router``."""
+    """/v1/models, /health (and /v1/health), /props, /slots, /metrics and /moecache/stats on ``router``."""
+    router.add_api_route("/v1/models", models, methods=["GET"], summary="Models (OpenAI's list, llama-server's meta)",
+                         tags=["OpenAI V1"], dependencies=served.auth)
     router.add_api_route("/v1/health", health, methods=["GET"], include_in_schema=False)  # (llama-server's alias)
     router.add_api_route("/health", health, methods=["GET"], summary="Server health", tags=["pymoecache"])
     for path, fn, summary in (

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -78,6 +79,7 @@ class Served:
     perf0: tuple = (0, 0.0, 0, 0.0)  # llama.cpp's counters after the load: /metrics counts from there
     cache_choice: Optional[str] = None
     memory_plan: Any = None
+    created: int = field(default_factory=lambda: int(time.time()))  # when it was loaded (/v1/models)
     auth: List[Any] = field(default_factory=list)  # the API key's dependency, on every route but /health
 
     def llm(self) -> "ServedLlama":
@@ -213,6 +215,7 @@ class ServedLlama(Llama):
 
     def _with_request_stats(self, before, result, restore=None):
         if isinstance(result, dict):
+            _logprob_bytes(result)
             if before is not None:
                 result["moecache"] = request_stats(before, self._stats())
             if restore is not None:
@@ -223,12 +226,24 @@ class ServedLlama(Llama):
     def _stream_with_request_stats(self, before, chunks, restore=None):
         try:
             for chunk in chunks:
+                _logprob_bytes(chunk)
                 if before is not None and any(c.get("finish_reason") for c in chunk.get("choices", [])):
                     chunk["moecache"] = request_stats(before, self._stats())
                 yield chunk
         finally:
             if restore is not None:  # (the request's routing, until its last token)
                 restore()
+
+
+def _logprob_bytes(result: dict) -> None:
+    """A chat answer's logprobs carry each token's UTF-8 bytes, as OpenAI's and llama-server's do (llama-cpp-python
+    leaves them null)."""
+    for choice in result.get("choices") or ():
+        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        for entry in (lp.get("content") or ()) if isinstance(lp, dict) else ():
+            for e in [entry, *(entry.get("top_logprobs") or ())]:
+                if isinstance(e, dict) and e.get("bytes") is None and isinstance(e.get("token"), str):
+                    e["bytes"] = list(e["token"].encode("utf-8"))
 
 
 async def authenticate(request: Request) -> None:
