@@ -243,3 +243,68 @@ def test_models_meta_and_logprob_bytes(fixture_dir, tmp_path):
         content = out["choices"][0]["logprobs"]["content"]
         assert content and all(e["bytes"] == list(e["token"].encode("utf-8")) for e in content), content
         assert all(t["bytes"] == list(t["token"].encode("utf-8")) for e in content for t in e["top_logprobs"])
+
+
+def test_tool_calls_with_the_openai_client(fixture_dir, tmp_path):
+    """tools with tool_choice required and auto (llama-server's generic format: the tools in a system message, a
+    grammar holding the answer to a call or, under auto, a response): the openai client gets tool_calls it can
+    parse, sends the tool's answer back, and gets an answer; many seeds under auto, each a call or a text."""
+    from test_batch import run_script
+
+    m = model_path(fixture_dir, MODEL)
+    with installed_server(tmp_path, m, "-c", "1024") as base:
+        d = run_script(tmp_path, f"""
+            import json
+            from openai import OpenAI
+            client = OpenAI(base_url={base + "/v1"!r}, api_key="none")
+            tools = [{{"type": "function", "function": {{"name": "get_weather", "description": "today's weather",
+                      "parameters": {{"type": "object", "properties": {{"city": {{"type": "string", "maxLength": 12}}}},
+                                     "required": ["city"]}}}}}},
+                     {{"type": "function", "function": {{"name": "get_time", "parameters": {{"type": "object",
+                      "properties": {{}}}}}}}}]
+            msgs = [{{"role": "user", "content": "What is the weather in Oslo?"}}]
+            r = client.chat.completions.create(model="m", messages=msgs, tools=tools, tool_choice="required",
+                                               max_tokens=96, temperature=0)
+            call = r.choices[0].message.tool_calls[0]
+            out = {{"finish": r.choices[0].finish_reason, "name": call.function.name,
+                    "args": json.loads(call.function.arguments), "content": r.choices[0].message.content}}
+            msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                     {{"role": "tool", "tool_call_id": call.id, "content": json.dumps({{"sky": "clear"}})}}]
+            back = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=96,
+                                                  temperature=0)
+            out["back"] = [back.choices[0].message.content, bool(back.choices[0].message.tool_calls)]
+            auto = []
+            for seed in range(6):
+                a = client.chat.completions.create(model="m", messages=msgs[:1], tools=tools, max_tokens=128,
+                                                   temperature=1.0, seed=seed)
+                c = a.choices[0]
+                auto.append([c.finish_reason, c.message.content, [t.function.name for t in c.message.tool_calls or []],
+                             [json.loads(t.function.arguments) for t in c.message.tool_calls or []]])
+            out["auto"] = auto
+            print(json.dumps(out))
+        """)
+    assert d["finish"] == "tool_calls" and d["content"] is None, d
+    assert d["name"] in ("get_weather", "get_time") and isinstance(d["args"], dict), d
+    assert d["back"][0] is not None or d["back"][1], d  # an answer to the tool's result: text or another call
+    assert sum(f in ("stop", "tool_calls") for f, *_ in d["auto"]) >= 4, d["auto"]  # (answers that ended)
+    for finish, content, names, args in d["auto"]:
+        if finish == "tool_calls":
+            assert names and set(names) <= {"get_weather", "get_time"} and all(isinstance(a, dict) for a in args)
+        elif finish == "stop":
+            assert isinstance(content, str) and not content.lstrip().startswith('{"response"'), content
+
+
+def test_tool_calls_refusals(fixture_dir, tmp_path):
+    m = model_path(fixture_dir, MODEL)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Hi"}]
+    with installed_server(tmp_path, m, "-c", "512") as base:
+        for body, says in (({"tools": tools, "stream": True}, "without \"stream\""),
+                           ({"tools": tools, "tool_choice": "sometimes"}, "'tool_choice' must be"),
+                           ({"tools": [{"type": "function", "function": {}}]}, "tools[0] must be"),
+                           ({"tools": tools, "grammar": 'root ::= "x"'}, "not both")):
+            st, out = http_json(base + "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, **body})
+            assert st == 400 and says in out["error"]["message"], (body, out)
+        st, out = http_json(base + "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "tools": tools,
+                                                             "tool_choice": "none"})
+        assert st == 200 and out["choices"][0]["message"].get("tool_calls") in (None, []), out

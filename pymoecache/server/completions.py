@@ -18,8 +18,9 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from ..errors import ConfigError, Error
 from . import batch as server_batch
 from . import native as server_native
+from . import tools as server_tools
 from .model import CLIENT_GONE, REQUEST_ROUTING, ClientGone, _log
-from .requests import (RequestError, _include_usage, error_response, request_routing, slot_context,
+from .requests import (RequestError, _include_usage, error_response, json_object, request_routing, slot_context,
                        validate_request)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
@@ -183,6 +184,10 @@ def checked(endpoint, validate=validate_request, stream=stream_response):
         reset_routing = None
         try:
             raw = await request.body()
+            plan = None
+            if validate is validate_request and request.url.path.endswith("/chat/completions"):
+                plan = server_tools.plan_request(json_object(raw))  # (tool calls: llama-server's generic format)
+                raw = json.dumps(plan.request).encode() if plan is not None else raw
             body = validate(served.llm(), request.url.path, raw)
             routing = request_routing(raw)
             reset_routing = REQUEST_ROUTING.set(routing)
@@ -200,7 +205,8 @@ def checked(endpoint, validate=validate_request, stream=stream_response):
             watcher = asyncio.create_task(watch_disconnect(request, gone))
             served.queue.active += 1
             try:
-                return await endpoint(request=request, body=body)
+                result = await endpoint(request=request, body=body)
+                return server_tools.answer(plan, result) if plan is not None and isinstance(result, dict) else result
             finally:
                 served.queue.active -= 1
         except ClientDisconnect:  # the client hung up before its request was in: nothing was started

@@ -1,0 +1,152 @@
+"""Tool calls on ``/v1/chat/completions``, in llama-server's generic format: with ``tools`` and ``tool_choice``
+absent, ``"auto"`` or ``"required"``, the model is shown the tools in a system message and answers in JSON that a
+grammar holds it to, ``{"tool_call": {"name": ..., "arguments": {...}}}`` (or, under auto, ``{"response": "..."}``);
+the answer's JSON becomes OpenAI's ``tool_calls`` (finish_reason ``"tool_calls"``) or its text. An assistant
+message that called a tool, and the tool's answer (role ``tool``), go back to the model in the same words.
+
+A request naming one function (``tool_choice: {"type": "function", ...}``) keeps llama-cpp-python's path, which
+constrains the answer to that function's arguments; ``"none"`` sends no tools.
+
+    >>> plan = plan_request({"messages": [{"role": "user", "content": "Weather?"}], "tool_choice": "required",
+    ...                      "tools": [{"type": "function", "function": {"name": "get_weather", "parameters":
+    ...                                 {"type": "object", "properties": {"city": {"type": "string"}}}}}]})
+    >>> plan.names, plan.required, "tools" in plan.request, plan.request["messages"][0]["role"]
+    (['get_weather'], True, False, 'system')
+    >>> answer(plan, {"choices": [{"index": 0, "message": {"role": "assistant", "content":
+    ...     '{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}'}, "finish_reason": "stop"}]}
+    ...        )["choices"][0]["message"]["tool_calls"][0]["function"]
+    {'name': 'get_weather', 'arguments': '{"city": "Oslo"}'}
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..grammar import json_schema_grammar
+from .requests import RequestError, check_schema
+
+_INSTRUCTIONS = ("You can call these tools (JSON schemas of their arguments):\n{tools}\n\nAnswer with one JSON object: "
+                 '{{"tool_call": {{"name": <a tool\'s name>, "arguments": <its arguments>}}}} to call one{response}.')
+
+
+@dataclass
+class ToolPlan:
+    request: dict                      # the request as the model gets it: the tools in a system message, a grammar
+    names: List[str] = field(default_factory=list)
+    required: bool = False             # tool_choice "required": the answer is a call
+
+
+def _tools(d: dict) -> list:
+    tools = d.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise RequestError("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}}", 400,
+                           "tools")
+    out = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", 400,
+                               "tools")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", 400, "tools")
+        if params is not None:
+            check_schema(params, f"tools[{i}].function.parameters")  # (bounded before its grammar is built)
+        out.append(f)
+    return out
+
+
+def _schema(tools: list, required: bool) -> dict:
+    calls = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": f.get("parameters") or {"type": "object"}}, "required": ["name", "arguments"]} for f in tools]
+    choices = [{"type": "object", "properties": {"tool_call": {"anyOf": calls}}, "required": ["tool_call"]}]
+    if not required:
+        choices.append({"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]})
+    return {"anyOf": choices} if len(choices) > 1 else choices[0]
+
+
+def _message_for_model(m: dict) -> dict:
+    """An assistant message that called tools, or a tool's answer, in the generic format's words."""
+    if m.get("role") == "assistant" and m.get("tool_calls"):
+        calls = []
+        for c in m["tool_calls"]:
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict):
+                raise RequestError("an assistant message's tool_calls must be {\"function\": {\"name\", "
+                                   "\"arguments\"}} objects", 400, "messages")
+            args = fn.get("arguments")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                pass
+            calls.append({"name": fn.get("name"), "arguments": args})
+        body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
+        return {"role": "assistant", "content": json.dumps(body)}
+    if m.get("role") == "tool":
+        content = m.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        return {"role": "tool", "tool_call_id": str(m.get("tool_call_id") or ""),
+                "content": json.dumps({"tool_response": text})}
+    return m
+
+
+def plan_request(d: dict) -> Optional[ToolPlan]:
+    """The request the model gets where it asks for tool calls in the generic format (None: it does not; a
+    request naming one function stays with llama-cpp-python's path)."""
+    choice = d.get("tool_choice")
+    if not d.get("tools") or choice == "none" or isinstance(choice, dict):
+        if choice == "none":
+            d = {k: v for k, v in d.items() if k not in ("tools", "tool_choice")}
+            d["messages"] = [_message_for_model(m) for m in d.get("messages") or []]
+            return ToolPlan(request=d)
+        return None
+    if choice not in (None, "auto", "required"):
+        raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", 400, "tool_choice")
+    if d.get("stream"):
+        raise RequestError("tool calls are answered whole here: send the request without \"stream\"", 400, "stream")
+    if d.get("grammar") is not None or d.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError("give 'tools' or a grammar / response_format, not both", 400, "tools")
+    tools = _tools(d)
+    required = choice == "required"
+    listing = json.dumps([{"name": f["name"], "description": f.get("description", ""),
+                           "parameters": f.get("parameters") or {"type": "object"}} for f in tools], indent=1)
+    text = _INSTRUCTIONS.format(tools=listing, response="" if required else
+                                ', or {"response": <your answer>} to answer without one')
+    messages = [_message_for_model(m) for m in d.get("messages") or []]
+    if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
+        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + text}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+    req = {k: v for k, v in d.items() if k not in ("tools", "tool_choice")}
+    req.update(messages=messages, grammar=json_schema_grammar(_schema(tools, required)))
+    return ToolPlan(request=req, names=[f["name"] for f in tools], required=required)
+
+
+def answer(plan: ToolPlan, result: dict) -> dict:
+    """The model's JSON answer as OpenAI's: ``tool_calls`` (finish_reason "tool_calls") or the response's text."""
+    if not plan.names:
+        return result
+    for choice in result.get("choices") or ():
+        msg = choice.get("message") or {}
+        try:
+            got = json.loads(msg.get("content") or "")
+        except ValueError:  # (cut short by max_tokens: the text as it is)
+            continue
+        if not isinstance(got, dict):
+            continue
+        calls = got.get("tool_calls") if isinstance(got.get("tool_calls"), list) else \
+            [got["tool_call"]] if isinstance(got.get("tool_call"), dict) else None
+        if calls:
+            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": c.get("name"), "arguments": json.dumps(c.get("arguments", {}))}}
+                                 for c in calls]
+            msg["content"] = None
+            choice["finish_reason"] = "tool_calls"
+        elif isinstance(got.get("response"), str):
+            msg["content"] = got["response"]
+    return result
