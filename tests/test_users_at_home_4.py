@@ -308,3 +308,11 @@ def test_tool_calls_refusals(fixture_dir, tmp_path):
         st, out = http_json(base + "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "tools": tools,
                                                              "tool_choice": "none"})
         assert st == 200 and out["choices"][0]["message"].get("tool_calls") in (None, []), out
+
+
+def test_bench_progress_is_a_line_each_in_a_pipe(fixture_dir, tmp_path):
+    r = installed(tmp_path, "bench", model_path(fixture_dir, MODEL), "--routing", "lru,prior:0.5", "-n", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    assert "\r" not in r.stderr and any(ln.startswith("[1 of 2] lru") for ln in lines) \
+        and any(ln.startswith("[2 of 2] prior:0.5") for ln in lines), r.stderr

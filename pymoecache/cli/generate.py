@@ -47,6 +47,13 @@ def print_prompt(llm, text: str, special: bool = False, add_bos: bool = True) ->
     print("\n".join(lines) + "\n", file=sys.stderr, flush=True)
 
 
+def _progress(line: str) -> None:
+    """bench's progress on stderr: rewritten in place on a terminal, a line each in a pipe or a file (where a
+    carriage return ran them together)."""
+    tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    print("\r" + line if tty else line.rstrip(), end="" if tty else "\n", file=sys.stderr, flush=True)
+
+
 def all_fit(llm) -> bool:
     """Every routed expert of every MoE layer is cached: misses are first uses, and cache-aware
     routing picks the model's own experts."""
@@ -281,9 +288,8 @@ def cmd_bench(args) -> int:
                     if path:
                         write_rows(rows_so_far(), path, fmt)
                 left = (time.monotonic() - t0) / done * (total - done)
-                print(f"\r[{done} of {total}] {routing.spec():<24}" + (f" about {left:.0f} s left " if done < total
-                                                                          else " " * 20),
-                      end="", file=sys.stderr, flush=True)
+                _progress(f"[{done} of {total}] {routing.spec():<24}" + (f" about {left:.0f} s left " if done < total
+                                                                           else " " * 20))
     except KeyboardInterrupt:  # Ctrl-C: the finished repetitions are kept, printed, and said where
         print(file=sys.stderr)
         llm.close()
@@ -361,8 +367,7 @@ def bench_parallel(args, routings: list, prompts: list, model: str) -> int:
             for rep in range(args.reps):
                 for together in ((False, True) if rep % 2 == 0 else (True, False)):  # neither always first
                     acc[together].append(one_run(together))
-                    print(f"\r{routing.spec():<24} repetition {rep + 1} of {args.reps}", end="", file=sys.stderr,
-                          flush=True)
+                    _progress(f"{routing.spec():<24} repetition {rep + 1} of {args.reps}")
             base = None
             for together in (False, True):
                 runs = acc[together]
