@@ -357,6 +357,15 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
                     "and the KV cache: the process would be killed for memory" + (
                         "; leave lowbit_in_ram (--lowbit-in-ram) off" if cache.lowbit_in_ram else ""))
             cache = dataclasses.replace(cache, size=choice.n_cached)
+            if choice.fit < info.n_expert_used and choice.left < (64 << 20) and cache.lock_dense:
+                # less memory than the dense part, the KV cache and a token's K slots: locked, the dense part would
+                # leave the runtime nothing and the process would be killed; unlocked, the OS pages it as it pages
+                # stock llama.cpp's mapping (slow, but the run goes on)
+                warnings.warn(f"{choice.available / 2**20:.0f} MiB free ({choice.source}) holds less than the dense "
+                              f"part ({choice.dense / 2**20:.0f} MiB), the KV cache and the {info.n_expert_used} "
+                              "slots a token needs: the dense part is not locked, so the OS may page it (slow); "
+                              "free memory or use a smaller context", stacklevel=3)
+                cache = dataclasses.replace(cache, lock_dense=False)
         if cache.vram_size and cache.residency not in ("auto", "stream"):
             raise ConfigError(f"vram_size={cache.vram_size} needs residency 'stream' (its GPU slots are filled "
                               f"from the streamed cache's host slots), not {cache.residency!r}")

@@ -100,9 +100,9 @@ def test_one_layer_of_each_shape_decodes_under_stream_with_every_routing(built, 
 def test_the_bench_runs_each_way_in_its_own_capped_cgroup(tmp_path):
     """scripts/bench_real_size.py as a user runs it, at its smallest: one layer of OLMoE's shape under a cap of the
     file's size, stock llama.cpp without repacking and pymoecache's defaults, each in a memory cgroup of its own. The
-    defaults size their cache by the cgroup's limit (the plan says which it read) and stay within the cap. (A cap of
-    half this file, 199 MiB, is below our process's dense part, locked, plus its runtime: the defaults are killed
-    there while stock's mapping crawls on; issue 76's note.)"""
+    defaults size their cache by the cgroup's limit (the plan says which it read) and stay within the cap. (At half
+    the file, 199 MiB, less than the dense part and the KV cache beside a token's 8 slots, the defaults were killed
+    in 1 of 3 runs with the dense part locked, in 0 of 2 since it is not locked there: not asserted, a race.)"""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_real_size.py"), "olmoe-1b-7b", "--layers", "1",
                         "--caps", "1", "--ways", "stock-no-repack,default", "--tokens", "3", "--warmup", "1",
@@ -118,3 +118,25 @@ def test_the_bench_runs_each_way_in_its_own_capped_cgroup(tmp_path):
     assert rows["default"]["budget_from"] == rows["default"]["cgroup"]  # ("cgroup v1" or "cgroup v2")
     assert rows["default"]["peak"] <= cap and rows["default"]["tokens"] == 3 and rows["default"]["decode_tok_s"] > 0
     assert "| default |" in r.stdout and "random weights" in r.stdout
+
+
+def test_memory_below_the_dense_part_leaves_it_unlocked(monkeypatch):
+    """Where the memory free holds less than the dense part, the KV cache and a token's K slots, cache size auto does
+    not lock the dense part (locked, it leaves the runtime nothing and the process is killed; unlocked, the OS pages
+    it as it pages stock's mapping), and says so; with room, it stays locked."""
+    import warnings
+
+    import pymoecache
+    import pymoecache.plan
+
+    from conftest import FIXTURE_DIR, model_path
+
+    m = str(model_path(FIXTURE_DIR, "qwen2moe-60x4"))
+    for available, locked in ((12 << 20, False), (4 << 30, True)):
+        monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda a=available: a)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            llm = pymoecache.Llama(m, n_ctx=128, verbose=False)
+        said = [str(x.message) for x in w if "the dense part is not locked" in str(x.message)]
+        assert llm.cache_config.lock_dense is locked and bool(said) is not locked, (available, said)
+        llm.close()
