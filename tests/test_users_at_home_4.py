@@ -193,6 +193,9 @@ def test_each_slot_has_its_share_of_the_context_unless_kvu(fixture_dir, tmp_path
         st, props = http_json(base + "/props")
         assert props["default_generation_settings"]["n_ctx"] == 64 and props["n_ctx"] == 256, props
         assert props["kv_unified"] is False
+        params = props["default_generation_settings"]["params"]  # (/completion's defaults, llama-server's names)
+        assert params["n_predict"] == -1 and params["seed"] == -1 and params["temperature"] == 0.8 \
+            and params["stop"] == [] and len(params) >= 12, params
         for path, body in (("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 60}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                      "max_tokens": 60}),

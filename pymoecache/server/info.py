@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from .. import __version__
 from ..config import Routing, resolved_top_j
 from ..llama import Llama
+from . import native as server_native
 from .model import perf_counters
 from .requests import slot_context
 
@@ -98,8 +99,10 @@ def props(request: Request) -> dict:
     llm = served.llm()
     tmpl = llm.chat_template
     return {"default_generation_settings": {"n_ctx": slot_context(llm), "model": served.model_id,
-                                            "params": {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
-                                                       "min_p": 0.05, "repeat_penalty": 1.0}},
+                                            # /completion's defaults (server/native.py), llama-server's names
+                                            "params": {**server_native._DEFAULTS, "n_predict": -1, "seed": -1,
+                                                       "n_probs": 0, "stream": False, "stop": [], "grammar": "",
+                                                       "return_tokens": False}},
             "total_slots": served.n_parallel, "n_ctx": llm.n_ctx(), "kv_unified": served.kv_unified,
             "model_alias": served.model_id, "model_path": served.model_path,
             "chat_template": tmpl.text if tmpl.text is not None else tmpl.name.decode("utf-8", "replace"),
