@@ -904,7 +904,9 @@ HTTP_CASES = [
     ("json-null", C, b"null", 400),
     ("deep-json", C, b"[" * 50000 + b"]" * 50000, 400),
     ("prompt-number", C, {"prompt": 5, "max_tokens": 4}, 400),
-    ("prompt-two-strings", C, {"prompt": ["a", "b"], "max_tokens": 4}, 400),
+    # (a list of prompts is a choice each since issue 77; past 64 of them, or streamed, it is refused)
+    ("prompt-65-strings", C, {"prompt": ["a"] * 65, "max_tokens": 4}, 400),
+    ("prompt-two-strings-streamed", C, {"prompt": ["a", "b"], "max_tokens": 4, "stream": True}, 400),
     ("prompt-token-ids", C, {"prompt": [[1, 2, 3]], "max_tokens": 4}, 400),
     ("prompt-longer-than-context", C, {"prompt": "word " * 3000, "max_tokens": 4}, 400),
     ("max-tokens-negative", C, {"prompt": "x", "max_tokens": -5}, 400),
