@@ -95,8 +95,8 @@ def check_schema(schema, param: str) -> None:
 
 
 def schema_grammar(schema, param: str) -> str:
-    """The GBNF grammar of a JSON schema (llama-cpp-python's converter; ``{}``: any JSON object, as
-    llama-server reads it); RequestError (400) where the schema cannot be converted."""
+    """The GBNF grammar of a JSON schema (llama-cpp-python's converter, its strings as llama.cpp's: grammar.py;
+    ``{}``: any JSON object, as llama-server reads it); RequestError (400) where the schema cannot be converted."""
     if not isinstance(schema, dict):
         raise RequestError(f"'{param}' must be a JSON schema object", 400, param)
     check_schema(schema, param)
@@ -282,7 +282,7 @@ def validate_request(llm, path: str, raw: bytes):
     rf = d.get("response_format") if chat else None
     if isinstance(rf, dict) and rf.get("type") == "json_object":
         # the grammar is ours (llama-cpp-python's chat handlers would build theirs, whose strings take raw control
-        # characters: invalid JSON); a request's own grammar beside it is refused above (pydantic) or wins here
+        # characters: invalid JSON); a request's own grammar beside it is refused
         grammar = JSON_GRAMMAR if rf.get("schema") is None else schema_grammar(rf["schema"], "response_format.schema")
         check_grammar(llm, grammar, "response_format.schema")
         if body.grammar is not None:
