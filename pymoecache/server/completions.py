@@ -100,6 +100,11 @@ def stream_response(request, body, raw):
                                                llama_call=call, kwargs=kwargs))
 
 
+def _stops(body) -> list:
+    """A request's stop strings as a list (OpenAI takes one string or a list)."""
+    return body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
+
+
 async def batched(request, body, raw, chat: bool, gone: threading.Event):
     """A request the batch serves (server.batch): it joins the running batch at the next step."""
     from sse_starlette.sse import EventSourceResponse
@@ -114,7 +119,7 @@ async def batched(request, body, raw, chat: bool, gone: threading.Event):
     if len(prompt) >= slot_context(llm):
         raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context of {slot_context(llm)} tokens",
                            400, "messages" if chat else "prompt")
-    stop = body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
+    stop = _stops(body)
     req = batch.submit(prompt, body, stop, stream=bool(body.stream))
     if body.stream:
         events = server_batch.chunks(batch, req, chat, _include_usage(raw), gone)
@@ -141,7 +146,7 @@ async def each_prompt(request, body, raw, endpoint, gone: threading.Event):
     answers = []
     if served.batch is not None and server_batch.batchable(bodies[0], False, raw):
         batch = served.batch
-        stop = body.stop if isinstance(body.stop, list) else [body.stop] if isinstance(body.stop, str) else []
+        stop = _stops(body)
         reqs = [batch.submit(server_batch.completion_tokens(served.llm(), b.prompt), b, stop, stream=False)
                 for b in bodies]
         served.queue.active += 1
