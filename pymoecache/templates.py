@@ -27,6 +27,9 @@ from .errors import ConfigError
 MAX_TEMPLATE_BYTES = 1 << 20
 RENDER_SECONDS = 5.0  # a Jinja render's time bound (a template's own loops can run for ever)
 RENDER_MIN_BYTES = 1 << 16  # its size bound is the context's bytes: 32 per position, at least this
+# ChatML as a Jinja template: what llama.cpp's built-in "chatml" writes, for readers of /props
+CHATML_JINJA = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 class TemplateBoundError(Exception):
@@ -200,6 +203,29 @@ def apply_builtin(template: bytes, messages: List[dict], add_assistant: bool = T
     return None
 
 
+def _for_jinja(m: dict) -> dict:
+    """A message as Jinja templates take it: its content as text, and the arguments of its tool calls (OpenAI's
+    JSON strings) as objects, which templates write with ``tojson``."""
+    m = {**m, "content": _text(m.get("content"))}
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json_or_text(c["function"].get("arguments"))}}
+                           if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in calls]
+    return m
+
+
+def json_or_text(v):
+    """``v`` parsed where it is a string of JSON, else as it is."""
+    import json
+
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except ValueError:
+            pass
+    return v
+
+
 def _text(content) -> str:
     """A message's content as text: a string, or OpenAI's list of parts (their text joined), or none."""
     if content is None:
@@ -257,28 +283,37 @@ class ChatTemplate:
                 raise ConfigError(f"{e} (a probe conversation of one user message); give another template "
                                   "(--chat-template NAME takes one of llama.cpp's)") from None
 
+    @property
+    def source(self) -> str:
+        """The template's text: the Jinja source, the model's template llama.cpp applies, ChatML's as Jinja
+        (:data:`CHATML_JINJA`), or the name of another built-in template (llama.cpp's are code)."""
+        if self.text is not None:
+            return self.text
+        return CHATML_JINJA if self.name == b"chatml" else self.name.decode("utf-8", "replace")
+
     def _jinja(self):
         import jinja2
         import llama_cpp
 
         vocab = self.llm._model.vocab
         piece = (lambda tok: self.llm.detokenize([tok], special=True).decode("utf-8", "replace") if tok >= 0 else "")
-        self._bos = piece(llama_cpp.llama_vocab_bos(vocab))
+        self._bos, self._eos = piece(llama_cpp.llama_vocab_bos(vocab)), piece(llama_cpp.llama_vocab_eos(vocab))
         try:
-            f = bounded_formatter()(template=self.text, eos_token=piece(llama_cpp.llama_vocab_eos(vocab)),
+            f = bounded_formatter()(template=self.text, eos_token=self._eos,
                                     bos_token=self._bos, add_generation_prompt=True)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ConfigError(f"{self.label} is not a valid Jinja template: {type(e).__name__}: {e}") from None
         f.bound(max(RENDER_MIN_BYTES, 32 * self.llm.n_ctx()))  # (a longer prompt cannot fit the context anyway)
         return f
 
-    def render(self, messages: List[dict]) -> "tuple[str, bool]":
+    def render(self, messages: List[dict], tools: Optional[list] = None) -> "tuple[str, bool]":
         """(the prompt, whether it already begins with the model's BOS: a Jinja template may write
         ``bos_token`` itself; tokenize without adding one then). ConfigError where the template cannot
-        render these messages."""
+        render these messages. ``tools``: OpenAI's tool list, given to a Jinja template (llama.cpp's
+        built-in templates have no tools)."""
         if self._formatter is not None:
             try:
-                r = self._formatter(messages=[{**m, "content": _text(m.get("content"))} for m in messages])
+                r = self._formatter(messages=[_for_jinja(m) for m in messages], tools=tools)
             except Exception as e:  # the template's own errors (raise_exception, 1/0, types), its bounds, recursion
                 what = "ran past its bounds" if isinstance(e, TemplateBoundError) else "could not render the conversation"
                 raise ConfigError(f"{self.label} {what}: {type(e).__name__}: {str(e)[:300]}") from None
@@ -288,17 +323,18 @@ class ChatTemplate:
             raise ConfigError(f"llama.cpp could not apply {self.label}")
         return text, False
 
-    def tokens(self, messages: List[dict]) -> List[int]:
-        prompt, special = self.render(messages)
+    def tokens(self, messages: List[dict], tools: Optional[list] = None) -> List[int]:
+        prompt, special = self.render(messages, tools)
         return self.llm.tokenize(prompt.encode("utf-8"), add_bos=not special, special=True)
 
     def handler(self):
         """A llama-cpp-python chat handler (``Llama.chat_handler``) that renders with this template."""
         import llama_cpp
 
-        def format(messages, **kwargs):
-            prompt, special = self.render(messages)
-            return llama_cpp.llama_chat_format.ChatFormatterResponse(prompt=prompt, added_special=special)
+        def format(messages, tools=None, **kwargs):
+            prompt, special = self.render(messages, tools)
+            stop = [self._eos] if self._formatter is not None and self._eos else None  # (as llama-cpp-python's Jinja)
+            return llama_cpp.llama_chat_format.ChatFormatterResponse(prompt=prompt, added_special=special, stop=stop)
 
         return llama_cpp.llama_chat_format.chat_formatter_to_chat_completion_handler(format)
 

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jinja2
 import pytest
 
 from pymoecache import server
@@ -161,7 +162,11 @@ def test_openai_client_embeddings_are_refused_at_once(base):
 def test_chat_templates_on_serve(base, fixture_dir, tmp_path):
     # a model without a template: ChatML, as llama-server (llama-cpp-python guessed llama-2), said in /props
     _, props = call(base + "/props")
-    assert props["chat_template"] == "chatml" and props["chat_template_source"] == "ChatML (the model has no chat template)"
+    assert props["chat_template_source"] == "ChatML (the model has no chat template)", props
+    # its text, as Jinja, renders what the server renders
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    _, applied = call(base + "/apply-template", {"messages": msgs})
+    assert jinja2.Template(props["chat_template"]).render(messages=msgs, add_generation_prompt=True) == applied["prompt"]
     _, ids = call(base + "/tokenize", {"content": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
                                        "add_special": True})
     status, r = call(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})

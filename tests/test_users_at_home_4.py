@@ -297,6 +297,83 @@ def test_tool_calls_with_the_openai_client(fixture_dir, tmp_path):
             assert isinstance(content, str) and not content.lstrip().startswith('{"response"'), content
 
 
+# A chat template in Hermes' tool format (the one of Qwen2 to Qwen3 and Hermes: the tools listed in <tools>, each call
+# in <tool_call> tags, a tool's answer in <tool_response>), written here in ChatML's turns.
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call, one JSON signature per line:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+To call one, answer <tool_call>
+{"name": NAME, "arguments": ARGUMENTS}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}
+{% endif %}{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif m.role != 'system' or not loop.first %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tool_calls_in_the_templates_own_format(fixture_dir, tmp_path):
+    """A template in Hermes' format (as Qwen3-30B-A3B's) is given the tools and writes the calls and answers in its own
+    words; under required the answer is one <tool_call> block, read back as OpenAI's tool_calls; the round trip of the
+    openai client renders the call and the tool's answer in the template's tags (/apply-template shows it)."""
+    from test_batch import run_script
+
+    m = model_path(fixture_dir, MODEL)
+    (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    with installed_server(tmp_path, m, "-c", "1024", "--chat-template-file", str(tmp_path / "hermes.jinja")) as base:
+        d = run_script(tmp_path, f"""
+            import json, urllib.request
+            from openai import OpenAI
+            client = OpenAI(base_url={base + "/v1"!r}, api_key="none")
+            tools = [{{"type": "function", "function": {{"name": "get_weather", "parameters": {{"type": "object",
+                      "properties": {{"city": {{"type": "string", "maxLength": 12}}}}, "required": ["city"]}}}}}}]
+            msgs = [{{"role": "user", "content": "What is the weather in Oslo?"}}]
+            out = {{"required": []}}
+            for seed in range(4):
+                r = client.chat.completions.create(model="m", messages=msgs, tools=tools, tool_choice="required",
+                                                   max_tokens=64, temperature=1.0, seed=seed)
+                c = r.choices[0]
+                out["required"].append([c.finish_reason, c.message.content,
+                                        [[t.function.name, json.loads(t.function.arguments)] for t in c.message.tool_calls or []]])
+            call = r.choices[0].message.tool_calls[0]
+            msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                     {{"role": "tool", "tool_call_id": call.id, "content": "sunny"}}]
+            back = client.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=16, temperature=0)
+            out["back"] = back.choices[0].finish_reason
+            req = urllib.request.Request({base + "/apply-template"!r}, method="POST",
+                                         data=json.dumps({{"messages": msgs, "tools": tools}}).encode(),
+                                         headers={{"Content-Type": "application/json"}})
+            out["prompt"] = json.loads(urllib.request.urlopen(req).read())["prompt"]
+            out["args"] = json.loads(call.function.arguments)
+            print(json.dumps(out))
+        """)
+    for finish, content, calls in d["required"]:
+        assert finish == "tool_calls" and len(calls) == 1 and calls[0][0] == "get_weather", d["required"]
+        assert isinstance(calls[0][1].get("city"), str) and content is None, d["required"]
+    assert d["back"] in ("stop", "length", "tool_calls"), d
+    prompt = d["prompt"]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt, prompt
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(d["args"], ensure_ascii=False) + "}\n</tool_call>") in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt and prompt.endswith("<|im_start|>assistant\n"), prompt
+
+
 def test_tool_calls_refusals(fixture_dir, tmp_path):
     m = model_path(fixture_dir, MODEL)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -319,3 +396,24 @@ def test_bench_progress_is_a_line_each_in_a_pipe(fixture_dir, tmp_path):
     lines = r.stderr.splitlines()
     assert "\r" not in r.stderr and any(ln.startswith("[1 of 2] lru") for ln in lines) \
         and any(ln.startswith("[2 of 2] prior:0.5") for ln in lines), r.stderr
+
+
+def test_ppl_beside_a_companion_prints_each_row_once(fixture_dir, tmp_path):
+    """Plain `ppl` on a model with a low-bit companion beside it: its rows (lru, prior, on the companion's miss path)
+    each once; with one routing, one row."""
+    import shutil
+
+    from conftest import SHARED
+
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
+    assert installed(tmp_path, "lowbit", m).returncode == 0
+    text = tmp_path / "text.txt"
+    text.write_text((SHARED / "data" / "tinyshakespeare" / "input.txt").read_text()[:4000])
+    for args, n_rows in (((), 2), (("--routing", "lru"), 1)):
+        r = installed(tmp_path, "ppl", m, "-f", text, "-c", "64", "--chunks", "1", *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = r.stdout.strip().splitlines()
+        assert lines[0].startswith("policy") and "lowbit-cache" in r.stdout, r.stdout
+        keys = [tuple(line.split()[:5]) for line in lines[1:]]
+        assert len(keys) == n_rows == len(set(keys)), r.stdout

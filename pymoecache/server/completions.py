@@ -191,7 +191,7 @@ def checked(endpoint, validate=validate_request, stream=stream_response):
             raw = await request.body()
             plan = None
             if validate is validate_request and request.url.path.endswith("/chat/completions"):
-                plan = server_tools.plan_request(json_object(raw))  # (tool calls: llama-server's generic format)
+                plan = server_tools.plan_request(json_object(raw), server_tools.template_format(served.llm().chat_template))
                 raw = json.dumps(plan.request).encode() if plan is not None else raw
             body = validate(served.llm(), request.url.path, raw)
             routing = request_routing(raw)

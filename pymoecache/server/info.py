@@ -105,7 +105,7 @@ def props(request: Request) -> dict:
                                                        "return_tokens": False}},
             "total_slots": served.n_parallel, "n_ctx": llm.n_ctx(), "kv_unified": served.kv_unified,
             "model_alias": served.model_id, "model_path": served.model_path,
-            "chat_template": tmpl.text if tmpl.text is not None else tmpl.name.decode("utf-8", "replace"),
+            "chat_template": tmpl.source,
             "chat_template_source": tmpl.label,
             "build_info": f"pymoecache {__version__} on llama-cpp-python {llama_cpp.__version__}",
             "moecache": {"routing": (llm.moecache.routing if llm.moecache is not None else served.routing).spec(),

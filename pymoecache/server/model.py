@@ -120,8 +120,7 @@ def load_model(served: Served, model_settings, *, chat_template=None, chat_templ
             except Error:
                 llm.close()
                 raise
-            if chat_template or chat_template_file or tmpl.fallback:  # (else llama-cpp-python's own, the same)
-                llm.chat_handler = tmpl.handler()
+            llm.chat_handler = tmpl.handler()  # (the model's own by Jinja renders as llama-cpp-python's, given tools)
             llm.chat_template = tmpl
             return llm
 

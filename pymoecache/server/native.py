@@ -326,7 +326,7 @@ def detokenize(llm, raw: bytes) -> dict:
 
 
 def apply_template(llm, raw: bytes) -> dict:
-    """``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the conversation as the
+    """``POST /apply-template``: ``{"messages": [...], "tools": [...]}`` -> ``{"prompt": text}``, the conversation as the
     server's chat template renders it for a chat completion (the assistant's turn opened), as llama-server
     answers; nothing is generated."""
     from ..errors import ConfigError
@@ -335,7 +335,7 @@ def apply_template(llm, raw: bytes) -> dict:
     _check_messages(d.get("messages"))
     messages = [dict(m, role="system") if m.get("role") == "developer" else m for m in d["messages"]]
     try:
-        prompt, _ = llm.chat_template.render(messages)
+        prompt, _ = llm.chat_template.render(messages, d.get("tools") if isinstance(d.get("tools"), list) else None)
     except ConfigError as e:
         raise RequestError(str(e), 400, "messages") from None
     return {"prompt": prompt}

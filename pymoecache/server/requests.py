@@ -299,7 +299,7 @@ def validate_request(llm, path: str, raw: bytes):
                                 n_ctx, llm)
     elif n_ctx < llm.n_ctx():  # a slot's context: the rendered messages must fit it with max_tokens
         try:
-            longest = len(llm.chat_template.tokens([dict(m) for m in d["messages"]]))
+            longest = len(llm.chat_template.tokens([dict(m) for m in d["messages"]], d.get("tools")))
         except Exception:  # (what the template cannot render here is the chat handler's to refuse, later)
             longest = 0
         if longest + (body.max_tokens or 1) > n_ctx:

@@ -4,6 +4,11 @@ grammar holds it to, ``{"tool_call": {"name": ..., "arguments": {...}}}`` (or, u
 the answer's JSON becomes OpenAI's ``tool_calls`` (finish_reason ``"tool_calls"``) or its text. An assistant
 message that called a tool, and the tool's answer (role ``tool``), go back to the model in the same words.
 
+Where the chat template is a Jinja one that speaks Hermes' tool format (Qwen2 to Qwen3, Hermes: it names ``tools`` and
+writes ``<tool_call>``), the template is given the tools and the conversation as they are, and the answer is read in
+that format instead: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` is a call, the text around them
+the content; under ``"required"`` a grammar holds the answer to one such call (:func:`template_format`).
+
 A request naming one function (``tool_choice: {"type": "function", ...}``) keeps llama-cpp-python's path, which
 constrains the answer to that function's arguments; ``"none"`` sends no tools.
 
@@ -21,22 +26,43 @@ constrains the answer to that function's arguments; ``"none"`` sends no tools.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..grammar import json_schema_grammar
+from ..templates import json_or_text
 from .requests import RequestError, check_schema
 
 _INSTRUCTIONS = ("You can call these tools (JSON schemas of their arguments):\n{tools}\n\nAnswer with one JSON object: "
                  '{{"tool_call": {{"name": <a tool\'s name>, "arguments": <its arguments>}}}} to call one{response}.')
 
 
+GENERIC, HERMES = "generic", "hermes"  # the tool-call formats: llama-server's fallback, Hermes' <tool_call> tags
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
 @dataclass
 class ToolPlan:
-    request: dict                      # the request as the model gets it: the tools in a system message, a grammar
+    request: dict                      # the request as the model gets it (generic: the tools in a system message)
     names: List[str] = field(default_factory=list)
     required: bool = False             # tool_choice "required": the answer is a call
+    format: str = GENERIC              # how the answer is read (GENERIC, HERMES)
+
+
+def template_format(template) -> str:
+    """The tool-call format of a chat template (a :class:`~pymoecache.templates.ChatTemplate`, or None): HERMES for
+    a Jinja template that is given ``tools`` and writes ``<tool_call>`` (Qwen2 to Qwen3, Hermes 2/3), else GENERIC.
+
+    >>> from types import SimpleNamespace as T
+    >>> template_format(T(text="{% if tools %}<tools>{{ tools }}</tools> <tool_call>{% endif %}")), template_format(None)
+    ('hermes', 'generic')
+    """
+    text = getattr(template, "text", None)
+    if isinstance(text, str) and "<tool_call>" in text and re.search(r"\btools\b", text):
+        return HERMES
+    return GENERIC
 
 
 def _tools(d: dict) -> list:
@@ -69,39 +95,38 @@ def _schema(tools: list, required: bool) -> dict:
     return {"anyOf": choices} if len(choices) > 1 else choices[0]
 
 
-def _message_for_model(m: dict) -> dict:
-    """An assistant message that called tools, or a tool's answer, in the generic format's words."""
-    if m.get("role") == "assistant" and m.get("tool_calls"):
-        calls = []
-        for c in m["tool_calls"]:
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(fn, dict):
-                raise RequestError("an assistant message's tool_calls must be {\"function\": {\"name\", "
-                                   "\"arguments\"}} objects", 400, "messages")
-            args = fn.get("arguments")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                pass
-            calls.append({"name": fn.get("name"), "arguments": args})
-        body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
-        return {"role": "assistant", "content": json.dumps(body)}
-    if m.get("role") == "tool":
-        content = m.get("content")
-        text = content if isinstance(content, str) else json.dumps(content)
-        return {"role": "tool", "tool_call_id": str(m.get("tool_call_id") or ""),
-                "content": json.dumps({"tool_response": text})}
-    return m
+def _messages(fmt: str, messages: list) -> list:
+    """The conversation in the format's words: generic writes a call and a tool's answer as JSON text; a Hermes
+    template writes them itself (ChatTemplate gives it a call's arguments as an object)."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls and (not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                              for c in calls)):
+            raise RequestError(f"messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\", "
+                               "\"arguments\"}} objects", 400, "messages")
+        if calls and fmt == GENERIC:
+            calls = [{"name": c["function"].get("name"), "arguments": json_or_text(c["function"].get("arguments"))}
+                     for c in calls]
+            body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
+            m = {"role": "assistant", "content": json.dumps(body)}
+        elif m.get("role") == "tool" and fmt == GENERIC:
+            content = m.get("content")
+            text = content if isinstance(content, str) else json.dumps(content)
+            m = {"role": "tool", "tool_call_id": str(m.get("tool_call_id") or ""),
+                 "content": json.dumps({"tool_response": text})}
+        out.append(m)
+    return out
 
 
-def plan_request(d: dict) -> Optional[ToolPlan]:
-    """The request the model gets where it asks for tool calls in the generic format (None: it does not; a
-    request naming one function stays with llama-cpp-python's path)."""
+def plan_request(d: dict, fmt: str = GENERIC) -> Optional[ToolPlan]:
+    """The request the model gets where it asks for tool calls, in the format ``fmt`` (:func:`template_format`; None:
+    it does not ask; a request naming one function stays with llama-cpp-python's path)."""
     choice = d.get("tool_choice")
     if not d.get("tools") or choice == "none" or isinstance(choice, dict):
         if choice == "none":
             d = {k: v for k, v in d.items() if k not in ("tools", "tool_choice")}
-            d["messages"] = [_message_for_model(m) for m in d.get("messages") or []]
+            d["messages"] = _messages(fmt, d.get("messages") or [])
             return ToolPlan(request=d)
         return None
     if choice not in (None, "auto", "required"):
@@ -113,11 +138,13 @@ def plan_request(d: dict) -> Optional[ToolPlan]:
         raise RequestError("give 'tools' or a grammar / response_format, not both", 400, "tools")
     tools = _tools(d)
     required = choice == "required"
+    if fmt == HERMES:
+        return _hermes_plan(d, tools, required)
     listing = json.dumps([{"name": f["name"], "description": f.get("description", ""),
                            "parameters": f.get("parameters") or {"type": "object"}} for f in tools], indent=1)
     text = _INSTRUCTIONS.format(tools=listing, response="" if required else
                                 ', or {"response": <your answer>} to answer without one')
-    messages = [_message_for_model(m) for m in d.get("messages") or []]
+    messages = _messages(GENERIC, d.get("messages") or [])
     if messages and messages[0].get("role") in ("system", "developer") and isinstance(messages[0].get("content"), str):
         messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + text}
     else:
@@ -127,12 +154,55 @@ def plan_request(d: dict) -> Optional[ToolPlan]:
     return ToolPlan(request=req, names=[f["name"] for f in tools], required=required)
 
 
+def _hermes_plan(d: dict, tools: list, required: bool) -> ToolPlan:
+    """The request as it goes to a Hermes template: the tools and messages as they are; under required, a grammar of
+    one ``<tool_call>``."""
+    req = {k: v for k, v in d.items() if k != "tool_choice"}
+    req["messages"] = _messages(HERMES, d.get("messages") or [])
+    if required:
+        call = json_schema_grammar(_schema(tools, True)["properties"]["tool_call"])
+        req["grammar"] = ('root ::= "<tool_call>\\n" tool-call-body "\\n</tool_call>"\n'
+                          + re.sub(r"^root ::=", "tool-call-body ::=", call, flags=re.M))
+    return ToolPlan(request=req, names=[f["name"] for f in tools], required=required, format=HERMES)
+
+
+def _hermes_calls(text: str):
+    """(the calls, the text around them) of an answer in Hermes' format; no calls where a block is not a JSON
+    object with a name (the text stays as it is).
+
+    >>> _hermes_calls('Let me look.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>')
+    ([{'name': 'f', 'arguments': {'x': 1}}], 'Let me look.')
+    """
+    calls = []
+    for block in _HERMES_CALL.findall(text):
+        try:
+            c = json.loads(block)
+        except ValueError:
+            return [], text
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            return [], text
+        calls.append(c)
+    return calls, _HERMES_CALL.sub("", text).strip() if calls else text
+
+
+def _as_openai_calls(calls: list) -> list:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.get("name"), "arguments": json.dumps(c.get("arguments", {}))}} for c in calls]
+
+
 def answer(plan: ToolPlan, result: dict) -> dict:
-    """The model's JSON answer as OpenAI's: ``tool_calls`` (finish_reason "tool_calls") or the response's text."""
+    """The model's answer as OpenAI's: ``tool_calls`` (finish_reason "tool_calls") and the text beside them (generic:
+    the response's text)."""
     if not plan.names:
         return result
     for choice in result.get("choices") or ():
         msg = choice.get("message") or {}
+        if plan.format == HERMES:
+            calls, text = _hermes_calls(msg.get("content") or "")
+            if calls:
+                msg.update(tool_calls=_as_openai_calls(calls), content=text or None)
+                choice["finish_reason"] = "tool_calls"
+            continue
         try:
             got = json.loads(msg.get("content") or "")
         except ValueError:  # (cut short by max_tokens: the text as it is)
@@ -142,9 +212,7 @@ def answer(plan: ToolPlan, result: dict) -> dict:
         calls = got.get("tool_calls") if isinstance(got.get("tool_calls"), list) else \
             [got["tool_call"]] if isinstance(got.get("tool_call"), dict) else None
         if calls:
-            msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": c.get("name"), "arguments": json.dumps(c.get("arguments", {}))}}
-                                 for c in calls]
+            msg["tool_calls"] = _as_openai_calls(calls)
             msg["content"] = None
             choice["finish_reason"] = "tool_calls"
         elif isinstance(got.get("response"), str):
