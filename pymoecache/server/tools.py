@@ -1,6 +1,7 @@
 """Tool calls on ``/v1/chat/completions``: in the chat template's own format where it is Hermes' (below), else in
-llama-server's generic format: with ``tools`` and ``tool_choice`` absent, ``"auto"`` or ``"required"``, the model is shown the tools in a system message and answers in JSON that a
-grammar holds it to, ``{"tool_call": {"name": ..., "arguments": {...}}}`` (or, under auto, ``{"response": "..."}``);
+llama-server's generic format: with ``tools`` and ``tool_choice`` absent, ``"auto"`` or ``"required"``, the model
+is shown the tools in a system message and answers in JSON that a grammar holds it to, ``{"tool_call": {"name":
+..., "arguments": {...}}}`` (or, under auto, ``{"response": "..."}``);
 the answer's JSON becomes OpenAI's ``tool_calls`` (finish_reason ``"tool_calls"``) or its text. An assistant
 message that called a tool, and the tool's answer (role ``tool``), go back to the model in the same words.
 
