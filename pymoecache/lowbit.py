@@ -48,6 +48,10 @@ _DEFAULT = {"F32": "Q4_K", "F16": "Q4_K", "BF16": "Q4_K", "Q8_0": "Q4_K",
 TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S",
          "IQ3_XXS", "Q2_K")
 _NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+# what llama.cpp's quantizer writes instead where a tensor's rows are not a multiple of the asked type's block
+# (tensor_type_fallback in vendor/llama.cpp/src/llama-quant.cpp; F16 where the fallback's block does not fit either)
+_FALLBACK = {"IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0",
+             "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 class CompanionError(ModelFileError):
@@ -151,6 +155,25 @@ def default_type(expert_type: str) -> str:
         raise CompanionError(f"experts of type {expert_type} have no lower type that llama.cpp makes without an "
                              f"importance matrix; --type takes {', '.join(TYPES)}")
     return t
+
+
+def made_type(type: str, ncols: int) -> str:
+    """The type llama.cpp writes when asked for ``type`` on rows of ``ncols`` values: ``type`` where its block
+    divides the rows, else its fallback.
+
+    >>> made_type("Q2_K", 4096), made_type("Q2_K", 2880), made_type("Q4_K", 2880), made_type("Q4_K", 100)
+    ('Q2_K', 'Q4_0', 'Q5_0', 'F16')
+    """
+    if ncols % _block(type) == 0:
+        return type
+    t = _FALLBACK.get(type, type)
+    return t if ncols % _block(t) == 0 else "F16"
+
+
+def _block(type_name: str) -> int:
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 
 def _bits(type_name: str) -> float:
@@ -322,6 +345,7 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
     if _bits(type) >= _bits(lowest):
         raise CompanionError(f"{type} ({_bits(type):.2f} bits per weight) is not lower than the model's experts "
                              f"({lowest}, {_bits(lowest):.2f}): a companion must be smaller")
+    _check_rows(m, type)
     named = out is None  # named by what it holds, once llama.cpp has made it (its fallbacks included)
     out = Path(out) if out is not None else default_path(m, type)
     if os.path.isdir(out):
@@ -336,14 +360,33 @@ def make_companion(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str
     try:
         _quantize(m, full, type, threads, progress, verbose, len(_Header(m).tensors))
         _write_experts(m, full, part, type, progress)
+        made = check_companion(m, part)  # (a companion that fails its check never takes the name)
         if named:
-            out = Path(writable_target(default_path(m, held_name(check_companion(m, part).types)), "companion",
-                                       CompanionError))
+            out = Path(writable_target(default_path(m, held_name(made.types)), "companion", CompanionError))
         os.replace(part, out)
     finally:
         full.unlink(missing_ok=True)
         part.unlink(missing_ok=True)
     return check_companion(m, out)
+
+
+def _check_rows(m: Path, type: str) -> None:
+    """CompanionError, before any work, where llama.cpp would write an expert tensor at a type no lower than the
+    model's own: its rows are not a multiple of ``type``'s block and the fallback is larger (gpt-oss: rows of 2880
+    values, no 256-value block; Q2_K falls back to Q4_0, 4.5 bits, above MXFP4's 4.25). Names the types that would
+    be lower, or says that none is."""
+    mats = _expert_matrices(_Header(m))
+    for name, t, shape, _ in mats:
+        made, own = made_type(type, shape[0]), _type_name(t)
+        if _bits(made) < _bits(own):
+            continue
+        ok = [x for x in TYPES if all(_bits(made_type(x, sh[0])) < _bits(_type_name(tt)) for _, tt, sh, _ in mats)]
+        raise CompanionError(
+            f"{m.name}: the rows of {name} ({shape[0]} values) are not a multiple of {type}'s block of {_block(type)}: "
+            f"llama.cpp would write them at {made} ({_bits(made):.2f} bits per weight), not lower than the model's "
+            f"{own} ({_bits(own):.2f}); " + (f"--type {' or '.join(ok)} would be lower" if ok else
+                                              "no type llama.cpp makes without an importance matrix is lower for "
+                                              "rows of this width: this model cannot have a smaller companion"))
 
 
 def quantize_experts(model: "os.PathLike[str] | str", out: "os.PathLike[str] | str", type: str, *,

@@ -46,9 +46,14 @@ static bool inner_pages(const moecache_expert_tensor & x, int32_t e, char ** a, 
     return true;
 }
 
+// the experts of layer il this prompt's read-ahead has asked for (its first ones, in order)
+static int32_t n_asked(const moecache & mc, int32_t il) {
+    return il < mc.ahead.last ? mc.n_expert : il == mc.ahead.last ? mc.ahead.last_e : 0;
+}
+
 // expert e of layer il was asked for by this prompt's read-ahead
 static bool asked_ahead(const moecache & mc, int32_t il, int32_t e) {
-    return il < mc.ahead.last || (il == mc.ahead.last && e < mc.ahead.last_e);
+    return e < n_asked(mc, il);
 }
 
 // ask the kernel to read expert e's pages now, in large requests (the expert regions are
@@ -116,23 +121,25 @@ static int64_t read_file_int(const std::string & path) {
     return (int64_t) v;
 }
 
-// the value of `key` in a memory.stat file, -1 where absent
-static int64_t read_stat(const std::string & path, const char * key) {
+// the values of keys[0..n) in a memory.stat file, read once (-1 where absent)
+static void read_stats(const std::string & path, const char * const * keys, int64_t * out, int n) {
+    for (int i = 0; i < n; i++) {
+        out[i] = -1;
+    }
     FILE * f = fopen(path.c_str(), "r");
     if (!f) {
-        return -1;
+        return;
     }
     char name[128];
     long long v;
-    int64_t got = -1;
     while (fscanf(f, "%127s %lld", name, &v) == 2) {
-        if (strcmp(name, key) == 0) {
-            got = (int64_t) v;
-            break;
+        for (int i = 0; i < n; i++) {
+            if (strcmp(name, keys[i]) == 0) {
+                out[i] = (int64_t) v;
+            }
         }
     }
     fclose(f);
-    return got;
 }
 
 // this process's memory cgroup, found once: its folder and whether it is v1 ("" where none)
@@ -192,24 +199,28 @@ static int64_t cgroup_room() {
         return -1;
     }
     if (cg.v1) {
+        static const char * const keys[2] = { "hierarchical_memory_limit", "total_inactive_file" };
+        int64_t stat[2]; // [hierarchical limit, inactive page cache]
+        read_stats(cg.dir + "/memory.stat", keys, stat, 2);
         int64_t limit = read_file_int(cg.dir + "/memory.limit_in_bytes");
-        const int64_t hier = read_stat(cg.dir + "/memory.stat", "hierarchical_memory_limit");
-        if (hier >= 0 && (limit < 0 || hier < limit)) {
-            limit = hier;
+        if (stat[0] >= 0 && (limit < 0 || stat[0] < limit)) {
+            limit = stat[0];
         }
         const int64_t usage = read_file_int(cg.dir + "/memory.usage_in_bytes");
         if (limit < 0 || limit >= ((int64_t) 1 << 62) || usage < 0) {
             return -1;
         }
-        const int64_t inactive = std::max<int64_t>(0, read_stat(cg.dir + "/memory.stat", "total_inactive_file"));
-        return std::max<int64_t>(0, limit - usage + inactive);
+        return std::max<int64_t>(0, limit - usage + std::max<int64_t>(0, stat[1]));
     }
     int64_t room = -1;
     for (std::string d = cg.dir; ; d = d.substr(0, d.find_last_of('/'))) {
         const int64_t limit = read_file_int(d + "/memory.max");
         const int64_t usage = read_file_int(d + "/memory.current");
         if (limit >= 0 && usage >= 0) {
-            const int64_t inactive = std::max<int64_t>(0, read_stat(d + "/memory.stat", "inactive_file"));
+            static const char * const key[1] = { "inactive_file" };
+            int64_t inactive;
+            read_stats(d + "/memory.stat", key, &inactive, 1);
+            inactive = std::max<int64_t>(0, inactive);
             const int64_t r = std::max<int64_t>(0, limit - usage + inactive);
             room = room < 0 ? r : std::min(room, r);
         }
@@ -258,8 +269,7 @@ static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
 // dropped once the prompt is past that layer
 static void ask_layer(moecache & mc, int32_t il, int32_t e_end) {
     const moecache_layer & next = mc.layers[il];
-    const int32_t e_begin = il == mc.ahead.last ? mc.ahead.last_e : 0;
-    for (int32_t e = e_begin; e < e_end; e++) {
+    for (int32_t e = n_asked(mc, il); e < e_end; e++) {
         if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
             continue;
         }
@@ -291,8 +301,7 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
     if (known) {
         room -= layer_file_bytes(mc, L);
         for (int32_t il = L.il + 1; il <= mc.ahead.last; il++) {
-            const int32_t n = il == mc.ahead.last ? mc.ahead.last_e : N;
-            room -= mc.layers[il].res.xt.empty() ? 0 : (int64_t) mc.layers[il].res.expert_bytes * n;
+            room -= mc.layers[il].res.xt.empty() ? 0 : (int64_t) mc.layers[il].res.expert_bytes * n_asked(mc, il);
         }
     }
     int32_t n_ahead = 0;
@@ -302,10 +311,10 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
             continue; // (all in slots: its prompts read nothing)
         }
         n_ahead++;
-        if (il < mc.ahead.last || (il == mc.ahead.last && mc.ahead.last_e >= N)) {
+        const int32_t e_begin = n_asked(mc, il);
+        if (e_begin >= N) {
             continue; // asked for already
         }
-        const int32_t e_begin = il == mc.ahead.last ? mc.ahead.last_e : 0;
         int32_t       e_end   = N;
         if (known) {
             const int64_t fit = room / std::max<int64_t>(1, (int64_t) next.res.expert_bytes);
@@ -400,14 +409,13 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
     if (!file_covers(mc, end)) {
         return;
     }
-    const bool whole = L.il < mc.ahead.last || (L.il == mc.ahead.last && mc.ahead.last_e >= mc.n_expert);
+    const int32_t asked = n_asked(mc, L.il);
     mc.ahead.faulted = -1;
-    if (!decode && n_ids >= mc.n_expert && !whole) {
+    if (!decode && n_ids >= mc.n_expert && asked < mc.n_expert) {
         // not read ahead, or in part (the first layer, or little room): the rest now, where it fits; where it
         // does not, STREAM leaves the rest to the kernel's readahead as the matmul faults it in, in order (what
         // stock llama.cpp's mapping does at any memory size); MMAP's expert regions are MADV_RANDOM: asked for
-        const int32_t asked = L.il == mc.ahead.last ? mc.ahead.last_e : 0;
-        const int64_t room  = read_room();
+        const int64_t room = read_room();
         if (room < 0 || room >= (int64_t) L.res.expert_bytes * (mc.n_expert - asked)) {
             ask_layer(mc, L.il, mc.n_expert);
             moecache_io_wait(*mc.res.io, mc.ahead.req[L.il]);

@@ -140,3 +140,18 @@ def test_memory_below_the_dense_part_leaves_it_unlocked(monkeypatch):
         said = [str(x.message) for x in w if "the dense part is not locked" in str(x.message)]
         assert llm.cache_config.lock_dense is locked and bool(said) is not locked, (available, said)
         llm.close()
+
+
+def test_a_companion_that_cannot_be_smaller_is_refused_before_any_work(built, tmp_path):
+    """gpt-oss's expert rows (2880 values) take no 256-value block: llama.cpp would write Q2_K's fallback, Q4_0,
+    larger than MXFP4. `lowbit` says so at once and writes nothing (it used to quantize the whole file first, then
+    refuse it and leave it); OLMoE's rows (2048) take Q2_K."""
+    from test_rpc_as_installed import installed
+
+    r = installed(tmp_path, "lowbit", built["gpt-oss-20b"], "-o", tmp_path / "oss.lowbit.gguf")
+    assert r.returncode == 2 and "rows of blk.0.ffn_gate_exps.weight (2880 values)" in r.stderr, r.stderr
+    assert "Q4_0 (4.50 bits per weight), not lower than the model's MXFP4" in r.stderr and "cannot have" in r.stderr
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    r = installed(tmp_path, "lowbit", built["olmoe-1b-7b"], "-o", tmp_path / "olmoe.lowbit.gguf")
+    assert r.returncode == 0 and "at Q2_K" in r.stdout + r.stderr, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["olmoe.lowbit.gguf"]
