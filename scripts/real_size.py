@@ -3,13 +3,15 @@
 
     python scripts/real_size.py qwen3-30b-a3b               # 48 x 128 experts, Q4_K_M as llama-quantize lays it out
     python scripts/real_size.py mixtral-8x7b --layers 4     # the same shapes, 4 layers (where disk is short)
+    python scripts/real_size.py deepseek-v2-lite            # 26 MoE layers x 64 experts + 2 shared, 6 used, MLA
     python scripts/real_size.py --list                      # the shapes, their sizes
 
 The last line printed is the path of the file (models/_bench/real-SHAPE[-LN].gguf, git-ignored); a file already
 built with the same shape, layers and seed is kept. What each file has is the real model's:
 
 * hyperparameters (layers, widths, heads, head size, experts, experts used, context, rope, norm epsilon), under
-  the architecture name llama.cpp's loader knows (qwen3moe, llama for Mixtral, olmoe, gpt-oss), every tensor it
+  the architecture name llama.cpp's loader knows (qwen3moe, llama for Mixtral, olmoe, gpt-oss, deepseek2 with
+  MLA, a dense first layer and shared experts for DeepSeek-V2-Lite; `--layers 1` drops the dense one), every tensor it
   asks for, by its name and shape (the pin's own model definitions load it: a missing or extra tensor is an error);
 * the quantization mix llama-quantize writes: Q4_K_M (Q4_K; Q6_K for output, and for attn_v and ffn_down in the
   layers its use_more_bits picks; Q8_0 attn_k/attn_v and Q5_K attn_output where a model has 8 experts; F32 norms
@@ -75,6 +77,11 @@ class Shape:
     ftype: str             # "Q4_K_M" or "MXFP4_MOE"
     qk_norm: str = ""      # "head": per-head q/k norms (qwen3), "full": over all heads (olmoe)
     extra: Tuple[Tuple[str, object], ...] = ()  # further metadata keys (suffix after "<arch>."), e.g. gpt-oss' window
+    # DeepSeek-V2's parts (0: none): dense layers first, shared experts, multi-head latent attention
+    n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
+    n_ff_dense: int = 0    # their FFN's width
+    n_shared: int = 0      # shared experts per MoE layer (one FFN n_shared x n_ff_exp wide)
+    mla: Tuple[int, int, int, int] = (0, 0, 0, 0)  # (kv_lora_rank, qk_nope, qk_rope, v_head_dim) of MLA heads
 
 
 SHAPES: Dict[str, Shape] = {
@@ -92,9 +99,17 @@ SHAPES: Dict[str, Shape] = {
                          vocab="qwen2", n_vocab=201088, ftype="MXFP4_MOE",
                          extra=(("attention.sliding_window", 128), ("rope.scaling.type", "yarn"),
                                 ("rope.scaling.factor", 32.0), ("rope.scaling.original_context_length", 4096))),
+    # MLA as llama.cpp's converter writes it (one KV head of kv_lora + rope, K and V's up-projections split per
+    # head); one dense layer first; 2 shared experts; expert rows of 1408 that Q4_K cannot hold (Q5_0 / Q8_0)
+    "deepseek-v2-lite": Shape("deepseek2", "DeepSeek-V2-Lite", n_layer=27, n_embd=2048, n_head=16, n_head_kv=1,
+                              head_dim=192, n_expert=64, n_expert_used=6, n_ff_exp=1408, n_ctx=163840,
+                              rope_base=1e4, rms_eps=1e-6, vocab="deepseek-llm", n_vocab=102400, ftype="Q4_K_M",
+                              n_dense_lead=1, n_ff_dense=10944, n_shared=2, mla=(512, 128, 64, 128),
+                              extra=(("attention.q_lora_rank", 0), ("expert_weights_scale", 1.0),
+                                     ("rope.scaling.type", "yarn"), ("rope.scaling.factor", 40.0),
+                                     ("rope.scaling.original_context_length", 4096),
+                                     ("rope.scaling.yarn_log_multiplier", 0.0707))),
 }
-# not yet: deepseek-v2-lite (MLA attention, a leading dense layer, shared experts, expert rows of 1408 that
-# Q4_K cannot hold: llama-quantize's fallbacks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +163,9 @@ def tensors(s: Shape) -> List[Tensor]:
     for il in range(s.n_layer):
         b = f"blk.{il}"
         vec(f"{b}.attn_norm.weight", "norm", E)
+        if s.arch == "deepseek2":
+            _deepseek2_layer(s, il, mat, vec)
+            continue
         mat(f"{b}.attn_q.weight", il, E, nq)
         mat(f"{b}.attn_k.weight", il, E, nkv)
         mat(f"{b}.attn_v.weight", il, E, nkv)
@@ -171,6 +189,32 @@ def tensors(s: Shape) -> List[Tensor]:
         mat(f"{b}.ffn_up_exps.weight", il, E, F, N)
         mat(f"{b}.ffn_down_exps.weight", il, F, E, N)
     return out
+
+
+def _deepseek2_layer(s: Shape, il: int, mat, vec) -> None:
+    """One DeepSeek-V2 layer after its attn_norm: MLA (no q LoRA, as the Lite), then a dense FFN or the experts
+    with the shared ones."""
+    b, E, F, N = f"blk.{il}", s.n_embd, s.n_ff_exp, s.n_expert
+    kv_lora, nope, rope, v = s.mla
+    mat(f"{b}.attn_q.weight", il, E, s.n_head * (nope + rope))
+    mat(f"{b}.attn_kv_a_mqa.weight", il, E, kv_lora + rope)
+    vec(f"{b}.attn_kv_a_norm.weight", "norm", kv_lora)
+    mat(f"{b}.attn_k_b.weight", il, nope, kv_lora, s.n_head)
+    mat(f"{b}.attn_v_b.weight", il, kv_lora, v, s.n_head)
+    mat(f"{b}.attn_output.weight", il, s.n_head * v, E)
+    vec(f"{b}.ffn_norm.weight", "norm", E)
+    if il < s.n_dense_lead:
+        mat(f"{b}.ffn_gate.weight", il, E, s.n_ff_dense)
+        mat(f"{b}.ffn_up.weight", il, E, s.n_ff_dense)
+        mat(f"{b}.ffn_down.weight", il, s.n_ff_dense, E)
+        return
+    vec(f"{b}.ffn_gate_inp.weight", "router", E, N)
+    mat(f"{b}.ffn_gate_exps.weight", il, E, F, N)
+    mat(f"{b}.ffn_up_exps.weight", il, E, F, N)
+    mat(f"{b}.ffn_down_exps.weight", il, F, E, N)
+    mat(f"{b}.ffn_gate_shexp.weight", il, E, F * s.n_shared)
+    mat(f"{b}.ffn_up_shexp.weight", il, E, F * s.n_shared)
+    mat(f"{b}.ffn_down_shexp.weight", il, F * s.n_shared, E)
 
 
 def nbytes(t: Tensor) -> int:
@@ -277,16 +321,29 @@ def _add_hparams(w: gguf.GGUFWriter, s: Shape, name: str) -> None:
     w.add_block_count(s.n_layer)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
+    kv_lora, nope, rope, v = s.mla
+    if kv_lora:  # MLA: the cache holds one latent head of kv_lora + rope; the heads' own sizes are the _mla keys
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_uint32(f"{a}.attention.key_length_mla", nope + rope)
+        w.add_uint32(f"{a}.attention.value_length_mla", v)
+        w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora)
+        w.add_rope_dimension_count(rope)
+    else:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_rope_dimension_count(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_expert_count(s.n_expert)
     w.add_expert_used_count(s.n_expert_used)
-    w.add_feed_forward_length(s.n_ff_exp)  # (llama and olmoe read the expert's width here)
-    if a in ("qwen3moe", "gpt-oss"):
+    w.add_feed_forward_length(s.n_ff_dense or s.n_ff_exp)  # (llama and olmoe read the expert's width here)
+    if a in ("qwen3moe", "gpt-oss", "deepseek2"):
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.n_dense_lead:
+        w.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
+    if s.n_shared:
+        w.add_uint32(f"{a}.expert_shared_count", s.n_shared)
     for key, value in s.extra:
         if isinstance(value, str):
             w.add_string(f"{a}.{key}", value)
@@ -305,7 +362,8 @@ def build(shape: str, layers: Optional[int] = None, seed: int = 0, out_dir: Path
     if layers is not None:
         if not 1 <= layers <= s.n_layer:
             raise SystemExit(f"--layers must be 1 to {s.n_layer} for {shape}")
-        s = dataclasses.replace(s, n_layer=layers)
+        # (at least one MoE layer: the dense lead shrinks first)
+        s = dataclasses.replace(s, n_layer=layers, n_dense_lead=min(s.n_dense_lead, layers - 1))
     path = Path(out_dir) / (f"real-{shape}" + (f"-L{s.n_layer}" if s.n_layer != SHAPES[shape].n_layer else "")
                             + ".gguf")
     card = json.loads(json.dumps({"version": VERSION, "shape": dataclasses.asdict(s), "seed": seed}))  # (as read back)

@@ -34,7 +34,8 @@ def built(tmp_path_factory):
 
 def test_the_full_size_files_are_the_real_ones_sizes():
     """The full files as the real GGUFs are (random weights aside): Qwen3-30B-A3B Q4_K_M 18.6 GB of which 48 x 128
-    experts of 2.7 MiB; gpt-oss-20b MXFP4 12.1 GB; OLMoE-1B-7B Q4_K_M 4.2 GB (the published files' sizes)."""
+    experts of 2.7 MiB; gpt-oss-20b MXFP4 12.1 GB; OLMoE-1B-7B Q4_K_M 4.2 GB (the published files' sizes); DeepSeek-V2-Lite's
+    15.7B parameters."""
     size = {s: sum(real_size.nbytes(t) for t in real_size.tensors(real_size.SHAPES[s])) / 1e9 for s in SHAPES}
     assert abs(size["qwen3-30b-a3b"] - 18.6) < 0.2
     assert abs(size["gpt-oss-20b"] - 12.1) < 0.3
@@ -49,6 +50,14 @@ def test_the_full_size_files_are_the_real_ones_sizes():
     assert types["blk.3.ffn_gate_inp.weight"] == "F32" and types["blk.3.ffn_up_exps.weight"] == "Q4_K"
     oss = {t.name: t.qtype.name for t in real_size.tensors(real_size.SHAPES["gpt-oss-20b"])}
     assert oss["blk.0.ffn_up_exps.weight"] == "MXFP4" and oss["blk.0.attn_q.weight"] == "Q8_0"
+    # DeepSeek-V2-Lite: 15.7B parameters; a dense first layer, then 26 of 64 experts (rows of 1408: Q4_K's fallback
+    # Q5_0, Q6_K's Q8_0) with 2 shared; MLA's split K and V up-projections
+    ds = real_size.tensors(real_size.SHAPES["deepseek-v2-lite"])
+    assert abs(sum(math.prod(t.shape) for t in ds) / 1e9 - 15.7) < 0.1
+    dst = {t.name: t.qtype.name for t in ds}
+    assert "blk.0.ffn_down.weight" in dst and "blk.0.ffn_gate_inp.weight" not in dst
+    assert dst["blk.1.ffn_down_exps.weight"] == "Q8_0" and dst["blk.4.ffn_down_exps.weight"] == "Q5_0"
+    assert dst["blk.26.ffn_up_shexp.weight"] == "Q4_K" and "blk.26.attn_k_b.weight" in dst
 
 
 def test_a_built_file_is_kept_and_its_card_says_what_it_is(built):
