@@ -26,6 +26,7 @@ constrains the answer to that function's arguments; ``"none"`` sends no tools.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -61,9 +62,13 @@ def template_format(template) -> str:
     ('hermes', 'generic')
     """
     text = getattr(template, "text", None)
-    if isinstance(text, str) and "<tool_call>" in text and re.search(r"\btools\b", text):
-        return HERMES
-    return GENERIC
+    return _format_of(text) if isinstance(text, str) else GENERIC
+
+
+@functools.lru_cache(maxsize=4)
+def _format_of(text: str) -> str:
+    """(looked at once per template, not per request)"""
+    return HERMES if "<tool_call>" in text and re.search(r"\btools\b", text) else GENERIC
 
 
 def _tools(d: dict) -> list:
