@@ -158,6 +158,8 @@ class moecache_residency_stats(ctypes.Structure):
         ("device_route_differs", c_int64),
         ("vram_pinned_bytes", c_int64),
         ("device_steps", c_int64),
+        ("decode_selections", c_int64),
+        ("decode_union", c_int64),
     ]
 
 

@@ -385,7 +385,8 @@ class MoECache:
                               lowbit_behind=rs.lowbit_behind, miss=LOWBIT_NAMES.get(rs.lowbit, "?"),
                               decode_graphs=rs.decode_graphs, decode_graph_splits=rs.decode_graph_splits,
                               device_reads=rs.device_reads, decode_steps=rs.decode_steps, device_steps=rs.device_steps,
-                              device_routed=rs.device_routed, device_route_differs=rs.device_route_differs)
+                              device_routed=rs.device_routed, device_route_differs=rs.device_route_differs,
+                              decode_selections=rs.decode_selections, decode_union=rs.decode_union)
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

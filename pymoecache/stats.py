@@ -96,6 +96,10 @@ class ResidencyStats:
     # batched decoding (Llama(n_seq_max=N)): decode steps, each one llama_decode of one token per sequence
     # (decode_tokens counts the tokens: a step of 4 sequences is 4)
     decode_steps: int = 0
+    # what the steps' tokens share: selections of decoded tokens, and the distinct experts among each step's
+    # (per layer, summed); union / selections is 1 with one sequence, 1/n where n tokens all chose alike
+    decode_selections: int = 0
+    decode_union: int = 0
 
     @property
     def splits_per_token(self) -> float:
@@ -181,7 +185,8 @@ class ResidencyStats:
                 "graph_splits_per_token": self.splits_per_token, "device_steps": self.device_steps,
                 "device_reads_per_token": self.device_reads_per_token,
                 "device_routed": self.device_routed, "device_route_differs": self.device_route_differs,
-                "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps}
+                "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps,
+                "decode_selections": self.decode_selections, "decode_union": self.decode_union}
 
     def device_summary(self) -> str:
         """What a decoded token costs across backends (empty where one backend computes everything, as

@@ -399,6 +399,7 @@ static void device_count(moecache & mc) {
             const device_fields f = device_layout(mc, T, d.align[g]);
             const char * at = d.host[g] + (size_t) (call * d.n_in[g] + d.layer_slot[il]) * f.off[N_FIELDS];
             const int64_t t1 = moecache_time_us();
+            std::vector<uint8_t> seen; // [n_expert] the step's union so far
             for (int32_t t = 0; t < T; t++) {
                 const int32_t * ids = (const int32_t *) (at + f.off[FIELD_IDS]) + t * N; // (the argsort's row: top K first)
                 const int32_t * ran = (const int32_t *) (at + f.off[FIELD_RAN]) + t * K;
@@ -415,6 +416,7 @@ static void device_count(moecache & mc) {
                     mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
                     mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
                 }
+                moecache_route_count_union(mc, seen, sel, n_sel);
             }
             L.decode_tokens += T;
             L.decode_steps  += 1;

@@ -62,6 +62,7 @@ void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         mc.step_misses.assign(n_tokens, 0);
     }
     const bool rows = decode && update && (int64_t) mc.step_hits.size() == n_tokens;
+    std::vector<uint8_t> seen; // [n_expert] the step's union so far (decoded tokens)
     for (int64_t t = 0; t < n_tokens; t++) {
         int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * st = (const int32_t *) ((const char *) stock->data + t * stock->nb[1]);
@@ -91,6 +92,9 @@ void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int32_t i = 0; i < n && rows; i++) {
             mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
             mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
+        }
+        if (decode && update) {
+            moecache_route_count_union(mc, seen, out, n);
         }
         if (single && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
             const float * pr = moecache_row_f32(p, t);

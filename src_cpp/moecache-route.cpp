@@ -455,3 +455,14 @@ void moecache_route_share_token(const moecache & mc, moecache_layer & L, int64_t
 void moecache_route_share_end(moecache_layer & L) {
     L.scratch.others.clear();
 }
+
+void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n) {
+    seen.resize(mc.n_expert, 0);
+    mc.rst.decode_selections += n;
+    for (int32_t i = 0; i < n; i++) {
+        if (sel[i] >= 0 && sel[i] < mc.n_expert && !seen[sel[i]]) {
+            seen[sel[i]] = 1;
+            mc.rst.decode_union += 1;
+        }
+    }
+}

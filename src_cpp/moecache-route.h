@@ -43,6 +43,10 @@ void moecache_route_share_first(moecache & mc, moecache_layer & L, const moecach
 void moecache_route_share_token(const moecache & mc, moecache_layer & L, int64_t t);
 void moecache_route_share_end(moecache_layer & L);
 
+// a decoded token's selections sel [n] into decode_selections and decode_union: seen [n_expert] marks the
+// experts the step's earlier tokens selected in this layer (the caller clears it at the step's start)
+void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n);
+
 // moecache-cache.cpp
 void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);
 void moecache_layer_clear(moecache_layer & L);   // empty, Delta, usage and pins to zero

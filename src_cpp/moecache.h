@@ -491,6 +491,11 @@ struct moecache_residency_stats {
                                   //   devices, or refused)
     int64_t device_steps;         // decode steps routed on their device and counted after the graph (the
                                   //   device path above ran; on the CPU too, with no read)
+    // what a batch of sequences shares: per decode step and MoE layer, the experts its tokens selected
+    int64_t decode_selections;    // selections of decoded tokens (experts run; pruned slots excluded)
+    int64_t decode_union;         // distinct experts among each step's selections, summed over steps and
+                                  //   layers: = decode_selections with one sequence; what a step reads and
+                                  //   computes at most (tokens choosing the same expert share it)
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis

@@ -111,7 +111,7 @@ UNION = """
         dec.run()
         rs = llm.moe_stats().residency
         out = (rs.decode_loads, rs.decode_tokens, rs.decode_steps, [s.tokens for s in seqs],
-               [(s.hits, s.misses) for s in seqs])
+               [(s.hits, s.misses) for s in seqs], (rs.decode_selections, rs.decode_union))
         dec.close(); llm.close()
         return out
 
@@ -123,9 +123,13 @@ UNION = """
 def test_a_step_reads_the_union_of_its_misses_once(fixture_dir, tmp_path):
     """Four copies of one sequence decoded together select the same experts at every step: the step reads
     each of its misses once, as many reads as the one sequence alone, for four times the tokens; each
-    sequence's hits and misses are counted apart."""
+    sequence's hits and misses are counted apart. The union of a step's selections is a quarter of them
+    (decode_union), and all of them alone."""
     d = run_script(tmp_path, UNION.format(model=str(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"))))
-    (l1, t1, s1, tok1, hm1), (l4, t4, s4, tok4, hm4) = d["one"], d["four"]
+    (l1, t1, s1, tok1, hm1, u1), (l4, t4, s4, tok4, hm4, u4) = d["one"], d["four"]
+    # (4 experts per token, 4 MoE layers, 15 decode steps)
+    assert u1 == [t1 * 4 * 4, t1 * 4 * 4] and t1 == 15
+    assert u4 == [4 * u1[0], u1[0]]
     assert tok4 == tok1 * 4
     assert l1 > 0 and l4 == l1
     assert (t4, s4) == (4 * t1, s1)
