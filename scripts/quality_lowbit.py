@@ -6,6 +6,11 @@ same routing with full-precision misses, against top-k + LRU, and against the pl
 
     python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-32x4-w256.gguf --types Q4_K,Q3_K,Q2_K
     python scripts/quality_lowbit.py models/tiny-shakespeare-qwen2moe-60x4.gguf --types Q4_0 --max-p 1,0.2
+    python scripts/quality_lowbit.py models/tiny-shakespeare-fine-128x8-w256.gguf --as-type Q4_K_M \
+        --types Q2_K,Q3_K,IQ3_S --cache-sizes 0.25,0.125
+
+--as-type Q4_K_M: the model first as llama-quantize writes it at that file type (what users download; made once
+into --work), whose experts the companions are then made from: which companion a Q4_K_M model should get.
 
 The `ppl` protocol (chunks of --ctx tokens from an empty KV cache, the expert cache carried over),
 each token decoded alone with the experts streamed, since the miss path serves decoded tokens; the
@@ -37,7 +42,7 @@ def held_out_text(work: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="GGUF model (its experts at Q8_0 or F16)")
+    ap.add_argument("model", help="GGUF model (its experts at F16, Q8_0, or a 4-6 bit type)")
     ap.add_argument("--types", default="Q4_K", help="companion types, comma-separated (default %(default)s)")
     ap.add_argument("--cache-sizes", default="0.5,0.25", help="cache sizes, shares of N (default %(default)s)")
     ap.add_argument("--routings", default="lru,preset:quality",
@@ -54,6 +59,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=str(ROOT / "models" / "_bench" / "quality"),
                     help="where companions and plain models are made (default %(default)s)")
+    ap.add_argument("--as-type", metavar="FTYPE",
+                    help="quantize the model first to this llama.cpp file type (Q4_K_M, Q5_K_M, Q8_0...), once into --work")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
 
@@ -64,6 +71,8 @@ def main() -> int:
     model = Path(args.model).resolve()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.as_type:
+        model = quantized(model, args.as_type.upper(), work, args.threads)
     text = Path(args.text) if args.text else held_out_text(work)
     sizes = [float(x) for x in args.cache_sizes.split(",")]
     routings = [parse_routing(r.strip()) for r in args.routings.split(",") if r.strip()]
@@ -112,6 +121,42 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows, sizes, model.name))
     return 0
+
+
+def quantized(model: Path, ftype: str, work: Path, threads: int) -> Path:
+    """``model`` as llama-quantize writes it at file type ``ftype`` (its own mix: Q4_K_M's experts at Q4_K, some down
+    projections at Q6_K), made once into ``work``."""
+    import ctypes
+    import os
+
+    import logging
+
+    from pymoecache import _llamalog  # (points llama_cpp at our library; its log goes through this logger)
+    import llama_cpp
+
+    out = work / f"{model.stem}.{ftype}.gguf"
+    if out.is_file() and out.stat().st_mtime >= model.stat().st_mtime:
+        return out
+    code = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}", None)
+    if code is None:
+        raise SystemExit(f"--as-type {ftype}: not a llama.cpp file type (Q4_K_M, Q5_K_M, Q6_K, Q8_0...)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(code)
+    params.nthread = threads
+    params.allow_requantize = True  # (a Q8_0 model too: a second rounding, said in the message below)
+    part = out.with_name(out.name + ".tmp")
+    print(f"quantizing {model.name} to {ftype} (once) ...", file=sys.stderr, flush=True)
+    logger = _llamalog.LLAMA_CPP_LOGGER.logger
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)  # (a line per tensor otherwise)
+    try:
+        if llama_cpp.llama_model_quantize(str(model).encode(), str(part).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit(f"llama.cpp could not quantize {model} to {ftype}")
+        os.replace(part, out)
+    finally:
+        logger.setLevel(level)
+        part.unlink(missing_ok=True)
+    return out
 
 
 def table(rows, sizes, name) -> str:
