@@ -13,7 +13,7 @@ lower-typed, with the reason.
     pymoecache lowbit model.gguf --check            # is the companion beside it usable?
 
 >>> default_type("Q8_0"), default_type("Q4_K")
-('Q4_K', 'Q2_K')
+('Q4_K', 'Q3_K')
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ FORMAT_VERSION = 1
 KEY = "moecache.lowbit."  # the companion's own keys: KEY + version, type, parent.name, parent.size, parent.tensor_hash,
 #                            parent.experts_sample (written since 2026-11-28; a companion without it is not checked so)
 
-# The type a model's experts get by default, from their own type: about half the bits (a Q8_0 model's
-# experts at Q4_K, a 4-6 bit model's at Q2_K). Provisional: the measured table of types (issue 42
-# item 4, a model with 256-wide rows) decides.
+# The type a model's experts get by default, from their own type: a Q8_0 model's experts at Q4_K (about half
+# the bits: +0.06-0.13% perplexity on model C), a 4-6 bit model's at Q3_K. Measured on the fine-grained trained
+# model at Q4_K_M (128 experts, 8 used; docs/results.md, issue 76 item 5): Q3_K and IQ3_S copies cost nothing
+# measurable (+0.2% and -0.6%, within a standard error), Q2_K +1.0-1.4% (two standard errors) for 24% fewer
+# bytes than Q3_K; Q3_K over IQ3_S for its faster kernels on every backend. --type Q2_K where bytes matter more.
 _DEFAULT = {"F32": "Q4_K", "F16": "Q4_K", "BF16": "Q4_K", "Q8_0": "Q4_K",
-            "Q6_K": "Q3_K", "Q5_K": "Q2_K", "Q5_0": "Q2_K", "Q5_1": "Q2_K", "Q4_K": "Q2_K", "Q4_0": "Q2_K",
-            "Q4_1": "Q2_K", "IQ4_NL": "Q2_K", "IQ4_XS": "Q2_K", "MXFP4": "Q2_K"}
+            "Q6_K": "Q3_K", "Q5_K": "Q3_K", "Q5_0": "Q3_K", "Q5_1": "Q3_K", "Q4_K": "Q3_K", "Q4_0": "Q3_K",
+            "Q4_1": "Q3_K", "IQ4_NL": "Q3_K", "IQ4_XS": "Q3_K", "MXFP4": "Q3_K"}
 # what --type takes (Q8_0: for F16/BF16/F32 experts, half the bytes at almost no cost; a companion
 # must be smaller than the model's experts): llama.cpp makes these without an importance matrix
 # (IQ1_*, IQ2_XXS, IQ2_XS and IQ2_S need one: llama_model_quantize refuses them without)

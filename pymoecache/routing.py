@@ -261,6 +261,7 @@ _PRESET_MEASURED = {
 
 
 DEFAULT_PRESET = "quality"  # what a cache smaller than the model runs when no routing is given
+FINE_GRAINED_K = 8          # experts per token from which the quality preset's prior is halved (Qwen3-MoE, OLMoE)
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,9 @@ class Preset:
     experts cached once the cache size is known (``pymoecache.Llama`` resolves it at load):
 
     * ``quality`` (the default): prior 0.1 with J = 1, lfu eviction with decay 0.8: at most 1%
-      perplexity on the reference models;
+      perplexity on the reference models (K = 2 and 4); for K >= 8 prior 0.05: on the fine-grained
+      trained model (128 experts, 8 used) 0.1 cost +0.6% to +2.9% from 1/16 to 1/2 of the experts
+      cached, 0.05 at most +0.2% for 1.2-1.8x LRU's hit rate (docs/results.md, issue 76 item 5);
     * ``balanced``: prior 0.2 with router-mass eviction, J = 1 from half the experts cached, J = 2
       below (K >= 4; prior 0.1 for K <= 2): at most 2%;
     * ``speed``: prior 0.3 with J = 1, router-mass eviction: at most 4%, the most misses saved.
@@ -285,6 +288,8 @@ class Preset:
     >>> Preset("quality").resolve(n_expert_used=4, cache_share=1.0)
     (TopK(), 'lru')
     >>> Preset("quality").resolve(n_expert_used=4, cache_share=0.25, device_tier=True)
+    (Prior(strength=0.05, top_j=1), 'lfu')
+    >>> Preset("quality").resolve(n_expert_used=8, cache_share=0.25)
     (Prior(strength=0.05, top_j=1), 'lfu')
     """
 
@@ -316,6 +321,10 @@ class Preset:
     def _pick(self, n_expert_used: int, cache_share: float, device_tier: bool) -> Tuple["Routing", str]:
         if cache_share >= 1.0:
             routing, eviction = TopK(), "lru"
+        elif self.name == "quality" and n_expert_used >= FINE_GRAINED_K:
+            # many small experts: each token's 8 or more leave more room to swap in a cached one, and 0.1 swapped
+            # too many (the fine-grained trained model: +2.9% at 1/4, where 0.05 gave -0.1% for 61% hits, LRU 46%)
+            routing, eviction = Prior(0.05, top_j=1), "lfu"
         elif self.name == "quality" and device_tier:
             # a miss of the tier is computed on the CPU, not read: half the quality prior keeps A, C and B's
             # Q8_0 tier within 0.5% of top-k at 2.1-2.7x --n-cpu-moe's device share (bench_vram_share.py)

@@ -21,6 +21,8 @@ MIXTRAL = "mixtral-8x2"  # K = 2, N = 8
 @pytest.mark.parametrize("name,K,share,routing,eviction", [
     ("quality", 4, 0.5, Prior(0.1, top_j=1), "lfu"),
     ("quality", 2, 0.25, Prior(0.1, top_j=1), "lfu"),
+    ("quality", 8, 0.25, Prior(0.05, top_j=1), "lfu"),  # fine-grained (Qwen3-MoE, OLMoE): half the prior
+    ("quality", 8, 0.5, Prior(0.05, top_j=1), "lfu"),
     ("balanced", 4, 0.5, Prior(0.2, top_j=1), "router-mass"),
     ("balanced", 4, 0.25, Prior(0.2, top_j=2), "router-mass"),
     ("balanced", 2, 0.5, Prior(0.1, top_j=1), "router-mass"),
@@ -87,6 +89,9 @@ def test_cli_preset_says_what_ran_and_what_it_costs(fixture_dir):
     d = json.loads(_cli("run", m, "--preset", "quality", "--cache-size", "30", "-n", "2", "--json",
                         "--eviction", "lfu").stdout)
     assert (d["preset"], d["routing"], d["eviction"]) == ("quality", "prior:0.1:j=1", "lfu")
+    # K = 8: the default (no routing given) halves the prior
+    d = json.loads(_cli("run", model_path(fixture_dir, "olmoe-64x8"), "--cache-size", "16", "-n", "2", "--json").stdout)
+    assert (d["preset"], d["routing"], d["eviction"]) == ("quality", "prior:0.05:j=1", "lfu"), d
     r = _cli("run", m, "--preset", "speed", "--prior", "0.5")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
     r = _cli("run", m, "--preset", "speed", "--top-j", "2")

@@ -154,7 +154,7 @@ def test_memory_below_the_dense_part_leaves_it_unlocked(monkeypatch):
 def test_a_companion_that_cannot_be_smaller_is_refused_before_any_work(built, tmp_path):
     """gpt-oss's expert rows (2880 values) take no 256-value block: llama.cpp would write Q2_K's fallback, Q4_0,
     larger than MXFP4. `lowbit` says so at once and writes nothing (it used to quantize the whole file first, then
-    refuse it and leave it); OLMoE's rows (2048) take Q2_K."""
+    refuse it and leave it); OLMoE's rows (2048) take the default Q3_K."""
     from test_rpc_as_installed import installed
 
     r = installed(tmp_path, "lowbit", built["gpt-oss-20b"], "-o", tmp_path / "oss.lowbit.gguf")
@@ -162,5 +162,5 @@ def test_a_companion_that_cannot_be_smaller_is_refused_before_any_work(built, tm
     assert "Q4_0 (4.50 bits per weight), not lower than the model's MXFP4" in r.stderr and "cannot have" in r.stderr
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
     r = installed(tmp_path, "lowbit", built["olmoe-1b-7b"], "-o", tmp_path / "olmoe.lowbit.gguf")
-    assert r.returncode == 0 and "at Q2_K" in r.stdout + r.stderr, r.stderr
+    assert r.returncode == 0 and "at Q3_K" in r.stdout + r.stderr, r.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["olmoe.lowbit.gguf"]

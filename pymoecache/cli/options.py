@@ -46,7 +46,7 @@ def add_routing_options(p: argparse.ArgumentParser, multi_cache_size: bool = Fal
     x.add_argument("--routing", metavar="SPEC", help="a spec string: lru, prior:0.5, max-rank:4, cumsum:0.7, prune:3, preset:NAME (default: preset:quality)")
     x.add_argument("--preset", choices=list(PRESET_NAMES), default=None,
                    help="routing and eviction picked from the model's K and the share of experts cached, from what "
-                        "they cost on our reference models: quality (prior 0.1, J=1, lfu eviction with decay 0.8: <= 1%% perplexity), balanced "
+                        "they cost on our reference models: quality (prior 0.1, J=1, lfu eviction with decay 0.8; 0.05 for K >= 8: <= 1%% perplexity), balanced "
                         "(prior 0.2, router-mass eviction: <= 2%%), speed (prior 0.3, J=1, router-mass: <= 4%%); "
                         "where every expert is cached, top-k (routing changes nothing there) (default: quality)")
     g.add_argument("--top-j", type=int, default=None, metavar="J",
