@@ -133,6 +133,8 @@ class BatchDecoder:
         n = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))  # (a llama_cpp.Llama's context too: stock llama.cpp)
         self.llm = llm
         self.n_slots = n
+        # sequences one llama_decode computes together: n, or fewer where the memory did not hold their slots
+        self._step_max = max(1, min(n, getattr(getattr(llm, "placement", None), "n_seq_step", n) or n))
         self._ctx = llm._ctx.ctx
         self._vocab = llm._model.vocab
         self._n_ctx = llm.n_ctx()
@@ -458,7 +460,11 @@ class BatchDecoder:
                 self._kept[longest.slot] = []
             if not self._running:
                 return
-        run = list(self._running)
+        running = list(self._running)
+        for i in range(0, len(running), self._step_max):  # (more sequences than a step's slots: several steps)
+            self._decode_part(running[i:i + self._step_max], out)
+
+    def _decode_part(self, run: list, out: list) -> None:
         if run != self._rows:  # (the engine's sums are for the rows of the steps before)
             self._count_rows()
             self._rows = run

@@ -86,6 +86,28 @@ def as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
+def batch_sequences(info: ModelInfo, n_ctx: int, n_seq: int, available: Optional[int] = None, gpu_layers: int = 0,
+                    lowbit: int = 0) -> int:
+    """Sequences one decode step computes together (at most ``n_seq``): each beyond the first keeps K more slots per
+    MoE layer (Llama(n_seq_max=N)), and those may take at most half of the memory free beside the dense part, the
+    KV cache, ``lowbit`` pools and a token's K slots; the rest is the cache's. A batch of more sequences decodes in
+    steps of this many (pymoecache.BatchDecoder), not in slots the memory cannot hold.
+
+    >>> from pymoecache.model_info import ModelInfo
+    >>> info = ModelInfo(path="m.gguf", arch="qwen3moe", name="", file_bytes=18 << 30, n_layer=48,
+    ...                  moe_layers=list(range(48)), n_expert=128, n_expert_used=8, n_expert_shared=0,
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=2785280, expert_bytes_total=48 * 128 * 2785280,
+    ...                  n_embd=2048)
+    >>> batch_sequences(info, n_ctx=4096, n_seq=16, available=10 << 30), batch_sequences(info, 4096, 16, 40 << 30)
+    (3, 16)
+    """
+    free = _plan._available_memory() if available is None else available
+    dense, kv = _plan._on_host(info, n_ctx, gpu_layers)
+    per_seq = max(1, int(info.n_expert_used * info.cache_bytes * info.n_moe_layer))
+    room = free - dense - kv - max(0, lowbit) - per_seq  # (a token's own K slots)
+    return int(max(1, min(n_seq, 1 + max(0, room // 2) // per_seq)))
+
+
 def routing_share(cache: CacheConfig, n_cached: int, n_expert: int, n_vram: Optional[int] = None) -> float:
     """The share of experts the routing prefers, which a preset is resolved for: the cache's, or where
     a streamed cache holds every expert and a VRAM tier some, the tier's (the routing then prefers the
@@ -264,6 +286,7 @@ class Placement:
     residency: str               # "stream", "mmap" or "none": how llama.cpp loads the experts
     native: object               # the cache's native parameters (MoECache.for_model); None for a dense model
     n_seq_max: int               # sequences decoded together (llama.cpp's n_seq_max)
+    n_seq_step: int              # of those, how many one decode step computes together (their slots fit in memory)
     fa_type: Optional[int]       # LLAMA_FLASH_ATTN_TYPE_AUTO for flash_attn="auto", else None (llama-cpp-python's)
     devices: Optional[list]      # the devices to load onto where an RPC server is gone; None: every device
     overrides: object            # llama.cpp's tensor_buft_overrides (n_cpu_moe, override_tensor), or None
@@ -341,12 +364,20 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
     if info.is_moe and cache.vram_size != "auto" and cache.vram_size > info.n_expert:
         raise ConfigError(f"vram_size={cache.vram_size}: the model has {info.n_expert} experts per layer; a VRAM "
                           f"tier holds at most that many")
+    n_seq_step = n_seq_max  # sequences a decode step computes together (fewer where their slots do not fit)
     if info.is_moe:  # check the parameters before spending time on loading weights
         if cache.size == "auto":
-            choice = auto_cache_size(info, n_ctx,
-                                     gpu_layers=_plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer),
-                                     lowbit=lowbit_pool_bytes(cache, info, str(model_path)),
-                                     batch=int((n_seq_max - 1) * info.n_expert_used * info.cache_bytes
+            n_gpu_auto = _plan.gpu_layers(kwargs.get("n_gpu_layers"), info.n_layer)
+            low_auto = lowbit_pool_bytes(cache, info, str(model_path))
+            if n_seq_max > 1:
+                n_seq_step = batch_sequences(info, n_ctx, n_seq_max, gpu_layers=n_gpu_auto, lowbit=low_auto)
+                if n_seq_step < n_seq_max:
+                    warnings.warn(f"n_seq_max={n_seq_max}: the slots of {n_seq_max} sequences decoded together "
+                                  f"({_plan._mib((n_seq_max - 1) * info.n_expert_used * info.cache_bytes * info.n_moe_layer)}"
+                                  f") do not fit in the memory free ({_plan._free_source()}): a step decodes at most "
+                                  f"{n_seq_step} of them together, the others in the steps after", stacklevel=3)
+            choice = auto_cache_size(info, n_ctx, gpu_layers=n_gpu_auto, lowbit=low_auto,
+                                     batch=int((n_seq_step - 1) * info.n_expert_used * info.cache_bytes
                                                * info.n_moe_layer))
             if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
                 raise ConfigError(
@@ -444,9 +475,9 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
         # the native parameters, once, from the values resolved above (MoECache.for_model takes them)
         native = MoECache._params(info.n_expert, cache, routing, routing_scope, info.cache_bytes,
                                   info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
-                                  n_seq=n_seq_max)
+                                  n_seq=n_seq_step)
     return Placement(kwargs=kwargs, cache=cache, routing=routing, preset=preset, choice=choice, residency=residency,
-                     native=native, n_seq_max=n_seq_max, fa_type=fa_type, devices=devices, overrides=overrides,
+                     native=native, n_seq_max=n_seq_max, n_seq_step=n_seq_step, fa_type=fa_type, devices=devices, overrides=overrides,
                      rpc_used=rpc_used, eviction_decay=eviction_decay, device_note=device_note, plan_gpu=plan_gpu,
                      plan_inputs=plan_inputs)
 
@@ -507,7 +538,7 @@ def loaded_plan(p: Placement, info, n_ctx: int, moecache):
     n_gpu, on_gpu = p.plan_gpu
     out = _plan.memory_plan(info, n_ctx, n_cached, n_spare=spare, available=available, gpu_layers=n_gpu)
     out = dataclasses.replace(out, budget_from=_plan._free_source(), gpu_expert_layers=on_gpu,
-                              n_batch=(p.n_seq_max - 1) * info.n_expert_used)
+                              n_batch=(p.n_seq_step - 1) * info.n_expert_used)
     if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
         low, low_bytes, low_name = low
         out = dataclasses.replace(out, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram, lowbit_bytes=low_bytes,

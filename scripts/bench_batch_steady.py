@@ -3,8 +3,8 @@
 and then all at once, several times over, in the same process (bench_parallel.py starts a cold server per way).
 
 A server is started (page cache of the model dropped; under --cap-share S in a memory cgroup of the file's size / S,
-the page cache charged to it, as on a small machine), warmed by the N requests one after another once (not
-counted: its cache then holds what these requests use), then --reps rounds of [one after another, together] (the
+the page cache charged to it, as on a small machine), warmed by the N requests one after another --warm times
+(not counted: its cache then holds what these requests use), then --reps rounds of [one after another, together] (the
 order alternating). Reported per way: generated tok/s (median of the rounds) and the ratio against one after
 another, the decode steps, reads per generated token, and what a step's tokens share: the distinct experts of each
 step and MoE layer against their selections (union / selections: 1.00 = nothing shared, 1/N = all alike), from the
@@ -106,7 +106,8 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
     runs = {"one after another": [], "together": []}
     with warm_server(model, args, cap) as (base, how, c):
         t0 = time.monotonic()
-        run_way(base, prompts, a.tokens, False)  # warm: the cache now holds what these requests use
+        for _ in range(a.warm):  # warm: the cache now holds what these requests use
+            run_way(base, prompts, a.tokens, False)
         print(f"  {routing} -np {n}: warmed in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         for rep in range(a.reps):
             for label in (("one after another", "together") if rep % 2 == 0 else ("together", "one after another")):
@@ -150,6 +151,8 @@ def main(argv=None) -> int:
                     help="a memory cgroup of the file's size / this (e.g. 3: a third; default: none)")
     ap.add_argument("-c", "--ctx", type=int, default=256, help="context per slot (serve -c is this x -np; default %(default)s)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="serve -t (default %(default)s)")
+    ap.add_argument("--warm", type=int, default=1, help="rounds one after another before the measured ones "
+                                                         "(default %(default)s; under a cap the first rounds are slower)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of both ways in the warm server (default %(default)s)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)

@@ -353,6 +353,17 @@ def _add_hparams(w: gguf.GGUFWriter, s: Shape, name: str) -> None:
             w.add_uint32(f"{a}.{key}", value)
 
 
+def _same_card(old: Optional[dict], new: dict) -> bool:
+    """A file's card describes the shape asked: the same card, or one written before a field was added to Shape
+    whose value here is its default (a field added for another shape does not rebuild an 18 GB file)."""
+    if not isinstance(old, dict) or not isinstance(old.get("shape"), dict):
+        return False
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(Shape)
+                                      if f.default is not dataclasses.MISSING}))
+    shape = {k: v for k, v in new["shape"].items() if k in old["shape"] or k not in defaults or v != defaults[k]}
+    return {**old, "shape": old["shape"]} == {**new, "shape": shape}
+
+
 def build(shape: str, layers: Optional[int] = None, seed: int = 0, out_dir: Path = OUT_DIR,
           progress: bool = True) -> Path:
     """The file of ``shape`` (``layers``: fewer layers of the same shapes), built unless one of the same shape,
@@ -368,7 +379,7 @@ def build(shape: str, layers: Optional[int] = None, seed: int = 0, out_dir: Path
                             + ".gguf")
     card = json.loads(json.dumps({"version": VERSION, "shape": dataclasses.asdict(s), "seed": seed}))  # (as read back)
     card_path = path.with_suffix(".json")
-    if path.is_file() and card_path.is_file() and json.loads(card_path.read_text()).get("card") == card:
+    if path.is_file() and card_path.is_file() and _same_card(json.loads(card_path.read_text()).get("card"), card):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = tensors(s)

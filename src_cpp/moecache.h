@@ -489,13 +489,9 @@ struct moecache_residency_stats {
                                   //   GGML_CUDA_NO_PINNED unset; the library sets GGML_CUDA_REGISTER_HOST=1,
                                   //   which ggml-cuda asks for, where it is unset); 0 = pageable (other
                                   //   devices, or refused)
-    int64_t device_steps;         // decode steps routed on their device and counted after the graph (the
-                                  //   device path above ran; on the CPU too, with no read)
-    // what a batch of sequences shares: per decode step and MoE layer, the experts its tokens selected
+    int64_t device_steps;         // decode steps routed on their device, counted after the graph (CPU: no read)
     int64_t decode_selections;    // selections of decoded tokens (experts run; pruned slots excluded)
-    int64_t decode_union;         // distinct experts among each step's selections, summed over steps and
-                                  //   layers: = decode_selections with one sequence; what a step reads and
-                                  //   computes at most (tokens choosing the same expert share it)
+    int64_t decode_union;         // distinct experts of each decode step and layer, summed (= selections alone)
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis

@@ -164,3 +164,40 @@ def test_a_companion_that_cannot_be_smaller_is_refused_before_any_work(built, tm
     r = installed(tmp_path, "lowbit", built["olmoe-1b-7b"], "-o", tmp_path / "olmoe.lowbit.gguf")
     assert r.returncode == 0 and "at Q3_K" in r.stdout + r.stderr, r.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["olmoe.lowbit.gguf"]
+
+
+def test_sequences_whose_slots_do_not_fit_decode_in_smaller_steps(monkeypatch):
+    """Issue 76 item 3: serve -np 16 on qwen3-30b-a3b's shape under a third of the file was killed by the cap: each
+    sequence beyond the first keeps K more slots per layer (15 x 8 x 48 x 2.7 MiB = 15.6 GB). With cache size auto a
+    step now decodes as many sequences as half the memory beside the dense part and the KV cache holds, the others in
+    the steps after, and says so; under top-k every sequence gets the tokens it gets with room for all of them."""
+    import warnings
+
+    import pymoecache
+    import pymoecache.plan
+    from pymoecache import BatchDecoder
+
+    from conftest import FIXTURE_DIR, model_path
+
+    m = str(model_path(FIXTURE_DIR, "qwen2moe-60x4.Q8_0"))
+    info = pymoecache.model_info(m)
+    dense, kv = pymoecache.plan._on_host(info, 512, 0)
+    per_seq = info.n_expert_used * info.cache_bytes * info.n_moe_layer
+    out = {}
+    for available in (dense + kv + per_seq * 5 + per_seq // 2, 4 << 30):  # (room for 2 more sequences; for all)
+        monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda a=available: a)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            llm = pymoecache.Llama(m, n_ctx=512, n_seq_max=8, routing="top-k", verbose=False)
+        said = [str(x.message) for x in w if "sequences decoded together" in str(x.message)]
+        dec = BatchDecoder(llm)
+        seqs = [dec.add([1, 5 + i, 9, 13], max_tokens=6) for i in range(8)]
+        dec.run()
+        out[available] = (llm.placement.n_seq_step, dec.steps, [s.tokens for s in seqs], said)
+        dec.close()
+        llm.close()
+    (step_small, steps_small, toks_small, said_small), (step_all, steps_all, toks_all, said_all) = out.values()
+    assert (step_small, step_all) == (3, 8), out
+    assert said_small and "a step decodes at most 3 of them together" in said_small[0] and not said_all
+    assert steps_all == 5 and steps_small == 5 * 3  # (8 sequences: steps of 3, 3 and 2; the first token from the prompt)
+    assert toks_small == toks_all
