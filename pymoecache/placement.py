@@ -96,8 +96,8 @@ def batch_sequences(info: ModelInfo, n_ctx: int, n_seq: int, available: Optional
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen3moe", name="", file_bytes=18 << 30, n_layer=48,
     ...                  moe_layers=list(range(48)), n_expert=128, n_expert_used=8, n_expert_shared=0,
-    ...                  gating="softmax", n_expert_groups=0, expert_bytes=2785280, expert_bytes_total=48 * 128 * 2785280,
-    ...                  n_embd=2048)
+    ...                  gating="softmax", n_expert_groups=0, expert_bytes=2785280,
+    ...                  expert_bytes_total=48 * 128 * 2785280, n_embd=2048)
     >>> batch_sequences(info, n_ctx=4096, n_seq=16, available=10 << 30), batch_sequences(info, 4096, 16, 40 << 30)
     (3, 16)
     """
@@ -372,10 +372,11 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
             if n_seq_max > 1:
                 n_seq_step = batch_sequences(info, n_ctx, n_seq_max, gpu_layers=n_gpu_auto, lowbit=low_auto)
                 if n_seq_step < n_seq_max:
+                    slots = (n_seq_max - 1) * info.n_expert_used * info.cache_bytes * info.n_moe_layer
                     warnings.warn(f"n_seq_max={n_seq_max}: the slots of {n_seq_max} sequences decoded together "
-                                  f"({_plan._mib((n_seq_max - 1) * info.n_expert_used * info.cache_bytes * info.n_moe_layer)}"
-                                  f") do not fit in the memory free ({_plan._free_source()}): a step decodes at most "
-                                  f"{n_seq_step} of them together, the others in the steps after", stacklevel=3)
+                                  f"({_plan._mib(slots)}) do not fit in the memory free ({_plan._free_source()}): a "
+                                  f"step decodes at most {n_seq_step} of them together, the others in the steps after",
+                                  stacklevel=3)
             choice = auto_cache_size(info, n_ctx, gpu_layers=n_gpu_auto, lowbit=low_auto,
                                      batch=int((n_seq_step - 1) * info.n_expert_used * info.cache_bytes
                                                * info.n_moe_layer))
@@ -477,9 +478,9 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
                                   info.n_moe_layer, model_path=str(model_path), n_expert_used=info.n_expert_used,
                                   n_seq=n_seq_step)
     return Placement(kwargs=kwargs, cache=cache, routing=routing, preset=preset, choice=choice, residency=residency,
-                     native=native, n_seq_max=n_seq_max, n_seq_step=n_seq_step, fa_type=fa_type, devices=devices, overrides=overrides,
-                     rpc_used=rpc_used, eviction_decay=eviction_decay, device_note=device_note, plan_gpu=plan_gpu,
-                     plan_inputs=plan_inputs)
+                     native=native, n_seq_max=n_seq_max, n_seq_step=n_seq_step, fa_type=fa_type, devices=devices,
+                     overrides=overrides, rpc_used=rpc_used, eviction_decay=eviction_decay, device_note=device_note,
+                     plan_gpu=plan_gpu, plan_inputs=plan_inputs)
 
 
 @contextlib.contextmanager
