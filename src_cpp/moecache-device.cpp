@@ -416,7 +416,7 @@ static void device_count(moecache & mc) {
                     mc.step_hits[t]   += hit[i] == 1 ? 1 : 0;
                     mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
                 }
-                moecache_route_count_union(mc, seen, sel, n_sel);
+                moecache_route_count_union(mc, seen, sel, n_sel, T);
             }
             L.decode_tokens += T;
             L.decode_steps  += 1;

@@ -94,7 +94,7 @@ void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
             mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
         }
         if (decode && update) {
-            moecache_route_count_union(mc, seen, out, n);
+            moecache_route_count_union(mc, seen, out, n, n_tokens);
         }
         if (single && L.low.n > 0) { // the selections' router probabilities, for lowbit_max_p
             const float * pr = moecache_row_f32(p, t);

@@ -456,9 +456,14 @@ void moecache_route_share_end(moecache_layer & L) {
     L.scratch.others.clear();
 }
 
-void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n) {
-    seen.resize(mc.n_expert, 0);
+void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n,
+                                int64_t n_tokens) {
     mc.rst.decode_selections += n;
+    if (n_tokens == 1) { // (no bitmap on the one-token path)
+        mc.rst.decode_union += n;
+        return;
+    }
+    seen.resize(mc.n_expert, 0);
     for (int32_t i = 0; i < n; i++) {
         if (sel[i] >= 0 && sel[i] < mc.n_expert && !seen[sel[i]]) {
             seen[sel[i]] = 1;

@@ -44,8 +44,10 @@ void moecache_route_share_token(const moecache & mc, moecache_layer & L, int64_t
 void moecache_route_share_end(moecache_layer & L);
 
 // a decoded token's selections sel [n] into decode_selections and decode_union: seen [n_expert] marks the
-// experts the step's earlier tokens selected in this layer (the caller clears it at the step's start)
-void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n);
+// experts the step's earlier tokens selected in this layer (the caller clears it at the step's start; a step of
+// one token needs none: its selections are distinct)
+void moecache_route_count_union(moecache & mc, std::vector<uint8_t> & seen, const int32_t * sel, int32_t n,
+                                int64_t n_tokens);
 
 // moecache-cache.cpp
 void moecache_layer_init (moecache & mc, moecache_layer & L, int32_t il, int32_t capacity);
