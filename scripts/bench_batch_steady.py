@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,41 +32,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "scripts")]
 
-from bench_parallel import free_port, get, post, prompts_of  # noqa: E402
+from bench_parallel import get, post, prompts_of, server  # noqa: E402
 from bench_residency import trained_bench_model  # noqa: E402
 from memcap import MemoryCap  # noqa: E402
-from storage import drop_page_cache  # noqa: E402
 
 ROUTING_ARGS = {"default": [], "lru": ["--routing", "lru"], "no-share": ["--no-batch-share"]}
 
 
 @contextlib.contextmanager
 def warm_server(model: Path, args: list, cap: int):
-    """A fresh `pymoecache serve` (page cache dropped), in a memory cgroup of ``cap`` bytes where cap > 0."""
-    how = drop_page_cache(model)
-    port = free_port()
-    log = open(f"/tmp/bench_batch_steady_{port}.log", "w")
+    """A fresh `pymoecache serve` (bench_parallel.server), in a memory cgroup of ``cap`` bytes where cap > 0."""
     with (MemoryCap(cap) if cap else contextlib.nullcontext()) as c:
-        proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(model), "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=c.join if c else None)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 900
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the server ended: {open(log.name).read()[-2000:]}")
-                try:
-                    get(base + "/health")
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise SystemExit("the server did not answer")
-                    time.sleep(0.5)
-            yield base, how, c
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-            log.close()
+        with server(model, args, None, cap=c, wait_s=900) as base:
+            yield base, c
 
 
 def run_way(base: str, prompts: list, tokens: int, together: bool) -> dict:
@@ -104,7 +81,7 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
     args = ["-np", str(n), "-c", str(a.ctx * n), "--cache-size", a.cache_size, "-t", str(a.threads),
             *ROUTING_ARGS.get(routing, ["--routing", routing])]
     runs = {"one after another": [], "together": []}
-    with warm_server(model, args, cap) as (base, how, c):
+    with warm_server(model, args, cap) as (base, c):
         t0 = time.monotonic()
         for _ in range(a.warm):  # warm: the cache now holds what these requests use
             run_way(base, prompts, a.tokens, False)
@@ -126,7 +103,7 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
                          tokens=int(statistics.median(r["tokens"] for r in rs)),
                          reads_per_token=statistics.mean(r["reads_per_token"] for r in rs),
                          union=statistics.mean(r["union"] for r in rs), peak=peak, oom_kills=kills,
-                         page_cache=how, tok_s_runs=[round(r["tok_s"], 3) for r in rs]))
+                         tok_s_runs=[round(r["tok_s"], 3) for r in rs]))
     return rows
 
 

@@ -57,17 +57,23 @@ def get(url: str) -> dict:
 
 
 @contextlib.contextmanager
-def server(model: Path, args: list, mbps):
-    """A fresh `pymoecache serve` (page cache of the model dropped, reads throttled): yields its URL."""
+def server(model: Path, args: list, mbps, cap=None, wait_s: float = 300):
+    """A fresh `pymoecache serve` (page cache of the model dropped, reads throttled; ``cap``: a memory.MemoryCap
+    entered, which the server joins): yields its URL."""
     drop_page_cache(model)
     port = free_port()
     log = open(f"/tmp/bench_parallel_{port}.log", "w")
     with ReadThrottle(model, mbps) as throttle:
+        def join():
+            throttle.join()
+            if cap is not None:
+                cap.join()
+
         proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(model), "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=throttle.join)
+                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=join)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + wait_s
             while True:
                 if proc.poll() is not None:
                     raise SystemExit(f"the server ended: {open(log.name).read()[-2000:]}")
