@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -231,7 +232,8 @@ def hostile_files(fixture_dir, tmp_path_factory):
     paths["symlink-loop"] = d / "loop-a.gguf"
     os.symlink(d / "nowhere.gguf", d / "dangling.gguf")
     paths["dangling-symlink"] = d / "dangling.gguf"
-    return paths
+    yield paths
+    shutil.rmtree(d)  # (1 GB of copies)
 
 
 @pytest.fixture(scope="module")
