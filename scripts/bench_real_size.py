@@ -97,10 +97,14 @@ def worker(a) -> None:
     rng = np.random.default_rng(0)
     n_vocab = llm.n_vocab()
     toks = [int(t) for t in rng.integers(100, n_vocab - 100, size=a.prompt_tokens + a.warmup + a.tokens)]
+    faults0, read0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _io_read_bytes()
     t0 = time.perf_counter()
     llm.eval(toks[: a.prompt_tokens])
     llama_cpp.llama_synchronize(llm._ctx.ctx)
     out["prompt_tok_s"] = a.prompt_tokens / (time.perf_counter() - t0)
+    # (the prompt reads every expert: bytes over the file's size say what was read twice)
+    out.update(prompt_read=_io_read_bytes() - read0,
+               prompt_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0)
     for t in toks[a.prompt_tokens: a.prompt_tokens + a.warmup]:
         llm.eval([t])
     if hasattr(llm, "reset_moe_stats"):
