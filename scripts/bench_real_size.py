@@ -21,7 +21,8 @@ or in a container), after the page cache was dropped:
 * companion:     the same with a low-bit companion (made once, beside the model; `pymoecache lowbit M`).
 
 Each decodes a 128-token prompt and then 64 tokens (8 untimed first), one at a time, or as many as --budget-s
-allows. Columns: load s, prompt tok/s, decode tok/s, the cgroup's peak memory, bytes read from storage per token
+allows. Columns: load s, prompt tok/s (and again: a second prompt after the decode, as every turn of a
+conversation after the first), decode tok/s, the cgroup's peak memory, bytes read from storage per token
 (/proc/self/io), major page faults per token, hit rate, the I/O bound (the disk's speed over the bytes a token
 reads) and the share of it reached, and the forecast's band (pymoecache). A progress line while it runs.
 """
@@ -64,7 +65,7 @@ def worker(a) -> None:
 
     out = {"way": a.way}
     t0 = time.perf_counter()
-    kw = dict(n_ctx=a.prompt_tokens + a.warmup + a.tokens + 16, n_threads=a.threads, n_threads_batch=a.threads,
+    kw = dict(n_ctx=2 * a.prompt_tokens + a.warmup + a.tokens + 16, n_threads=a.threads, n_threads_batch=a.threads,
               verbose=False)
     if a.way.startswith("stock"):
         import llama_cpp
@@ -122,6 +123,15 @@ def worker(a) -> None:
                faults_per_token=(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0) / n)
     if hasattr(llm, "moe_stats") and llm.moecache is not None:
         out["hit_rate"] = llm.moe_stats().hit_rate
+    # a second prompt in the same conversation (as every turn after the first): the cache is warm now
+    more = [int(t) for t in rng.integers(100, n_vocab - 100, size=a.prompt_tokens)]
+    if llm.n_tokens + len(more) <= llm.n_ctx():
+        faults0, read0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _io_read_bytes(), time.perf_counter()
+        llm.eval(more)
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
+        out["prompt_again_tok_s"] = a.prompt_tokens / (time.perf_counter() - t0)
+        out.update(prompt_again_read=_io_read_bytes() - read0,
+                   prompt_again_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0)
     print(json.dumps(out), flush=True)
 
 
@@ -176,7 +186,7 @@ def _f(x, fmt: str) -> str:
 
 
 def table(rows, disk_bps: float, model: Path, shape: str, layers) -> str:
-    head = ("| cap | way | load s | prompt tok/s | decode tok/s | x best stock | peak GiB | MiB read/tok | faults/tok | hit rate "
+    head = ("| cap | way | load s | prompt tok/s | again | decode tok/s | x best stock | peak GiB | MiB read/tok | faults/tok | hit rate "
             "| I/O bound tok/s | of bound | forecast |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     stock = {}  # per cap: the best stock way that ran
@@ -186,14 +196,14 @@ def table(rows, disk_bps: float, model: Path, shape: str, layers) -> str:
     for r in rows:
         if "error" in r:
             out.append(f"| {r['cap'] / GiB:.2f} GiB | {r['way']} | {r['error']} (peak {_f((r['peak'] or 0) / GiB, '.2f')}"
-                       f" GiB) |" + " |" * 10)
+                       f" GiB) |" + " |" * 11)
             continue
         read = r.get("read_per_token") or 0
         bound = disk_bps / read if read > 0 else None
         x = r["decode_tok_s"] / stock[r["cap"]] if stock.get(r["cap"]) else None
         fc = r.get("forecast")
         out.append(f"| {r['cap'] / GiB:.2f} GiB | {r['way']} | {r['load_s']:.1f} | {r['prompt_tok_s']:.2f} | "
-                   f"{r['decode_tok_s']:.3f} ({r['tokens']} tok) | {_f(x, '.1f')} | {_f((r['peak'] or 0) / GiB, '.2f')} | "
+                   f"{_f(r.get('prompt_again_tok_s'), '.2f')} | {r['decode_tok_s']:.3f} ({r['tokens']} tok) | {_f(x, '.1f')} | {_f((r['peak'] or 0) / GiB, '.2f')} | "
                    f"{read / MiB:.0f} | {r['faults_per_token']:.0f} | {_f(r.get('hit_rate'), '.2f')} | "
                    f"{_f(bound, '.2f')} | {_f(r['decode_tok_s'] / bound if bound else None, '.2f')} | "
                    + (f"{fc[0]:.2f}-{fc[2]:.2f}" if fc else "-") + " |")
