@@ -19,6 +19,7 @@ struct moecache_ahead {
     std::vector<moecache_io_req> req;          // [n_layer] a prompt's read-ahead of a layer, on the reader threads
     int32_t last = -1;                         // the last layer read ahead in this ubatch, or -1
     int32_t last_e = 0;                        // its experts asked for, in order (n_expert: all of them)
+    std::vector<uint8_t> selected;             // [n_expert] the experts a prompt's layer selected (scratch)
     int32_t faulted = -1;                      // STREAM: a prompt's layer left to the kernel's readahead (no room
                                                //   to ask for it whole: asked experts would evict each other), or -1
     struct {                                   // prefetch_adaptive: the on/off trial

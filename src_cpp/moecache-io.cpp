@@ -265,12 +265,14 @@ static void io_worker(moecache_io * io, int32_t thread) {
     }
 }
 
-// (io.mu held) moves req's queued jobs out of `queue` into `out` (in order); returns how many
+// (io.mu held) moves req's queued jobs out of `queue` into `out` (in order, where given); returns how
+// many; keep_e ([n_expert], or nullptr): the jobs of an expert marked 1 stay queued
 template <typename Queue>
-static int32_t io_take(Queue & queue, const moecache_io_req & req, std::vector<moecache_io_item> * out) {
+static int32_t io_take(Queue & queue, const moecache_io_req & req, std::vector<moecache_io_item> * out,
+                       const uint8_t * keep_e = nullptr) {
     int32_t n = 0;
     for (auto it = queue.begin(); it != queue.end();) {
-        if (it->req == &req) {
+        if (it->req == &req && !(keep_e && it->job.e >= 0 && keep_e[it->job.e])) {
             if (out) {
                 out->push_back(*it);
             }
@@ -351,6 +353,16 @@ int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req) {
     const int32_t dropped = io_take(io.demand, req, nullptr) + io_take(io.prefetch, req, nullptr);
     req.pending -= dropped;
     io.cv_done.wait(lock, [&req] { return req.pending == 0; }); // the chunks being read now
+    return dropped;
+}
+
+int32_t moecache_io_drop_queued(moecache_io & io, moecache_io_req & req, const uint8_t * keep_e) {
+    std::lock_guard<std::mutex> lock(io.mu);
+    const int32_t dropped = io_take(io.demand, req, nullptr, keep_e) + io_take(io.prefetch, req, nullptr, keep_e);
+    req.pending -= dropped;
+    if (req.pending == 0 && dropped > 0) {
+        io.cv_done.notify_all();
+    }
     return dropped;
 }
 

@@ -265,12 +265,12 @@ static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
 }
 
 // the reader threads ask the kernel for the experts of layer il up to e_end (MADV_WILLNEED: large
-// read requests instead of a page per fault), in order, after those asked already; they are
-// dropped once the prompt is past that layer
-static void ask_layer(moecache & mc, int32_t il, int32_t e_end) {
+// read requests instead of a page per fault), in order, after those asked already (only those
+// marked in `only` where given: [n_expert]); they are dropped once the prompt is past that layer
+static void ask_layer(moecache & mc, int32_t il, int32_t e_end, const uint8_t * only = nullptr) {
     const moecache_layer & next = mc.layers[il];
     for (int32_t e = n_asked(mc, il); e < e_end; e++) {
-        if (mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) {
+        if ((mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) || (only && !only[e])) {
             continue;
         }
         for (const moecache_expert_tensor & x : next.res.xt) {
@@ -331,9 +331,10 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
     }
 }
 
-// before layer il's prompt (il = -1: a decode) the read-ahead of il is waited for; at the
-// start of a ubatch or a decode, what an interrupted ubatch left queued is dropped
-static void finish_read_ahead(moecache & mc, int32_t il) {
+// before layer il's prompt (il = -1: a decode) the read-ahead of il is waited for, less the experts
+// its ubatch did not select (selected: [n_expert], known now) that are still queued: they would be
+// read for nothing; at the start of a ubatch or a decode, what an interrupted ubatch left queued is dropped
+static void finish_read_ahead(moecache & mc, int32_t il, const uint8_t * selected) {
     if (il < 0 || il <= mc.prompt_il_last) {
         for (int32_t a = 0; a <= mc.ahead.last; a++) {
             moecache_io_cancel(*mc.res.io, mc.ahead.req[a]);
@@ -341,6 +342,7 @@ static void finish_read_ahead(moecache & mc, int32_t il) {
         mc.ahead.last   = -1; // (its pages are dropped with the rest of drop_pending)
         mc.ahead.last_e = 0;
     } else if (il <= mc.ahead.last) {
+        moecache_io_drop_queued(*mc.res.io, mc.ahead.req[il], selected);
         moecache_io_wait(*mc.res.io, mc.ahead.req[il]); // (a failed hint is no error: the matmul faults the pages in)
     }
     mc.prompt_il_last = il;
@@ -396,8 +398,15 @@ static void mmap_sync(moecache & mc, moecache_layer & L, const int32_t * ids, in
 
 // --- the calls of moecache-residency.cpp -------------------------------------------------------
 
-void moecache_mapping_begin(moecache & mc, int32_t il_prompt) {
-    finish_read_ahead(mc, il_prompt);
+void moecache_mapping_begin(moecache & mc, int32_t il_prompt, const int32_t * ids, int64_t n_ids) {
+    std::vector<uint8_t> & selected = mc.ahead.selected; // [n_expert]
+    if (il_prompt >= 0) {
+        selected.assign(mc.n_expert, 0);
+        for (int64_t i = 0; i < n_ids; i++) {
+            selected[ids[i]] = 1; // (ids checked by the caller)
+        }
+    }
+    finish_read_ahead(mc, il_prompt, selected.data());
     drop_pending(mc, il_prompt);
 }
 
@@ -415,9 +424,14 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
         // not read ahead, or in part (the first layer, or little room): the rest now, where it fits; where it
         // does not, STREAM leaves the rest to the kernel's readahead as the matmul faults it in, in order (what
         // stock llama.cpp's mapping does at any memory size); MMAP's expert regions are MADV_RANDOM: asked for
+        // (only the experts the ubatch selected: the matmul reads no other)
+        int32_t n_rest = 0;
+        for (int32_t e = asked; e < mc.n_expert; e++) {
+            n_rest += mc.ahead.selected[e];
+        }
         const int64_t room = read_room();
-        if (room < 0 || room >= (int64_t) L.res.expert_bytes * (mc.n_expert - asked)) {
-            ask_layer(mc, L.il, mc.n_expert);
+        if (room < 0 || room >= (int64_t) L.res.expert_bytes * n_rest) {
+            ask_layer(mc, L.il, mc.n_expert, mc.ahead.selected.data());
             moecache_io_wait(*mc.res.io, mc.ahead.req[L.il]);
         } else if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM) {
             mc.ahead.faulted = L.il;

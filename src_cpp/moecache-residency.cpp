@@ -104,7 +104,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     const int64_t t0 = moecache_time_us();
     int64_t t_copy = 0; // copying up (VRAM tier): not I/O
     const int32_t il_prompt = decode ? -1 : L.il;
-    moecache_mapping_begin(mc, il_prompt);
+    moecache_mapping_begin(mc, il_prompt, ids, n_ids);
     if (L.vram.n > 0) {
         t_copy = moecache_vram_begin(mc, L); // (copies up made ahead for this layer: before its slots change)
     }
@@ -355,7 +355,7 @@ void moecache_residency_hold_all(moecache & mc) {
 void moecache_residency_free(moecache & mc) {
     moecache_dense_unlock(mc);
     if (mc.res.io && mc.res.fd >= 0 && !mc.layers.empty()) {
-        moecache_mapping_begin(mc, -1); // (waits for and drops what a prompt read ahead)
+        moecache_mapping_begin(mc, -1, nullptr, 0); // (waits for and drops what a prompt read ahead)
     }
     if (mc.res.io) {
         moecache_io_stop(*mc.res.io);

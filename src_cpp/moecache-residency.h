@@ -79,7 +79,7 @@ bool    moecache_tensor_is_mapped(const ggml_tensor * t); // its data lies in ll
 void    moecache_willneed_expert(const moecache_layer & L, int32_t e);  // MADV_WILLNEED on e's pages
 // before a layer's op (il_prompt: that layer in a prompt ubatch; -1: a decode, or everything at
 // teardown): waits for the prompt's read-ahead of that layer, drops what earlier layers read
-void    moecache_mapping_begin(moecache & mc, int32_t il_prompt);
+void    moecache_mapping_begin(moecache & mc, int32_t il_prompt, const int32_t * ids, int64_t n_ids);
 // a prompt ubatch (either residency) or an MMAP decode: asks for, locks and drops L's pages so
 // they follow L's cache; STREAM prompts copy the cached experts into their slots
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);

@@ -419,6 +419,34 @@ def test_prompt_read_ahead_leaves_no_expert_in_the_page_cache(fixture_dir):
     llm.close()
 
 
+@pytest.mark.parametrize("residency", ["stream", "mmap"])
+def test_a_prompt_layer_reads_only_the_experts_its_ubatch_selected(fixture_dir, residency):
+    """A prompt layer that was not read ahead (the first MoE layer) asks the kernel for its experts once
+    its routing is known: only those its ubatch selected, since the matmul reads no other. 16 tokens x 4
+    = 64 selections of 60 experts (enough to count as a prompt that touches a layer's experts) choose about
+    40 distinct; before, all 60 were read."""
+    from pymoecache.timeline import KIND
+
+    path = model_path(fixture_dir, "qwen2moe-60x4")
+    kw = dict(KW, n_batch=16, n_ubatch=16)
+    llm = pymoecache.Llama(str(path), cache=CacheConfig(size=0.25, residency=residency, prefetch="off", trace=4096),
+                           routing="lru", **kw)
+    llm.start_timeline()
+    llm.eval(list(range(300, 316)))  # one ubatch
+    ev, trace = llm.timeline().events, llm.moecache.trace()
+    first = min(llm.model_info.moe_layers)
+    rec = trace[trace["layer"] == first]
+    assert len(rec) == 16, len(rec)
+    selected = {int(e) for r in rec for e in r["experts"][: r["n_selected"]]}
+    asked = set(ev[(ev["kind"] == KIND["read_ahead"]) & (ev["layer"] == first)]["expert"].tolist())
+    assert len(selected) < 60 and asked, (len(selected), asked)
+    if residency == "mmap":  # (MMAP locks the cached experts: those are not asked for)
+        asked |= set(llm.moecache.cached(first))
+    assert asked <= selected, sorted(asked - selected)
+    assert len(asked) >= len(selected) - len(llm.moecache.cached(first)), (asked, selected)
+    llm.close()
+
+
 def _vm_locked() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("VmLck:"):
