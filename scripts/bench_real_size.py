@@ -59,6 +59,17 @@ def _io_read_bytes() -> int:
         return 0
 
 
+def _timed_prompt(llm, toks) -> tuple:
+    """One prompt through ``llm``: (tok/s, bytes read from storage, major faults)."""
+    import llama_cpp
+
+    faults0, read0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _io_read_bytes(), time.perf_counter()
+    llm.eval(toks)
+    llama_cpp.llama_synchronize(llm._ctx.ctx)
+    return (len(toks) / (time.perf_counter() - t0), _io_read_bytes() - read0,
+            resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0)
+
+
 def worker(a) -> None:
     """One way in this (capped) process: load, prompt, decode; one JSON line."""
     import numpy as np
@@ -98,14 +109,8 @@ def worker(a) -> None:
     rng = np.random.default_rng(0)
     n_vocab = llm.n_vocab()
     toks = [int(t) for t in rng.integers(100, n_vocab - 100, size=a.prompt_tokens + a.warmup + a.tokens)]
-    faults0, read0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _io_read_bytes()
-    t0 = time.perf_counter()
-    llm.eval(toks[: a.prompt_tokens])
-    llama_cpp.llama_synchronize(llm._ctx.ctx)
-    out["prompt_tok_s"] = a.prompt_tokens / (time.perf_counter() - t0)
     # (the prompt reads every expert: bytes over the file's size say what was read twice)
-    out.update(prompt_read=_io_read_bytes() - read0,
-               prompt_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0)
+    out.update(zip(("prompt_tok_s", "prompt_read", "prompt_faults"), _timed_prompt(llm, toks[: a.prompt_tokens])))
     for t in toks[a.prompt_tokens: a.prompt_tokens + a.warmup]:
         llm.eval([t])
     if hasattr(llm, "reset_moe_stats"):
@@ -126,12 +131,7 @@ def worker(a) -> None:
     # a second prompt in the same conversation (as every turn after the first): the cache is warm now
     more = [int(t) for t in rng.integers(100, n_vocab - 100, size=a.prompt_tokens)]
     if llm.n_tokens + len(more) <= llm.n_ctx():
-        faults0, read0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _io_read_bytes(), time.perf_counter()
-        llm.eval(more)
-        llama_cpp.llama_synchronize(llm._ctx.ctx)
-        out["prompt_again_tok_s"] = a.prompt_tokens / (time.perf_counter() - t0)
-        out.update(prompt_again_read=_io_read_bytes() - read0,
-                   prompt_again_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0)
+        out.update(zip(("prompt_again_tok_s", "prompt_again_read", "prompt_again_faults"), _timed_prompt(llm, more)))
     print(json.dumps(out), flush=True)
 
 
