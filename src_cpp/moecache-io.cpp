@@ -348,14 +348,6 @@ void moecache_io_promote(moecache_io & io, moecache_io_req & req) {
     io_promote(io, req);
 }
 
-int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req) {
-    std::unique_lock<std::mutex> lock(io.mu);
-    const int32_t dropped = io_take(io.demand, req, nullptr) + io_take(io.prefetch, req, nullptr);
-    req.pending -= dropped;
-    io.cv_done.wait(lock, [&req] { return req.pending == 0; }); // the chunks being read now
-    return dropped;
-}
-
 int32_t moecache_io_drop_queued(moecache_io & io, moecache_io_req & req, const uint8_t * keep_e) {
     std::lock_guard<std::mutex> lock(io.mu);
     const int32_t dropped = io_take(io.demand, req, nullptr, keep_e) + io_take(io.prefetch, req, nullptr, keep_e);
@@ -363,6 +355,13 @@ int32_t moecache_io_drop_queued(moecache_io & io, moecache_io_req & req, const u
     if (req.pending == 0 && dropped > 0) {
         io.cv_done.notify_all();
     }
+    return dropped;
+}
+
+int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req) {
+    const int32_t dropped = moecache_io_drop_queued(io, req, nullptr);
+    std::unique_lock<std::mutex> lock(io.mu);
+    io.cv_done.wait(lock, [&req] { return req.pending == 0; }); // the chunks being read now
     return dropped;
 }
 

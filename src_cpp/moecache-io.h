@@ -141,8 +141,8 @@ int  moecache_io_wait(moecache_io & io, moecache_io_req & req);
 void moecache_io_promote(moecache_io & io, moecache_io_req & req);
 // drops req's queued jobs, waits for those being run; returns how many were dropped
 int32_t moecache_io_cancel(moecache_io & io, moecache_io_req & req);
-// drops req's queued jobs but those of an expert marked in keep_e ([n_expert]); those being read
-// run on (no wait); returns how many were dropped
+// drops req's queued jobs but those of an expert marked in keep_e ([n_expert]; nullptr: drops them
+// all); those being read run on (no wait); returns how many were dropped
 int32_t moecache_io_drop_queued(moecache_io & io, moecache_io_req & req, const uint8_t * keep_e);
 // req has no job queued or running (no lock held by the caller)
 bool moecache_io_idle(moecache_io & io, const moecache_io_req & req);
