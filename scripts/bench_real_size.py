@@ -215,6 +215,8 @@ def main(argv=None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("shape", nargs="?", choices=sorted(real_size.SHAPES))
     ap.add_argument("--layers", type=int, help="the shape with fewer layers (real_size.py --layers)")
+    ap.add_argument("--out-dir", type=Path, default=real_size.OUT_DIR,
+                    help="where the model is built, or found built (default %(default)s)")
     ap.add_argument("--caps", default="1/3,1/6", help="caps as fractions of the file (default %(default)s)")
     ap.add_argument("--ways", default=",".join(WAYS), help="which runs, of " + ", ".join(WAYS))
     ap.add_argument("--tokens", type=int, default=64)
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
     bad = [w for w in ways if w not in WAYS]
     if bad:
         ap.error(f"unknown way {bad[0]!r}: one of {', '.join(WAYS)}")
-    model = real_size.build(a.shape, a.layers)
+    model = real_size.build(a.shape, a.layers, out_dir=a.out_dir)
     size = model.stat().st_size
     caps = [int(size * Fraction(c)) for c in a.caps.split(",")]
     companion = companion_for(model, a.threads) if "companion" in ways else None

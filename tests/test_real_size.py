@@ -121,7 +121,7 @@ def test_the_bench_runs_each_way_in_its_own_capped_cgroup(tmp_path):
     in 1 of 3 runs with the dense part locked, in 0 of 2 since it is not locked there: not asserted, a race.)"""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_real_size.py"), "olmoe-1b-7b", "--layers", "1",
-                        "--caps", "1", "--ways", "stock-no-repack,default", "--tokens", "3", "--warmup", "1",
+                        "--out-dir", str(tmp_path), "--caps", "1", "--ways", "stock-no-repack,default", "--tokens", "3", "--warmup", "1",
                         "--prompt-tokens", "8", "--budget-s", "60", "--json", str(out)],
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0 and "cannot make a memory cgroup" in r.stderr:
