@@ -67,8 +67,8 @@ bool moecache_hook_graph_reusable(const llama_context * lctx) {
 }
 
 // a ubatch of one token per sequence decodes. STREAM: a batch of several sequences' tokens runs on the host
-// slots when they have room for it (n_seq) and nothing else computes a layer's experts (a VRAM tier, low-bit
-// pools, unified memory: one token's paths); otherwise it is computed from the mapping, as a prompt is
+// slots (and a VRAM tier's) when they have room for it (n_seq) and nothing else computes a layer's experts
+// (low-bit pools, unified memory: one token's paths); otherwise it is computed from the mapping, as a prompt is
 static bool moecache_graph_decodes(const moecache & mc, int64_t n_tokens, int64_t n_seqs) {
     if (n_tokens < 1 || n_tokens != n_seqs) {
         return false;
@@ -80,7 +80,7 @@ static bool moecache_graph_decodes(const moecache & mc, int64_t n_tokens, int64_
         return false;
     }
     for (const moecache_layer & L : mc.layers) {
-        if (L.vram.n > 0 || L.low.n > 0 || !L.uni.t.empty()) {
+        if (L.low.n > 0 || !L.uni.t.empty()) {
             return false;
         }
     }

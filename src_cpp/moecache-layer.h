@@ -84,10 +84,11 @@ struct moecache_layer_graph {
     ggml_tensor * ready          = nullptr; //   and the slot ids once every read is in (moecache-matmul.cpp)
     ggml_tensor * vram_joint     = nullptr; // VRAM tier: what the device side reads from the CPU, joined (J,
     ggml_tensor * vram_joint_dev = nullptr; //   moecache-vram.cpp), and its one copy on the device
-    ggml_tensor * vram_slot      = nullptr; //   the two rows of ids in it: the device slot of each selection and
-    ggml_tensor * vram_row       = nullptr; //   its output row (views of the copy)
-    ggml_tensor * vram_out       = nullptr; //   the experts' outputs [n_out, K, 1] (the down matmul's, J joined)
-    ggml_tensor * vram_w         = nullptr; //   the weights' view of the copy [1, K, 1]
+    ggml_tensor * vram_slot      = nullptr; //   the two rows of ids in it [K, T]: the device slot of each selection
+    ggml_tensor * vram_row       = nullptr; //   and its output row (views of the copy)
+    ggml_tensor * vram_out       = nullptr; //   the experts' outputs [n_out, K, T] (the down matmul's, J joined)
+    ggml_tensor * vram_w         = nullptr; //   the weights' view of the copy [1, K, T]
+    int64_t       vram_n         = 0;       //   the selections J carries, K x T (T: tokens of the step)
     ggml_tensor * ffn_in         = nullptr; // the router's input x (the FFN's input), where it is a plain matmul
     ggml_tensor * vram_sum[4]    = {};      //   the input-side matmuls' sums, device + CPU side,
     ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)
@@ -135,7 +136,7 @@ struct moecache_layer_vram {
     std::vector<uint8_t> in_use;           // [n_expert] scratch: selected by the current token
     std::vector<uint8_t> fresh;            // [n_expert] scratch: read from the file for the current token
     int64_t              clock = 0;
-    std::vector<int32_t> tok_slot;         // the current token's selections: device slot, n = on the CPU
+    std::vector<int32_t> tok_slot;         // the current step's selections [K x T]: device slot, -1 = on the CPU
     bool                 unacked = false;  // the device's synchronize returns before the bytes are there (RPC)
     struct ggml_backend * copier = nullptr;// a second backend of the device (its own stream): the copies up,
                                            //   queued without waiting (vram_copy ASYNC); owned by moecache

@@ -293,7 +293,6 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
     }
 #ifndef MOECACHE_NO_CPU_TRAITS
     if (input_side(x, b) && moecache_matmul_cpu_vec_dot(x.slots_t, b) && b->ne[2] == slots->ne[1] &&
-        (slots->ne[1] == 1 || L.vram.n == 0) &&
         (!L.graph.arrival || L.graph.arrival->src[1] == b)) {
         if (!L.graph.arrival) { // the first input-side matmul of the layer: one op for all of them
             ggml_tensor * args[GGML_MAX_SRC] = { slots, b };

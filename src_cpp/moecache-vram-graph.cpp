@@ -2,10 +2,11 @@
 // the op that decides them): each expert matmul of a layer with a tier computed on both sides, and the
 // activations each side gets.
 //
-// Graph of one expert matmul (gate, up, gate_up or down) of a layer with the tier, decode:
+// Graph of one expert matmul (gate, up, gate_up or down) of a layer with the tier, decode (one token, or a
+// batch step of T, one per sequence; shapes below for one token):
 //   cpu  = the stream path (moecache-matmul.cpp) on the host slots; a selection computed on the
 //          device runs there on the zero slot (host slot res.n_slots), whose output is 0
-//   J    = op_joint(slots, cpu_down, weights)       // F32 on the CPU, after its matmuls: the ids [K, 2]
+//   J    = op_joint(slots, cpu_down, weights)       // F32 on the CPU, after its matmuls: the ids [K, T] x 2
 //                                                   // (row 0 the device slot of each selection, the
 //                                                   // CPU's: one of the token's own, computed and
 //                                                   // dropped; row 1 where its output is), the CPU's
@@ -49,23 +50,26 @@ static int64_t vram_n_out(const moecache_layer & L) {
     return 0;
 }
 
-// J on the CPU and its copy on the device (L.graph.vram_joint, vram_joint_dev), with the views of the ids'
-// two rows the device's matmuls read
-static void vram_joint(moecache_layer & L, ggml_context * ctx, int64_t n_used) {
-    ggml_tensor * j = ggml_custom_4d(ctx, GGML_TYPE_F32, VRAM_JOINT_DOWN + vram_n_out(L) * n_used, 1, 1, 1,
+// J on the CPU and its copy on the device (L.graph.vram_joint, vram_joint_dev) for a step of n_tok tokens, with
+// the views of the ids' two rows the device's matmuls read
+static void vram_joint(moecache_layer & L, ggml_context * ctx, int64_t n_used, int64_t n_tok) {
+    const int64_t n = n_used * n_tok;
+    const int64_t R = moecache_vram_joint_row(n);
+    ggml_tensor * j = ggml_custom_4d(ctx, GGML_TYPE_F32, 3 * R + vram_n_out(L) * n, 1, 1, 1,
                                      nullptr, 0, moecache_vram_op_joint, 1, &L); // (its sources are joined later)
     ggml_format_name(moecache_graph_on_cpu(j), "moecache_vram_joint-%d", L.il);
     ggml_tensor * dev = moecache_graph_on_device(ggml_cont(ctx, j), L.vram.buft); // the one copy up
     ggml_format_name(dev, "moecache_vram_joint_dev-%d", L.il);
     L.graph.vram_joint     = j;
     L.graph.vram_joint_dev = dev;
+    L.graph.vram_n         = n;
     for (int r = 0; r < 2; r++) { // (I32 views of F32 bits: both are 4 bytes, the strides stay)
-        ggml_tensor * v = ggml_view_2d(ctx, dev, n_used, 1, VRAM_JOINT_ROW * sizeof(float), r * VRAM_JOINT_ROW * sizeof(float));
+        ggml_tensor * v = ggml_view_2d(ctx, dev, n_used, n_tok, n_used * sizeof(float), r * R * sizeof(float));
         v->type = GGML_TYPE_I32;
-        (r == 0 ? L.graph.vram_slot : L.graph.vram_row) = v; // [K, 1]
+        (r == 0 ? L.graph.vram_slot : L.graph.vram_row) = v; // [K, T]
     }
-    L.graph.vram_w = ggml_view_3d(ctx, dev, 1, n_used, 1, sizeof(float), n_used * sizeof(float), VRAM_JOINT_W * sizeof(float));
-    ggml_format_name(L.graph.vram_w, "moecache_vram_weights-%d", L.il); // [1, K, 1] (moecache_vram_graph_end)
+    L.graph.vram_w = ggml_view_3d(ctx, dev, 1, n_used, n_tok, sizeof(float), n_used * sizeof(float), 2 * R * sizeof(float));
+    ggml_format_name(L.graph.vram_w, "moecache_vram_weights-%d", L.il); // [1, K, T] (moecache_vram_graph_end)
 }
 
 // whether t reaches `to` through its sources, not past `stop` (the FFN's input); false also where the walk
@@ -99,13 +103,15 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     while (j < L.res.xt.size() && L.res.xt[j].model_t != x.model_t) {
         j++;
     }
-    if (L.vram.n == 0 || j == L.res.xt.size() || L.graph.ids_out->ne[1] != 1) {
+    if (L.vram.n == 0 || j == L.res.xt.size()) {
         return cpu;
     }
     const int64_t n_used = L.graph.ids_out->ne[0];
+    const int64_t n_tok  = L.graph.ids_out->ne[1]; // (a batch step: one token per sequence)
     if (!L.graph.vram_joint) {
-        vram_joint(L, ctx, n_used);
+        vram_joint(L, ctx, n_used, n_tok);
     }
+    const size_t down_off = 3 * moecache_vram_joint_row(L.graph.vram_n) * sizeof(float);
     ggml_tensor * joint = L.graph.vram_joint;
     joint->src[1] = L.graph.ids_out;
     ggml_tensor * slot = L.graph.vram_slot; // (the same views for every matmul of the layer: the scheduler
@@ -114,16 +120,16 @@ ggml_tensor * moecache_vram_mul_mat_id(moecache_layer & L, ggml_context * ctx, c
     ggml_format_name(gpu, "moecache_vram_mm-%d", L.il);
     const bool input_side = strstr(ggml_get_name(x.model_t), "down") == nullptr;
     if (!input_side && !joint->src[2] && cpu->type == GGML_TYPE_F32 && ggml_is_contiguous(cpu) &&
-        ggml_nelements(cpu) == ggml_nelements(joint) - VRAM_JOINT_DOWN && !reads_joint(L, cpu)) {
+        ggml_nelements(cpu) * sizeof(float) == ggml_nbytes(joint) - down_off && !reads_joint(L, cpu)) {
         joint->src[2] = cpu; // the CPU's down output crosses in J (where it does not itself read J: no cycle)
         const size_t nb1 = cpu->ne[0] * sizeof(float);
         cpu = ggml_view_3d(ctx, L.graph.vram_joint_dev, cpu->ne[0], cpu->ne[1], cpu->ne[2], nb1, nb1 * cpu->ne[1],
-                           VRAM_JOINT_DOWN * sizeof(float));
+                           down_off);
     }
     // the CPU's side first in the graph, where nothing of the device's is needed: the CPU's work of the layer
     // (its matmuls, activations, down) and the device's each run as one split
-    ggml_tensor * both = ggml_concat(ctx, cpu, gpu, 1);                       // [n_out, 2K, 1]
-    ggml_tensor * sum  = ggml_get_rows(ctx, both, row);                       // [n_out, K, 1]
+    ggml_tensor * both = ggml_concat(ctx, cpu, gpu, 1);                       // [n_out, 2K, T]
+    ggml_tensor * sum  = ggml_get_rows(ctx, both, row);                       // [n_out, K, T]
     if (L.graph.n_vram_sum < 4 && input_side) {
         const int32_t k = L.graph.n_vram_sum++;
         L.graph.vram_sum[k]     = sum;

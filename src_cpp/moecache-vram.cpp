@@ -139,7 +139,7 @@ int32_t moecache_vram_init(moecache & mc) {
         L.vram.in_use.assign(mc.n_expert, 0);
         L.vram.fresh.assign(mc.n_expert, 0);
         L.vram.ahead.assign(mc.n_expert, 0);
-        L.vram.tok_slot.assign(MOECACHE_MAX_USED, -1);
+        L.vram.tok_slot.assign((size_t) std::max(1, mc.cparams.n_seq) * mc.n_expert_used, -1); // (a batch step's)
     }
     // once per cache: the arena pinned for the first tier's device, the staging of moves down sized for
     // the largest exclusive layer with a copier (K experts)
@@ -477,7 +477,7 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
         V.down_stage        = (char *) ggml_backend_buffer_get_base(mc.res.down_stage); // (until this layer's finish)
         mc.res.down_stage_layer = L.il;
     }
-    for (int64_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
+    for (int64_t i = 0; i < n && i < (int64_t) V.tok_slot.size(); i++) { // (a batch step: n = K x T)
         const int32_t e = ids[i];
         int32_t vs = V.expert_slot[e];
         if (vs >= 0 && V.slot_expert[vs] == e) {
@@ -506,18 +506,20 @@ int64_t moecache_vram_decode(moecache & mc, moecache_layer & L, const int32_t * 
     return t_copy;
 }
 
-// What a decoded token's device side of a layer reads from the CPU goes up as one tensor, the joint J:
-// F32 [192 + n_out * K], each part 256 bytes aligned (a device's storage buffer offsets must be):
-//   [0, 64)    I32 (as bits): row 0 [:K] the device slot of each selection (one the device computes for
-//              nothing where the CPU computes it: the token's first device slot, else slot 0)
-//   [64, 128)  I32: row 1 [:K] the row of concat(CPU's side, device's side) [n_out, 2K] that holds its
-//              output (i on the CPU, K + i on the device)
-//   [128, 192) F32: the routing weights [:K] as llama.cpp multiplies by them, where moecache_vram_graph_end
+// What a decoded step's device side of a layer reads from the CPU goes up as one tensor, the joint J. For a
+// step of n = K x T selections (T tokens, one per sequence; T = 1 for a single token), with R = n rounded
+// up to 64 (moecache_vram_joint_row: each part 256 bytes aligned, as a device's storage buffer offsets must
+// be), F32 [3R + n_out * n]:
+//   [0, R)     I32 (as bits): row 0 [K, T] the device slot of each selection (one the device computes for
+//              nothing where the CPU computes it: the step's first device slot, else slot 0)
+//   [R, 2R)    I32: row 1 [K, T] the row of its token's concat(CPU's side, device's side) [n_out, 2K] that
+//              holds its output (i on the CPU, K + i on the device)
+//   [2R, 3R)   F32: the routing weights [K, T] as llama.cpp multiplies by them, where moecache_vram_graph_end
 //              joined them
-//   [192, ...) F32: the CPU's down output [n_out, K], where the down matmul joined it
+//   [3R, ...)  F32: the CPU's down output [n_out, K, T], where the down matmul joined it
 // The device makes one copy of J and its ops read views of it: one write per layer, where the ids, the
 // weights and the CPU's down output were three.
-// dst: J, once the token's copies up are on the device. src[0]: the weights (or none), src[1]: the host
+// dst: J, once the step's copies up are on the device. src[0]: the weights (or none), src[1]: the host
 // slot ids (moecache_experts, which ran moecache_vram_decode; none where no matmul of the tier joined),
 // src[2]: the CPU's down output (or none; it runs after the CPU's matmuls: the copies overlap them)
 void moecache_vram_op_joint(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -527,11 +529,12 @@ void moecache_vram_op_joint(ggml_tensor * dst, int ith, int nth, void * userdata
     }
     moecache_layer & L = *(moecache_layer *) userdata;
     float * j = (float *) dst->data;
+    const int64_t R = moecache_vram_joint_row(L.graph.vram_n);
     if (const ggml_tensor * w = dst->src[0]) {
-        memcpy(j + VRAM_JOINT_W, w->data, ggml_nbytes(w));
+        memcpy(j + 2 * R, w->data, ggml_nbytes(w));
     }
     if (const ggml_tensor * down = dst->src[2]) {
-        memcpy(j + VRAM_JOINT_DOWN, down->data, ggml_nbytes(down));
+        memcpy(j + 3 * R, down->data, ggml_nbytes(down));
     }
     if (!dst->src[1]) {
         return;
@@ -546,19 +549,21 @@ void moecache_vram_op_joint(ggml_tensor * dst, int ith, int nth, void * userdata
             vram_send(mc, T, false, t_later);
         }
     }
-    const int64_t k = dst->src[1]->ne[0]; // K (<= MOECACHE_MAX_USED)
-    int32_t dummy = 0; // the token's first device slot (slot 0 where it has none)
-    for (int64_t i = 0; i < k; i++) {
-        if (L.vram.tok_slot[i] >= 0) {
-            dummy = L.vram.tok_slot[i];
+    const int64_t k = dst->src[1]->ne[0];                                          // K
+    const int64_t n = std::min<int64_t>(ggml_nelements(dst->src[1]), (int64_t) L.vram.tok_slot.size()); // K x T
+    const int32_t * on = L.vram.tok_slot.data();
+    int32_t dummy = 0; // the step's first device slot (slot 0 where it has none)
+    for (int64_t i = 0; i < n; i++) {
+        if (on[i] >= 0) {
+            dummy = on[i];
             break;
         }
     }
-    int32_t * slot = (int32_t *) j;                  // [K]
-    int32_t * row  = (int32_t *) (j + VRAM_JOINT_ROW); // [K]
-    for (int64_t i = 0; i < VRAM_JOINT_ROW; i++) {
-        const bool device = i < k && L.vram.tok_slot[i] >= 0;
-        slot[i] = i < k ? (device ? L.vram.tok_slot[i] : dummy) : 0;
-        row[i]  = i < k ? (int32_t) (device ? k + i : i) : 0;
+    int32_t * slot = (int32_t *) j;       // [K, T]
+    int32_t * row  = (int32_t *) (j + R); // [K, T]
+    for (int64_t i = 0; i < R; i++) {
+        const bool device = i < n && on[i] >= 0;
+        slot[i] = i < n ? (device ? on[i] : dummy) : 0;
+        row[i]  = i < n ? (int32_t) (device ? k + i % k : i % k) : 0;
     }
 }

@@ -36,8 +36,10 @@ int64_t       moecache_vram_bytes(const moecache & mc);
 inline bool   moecache_is_zero_slot(const moecache_layer & L, int32_t s) {
     return (L.vram.n > 0 || L.low.n > 0) && s == L.res.n_slots;
 }
-// J's layout (moecache-vram.cpp, above its op): the ids, the routing weights, the CPU's down output, in floats
-enum { VRAM_JOINT_ROW = 64, VRAM_JOINT_W = 128, VRAM_JOINT_DOWN = 192 };
+// J's layout (moecache-vram.cpp, above its op) for a step of n selections (K x T): the ids' two rows and the routing
+// weights, each R floats (R = n rounded up to 64: 256 bytes, a device's storage buffer offsets must be aligned),
+// then the CPU's down output
+inline int64_t moecache_vram_joint_row(int64_t n) { return (n + 63) / 64 * 64; } // R
 // the tier's CPU op of a layer's decode (J): the token's copies up finished, the ids [K, 2] and the CPU's down
 // output written for the device (moecache-vram.cpp; the graph, moecache-vram-graph.cpp, builds it)
 void          moecache_vram_op_joint(ggml_tensor * dst, int ith, int nth, void * userdata);

@@ -272,6 +272,39 @@ def test_serve_np_decodes_its_slots_together(fixture_dir, tmp_path):
     assert answers[4] == answers[1]
 
 
+def test_serve_np_with_a_vram_tier_over_rpc_decodes_its_slots_together_through_the_tier(fixture_dir, tmp_path):
+    """serve -np 4 -ngl 99 with a VRAM tier on an RPC server (issue 78, item 3): the 4 requests decode in steps
+    fewer than their tokens, each answer the one -np 1 gives it alone under top-k, and every selection of
+    every decoded step is counted by the tier (on the device, copied up or on the CPU beside it): a batch step
+    runs through the tier's slots, not through the model's mapping (where it used to bypass the tier)."""
+    from pymoecache import rpc
+
+    m = tmp_path / "model.gguf"
+    shutil.copy(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"), m)
+    answers = {}
+    with rpc.LocalServer(threads=1, register=False) as server:
+        for n in (1, 4):
+            args = ("-np", str(n), "--routing", "lru", "--cache-size", "0.25", "-ngl", "99", "--rpc", server.endpoint,
+                    "--vram-size", "8")
+            with installed_server(tmp_path, m, *args) as base:
+                out = [None] * 4
+                threads = [threading.Thread(target=_completion, args=(base, p, out, i)) for i, p in enumerate(PROMPTS)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                answers[n] = [o["choices"][0]["text"] for o in out]
+                stats = get_json(base + "/moecache/stats")
+                assert stats["vram_slots"] == 8, stats
+                on_tier = stats["vram_hits"] + stats["vram_from_ram"] + stats["vram_from_file"]
+                assert on_tier == stats["decode_selections"] > 0, stats
+                if n == 4:
+                    assert all(o["moecache"]["batched"] for o in out)
+                    assert stats["decode_steps"] < stats["decode_tokens"], stats
+                    assert stats["vram_hits"] > 0, stats
+    assert answers[4] == answers[1]
+
+
 def test_openai_client_sends_four_at_once(fixture_dir, tmp_path):
     """The official openai client, from outside the tree, 4 requests at once to serve -np 4 (2 chats, a
     streamed chat and a completion with a stop string): every one answered, the stop string cut off (top-k
