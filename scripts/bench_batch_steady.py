@@ -12,6 +12,10 @@ server's counters decode_union and decode_selections.
 
     python scripts/bench_batch_steady.py --model trained --np 4,16 --routings default,lru,no-share
     python scripts/bench_batch_steady.py --model models/_bench/real-qwen3-30b-a3b.gguf --cap-share 3 --tokens 16
+    python scripts/bench_batch_steady.py --np 4 --routings lru --rpc local --serve-args "-ngl 99 --vram-size 8"
+
+--rpc local: the GPU layers on an RPC server of this machine (its CPU as the device: counts and texts, not a
+GPU's speed); "vram hits" is the share of the decoded selections computed from the VRAM tier's slots.
 
 --model trained: the trained benchmark model (model C widened to 2048, bench_residency.py), Tiny Shakespeare
 prompts; a path: that GGUF, WikiText-2 prompts. Routings: default (the server's defaults), lru (top-k + LRU),
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import statistics
 import sys
 import threading
@@ -68,18 +73,19 @@ def run_way(base: str, prompts: list, tokens: int, together: bool) -> dict:
     wall = time.perf_counter() - t0
     after = get(base + "/moecache/stats")
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_steps", "decode_tokens", "decode_loads",
-                                                         "decode_selections", "decode_union")}
+                                                         "decode_selections", "decode_union", "vram_hits")}
     n = sum(o["usage"]["completion_tokens"] for o in out)
     return dict(tok_s=n / wall, wall=wall, tokens=n, steps=d["decode_steps"],
                 reads_per_token=d["decode_loads"] / d["decode_tokens"] if d["decode_tokens"] else 0.0,
                 union=d["decode_union"] / d["decode_selections"] if d["decode_selections"] else 0.0,
+                vram_hits=d["vram_hits"] / d["decode_selections"] if d["decode_selections"] else 0.0,
                 texts=[o["choices"][0]["text"] for o in out])
 
 
 def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
     prompts = prompts_of(model, n)
     args = ["-np", str(n), "-c", str(a.ctx * n), "--cache-size", a.cache_size, "-t", str(a.threads),
-            *ROUTING_ARGS.get(routing, ["--routing", routing])]
+            *ROUTING_ARGS.get(routing, ["--routing", routing]), *a.extra]
     runs = {"one after another": [], "together": []}
     with warm_server(model, args, cap) as (base, c):
         t0 = time.monotonic()
@@ -103,16 +109,18 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
                          tokens=int(statistics.median(r["tokens"] for r in rs)),
                          reads_per_token=statistics.mean(r["reads_per_token"] for r in rs),
                          union=statistics.mean(r["union"] for r in rs), peak=peak, oom_kills=kills,
+                         vram_hits=statistics.mean(r["vram_hits"] for r in rs),
                          tok_s_runs=[round(r["tok_s"], 3) for r in rs]))
     return rows
 
 
 def table(rows: list, title: str) -> str:
-    out = [title, "", "| routing | -np | way | tok/s | x | steps / tokens | reads/tok | union / selections |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [title, "", "| routing | -np | way | tok/s | x | steps / tokens | reads/tok | union / selections | vram hits |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['routing']} | {r['np']} | {r['way']} | {r['tok_s']:.2f} | {r['x']:.2f}x | "
-                   f"{r['steps']} / {r['tokens']} | {r['reads_per_token']:.2f} | {r['union']:.3f} |")
+                   f"{r['steps']} / {r['tokens']} | {r['reads_per_token']:.2f} | {r['union']:.3f} | "
+                   f"{r['vram_hits']:.1%} |")
     return "\n".join(out)
 
 
@@ -131,8 +139,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=1, help="rounds one after another before the measured ones "
                                                          "(default %(default)s; under a cap the first rounds are slower)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of both ways in the warm server (default %(default)s)")
+    ap.add_argument("--serve-args", default="", help="more serve flags, e.g. \"-ngl 99 --vram-size 8\"")
+    ap.add_argument("--rpc", help="the GPU layers' RPC server: HOST:PORT, or local (one started on this machine)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        a.extra = shlex.split(a.serve_args)
+        if a.rpc:
+            from pymoecache import rpc
+            endpoint = stack.enter_context(rpc.LocalServer(register=False)).endpoint if a.rpc == "local" else a.rpc
+            a.extra += ["--rpc", endpoint]
+        return run(a)
+
+
+def run(a) -> int:
     model = trained_bench_model() if a.model == "trained" else Path(a.model).resolve()
     cap = int(model.stat().st_size / a.cap_share) if a.cap_share else 0
     rows = []
@@ -143,7 +163,7 @@ def main(argv=None) -> int:
                 Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     title = (f"{model.name}: warm server, {a.tokens} tokens a request, -t {a.threads}, --cache-size {a.cache_size}"
              + (f", memory cap {cap / 2**30:.2f} GiB (a {a.cap_share:g}th of the file)" if cap else "")
-             + f"; medians of {a.reps} rounds")
+             + (f", serve {' '.join(a.extra)}" if a.extra else "") + f"; medians of {a.reps} rounds")
     print(table(rows, title))
     return 0
 

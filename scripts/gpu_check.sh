@@ -12,6 +12,10 @@
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
 #     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (1/2 in RAM; the
 #     device fit's own tier beside no tier);
+#   - scripts/bench_batch_steady.py: serve -np 4 -ngl 99 with a VRAM tier of a quarter, its 4 requests together
+#     against one after another in one warm server (the batch's steps through the tier);
+#   - the experts in RAM computed by the GPU in place over the bus (--unified on: patches/0004 gives ggml-cuda
+#     buffer_from_host_ptr; scripts/check_cuda_patch.py compiles it without a GPU), against --cpu-moe;
 #   - the same share with experts twice as wide (3.3 MB): how the ratio to --n-cpu-moe grows where the
 #     CPU's expert matmuls weigh more against a layer's fixed costs (the round trip, the routing op);
 #   - the CPU alone at the same threads: our expert op on the slots (stream, every expert cached)
@@ -24,7 +28,7 @@
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
 #   GPU_CHECK_STEPS=share,tier bash scripts/gpu_check.sh   # only these steps (a short lease): trained, share,
 #                                  # tier (the seeds' scenario's time per token: pinned or not, fill cpu), lowbit,
-#                                  # device, fusion (device with ggml-cuda's fusion off), wide (share, 3.3 MB
+#                                  # batch (-np 4 with the tier), unified (experts read over the bus), device, fusion (device with ggml-cuda's fusion off), wide (share, 3.3 MB
 #                                  # experts), cpu (no GPU layers), exclusive, auto, random
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
@@ -106,6 +110,16 @@ if step tier; then
     share "the same, --vram-fill cpu (no copies up once the tier is full)" \
         --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline --vram-fill cpu
 fi
+if step batch; then
+say ""
+say "## serve -np 4 -ngl 99 with a VRAM tier of a quarter (8 of 32): 4 requests together against one after another (model C widened)"
+say "\`python scripts/bench_batch_steady.py --np 4 --routings lru,default --tokens 64 --reps $REPS -t $THREADS --serve-args \"-ngl 99 --vram-size 8\"\`"
+"$PY" scripts/bench_batch_steady.py --np 4 --routings lru,default --tokens 64 --reps "$REPS" -t "$THREADS" \
+    --serve-args "-ngl 99 --vram-size 8" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+fi
+step unified && bench "experts in RAM computed by the GPU in place over the bus (--unified on, patches/0004), against --cpu-moe (model C widened)" \
+    --model trained --gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25,1.0 --routings lru --unified on \
+    --reps "$REPS" --threads "$THREADS" --tokens 64 --warmup 8 --keep-going
 if step wide; then
     BENCH_WIDE=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model(4096))" | tail -1)
     share "the same share with experts twice as wide (model C widened to 4096: 3.3 MB a Q8_0 expert)" \
