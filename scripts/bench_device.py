@@ -12,6 +12,10 @@ the order; medians over rounds):
           its boosts uploaded and the token's rows read once per token
   op      pymoecache.Llama, top-k through our CPU routing op (what recording the router keeps): a
           CPU split per MoE layer, the path of a routing without device ops (max-rank, cumsum, ...)
+  with --tier N, two more, every expert cached in RAM (streamed) and N per layer in a VRAM tier, top-k:
+  tier    the tier with its round trip: the CPU routes each layer and computes the tier's misses
+  direct  the direct tier (--unified on): routed on the device, the misses computed by the device from
+          the host slots over the bus (a device that wraps host memory: Vulkan, Metal, CUDA with our patch)
 Two timings each, in ms per token: `llama_decode` alone (the library: graph, splits, our hooks),
 each token ended by llama_synchronize as llama-bench ends a generated one; and a generated token as
 `generate` makes one, `eval` then `sample` (greedy, the sampler chain built once), the Python layers
@@ -21,6 +25,7 @@ llama-cpp-python's (tokens made alternately by the two, paired); and the graph s
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local
     python scripts/bench_device.py --model bench.gguf --gpu-layers 99 --tokens 200 --rounds 5   # a GPU
     python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --rpc local --count-rpc
+    python scripts/bench_device.py --model models/tiny-shakespeare-qwen2moe-60x4.gguf --tier 15   # Vulkan / a GPU
 
 --parallel N: instead, N sequences decoded together (pymoecache.BatchDecoder, a step of one token per
 sequence), --tokens each, tok/s of stock llama.cpp's batch (its context made for N sequences), ours on the
@@ -156,6 +161,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds, each times every context (default 5)")
     ap.add_argument("--count-rpc", action="store_true",
                     help="with --rpc: count the RPC commands per decoded token (through a counting proxy) instead of timing")
+    ap.add_argument("--tier", type=int, default=0, metavar="N",
+                    help="also the VRAM tier of N experts per layer, with its round trip and direct (see above)")
     ap.add_argument("--parallel", type=int, default=0, metavar="N",
                     help="time N sequences decoded together (BatchDecoder) instead of one token at a time")
     args = ap.parse_args()
@@ -193,6 +200,11 @@ def main() -> None:
         "op": pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="none", router_record=n_all * 4),
                                routing="lru", **kw),
     }
+    if args.tier:
+        for name, unified in (("tier", "off"), ("direct", "on")):
+            contexts[name] = pymoecache.Llama(args.model, cache=CacheConfig(size=1.0, residency="stream", prefetch="off",
+                                                                            vram_size=args.tier, unified=unified),
+                                              routing="lru", **kw)
     names = list(contexts)
     prompt = list(range(100, 108))
     decodes = [200 + (i * 7) % 500 for i in range(args.tokens)]

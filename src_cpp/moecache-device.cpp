@@ -1,5 +1,6 @@
 // moecache-device.cpp - the device path where the cache only counts: every expert resident
-// (residency NONE), the routing top-k or the prior.
+// (residency NONE), the routing top-k or the prior; also the direct tier's tokens (every expert in
+// the host slots, which the device reads: moecache-vram-direct.cpp).
 //
 // The routing op of moecache-graph.cpp is CPU code. Beside GPU layers it puts a CPU split in every
 // MoE layer: the router's outputs come to the host, the scheduler waits for them, and the result
@@ -196,7 +197,8 @@ void moecache_device_graph_begin(moecache & mc) {
 static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
     const moecache_routing_params & rp = mc.rparams;
     *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f && !rp.prior_on_probs;
-    return mc.cparams.residency == MOECACHE_RESIDENCY_NONE && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
+    const bool direct = mc.vdir.on && n_tokens == 1; // (moecache-vram-direct.cpp: one token)
+    return (mc.cparams.residency == MOECACHE_RESIDENCY_NONE || direct) && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
            mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && mc.model != nullptr &&
            n_tokens >= 1 && n_tokens <= MOECACHE_DEVICE_MAX_STEP && mc.build_n_ubatch == n_tokens &&
            (n_tokens == 1 || (mc.build_decode && !*prior));
@@ -417,6 +419,7 @@ static void device_count(moecache & mc) {
                     mc.step_misses[t] += hit[i] == 0 ? 1 : 0;
                 }
                 moecache_route_count_union(mc, seen, sel, n_sel, T);
+                moecache_vram_direct_follow(mc, L, sel, n_sel); // (the direct tier's: its hits, its copies up)
             }
             L.decode_tokens += T;
             L.decode_steps  += 1;
@@ -460,7 +463,7 @@ void moecache_device_ubatch_begin(moecache & mc) {
     // (a staging in host memory, read in place), or where its read has no event (waiting for it there would
     // wait for the next graph too); otherwise after this ubatch's graph is queued, while the device computes
     // it (moecache_device_ubatch_computed)
-    bool early = d.n_prior > 0;
+    bool early = d.n_prior > 0 || mc.vdir.on; // (direct: the tier follows the token before this one computes)
     for (size_t g = 0; g < d.bufs.size(); g++) {
         early = early || ggml_backend_buffer_is_host(d.bufs[g]) || g >= d.events.size() || !d.events[g];
     }
@@ -470,6 +473,7 @@ void moecache_device_ubatch_begin(moecache & mc) {
     if (d.n_prior > 0) {
         moecache_device_prior_upload(mc);
     }
+    moecache_vram_direct_upload(mc); // (its copies up finished, its table written: before the graph reads them)
 }
 
 void moecache_device_ubatch_computed(moecache & mc, ggml_backend_sched_t sched) {

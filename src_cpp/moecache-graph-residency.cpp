@@ -38,6 +38,7 @@ void moecache_residency_graph_begin(moecache & mc) {
         L.graph.vram_joint = nullptr;
         L.graph.vram_joint_dev = nullptr;
         L.graph.vram_out = nullptr;
+        L.graph.direct_ids = nullptr;
         L.graph.vram_w   = nullptr;
         L.graph.ffn_in   = nullptr;
         L.graph.vram_slot = nullptr;
@@ -61,6 +62,14 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
         return nullptr;
     }
     moecache_layer & L = mc.layers[it->second];
+    if (moecache_vram_direct_layer(mc, L)) { // routed on the device: the layer stays there (moecache-vram-direct.cpp)
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            ggml_tensor * out = x.model_t == as ? moecache_vram_direct_mul_mat_id(mc, L, ctx, x, b, ids) : nullptr;
+            if (out) {
+                return out;
+            }
+        }
+    }
     if (L.graph.ids_in != ids) {
         L.graph.ids_in  = ids;
         L.graph.ids_out = ggml_custom_4d(ctx, GGML_TYPE_I32, ids->ne[0], ids->ne[1], 1, 1, &ids, 1, op_experts, 1, &L);

@@ -11,6 +11,7 @@
 #include "moecache-device.h"
 #include "moecache-profile.h"
 #include "moecache-residency.h"
+#include "moecache-vram-direct.h"
 
 struct moecache {
     // model identity (for state files) and shape
@@ -43,6 +44,7 @@ struct moecache {
                                                  // moecache_get_step_rows, over layers (a step of another
                                                  // number of rows starts them over)
     int32_t first_routed   = -1;               // the first layer the routing hook saw (a decoded token starts there)
+    moecache_vram_direct vdir;                 // the direct tier: a token's layer on the device alone
     moecache_device dev;                       // residency NONE, top-k: routing counted after the graph
     struct moecache_residency_stats rst = {};  // counters only; the other fields are derived on read
     int64_t t_route_decode_us = 0;

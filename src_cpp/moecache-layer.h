@@ -89,6 +89,10 @@ struct moecache_layer_graph {
     ggml_tensor * vram_out       = nullptr; //   the experts' outputs [n_out, K, T] (the down matmul's, J joined)
     ggml_tensor * vram_w         = nullptr; //   the weights' view of the copy [1, K, T]
     int64_t       vram_n         = 0;       //   the selections J carries, K x T (T: tokens of the step)
+    ggml_tensor * direct_ids     = nullptr; // the direct tier (moecache-vram-direct.cpp): the ids its lookups
+    ggml_tensor * direct_tier    = nullptr; //   were made for, and each selection's tier slot [K, T],
+    ggml_tensor * direct_host    = nullptr; //   host slot [K, T]
+    ggml_tensor * direct_hit     = nullptr; //   and whether the tier has it [1, K, T]
     ggml_tensor * ffn_in         = nullptr; // the router's input x (the FFN's input), where it is a plain matmul
     ggml_tensor * vram_sum[4]    = {};      //   the input-side matmuls' sums, device + CPU side,
     ggml_tensor * vram_side[4][2] = {};     //   and their two sides (0: device, 1: CPU)

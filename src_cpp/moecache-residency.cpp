@@ -110,7 +110,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     }
     if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
         moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts, decode);
-        if (decode && L.vram.n > 0) {
+        if (decode && L.vram.n > 0 && L.uni.t.empty()) { // (a direct tier's layer computed in place: not here)
             t_copy += moecache_vram_decode(mc, L, ids, out, n_ids); // (those computed on the device: the zero slot)
         }
     } else {
@@ -288,7 +288,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         return MOECACHE_OK;
     }
 
-    int32_t rc = moecache_unified_plan(mc, model); // (a layer computed in place gets no VRAM tier)
+    int32_t rc = moecache_unified_plan(mc, model); // (a layer computed in place gets no VRAM tier, but direct)
     if (rc != MOECACHE_OK) {
         return rc;
     }
@@ -298,6 +298,7 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     rc = rc == MOECACHE_OK ? moecache_slots_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_unified_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
+    rc = rc == MOECACHE_OK ? moecache_vram_direct_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_lowbit_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
     if (rc == MOECACHE_OK) {
@@ -365,6 +366,7 @@ void moecache_residency_free(moecache & mc) {
     }
     delete mc.res.io;
     mc.res.io = nullptr;
+    moecache_vram_direct_free(mc);
     moecache_vram_free(mc);
     moecache_lowbit_free(mc);
     moecache_unified_free(mc); // (before the arena it wraps)

@@ -64,7 +64,8 @@ static ggml_backend_buffer_type_t layer_device_buft(const llama_model * model, i
 void moecache_vram_plan(moecache & mc, const llama_model * model) {
     const int32_t n = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM ? mc.cparams.n_vram : 0;
     for (moecache_layer & L : mc.layers) {
-        L.vram.buft = n > 0 && !L.res.xt.empty() && !L.uni.dev ? layer_device_buft(model, L.il) : nullptr;
+        L.vram.buft = n > 0 && !L.res.xt.empty() && (!L.uni.dev || moecache_vram_direct_wanted(mc, L))
+                    ? layer_device_buft(model, L.il) : nullptr;
         L.vram.n    = L.vram.buft ? n : 0;
     }
 }
@@ -233,6 +234,9 @@ static int32_t vram_victim(const moecache_layer & L, bool free_only) {
 // AUTO: copy e up when copying its bytes costs at most computing it on the CPU, times what a copy
 // has been worth so far (1 + device hits per copy); each side is measured once before comparing
 static bool vram_auto_copies(const moecache & mc, const moecache_layer & L) {
+    if (mc.vram_us_per_byte <= 0.0 || mc.vdir.on) { // (direct: the other side reads the bus, not the CPU's)
+        return true;
+    }
     if (mc.vram_us_per_byte <= 0.0) {
         return true;
     }

@@ -328,9 +328,9 @@ struct moecache_cache_params {
                                   //   n_vram experts hold as many companion copies as fit (up to N:
                                   //   moecache_vram_cached lists them); 0 = none; default 0
     enum moecache_vram_fill vram_fill; // default MOECACHE_VRAM_FILL_AUTO
-    enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on
-                                  //   the host slots; a layer computed so has no VRAM tier (n_vram);
-                                  //   default MOECACHE_UNIFIED_AUTO
+    enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on the host
+                                  //   slots; such a layer has no VRAM tier but with ON, n_vram and every expert
+                                  //   cached (the direct tier: moecache-vram-direct.cpp); default UNIFIED_AUTO
     enum moecache_vram_copy vram_copy; // n_vram: default MOECACHE_VRAM_COPY_ASYNC
     enum moecache_lowbit lowbit;  // STREAM: which selections of a decoded token are computed from the low-bit
                                   //   companion; default MOECACHE_LOWBIT_OFF (MISS and ALL with a VRAM tier

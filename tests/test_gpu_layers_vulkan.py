@@ -438,3 +438,79 @@ def test_the_device_path_on_a_device_that_fuses_the_routing_counts_what_the_op_c
         assert a["misses"] > 0 and a["evictions"] > 0, kind
         for key in ("hits", "misses", "evictions", "trace") + (("tokens", "rows") if kind == "batch" else ()):
             assert a[key] == b[key], (kind, key)
+
+
+DIRECT_SCRIPT = r"""
+import json, sys
+import numpy as np
+import pymoecache
+import llama_cpp
+from pymoecache import CacheConfig
+from pymoecache import _moecache_cpp as C
+path, vram, kw, prompt, tokens, out, routing = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6]), *sys.argv[6:8]
+arrays = {}
+stock = llama_cpp.Llama(path, n_gpu_layers=99, **kw)  # (every expert on the device: the splits to match)
+stock.eval(prompt)
+stock.eval(tokens[:1])
+arrays["stock_splits"] = np.array(C.moecache_context_graph_splits(stock._ctx.ctx))
+stock.close()
+for unified in ("off", "on"):  # the tier with its round trip per layer, then direct
+    cache = CacheConfig(size=1.0, residency="stream", prefetch="off", vram_size=vram, vram_fill="copy", unified=unified,
+                        trace=4096)
+    llm = pymoecache.Llama(path, cache=cache, routing=routing, n_gpu_layers=99, **kw)
+    llm.eval(prompt)
+    llm.reset_moe_stats()
+    greedy = []
+    for t in tokens:
+        llm.eval([t])
+    for _ in range(12):
+        greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([greedy[-1]])
+    st = llm.moe_stats()
+    rs = st.residency
+    arrays[unified + "/logits"] = np.array(llm.scores[len(prompt): llm.n_tokens])
+    arrays[unified + "/tokens"] = np.array(greedy)
+    arrays[unified + "/counters"] = np.array([st.hits, st.misses, rs.vram_hits, rs.vram_from_ram, rs.vram_from_file,
+                                              rs.unified_layers, rs.device_steps, len(st.moe_layers)])
+    arrays[unified + "/splits"] = np.array(C.moecache_context_graph_splits(llm._ctx.ctx))
+    arrays[unified + "/selected"] = np.array(sorted([int(r["token"]), int(r["layer"])] + r["experts"][:st.n_expert_used].tolist()
+                                                    for r in llm.moecache.trace()))
+    llm.close()
+np.savez(out, **arrays)
+"""
+
+
+@pytest.mark.parametrize("name, vram, routing", [("qwen2moe-60x4", 15, "lru"), ("mixtral-8x2", 2, "lru"),
+                                                 ("olmoe-64x8", 16, "lru"), ("qwen2moe-60x4", 15, "prior:0.5"),
+                                                 ("deepseek2-sigmoid-64x6", 16, "prior:0.5")])
+def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp_path, name, vram, routing):
+    """The direct tier (issue 78, item 1), the installed package in a fresh process: every expert cached in RAM,
+    a quarter of them in a VRAM tier, the host slots wrapped for the device (unified on): each decoded token is
+    routed on the device (top-k, or the prior's ops with the tier's contents as its boosts) and each MoE layer
+    computed there, the tier's hits from its slots and the rest from the
+    host slots over the bus, with no CPU split in a layer. Against the tier with its round trip per layer (unified
+    off: the CPU routes each layer and computes the tier's misses; both copy every miss up): the same selections
+    token by token, the same hits and tier counters, the same greedy tokens, logits within the rounding of the two
+    sides; and a decoded token's graph splits are stock llama.cpp's with every expert on the device (the round
+    trip's are 2 a layer more)."""
+    from test_gpu_layers_rpc import KW
+    from test_rpc_as_installed import installed_env
+
+    path = model_path(fixture_dir, name)
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(path), str(vram), json.dumps(KW), json.dumps(PROMPT),
+                        json.dumps(DECODES), str(tmp_path / "out.npz"), routing],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    off, on = got["off/counters"].tolist(), got["on/counters"].tolist()
+    n_moe = on[-1]
+    assert on[5] == n_moe and on[6] > 0, on  # every MoE layer in place, the device path counting the tokens
+    assert off[5] == 0 and off[6] == 0, off
+    assert np.array_equal(got["on/selected"], got["off/selected"])
+    assert on[:5] == off[:5] and on[2] > 0 and on[3] > 0, (on, off)  # hits, misses, tier hits, from RAM, file
+    assert got["on/tokens"].tolist() == got["off/tokens"].tolist()
+    d, scale = row_diffs(got["on/logits"], got["off/logits"]), np.abs(got["off/logits"]).max()
+    assert d.max() <= 1e-2 * scale, f"max |diff| {d.max()}, scale {scale}"
+    assert int(got["on/splits"]) <= int(got["stock_splits"]) + 1 < int(got["off/splits"]), \
+        (int(got["on/splits"]), int(got["stock_splits"]), int(got["off/splits"]))

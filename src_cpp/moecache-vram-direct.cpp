@@ -1,0 +1,152 @@
+// moecache-vram-direct.cpp - the direct tier: a decoded token's MoE layer computed on its device alone, with no
+// round trip to the CPU. Where every expert of a layer is in its host slots (a cache of every expert, streamed),
+// those slots are wrapped for the layer's device (unified = on: moecache-unified.cpp; on CUDA with patches/0004)
+// and the layer has a VRAM tier (moecache-vram.cpp), the device path routes the token on the device
+// (moecache-device.cpp: top-k), and each expert matmul is
+//   tier = get_rows(tab.tier, ids)                     // I32 [K, T]: the tier slot of each selection
+//   host = get_rows(tab.host, ids)                     // I32 [K, T]: its host slot; the zero slot for the tier's
+//   hit  = get_rows(tab.hit, ids)                      // F32 [1, K, T]: 1 where the tier has it
+//   out  = mul_mat_id(host slots, b, host)             // the misses read over the bus; 0 for the tier's (zero slot)
+//        + mul_mat_id(tier slots, b, tier) * hit       // the tier's hits
+// (bit for bit each side's own numbers: x + 0 and y * 1 are exact). The table is the tier's contents before the
+// token, uploaded once per token (one write for every layer); the token's selections are counted behind the graph
+// (moecache-device.cpp), and the tier follows them: its hits, and copies up of the experts it lacked, made before
+// the next token's table is uploaded. So the tier lags the cache by a token, and no layer waits for the CPU.
+
+#include "moecache-impl.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "llama-impl.h" // LLAMA_LOG_INFO
+
+#include <algorithm>
+#include <cstring>
+
+bool moecache_vram_direct_wanted(const moecache & mc, const moecache_layer & L) {
+    return mc.cparams.unified == MOECACHE_UNIFIED_ON && mc.cparams.n_vram > 0 && !mc.cparams.vram_exclusive &&
+           L.capacity >= mc.n_expert && L.uni.dev != nullptr;
+}
+
+int32_t moecache_vram_direct_init(moecache & mc) {
+    moecache_vram_direct & D = mc.vdir;
+    ggml_backend_buffer_type_t buft = nullptr;
+    int32_t n_with = 0;
+    for (const moecache_layer & L : mc.layers) {
+        if (L.res.xt.empty()) {
+            continue;
+        }
+        if (L.vram.n == 0 || L.uni.t.size() != L.res.xt.size() || L.vram.t.size() != L.res.xt.size() ||
+            (buft && L.vram.buft != buft)) {
+            return MOECACHE_OK; // (a layer without both, or on another device: the paths with the round trip)
+        }
+        buft = L.vram.buft;
+        n_with++;
+    }
+    if (n_with == 0) {
+        return MOECACHE_OK;
+    }
+    D.row = (mc.n_expert + 63) / 64 * 64; // (256 bytes: a device's storage buffer offsets must be aligned)
+    ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+    D.ctx = ggml_init(ip);
+    D.tab = ggml_new_tensor_2d(D.ctx, GGML_TYPE_I32, 3 * D.row, mc.n_layer);
+    D.buf = ggml_backend_alloc_ctx_tensors_from_buft(D.ctx, buft);
+    if (!D.buf) {
+        return moecache_fail_residency("cannot allocate the direct tier's table on the device");
+    }
+    D.host.assign((size_t) ggml_nelements(D.tab), 0);
+    D.on = true;
+    mc.cparams.prefetch = MOECACHE_PREFETCH_OFF; // (every expert is in RAM: nothing to read ahead)
+    LLAMA_LOG_INFO("moecache: direct tier: %d layers' tokens computed on the device alone (tier of %d, the rest "
+                   "read over the bus from the host slots)\n", n_with, mc.cparams.n_vram);
+    return MOECACHE_OK;
+}
+
+void moecache_vram_direct_free(moecache & mc) {
+    moecache_vram_direct & D = mc.vdir;
+    if (D.buf) {
+        ggml_backend_buffer_free(D.buf);
+    }
+    if (D.ctx) {
+        ggml_free(D.ctx);
+    }
+    D = moecache_vram_direct();
+}
+
+bool moecache_vram_direct_layer(const moecache & mc, const moecache_layer & L) {
+    return mc.vdir.on && L.vram.n > 0 && !L.uni.t.empty() && L.il < (int32_t) mc.dev.deferred.size() &&
+           mc.dev.deferred[L.il] > 0 && L.graph.decode;
+}
+
+// a row of layer il's part of the table as a tensor [1, N] of `type` (a view)
+static ggml_tensor * tab_row(moecache & mc, ggml_context * ctx, int32_t il, int32_t r, ggml_type type) {
+    const moecache_vram_direct & D = mc.vdir;
+    ggml_tensor * v = ggml_view_2d(ctx, D.tab, 1, mc.n_expert, sizeof(int32_t),
+                                   ((size_t) il * 3 * D.row + (size_t) r * D.row) * sizeof(int32_t));
+    v->type = type; // (F32 bits in an I32 tensor: both 4 bytes)
+    return v;
+}
+
+ggml_tensor * moecache_vram_direct_mul_mat_id(moecache & mc, moecache_layer & L, ggml_context * ctx,
+                                              const moecache_expert_tensor & x, ggml_tensor * b, ggml_tensor * ids) {
+    size_t j = 0;
+    while (j < L.res.xt.size() && L.res.xt[j].model_t != x.model_t) {
+        j++;
+    }
+    if (j == L.res.xt.size() || ids->type != GGML_TYPE_I32 || !ggml_is_contiguous(ids)) {
+        return nullptr;
+    }
+    const int64_t K = ids->ne[0];
+    const int64_t T = ids->ne[1];
+    if (L.graph.direct_ids != ids) { // the layer's three lookups, once for its matmuls
+        ggml_tensor * tier = ggml_get_rows(ctx, tab_row(mc, ctx, L.il, 0, GGML_TYPE_I32), ids); // [1, K, T]
+        ggml_tensor * host = ggml_get_rows(ctx, tab_row(mc, ctx, L.il, 1, GGML_TYPE_I32), ids); // [1, K, T]
+        L.graph.direct_ids  = ids;
+        L.graph.direct_tier = ggml_reshape_2d(ctx, tier, K, T);
+        L.graph.direct_host = ggml_reshape_2d(ctx, host, K, T);
+        L.graph.direct_hit  = ggml_get_rows(ctx, tab_row(mc, ctx, L.il, 2, GGML_TYPE_F32), ids); // [1, K, T]
+        ggml_format_name(L.graph.direct_tier, "moecache_direct_tier-%d", L.il);
+        ggml_format_name(L.graph.direct_host, "moecache_direct_host-%d", L.il);
+    }
+    ggml_tensor * host = ggml_mul_mat_id(ctx, L.uni.t[j], b, L.graph.direct_host);  // [n_out, K, T]
+    ggml_tensor * tier = ggml_mul_mat_id(ctx, L.vram.t[j], b, L.graph.direct_tier); // [n_out, K, T]
+    ggml_format_name(host, "moecache_direct_host_mm-%d", L.il);
+    ggml_format_name(tier, "moecache_direct_tier_mm-%d", L.il);
+    return ggml_add(ctx, host, ggml_mul(ctx, tier, L.graph.direct_hit));
+}
+
+void moecache_vram_direct_follow(moecache & mc, moecache_layer & L, const int32_t * sel, int32_t n) {
+    if (!mc.vdir.on || L.vram.n == 0 || n <= 0) {
+        return;
+    }
+    int32_t out[MOECACHE_MAX_USED];
+    for (int32_t i = 0; i < n && i < MOECACHE_MAX_USED; i++) {
+        out[i] = moecache_slots_holding(L, sel[i]); // (every expert is in a host slot: where its copy comes from)
+    }
+    moecache_vram_decode(mc, L, sel, out, std::min<int32_t>(n, MOECACHE_MAX_USED)); // (its copies' time counted there)
+}
+
+void moecache_vram_direct_upload(moecache & mc) {
+    moecache_vram_direct & D = mc.vdir;
+    if (!D.on) {
+        return;
+    }
+    const int64_t N = mc.n_expert;
+    for (moecache_layer & L : mc.layers) {
+        if (L.vram.n == 0 || L.uni.t.empty()) {
+            continue;
+        }
+        moecache_vram_begin(mc, L); // (the copies up the last token made, finished)
+        int32_t * row = D.host.data() + (size_t) L.il * 3 * D.row;
+        const int32_t zero = L.res.n_slots;
+        for (int64_t e = 0; e < N; e++) {
+            const int32_t vs = L.vram.expert_slot[e];
+            const bool    in = vs >= 0 && L.vram.slot_expert[vs] == (int32_t) e;
+            const int32_t hs = moecache_slots_holding(L, (int32_t) e);
+            row[e]              = in ? vs : 0;
+            row[D.row + e]      = in || hs < 0 ? zero : hs; // (hs < 0 cannot be: every expert is held)
+            const float w       = in ? 1.0f : 0.0f;
+            memcpy(&row[2 * D.row + e], &w, sizeof(float));
+        }
+    }
+    ggml_backend_tensor_set(D.tab, D.host.data(), 0, ggml_nbytes(D.tab));
+}
