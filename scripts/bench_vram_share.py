@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--text", help="the text decoded (default: the held-out tenth of Tiny Shakespeare)")
     ap.add_argument("--vram-fill", choices=["auto", "copy", "cpu"], default="auto",
                     help="CacheConfig.vram_fill: what a selection outside device memory does (default auto)")
+    ap.add_argument("--unified", choices=["auto", "on", "off"], default="auto",
+                    help="CacheConfig.unified; on with --host-share 1: the direct tier, each token's layers on the "
+                         "device alone, the misses read over the bus (a device that wraps host memory; not RPC)")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--speed", action="store_true", help="also decode tok/s of each row and of stock llama.cpp")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per row with --speed (default 3)")
@@ -184,7 +187,7 @@ def main() -> None:
     for routing, exclusive, lowbit in runs:
         miss = dict(miss="lowbit-cache", lowbit=lowbit) if lowbit else dict(miss="full")
         cache = CacheConfig(size=n_host, residency="stream", vram_size=n_vram, prefetch="off", vram_fill=args.vram_fill,
-                            vram_exclusive=exclusive, **miss)
+                            vram_exclusive=exclusive, unified=args.unified, **miss)
         fit, notier = routing == "fit", routing == "no-tier"
         if notier:
             cache, routing = CacheConfig(size=n_host, residency="stream", **miss), None  # (prefetch as it was: auto)

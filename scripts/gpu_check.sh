@@ -12,6 +12,8 @@
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
 #     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (1/2 in RAM; the
 #     device fit's own tier beside no tier);
+#   - the same share as the direct tier (--unified on: each token's MoE layers on the GPU alone, routed there,
+#     the misses read over the bus from the pinned host slots; bench_device.py --tier prints its graph splits);
 #   - scripts/bench_batch_steady.py: serve -np 4 -ngl 99 with a VRAM tier of a quarter, its 4 requests together
 #     against one after another in one warm server (the batch's steps through the tier);
 #   - the experts in RAM computed by the GPU in place over the bus (--unified on: patches/0004 gives ggml-cuda
@@ -28,7 +30,7 @@
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
 #   GPU_CHECK_STEPS=share,tier bash scripts/gpu_check.sh   # only these steps (a short lease): trained, share,
 #                                  # tier (the seeds' scenario's time per token: pinned or not, fill cpu), lowbit,
-#                                  # batch (-np 4 with the tier), unified (experts read over the bus), device, fusion (device with ggml-cuda's fusion off), wide (share, 3.3 MB
+#                                  # direct (the share, direct tier), batch (-np 4 with the tier), unified (experts read over the bus), device, fusion (device with ggml-cuda's fusion off), wide (share, 3.3 MB
 #                                  # experts), cpu (no GPU layers), exclusive, auto, random
 #
 # On a machine without network: vendor/llama.cpp (or $GPU_CHECK_VENDOR, a copy of it without
@@ -104,6 +106,8 @@ step trained && bench "model C widened (trained), every layer on the GPU" --mode
 BENCH_TRAINED=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model())" | tail -1)
 step share && share "every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)" \
     --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+step direct && share "the same share, the direct tier (--unified on: each token's MoE layers on the GPU alone, the misses read over the bus from pinned RAM; patches/0004) (model C widened; goal >= 1.5x)" \
+    --model "$BENCH_TRAINED" --rpc none --unified on --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
 if step tier; then
     GGML_CUDA_NO_PINNED=1 share "the same, the host slots pageable (GGML_CUDA_NO_PINNED=1: copies up staged by the driver)" \
         --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
@@ -131,8 +135,8 @@ step lowbit && bench "low-bit copies on the GPU: a Q4_K companion in the host sl
 if step device; then
 say ""
 say "## where a token's time goes, every layer on the GPU (model C widened)"
-say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS\`"
-"$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" 2>&1 \
+say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS --tier 8\`"
+"$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" --tier 8 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 fi
 if step fusion; then
