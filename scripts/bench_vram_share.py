@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--speed", action="store_true", help="also decode tok/s of each row and of stock llama.cpp")
     ap.add_argument("--reps", type=int, default=3, help="timed passes per row with --speed (default 3)")
+    ap.add_argument("--prompt", type=int, default=0, metavar="N",
+                    help="with --speed: also prompt tok/s of an N-token prompt (e.g. 512), stock beside ours")
     ap.add_argument("--threads", type=int, default=1, help="client threads (default 1)")
     ap.add_argument("--routings", default="default,lru",
                     help="comma-separated routings of our rows (default: default,lru; 'default' = none given, the "
@@ -164,12 +166,14 @@ def main() -> None:
 
         text = split_text()[1]
     if args.speed:
-        llm = stock_llama(args.model, n_layers - on_device, n_ctx=512, verbose=False, n_threads=args.threads,
+        llm = stock_llama(args.model, n_layers - on_device, n_ctx=max(512, args.prompt + 32), verbose=False, n_threads=args.threads,
                           n_threads_batch=args.threads, **device)
         rows[0]["tok_s"] = decode_tok_s(llm, evaluate.tokenize_text(llm, text), args)
+        if args.prompt:
+            rows[0]["prompt_tok_s"] = prompt_tok_s(llm, evaluate.tokenize_text(llm, text), args)
         llm.close()
     if counter is not None:
-        llm = stock_llama(args.model, n_layers - on_device, n_ctx=512, verbose=False, n_threads=args.threads,
+        llm = stock_llama(args.model, n_layers - on_device, n_ctx=max(512, args.prompt + 32), verbose=False, n_threads=args.threads,
                           n_threads_batch=args.threads, **device)
         rows[0]["rpc"] = count_commands(llm, evaluate.tokenize_text(llm, text), counter)
         llm.close()
@@ -195,7 +199,7 @@ def main() -> None:
         # --cache-size auto would on a machine whose RAM is smaller than the model)
         asked = (dict(cache=n_host) if n_host < info.n_expert else {}) if fit else dict(cache=cache, routing=routing)
         llm = pymoecache.Llama(args.model, **asked, n_gpu_layers=99,
-                               n_ctx=512, verbose=False, **device, logits_all=bool(args.ppl_chunks),
+                               n_ctx=max(512, args.prompt + 32), verbose=False, **device, logits_all=bool(args.ppl_chunks),
                                n_threads=args.threads, n_threads_batch=args.threads)
         routing = None if fit else routing
         used = llm.moecache.routing.spec()
@@ -236,6 +240,8 @@ def main() -> None:
                "route_ms_per_token": rs.t_route_ms_per_token, "pinned_bytes": rs.vram_pinned_bytes}
         if speed is not None:
             row["tok_s"] = speed
+            if args.prompt:
+                row["prompt_tok_s"] = prompt_tok_s(llm, tokens, args)
         if commands is not None:
             row["rpc"] = commands
         if times:
@@ -256,14 +262,16 @@ def main() -> None:
           + (f"; the RPC server behind a {args.link_mbps:g} MB/s link" if args.link_mbps else "")
           + (f"; reads from the model's disk at most {args.storage_mbps:g} MB/s" if args.storage_mbps else ""))
     speed = "tok_s" in rows[0]
+    prompt = "prompt_tok_s" in rows[0]
     cmds = "rpc" in rows[0]
     print("\n| placement | routing | experts' device MiB | selections computed on the device | vs --n-cpu-moe "
           "| expert reads per token and layer | ppl | vs top-k |" + (" vs full top-k |" if full else "")
           + " copies up / down per token | copying ms/token | on the CPU per token | routing ms/token |"
           + (" decode tok/s | vs stock --n-cpu-moe |" if speed else "")
+          + (f" prompt tok/s ({args.prompt} tokens) | vs stock |" if prompt else "")
           + (" RPC reads / writes / graphs per token | KiB sent per token |" if cmds else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if full else "") + "---|---|---|---|" + ("---|---|" if speed else "")
-          + ("---|---|" if cmds else ""))
+          + ("---|---|" if prompt else "") + ("---|---|" if cmds else ""))
 
     def vs(r, b):
         return f"{100 * (r['ppl'] / b['ppl'] - 1):+.2f}%" if b and "ppl" in r and "ppl" in b else "-"
@@ -283,6 +291,7 @@ def main() -> None:
                  f" {r['on_cpu_per_token']:.2f} | {r['route_ms_per_token']:.3f} |" if "copy_ms_per_token" in r else
                  " - | - | - | - |")
               + (f" {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f}x |" if speed else "")
+              + (f" {r['prompt_tok_s']:.1f} | {r['prompt_tok_s'] / rows[0]['prompt_tok_s']:.2f}x |" if prompt else "")
               + (" {GET_TENSOR:.2f} / {SET_TENSOR:.2f} / {GRAPH_COMPUTE:.2f} | {KIB:.1f} |".format(**r["rpc"]) if cmds else ""))
     timed = [r for r in rows if "times" in r]
     if timed:
@@ -372,6 +381,25 @@ def decode_tok_s(llm, tokens, args) -> float:
             llm.eval([t])
             llama_cpp.llama_synchronize(llm._ctx.ctx)
         speeds.append(min(args.tokens, len(tokens) - 32) / (time.perf_counter() - t0))
+    return statistics.median(speeds)
+
+
+def prompt_tok_s(llm, tokens, args) -> float:
+    """Median over --reps passes of prompt tok/s: --prompt tokens evaluated at once from an empty context, ended
+    by llama_synchronize."""
+    import statistics
+    import time
+
+    import llama_cpp
+
+    n = min(args.prompt, len(tokens))
+    speeds = []
+    for _ in range(args.reps):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(tokens[:n])
+        llama_cpp.llama_synchronize(llm._ctx.ctx)
+        speeds.append(n / (time.perf_counter() - t0))
     return statistics.median(speeds)
 
 

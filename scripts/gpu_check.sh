@@ -10,7 +10,7 @@
 #   - scripts/bench_device.py: llama_decode, and eval + sample, per token of stock, ours (device path,
 #     top-k and the prior as GPU ops) and ours through the CPU routing op, in one process;
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
-#     same GPU bytes (selections on the GPU, decode tok/s), and the tiers exclusive (1/2 in RAM; the
+#     same GPU bytes (selections on the GPU, decode tok/s, and a 512-token prompt's tok/s), and the tiers exclusive (1/2 in RAM; the
 #     device fit's own tier beside no tier);
 #   - the same share as the direct tier (--unified on: each token's MoE layers on the GPU alone, routed there,
 #     the misses read over the bus from the pinned host slots; bench_device.py --tier prints its graph splits);
@@ -105,9 +105,9 @@ COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routing
 step trained && bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
 BENCH_TRAINED=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model())" | tail -1)
 step share && share "every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)" \
-    --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+    --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline
 step direct && share "the same share, the direct tier (--unified on: each token's MoE layers on the GPU alone, the misses read over the bus from pinned RAM; patches/0004) (model C widened; goal >= 1.5x)" \
-    --model "$BENCH_TRAINED" --rpc none --unified on --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
+    --model "$BENCH_TRAINED" --rpc none --unified on --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline
 if step tier; then
     GGML_CUDA_NO_PINNED=1 share "the same, the host slots pageable (GGML_CUDA_NO_PINNED=1: copies up staged by the driver)" \
         --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
