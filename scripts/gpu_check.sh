@@ -10,8 +10,8 @@
 #   - scripts/bench_device.py: llama_decode, and eval + sample, per token of stock, ours (device path,
 #     top-k and the prior as GPU ops) and ours through the CPU routing op, in one process;
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
-#     same GPU bytes (selections on the GPU, decode tok/s, and a 512-token prompt's tok/s), and the tiers exclusive (1/2 in RAM; the
-#     device fit's own tier beside no tier);
+#     same GPU bytes (selections on the GPU, decode tok/s, a 512-token prompt's tok/s), and the tiers
+#     exclusive (1/2 in RAM; the device fit's own tier beside no tier);
 #   - the same share as the direct tier (--unified on: each token's MoE layers on the GPU alone, routed there,
 #     the misses read over the bus from the pinned host slots; bench_device.py --tier prints its graph splits);
 #   - scripts/bench_batch_steady.py: serve -np 4 -ngl 99 with a VRAM tier of a quarter, its 4 requests together
