@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -163,6 +164,7 @@ def main() -> None:
                     help="with --rpc: count the RPC commands per decoded token (through a counting proxy) instead of timing")
     ap.add_argument("--tier", type=int, default=0, metavar="N",
                     help="also the VRAM tier of N experts per layer, with its round trip and direct (see above)")
+    ap.add_argument("--json", help="also write each context's medians, graph splits and reads here")
     ap.add_argument("--parallel", type=int, default=0, metavar="N",
                     help="time N sequences decoded together (BatchDecoder) instead of one token at a time")
     args = ap.parse_args()
@@ -305,6 +307,10 @@ def main() -> None:
               + (f"{python_us[name]:.1f}" if name in python_us else "-") + f" | {splits[name]} | {reads[name]:.2f} |")
     print("\nours over llama-cpp-python's: what pymoecache.Llama's eval and sample add to llama-cpp-python's per token "
           "(its checks and counting), tokens made alternately by the two on the same context, median of the pairs")
+    if args.json:
+        Path(args.json).write_text(json.dumps({name: dict(decode_ms=med[(name, "decode")], eval_ms=med[(name, "eval")],
+                                                          splits=splits[name], reads=reads[name]) for name in names},
+                                              indent=1) + "\n")
     for llm in contexts.values():
         llm.close()
     servers.close()

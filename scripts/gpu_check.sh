@@ -24,7 +24,8 @@
 #     against ggml's mul_mat_id (resident, stock), which computes the CPU's share of both placements;
 #   - low-bit copies (a Q4_K companion) in the host slots and the VRAM tier, against full precision;
 # on model C widened to the benchmark size ("trained") and on the synthetic qwen2moe ("random").
-# Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown.
+# Everything it prints goes to $OUT/gpu_check.txt (or ./gpu_check.txt), tables in Markdown, ending with one
+# table of issue 78's rows read from the steps' JSON (scripts/gpu_check_table.py).
 #
 #   bash scripts/gpu_check.sh                     # build + run (7 minutes on an H200's 16 cores, 3 of them the build)
 #   GPU_CHECK_REPS=1 GPU_CHECK_SIZE_MB=600 bash scripts/gpu_check.sh   # shorter
@@ -105,9 +106,11 @@ COMMON="--gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25 --routing
 step trained && bench "model C widened (trained), every layer on the GPU" --model trained $COMMON
 BENCH_TRAINED=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import bench_residency as b; print(b.trained_bench_model())" | tail -1)
 step share && share "every expert in RAM, a quarter in VRAM: decode tok/s against stock --n-cpu-moe at the same GPU bytes (model C widened; goal >= 1.5x)" \
-    --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline
+    --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline \
+    --json "$OUTDIR/share.json"
 step direct && share "the same share, the direct tier (--unified on: each token's MoE layers on the GPU alone, the misses read over the bus from pinned RAM; patches/0004) (model C widened; goal >= 1.5x)" \
-    --model "$BENCH_TRAINED" --rpc none --unified on --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline
+    --model "$BENCH_TRAINED" --rpc none --unified on --speed --reps "$REPS" --tokens 128 --prompt 512 --threads "$THREADS" --timeline \
+    --json "$OUTDIR/direct.json"
 if step tier; then
     GGML_CUDA_NO_PINNED=1 share "the same, the host slots pageable (GGML_CUDA_NO_PINNED=1: copies up staged by the driver)" \
         --model "$BENCH_TRAINED" --rpc none --speed --reps "$REPS" --tokens 128 --threads "$THREADS" --timeline
@@ -119,7 +122,7 @@ say ""
 say "## serve -np 4 -ngl 99 with a VRAM tier of a quarter (8 of 32): 4 requests together against one after another (model C widened)"
 say "\`python scripts/bench_batch_steady.py --np 4 --routings lru,default --tokens 64 --reps $REPS -t $THREADS --serve-args \"-ngl 99 --vram-size 8\"\`"
 "$PY" scripts/bench_batch_steady.py --np 4 --routings lru,default --tokens 64 --reps "$REPS" -t "$THREADS" \
-    --serve-args "-ngl 99 --vram-size 8" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
+    --serve-args "-ngl 99 --vram-size 8" --json "$OUTDIR/batch.json" 2>&1 | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 fi
 step unified && bench "experts in RAM computed by the GPU in place over the bus (--unified on, patches/0004), against --cpu-moe (model C widened)" \
     --model trained --gpu-layers 99 --stock --cpu-moe --no-mmap --cache-sizes 0.25,1.0 --routings lru --unified on \
@@ -136,7 +139,8 @@ if step device; then
 say ""
 say "## where a token's time goes, every layer on the GPU (model C widened)"
 say "\`python scripts/bench_device.py --model $BENCH_TRAINED --tokens 256 --rounds 5 --threads $THREADS --tier 8\`"
-"$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" --tier 8 2>&1 \
+"$PY" scripts/bench_device.py --model "$BENCH_TRAINED" --tokens 256 --rounds 5 --threads "$THREADS" --tier 8 \
+    --json "$OUTDIR/device.json" 2>&1 \
     | grep -v "^llama_context\|n_ctx_seq" | tee -a "$LOG"
 fi
 if step fusion; then
@@ -161,5 +165,8 @@ say "## -ngl auto: what the GPU reports free, and the layers and experts placed 
     | tee -a "$LOG"
 fi
 step random && bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
+say ""
+say "## the table (issue 78's rows, from the steps above)"
+"$PY" scripts/gpu_check_table.py "$OUTDIR" 2>&1 | tee -a "$LOG"
 say ""
 say "done: $LOG"
