@@ -240,6 +240,17 @@ def _completion(base, prompt, out, i, **kw):
 PROMPTS = ["Once upon a time", "The history of the city", "Q: what is an expert?\nA:", "def fibonacci(n):"]
 
 
+def _all_at_once(base) -> list:
+    """PROMPTS' completions, the four requests sent at once."""
+    out = [None] * len(PROMPTS)
+    threads = [threading.Thread(target=_completion, args=(base, p, out, i)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
 def test_serve_np_decodes_its_slots_together(fixture_dir, tmp_path):
     """serve -np 4 with 4 requests at once: one decode step carries all of them (the steps are fewer than
     the tokens), each answer is the one -np 1 gives it alone under top-k routing, /slots shows them, and
@@ -249,12 +260,7 @@ def test_serve_np_decodes_its_slots_together(fixture_dir, tmp_path):
     answers = {}
     for n in (1, 4):
         with installed_server(tmp_path, m, "-np", str(n), "--routing", "lru", "--cache-size", "0.25") as base:
-            out = [None] * 4
-            threads = [threading.Thread(target=_completion, args=(base, p, out, i)) for i, p in enumerate(PROMPTS)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            out = _all_at_once(base)
             answers[n] = [o["choices"][0]["text"] for o in out]
             stats = get_json(base + "/moecache/stats")
             if n == 4:
@@ -287,12 +293,7 @@ def test_serve_np_with_a_vram_tier_over_rpc_decodes_its_slots_together_through_t
             args = ("-np", str(n), "--routing", "lru", "--cache-size", "0.25", "-ngl", "99", "--rpc", server.endpoint,
                     "--vram-size", "8")
             with installed_server(tmp_path, m, *args) as base:
-                out = [None] * 4
-                threads = [threading.Thread(target=_completion, args=(base, p, out, i)) for i, p in enumerate(PROMPTS)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                out = _all_at_once(base)
                 answers[n] = [o["choices"][0]["text"] for o in out]
                 stats = get_json(base + "/moecache/stats")
                 assert stats["vram_slots"] == 8, stats
