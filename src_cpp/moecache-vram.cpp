@@ -237,9 +237,6 @@ static bool vram_auto_copies(const moecache & mc, const moecache_layer & L) {
     if (mc.vram_us_per_byte <= 0.0 || mc.vdir.on) { // (direct: the other side reads the bus, not the CPU's)
         return true;
     }
-    if (mc.vram_us_per_byte <= 0.0) {
-        return true;
-    }
     if (mc.vram_cpu_us <= 0.0) {
         return false;
     }
