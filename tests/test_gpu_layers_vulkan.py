@@ -473,6 +473,7 @@ for unified in ("off", "on"):  # the tier with its round trip per layer, then di
     arrays[unified + "/counters"] = np.array([st.hits, st.misses, rs.vram_hits, rs.vram_from_ram, rs.vram_from_file,
                                               rs.unified_layers, rs.device_steps, len(st.moe_layers)])
     arrays[unified + "/splits"] = np.array(C.moecache_context_graph_splits(llm._ctx.ctx))
+    arrays[unified + "/miss"] = np.array(rs.miss)
     arrays[unified + "/selected"] = np.array(sorted([int(r["token"]), int(r["layer"])] + r["experts"][:st.n_expert_used].tolist()
                                                     for r in llm.moecache.trace()))
     llm.close()
@@ -482,7 +483,8 @@ np.savez(out, **arrays)
 
 @pytest.mark.parametrize("name, vram, routing", [("qwen2moe-60x4", 15, "lru"), ("mixtral-8x2", 2, "lru"),
                                                  ("olmoe-64x8", 16, "lru"), ("qwen2moe-60x4", 15, "prior:0.5"),
-                                                 ("deepseek2-sigmoid-64x6", 16, "prior:0.5")])
+                                                 ("deepseek2-sigmoid-64x6", 16, "prior:0.5"),
+                                                 ("qwen2moe-60x4.Q8_0+Q5_0", 15, "lru")])
 def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp_path, name, vram, routing):
     """The direct tier (issue 78, item 1), the installed package in a fresh process: every expert cached in RAM,
     a quarter of them in a VRAM tier, the host slots wrapped for the device (unified on): each decoded token is
@@ -492,11 +494,22 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
     off: the CPU routes each layer and computes the tier's misses; both copy every miss up): the same selections
     token by token, the same hits and tier counters, the same greedy tokens, logits within the rounding of the two
     sides; and a decoded token's graph splits are stock llama.cpp's with every expert on the device (the round
-    trip's are 2 a layer more)."""
+    trip's are 2 a layer more). Also beside a low-bit companion (the default miss, lowbit-cache: the host slots and
+    the tier hold its Q5_0 copies)."""
     from test_gpu_layers_rpc import KW
     from test_rpc_as_installed import installed_env
 
-    path = model_path(fixture_dir, name)
+    if "+" in name:  # a Q8_0 model with a Q5_0 companion beside it: lowbit-cache, both tiers hold the copies
+        import shutil
+
+        from pymoecache import lowbit
+
+        base, variant = name.split("+")[0].split(".")
+        path = tmp_path / "model.gguf"
+        shutil.copy(model_path(fixture_dir, base, "." + variant), path)
+        lowbit.make_companion(path, type=name.split("+")[1], progress=False)
+    else:
+        path = model_path(fixture_dir, name)
     env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
     r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(path), str(vram), json.dumps(KW), json.dumps(PROMPT),
                         json.dumps(DECODES), str(tmp_path / "out.npz"), routing],
@@ -510,6 +523,7 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
     assert np.array_equal(got["on/selected"], got["off/selected"])
     assert on[:5] == off[:5] and on[2] > 0 and on[3] > 0, (on, off)  # hits, misses, tier hits, from RAM, file
     assert got["on/tokens"].tolist() == got["off/tokens"].tolist()
+    assert str(got["on/miss"]) == str(got["off/miss"]) == ("lowbit-cache" if "+" in name else "full")
     d, scale = row_diffs(got["on/logits"], got["off/logits"]), np.abs(got["off/logits"]).max()
     assert d.max() <= 1e-2 * scale, f"max |diff| {d.max()}, scale {scale}"
     assert int(got["on/splits"]) <= int(got["stock_splits"]) + 1 < int(got["off/splits"]), \
