@@ -176,6 +176,10 @@ void moecache_device_free(moecache & mc) {
 
 void moecache_device_graph_begin(moecache & mc) {
     moecache_device_flush(mc); // (before a graph that may route another way)
+    {
+        std::lock_guard<std::mutex> lock(mc.dev.mutex); // (a graph built afresh, not reused: no ubatch_begin before it)
+        moecache_vram_direct_upload(mc);
+    }
     mc.dev.n_deferred = 0;
     mc.dev.n_calls    = 0;
     mc.dev.n_prior    = 0;

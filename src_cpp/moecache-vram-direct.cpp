@@ -53,6 +53,7 @@ int32_t moecache_vram_direct_init(moecache & mc) {
     if (!D.buf) {
         return moecache_fail_residency("cannot allocate the direct tier's table on the device");
     }
+    ggml_backend_buffer_clear(D.buf, 0); // (written before every ubatch: moecache_vram_direct_upload)
     D.host.assign((size_t) ggml_nelements(D.tab), 0);
     D.on = true;
     mc.cparams.prefetch = MOECACHE_PREFETCH_OFF; // (every expert is in RAM: nothing to read ahead)

@@ -481,11 +481,11 @@ np.savez(out, **arrays)
 """
 
 
-@pytest.mark.parametrize("name, vram, routing", [("qwen2moe-60x4", 15, "lru"), ("mixtral-8x2", 2, "lru"),
-                                                 ("olmoe-64x8", 16, "lru"), ("qwen2moe-60x4", 15, "prior:0.5"),
-                                                 ("deepseek2-sigmoid-64x6", 16, "prior:0.5"),
-                                                 ("qwen2moe-60x4.Q8_0+Q5_0", 15, "lru")])
-def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp_path, name, vram, routing):
+@pytest.mark.parametrize("name, vram, routing, reuse", [
+    ("qwen2moe-60x4", 15, "lru", True), ("mixtral-8x2", 2, "lru", True), ("olmoe-64x8", 16, "lru", True),
+    ("qwen2moe-60x4", 15, "prior:0.5", True), ("deepseek2-sigmoid-64x6", 16, "prior:0.5", True),
+    ("qwen2moe-60x4.Q8_0+Q5_0", 15, "lru", True), ("qwen2moe-60x4", 15, "lru", False)])
+def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp_path, name, vram, routing, reuse):
     """The direct tier (issue 78, item 1), the installed package in a fresh process: every expert cached in RAM,
     a quarter of them in a VRAM tier, the host slots wrapped for the device (unified on): each decoded token is
     routed on the device (top-k, or the prior's ops with the tier's contents as its boosts) and each MoE layer
@@ -495,7 +495,9 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
     token by token, the same hits and tier counters, the same greedy tokens, logits within the rounding of the two
     sides; and a decoded token's graph splits are stock llama.cpp's with every expert on the device (the round
     trip's are 2 a layer more). Also beside a low-bit companion (the default miss, lowbit-cache: the host slots and
-    the tier hold its Q5_0 copies)."""
+    the tier hold its Q5_0 copies), and with llama.cpp's graph reuse off (LLAMA_GRAPH_REUSE_DISABLE: every token's
+    graph built afresh, the table written there; it was written only before a reused graph, and the tokens'
+    logits were NaN)."""
     from test_gpu_layers_rpc import KW
     from test_rpc_as_installed import installed_env
 
@@ -510,7 +512,8 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
         lowbit.make_companion(path, type=name.split("+")[1], progress=False)
     else:
         path = model_path(fixture_dir, name)
-    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV,
+               **({} if reuse else {"LLAMA_GRAPH_REUSE_DISABLE": "1"}))
     r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(path), str(vram), json.dumps(KW), json.dumps(PROMPT),
                         json.dumps(DECODES), str(tmp_path / "out.npz"), routing],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
