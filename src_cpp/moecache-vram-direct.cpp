@@ -2,7 +2,7 @@
 // round trip to the CPU. Where every expert of a layer is in its host slots (a cache of every expert, streamed),
 // those slots are wrapped for the layer's device (unified = on: moecache-unified.cpp; on CUDA with patches/0004)
 // and the layer has a VRAM tier (moecache-vram.cpp), the device path routes the token on the device
-// (moecache-device.cpp: top-k), and each expert matmul is
+// (moecache-device.cpp: top-k, or the prior's ops, whose boosts are the tier's contents), and each expert matmul is
 //   tier = get_rows(tab.tier, ids)                     // I32 [K, T]: the tier slot of each selection
 //   host = get_rows(tab.host, ids)                     // I32 [K, T]: its host slot; the zero slot for the tier's
 //   hit  = get_rows(tab.hit, ids)                      // F32 [1, K, T]: 1 where the tier has it
@@ -37,7 +37,8 @@ int32_t moecache_vram_direct_init(moecache & mc) {
         }
         if (L.vram.n == 0 || L.uni.t.size() != L.res.xt.size() || L.vram.t.size() != L.res.xt.size() ||
             (buft && L.vram.buft != buft)) {
-            return MOECACHE_OK; // (a layer without both, or on another device: the paths with the round trip)
+            return MOECACHE_OK; // (a layer without both, or on another device: the paths with the round trip;
+                                // a tier beside a layer computed in place then waits unused)
         }
         buft = L.vram.buft;
         n_with++;
