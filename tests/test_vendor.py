@@ -1,4 +1,4 @@
-"""llama.cpp is a dependency, never committed; our patches only insert hook calls."""
+"""llama.cpp is a dependency, never committed; our patches insert hook calls, or add a capability a backend lacks."""
 
 from __future__ import annotations
 
@@ -47,13 +47,46 @@ def test_hook_line_check_can_fail():
     assert non_hook_lines(["    y = moecache_hook_a(b);", "        c);"]) == ["        c);"]
 
 
+def capability_problems(text: str) -> list:
+    """What keeps a patch from being a capability patch (DEVELOPERS.md: where an issue needs a capability a backend
+    lacks, a minimal patch of its own that says what it adds): its subject names one ggml backend ("ggml-cuda:
+    ..."), its header says what it adds ("Adds ..."), it changes files of that backend only, at most 120 lines
+    added and 5 removed. [] for such a patch."""
+    m = re.search(r"^Subject: (ggml-[a-z]+): ", text, re.M)
+    if not m:
+        return ["its subject names no ggml backend"]
+    header = text[:text.find("\ndiff --git")]
+    files = re.findall(r"^diff --git a/(\S+)", text, re.M)
+    added = [l for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    removed = [l for l in text.splitlines() if l.startswith("-") and not l.startswith("---")]
+    problems = [] if "\nAdds " in header else ["its header does not say what it adds"]
+    problems += [f for f in files if not f.startswith(f"ggml/src/{m.group(1)}/")]
+    problems += [f"{len(added)} lines added"] if len(added) > 120 else []
+    problems += [f"{len(removed)} lines removed"] if len(removed) > 5 else []
+    return problems
+
+
+def test_capability_check_can_fail():
+    good = "Subject: ggml-cuda: x\n\nAdds y.\n\ndiff --git a/ggml/src/ggml-cuda/a.cu b/ggml/src/ggml-cuda/a.cu\n+z\n"
+    assert capability_problems(good) == []
+    assert capability_problems(good.replace("Adds", "Has")) == ["its header does not say what it adds"]
+    assert capability_problems(good.replace("a/ggml/src/ggml-cuda/a.cu", "a/src/llama.cpp")) == ["src/llama.cpp"]
+    assert capability_problems(good.replace("Subject: ggml-cuda:", "Subject: moecache")) != []
+    assert capability_problems(good + "+z\n" * 120) == ["121 lines added"]
+
+
 def test_patches_are_small_hook_insertions():
+    """Every patch inserts hook calls only (at most 40 lines), or is a capability patch of one backend."""
     patches = sorted((ROOT / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
     assert patches, "no patches"
     for p in patches:
         assert re.fullmatch(r"\d{4}-[a-z0-9_.-]+\.patch", p.name), p.name
-        added = [l[1:] for l in p.read_text().splitlines() if l.startswith("+") and not l.startswith("+++")]
-        removed = [l for l in p.read_text().splitlines() if l.startswith("-") and not l.startswith("---")]
+        text = p.read_text()
+        if re.search(r"^Subject: ggml-[a-z]+: ", text, re.M):
+            assert capability_problems(text) == [], p.name
+            continue
+        added = [l[1:] for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
+        removed = [l for l in text.splitlines() if l.startswith("-") and not l.startswith("---")]
         assert len(added) <= 40 and len(removed) <= 5, (p.name, len(added), len(removed))
         assert non_hook_lines(added) == [], p.name
 
