@@ -46,7 +46,7 @@ int32_t moecache_vram_direct_init(moecache & mc) {
     if (n_with == 0) {
         return MOECACHE_OK;
     }
-    D.row = (mc.n_expert + 63) / 64 * 64; // (256 bytes: a device's storage buffer offsets must be aligned)
+    D.row = moecache_vram_joint_row(mc.n_expert); // (as J's rows: 256 bytes, a device's storage buffer offsets)
     ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
     D.ctx = ggml_init(ip);
     D.tab = ggml_new_tensor_2d(D.ctx, GGML_TYPE_I32, 3 * D.row, mc.n_layer);
