@@ -160,6 +160,10 @@ class moecache_residency_stats(ctypes.Structure):
         ("device_steps", c_int64),
         ("decode_selections", c_int64),
         ("decode_union", c_int64),
+        ("direct_tokens", c_int64),
+        ("direct_choice", c_int32),
+        ("direct_ms", c_double),
+        ("round_trip_ms", c_double),
     ]
 
 

@@ -292,11 +292,14 @@ class CacheConfig:
     so where the GPU shares the host's memory (Apple silicon, an integrated GPU); ``"on"`` also on a
     discrete GPU that can wrap host memory (its matmuls then read over the bus; a GPU that cannot is
     an error); ``"off"`` leaves the experts to the CPU (llama.cpp's ``--cpu-moe``). A layer computed
-    in place has no VRAM tier, but for the direct tier: ``"on"`` with ``vram_size`` and a cache of every
-    expert (``size=1.0``) routes a decoded token on the GPU (top-k or the prior) and computes each MoE layer there
-    alone, the tier's experts from GPU memory and the rest from the host slots over the bus, with no
+    in place has no VRAM tier, but for the direct tier: with ``vram_size`` and a cache of every
+    expert (``size=1.0``) a decoded token is routed on the GPU (top-k or the prior) and each MoE layer computed
+    there alone, the tier's experts from GPU memory and the rest from the host slots over the bus, with no
     round trip to the CPU per layer; the tier copies each miss up behind the token (``vram_fill`` has
-    no CPU side to choose). The host cache, routing, hits, misses and reads do not change.
+    no CPU side to choose). ``"on"`` takes it on any GPU that can wrap host memory; ``"auto"`` on a discrete
+    one times its first 32 decoded tokens both ways (direct, and the tier with its round trip, where the CPU
+    computes the misses) and keeps the faster (``residency_stats().direct_choice``). The host cache,
+    routing, hits, misses and reads do not change.
 
     miss: with ``stream``, what a decoded token's miss is computed from. ``"full"``: its full copy,
     read now. ``"lowbit"``: its copy in the low-bit companion ``lowbit`` (``pymoecache

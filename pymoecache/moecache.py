@@ -386,7 +386,9 @@ class MoECache:
                               decode_graphs=rs.decode_graphs, decode_graph_splits=rs.decode_graph_splits,
                               device_reads=rs.device_reads, decode_steps=rs.decode_steps, device_steps=rs.device_steps,
                               device_routed=rs.device_routed, device_route_differs=rs.device_route_differs,
-                              decode_selections=rs.decode_selections, decode_union=rs.decode_union)
+                              decode_selections=rs.decode_selections, decode_union=rs.decode_union,
+                              direct_tokens=rs.direct_tokens, direct_ms=rs.direct_ms, round_trip_ms=rs.round_trip_ms,
+                              direct_choice=("", "direct", "round trip")[rs.direct_choice])
 
     def timeline_start(self, capacity: int = 262_144) -> None:
         """Record a timeline of at most ``capacity`` events from now on (0 stops and frees it)."""

@@ -100,6 +100,13 @@ class ResidencyStats:
     # (per layer, summed); union / selections is 1 with one sequence, 1/n where n tokens all chose alike
     decode_selections: int = 0
     decode_union: int = 0
+    # the direct tier (unified, a VRAM tier, every expert cached): decoded tokens it computed on the device alone;
+    # with unified "auto" what its trial chose ("" while it runs or where there is none: "direct", "round trip")
+    # and the trial's median token on each side (ms)
+    direct_tokens: int = 0
+    direct_choice: str = ""
+    direct_ms: float = 0.0
+    round_trip_ms: float = 0.0
 
     @property
     def splits_per_token(self) -> float:
@@ -186,7 +193,9 @@ class ResidencyStats:
                 "device_reads_per_token": self.device_reads_per_token,
                 "device_routed": self.device_routed, "device_route_differs": self.device_route_differs,
                 "decode_tokens": self.decode_tokens, "decode_steps": self.decode_steps,
-                "decode_selections": self.decode_selections, "decode_union": self.decode_union}
+                "decode_selections": self.decode_selections, "decode_union": self.decode_union,
+                "direct_tokens": self.direct_tokens, "direct_choice": self.direct_choice,
+                "direct_ms": self.direct_ms, "round_trip_ms": self.round_trip_ms}
 
     def device_summary(self) -> str:
         """What a decoded token costs across backends (empty where one backend computes everything, as
@@ -199,7 +208,10 @@ class ResidencyStats:
                    if self.device_reads else "")
                 + (", the prior routed on the device" + (f" ({self.device_route_differs} ties broken by ggml)"
                                                          if self.device_route_differs else "")
-                   if self.device_routed else ""))
+                   if self.device_routed else "")
+                + (f", direct tier {self.direct_tokens} tokens" if self.direct_tokens else "")
+                + (f", its trial chose {self.direct_choice} ({self.direct_ms:.2f} ms/tok direct, "
+                   f"{self.round_trip_ms:.2f} with the round trip)" if self.direct_choice else ""))
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -230,7 +242,9 @@ class ResidencyStats:
                    + (f"; exclusive, {self.vram_copies_down} moved down" if self.vram_exclusive_layers else "")
                    if self.vram_bytes else "")
                 + (f" | unified: {self.unified_layers} layers' experts on the GPU in place "
-                   f"({self.unified_bytes / mib:.0f} MiB of slots)" if self.unified_layers else "")
+                   f"({self.unified_bytes / mib:.0f} MiB of slots)"
+                   + (", for the direct tier" if self.direct_tokens or self.direct_choice else "")
+                   if self.unified_layers else "")
                 + (" | low-bit: every expert from the companion (lowbit-cache)" if self.miss == "lowbit-cache" else "")
                 + (f" | low-bit: {self.lowbit_loads / max(1, self.decode_tokens):.2f} experts/tok from the companion "
                    f"({self.lowbit_bytes_read / max(1, self.decode_tokens) / mib:.2f} MiB/tok), "

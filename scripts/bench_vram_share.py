@@ -229,7 +229,9 @@ def main() -> None:
                             + f"{ram}, {rs.vram_slots}/{info.n_expert} per layer in VRAM"
                             + (f" ({Path(lowbit).name}'s copies)" if lowbit else ", full precision" if args.lowbit else "")
                             + (", exclusive" if rs.vram_exclusive_layers else ", inclusive" if args.exclusive and rs.vram_slots else "")
-                            + (", copied up from pinned memory" if rs.vram_pinned_bytes else ""),
+                            + (", copied up from pinned memory" if rs.vram_pinned_bytes else "")
+                            + (f", the direct tier's trial chose {rs.direct_choice} ({rs.direct_ms:.2f} against "
+                               f"{rs.round_trip_ms:.2f} ms/token)" if rs.direct_choice else ""),
                "routing": "default: " + used if routing is None else used, "device_share": rs.vram_hits / max(1, n),
                "vram_experts_per_layer": rs.vram_slots, "vram_bytes": rs.vram_bytes,
                "full_precision": not lowbit, "copies_up_per_token": rs.vram_copies / max(1, rs.decode_tokens),

@@ -12,6 +12,8 @@
 #   - scripts/bench_vram_share.py: every expert in RAM and a quarter in VRAM against --n-cpu-moe at the
 #     same GPU bytes (selections on the GPU, decode tok/s, a 512-token prompt's tok/s), and the tiers
 #     exclusive (1/2 in RAM; the device fit's own tier beside no tier);
+#     (--unified auto, the default: where the GPU can wrap host memory, a trial of the first 32 decoded tokens
+#     picks the direct tier or the round trip, and the row says which);
 #   - the same share as the direct tier (--unified on: each token's MoE layers on the GPU alone, routed there,
 #     the misses read over the bus from the pinned host slots; bench_device.py --tier prints its graph splits);
 #   - scripts/bench_batch_steady.py: serve -np 4 -ngl 99 with a VRAM tier of a quarter, its 4 requests together
@@ -163,6 +165,19 @@ say "## -ngl auto: what the GPU reports free, and the layers and experts placed 
 "$PY" -m pymoecache info "$BENCH_TRAINED" -c 256 2>&1 | sed -n '/^GPU layers on/,/^$/p' | tee -a "$LOG"  # (its plan, before a load)
 "$PY" -m pymoecache run -m "$BENCH_TRAINED" -p "ROMEO:" -n 16 -ngl auto -v 2>&1 | grep "offloaded\|^plan:\|warning" \
     | tee -a "$LOG"
+# the widest experts the shapes have (mixtral-8x7b's, 102 MiB each; 4 layers to spare the disk and the time), on a GPU
+# held to 2.5 GiB free: -ngl 99 alone sizes the tier to what is left (--vram-size auto), and its trial picks direct or
+# the round trip
+WIDE=$("$PY" scripts/real_size.py mixtral-8x7b --layers 4 | tail -1)
+say ""
+say "## -ngl 99 alone on $(basename "$WIDE") (mixtral-8x7b's shape, 4 layers), the GPU held to 2.5 GiB free (scripts/hold_vram.py)"
+"$PY" scripts/hold_vram.py --leave-gib 2.5 < <(sleep 600) > "$OUTDIR/hold.out" 2>&1 &
+HOLD=$!
+for _ in $(seq 60); do grep -q "holding\|^hold_vram: " "$OUTDIR/hold.out" && break; sleep 1; done
+tee -a "$LOG" < "$OUTDIR/hold.out"
+"$PY" -m pymoecache run -m "$WIDE" -p "The" -n 64 -ngl 99 -v 2>&1 \
+    | grep "offloaded\|^plan:\|warning\|direct tier\|tok/s" | cut -c1-600 | tee -a "$LOG"
+kill "$HOLD" 2>/dev/null
 fi
 step random && bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON
 say ""

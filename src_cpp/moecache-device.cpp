@@ -201,7 +201,7 @@ void moecache_device_graph_begin(moecache & mc) {
 static bool device_routes(const moecache & mc, int64_t n_tokens, bool * prior) {
     const moecache_routing_params & rp = mc.rparams;
     *prior = rp.policy == MOECACHE_POLICY_PRIOR && rp.prior_lambda > 0.0f && !rp.prior_on_probs;
-    const bool direct = mc.vdir.on && n_tokens == 1; // (moecache-vram-direct.cpp: one token)
+    const bool direct = mc.vdir.use && n_tokens == 1; // (moecache-vram-direct.cpp: one token)
     return (mc.cparams.residency == MOECACHE_RESIDENCY_NONE || direct) && (rp.policy == MOECACHE_POLICY_TOPK || *prior) &&
            mc.cparams.prefetch == MOECACHE_PREFETCH_OFF && mc.cparams.router_record == 0 && mc.model != nullptr &&
            n_tokens >= 1 && n_tokens <= MOECACHE_DEVICE_MAX_STEP && mc.build_n_ubatch == n_tokens &&
@@ -467,7 +467,7 @@ void moecache_device_ubatch_begin(moecache & mc) {
     // (a staging in host memory, read in place), or where its read has no event (waiting for it there would
     // wait for the next graph too); otherwise after this ubatch's graph is queued, while the device computes
     // it (moecache_device_ubatch_computed)
-    bool early = d.n_prior > 0 || mc.vdir.on; // (direct: the tier follows the token before this one computes)
+    bool early = d.n_prior > 0 || mc.vdir.use; // (direct: the tier follows the token before this one computes)
     for (size_t g = 0; g < d.bufs.size(); g++) {
         early = early || ggml_backend_buffer_is_host(d.bufs[g]) || g >= d.events.size() || !d.events[g];
     }

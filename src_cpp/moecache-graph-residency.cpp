@@ -83,7 +83,9 @@ ggml_tensor * moecache_residency_mul_mat_id(moecache & mc, ggml_context * ctx, g
             if (x.model_t != as) {
                 continue;
             }
-            if (!L.uni.t.empty() && (decodes || L.res.all_in_slots)) { // on the device, in place (moecache-unified.cpp)
+            // on the device, in place (moecache-unified.cpp); a decode beside a direct tier: the tier's round trip
+            const bool in_place = decodes ? moecache_vram_direct_in_place(mc, L) : !L.uni.t.empty() && L.res.all_in_slots;
+            if (in_place) {
                 return moecache_unified_mul_mat_id(L, ctx, x, b, decodes ? moecache_matmul_ready(L, ctx) : L.graph.ids_out);
             }
             if (decodes) { // on the slots (moecache-matmul.cpp), the low-bit pool's and the VRAM tier's

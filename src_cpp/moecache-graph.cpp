@@ -80,7 +80,7 @@ static bool moecache_graph_decodes(const moecache & mc, int64_t n_tokens, int64_
         return false;
     }
     for (const moecache_layer & L : mc.layers) {
-        if (L.low.n > 0 || !L.uni.t.empty()) {
+        if (L.low.n > 0 || moecache_vram_direct_in_place(mc, L)) {
             return false;
         }
     }
@@ -167,6 +167,9 @@ void moecache_hook_ubatch_computed(const llama_context * lctx) {
         mc->rst.decode_graphs       += 1;
     }
     moecache_device_ubatch_computed(*mc, sched);
+    if (moecache_vram_direct_trial(*mc, mc->build_decode && mc->build_n_ubatch == 1)) {
+        moecache_graph_mark_dirty(mc); // (the trial's other side: the next graph is built for it)
+    }
 }
 
 int32_t moecache_context_graph_splits(const struct llama_context * lctx) {
@@ -286,7 +289,7 @@ static ggml_tensor * read_joint(moecache & mc, moecache_layer & L, ggml_context 
     ggml_tensor * mm = logits->op == GGML_OP_ADD ? logits->src[0] : logits;
     ggml_backend_buffer_type_t buft = mc.model ? moecache_layer_buft(mc.model, L.il) : nullptr;
     if (!g_sched || !L.graph.decode || mc.cparams.residency != MOECACHE_RESIDENCY_STREAM ||
-        L.res.xt.empty() || !L.uni.t.empty() || !buft || ggml_backend_buft_is_host(buft) ||
+        L.res.xt.empty() || moecache_vram_direct_in_place(mc, L) || !buft || ggml_backend_buft_is_host(buft) ||
         mm->op != GGML_OP_MUL_MAT || mm->src[0] != mc.model->layers[L.il].ffn_gate_inp ||
         mm->src[1]->type != GGML_TYPE_F32 || mm->src[1]->ne[1] != logits->ne[1] || !ggml_is_contiguous(mm->src[1]) ||
         !ggml_is_contiguous(logits) || (*pred && (!ggml_is_contiguous(*pred) || !on_device(*pred)))) {

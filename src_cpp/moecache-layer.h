@@ -190,6 +190,7 @@ struct moecache_layer_lowbit {
 // its dense part, which computes its expert matmuls there in place; dev = nullptr where it does not
 struct moecache_layer_unified {
     struct ggml_backend_device * dev = nullptr;
+    bool                         direct = false; // with a VRAM tier beside it (moecache-vram-direct.cpp)
     ggml_context *               ctx = nullptr;
     std::vector<struct ggml_backend_buffer *> buf; // one per expert tensor: its region of the arena
     std::vector<ggml_tensor *>   t;   // parallel to res.xt: the slots [ne0, ne1, n_slots] seen by the device

@@ -110,7 +110,7 @@ void moecache_residency_sync(moecache_layer & L, const int32_t * ids, int32_t * 
     }
     if (stream && (decode || L.res.all_in_slots)) { // (a prompt waits for every read: it reads none)
         moecache_slots_decode(mc, L, ids, out, n_ids, !decode || !mc.cparams.overlap_experts, decode);
-        if (decode && L.vram.n > 0 && L.uni.t.empty()) { // (a direct tier's layer computed in place: not here)
+        if (decode && L.vram.n > 0 && !moecache_vram_direct_in_place(mc, L)) { // (computed in place: not here)
             t_copy += moecache_vram_decode(mc, L, ids, out, n_ids); // (those computed on the device: the zero slot)
         }
     } else {

@@ -44,7 +44,8 @@ static bool shares_host_memory(ggml_backend_dev_t dev) {
 int32_t moecache_unified_plan(moecache & mc, const llama_model * model) {
     const moecache_unified mode = mc.cparams.unified;
     for (moecache_layer & L : mc.layers) {
-        L.uni.dev = nullptr;
+        L.uni.dev    = nullptr;
+        L.uni.direct = false;
         if (mc.cparams.residency != MOECACHE_RESIDENCY_STREAM || mode == MOECACHE_UNIFIED_OFF || L.res.xt.empty()) {
             continue;
         }
@@ -58,8 +59,14 @@ int32_t moecache_unified_plan(moecache & mc, const llama_model * model) {
                                            " (layer " + std::to_string(L.il) + ") cannot wrap host memory as a "
                                            "buffer; use unified = auto or off");
         }
-        if (can && (mode == MOECACHE_UNIFIED_ON || shares_host_memory(dev))) {
-            L.uni.dev = dev;
+        // the direct tier (moecache-vram-direct.cpp): a tier beside the wrapped slots of a layer that caches every
+        // expert; AUTO takes it on a discrete GPU, where a trial then decides between it and the tier's round trip
+        const bool shares = shares_host_memory(dev);
+        const bool direct = mc.cparams.n_vram > 0 && !mc.cparams.vram_exclusive && L.capacity >= mc.n_expert &&
+                            (mode == MOECACHE_UNIFIED_ON || !shares);
+        if (can && (mode == MOECACHE_UNIFIED_ON || shares || direct)) {
+            L.uni.dev    = dev;
+            L.uni.direct = direct;
         }
     }
     return MOECACHE_OK;

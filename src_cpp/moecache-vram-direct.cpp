@@ -1,7 +1,7 @@
 // moecache-vram-direct.cpp - the direct tier: a decoded token's MoE layer computed on its device alone, with no
 // round trip to the CPU. Where every expert of a layer is in its host slots (a cache of every expert, streamed),
-// those slots are wrapped for the layer's device (unified = on: moecache-unified.cpp; on CUDA with patches/0004)
-// and the layer has a VRAM tier (moecache-vram.cpp), the device path routes the token on the device
+// those slots are wrapped for the layer's device (unified = on, or auto on a discrete GPU: moecache-unified.cpp; on
+// CUDA with patches/0004) and the layer has a VRAM tier (moecache-vram.cpp), the device path routes the token on the device
 // (moecache-device.cpp: top-k, or the prior's ops, whose boosts are the tier's contents), and each expert matmul is
 //   tier = get_rows(tab.tier, ids)                     // I32 [K, T]: the tier slot of each selection
 //   host = get_rows(tab.host, ids)                     // I32 [K, T]: its host slot; the zero slot for the tier's
@@ -12,6 +12,10 @@
 // token, uploaded once per token (one write for every layer); the token's selections are counted behind the graph
 // (moecache-device.cpp), and the tier follows them: its hits, and copies up of the experts it lacked, made before
 // the next token's table is uploaded. So the tier lags the cache by a token, and no layer waits for the CPU.
+// Whatever does not take it (a prompt, a batch step, a routing the device cannot run: prior-p) decodes through the
+// tier with its round trip, as with unified off. With unified = auto a trial of the first decoded tokens times both
+// ways and keeps the faster one (moecache_vram_direct_trial): where the bus is slow against the CPU, the CPU's
+// matmuls on the misses beside the round trip can win.
 
 #include "moecache-impl.h"
 
@@ -22,23 +26,43 @@
 #include <algorithm>
 #include <cstring>
 
+#define MOECACHE_DIRECT_WINDOW 8     // decoded tokens of each of the trial's four blocks
+#define MOECACHE_DIRECT_MARGIN 0.02  // the round trip wins only if its median token is this much faster
+
 bool moecache_vram_direct_wanted(const moecache & mc, const moecache_layer & L) {
-    return mc.cparams.unified == MOECACHE_UNIFIED_ON && mc.cparams.n_vram > 0 && !mc.cparams.vram_exclusive &&
-           L.capacity >= mc.n_expert && L.uni.dev != nullptr;
+    return mc.cparams.n_vram > 0 && L.uni.dev != nullptr && L.uni.direct; // (moecache_unified_plan)
+}
+
+// a layer that cannot take the direct tier: with AUTO every layer's slots are unwrapped, so that the tier's round
+// trip runs (a layer computed in place would leave its tier unused); ON keeps them, and says so
+static int32_t without(moecache & mc, const moecache_layer & L) {
+    if (mc.cparams.unified == MOECACHE_UNIFIED_AUTO) {
+        moecache_unified_free(mc);
+    } else if (L.vram.n > 0) {
+        LLAMA_LOG_WARN("moecache: unified = on: layer %d cannot take the direct tier (its slots or its tier on another "
+                       "device, or not wrapped): the VRAM tier waits unused beside its layers computed in place\n", L.il);
+    }
+    return MOECACHE_OK;
 }
 
 int32_t moecache_vram_direct_init(moecache & mc) {
     moecache_vram_direct & D = mc.vdir;
     ggml_backend_buffer_type_t buft = nullptr;
     int32_t n_with = 0;
+    bool    wanted = false;
+    for (const moecache_layer & L : mc.layers) {
+        wanted = wanted || moecache_vram_direct_wanted(mc, L);
+    }
+    if (!wanted) {
+        return MOECACHE_OK;
+    }
     for (const moecache_layer & L : mc.layers) {
         if (L.res.xt.empty()) {
             continue;
         }
         if (L.vram.n == 0 || L.uni.t.size() != L.res.xt.size() || L.vram.t.size() != L.res.xt.size() ||
             (buft && L.vram.buft != buft)) {
-            return MOECACHE_OK; // (a layer without both, or on another device: the paths with the round trip;
-                                // a tier beside a layer computed in place then waits unused)
+            return without(mc, L); // (a layer without both, or on another device: the paths with the round trip)
         }
         buft = L.vram.buft;
         n_with++;
@@ -56,10 +80,14 @@ int32_t moecache_vram_direct_init(moecache & mc) {
     }
     ggml_backend_buffer_clear(D.buf, 0); // (written before every ubatch: moecache_vram_direct_upload)
     D.host.assign((size_t) ggml_nelements(D.tab), 0);
-    D.on = true;
+    D.on  = true;
+    D.use = true;
+    D.trial.on   = mc.cparams.unified == MOECACHE_UNIFIED_AUTO;
+    D.trial.left = D.trial.on ? 4 * MOECACHE_DIRECT_WINDOW : 0;
     mc.cparams.prefetch = MOECACHE_PREFETCH_OFF; // (every expert is in RAM: nothing to read ahead)
     LLAMA_LOG_INFO("moecache: direct tier: %d layers' tokens computed on the device alone (tier of %d, the rest "
-                   "read over the bus from the host slots)\n", n_with, mc.cparams.n_vram);
+                   "read over the bus from the host slots)%s\n", n_with, mc.cparams.n_vram,
+                   D.trial.on ? ", or with the tier's round trip, as a trial of the first decoded tokens decides" : "");
     return MOECACHE_OK;
 }
 
@@ -75,7 +103,7 @@ void moecache_vram_direct_free(moecache & mc) {
 }
 
 bool moecache_vram_direct_layer(const moecache & mc, const moecache_layer & L) {
-    return mc.vdir.on && L.vram.n > 0 && !L.uni.t.empty() && L.il < (int32_t) mc.dev.deferred.size() &&
+    return mc.vdir.use && L.vram.n > 0 && !L.uni.t.empty() && L.il < (int32_t) mc.dev.deferred.size() &&
            mc.dev.deferred[L.il] > 0 && L.graph.decode;
 }
 
@@ -129,7 +157,7 @@ void moecache_vram_direct_follow(moecache & mc, moecache_layer & L, const int32_
 
 void moecache_vram_direct_upload(moecache & mc) {
     moecache_vram_direct & D = mc.vdir;
-    if (!D.on) {
+    if (!D.use) {
         return;
     }
     const int64_t N = mc.n_expert;
@@ -151,4 +179,69 @@ void moecache_vram_direct_upload(moecache & mc) {
         }
     }
     ggml_backend_tensor_set(D.tab, D.host.data(), 0, ggml_nbytes(D.tab));
+}
+
+bool moecache_vram_direct_in_place(const moecache & mc, const moecache_layer & L) {
+    return !L.uni.t.empty() && !mc.vdir.on;
+}
+
+static int64_t median_of(std::vector<int64_t> v) {
+    if (v.empty()) {
+        return 0;
+    }
+    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
+    return v[v.size() / 2];
+}
+
+// The trial (unified AUTO): which computes a token's misses faster on this model and machine, the device from the
+// host slots over the bus (direct), or the CPU beside the tier's round trip per layer. Its decoded tokens run
+// direct, round trip, round trip, direct, MOECACHE_DIRECT_WINDOW each (a drift of the machine or the tier's warming
+// up weighs on both sides alike), timed from one token's ubatch queued to the next one's, where both ran the same
+// side (the first after a change pays the graph's build; a prompt between breaks the chain). The round trip must
+// win by MOECACHE_DIRECT_MARGIN of the median token; the winner then runs for good.
+bool moecache_vram_direct_trial(moecache & mc, bool decoded) {
+    moecache_vram_direct & D = mc.vdir;
+    auto & c = D.trial;
+    if (!D.on) {
+        return false;
+    }
+    bool ran = false; // (the graph that ran took it: not where the routing cannot run on the device, as prior-p)
+    for (const moecache_layer & L : mc.layers) {
+        ran = ran || L.graph.direct_ids != nullptr;
+    }
+    mc.rst.direct_tokens += decoded && ran ? 1 : 0;
+    if (c.left == 0) {
+        return false;
+    }
+    const int64_t now = moecache_time_us();
+    if (!decoded || (D.use && !ran)) {
+        c.t_last = 0;
+        return false;
+    }
+    if (c.t_last > 0 && c.direct == D.use) {
+        (D.use ? c.dt_direct : c.dt_round).push_back(now - c.t_last);
+    }
+    c.t_last = now;
+    c.direct = D.use;
+    c.left -= 1;
+    const bool was = D.use;
+    if (c.left > 0) {
+        const int32_t block = (4 * MOECACHE_DIRECT_WINDOW - c.left) / MOECACHE_DIRECT_WINDOW; // 0 1 2 3
+        D.use = block == 0 || block == 3;
+        return D.use != was;
+    }
+    c.ms_direct = (double) median_of(c.dt_direct) / 1000.0;
+    c.ms_round  = (double) median_of(c.dt_round) / 1000.0;
+    D.use = !(c.ms_round > 0.0 && c.ms_round < (1.0 - MOECACHE_DIRECT_MARGIN) * c.ms_direct);
+    LLAMA_LOG_INFO("moecache: direct tier: %.2f ms a token against %.2f with the tier's round trip (medians of %zu "
+                   "and %zu): %s\n", c.ms_direct, c.ms_round, c.dt_direct.size(), c.dt_round.size(),
+                   D.use ? "direct" : "the round trip");
+    return D.use != was;
+}
+
+void moecache_vram_direct_stats(const moecache & mc, moecache_residency_stats * out) {
+    const auto & c     = mc.vdir.trial;
+    out->direct_choice = c.on && c.left == 0 ? (mc.vdir.use ? 1 : 2) : 0;
+    out->direct_ms     = c.ms_direct;
+    out->round_trip_ms = c.ms_round;
 }

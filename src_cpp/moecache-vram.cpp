@@ -234,7 +234,7 @@ static int32_t vram_victim(const moecache_layer & L, bool free_only) {
 // AUTO: copy e up when copying its bytes costs at most computing it on the CPU, times what a copy
 // has been worth so far (1 + device hits per copy); each side is measured once before comparing
 static bool vram_auto_copies(const moecache & mc, const moecache_layer & L) {
-    if (mc.vram_us_per_byte <= 0.0 || mc.vdir.on) { // (direct: the other side reads the bus, not the CPU's)
+    if (mc.vram_us_per_byte <= 0.0 || mc.vdir.use) { // (direct: the other side reads the bus, not the CPU's)
         return true;
     }
     if (mc.vram_cpu_us <= 0.0) {

@@ -651,6 +651,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     out->lowbit            = mc->cparams.residency == MOECACHE_RESIDENCY_STREAM ? (int32_t) mc->cparams.lowbit : 0;
     out->vram_t_copy_ms    = (double) mc->t_vram_copy_us / 1000.0;
     out->unified_bytes     = moecache_unified_bytes(*mc, &out->unified_layers);
+    moecache_vram_direct_stats(*mc, out);
     out->vram_slots            = 0;
     out->vram_exclusive_layers = 0;
     for (const moecache_layer & L : mc->layers) {

@@ -50,7 +50,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 27
+#define MOECACHE_ABI_VERSION 28
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -206,8 +206,9 @@ enum moecache_lowbit {
 // buffer_from_host_ptr: Metal, Vulkan with VK_EXT_external_memory_host). No copies: the reads
 // fill the slots and the device's matmuls read them there (moecache-unified.cpp).
 enum moecache_unified {
-    MOECACHE_UNIFIED_AUTO = 0, // where the device shares the host's memory (an integrated GPU, Apple
-                               //   silicon) and can wrap the arena; elsewhere the CPU computes the experts
+    MOECACHE_UNIFIED_AUTO = 0, // where the device shares the host's memory (an integrated GPU, Apple silicon) and
+                               //   can wrap the arena; on a discrete GPU with n_vram and every expert cached, the direct
+                               //   tier where a trial finds it faster; elsewhere the CPU computes the experts
     MOECACHE_UNIFIED_OFF  = 1, // never: the CPU computes the routed experts (llama.cpp's --cpu-moe)
     MOECACHE_UNIFIED_ON   = 2, // on any device that can wrap the arena, a discrete GPU too (its matmuls
                                //   then read host memory over the bus); a device that cannot is an error
@@ -329,7 +330,7 @@ struct moecache_cache_params {
                                   //   moecache_vram_cached lists them); 0 = none; default 0
     enum moecache_vram_fill vram_fill; // default MOECACHE_VRAM_FILL_AUTO
     enum moecache_unified unified; // STREAM with GPU layers: experts computed by the device in place on the host
-                                  //   slots; such a layer has no VRAM tier but with ON, n_vram and every expert
+                                  //   slots; such a layer has no VRAM tier but with n_vram and every expert
                                   //   cached (the direct tier: moecache-vram-direct.cpp); default UNIFIED_AUTO
     enum moecache_vram_copy vram_copy; // n_vram: default MOECACHE_VRAM_COPY_ASYNC
     enum moecache_lowbit lowbit;  // STREAM: which selections of a decoded token are computed from the low-bit
@@ -492,6 +493,10 @@ struct moecache_residency_stats {
     int64_t device_steps;         // decode steps routed on their device, counted after the graph (CPU: no read)
     int64_t decode_selections;    // selections of decoded tokens (experts run; pruned slots excluded)
     int64_t decode_union;         // distinct experts of each decode step and layer, summed (= selections alone)
+    int64_t direct_tokens;        // decoded tokens whose MoE layers the direct tier computed (moecache-vram-direct.cpp)
+    int32_t direct_choice;        // unified AUTO, a direct tier: 0 none or its trial runs, 1 it won, 2 the round trip
+    double  direct_ms;            // the trial's median token: direct,
+    double  round_trip_ms;        //   and with the tier's round trip (0 before it ends)
 };
 
 // one (layer, token) routing decision, for timelines and offline analysis
@@ -610,19 +615,17 @@ MOECACHE_API int32_t moecache_get_trace(const struct moecache * mc, struct moeca
 // prior boosts z (softmax router) rather than s. Returns the tokens recorded (rows written: at most cap).
 MOECACHE_API int32_t moecache_get_router_record(const struct moecache * mc, int32_t il, float * logits, float * probs,
                                                 float * scores, int32_t cap, bool * rank_on_logits);
-// With router_record_input: the router's input (the FFN input its matmul takes, [n_embd] per token)
-// of the same tokens as moecache_get_router_record, where the graph's router is the plain matmul on
-// it (0 rows elsewhere, and without router_record_input):
-// copies min(cap, T) rows into x [cap, n_embd] (may be NULL), sets *n_embd; returns T. What
+// With router_record_input: the router's input (the FFN input its matmul takes, [n_embd] per token) of the same tokens
+// as moecache_get_router_record, where the graph's router is the plain matmul on it (0 rows elsewhere, and without
+// router_record_input): copies min(cap, T) rows into x [cap, n_embd] (may be NULL), sets *n_embd; returns T. What
 // pymoecache.tune.fit_predictor fits a layer's predictor on.
 MOECACHE_API int32_t moecache_get_router_input(const struct moecache * mc, int32_t il, float * x, int32_t cap,
                                                int32_t * n_embd);
-// GATE prefetch: a fitted predictor of layer il, w [n_expert, n_embd] F32 (row e: expert e's weights,
-// the layout of the router's own ffn_gate_inp; copied), applied in place of il's router to an
-// earlier layer's FFN input to predict il's experts (the router's bias, if any, is still added).
-// w = NULL: back to the router. Prediction only: routing and logits never change. Takes effect on
-// the next graph. MOECACHE_ERR_INVALID for a layer without a router of N experts, n_embd other than
-// the router's, or a value that is not finite.
+// GATE prefetch: a fitted predictor of layer il, w [n_expert, n_embd] F32 (row e: expert e's weights, the layout of the
+// router's own ffn_gate_inp; copied), applied in place of il's router to an earlier layer's FFN input to predict il's
+// experts (the router's bias, if any, is still added). w = NULL: back to the router. Prediction only: routing and
+// logits never change. Takes effect on the next graph. MOECACHE_ERR_INVALID for a layer without a router of N experts,
+// n_embd other than the router's, or a value that is not finite.
 MOECACHE_API int32_t moecache_set_predictor(struct moecache * mc, int32_t il, const float * w, int32_t n_embd);
 
 // Cache contents (with recency order) and Delta per layer, tied to the model's identity (description,
@@ -635,20 +638,18 @@ MOECACHE_API int32_t moecache_state_save(const struct moecache * mc, const char 
 MOECACHE_API int32_t moecache_state_load(struct moecache * mc, const char * path);
 MOECACHE_API int32_t moecache_set_model_id(struct moecache * mc, const char * id); // NULL, "": none; MOECACHE_OK
 
-// The model file shrinking under a running process (moecache-guard.cpp). llama.cpp maps the GGUF;
-// once another process truncates it, touching a page past the new end raises SIGBUS. While a
-// guard is added, a SIGBUS inside the model's mapping is answered with a page of zeros instead,
-// and counted: check moecache_guard_faults() after each decode and discard that decode's output
-// when it grew (its logits came from zeros). A SIGBUS elsewhere goes to the previous handler.
-// Returns a guard id >= 0; MOECACHE_ERR_STATE when nothing of `path` is mapped (use_mmap off).
+// The model file shrinking under a running process (moecache-guard.cpp). llama.cpp maps the GGUF; once another process
+// truncates it, touching a page past the new end raises SIGBUS. While a guard is added, a SIGBUS inside the model's
+// mapping is answered with a page of zeros instead, and counted: check moecache_guard_faults() after each decode and
+// discard that decode's output when it grew (its logits came from zeros). A SIGBUS elsewhere goes to the previous
+// handler. Returns a guard id >= 0; MOECACHE_ERR_STATE when nothing of `path` is mapped (use_mmap off).
 MOECACHE_API int32_t moecache_guard_add(const struct llama_model * model, const char * path);
 MOECACHE_API int64_t moecache_guard_faults(int32_t id);   // pages replaced by zeros since moecache_guard_add
 MOECACHE_API void    moecache_guard_remove(int32_t id);   // before the model is freed
 
-// A device that is `dev` in everything but the memory it reports: `free` and `total` bytes
-// (moecache-rpc.cpp). `pymoecache rpc-server --mem` serves one: a client plans its GPU layers for
-// that much device memory. dev: a ggml_backend_dev_t. Lives until the process ends; NULL when dev is
-// NULL or free > total.
+// A device that is `dev` in everything but the memory it reports: `free` and `total` bytes (moecache-rpc.cpp).
+// `pymoecache rpc-server --mem` serves one: a client plans its GPU layers for that much device memory. dev: a
+// ggml_backend_dev_t. Lives until the process ends; NULL when dev is NULL or free > total.
 MOECACHE_API void * moecache_device_with_memory(void * dev, size_t free, size_t total);
 
 // Usage profile (moecache-profile.cpp): what past requests selected, kept across processes. It holds,
@@ -659,14 +660,13 @@ MOECACHE_API int32_t moecache_profile_save(const struct moecache * mc, const cha
 MOECACHE_API int32_t moecache_profile_load(struct moecache * mc, const char * path);
 // counts: out [N] selections of layer il's experts in the profile (past requests, not the current one)
 MOECACHE_API int32_t moecache_profile_get(const struct moecache * mc, int32_t il, double * counts, int32_t n);
-// Warm start: every layer's cache is emptied and refilled with its most selected experts of the
-// profile (at most its capacity; never-selected experts stay out; the hottest is the most recent),
-// and its n_pin hottest are pinned: never evicted until moecache_clear or the next warm start.
-// n_pin is capped per layer at capacity - K (a token's misses always find room). STREAM reads the
-// experts on the next decode (or copies them from the mapping on the next prompt). A VRAM tier
-// (n_vram) gets each layer's n_vram hottest in its device slots now, read from the mapping (lowbit
-// SOURCE: from the companion). Returns the number of experts pinned over all layers, or an error
-// (n_pin < 0; MOECACHE_ERR_IO: a companion's read failed).
+// Warm start: every layer's cache is emptied and refilled with its most selected experts of the profile (at most its
+// capacity; never-selected experts stay out; the hottest is the most recent), and its n_pin hottest are pinned: never
+// evicted until moecache_clear or the next warm start. n_pin is capped per layer at capacity - K (a token's misses
+// always find room). STREAM reads the experts on the next decode (or copies them from the mapping on the next prompt).
+// A VRAM tier (n_vram) gets each layer's n_vram hottest in its device slots now, read from the mapping (lowbit SOURCE:
+// from the companion). Returns the number of experts pinned over all layers, or an error (n_pin < 0; MOECACHE_ERR_IO: a
+// companion's read failed).
 MOECACHE_API int32_t moecache_profile_warm(struct moecache * mc, int32_t n_pin);
 
 // Routes n_tokens tokens of layer il exactly as the graph op does and updates the cache and

@@ -316,6 +316,23 @@ def test_info_plans_gpu_layers_for_the_gpu_ggml_sees(fixture_dir, tmp_path):
     assert json.loads(py("-m", "pymoecache", "info", str(model), "--json", "--gpu-mem", "none"))["gpu_plan"] is None
 
 
+
+def test_hold_vram_stops_where_the_device_does_not_count_what_it_holds(tmp_path):
+    """scripts/hold_vram.py (gpu_check.sh's auto step: a lent GPU held to a user's free memory) on lavapipe, whose
+    reported memory does not follow its buffers: it stops after its first buffer and says so (exit 2), instead of
+    allocating until the machine's memory is gone (its first version was killed by the OOM killer here); and
+    a --leave-gib above what is free is refused."""
+    from test_rpc_as_installed import installed_env
+
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    script = str(ROOT / "scripts" / "hold_vram.py")
+    r = subprocess.run([sys.executable, script, "--leave-gib", "1.5"], cwd=tmp_path, env=env, input="",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not change with what is held" in r.stderr, (r.returncode, r.stderr[-2000:])
+    r = subprocess.run([sys.executable, script, "--leave-gib", "4096"], cwd=tmp_path, env=env, input="",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "less than --leave-gib 4096" in r.stderr, (r.returncode, r.stderr[-2000:])
+
 STOCK_SCRIPT = r"""
 import sys
 import pymoecache  # (llama_cpp on the package's libllama, as every stock run here)
@@ -448,22 +465,23 @@ import llama_cpp
 from pymoecache import CacheConfig
 from pymoecache import _moecache_cpp as C
 path, vram, kw, prompt, tokens, out, routing = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6]), *sys.argv[6:8]
+modes, n_greedy = json.loads(sys.argv[8]), int(sys.argv[9])
 arrays = {}
 stock = llama_cpp.Llama(path, n_gpu_layers=99, **kw)  # (every expert on the device: the splits to match)
 stock.eval(prompt)
 stock.eval(tokens[:1])
 arrays["stock_splits"] = np.array(C.moecache_context_graph_splits(stock._ctx.ctx))
 stock.close()
-for unified in ("off", "on"):  # the tier with its round trip per layer, then direct
-    cache = CacheConfig(size=1.0, residency="stream", prefetch="off", vram_size=vram, vram_fill="copy", unified=unified,
-                        trace=4096)
+for unified in modes:  # the tier with its round trip per layer, then direct (on), or as the trial decides (auto)
+    cache = CacheConfig(size=1.0, residency="stream", prefetch="off", vram_size=vram, vram_fill="copy", trace=4096,
+                        **({} if unified == "auto" else {"unified": unified}))  # (auto: the default, not given)
     llm = pymoecache.Llama(path, cache=cache, routing=routing, n_gpu_layers=99, **kw)
     llm.eval(prompt)
     llm.reset_moe_stats()
     greedy = []
     for t in tokens:
         llm.eval([t])
-    for _ in range(12):
+    for _ in range(n_greedy):
         greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval([greedy[-1]])
     st = llm.moe_stats()
@@ -474,6 +492,8 @@ for unified in ("off", "on"):  # the tier with its round trip per layer, then di
                                               rs.unified_layers, rs.device_steps, len(st.moe_layers)])
     arrays[unified + "/splits"] = np.array(C.moecache_context_graph_splits(llm._ctx.ctx))
     arrays[unified + "/miss"] = np.array(rs.miss)
+    arrays[unified + "/direct"] = np.array([rs.direct_tokens, rs.direct_ms, rs.round_trip_ms])
+    arrays[unified + "/choice"] = np.array(rs.direct_choice)
     arrays[unified + "/selected"] = np.array(sorted([int(r["token"]), int(r["layer"])] + r["experts"][:st.n_expert_used].tolist()
                                                     for r in llm.moecache.trace()))
     llm.close()
@@ -515,7 +535,7 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
     env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV,
                **({} if reuse else {"LLAMA_GRAPH_REUSE_DISABLE": "1"}))
     r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(path), str(vram), json.dumps(KW), json.dumps(PROMPT),
-                        json.dumps(DECODES), str(tmp_path / "out.npz"), routing],
+                        json.dumps(DECODES), str(tmp_path / "out.npz"), routing, '["off", "on"]', "12"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
@@ -531,3 +551,37 @@ def test_vulkan_direct_tier_runs_each_layer_on_the_device_alone(fixture_dir, tmp
     assert d.max() <= 1e-2 * scale, f"max |diff| {d.max()}, scale {scale}"
     assert int(got["on/splits"]) <= int(got["stock_splits"]) + 1 < int(got["off/splits"]), \
         (int(got["on/splits"]), int(got["stock_splits"]), int(got["off/splits"]))
+
+
+@pytest.mark.parametrize("routing", ["lru", "prior:0.5"])
+def test_vulkan_auto_direct_tier_times_both_ways_and_keeps_the_faster(fixture_dir, tmp_path, routing):
+    """unified's default (auto) beside a VRAM tier and a cache of every expert on a discrete GPU (lavapipe is one to
+    ggml): the direct tier or the tier's round trip, decided per model from a measurement (issue 78, item 1). The
+    trial's 32 first decoded tokens run direct, round trip, round trip, direct (8 each), timed; the faster side by
+    its median token then runs for good. Against unified off (the round trip throughout), the installed package in a
+    fresh process: the same selections, counters and greedy tokens through the four changes of side, logits within
+    the two sides' rounding; 16 tokens of the trial ran direct, and the 16 after it ran what the trial chose, which
+    its medians say; the last graph's splits are the winner's (direct: stock's; the round trip: those of off)."""
+    from test_gpu_layers_rpc import KW
+    from test_rpc_as_installed import installed_env
+
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    r = subprocess.run([sys.executable, "-c", DIRECT_SCRIPT, str(model_path(fixture_dir, "qwen2moe-60x4")), "15",
+                        json.dumps(KW), json.dumps(PROMPT), json.dumps(DECODES), str(tmp_path / "out.npz"), routing,
+                        '["off", "auto"]', "24"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    off, auto = got["off/counters"].tolist(), got["auto/counters"].tolist()
+    assert np.array_equal(got["auto/selected"], got["off/selected"])
+    assert auto[:5] == off[:5] and auto[2] > 0 and auto[3] > 0, (auto, off)
+    assert got["auto/tokens"].tolist() == got["off/tokens"].tolist()
+    d, scale = row_diffs(got["auto/logits"], got["off/logits"]), np.abs(got["off/logits"]).max()
+    assert d.max() <= 1e-2 * scale, f"max |diff| {d.max()}, scale {scale}"
+    tokens, ms_direct, ms_round = got["auto/direct"].tolist()
+    choice = str(got["auto/choice"])
+    assert ms_direct > 0 and ms_round > 0 and got["off/direct"].tolist() == [0, 0, 0]
+    assert choice == ("round trip" if ms_round < 0.98 * ms_direct else "direct"), (choice, ms_direct, ms_round)
+    assert tokens == (32 if choice == "direct" else 16), (tokens, choice)  # 48 decoded: 32 in the trial, 16 after
+    splits = int(got["auto/splits"])
+    assert splits <= int(got["stock_splits"]) + 1 if choice == "direct" else splits == int(got["off/splits"]), \
+        (splits, int(got["stock_splits"]), int(got["off/splits"]), choice)

@@ -196,7 +196,10 @@ def _add_residency_options(c) -> None:
                    help="with -ngl and stream residency: the GPU computes the experts in place on the host slots, "
                         "wrapped as GPU buffers (no copies): auto (the default) where the GPU shares the host's memory "
                         "(Apple silicon, integrated GPUs), on also for a discrete GPU that can wrap host memory "
-                        "(Vulkan), off leaves them to the CPU as llama.cpp's --cpu-moe")
+                        "(Vulkan; CUDA with our patch), off leaves them to the CPU as llama.cpp's --cpu-moe. With "
+                        "--vram-size and --cache-size 1.0 a token's MoE layers then run on the GPU alone (the direct "
+                        "tier): on takes it, auto takes it on a discrete GPU where a trial of the first 32 decoded "
+                        "tokens finds it faster than the tier's round trip to the CPU")
     c.add_argument("--no-mlock", action="store_true",
                    help="do not mlock the expert cache nor the model's dense part (default: lock both, so that the OS "
                         "cannot drop them and read them back every token; if it refuses, one warning)")
