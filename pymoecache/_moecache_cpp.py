@@ -167,10 +167,6 @@ class moecache_residency_stats(ctypes.Structure):
     ]
 
 
-# enum moecache_event_kind
-EVENT_KINDS = ("route", "wait", "read", "read_ahead", "lock", "copy")
-
-
 class moecache_event(ctypes.Structure):
     _fields_ = [
         ("kind", c_int32),

@@ -28,6 +28,7 @@ static void op_experts(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 void moecache_residency_graph_begin(moecache & mc) {
+    moecache_slots_fill_behind(mc); // (left by a prompt whose graph did not finish)
     mc.build_n_ubatch = 0;
     moecache_device_graph_begin(mc);
     for (moecache_layer & L : mc.layers) {

@@ -167,6 +167,7 @@ void moecache_hook_ubatch_computed(const llama_context * lctx) {
         mc->rst.decode_graphs       += 1;
     }
     moecache_device_ubatch_computed(*mc, sched);
+    moecache_slots_fill_behind(*mc); // (a prompt's slots, read behind it)
     if (moecache_vram_direct_trial(*mc, mc->build_decode && mc->build_n_ubatch == 1)) {
         moecache_graph_mark_dirty(mc); // (the trial's other side: the next graph is built for it)
     }

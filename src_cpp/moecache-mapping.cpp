@@ -257,7 +257,7 @@ static int64_t read_room() {
     if (cg >= 0 && cg < room) {
         room = cg;
     }
-    return room - MOECACHE_READ_AHEAD_RESERVE;
+    return std::max<int64_t>(0, room - MOECACHE_READ_AHEAD_RESERVE); // (a cap nearly reached: no room, not unknown)
 }
 
 static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {

@@ -6,6 +6,7 @@
 
 #include "moecache-layer.h"
 
+#include <array>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -38,6 +39,8 @@ struct moecache_residency_state {
     std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
     std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
                                                            //   once that layer ran
+    std::vector<std::array<int32_t, 3>> fill_behind; // (layer, slot, expert) a prompt left to read once its ubatch
+                                                     //   ran (moecache_slots_prompt)
 };
 
 // moecache-residency.cpp
@@ -129,3 +132,5 @@ int32_t moecache_slots_holding(const moecache_layer & L, int32_t e); // the slot
 ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, ggml_context * ctx,
                                             const moecache_expert_tensor & x, ggml_tensor * b);
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
+// the slots prompts left to fill behind them (fill_behind): their reads queued, at prefetch priority
+void    moecache_slots_fill_behind(moecache & mc);

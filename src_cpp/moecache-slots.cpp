@@ -341,10 +341,32 @@ int32_t moecache_slots_fill_all(moecache & mc) {
     return MOECACHE_OK;
 }
 
+void moecache_slots_fill_behind(moecache & mc) {
+    std::vector<moecache_io_job> jobs;
+    for (const std::array<int32_t, 3> & lse : mc.res.fill_behind) {
+        moecache_layer & L = mc.layers[lse[0]];
+        const int32_t    s = lse[1], e = lse[2];
+        if (L.res.slot_expert[s] != e || L.res.expert_slot[e] != s) {
+            continue; // (taken again since, or cleared)
+        }
+        jobs.clear();
+        slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
+        moecache_io_submit(*mc.res.io, L.res.slot_req[s], jobs.data(), jobs.size(), 0.0f);
+    }
+    mc.res.fill_behind.clear();
+}
+
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
-// (lowbit SOURCE: read from the companion)
+// (lowbit SOURCE: read from the companion). Where the memory left no room to ask for the layer (a cap: the
+// matmul faults it in through the kernel's readahead, mc.ahead.faulted), a copy before the matmul would read
+// pages the matmul's own faults then evict and read again (Mixtral's shape at a third: 9.3 GB read for a
+// 7.2 GB file, a fifth of the prompt's time waiting for the copies): those slots are read from the file
+// instead, with direct I/O past the page cache, once the prompt's ubatch ran (moecache_slots_fill_behind, at
+// prefetch priority: a decode's own reads go first, and it waits for its experts' slots; a slot taken again
+// before its read is queued is not read)
 void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
-    const bool copy = mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE;
+    const bool copy   = mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE;
+    const bool behind = copy && mc.ahead.faulted == L.il && !L.res.all_in_slots;
     std::vector<uint8_t> touched(L.res.keep.size(), 0); // read through the mapping by this ubatch: dropped later
     for (int64_t i = 0; i < n_ids; i++) {
         touched[ids[i]] = 1;
@@ -356,7 +378,10 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
         if (L.res.keep[e] && !slot_holds(L, e)) {
             const int32_t s = take_slot(mc, L, e, cursor);
-            if (s >= 0) {
+            if (s >= 0 && behind) {
+                mc.res.fill_behind.push_back({ L.il, s, e });
+                mc.rst.prompt_bytes_read += (int64_t) L.res.expert_bytes;
+            } else if (s >= 0) {
                 slot_fill_jobs(L, e, s, copy ? MOECACHE_IO_COPY : MOECACHE_IO_READ, jobs);
             }
         }

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,3 +212,71 @@ def test_sequences_whose_slots_do_not_fit_decode_in_smaller_steps(monkeypatch):
     assert said_small and "a step decodes at most 3 of them together" in said_small[0] and not said_all
     assert steps_all == 5 and steps_small == 5 * 3  # (8 sequences: steps of 3, 3 and 2; the first token from the prompt)
     assert toks_small == toks_all
+
+
+BEHIND_SCRIPT = r"""
+import json, sys
+import numpy as np
+import pymoecache
+path, n_cached, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cache = pymoecache.CacheConfig(size=n_cached) if n_cached else None  # (0: the defaults, sized by the cap)
+llm = pymoecache.Llama(path, cache=cache, n_ctx=64, n_threads=2, verbose=False)
+llm.start_timeline()
+llm.eval(list(range(100, 124)))  # 24 tokens x 2 selections: every one of the 8 experts, most likely
+logits = []
+for t in (7, 300, 42, 5000):
+    llm.eval([t])
+    logits.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+spans = [list(s) for s in llm._timeline_spans]  # (t_start_us, t_end_us, n_tokens) of each eval
+ev = llm.timeline().events
+from pymoecache.timeline import KINDS
+events = [[KINDS[int(k)], int(l), int(e), int(q)] for k, l, e, q in zip(ev["kind"], ev["layer"], ev["expert"], ev["t_queued_us"])]
+np.save(out, np.array(logits))
+print(json.dumps({"n_cached": int(llm.moe_stats().capacity_per_layer[0]), "spans": spans, "events": events}))
+"""
+
+
+def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(tmp_path):
+    """A prompt layer the memory leaves no room to ask for whole (a cap: the matmul faults it in through the kernel's
+    readahead) used to copy the experts the cache keeps from the mapping before its matmul: pages the matmul's own
+    faults then evicted and read again (Mixtral's shape at a third: 9.3 GB read for a 7.2 GB file, a fifth of the
+    prompt waiting for the copies). Those slots are now read from the file with direct I/O once the prompt's ubatch
+    ran. Two layers of Mixtral's shape (8 experts of 102 MiB) under a cap of a third of its file, the defaults, a fresh
+    process: no copy from the mapping, every read of the prompt's cached experts queued after the prompt's
+    matmuls; and the 4 tokens decoded after it give the logits of the same cache uncapped (the copies), bit for bit."""
+    from memcap import MemoryCap
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = Path(r.stdout.strip().splitlines()[-1])  # (2 layers: the last computes the prompt's output row alone)
+
+    def run(n_cached, cap=None):
+        cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy")]
+        if cap is None:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        else:
+            with MemoryCap(cap) as c:
+                r = subprocess.run(cmd, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), np.load(tmp_path / f"logits{n_cached}.npy")
+
+    try:
+        capped, logits = run(0, cap=model.stat().st_size // 3)
+    except RuntimeError as e:  # (MemoryCapError: no memory cgroup this process may make)
+        pytest.skip(str(e))
+    n = capped["n_cached"]
+    assert 0 < n < 8, capped["n_cached"]
+    # (the prompt's last routing, layer 1's, follows layer 0's matmuls: its output is layer 1's input)
+    prompt_end = max(q for kind, _, _, q in capped["events"] if kind == "route" and q < capped["spans"][1][0])
+    first = [ev for ev in capped["events"] if ev[1] == 0]  # (layer 0: the prompt's 24 tokens)
+    copies = [ev for ev in first if ev[0] == "copy"]
+    reads = [ev for ev in first if ev[0] in ("read", "read_ahead") and ev[3] <= capped["spans"][1][0]]
+    assert {ev[0] for ev in capped["events"]} >= {"route", "read_ahead"}, capped["events"][:8]  # (the kinds recorded)
+    assert not copies, copies[:4]
+    assert reads and all(q >= prompt_end for _, _, _, q in reads), (prompt_end, reads[:4])
+    assert 1 <= len({e for _, _, e, _ in reads}) <= n, reads  # (those the prompt left cached; the load's warm-up
+    # token may have left one of them in its slot)
+    uncapped, expect = run(n)
+    assert uncapped["n_cached"] == n and any(ev[0] == "copy" and ev[1] == 0 for ev in uncapped["events"])
+    assert np.array_equal(logits, expect)
