@@ -175,8 +175,8 @@ say "## -ngl 99 alone on $(basename "$WIDE") (mixtral-8x7b's shape, 4 layers), t
 HOLD=$!
 for _ in $(seq 60); do grep -q "holding\|^hold_vram: " "$OUTDIR/hold.out" && break; sleep 1; done
 tee -a "$LOG" < "$OUTDIR/hold.out"
-"$PY" -m pymoecache run -m "$WIDE" -p "The" -n 64 -ngl 99 -v 2>&1 \
-    | grep "offloaded\|^plan:\|warning\|direct tier\|tok/s" | cut -c1-600 | tee -a "$LOG"
+"$PY" -m pymoecache run -m "$WIDE" -p "The" -n 64 -c 4096 -ngl 99 -v 2>&1 \
+    | grep "offloaded\|^plan:\|warning\|direct tier\|stay on the CPU\|tok/s" | cut -c1-600 | tee -a "$LOG"
 kill "$HOLD" 2>/dev/null
 fi
 step random && bench "synthetic qwen2moe, ${SIZE_MB} MB (random), every layer on the GPU" --model random --size-mb "$SIZE_MB" $COMMON

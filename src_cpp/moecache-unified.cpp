@@ -115,6 +115,17 @@ int32_t moecache_unified_init(moecache & mc) {
                 return moecache_fail_residency(std::string("cannot place the wrapped slots of ") + x.model_t->name);
             }
             L.uni.t.push_back(v);
+            if (!ggml_backend_dev_supports_op(L.uni.dev, v)) { // (a tensor past its largest storage buffer: Vulkan)
+                const std::string why = std::string("device ") + ggml_backend_dev_name(L.uni.dev) + " cannot compute on " +
+                                        std::to_string(ggml_nbytes(v) >> 20) + " MiB of host slots of " +
+                                        x.model_t->name + " as one tensor";
+                if (mc.cparams.unified == MOECACHE_UNIFIED_ON) {
+                    return moecache_fail_residency("unified = on: " + why + "; use unified = auto or off");
+                }
+                LLAMA_LOG_INFO("moecache: %s: layer %d's experts stay on the CPU\n", why.c_str(), L.il);
+                free_layer(L);
+                break;
+            }
         }
     }
     return MOECACHE_OK;

@@ -585,3 +585,28 @@ def test_vulkan_auto_direct_tier_times_both_ways_and_keeps_the_faster(fixture_di
     splits = int(got["auto/splits"])
     assert splits <= int(got["stock_splits"]) + 1 if choice == "direct" else splits == int(got["off/splits"]), \
         (splits, int(got["stock_splits"]), int(got["off/splits"]), choice)
+
+
+def test_slots_past_the_devices_largest_buffer_stay_on_the_cpu_or_are_refused(tmp_path):
+    """Host slots wrapped for a device that cannot compute on them as one tensor (a layer's slots of Mixtral's shape
+    are 283 MiB a tensor; lavapipe's storage buffers hold less) used to abort in ggml's scheduler at the first graph
+    ("pre-allocated tensor ... in a buffer that cannot run the operation"), and unified auto beside a tier and a cache
+    of every expert now wraps them on any discrete GPU. From the installed package's CLI, a fresh process: with auto
+    (the flags alone) the layers stay on the CPU beside the tier (its round trip) and the run decodes; with
+    --unified on the run is refused with the reason (exit 2, as a bad option), no abort."""
+    from test_rpc_as_installed import installed_env
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "1",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = r.stdout.strip().splitlines()[-1]
+    env = dict(installed_env(), VK_DRIVER_FILES=LVP[0], VK_ICD_FILENAMES=LVP[0], **VK_ENV)
+    cmd = [sys.executable, "-m", "pymoecache", "run", "-m", model, "-p", "The", "-n", "4", "-c", "256", "-ngl", "99",
+           "--cache-size", "1.0", "--vram-size", "1", "-v"]
+    auto = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "cannot compute on 283 MiB of host slots of blk.0.ffn_gate_exps.weight" in auto.stderr, auto.stderr[-3000:]
+    assert "direct tier" not in auto.stderr and "decode 4 tok" in auto.stderr + auto.stdout
+    on = subprocess.run(cmd + ["--unified", "on"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert on.returncode == 2 and "error: unified = on: device Vulkan0 cannot compute on 283 MiB" in on.stderr, \
+        (on.returncode, on.stderr[-3000:])
