@@ -117,14 +117,6 @@ static int32_t prior_predicted(const moecache & mc, const moecache_layer & T, co
 #define MOECACHE_SPEC_RUN    96   // decoded tokens the winner then runs for
 #define MOECACHE_SPEC_MARGIN 0.02 // the reads ahead win only if their median token is this much faster
 
-static int64_t median_of(std::vector<int64_t> & v) {
-    if (v.empty()) {
-        return 0;
-    }
-    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
-    return v[v.size() / 2];
-}
-
 // prefetch_spare with prefetch_adaptive, at the start of each decoded token: the time of the
 // token before goes to the side of the trial it ran on. A trial is 2 x MOECACHE_SPEC_WINDOW
 // tokens with the reads ahead on and off in turn, so both sides see the same disk and machine
@@ -148,7 +140,8 @@ void moecache_ahead_trial_token(moecache & mc, int64_t now) {
         return;
     }
     if (c.phase == 0 && !c.dt_on.empty() && !c.dt_off.empty()) {
-        c.on    = (double) median_of(c.dt_on) < (1.0 - MOECACHE_SPEC_MARGIN) * (double) median_of(c.dt_off);
+        c.on    = (double) moecache_median_us(c.dt_on) <
+                  (1.0 - MOECACHE_SPEC_MARGIN) * (double) moecache_median_us(c.dt_off);
         c.phase = 1;
         c.left  = MOECACHE_SPEC_RUN;
     } else {

@@ -13,6 +13,9 @@
 #include "moecache-residency.h"
 #include "moecache-vram-direct.h"
 
+#include <algorithm>
+#include <vector>
+
 struct moecache {
     // model identity (for state files) and shape
     std::string desc;
@@ -61,6 +64,15 @@ struct moecache {
     std::mutex        io_error_mutex;
     std::string       io_error;
 };
+
+// the median of token times (us; 0 for none): the trials' measure (prefetch_adaptive, the direct tier)
+inline int64_t moecache_median_us(std::vector<int64_t> v) {
+    if (v.empty()) {
+        return 0;
+    }
+    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
+    return v[v.size() / 2];
+}
 
 // prefetch_route in effect: reads ahead into spare slots that do not follow the clock (no adaptive
 // trial, whose timing the routing must not follow), which the prior counts as cached: moecache-ahead.cpp marks

@@ -342,7 +342,10 @@ int32_t moecache_slots_fill_all(moecache & mc) {
 }
 
 void moecache_slots_fill_behind(moecache & mc) {
-    std::vector<moecache_io_job> jobs;
+    if (mc.res.fill_behind.empty()) {
+        return; // (every ubatch: nothing to do but after a capped prompt)
+    }
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     for (const std::array<int32_t, 3> & lse : mc.res.fill_behind) {
         moecache_layer & L = mc.layers[lse[0]];
         const int32_t    s = lse[1], e = lse[2];

@@ -185,14 +185,6 @@ bool moecache_vram_direct_in_place(const moecache & mc, const moecache_layer & L
     return !L.uni.t.empty() && !mc.vdir.on;
 }
 
-static int64_t median_of(std::vector<int64_t> v) {
-    if (v.empty()) {
-        return 0;
-    }
-    std::nth_element(v.begin(), v.begin() + (std::ptrdiff_t) (v.size() / 2), v.end());
-    return v[v.size() / 2];
-}
-
 // The trial (unified AUTO): which computes a token's misses faster on this model and machine, the device from the
 // host slots over the bus (direct), or the CPU beside the tier's round trip per layer. Its decoded tokens run
 // direct, round trip, round trip, direct, MOECACHE_DIRECT_WINDOW each (a drift of the machine or the tier's warming
@@ -205,10 +197,8 @@ bool moecache_vram_direct_trial(moecache & mc, bool decoded) {
     if (!D.on) {
         return false;
     }
-    bool ran = false; // (the graph that ran took it: not where the routing cannot run on the device, as prior-p)
-    for (const moecache_layer & L : mc.layers) {
-        ran = ran || L.graph.direct_ids != nullptr;
-    }
+    const bool ran = D.use && mc.dev.n_deferred > 0; // (the graph that ran routed on the device: took it; not
+                                                     // where the routing cannot run there, as prior-p)
     mc.rst.direct_tokens += decoded && ran ? 1 : 0;
     if (c.left == 0) {
         return false;
@@ -230,8 +220,8 @@ bool moecache_vram_direct_trial(moecache & mc, bool decoded) {
         D.use = block == 0 || block == 3;
         return D.use != was;
     }
-    c.ms_direct = (double) median_of(c.dt_direct) / 1000.0;
-    c.ms_round  = (double) median_of(c.dt_round) / 1000.0;
+    c.ms_direct = (double) moecache_median_us(c.dt_direct) / 1000.0;
+    c.ms_round  = (double) moecache_median_us(c.dt_round) / 1000.0;
     D.use = !(c.ms_round > 0.0 && c.ms_round < (1.0 - MOECACHE_DIRECT_MARGIN) * c.ms_direct);
     LLAMA_LOG_INFO("moecache: direct tier: %.2f ms a token against %.2f with the tier's round trip (medians of %zu "
                    "and %zu): %s\n", c.ms_direct, c.ms_round, c.dt_direct.size(), c.dt_round.size(),

@@ -254,10 +254,10 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     def run(n_cached, cap=None):
         cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy")]
         if cap is None:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        else:
+            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        else:  # (cwd outside the checkout: the installed package, as a user has it)
             with MemoryCap(cap) as c:
-                r = subprocess.run(cmd, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
+                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1]), np.load(tmp_path / f"logits{n_cached}.npy")
 
