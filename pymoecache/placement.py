@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import sys
 import warnings
 from typing import Optional
 
@@ -86,25 +87,42 @@ def as_cache(cache) -> CacheConfig:
                       f"got {cache!r}")
 
 
+def batch_slots_shared(gpu_layers: int = 0, lowbit: int = 0) -> bool:
+    """Whether the step slots of a batch (K for each sequence beyond the first) take one MoE layer's memory: on
+    Linux every layer maps the same pages there, where the slots are the host's alone (src_cpp/moecache-slots.cpp;
+    no GPU layers, whose tiers keep theirs, and no ``lowbit`` pools). Elsewhere every layer has its own."""
+    return sys.platform.startswith(("linux", "android")) and not gpu_layers and not lowbit
+
+
+def batch_slot_bytes(info: ModelInfo, n_seq: int, gpu_layers: int = 0, lowbit: int = 0) -> int:
+    """Memory of the step slots of ``n_seq`` sequences decoded together (:func:`batch_slots_shared`)."""
+    layers = 1 if batch_slots_shared(gpu_layers, lowbit) else info.n_moe_layer
+    return int(max(0, n_seq - 1) * info.n_expert_used * info.cache_bytes * layers)
+
+
 def batch_sequences(info: ModelInfo, n_ctx: int, n_seq: int, available: Optional[int] = None, gpu_layers: int = 0,
                     lowbit: int = 0) -> int:
-    """Sequences one decode step computes together (at most ``n_seq``): each beyond the first keeps K more slots per
-    MoE layer (Llama(n_seq_max=N)), and those may take at most half of the memory free beside the dense part, the
-    KV cache, ``lowbit`` pools and a token's K slots; the rest is the cache's. A batch of more sequences decodes in
-    steps of this many (pymoecache.BatchDecoder), not in slots the memory cannot hold.
+    """Sequences one decode step computes together (at most ``n_seq``): each beyond the first takes K more step
+    slots (Llama(n_seq_max=N); one layer's where the layers share them, :func:`batch_slots_shared`, else every MoE
+    layer's), and those may take at most half of the memory free beside the dense part, the KV cache, ``lowbit``
+    pools and a token's K slots; the rest is the cache's. A batch of more sequences decodes in steps of this many
+    (pymoecache.BatchDecoder), not in slots the memory cannot hold.
 
     >>> from pymoecache.model_info import ModelInfo
     >>> info = ModelInfo(path="m.gguf", arch="qwen3moe", name="", file_bytes=18 << 30, n_layer=48,
     ...                  moe_layers=list(range(48)), n_expert=128, n_expert_used=8, n_expert_shared=0,
     ...                  gating="softmax", n_expert_groups=0, expert_bytes=2785280,
     ...                  expert_bytes_total=48 * 128 * 2785280, n_embd=2048)
-    >>> batch_sequences(info, n_ctx=4096, n_seq=16, available=10 << 30), batch_sequences(info, 4096, 16, 40 << 30)
-    (3, 16)
+    >>> batch_sequences(info, n_ctx=4096, n_seq=16, available=10 << 30, lowbit=1)   # every layer's: 1 GiB a sequence
+    3
+    >>> batch_sequences(info, 4096, 16, 40 << 30, lowbit=1), batch_sequences(info, 4096, 256, 8 << 30, lowbit=0)
+    (16, 83)
     """
     free = _plan._available_memory() if available is None else available
     dense, kv = _plan._on_host(info, n_ctx, gpu_layers)
-    per_seq = max(1, int(info.n_expert_used * info.cache_bytes * info.n_moe_layer))
-    room = free - dense - kv - max(0, lowbit) - per_seq  # (a token's own K slots)
+    per_seq = max(1, batch_slot_bytes(info, 2, gpu_layers, lowbit))
+    own = int(info.n_expert_used * info.cache_bytes * info.n_moe_layer)  # (a token's own K slots)
+    room = free - dense - kv - max(0, lowbit) - own
     return int(max(1, min(n_seq, 1 + max(0, room // 2) // per_seq)))
 
 
@@ -372,14 +390,13 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
             if n_seq_max > 1:
                 n_seq_step = batch_sequences(info, n_ctx, n_seq_max, gpu_layers=n_gpu_auto, lowbit=low_auto)
                 if n_seq_step < n_seq_max:
-                    slots = (n_seq_max - 1) * info.n_expert_used * info.cache_bytes * info.n_moe_layer
+                    slots = batch_slot_bytes(info, n_seq_max, n_gpu_auto, low_auto)
                     warnings.warn(f"n_seq_max={n_seq_max}: the slots of {n_seq_max} sequences decoded together "
                                   f"({_plan._mib(slots)}) do not fit in the memory free ({_plan._free_source()}): a "
                                   f"step decodes at most {n_seq_step} of them together, the others in the steps after",
                                   stacklevel=3)
             choice = auto_cache_size(info, n_ctx, gpu_layers=n_gpu_auto, lowbit=low_auto,
-                                     batch=int((n_seq_step - 1) * info.n_expert_used * info.cache_bytes
-                                               * info.n_moe_layer))
+                                     batch=batch_slot_bytes(info, n_seq_step, n_gpu_auto, low_auto))
             if choice.lowbit and choice.lowbit > choice.available - choice.dense - choice.kv:
                 raise ConfigError(
                     f"the low-bit pools need {choice.lowbit / 2**20:.0f} MiB (" + (
@@ -538,8 +555,10 @@ def loaded_plan(p: Placement, info, n_ctx: int, moecache):
     n_cached, spare, available, low = p.plan_inputs
     n_gpu, on_gpu = p.plan_gpu
     out = _plan.memory_plan(info, n_ctx, n_cached, n_spare=spare, available=available, gpu_layers=n_gpu)
+    pools = low is not None and low[0].miss != "lowbit-cache"
     out = dataclasses.replace(out, budget_from=_plan._free_source(), gpu_expert_layers=on_gpu,
-                              n_batch=(p.n_seq_step - 1) * info.n_expert_used)
+                              n_batch=(p.n_seq_step - 1) * info.n_expert_used,
+                              batch_shared=batch_slots_shared(n_gpu, int(pools)))
     if low is not None:  # the low-bit miss path: its pools, and the bytes a miss reads from it
         low, low_bytes, low_name = low
         out = dataclasses.replace(out, miss=low.miss, lowbit_in_ram=low.lowbit_in_ram, lowbit_bytes=low_bytes,

@@ -529,6 +529,7 @@ class MemoryPlan:
     vram_exclusive: bool = False  # the tier's experts keep no host slot: the two hold n_cached + n_vram
     exclusive_layers: int = 0  # MoE layers whose tiers are exclusive (the GPU layers'; 0 with vram_exclusive: all)
     n_batch: int = 0          # more slots per layer for sequences decoded together (Llama(n_seq_max=N): (N - 1) x K)
+    batch_shared: bool = False  # the layers share those slots' memory (placement.batch_slots_shared): one layer's
     device_note: str = ""     # what the GPUs' free memory decided (the tier's size, the experts kept in RAM), or ""
     gpu_expert_layers: int = 0  # MoE layers whose experts llama.cpp placed in GPU memory (residency none beside GPU
                                 #   layers): not in RAM, not counted in cache_bytes
@@ -540,8 +541,10 @@ class MemoryPlan:
     @property
     def cache_bytes(self) -> int:
         slots = max(self.n_cached, self.n_expert_used if self.streamed else 0) + self.n_spare
-        slots += self.n_batch if self.streamed else 0
-        return int(slots * self.slot_bytes * self.ram_expert_layers)
+        batch = self.n_batch * self.slot_bytes * (1 if self.batch_shared else self.ram_expert_layers)
+        return int(slots * self.slot_bytes * self.ram_expert_layers + (batch if self.streamed else 0))
+
+    _shared = property(lambda self: " (one layer's: the layers share them)" if self.batch_shared else "")
 
     @property
     def ram_expert_layers(self) -> int:
@@ -571,14 +574,11 @@ class MemoryPlan:
         slots = (self.n_expert if self.lowbit_in_ram else self.n_expert_used) + 1
         return int(slots * self.lowbit_bytes * self.n_moe_layer)
 
-    @property
-    def headroom(self) -> int:
-        return self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory
+    headroom = property(lambda self: self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory)
 
     @property
     def n_held(self) -> int:
-        """Experts per layer held in memory in a layer with a tier: the cache's, and with exclusive tiers
-        the VRAM tier's too."""
+        """Experts per layer held in memory in a layer with a tier: the cache's, with exclusive tiers the tier's too."""
         return min(self.n_expert, self.n_cached + (self.n_vram if self.vram_exclusive else 0))
 
     @property
@@ -667,7 +667,7 @@ class MemoryPlan:
         cache = (f"{self.n_cached} of {self.n_expert} per layer" + (" low-bit" if self.miss == "lowbit-cache" else "")
                  + (sep + on_gpu if on_gpu else "")
                  + (f" + {self.n_spare} spare" if self.n_spare else "")
-                 + (f" + {self.n_batch} for a batch" if self.n_batch and self.streamed else ""))
+                 + (f" + {self.n_batch} for a batch{self._shared}" if self.n_batch and self.streamed else ""))
         return (f"plan: {_fmt(self.available)} {free} = dense part {_fmt(self.dense)} + KV cache {_fmt(self.kv)} "
                 f"({self.n_ctx} tokens) + expert cache {_fmt(self.cache_bytes)} ({cache}) + "
                 + (f"low-bit {self.lowbit_text()} + " if self.lowbit_memory else "") + "headroom "
@@ -703,7 +703,7 @@ class MemoryPlan:
             ("  expert cache", f"{_fmt(self.cache_bytes)}: {self.n_cached} of {self.n_expert} experts per layer"
              + (" (low-bit copies)" if self.miss == "lowbit-cache" else "")
              + (f" + {self.n_spare} spare slots reading ahead" if self.n_spare else "")
-             + (f" + {self.n_batch} slots for a batch's selections" if self.n_batch and self.streamed else "")
+             + (f" + {self.n_batch} slots for a batch{self._shared}" if self.n_batch and self.streamed else "")
              + ("" if self.streamed else ", all of them: nothing streamed")
              + (f" ({on_gpu})" if on_gpu else "")),
             *((("  low-bit copies", self.lowbit_text()),) if self.lowbit_memory else ()),

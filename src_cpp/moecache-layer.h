@@ -114,7 +114,9 @@ struct moecache_layer_graph {
 struct moecache_layer_residency {
     std::vector<moecache_expert_tensor> xt;       // the layer's expert tensors: gate, up, down, gate_up
     size_t  expert_bytes = 0;          // bytes of one expert over all of xt
-    int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor
+    int32_t n_slots      = 0;          // STREAM: max(capacity, K) slots per tensor (+ spare, + a batch's)
+    int32_t n_own        = 0;          // STREAM: slots [0, n_own) are the layer's own; [n_own, n_slots), a
+                                       //   batch's step slots, lie in pages every such layer maps (moecache-slots.cpp)
     bool    all_in_slots = false;      // STREAM: the cache holds all N experts, read in at creation:
                                        //   prompts compute on the slots too (moecache_slots_fill_all)
     std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none

@@ -26,6 +26,9 @@ struct moecache_residency_state {
     moecache_io * io        = nullptr;        // reader threads
     char *        arena     = nullptr;        // STREAM: all layers' slots, one anonymous mapping
     size_t        arena_size = 0;
+    size_t        arena_shared = 0;           // bytes of the arena that map the step slots' pages a second time or
+                                              //   more (moecache_slots_init): arena_size less these is its memory
+    int32_t       step_owner = -1;            // the layer whose experts the step slots' pages hold now, or -1
     bool          arena_locked = false;
     void       (* arena_unpin)(void *) = nullptr; // the VRAM tier's device unregisters the arena with it (pinned)
     int64_t       arena_pinned = 0;           //   bytes of the arena registered with that device for its DMA

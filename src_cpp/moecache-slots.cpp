@@ -20,6 +20,75 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// A batch's step slots (cache params n_seq > 1) hold the selections the cache does not keep after the step, so
+// a layer needs them only while its step reads and computes them, one layer after another. Where the device
+// reads a layer's slots from the host alone (no VRAM tier, low-bit pool or device computing them in place),
+// every such layer maps the same pages there: n_seq costs one layer's (n_seq - 1) x K slots, not every layer's
+// (qwen3-30b-a3b's shape, 4 sequences: 24 MiB, not 3.1 GiB). A layer's step slots keep its experts until
+// another layer takes them (take_step_slot).
+static bool steps_shareable(const moecache & mc, const moecache_layer & L) {
+    return mc.cparams.n_seq > 1 && L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
+}
+
+// maps the whole pages of every shareable layer's step slots onto one memfd; where the system has none, each
+// layer keeps its own (n_own = n_slots). Before the arena is locked.
+static int32_t share_step_slots(moecache & mc) {
+    struct piece { size_t off, len, at; }; // [off, off + len) of the arena shows [at, at + len) of the memfd
+    std::vector<piece> pieces;
+    const size_t page = moecache_page_size();
+    size_t p = 0, most = 0;
+    for (const moecache_layer & L : mc.layers) {
+        size_t at = 0;
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            const size_t data = p + x.slot_head;
+            const size_t b    = moecache_round_up(data + (size_t) L.res.n_own * x.slot_nb2, page);
+            const size_t e    = (data + (size_t) L.res.n_slots * x.slot_nb2) / page * page; // (the pages shared
+            if (L.res.n_own < L.res.n_slots && e > b) {                                     //   with own slots: not)
+                pieces.push_back({ b, e - b, at });
+                at += e - b;
+            }
+            p += moecache_round_up(L.res.slot_expert.size() * x.slot_nb2, page);
+        }
+        most = std::max(most, at);
+    }
+    if (pieces.empty()) {
+        return MOECACHE_OK;
+    }
+    int fd = -1;
+#if defined(__linux__) && defined(SYS_memfd_create)
+    fd = (int) syscall(SYS_memfd_create, "moecache-step-slots", 1u /* MFD_CLOEXEC */);
+#endif
+    if (fd < 0 || ftruncate(fd, (off_t) most) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        for (moecache_layer & L : mc.layers) {
+            L.res.n_own = L.res.n_slots;
+        }
+        size_t all = 0;
+        for (const piece & pc : pieces) {
+            all += pc.len;
+        }
+        fprintf(stderr, "moecache: every layer keeps its own slots for a batch's selections (%.0f MiB more): no "
+                "memfd here to share them\n", (double) (all - most) / (1 << 20));
+        return MOECACHE_OK;
+    }
+    for (const piece & pc : pieces) {
+        if (mmap(mc.res.arena + pc.off, pc.len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t) pc.at) ==
+            MAP_FAILED) {
+            const int err = errno;
+            close(fd);
+            return moecache_fail_residency(std::string("cannot map the step slots: ") + strerror(err));
+        }
+        mc.res.arena_shared += pc.len;
+    }
+    close(fd); // (the mappings keep its pages)
+    mc.res.arena_shared -= most;
+    return MOECACHE_OK;
+}
 
 // the slots of every MoE layer in one anonymous mapping, each tensor's region page-aligned
 int32_t moecache_slots_init(moecache & mc) {
@@ -34,6 +103,7 @@ int32_t moecache_slots_init(moecache & mc) {
                         (cp.prefetch != MOECACHE_PREFETCH_OFF ? cp.prefetch_spare : 0) + // spare: speculative reads
                         (cp.n_seq - 1) * mc.n_expert_used; // a batch's selections: the cache's, and K for each
                                                            //   other sequence (its insertions may evict them)
+        L.res.n_own = L.res.n_slots - (steps_shareable(mc, L) ? (cp.n_seq - 1) * mc.n_expert_used : 0);
         const int32_t n_alloc = L.res.n_slots + (L.vram.n > 0 || L.low.n > 0 ? 1 : 0); // (and a zero slot)
         for (moecache_expert_tensor & x : L.res.xt) {
             // a device computing the layer in place (moecache-unified.cpp) steps from expert to expert
@@ -59,6 +129,10 @@ int32_t moecache_slots_init(moecache & mc) {
     }
     mc.res.arena      = (char *) arena;
     mc.res.arena_size = total;
+    const int32_t rc = share_step_slots(mc);
+    if (rc != MOECACHE_OK) {
+        return rc;
+    }
 #if defined(MADV_HUGEPAGE)
     madvise(arena, total, MADV_HUGEPAGE); // 2 MiB pages where the kernel has them: fewer TLB misses in the matmuls
 #endif
@@ -97,11 +171,11 @@ static bool slot_holds(const moecache_layer & L, int32_t e) {
     return s >= 0 && L.res.slot_expert[s] == e;
 }
 
-// gives e the first slot from `cursor` on that holds no expert of L.res.keep; -1 if there is none,
-// which cannot happen: |L.res.keep| <= max(capacity, K) = n_slots (cached, plus a token's selection).
+// gives e the first slot in [cursor, end) that holds no expert of L.res.keep; -1 if there is none,
+// which cannot happen: |L.res.keep| <= n_slots (cached, plus a step's selections the cache does not keep).
 // Reads still filling the slot for its previous expert are cancelled (or waited for, if running).
-static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t & cursor) {
-    for (; cursor < L.res.n_slots; cursor++) {
+static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t & cursor, int32_t end) {
+    for (; cursor < end; cursor++) {
         const int32_t held = L.res.slot_expert[cursor];
         if (held < 0 || !L.res.keep[held] || L.res.expert_slot[held] != cursor) {
             moecache_io_req & req = L.res.slot_req[cursor];
@@ -122,6 +196,28 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
 // slot_head, the page-aligned window around them, read in place) in as few equal pieces of at
 // most MOECACHE_IO_CHUNK as there can be, so a large tensor keeps several reads in flight and a
 // small one is one read; or one copy per tensor from the mapping (the slots hold the model's type)
+// a step's selection the cache does not keep (last_use < 0): a step slot, whose pages the layer takes over
+// from the one that used them last (that layer's step slots then hold nothing); a slot of its own where
+// none is free (its own slots hold some of the step's selections: evicted by the step, read before)
+static int32_t take_step_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t & step_cursor,
+                              int32_t & cursor) {
+    if (L.res.n_own < L.res.n_slots && mc.res.step_owner != L.il) {
+        if (mc.res.step_owner >= 0) { // (its matmuls ran: the graph computes one layer after another)
+            moecache_layer & O = mc.layers[mc.res.step_owner];
+            for (int32_t s = O.res.n_own; s < O.res.n_slots; s++) {
+                moecache_io_req & req = O.res.slot_req[s];
+                if (!moecache_io_idle(*mc.res.io, req)) {
+                    moecache_io_cancel(*mc.res.io, req);
+                }
+                O.res.slot_expert[s] = -1;
+            }
+        }
+        mc.res.step_owner = L.il;
+    }
+    const int32_t s = take_slot(mc, L, e, step_cursor, L.res.n_slots);
+    return s >= 0 ? s : take_slot(mc, L, e, cursor, L.res.n_own);
+}
+
 static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
                            std::vector<moecache_io_job> & jobs) {
     for (const moecache_expert_tensor & x : L.res.xt) {
@@ -209,12 +305,16 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
         }
     }
     std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
-    int32_t cursor = 0;
-    for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
-        if (!L.res.keep[e] || slot_holds(L, e)) {
+    int32_t cursor = 0, step_cursor = L.res.n_own;
+    const int32_t n_expert = (int32_t) L.res.keep.size();
+    for (int32_t i = 0; i < 2 * n_expert; i++) { // the cached experts first, in the layer's own slots
+        const int32_t e = i % n_expert;
+        if (!L.res.keep[e] || slot_holds(L, e) || (L.last_use[e] < 0) != (i >= n_expert)) {
             continue;
         }
-        const int32_t s = take_slot(mc, L, e, cursor);
+        int32_t s = i < n_expert ? take_slot(mc, L, e, cursor, L.res.n_own) : -1;
+        s = s >= 0 ? s : take_step_slot(mc, L, e, step_cursor, cursor); // (a cached one there: read again once
+                                                                        //   another layer took the pages)
         if (s < 0) {
             moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
             break;
@@ -290,7 +390,7 @@ void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * 
         if (slot_holds(T, e)) {
             continue; // its bytes are here already (read before, evicted since, its slot not reused)
         }
-        const int32_t s = take_slot(mc, T, e, cursor);
+        const int32_t s = take_slot(mc, T, e, cursor, T.res.n_own);
         if (s < 0) {
             return;
         }
@@ -316,7 +416,7 @@ int32_t moecache_slots_fill_all(moecache & mc) {
         L.res.all_in_slots = true;
         int32_t cursor = 0;
         for (int32_t e = 0; e < mc.n_expert; e++) {
-            const int32_t s = take_slot(mc, L, e, cursor);
+            const int32_t s = take_slot(mc, L, e, cursor, L.res.n_own);
             if (s >= 0) {
                 slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
             }
@@ -380,7 +480,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
         if (L.res.keep[e] && !slot_holds(L, e)) {
-            const int32_t s = take_slot(mc, L, e, cursor);
+            const int32_t s = take_slot(mc, L, e, cursor, L.res.n_own);
             if (s >= 0 && behind) {
                 mc.res.fill_behind.push_back({ L.il, s, e });
                 mc.rst.prompt_bytes_read += (int64_t) L.res.expert_bytes;

@@ -628,7 +628,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
     }
     *out = mc->rst;
     out->residency   = mc->cparams.residency;
-    out->arena_bytes = (int64_t) mc->res.arena_size;
+    out->arena_bytes = (int64_t) (mc->res.arena_size - mc->res.arena_shared);
     for (const moecache_layer & L : mc->layers) {
         if (!L.res.xt.empty()) {
             out->expert_bytes = (int64_t) moecache_slot_bytes(L); // the first MoE layer's (the companion's: SOURCE)

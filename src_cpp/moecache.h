@@ -357,12 +357,12 @@ struct moecache_cache_params {
                                   //   Layers whose host cache holds every expert keep the tier inclusive;
                                   //   copies up ahead (prefetch) are not made. Needs n_cached >= 1; default false
     int32_t n_seq;                // sequences decoded together in one llama_decode (a batch of one token per
-                                  //   sequence: llama.cpp's n_seq_max), in [1, 256]. STREAM: each MoE layer
-                                  //   keeps (n_seq - 1) x K more slots, so the batch's selections are read into
-                                  //   slots once each (their union) and every one computed from a slot as one
-                                  //   sequence's are. A batch takes that path on the host slots (without a
-                                  //   VRAM tier, low-bit pools or unified memory) when it has at most n_seq
-                                  //   tokens; otherwise it is computed as a prompt is. default 1
+                                  //   sequence: llama.cpp's n_seq_max), in [1, 256]. STREAM: each MoE layer has
+                                  //   (n_seq - 1) x K more step slots (on Linux in pages all layers share), so the
+                                  //   batch's selections are read into slots once each (their union) and each is
+                                  //   computed from a slot as one sequence's are. A batch takes that path on the
+                                  //   host slots (without a VRAM tier, low-bit pools or unified memory) when it
+                                  //   has at most n_seq tokens; otherwise it is computed as a prompt is. default 1
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -399,7 +399,7 @@ struct moecache_residency_stats {
     int32_t io_threads;           // reads in flight at most
     bool    direct_io;            // STREAM reads bypass the page cache (O_DIRECT / F_NOCACHE)
     bool    locked;               // the arena (STREAM) or the cached experts (MMAP) are mlocked
-    int64_t arena_bytes;          // STREAM: bytes of all slot arenas (n_slots x bytes of one expert, per layer)
+    int64_t arena_bytes;          // STREAM: memory of all slot arenas (n_slots x an expert's bytes a layer; step slots once)
     int64_t locked_bytes;         // bytes mlocked now (experts)
     int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
     int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer); lowbit

@@ -200,6 +200,35 @@ def test_n_seq_max_is_checked(fixture_dir, tmp_path):
     assert all(m is not None and "n_seq_max" in m for m in d), d
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the layers share their step slots' pages on Linux")
+def test_a_batchs_step_slots_take_one_layers_memory(fixture_dir, tmp_path):
+    """n_seq_max=4 gives each MoE layer 3 x K step slots for the selections the cache does not keep; they are
+    needed one layer at a time, so every layer maps the same pages there: the slot arena grows by one layer's
+    step slots (and a few pages each layer keeps at their edges), not by every layer's, and the plan counts
+    what the library allocated. (The batch that reads and computes on them: the tests above, bit for bit.)"""
+    M = str(model_path(fixture_dir, "olmoe-64x8"))
+    d = run_script(tmp_path, f"""
+        import json
+        from pymoecache import CacheConfig, Llama
+        from pymoecache.model_info import model_info
+        out = dict(slot=model_info({M!r}).slot_bytes)
+        for n in (1, 4):
+            llm = Llama({M!r}, cache=CacheConfig(size=16, residency="stream", prefetch="off"), routing="top-k",
+                        n_seq_max=n, n_ctx=512, verbose=False)
+            st, plan = llm.moe_stats(), llm.memory_plan()
+            out[n] = dict(arena=st.residency.arena_bytes, layers=len(st.capacity_per_layer), k=st.n_expert_used,
+                          plan=plan.cache_bytes, line=plan.summary())
+            llm.close()
+        print(json.dumps(out))
+    """)
+    one, four, slot = d["1"], d["4"], d["slot"]
+    step = 3 * four["k"] * slot  # one layer's step slots: 24 experts of olmoe's 64
+    edges = four["layers"] * 3 * 2 * 4096  # (per tensor, the pages a layer shares with its own slots)
+    assert four["layers"] == 4 and step >= 16 * 4096
+    assert step - 3 * 2 * 4096 <= four["arena"] - one["arena"] <= step + edges, d
+    assert "for a batch (one layer's: the layers share them)" in four["line"], four["line"]
+    assert abs(four["plan"] - four["arena"]) <= edges + four["layers"] * 3 * 4096, d
+
 def test_batched_perplexity_protocol(fixture_dir, tmp_path):
     """The ppl protocol with 4 chunks decoded together (perplexity_batched): under top-k the same
     perplexity as the chunks decoded alone, one token a step each; the default routing close to it."""
