@@ -208,9 +208,11 @@ def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
 
 def _on_host(info: ModelInfo, n_ctx: int, gpu_layers: int) -> Tuple[int, int]:
     """(dense part, KV cache) in RAM with ``gpu_layers`` repeating layers on a GPU (:func:`gpu_layers`): the
-    dense part as llama.cpp places it (:meth:`ModelInfo.dense_bytes`), the KV cache of the other layers."""
+    dense part as llama.cpp places it (:meth:`ModelInfo.dense_bytes`) but an untied input layer (a token reads a row
+    of it from the mapping; lock_dense leaves it unlocked: gpt-oss-20b's 586 MiB), the other layers' KV cache."""
     host = 1.0 - min(max(gpu_layers, 0), info.n_layer) / max(info.n_layer, 1)
-    return info.dense_bytes(gpu_layers)[0], int(_kv_bytes(info, n_ctx) * host)
+    rows = 0 if info.output_tied_bytes else info.input_bytes
+    return info.dense_bytes(gpu_layers)[0] - rows, int(_kv_bytes(info, n_ctx) * host)
 
 
 def _mib(n: int) -> str:
@@ -581,10 +583,8 @@ class MemoryPlan:
         """Experts per layer held in memory in a layer with a tier: the cache's, with exclusive tiers the tier's too."""
         return min(self.n_expert, self.n_cached + (self.n_vram if self.vram_exclusive else 0))
 
-    @property
-    def tier_layers(self) -> int:
-        """MoE layers whose experts :attr:`n_held` counts (the others hold the cache's alone)."""
-        return min(self.exclusive_layers or self.n_moe_layer, self.n_moe_layer) if self.vram_exclusive else 0
+    tier_layers = property(lambda self: min(self.exclusive_layers or self.n_moe_layer, self.n_moe_layer)
+                           if self.vram_exclusive else 0)  # MoE layers :attr:`n_held` counts (others: the cache's)
 
     @property
     def miss_rate(self) -> float:

@@ -192,25 +192,43 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
     return -1;
 }
 
-// the jobs that fill slot s with expert e: reads from the file, each tensor's bytes (with a
-// slot_head, the page-aligned window around them, read in place) in as few equal pieces of at
-// most MOECACHE_IO_CHUNK as there can be, so a large tensor keeps several reads in flight and a
-// small one is one read; or one copy per tensor from the mapping (the slots hold the model's type)
+static void keep_cached(moecache_layer & L);
+
+// the step slots' pages pass to another layer: what layer O holds there is gone, but for its cached experts
+// (a step's own selections filled its own slots, so some the cache keeps went there), which move to slots of
+// its own: after its step those hold no selection of it (|cached| <= capacity)
+static void release_step_slots(moecache & mc, moecache_layer & O) {
+    keep_cached(O);
+    int32_t cursor = 0;
+    for (int32_t s = O.res.n_own; s < O.res.n_slots; s++) {
+        moecache_io_req & req = O.res.slot_req[s];
+        const int32_t     e   = O.res.slot_expert[s];
+        bool move = e >= 0 && O.res.expert_slot[e] == s && O.res.keep[e];
+        if (!moecache_io_idle(*mc.res.io, req)) {
+            if (move) {
+                move = moecache_io_wait(*mc.res.io, req) == 0;
+            } else {
+                moecache_io_cancel(*mc.res.io, req);
+            }
+        }
+        O.res.slot_expert[s] = -1;
+        const int32_t t = move ? take_slot(mc, O, e, cursor, O.res.n_own) : -1;
+        for (size_t j = 0; t >= 0 && j < O.res.xt.size(); j++) { // (the expert's bytes, not its window's)
+            const moecache_expert_tensor & x = O.res.xt[j];
+            char * data = (char *) x.slots_t->data;
+            memcpy(data + (size_t) t * x.slot_nb2, data + (size_t) s * x.slot_nb2, x.src_nb2);
+        }
+    }
+}
+
 // a step's selection the cache does not keep (last_use < 0): a step slot, whose pages the layer takes over
-// from the one that used them last (that layer's step slots then hold nothing); a slot of its own where
-// none is free (its own slots hold some of the step's selections: evicted by the step, read before)
+// from the one that used them last (release_step_slots); a slot of its own where none is free (its own
+// slots hold some of the step's selections: evicted by the step, read before)
 static int32_t take_step_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t & step_cursor,
                               int32_t & cursor) {
     if (L.res.n_own < L.res.n_slots && mc.res.step_owner != L.il) {
         if (mc.res.step_owner >= 0) { // (its matmuls ran: the graph computes one layer after another)
-            moecache_layer & O = mc.layers[mc.res.step_owner];
-            for (int32_t s = O.res.n_own; s < O.res.n_slots; s++) {
-                moecache_io_req & req = O.res.slot_req[s];
-                if (!moecache_io_idle(*mc.res.io, req)) {
-                    moecache_io_cancel(*mc.res.io, req);
-                }
-                O.res.slot_expert[s] = -1;
-            }
+            release_step_slots(mc, mc.layers[mc.res.step_owner]);
         }
         mc.res.step_owner = L.il;
     }
@@ -218,6 +236,10 @@ static int32_t take_step_slot(moecache & mc, moecache_layer & L, int32_t e, int3
     return s >= 0 ? s : take_slot(mc, L, e, cursor, L.res.n_own);
 }
 
+// the jobs that fill slot s with expert e: reads from the file, each tensor's bytes (with a
+// slot_head, the page-aligned window around them, read in place) in as few equal pieces of at
+// most MOECACHE_IO_CHUNK as there can be, so a large tensor keeps several reads in flight and a
+// small one is one read; or one copy per tensor from the mapping (the slots hold the model's type)
 static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moecache_io_kind kind,
                            std::vector<moecache_io_job> & jobs) {
     for (const moecache_expert_tensor & x : L.res.xt) {
@@ -313,8 +335,8 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
             continue;
         }
         int32_t s = i < n_expert ? take_slot(mc, L, e, cursor, L.res.n_own) : -1;
-        s = s >= 0 ? s : take_step_slot(mc, L, e, step_cursor, cursor); // (a cached one there: read again once
-                                                                        //   another layer took the pages)
+        s = s >= 0 ? s : take_step_slot(mc, L, e, step_cursor, cursor); // (a cached one there: moved home
+                                                                        //   once another layer takes the pages)
         if (s < 0) {
             moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
             break;

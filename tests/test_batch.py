@@ -52,7 +52,7 @@ ENGINE = """
         return llm
 
     def ours():
-        return Llama(M, cache=CacheConfig(size={size!r}, residency={residency!r}), routing="top-k", n_seq_max=4,
+        return Llama(M, cache=CacheConfig(size={size!r}, residency={residency!r}, prefetch={prefetch!r}), routing="top-k", n_seq_max=4,
                      n_ctx=512, verbose=False)
 
     def run(make, which):
@@ -82,14 +82,19 @@ ENGINE = """
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("residency,size", [("stream", 0.25), ("mmap", 0.5)])
-def test_a_batch_computes_each_sequence_as_stock_llama_cpp_and_as_alone(fixture_dir, tmp_path, name, residency, size):
+@pytest.mark.parametrize("residency,size,prefetch", [("stream", 0.25, "auto"), ("stream", 0.25, "off"),
+                                                     ("mmap", 0.5, "auto")])
+def test_a_batch_computes_each_sequence_as_stock_llama_cpp_and_as_alone(fixture_dir, tmp_path, name, residency, size,
+                                                                        prefetch):
     """Under top-k routing, 4 sequences decoded together: every logit equals stock llama.cpp's for the same
     batch (no cache attached), bit for bit, and each sequence alone stock's alone; the greedy tokens are each
     sequence's alone, and its logits are too exactly where stock's are (ggml computing each row on its own:
     quantized weights here, on most builds; F16 weights, or another build's kernels, sum a batch's rows in
-    another order). One step of 4 counts 4 tokens."""
-    d = run_script(tmp_path, ENGINE.format(model=str(model_path(fixture_dir, name)), size=size, residency=residency))
+    another order). One step of 4 counts 4 tokens. Without spare slots (prefetch off) a layer's own slots can
+    be full of the step's selections, so experts the cache keeps are read into the step slots, whose pages all
+    layers share, and move to the layer's own slots when the next layer takes those pages."""
+    d = run_script(tmp_path, ENGINE.format(model=str(model_path(fixture_dir, name)), size=size, residency=residency,
+                                           prefetch=prefetch))
     assert d["logits_as_stock_batch"] == [True] * 4
     assert d["alone_as_stock_alone"] == [True] * 4
     assert d["same_tokens_as_alone"] == [True] * 4
