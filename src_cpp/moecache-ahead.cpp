@@ -153,6 +153,8 @@ void moecache_ahead_trial_token(moecache & mc, int64_t now) {
     }
 }
 
+static void ahead_read(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n);
+
 // During layer L's decode: predict what layer L + d will select and prefetch it (GATE: from pred,
 // that layer's router logits for this layer's FFN input, [n_expert, 1]; TRACE: from the request's
 // expert counts against past requests; PREVIOUS: what it selected for the previous token)
@@ -192,6 +194,44 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
             score[i] = 1.0f;
         }
     }
+    ahead_read(mc, T, ids, score, n);
+}
+
+// A decode step of several sequences: layer L + d's router applied to each row of L's FFN input (pred:
+// [n_expert, n_tokens]); the experts the rows predict, each with its best probability, are read into T's
+// spare slots as one token's are (what T caches is not: those are there). Without it a step's reads all
+// wait in its own layer, while one sequence alone has its misses read during the layer before.
+void moecache_ahead_prefetch_step(moecache & mc, moecache_layer & L, const ggml_tensor * pred, int64_t n_tokens) {
+    const int32_t target = L.il + mc.cparams.prefetch_distance;
+    if (!pred || !L.graph.predicts || target >= mc.n_layer || mc.cparams.prefetch_spare <= 0 ||
+        mc.cparams.prefetch != MOECACHE_PREFETCH_GATE) {
+        return;
+    }
+    std::vector<float> & best = L.scratch.boosted; // [N] scratch, free once L has routed its tokens
+    std::fill(best.begin(), best.end(), 0.0f);
+    int32_t ids[MOECACHE_MAX_USED];
+    float   score[MOECACHE_MAX_USED];
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const int32_t n = top_predicted(moecache_row_f32(pred, t), mc.n_expert, prefetch_width(mc), true,
+                                        mc.cparams.prefetch_min_p, L.scratch.order, ids, score);
+        for (int32_t i = 0; i < n; i++) {
+            best[ids[i]] = std::max(best[ids[i]], score[i]);
+        }
+    }
+    int32_t n = 0; // (by probability: the most likely first, as many as a token's ids hold)
+    for (int32_t e = 0; e < mc.n_expert; e++) {
+        L.scratch.order[e] = e;
+    }
+    std::stable_sort(L.scratch.order.begin(), L.scratch.order.end(), [&best](int32_t a, int32_t b) { return best[a] > best[b]; });
+    for (; n < std::min<int32_t>(mc.n_expert, MOECACHE_MAX_USED) && best[L.scratch.order[n]] > 0.0f; n++) {
+        ids[n]   = L.scratch.order[n];
+        score[n] = best[ids[n]];
+    }
+    ahead_read(mc, mc.layers[target], ids, score, n);
+}
+
+// the reads ahead of T's predicted experts ids[0:n] (most likely first)
+static void ahead_read(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n) {
     if (n == 0) {
         return;
     }
@@ -235,9 +275,13 @@ void moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tenso
 }
 
 // GATE prefetch, decode graphs: layer il + d's router applied to layer il's FFN input (the input
-// of this layer's router matmul), [n_expert, 1]; nullptr when there is nothing to predict
+// of this layer's router matmul), [n_expert, n_tokens] (a step of several sequences: where their misses are read
+// into host slots only); nullptr when there is nothing to predict
 ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il, int64_t n_tokens) {
-    if (mc.cparams.prefetch != MOECACHE_PREFETCH_GATE || !mc.model || n_tokens != 1) {
+    const moecache_layer & L = mc.layers[il]; // (a step of several sequences: their misses on the host slots alone)
+    const bool step = mc.build_decode && n_tokens > 1 && n_tokens == mc.build_n_ubatch && mc.cparams.prefetch_spare > 0 &&
+                      L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
+    if (mc.cparams.prefetch != MOECACHE_PREFETCH_GATE || !mc.model || (n_tokens != 1 && !step)) {
         return nullptr;
     }
     const int target = il + mc.cparams.prefetch_distance;

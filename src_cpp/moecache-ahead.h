@@ -38,12 +38,14 @@ struct moecache_ahead {
 };
 
 // GATE prefetch, decode graphs: layer il + d's router (or its fitted predictor) applied to layer il's
-// FFN input, [n_expert, 1]; nullptr when there is nothing to predict
+// FFN input, [n_expert, n_tokens] (several: a decode step of sequences); nullptr when there is nothing to predict
 ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il,
                                             int64_t n_tokens);
 // during layer L's decode, after it routed: predict what layer L + d selects, read the misses
 // (pred: moecache_ahead_predict_router's output, computed; nullptr without GATE)
 void          moecache_ahead_prefetch(moecache & mc, moecache_layer & L, const ggml_tensor * pred);
+// the same for a decode step of n_tokens sequences (pred [n_expert, n_tokens]): the union of their predictions
+void          moecache_ahead_prefetch_step(moecache & mc, moecache_layer & L, const ggml_tensor * pred, int64_t n_tokens);
 void          moecache_ahead_trial_token(moecache & mc, int64_t now); // prefetch_adaptive: a decoded token starts
 int32_t       moecache_ahead_set_predictor(moecache & mc, int32_t il, const float * w, int32_t n_embd);
 void          moecache_ahead_free_predictors(moecache & mc);

@@ -128,6 +128,18 @@ void moecache_op_select(ggml_tensor * dst, int ith, int nth, void * userdata) {
                 mc.t_io_decode_us += moecache_time_us() - t1; // (a slot taken back waits for its stale read)
             }
         }
+    } else if (decode && update && L.graph.predicts) { // a step of several sequences (moecache_ahead_predict_router)
+        if (L.il == mc.first_routed) {
+            mc.ahead.pending.target = -1;
+        }
+        std::vector<int32_t> & sel = L.scratch.step_sel; // every row's selections, for the prediction's outcome
+        sel.clear();
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const int32_t * out = (const int32_t *) ((const char *) dst->data + t * dst->nb[1]);
+            sel.insert(sel.end(), out, out + out[K]);
+        }
+        moecache_layer_prefetch_outcome(L, sel.data(), (int32_t) sel.size());
+        moecache_ahead_prefetch_step(mc, L, dst->src[4], n_tokens);
     }
     if (timeline) {
         moecache_graph_event(mc, MOECACHE_EVENT_ROUTE, L.il, -1, (int32_t) n_tokens, t0, t0, moecache_time_us());

@@ -62,6 +62,7 @@ struct moecache_layer_scratch {
     std::vector<int32_t> pos;    // pos[e] = index of e in r
     std::vector<int32_t> order;  // r': final ranking
     std::vector<float>   boosted;
+    std::vector<int32_t> step_sel; // a decode step's selections, every row's (moecache-graph-route.cpp)
     std::vector<uint8_t> chosen;
     int32_t swapped_from = -1;   // set by moecache_route_token: SWAP_RANK's replaced expert, or -1
     std::vector<int32_t> step;   // batch_share: [n_expert] how many of the step's tokens select e (first pass)
