@@ -69,6 +69,7 @@ class moecache_cache_params(ctypes.Structure):
         ("lowbit_max_p", c_float),
         ("vram_exclusive", c_bool),
         ("n_seq", c_int32),
+        ("share_steps", c_bool),
     ]
 
 

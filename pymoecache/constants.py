@@ -5,7 +5,7 @@ loads the native library (pymoecache._moecache_cpp mirrors the structs and funct
 (4, 2)
 """
 
-MOECACHE_ABI_VERSION = 28
+MOECACHE_ABI_VERSION = 29
 MOECACHE_TRACE_MAX_USED = 32
 
 # enum moecache_status

@@ -104,9 +104,10 @@ class MoECache:
     @staticmethod
     def _params(n_expert: int, cache: CacheConfig, routing: Routing, scope: str,
                 expert_bytes: float = 0.0, n_moe_layer: int = 0, model_path: Optional[str] = None,
-                n_expert_used: int = 0, n_seq: int = 1):
+                n_expert_used: int = 0, n_seq: int = 1, share_steps: bool = True):
         cp = C.moecache_cache_default_params()
         cp.n_seq = int(n_seq)  # sequences decoded together (Llama's n_seq_max): slots for a batch's selections
+        cp.share_steps = bool(share_steps)  # (the layers share those: placement.batch_slots_shared)
         cp.n_cached = cache.n_cached_for(n_expert, expert_bytes, n_moe_layer)
         capacities = cache.capacities(cp.n_cached)
         if cache.prefetch == "auto":  # (Llama resolves it first, taking spare slots out of a memory budget)

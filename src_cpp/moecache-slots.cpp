@@ -26,11 +26,11 @@
 // A batch's step slots (cache params n_seq > 1) hold the selections the cache does not keep after the step, so
 // a layer needs them only while its step reads and computes them, one layer after another. Where the device
 // reads a layer's slots from the host alone (no VRAM tier, low-bit pool or device computing them in place),
-// every such layer maps the same pages there: n_seq costs one layer's (n_seq - 1) x K slots, not every layer's
-// (qwen3-30b-a3b's shape, 4 sequences: 24 MiB, not 3.1 GiB). A layer's step slots keep its experts until
-// another layer takes them (take_step_slot).
+// every such layer maps the same pages there (share_steps): n_seq costs one layer's (n_seq - 1) x K slots, not
+// every layer's (qwen3-30b-a3b's shape, 4 sequences: 65 MiB, not 3.1 GiB). A layer's step slots keep its experts
+// until another layer takes them (take_step_slot); slots of its own keep them until they are taken for others.
 static bool steps_shareable(const moecache & mc, const moecache_layer & L) {
-    return mc.cparams.n_seq > 1 && L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
+    return mc.cparams.n_seq > 1 && mc.cparams.share_steps && L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
 }
 
 // maps the whole pages of every shareable layer's step slots onto one memfd; where the system has none, each

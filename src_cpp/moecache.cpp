@@ -95,6 +95,7 @@ struct moecache_cache_params moecache_cache_default_params(void) {
     p.lowbit_max_p       = 1.0f;
     p.vram_exclusive     = false;
     p.n_seq              = 1;
+    p.share_steps        = true;
     return p;
 }
 

@@ -50,7 +50,7 @@ extern "C" {
 #endif
 
 // bumped whenever a struct layout or a signature below changes; bindings check it
-#define MOECACHE_ABI_VERSION 28
+#define MOECACHE_ABI_VERSION 29
 
 // a trace record holds at most this many experts (models with larger K are truncated)
 #define MOECACHE_TRACE_MAX_USED 32
@@ -259,16 +259,14 @@ struct moecache_cache_params {
     bool    direct_io;            // STREAM: O_DIRECT reads where the OS and file system allow; default true
     bool    lock_memory;          // mlock the slot arena (STREAM) or the cached experts (MMAP); refused:
                                   //   one warning on stderr and the run goes on unlocked; default true
-    bool    lock_dense;           // MMAP, STREAM: mlock the model's mapped weights other than the routed
-                                  //   experts (the dense part every token reads; the token-embedding table
-                                  //   only when the output reuses it), so that the OS cannot drop them and
-                                  //   page them back in every token when memory runs short; refused: one
-                                  //   warning and the run goes on unlocked; default true
-    bool    overlap_experts;      // STREAM decode: a layer's expert matmuls (up, gate) take each selected
-                                  //   expert as soon as its bytes are in its slot, so the cached experts
-                                  //   compute while the misses are read and a miss waits only for its own
-                                  //   bytes; false: the layer waits for all its reads, then runs llama.cpp's
-                                  //   matmul. The logits are the same either way; default true
+    bool    lock_dense;           // MMAP, STREAM: mlock the model's mapped weights other than the routed experts
+                                  //   (the dense part every token reads; the token-embedding table only when the
+                                  //   output reuses it), so that the OS cannot drop them and page them back in every
+                                  //   token when memory runs short; refused: one warning, the run goes on; default true
+    bool    overlap_experts;      // STREAM decode: a layer's expert matmuls (up, gate) take each selected expert as
+                                  //   soon as its bytes are in its slot, so the cached experts compute while the
+                                  //   misses are read and a miss waits only for its own bytes; false: the layer waits
+                                  //   for all its reads, then runs llama.cpp's matmul. The same logits; default true
     enum moecache_prefetch prefetch; // STREAM only (ignored otherwise); default MOECACHE_PREFETCH_OFF
     int32_t prefetch_distance;    // d: predict layer l + d during layer l, in [1, MOECACHE_MAX_PREFETCH_DISTANCE];
                                   //   default 1
@@ -363,6 +361,8 @@ struct moecache_cache_params {
                                   //   computed from a slot as one sequence's are. A batch takes that path on the
                                   //   host slots (without a VRAM tier, low-bit pools or unified memory) when it
                                   //   has at most n_seq tokens; otherwise it is computed as a prompt is. default 1
+    bool    share_steps;          // n_seq > 1: the layers share the step slots' pages (false: each keeps its own,
+                                  //   more memory, which hold its step's selections to its next step); default true
 };
 
 // Counters of one layer (or, in moecache_stats, summed over MoE layers).
@@ -399,7 +399,7 @@ struct moecache_residency_stats {
     int32_t io_threads;           // reads in flight at most
     bool    direct_io;            // STREAM reads bypass the page cache (O_DIRECT / F_NOCACHE)
     bool    locked;               // the arena (STREAM) or the cached experts (MMAP) are mlocked
-    int64_t arena_bytes;          // STREAM: memory of all slot arenas (n_slots x an expert's bytes a layer; step slots once)
+    int64_t arena_bytes;          // STREAM: memory of the slot arenas (n_slots experts a layer; shared step slots once)
     int64_t locked_bytes;         // bytes mlocked now (experts)
     int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
     int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer); lowbit

@@ -206,33 +206,39 @@ def test_n_seq_max_is_checked(fixture_dir, tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the layers share their step slots' pages on Linux")
-def test_a_batchs_step_slots_take_one_layers_memory(fixture_dir, tmp_path):
-    """n_seq_max=4 gives each MoE layer 3 x K step slots for the selections the cache does not keep; they are
-    needed one layer at a time, so every layer maps the same pages there: the slot arena grows by one layer's
-    step slots (and a few pages each layer keeps at their edges), not by every layer's, and the plan counts
-    what the library allocated. (The batch that reads and computes on them: the tests above, bit for bit.)"""
+def test_a_batchs_step_slots_take_one_layers_memory_beside_a_cache_sized_from_memory(fixture_dir, tmp_path):
+    """n_seq_max=4 gives each MoE layer 3 x K step slots for the selections the cache does not keep. Beside a cache
+    sized from memory they are needed one layer at a time, so every layer maps the same pages there: the slot
+    arena grows by one layer's step slots (and a few pages each layer keeps at their edges), not by every layer's,
+    and the plan counts what the library allocated. Beside a cache of a stated count each layer keeps its own (they
+    hold a step's selections to its next step), and the arena grows by every layer's. (The batch that reads and
+    computes on them: the tests above, bit for bit.)"""
     M = str(model_path(fixture_dir, "olmoe-64x8"))
     d = run_script(tmp_path, f"""
         import json
         from pymoecache import CacheConfig, Llama
         from pymoecache.model_info import model_info
         out = dict(slot=model_info({M!r}).slot_bytes)
-        for n in (1, 4):
-            llm = Llama({M!r}, cache=CacheConfig(size=16, residency="stream", prefetch="off"), routing="top-k",
+        for name, n, size in (("one", 1, "1.5MiB"), ("four", 4, "1.5MiB"), ("stated", 4, 16), ("stated_one", 1, 16)):
+            llm = Llama({M!r}, cache=CacheConfig(size=size, residency="stream", prefetch="off"), routing="top-k",
                         n_seq_max=n, n_ctx=512, verbose=False)
             st, plan = llm.moe_stats(), llm.memory_plan()
-            out[n] = dict(arena=st.residency.arena_bytes, layers=len(st.capacity_per_layer), k=st.n_expert_used,
-                          plan=plan.cache_bytes, line=plan.summary())
+            out[name] = dict(arena=st.residency.arena_bytes, layers=len(st.capacity_per_layer), k=st.n_expert_used,
+                             cached=int(st.capacity_per_layer[0]), plan=plan.cache_bytes, line=plan.summary())
             llm.close()
         print(json.dumps(out))
     """)
-    one, four, slot = d["1"], d["4"], d["slot"]
+    one, four, slot = d["one"], d["four"], d["slot"]
     step = 3 * four["k"] * slot  # one layer's step slots: 24 experts of olmoe's 64
     edges = four["layers"] * 3 * 2 * 4096  # (per tensor, the pages a layer shares with its own slots)
-    assert four["layers"] == 4 and step >= 16 * 4096
+    assert four["layers"] == 4 and step >= 16 * 4096 and one["cached"] == four["cached"] == 16
     assert step - 3 * 2 * 4096 <= four["arena"] - one["arena"] <= step + edges, d
     assert "for a batch (one layer's: the layers share them)" in four["line"], four["line"]
     assert abs(four["plan"] - four["arena"]) <= edges + four["layers"] * 3 * 4096, d
+    stated = d["stated"]["arena"] - d["stated_one"]["arena"]
+    assert stated >= four["layers"] * step and "for a batch" in d["stated"]["line"], d
+    assert "share" not in d["stated"]["line"] and abs(d["stated"]["plan"] - d["stated"]["arena"]) <= edges, d
+
 
 def test_batched_perplexity_protocol(fixture_dir, tmp_path):
     """The ppl protocol with 4 chunks decoded together (perplexity_batched): under top-k the same
