@@ -109,7 +109,8 @@ def test_info_ram_budgets_everything_and_plans_what_auto_picks(fixture_dir, ram,
     assert p["dense"] + p["kv"] + p["cache_bytes"] + p["headroom"] == budget
     info = model_info(m)
     assert p["n_cached"] == d["cache_size_for_budget"] == auto_cache_size(info, 128, available=budget).n_cached
-    assert p["dense"] == info.non_expert_bytes and p["kv"] > 0
+    # (the dense part: all but an input layer that the output does not reuse, read a row a token from the mapping)
+    assert p["dense"] == info.non_expert_bytes - (0 if info.output_tied_bytes else info.input_bytes) and p["kv"] > 0
     if p["n_cached"] < info.n_expert:  # streamed: the disk was probed and the reads per token are planned
         assert p["read_per_token"] > 0 and p["disk_bytes_per_s"] > 0 and p["io_tok_s"] > 0
 
@@ -273,10 +274,13 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
 
     info = model_info(default_model_path())
     per_expert = info.cache_bytes * info.n_moe_layer  # one more cached expert per layer, all layers
+    # the dense weights but the input layer: the output has its own, so a token reads a row of it from the mapping
+    assert info.input_bytes > 0 and info.output_tied_bytes == 0
+    dense = info.non_expert_bytes - info.input_bytes
     for want in (20, 45):
         # what 'want' experts per layer need beside the dense weights, the KV cache and the 128 MiB margin
         kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
-        available = info.non_expert_bytes + kv + (128 << 20) + int((want + 0.5) * per_expert)
+        available = dense + kv + (128 << 20) + int((want + 0.5) * per_expert)
         assert auto_cache_size(info, info.n_ctx_train, available=available).n_cached == want
         last = _auto_run(monkeypatch, capsys, available, "--prefetch", "off")
         assert last.startswith(f"[prior:0.5, cache {want}/60 experts per layer; auto: {want} of 60 experts per layer "
@@ -290,7 +294,7 @@ def test_cache_size_auto_fits_the_memory_left(monkeypatch, capsys):
 
     # fewer than K fit: a streamed token needs K slots per layer anyway, and they cache the last experts
     kv = 2 * 2 * info.n_ctx_train * info.n_layer * info.n_embd
-    last = _auto_run(monkeypatch, capsys, info.non_expert_bytes + kv + (128 << 20) + int(2.5 * per_expert))
+    last = _auto_run(monkeypatch, capsys, dense + kv + (128 << 20) + int(2.5 * per_expert))
     assert last.startswith("[prior:0.5, cache 4/60 experts per layer; auto: 2 of 60 experts per layer fit"), last
     assert "a streamed token needs K = 4 slots per layer, which cache 4 experts and leave 128 MiB for the runtime" in last
     assert "too little memory" not in last and "stream: read" in last

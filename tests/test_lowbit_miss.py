@@ -400,8 +400,8 @@ def test_cache_size_auto_sets_the_low_bit_pools_aside(files, monkeypatch, in_ram
     m, comp = files
     info, c = model_info(m), str(comp.path)
     per_expert = info.cache_bytes * info.n_moe_layer
-    available = info.non_expert_bytes + 2 * 2 * 256 * info.n_layer * info.n_embd + (128 << 20) + int(
-        info.n_expert // 2 * per_expert)
+    dense = pymoecache.plan._on_host(info, 256, 0)[0]  # (the dense part the plan counts)
+    available = dense + 2 * 2 * 256 * info.n_layer * info.n_embd + (128 << 20) + int(info.n_expert // 2 * per_expert)
     monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda: available)
     pools = int(((info.n_expert if in_ram else info.n_expert_used) + 1) * comp.expert_bytes * info.n_moe_layer)
     got = {}
@@ -427,7 +427,7 @@ def test_low_bit_copies_in_ram_beyond_the_free_memory_are_refused(files, monkeyp
     m, comp = files
     info = model_info(m)
     pools = int((info.n_expert + 1) * comp.expert_bytes * info.n_moe_layer)
-    free = info.non_expert_bytes + 2 * 2 * 256 * info.n_layer * info.n_embd + pools // 2
+    free = pymoecache.plan._on_host(info, 256, 0)[0] + 2 * 2 * 256 * info.n_layer * info.n_embd + pools // 2
     monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda: free)
     with pytest.raises(ConfigError, match=r"low-bit pools need \d+ MiB \(lowbit_in_ram keeps every expert's low-bit "
                                           r"copy in memory\), more than the \d+ MiB free.*--lowbit-in-ram"):

@@ -179,12 +179,15 @@ def test_a_companion_that_cannot_be_smaller_is_refused_before_any_work(built, tm
 
 def test_sequences_whose_slots_do_not_fit_decode_in_smaller_steps(monkeypatch):
     """Issue 76 item 3: serve -np 16 on qwen3-30b-a3b's shape under a third of the file was killed by the cap: each
-    sequence beyond the first keeps K more slots per layer (15 x 8 x 48 x 2.7 MiB = 15.6 GB). With cache size auto a
-    step now decodes as many sequences as half the memory beside the dense part and the KV cache holds, the others in
-    the steps after, and says so; under top-k every sequence gets the tokens it gets with room for all of them."""
+    sequence beyond the first kept K more slots per layer (15 x 8 x 48 x 2.7 MiB = 15.6 GB). With cache size auto a
+    step decodes as many sequences as half the memory beside the dense part, the KV cache and a token's slots holds
+    step slots for, the others in the steps after, and says so; under top-k every sequence gets the tokens it gets
+    with room for all of them. (The layers now share those slots where the cache is sized from memory, on Linux: a
+    sequence costs one layer's K slots, so it takes little memory to fit all 16 of qwen3's; here, still few.)"""
     import warnings
 
     import pymoecache
+    import pymoecache.placement
     import pymoecache.plan
     from pymoecache import BatchDecoder
 
@@ -193,9 +196,10 @@ def test_sequences_whose_slots_do_not_fit_decode_in_smaller_steps(monkeypatch):
     m = str(model_path(FIXTURE_DIR, "qwen2moe-60x4.Q8_0"))
     info = pymoecache.model_info(m)
     dense, kv = pymoecache.plan._on_host(info, 512, 0)
-    per_seq = info.n_expert_used * info.cache_bytes * info.n_moe_layer
+    own = info.n_expert_used * info.cache_bytes * info.n_moe_layer  # (a token's K slots in every layer)
+    per_seq = pymoecache.placement.batch_slot_bytes(info, 2)  # (another sequence's step slots)
     out = {}
-    for available in (dense + kv + per_seq * 5 + per_seq // 2, 4 << 30):  # (room for 2 more sequences; for all)
+    for available in (dense + kv + own + per_seq * 5 + per_seq // 2, 4 << 30):  # (room for 2 more sequences; all)
         monkeypatch.setattr(pymoecache.plan, "_available_memory", lambda a=available: a)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")

@@ -514,7 +514,8 @@ def test_explicit_cache_size_that_leaves_no_room_warns(fixture_dir, monkeypatch)
 
     path = model_path(fixture_dir, "qwen2moe-60x4")
     info = pymoecache.model_info(path)
-    monkeypatch.setattr(llama_module, "_available_memory", lambda: info.non_expert_bytes + (64 << 20))
+    dense = llama_module._on_host(info, 64, 0)[0]  # (the dense part the plan counts)
+    monkeypatch.setattr(llama_module, "_available_memory", lambda: dense + (64 << 20))
     with pytest.warns(UserWarning, match=r"cache size 30 leaves no room: .* MiB of expert slots \+ .* dense part"):
         llm = pymoecache.Llama(str(path), cache=CacheConfig(size=30, residency="stream"), n_ctx=64, verbose=False)
     llm.eval(list(range(300, 304)))
