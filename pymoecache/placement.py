@@ -94,7 +94,7 @@ def batch_slots_shared(gpu_layers: int = 0, lowbit: int = 0, from_memory: bool =
     (``from_memory``: "auto" or bytes), which then gets what they would take. Elsewhere, and beside a cache of a
     stated count, every layer has its own, which keep a step's selections the cache does not until the layer's
     next step: more memory, fewer reads for a batch (the trained benchmark model at a quarter, 4 sequences of
-    top-k + LRU: 1.32x one at a time with their own, 0.93x shared)."""
+    top-k + LRU: 1.28x one at a time with their own, 0.93x shared)."""
     return sys.platform.startswith(("linux", "android")) and not gpu_layers and not lowbit and from_memory
 
 

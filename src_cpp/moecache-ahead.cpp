@@ -222,7 +222,8 @@ void moecache_ahead_prefetch_step(moecache & mc, moecache_layer & L, const ggml_
     for (int32_t e = 0; e < mc.n_expert; e++) {
         L.scratch.order[e] = e;
     }
-    std::stable_sort(L.scratch.order.begin(), L.scratch.order.end(), [&best](int32_t a, int32_t b) { return best[a] > best[b]; });
+    std::stable_sort(L.scratch.order.begin(), L.scratch.order.end(),
+                     [&best](int32_t a, int32_t b) { return best[a] > best[b]; });
     for (; n < std::min<int32_t>(mc.n_expert, MOECACHE_MAX_USED) && best[L.scratch.order[n]] > 0.0f; n++) {
         ids[n]   = L.scratch.order[n];
         score[n] = best[ids[n]];
@@ -279,8 +280,8 @@ static void ahead_read(moecache & mc, moecache_layer & T, const int32_t * ids, c
 // into host slots only); nullptr when there is nothing to predict
 ggml_tensor * moecache_ahead_predict_router(moecache & mc, ggml_context * ctx, ggml_tensor * logits, int il, int64_t n_tokens) {
     const moecache_layer & L = mc.layers[il]; // (a step of several sequences: their misses on the host slots alone)
-    const bool step = mc.build_decode && n_tokens > 1 && n_tokens == mc.build_n_ubatch && mc.cparams.prefetch_spare > 0 &&
-                      L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
+    const bool step = mc.build_decode && n_tokens > 1 && n_tokens == mc.build_n_ubatch &&
+                      mc.cparams.prefetch_spare > 0 && L.vram.n == 0 && L.low.n == 0 && !L.uni.dev;
     if (mc.cparams.prefetch != MOECACHE_PREFETCH_GATE || !mc.model || (n_tokens != 1 && !step)) {
         return nullptr;
     }
