@@ -161,7 +161,7 @@ def forecast(plan, n_layer: int, n_threads: int, mem_bytes_per_s: Optional[float
     >>> f.share, f.low < f.tok_s < f.high
     (0.5, True)
     """
-    from .plan import probe_disk
+    from .disk import probe_disk
 
     if mem_bytes_per_s is None:  # (its buffer within a quarter of the plan's headroom: a capped run stays in its cap)
         mem_bytes_per_s = probe_memory(n_threads, size=min(128 << 20, max(16 << 20, plan.headroom // 4)))

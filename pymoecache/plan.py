@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
-import time
 from typing import List, Optional, Tuple
 
+from .disk import probe_disk
 from .model_info import ModelInfo
 
 
@@ -546,7 +545,9 @@ class MemoryPlan:
         batch = self.n_batch * self.slot_bytes * (1 if self.batch_shared else self.ram_expert_layers)
         return int(slots * self.slot_bytes * self.ram_expert_layers + (batch if self.streamed else 0))
 
-    _shared = property(lambda self: " (one layer's: the layers share them)" if self.batch_shared else "")
+    @property
+    def _shared(self) -> str:
+        return " (one layer's: the layers share them)" if self.batch_shared else ""
 
     @property
     def ram_expert_layers(self) -> int:
@@ -576,15 +577,20 @@ class MemoryPlan:
         slots = (self.n_expert if self.lowbit_in_ram else self.n_expert_used) + 1
         return int(slots * self.lowbit_bytes * self.n_moe_layer)
 
-    headroom = property(lambda self: self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory)
+    @property
+    def headroom(self) -> int:
+        """What the budget leaves beside the dense part, the KV cache, the expert cache and the low-bit pools."""
+        return self.available - self.dense - self.kv - self.cache_bytes - self.lowbit_memory
 
     @property
     def n_held(self) -> int:
         """Experts per layer held in memory in a layer with a tier: the cache's, with exclusive tiers the tier's too."""
         return min(self.n_expert, self.n_cached + (self.n_vram if self.vram_exclusive else 0))
 
-    tier_layers = property(lambda self: min(self.exclusive_layers or self.n_moe_layer, self.n_moe_layer)
-                           if self.vram_exclusive else 0)  # MoE layers :attr:`n_held` counts (others: the cache's)
+    @property
+    def tier_layers(self) -> int:
+        """MoE layers whose experts :attr:`n_held` counts (exclusive tiers); the others hold the cache's."""
+        return min(self.exclusive_layers or self.n_moe_layer, self.n_moe_layer) if self.vram_exclusive else 0
 
     @property
     def miss_rate(self) -> float:
@@ -740,56 +746,6 @@ def memory_plan(info: ModelInfo, n_ctx: int, n_cached: int, *, n_spare: int = 0,
                       n_expert=info.n_expert, n_expert_used=info.n_expert_used, n_moe_layer=info.n_moe_layer,
                       slot_bytes=info.cache_bytes, expert_bytes=info.expert_bytes,
                       disk_bytes_per_s=disk_bytes_per_s)
-
-
-def probe_disk(path: "os.PathLike[str] | str", block: float = 1 << 20, seconds: float = 0.5,
-               most: int = 256 << 20, threads: int = 4) -> float:
-    """Read speed in bytes/s of the disk holding ``path``: reads of ``block`` bytes (an expert,
-    rounded to pages, 64 KiB to 8 MiB) at random offsets from ``threads`` readers at once (the
-    expert reader queue keeps several in flight), with O_DIRECT so the page cache does not answer,
-    for ``seconds`` or ``most`` bytes. 0.0 where it cannot tell (no O_DIRECT, a tiny file)."""
-    import mmap
-    import threading
-
-    page = 4096
-    block = int(min(8 << 20, max(64 << 10, block)) // page * page)
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    if flags == os.O_RDONLY:
-        return 0.0
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return 0.0
-    done = [0] * threads
-    try:
-        size = os.fstat(fd).st_size
-        if size < 2 * block:
-            return 0.0
-        t0 = time.perf_counter()
-
-        def reader(i: int) -> None:
-            buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
-            rng = random.Random(i)
-            try:
-                while sum(done) < most and time.perf_counter() - t0 < seconds:
-                    n = os.preadv(fd, [buf], rng.randrange(0, (size - block) // page) * page)
-                    if n <= 0:
-                        return
-                    done[i] += n
-            except OSError:
-                return
-            finally:
-                buf.close()
-
-        workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        dt = time.perf_counter() - t0
-        return sum(done) / dt if dt > 0 and sum(done) else 0.0
-    finally:
-        os.close(fd)
 
 
 def total_memory() -> int:

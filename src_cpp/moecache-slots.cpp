@@ -192,7 +192,13 @@ static int32_t take_slot(moecache & mc, moecache_layer & L, int32_t e, int32_t &
     return -1;
 }
 
-static void keep_cached(moecache_layer & L);
+// L.res.keep = the experts L caches now in host slots (not those an exclusive VRAM tier holds)
+static void keep_cached(moecache_layer & L) {
+    const bool excl = L.vram.exclusive;
+    for (size_t e = 0; e < L.res.keep.size(); e++) {
+        L.res.keep[e] = L.last_use[e] >= 0 && !(excl && L.vram.excl[e]);
+    }
+}
 
 // the step slots' pages pass to another layer: what layer O holds there is gone, but for its cached experts
 // (a step's own selections filled its own slots, so some the cache keeps went there), which move to slots of
@@ -270,14 +276,6 @@ static void slot_fill_jobs(const moecache_layer & L, int32_t e, int32_t s, moeca
     }
 }
 
-// L.res.keep = the experts L caches now in host slots (not those an exclusive VRAM tier holds)
-static void keep_cached(moecache_layer & L) {
-    const bool excl = L.vram.exclusive;
-    for (size_t e = 0; e < L.res.keep.size(); e++) {
-        L.res.keep[e] = L.last_use[e] >= 0 && !(excl && L.vram.excl[e]);
-    }
-}
-
 // what a failed read of expert e of layer il at [off, off + len) says (err: an errno, or -1 for a short read)
 static std::string read_error(const moecache & mc, int32_t il, int32_t e, uint64_t off, size_t len, int err) {
     char buf[512];
@@ -289,6 +287,26 @@ static std::string read_error(const moecache & mc, int32_t il, int32_t e, uint64
 
 static void slot_read_failed(moecache & mc, const moecache_layer & L, int32_t e, const moecache_io_req & req) {
     moecache_set_io_error(mc, read_error(mc, L.il, e, req.err_off, req.err_len, req.err));
+}
+
+// a decoded token's read of expert e into slot s (-1: none was free, an internal error)
+static void decode_read(moecache & mc, moecache_layer & L, int32_t e, int32_t s, bool low) {
+    if (s < 0) {
+        moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
+        return;
+    }
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
+    jobs.clear();
+    slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
+    // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
+    moecache_io_submit(*mc.res.io, L.res.slot_req[s], jobs.data(), jobs.size(), low && L.low.fresh[e] ? 0.0f : -1.0f);
+    if (low && L.low.fresh[e] == 1) {
+        L.low.hold[e] = L.low.tok + MOECACHE_LOWBIT_HOLD;
+    }
+    mc.rst.decode_loads += 1;
+    if (L.vram.n > 0) {
+        L.vram.fresh[e] = 1;
+    }
 }
 
 // STREAM, one token: every expert that is cached or selected gets a slot, whose reads start now
@@ -326,32 +344,19 @@ void moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t * id
             }
         }
     }
-    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     int32_t cursor = 0, step_cursor = L.res.n_own;
-    const int32_t n_expert = (int32_t) L.res.keep.size();
-    for (int32_t i = 0; i < 2 * n_expert; i++) { // the cached experts first, in the layer's own slots
-        const int32_t e = i % n_expert;
-        if (!L.res.keep[e] || slot_holds(L, e) || (L.last_use[e] < 0) != (i >= n_expert)) {
-            continue;
+    // the cached experts first, in the layer's own slots (where those hold the step's other selections, in a
+    // step slot: moved home once another layer takes the pages)
+    for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
+        if (L.res.keep[e] && L.last_use[e] >= 0 && !slot_holds(L, e)) {
+            const int32_t s = take_slot(mc, L, e, cursor, L.res.n_own);
+            decode_read(mc, L, e, s >= 0 ? s : take_step_slot(mc, L, e, step_cursor, cursor), low);
         }
-        int32_t s = i < n_expert ? take_slot(mc, L, e, cursor, L.res.n_own) : -1;
-        s = s >= 0 ? s : take_step_slot(mc, L, e, step_cursor, cursor); // (a cached one there: moved home
-                                                                        //   once another layer takes the pages)
-        if (s < 0) {
-            moecache_set_io_error(mc, "internal error: no free expert slot in layer " + std::to_string(L.il));
-            break;
-        }
-        jobs.clear();
-        slot_fill_jobs(L, e, s, MOECACHE_IO_READ, jobs);
-        // (a miss computed from the low-bit copy: its full read goes behind everything, at prefetch priority 0)
-        moecache_io_submit(*mc.res.io, L.res.slot_req[s], jobs.data(), jobs.size(),
-                           low && L.low.fresh[e] ? 0.0f : -1.0f);
-        if (low && L.low.fresh[e] == 1) {
-            L.low.hold[e] = L.low.tok + MOECACHE_LOWBIT_HOLD;
-        }
-        mc.rst.decode_loads += 1;
-        if (L.vram.n > 0) {
-            L.vram.fresh[e] = 1;
+    }
+    for (int64_t i = 0; i < n_ids; i++) { // then the selections the cache does not keep, in step slots
+        const int32_t e = ids[i];
+        if (L.res.keep[e] && L.last_use[e] < 0 && !slot_holds(L, e)) {
+            decode_read(mc, L, e, take_step_slot(mc, L, e, step_cursor, cursor), low);
         }
     }
     for (int64_t i = 0; i < n_ids; i++) {
