@@ -98,6 +98,10 @@ static void drop_pending(moecache & mc, int32_t il) {
         }
         moecache_layer & L = mc.layers[le.first];
         const bool keep = mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && L.res.locked[le.second];
+        const int32_t s = L.res.expert_slot.empty() ? -1 : L.res.expert_slot[le.second];
+        if (!keep && s >= 0 && s < L.res.n_slots && L.res.slot_expert[s] == le.second) {
+            moecache_io_wait(*mc.res.io, L.res.slot_req[s]); // (STREAM: a prompt's copy from these pages, not read twice)
+        }
         if (!keep) {
             drop_expert(mc, L, le.second, false);
         }

@@ -13,6 +13,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -487,13 +488,16 @@ void moecache_slots_fill_behind(moecache & mc) {
 }
 
 // STREAM, prompt: the matmuls read the mapping; the cached experts no slot holds are copied from it
-// (lowbit SOURCE: read from the companion). Where the memory left no room to ask for the layer (a cap: the
-// matmul faults it in through the kernel's readahead, mc.ahead.faulted), a copy before the matmul would read
-// pages the matmul's own faults then evict and read again (Mixtral's shape at a third: 9.3 GB read for a
-// 7.2 GB file, a fifth of the prompt's time waiting for the copies): those slots are read from the file
-// instead, with direct I/O past the page cache, once the prompt's ubatch ran (moecache_slots_fill_behind, at
-// prefetch priority: a decode's own reads go first, and it waits for its experts' slots; a slot taken again
-// before its read is queued is not read)
+// (lowbit SOURCE: read from the companion). The copies are queued as a decode's reads are, on demand: the
+// reader threads make them while the matmul runs (it faults in the same pages; a synchronous copy kept it
+// waiting for them, a third of gpt-oss-20b's prompt under a cap of a third), and whatever reads a slot waits
+// for its request, as for a read; the pages are dropped behind once their copies ran (drop_pending).
+// Where the memory left no room to ask for the layer (a cap: the matmul faults it in through the kernel's
+// readahead, mc.ahead.faulted), a copy before the matmul would read pages the matmul's own faults then evict
+// and read again (Mixtral's shape at a third: 9.3 GB read for a 7.2 GB file, a fifth of the prompt's time
+// waiting for the copies): those slots are read from the file instead, with direct I/O past the page cache,
+// once the prompt's ubatch ran (moecache_slots_fill_behind, at prefetch priority: a decode's own reads go
+// first, and it waits for its experts' slots; a slot taken again before its read is queued is not read)
 void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids) {
     const bool copy   = mc.cparams.lowbit != MOECACHE_LOWBIT_SOURCE;
     const bool behind = copy && mc.ahead.faulted == L.il && !L.res.all_in_slots;
@@ -502,8 +506,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         touched[ids[i]] = 1;
     }
     keep_cached(L);
-    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
-    jobs.clear();
+    std::vector<std::array<int32_t, 2>> fills; // (slot, expert) to fill now
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
         if (L.res.keep[e] && !slot_holds(L, e)) {
@@ -512,12 +515,10 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
                 mc.res.fill_behind.push_back({ L.il, s, e });
                 mc.rst.prompt_bytes_read += (int64_t) L.res.expert_bytes;
             } else if (s >= 0) {
-                slot_fill_jobs(L, e, s, copy ? MOECACHE_IO_COPY : MOECACHE_IO_READ, jobs);
+                fills.push_back({ s, e });
+                touched[e] |= copy; // (also a cached expert this ubatch does not run, e.g. after a state load)
             }
         }
-    }
-    for (const moecache_io_job & j : jobs) {
-        touched[j.e] |= copy; // (also a cached expert this ubatch does not run, e.g. after a state load)
     }
     for (int32_t e = 0; e < (int32_t) touched.size(); e++) {
         if (touched[e]) {
@@ -526,12 +527,26 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
             mc.res.drop_pending.emplace_back(L.il, e);
         }
     }
+    std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
+    jobs.clear();
+    for (const std::array<int32_t, 2> & f : fills) {
+        if (copy) {
+            jobs.clear();
+            slot_fill_jobs(L, f[1], f[0], MOECACHE_IO_COPY, jobs);
+            moecache_io_submit(*mc.res.io, L.res.slot_req[f[0]], jobs.data(), jobs.size(), -1.0f);
+        } else {
+            slot_fill_jobs(L, f[1], f[0], MOECACHE_IO_READ, jobs);
+        }
+    }
+    if (copy) {
+        return;
+    }
     moecache_io_run(*mc.res.io, jobs);
     for (const moecache_io_job & j : jobs) {
-        if (!copy && j.err != 0) { // (a copy from the mapping cannot fail)
+        if (j.err != 0) {
             moecache_set_io_error(mc, read_error(mc, j.il, j.e, j.off, j.len, j.err));
             L.res.slot_expert[L.res.expert_slot[j.e]] = -1;
         }
-        mc.rst.prompt_bytes_read += copy ? 0 : (int64_t) j.bytes_io;
+        mc.rst.prompt_bytes_read += (int64_t) j.bytes_io;
     }
 }
