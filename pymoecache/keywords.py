@@ -95,7 +95,7 @@ def llama_keywords() -> frozenset:
     sig = inspect.signature(llama_cpp.Llama.__init__).parameters
     return frozenset(n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD) \
         - {"self"} | {"rpc_servers", "model_path", "cache", "routing", "routing_scope", "n_cpu_moe", "override_tensor",
-                      "n_seq_max"}
+                      "n_seq_max", "repack"}
 
 
 def check_keywords(kw: dict) -> None:

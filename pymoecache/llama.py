@@ -130,6 +130,8 @@ class Llama(llama_cpp.Llama):
             buffer overrides that keep the routed experts of the first N layers (or the matching
             tensors) in CPU memory beside GPU layers; they matter with residency none, where the
             experts are otherwise where llama.cpp puts them (stream and mmap keep them in CPU memory).
+            ``repack=False`` is llama-cli's ``--no-repack``: the dense part keeps the file's layout
+            (llama.cpp's repacked layouts speed up some types and slow others: measure both).
             ``use_mlock=True`` with residency stream or mmap locks what the cache holds, the dense
             part and the cached experts (llama.cpp's lock of the whole mapping would pull in every
             expert).

@@ -318,6 +318,7 @@ class Placement:
     plan_gpu: tuple              # (layers whose dense part is on a GPU, MoE layers whose experts llama.cpp put there)
     plan_inputs: Optional[tuple]  # (experts cached, spare slots, memory free before the load, low-bit pools or None)
     share_steps: bool = True      # the layers may share a batch's step slots (a cache sized from memory)
+    repack: bool = True           # llama.cpp's repacked layouts for the dense part (False: --no-repack)
 
 
 def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: dict) -> Placement:
@@ -326,6 +327,10 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
     about what it leaves out (a tier without GPU layers, a cache that leaves no room)."""
     kwargs = dict(kwargs)
     native, plan_gpu, plan_inputs = None, (0, 0), None
+    repack = kwargs.pop("repack", True)
+    if not isinstance(repack, bool):
+        raise ConfigError(f"repack must be True (llama.cpp's repacked layouts where the CPU has them) or False "
+                          f"(llama-cli's --no-repack: the weights as the file has them), got {repack!r}")
     # llama-cli's --n-cpu-moe and -ot (=CPU): tensor buffer overrides, which llama-cpp-python does not take
     overrides = buffer_overrides(cpu_patterns(kwargs.pop("n_cpu_moe", None), kwargs.pop("override_tensor", None),
                                               info.n_layer))
@@ -503,7 +508,8 @@ def decide(model_path: str, info, cache, routing, routing_scope: str, kwargs: di
     return Placement(kwargs=kwargs, cache=cache, routing=routing, preset=preset, choice=choice, residency=residency,
                      native=native, n_seq_max=n_seq_max, n_seq_step=n_seq_step, fa_type=fa_type, devices=devices,
                      overrides=overrides, rpc_used=rpc_used, eviction_decay=eviction_decay, device_note=device_note,
-                     plan_gpu=plan_gpu, plan_inputs=plan_inputs, share_steps=share_steps)
+                     plan_gpu=plan_gpu, plan_inputs=plan_inputs, share_steps=share_steps,
+                     repack=repack)
 
 
 @contextlib.contextmanager
@@ -522,11 +528,12 @@ def applied_to_load(p: Placement):
     context_class = llama_cpp._internals.LlamaContext
     if p.fa_type is not None or p.n_seq_max > 1:
         llama_cpp._internals.LlamaContext = functools.partial(_context_with, context_class, p)
-    if p.devices is not None or p.overrides is not None:
-        # llama.cpp's model params have a devices list and buffer overrides llama-cpp-python leaves unset
+    if p.devices is not None or p.overrides is not None or not p.repack:
+        # llama.cpp's model params have a devices list, buffer overrides and use_extra_bufts (the repacked
+        # layouts) llama-cpp-python leaves unset
         dev_list = (ctypes.c_void_p * (len(p.devices) + 1))(*p.devices, None) if p.devices is not None else None
         llama_cpp.llama_cpp.llama_model_default_params = functools.partial(_params_with, default_params, dev_list,
-                                                                           p.overrides)
+                                                                           p.overrides, p.repack)
     try:
         yield
     finally:
@@ -544,8 +551,9 @@ def _context_with(context_class, p: Placement, *, params, **kw):
     return context_class(params=params, **kw)
 
 
-def _params_with(default_params, dev_list, overrides):
+def _params_with(default_params, dev_list, overrides, repack=True):
     params = default_params()
+    params.use_extra_bufts = repack
     if dev_list is not None:
         params.devices = ctypes.cast(dev_list, ctypes.c_void_p)
     if overrides is not None:

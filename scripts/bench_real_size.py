@@ -18,6 +18,8 @@ or in a container), after the page cache was dropped:
                  OOM killer ends it (said in the table);
 * default:       pymoecache.Llama(M) with nothing but the model, as `pymoecache run M` (cache size auto, which
                  reads the cgroup's limit; the quality preset);
+* no-repack:     the defaults with --no-repack (pymoecache.Llama(M, repack=False)): the dense part in the file's
+                 layout, as stock-no-repack has it;
 * companion:     the same with a low-bit companion (made once, beside the model; `pymoecache lowbit M`).
 
 Each decodes a 128-token prompt and then 64 tokens (8 untimed first), one at a time, or as many as --budget-s
@@ -46,7 +48,7 @@ import real_size  # noqa: E402
 from memcap import MemoryCap  # noqa: E402
 from storage import drop_page_cache, probe  # noqa: E402
 
-WAYS = ("stock", "stock-no-repack", "stock-no-mmap", "default", "companion")
+WAYS = ("stock", "stock-no-repack", "stock-no-mmap", "default", "no-repack", "companion")
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 
@@ -95,7 +97,7 @@ def worker(a) -> None:
         import pymoecache
 
         cache = pymoecache.CacheConfig(lowbit=a.companion) if a.way == "companion" else None
-        llm = pymoecache.Llama(a.model, cache=cache, **kw)
+        llm = pymoecache.Llama(a.model, cache=cache, repack=a.way != "no-repack", **kw)
         plan = llm.memory_plan()
         out.update(budget_from=plan.budget_from, n_cached=int(plan.n_cached), miss=plan.miss)
         from pymoecache.cli.loading import decode_forecast

@@ -176,6 +176,26 @@ def test_stream_and_mmap_give_the_dense_part_the_repacked_layout_of_resident(fix
     assert np.array_equal(logits["stream"], logits["mmap"])
 
 
+def test_no_repack_keeps_the_dense_part_in_the_files_layout(fixture_dir, tmp_path):
+    """`pymoecache run --no-repack` is llama-cli's: llama.cpp repacks none of the dense part's Q4_0 weights
+    (the default repacks them where the CPU has the layouts), and the run decodes. A keyword that is not a
+    bool is refused before the load."""
+    path = tmp_path / "qwen2moe-60x4.Q4_0.gguf"
+    synth.quantize(model_path(fixture_dir, "qwen2moe-60x4"), path, "Q4_0")
+    repacked = {}
+    for flags in ((), ("--no-repack",)):
+        r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-p", "Hello", "-n", "4",
+                            "--cache-size", "0.5", "-v", *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello"), r.stdout
+        repacked[flags] = re.findall(r"repack: repack tensor (\S+) with", r.stderr)
+    if not repacked[()]:
+        pytest.skip("this CPU has no repacked layout for Q4_0 (no AVX2 or ARM dot product)")
+    assert repacked[("--no-repack",)] == [] and all("_exps." not in t for t in repacked[()]), repacked
+    with pytest.raises(pymoecache.ConfigError, match="repack must be True"):
+        pymoecache.Llama(str(path), repack="no")
+
+
 def test_experts_of_whole_pages_are_read_in_place(tmp_path):
     """Experts whose bytes are a whole number of pages (as in most real models) but start mid-page
     in the file: each slot gets one page of padding so the page-aligned window around the expert is

@@ -292,6 +292,10 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
     p.add_argument("--no-mmap", dest="no_mmap", action="store_true",
                    help="read the whole model into memory instead of mapping it, as llama.cpp; only with "
                         "--residency none: streamed and mapped experts are read from the mapped file (default: off)")
+    p.add_argument("-nr", "--no-repack", dest="no_repack", action="store_true",
+                   help="keep the dense part's weights in the file's layout, as llama.cpp's --no-repack; by default "
+                        "llama.cpp copies those of some types (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2 or ARM) into faster "
+                        "layouts at load (the routed experts stay in the file's either way)")
     p.add_argument("--no-warmup", dest="no_warmup", action="store_true",
                    help="accepted for llama.cpp's command lines: pymoecache runs no warm-up pass, so there is "
                         "nothing to skip (said once)")
@@ -365,6 +369,8 @@ def runtime_kwargs(args) -> dict:
         kw["use_mlock"] = True
     if getattr(args, "no_mmap", False):
         kw["use_mmap"] = False
+    if getattr(args, "no_repack", False):
+        kw["repack"] = False
     kw.update(device_kwargs(args))
     return kw
 
