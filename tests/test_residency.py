@@ -185,7 +185,8 @@ def test_no_repack_keeps_the_dense_part_in_the_files_layout(fixture_dir, tmp_pat
     repacked = {}
     for flags in ((), ("--no-repack",)):
         r = subprocess.run([sys.executable, "-m", "pymoecache", "run", str(path), "-p", "Hello", "-n", "4",
-                            "--cache-size", "0.5", "-v", *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                            "--cache-size", "0.5", "-v", *flags], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)  # (outside the source tree: the installed package, as a user runs it)
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello"), r.stdout
         repacked[flags] = re.findall(r"repack: repack tensor (\S+) with", r.stderr)
