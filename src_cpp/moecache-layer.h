@@ -120,6 +120,9 @@ struct moecache_layer_residency {
                                        //   batch's step slots, lie in pages every such layer maps (moecache-slots.cpp)
     bool    all_in_slots = false;      // STREAM: the cache holds all N experts, read in at creation:
                                        //   prompts compute on the slots too (moecache_slots_fill_all)
+    bool    lent         = false;      // STREAM: the pages of its own slots are lent to a prompt's reads until its
+                                       //   layer of the prompt takes them again (moecache_slots_lend)
+    bool    relock       = false;      //   and they are to be locked (and given 2 MiB pages) again (moecache_slots_relock)
     std::vector<int32_t> slot_expert;  // [n_slots] expert whose bytes slot s holds, -1 = none
     std::vector<int32_t> expert_slot;  // [n_expert] slot holding e (valid only if slot_expert agrees)
     std::vector<uint8_t> locked;       // MMAP: [n_expert] e's pages are locked (or faulted in)

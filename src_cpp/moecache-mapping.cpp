@@ -304,6 +304,7 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
     const bool known = room >= 0; // (less what is asked, the room may fall below 0: nothing more is asked then)
     if (known) {
         room -= layer_file_bytes(mc, L);
+        room -= mc.res.refill_bytes; // (and its copies into the slots it took back, charged as they run)
         for (int32_t il = L.il + 1; il <= mc.ahead.last; il++) {
             room -= mc.layers[il].res.xt.empty() ? 0 : (int64_t) mc.layers[il].res.expert_bytes * n_asked(mc, il);
         }
@@ -315,6 +316,7 @@ static void read_ahead(moecache & mc, const moecache_layer & L) {
             continue; // (all in slots: its prompts read nothing)
         }
         n_ahead++;
+        room -= known ? moecache_slots_lent_bytes(mc, il, il) : 0; // (its slots, lent, fill again before it runs)
         const int32_t e_begin = n_asked(mc, il);
         if (e_begin >= N) {
             continue; // asked for already
@@ -410,8 +412,22 @@ void moecache_mapping_begin(moecache & mc, int32_t il_prompt, const int32_t * id
             selected[ids[i]] = 1; // (ids checked by the caller)
         }
     }
+    const bool ubatch_start = il_prompt >= 0 && (mc.prompt_il_last < 0 || il_prompt <= mc.prompt_il_last);
     finish_read_ahead(mc, il_prompt, selected.data());
     drop_pending(mc, il_prompt);
+    if (il_prompt < 0) {
+        moecache_slots_relock(mc);
+    } else if (ubatch_start && mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && n_ids >= mc.n_expert) {
+        // a ubatch with room for its first layer but not the next one too: the last layers' slots lend what the
+        // read-ahead lacks. (With less room the matmul faults each layer in through the kernel's readahead as it
+        // runs, which beats waiting for the whole of it: Mixtral's shape at a third, 17.1-18.0 tok/s against
+        // 15.7-16.4 where the slots lent it the room to ask for its 800 MB layers)
+        const int64_t room  = read_room();
+        const int64_t layer = layer_file_bytes(mc, mc.layers[il_prompt]);
+        if (room >= layer && room < 2 * layer) {
+            moecache_slots_lend(mc, (1 + MOECACHE_READ_AHEAD) * layer + MOECACHE_READ_AHEAD_RESERVE - room);
+        }
+    }
 }
 
 void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode) {
@@ -433,7 +449,7 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
         for (int32_t e = asked; e < mc.n_expert; e++) {
             n_rest += mc.ahead.selected[e];
         }
-        const int64_t room = read_room();
+        const int64_t room = read_room() - moecache_slots_lent_bytes(mc, L.il, L.il); // (its slots fill again next)
         if (room < 0 || room >= (int64_t) L.res.expert_bytes * n_rest) {
             ask_layer(mc, L.il, mc.n_expert, mc.ahead.selected.data());
             moecache_io_wait(*mc.res.io, mc.ahead.req[L.il]);

@@ -42,6 +42,7 @@ struct moecache_residency_state {
     std::unordered_map<const ggml_tensor *, int32_t> xt_layer; // model expert tensor -> layer
     std::vector<std::pair<int32_t, int32_t>> drop_pending; // (layer, expert) read through the mapping, to drop
                                                            //   once that layer ran
+    int64_t       refill_bytes = 0;           // a prompt layer's copies into the slots it took back (moecache_slots_lend)
     std::vector<std::array<int32_t, 3>> fill_behind; // (layer, slot, expert) a prompt left to read once its ubatch
                                                      //   ran (moecache_slots_prompt)
 };
@@ -137,3 +138,10 @@ ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, g
 void    moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids);
 // the slots prompts left to fill behind them (fill_behind): their reads queued, at prefetch priority
 void    moecache_slots_fill_behind(moecache & mc);
+// moecache-lend.cpp: a prompt ubatch short of memory for its reads: the last layers whose slots only the CPU
+// reads give the pages of their own slots back, about `bytes` (their experts stay cached, in no slot), until the
+// prompt's copies fill them at their layer; relock: a decode locks those pages again (where the arena is locked)
+void    moecache_slots_lend(moecache & mc, int64_t bytes);
+void    moecache_slots_relock(moecache & mc);
+// the bytes of the slots of layers [il0, il1] lent now (unlocked: or filled again, not locked again yet)
+int64_t moecache_slots_lent_bytes(const moecache & mc, int32_t il0, int32_t il1, bool unlocked = false);

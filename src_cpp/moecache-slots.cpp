@@ -506,6 +506,8 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
         touched[ids[i]] = 1;
     }
     keep_cached(L);
+    const bool lent = L.res.lent;
+    L.res.lent = false; // (its copies below take the pages again)
     std::vector<std::array<int32_t, 2>> fills; // (slot, expert) to fill now
     int32_t cursor = 0;
     for (int32_t e = 0; e < (int32_t) L.res.keep.size(); e++) {
@@ -527,6 +529,7 @@ void moecache_slots_prompt(moecache & mc, moecache_layer & L, const int32_t * id
             mc.res.drop_pending.emplace_back(L.il, e);
         }
     }
+    mc.res.refill_bytes = lent ? (int64_t) fills.size() * (int64_t) L.res.expert_bytes : 0;
     std::vector<moecache_io_job> & jobs = mc.res.io->scratch;
     jobs.clear();
     for (const std::array<int32_t, 2> & f : fills) {

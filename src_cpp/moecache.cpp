@@ -659,8 +659,7 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         out->vram_slots             = std::max(out->vram_slots, L.vram.n);
         out->vram_exclusive_layers += L.vram.exclusive ? 1 : 0;
     }
-    int64_t decode_tokens = 0;
-    int64_t decode_steps  = 0;
+    int64_t decode_tokens = 0, decode_steps = 0;
     int64_t locked = 0;
     for (const moecache_layer & L : mc->layers) {
         decode_tokens = std::max(decode_tokens, L.decode_tokens);
@@ -681,7 +680,8 @@ extern "C" int32_t moecache_get_residency_stats(const struct moecache * mc, stru
         }
         out->decode_t_read_ms = (double) busy / 1000.0;
     }
-    out->locked_bytes  = mc->res.arena_locked ? (int64_t) mc->res.arena_size : (out->locked ? locked : 0);
+    const int64_t lent = moecache_slots_lent_bytes(*mc, 0, mc->n_layer, true); // (to a prompt, until a decode)
+    out->locked_bytes  = mc->res.arena_locked ? (int64_t) mc->res.arena_size - lent : (out->locked ? locked : 0);
     out->dense_locked_bytes = mc->res.dense_locked;
     out->rss_bytes     = rss_bytes();
     return MOECACHE_OK;

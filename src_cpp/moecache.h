@@ -400,7 +400,7 @@ struct moecache_residency_stats {
     bool    direct_io;            // STREAM reads bypass the page cache (O_DIRECT / F_NOCACHE)
     bool    locked;               // the arena (STREAM) or the cached experts (MMAP) are mlocked
     int64_t arena_bytes;          // STREAM: memory of the slot arenas (n_slots experts a layer; shared step slots once)
-    int64_t locked_bytes;         // bytes mlocked now (experts)
+    int64_t locked_bytes;         // bytes mlocked now (experts; STREAM: less slots lent to a prompt, until a decode)
     int64_t dense_locked_bytes;   // bytes of the dense part mlocked now (lock_dense), page-rounded
     int64_t expert_bytes;         // bytes of one expert summed over its tensors (first MoE layer); lowbit
                                   //   SOURCE: of its companion copy, what a slot holds and a miss reads

@@ -222,21 +222,24 @@ BEHIND_SCRIPT = r"""
 import json, sys
 import numpy as np
 import pymoecache
-path, n_cached, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-cache = pymoecache.CacheConfig(size=n_cached) if n_cached else None  # (0: the defaults, sized by the cap)
+import llama_cpp  # (after pymoecache, which loads our library for it)
+path, n_cached, out, prefetch = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+cache = pymoecache.CacheConfig(size=n_cached, prefetch=prefetch) if n_cached else None  # (0: the defaults, by the cap)
 llm = pymoecache.Llama(path, cache=cache, n_ctx=64, n_threads=2, verbose=False)
 llm.start_timeline()
 llm.eval(list(range(100, 124)))  # 24 tokens x 2 selections: every one of the 8 experts, most likely
 logits = []
 for t in (7, 300, 42, 5000):
     llm.eval([t])
-    logits.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)  # (llm.scores holds them only with logits_all)
+    logits.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
 spans = [list(s) for s in llm._timeline_spans]  # (t_start_us, t_end_us, n_tokens) of each eval
 ev = llm.timeline().events
 from pymoecache.timeline import KINDS
 events = [[KINDS[int(k)], int(l), int(e), int(q)] for k, l, e, q in zip(ev["kind"], ev["layer"], ev["expert"], ev["t_queued_us"])]
 np.save(out, np.array(logits))
-print(json.dumps({"n_cached": int(llm.moe_stats().capacity_per_layer[0]), "spans": spans, "events": events}))
+print(json.dumps({"n_cached": int(llm.moe_stats().capacity_per_layer[0]), "spans": spans, "events": events,
+                  "prefetch": llm.cache_config.prefetch}))
 """
 
 
@@ -247,7 +250,8 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     prompt waiting for the copies). Those slots are now read from the file with direct I/O once the prompt's ubatch
     ran. Two layers of Mixtral's shape (8 experts of 102 MiB) under a cap of a third of its file, the defaults, a fresh
     process: no copy from the mapping, every read of the prompt's cached experts queued after the prompt's
-    matmuls; and the 4 tokens decoded after it give the logits of the same cache uncapped (the copies), bit for bit."""
+    matmuls; and the 4 tokens decoded after it give the logits of the same cache uncapped (the copies; its size, and
+    no reads ahead, for which the cap left no room), bit for bit."""
     from memcap import MemoryCap
 
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
@@ -255,8 +259,9 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     assert r.returncode == 0, r.stderr[-2000:]
     model = Path(r.stdout.strip().splitlines()[-1])  # (2 layers: the last computes the prompt's output row alone)
 
-    def run(n_cached, cap=None):
-        cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy")]
+    def run(n_cached, cap=None, prefetch="auto"):
+        cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy"),
+               prefetch]
         if cap is None:
             r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         else:  # (cwd outside the checkout: the installed package, as a user has it)
@@ -281,6 +286,73 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     assert reads and all(q >= prompt_end for _, _, _, q in reads), (prompt_end, reads[:4])
     assert 1 <= len({e for _, _, e, _ in reads}) <= n, reads  # (those the prompt left cached; the load's warm-up
     # token may have left one of them in its slot)
-    uncapped, expect = run(n)
+    uncapped, expect = run(n, prefetch=capped["prefetch"])  # (the cap left no room to read ahead: nor here)
     assert uncapped["n_cached"] == n and any(ev[0] == "copy" and ev[1] == 0 for ev in uncapped["events"])
+    assert np.array_equal(logits, expect)
+
+
+
+LEND_SCRIPT = r"""
+import json, sys
+import numpy as np
+import pymoecache
+import llama_cpp  # (after pymoecache, which loads our library for it)
+path, out = sys.argv[1], sys.argv[2]
+llm = pymoecache.Llama(path, cache=pymoecache.CacheConfig(size=2), n_ctx=64, n_threads=2, verbose=False)
+rss_loaded = llm.moe_stats().residency.rss_bytes
+llm.eval(list(range(100, 124)))  # 24 tokens x 2 selections: every one of the 8 experts, most likely
+rs = llm.moe_stats().residency
+after_prompt = [rs.locked, rs.arena_bytes, rs.locked_bytes]
+logits = []
+for t in range(123, 99, -1):  # the prompt's tokens backwards: the experts it left cached come first. (A random
+    # router weighs its first choice ~1 and the rest ~0: a wrong second expert changes no logit)
+    llm.eval([t])
+    row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)  # (llm.scores holds them only with logits_all)
+    logits.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
+rs = llm.moe_stats().residency
+np.save(out, np.array(logits))
+print(json.dumps({"rss_loaded": rss_loaded, "layer_bytes": rs.expert_bytes * 8, "after_prompt": after_prompt,
+                  "after_decode": [rs.locked, rs.arena_bytes, rs.locked_bytes],
+                  "prefetch": [llm.cache_config.prefetch, llm.cache_config.prefetch_spare]}))
+"""
+
+
+def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_reached(tmp_path):
+    """A prompt computes on the mapping, not on the slots, and copies the experts the cache keeps into the slots as
+    each layer runs; under a cap it had room for its layer's reads and little more (gpt-oss-20b's shape at a third:
+    its 420 MB and 50 MB), so it read nothing ahead. Now, with room for its layer but not two, the last layers lend
+    the pages of their slots to the prompt's reads and take them back at their layer (src_cpp/moecache-lend.cpp); a
+    decode locks them again. Mixtral's shape with two layers (2 of 8 experts cached), a fresh process, first without
+    a cap (nothing lent), then under a cap that leaves a layer and a half beyond what the load took: after the prompt
+    the arena is locked less the lent slots, after a decode whole again, and the 4 tokens decoded give the logits of
+    the run without a cap, bit for bit."""
+    from memcap import MemoryCap
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = Path(r.stdout.strip().splitlines()[-1])
+
+    def run(name, cap=None):
+        cmd = [sys.executable, "-c", LEND_SCRIPT, str(model), str(tmp_path / f"{name}.npy")]
+        if cap is None:  # (cwd outside the checkout: the installed package, as a user has it)
+            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        else:
+            with MemoryCap(cap) as c:
+                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), np.load(tmp_path / f"{name}.npy")
+
+    free, expect = run("free")
+    locked, arena, after_prompt = free["after_prompt"]
+    if not locked:
+        pytest.skip("the slot arena could not be locked here (RLIMIT_MEMLOCK): lent slots are not told apart")
+    assert after_prompt == arena, free  # (room for every layer: nothing lent)
+    try:
+        capped, logits = run("capped", cap=free["rss_loaded"] + free["layer_bytes"] * 3 // 2 + (64 << 20))
+    except RuntimeError as e:  # (MemoryCapError: no memory cgroup this process may make)
+        pytest.skip(str(e))
+    assert capped["after_prompt"][:2] == [True, arena] and capped["after_prompt"][2] < arena, capped
+    assert capped["after_decode"] == [True, arena, arena], capped
+    assert capped["prefetch"] == free["prefetch"]  # (the same cache, read ahead the same way)
     assert np.array_equal(logits, expect)
