@@ -291,7 +291,6 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     assert np.array_equal(logits, expect)
 
 
-
 LEND_SCRIPT = r"""
 import json, sys
 import numpy as np
@@ -324,7 +323,7 @@ def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_rea
     the pages of their slots to the prompt's reads and take them back at their layer (src_cpp/moecache-lend.cpp); a
     decode locks them again. Mixtral's shape with two layers (2 of 8 experts cached), a fresh process, first without
     a cap (nothing lent), then under a cap that leaves a layer and a half beyond what the load took: after the prompt
-    the arena is locked less the lent slots, after a decode whole again, and the 4 tokens decoded give the logits of
+    the arena is locked less the lent slots, after a decode whole again, and the 24 tokens decoded give the logits of
     the run without a cap, bit for bit."""
     from memcap import MemoryCap
 
