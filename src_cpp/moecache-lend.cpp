@@ -39,17 +39,7 @@ void moecache_slots_lend(moecache & mc, int64_t bytes) {
             continue;
         }
         for (int32_t s = 0; s < L.res.n_own; s++) {
-            moecache_io_req & req = L.res.slot_req[s];
-            if (!moecache_io_idle(*mc.res.io, req)) {
-                moecache_io_cancel(*mc.res.io, req);
-            }
-            req.err      = 0;
-            req.prefetch = false;
-            const int32_t e = L.res.slot_expert[s];
-            if (e >= 0 && L.res.expert_slot[e] == s) {
-                L.res.expert_slot[e] = -1;
-            }
-            L.res.slot_expert[s] = -1;
+            moecache_slots_empty(mc, L, s);
         }
         for (const moecache_expert_tensor & x : L.res.xt) {
             char * a;

@@ -322,13 +322,7 @@ void moecache_residency_clear(moecache & mc) {
     for (moecache_layer & L : mc.layers) {
         if (mc.cparams.residency == MOECACHE_RESIDENCY_STREAM && mc.res.io && L.res.n_slots > 0 && !L.res.all_in_slots) {
             for (int32_t s = 0; s < L.res.n_slots; s++) {
-                moecache_io_req & req = L.res.slot_req[s];
-                if (!moecache_io_idle(*mc.res.io, req)) {
-                    moecache_io_cancel(*mc.res.io, req);
-                }
-                req.err      = 0;
-                req.prefetch = false;
-                L.res.slot_expert[s] = -1;
+                moecache_slots_empty(mc, L, s);
             }
         }
         if (L.vram.n > 0) {
@@ -355,6 +349,9 @@ void moecache_residency_hold_all(moecache & mc) {
 
 void moecache_residency_free(moecache & mc) {
     moecache_dense_unlock(mc);
+    for (moecache_layer & L : mc.layers) {
+        L.res.relock = false; // (lent slots are unmapped below, not locked again)
+    }
     if (mc.res.io && mc.res.fd >= 0 && !mc.layers.empty()) {
         moecache_mapping_begin(mc, -1, nullptr, 0); // (waits for and drops what a prompt read ahead)
     }

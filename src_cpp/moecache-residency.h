@@ -131,6 +131,8 @@ void    moecache_slots_decode(moecache & mc, moecache_layer & L, const int32_t *
 // stops) and frees its slot. Returns the microseconds it waited
 int64_t moecache_slots_wait(moecache & mc, moecache_layer & L, const int32_t * slots, int64_t n);
 int32_t moecache_slots_holding(const moecache_layer & L, int32_t e); // the slot holding e's bytes, or -1
+// slot s of L holds nothing: its read (prefetch or not) cancelled, its expert (if any) in no slot
+void    moecache_slots_empty(moecache & mc, moecache_layer & L, int32_t s);
 // moecache-matmul.cpp: a STREAM decode's matmul over expert tensor x of L with activations b, on
 // the slots (ids: L.graph.ids_out): with overlap_experts, each expert as soon as its bytes arrive
 ggml_tensor * moecache_matmul_stream_decode(moecache & mc, moecache_layer & L, ggml_context * ctx,

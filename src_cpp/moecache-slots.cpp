@@ -404,6 +404,20 @@ int32_t moecache_slots_holding(const moecache_layer & L, int32_t e) {
     return slot_holds(L, e) ? L.res.expert_slot[e] : -1;
 }
 
+void moecache_slots_empty(moecache & mc, moecache_layer & L, int32_t s) {
+    moecache_io_req & req = L.res.slot_req[s];
+    if (!moecache_io_idle(*mc.res.io, req)) {
+        moecache_io_cancel(*mc.res.io, req); // (waits for a chunk being read into it)
+    }
+    req.err      = 0;
+    req.prefetch = false;
+    const int32_t e = L.res.slot_expert[s];
+    if (e >= 0 && L.res.expert_slot[e] == s) {
+        L.res.expert_slot[e] = -1;
+    }
+    L.res.slot_expert[s] = -1;
+}
+
 void moecache_slots_prefetch(moecache & mc, moecache_layer & T, const int32_t * ids, const float * score, int32_t n,
                              bool spare) {
     if (T.res.xt.empty() || T.res.n_slots == 0) {
