@@ -36,6 +36,9 @@ enum moecache_io_kind {
     MOECACHE_IO_COPY  = 1, // memcpy len bytes from the mapping at src into dst
     MOECACHE_IO_LOCK  = 2, // mlock (or fault in) the mapping at src, len bytes
     MOECACHE_IO_AHEAD = 3, // ask the kernel to read the mapping at src, len bytes, into the page cache
+    MOECACHE_IO_FAULT = 4, // fault the mapping at src, len bytes, in: read and mapped, as a matmul's faults
+                           //   would (large folios where the file system has them); AHEAD where the kernel
+                           //   cannot (MADV_POPULATE_READ, Linux 5.14). Not for MADV_RANDOM regions: no readahead
 };
 
 struct moecache_io_job {
@@ -150,6 +153,8 @@ void moecache_io_counters(moecache_io & io, int64_t * bytes_demand, int64_t * by
 // MADV_WILLNEED over the whole pages of [src, src + len) of a mapping: the kernel reads them in
 // large requests; returns once they are issued
 void moecache_io_willneed(const char * src, size_t len);
+// MADV_POPULATE_READ over them: returns once they are read and mapped; false where the kernel cannot
+bool moecache_io_fault_in(const char * src, size_t len);
 
 inline int64_t moecache_time_us(void) { // a monotonic clock in microseconds (telemetry, the timeline)
     return std::chrono::duration_cast<std::chrono::microseconds>(

@@ -268,18 +268,20 @@ static int64_t layer_file_bytes(const moecache & mc, const moecache_layer & L) {
     return (int64_t) L.res.expert_bytes * mc.n_expert;
 }
 
-// the reader threads ask the kernel for the experts of layer il up to e_end (MADV_WILLNEED: large
-// read requests instead of a page per fault), in order, after those asked already (only those
-// marked in `only` where given: [n_expert]); they are dropped once the prompt is past that layer
+// the reader threads ask the kernel for the experts of layer il up to e_end, in order, after those
+// asked already (only those marked in `only` where given: [n_expert]): STREAM faults them in (the
+// fault's readahead: large reads in large folios), MMAP asks with MADV_WILLNEED (its regions are
+// MADV_RANDOM: a fault reads a page); they are dropped once the prompt is past that layer
 static void ask_layer(moecache & mc, int32_t il, int32_t e_end, const uint8_t * only = nullptr) {
     const moecache_layer & next = mc.layers[il];
+    const bool stream = mc.cparams.residency == MOECACHE_RESIDENCY_STREAM;
     for (int32_t e = n_asked(mc, il); e < e_end; e++) {
         if ((mc.cparams.residency == MOECACHE_RESIDENCY_MMAP && next.res.locked[e]) || (only && !only[e])) {
             continue;
         }
         for (const moecache_expert_tensor & x : next.res.xt) {
             moecache_io_job j = {};
-            j.kind = MOECACHE_IO_AHEAD;
+            j.kind = stream ? MOECACHE_IO_FAULT : MOECACHE_IO_AHEAD;
             j.src  = (const char *) x.model_t->data + (size_t) e * x.nb2;
             j.len  = x.nb2;
             j.il   = il;
