@@ -484,6 +484,40 @@ void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
     }
 }
 
+// STREAM prompts fault the experts in through the mapping. Where the memory free holds less than the file's
+// experts (a cap, a small device), the pages a prompt reads are reclaimed again as it goes, and 2 MiB folios cost
+// the kernel a fraction of what 4 KiB pages do: the expert regions get MADV_HUGEPAGE (a fault's readahead then
+// reads 2 MiB folios). Qwen3-30B-A3B's shape under a cap of a third: a 128-token prompt in 8.1 s against 11.1-12.0.
+// Where the experts fit, small folios measured faster (the 2.2 GB benchmark uncapped, 512 tokens: 150-157 tok/s
+// against 126-137), so those regions are left as they are
+bool moecache_mapping_advise_stream(moecache & mc) {
+#if defined(MADV_HUGEPAGE)
+    int64_t experts = 0;
+    for (const moecache_layer & L : mc.layers) {
+        experts += L.res.xt.empty() ? 0 : layer_file_bytes(mc, L);
+    }
+    const int64_t room = read_room();
+    if (room < 0 || room >= experts) {
+        return false;
+    }
+    for (const moecache_layer & L : mc.layers) {
+        for (const moecache_expert_tensor & x : L.res.xt) {
+            char * a;
+            size_t len;
+            moecache_expert_tensor all = x;
+            all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
+            if (inner_pages(all, 0, &a, &len)) {
+                madvise(a, len, MADV_HUGEPAGE);
+            }
+        }
+    }
+    return true;
+#else
+    (void) mc;
+    return false;
+#endif
+}
+
 void moecache_mapping_unlock_all(moecache & mc) {
     for (moecache_layer & L : mc.layers) {
         for (int32_t e = 0; e < (int32_t) L.res.locked.size(); e++) {

@@ -281,6 +281,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         L.res.keep.assign(mc.n_expert, 0);
         L.res.locked.assign(mc.n_expert, 0);
     }
+    if (cp.residency == MOECACHE_RESIDENCY_STREAM) {
+        moecache_mapping_advise_stream(mc);
+    }
     if (cp.lock_dense) {
         moecache_dense_lock(mc, model);
     }
