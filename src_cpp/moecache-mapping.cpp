@@ -472,16 +472,20 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
 // MMAP decodes fault the experts in: no readahead beyond them. (STREAM decodes read with pread;
 // its prompts fault through the mapping and are better off with the kernel's readahead where the
 // memory is too short to ask for a whole layer.)
-void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
+static void advise_experts(const moecache & mc, const moecache_layer & L, int advice) {
     for (const moecache_expert_tensor & x : L.res.xt) {
         char * a;
         size_t len;
         moecache_expert_tensor all = x;
         all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
         if (inner_pages(all, 0, &a, &len)) {
-            madvise(a, len, MADV_RANDOM);
+            madvise(a, len, advice);
         }
     }
+}
+
+void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
+    advise_experts(mc, L, MADV_RANDOM);
 }
 
 // STREAM prompts fault the experts in through the mapping. Where the memory free holds less than the file's
@@ -501,15 +505,7 @@ bool moecache_mapping_advise_stream(moecache & mc) {
         return false;
     }
     for (const moecache_layer & L : mc.layers) {
-        for (const moecache_expert_tensor & x : L.res.xt) {
-            char * a;
-            size_t len;
-            moecache_expert_tensor all = x;
-            all.nb2 = x.nb2 * (size_t) mc.n_expert; // the whole tensor as one "expert"
-            if (inner_pages(all, 0, &a, &len)) {
-                madvise(a, len, MADV_HUGEPAGE);
-            }
-        }
+        advise_experts(mc, L, MADV_HUGEPAGE);
     }
     return true;
 #else
