@@ -469,9 +469,7 @@ void moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * id
     }
 }
 
-// MMAP decodes fault the experts in: no readahead beyond them. (STREAM decodes read with pread;
-// its prompts fault through the mapping and are better off with the kernel's readahead where the
-// memory is too short to ask for a whole layer.)
+// one madvise over each of L's expert tensors, whole
 static void advise_experts(const moecache & mc, const moecache_layer & L, int advice) {
     for (const moecache_expert_tensor & x : L.res.xt) {
         char * a;
@@ -484,6 +482,9 @@ static void advise_experts(const moecache & mc, const moecache_layer & L, int ad
     }
 }
 
+// MMAP decodes fault the experts in: no readahead beyond them. (STREAM decodes read with pread;
+// its prompts fault through the mapping and are better off with the kernel's readahead where the
+// memory is too short to ask for a whole layer.)
 void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
     advise_experts(mc, L, MADV_RANDOM);
 }
@@ -493,8 +494,9 @@ void moecache_mapping_advise_random(moecache & mc, const moecache_layer & L) {
 // the kernel a fraction of what 4 KiB pages do: the expert regions get MADV_HUGEPAGE (a fault's readahead then
 // reads 2 MiB folios). Qwen3-30B-A3B's shape under a cap of a third: a 128-token prompt in 8.1 s against 11.1-12.0.
 // Where the experts fit, small folios measured faster (the 2.2 GB benchmark uncapped, 512 tokens: 150-157 tok/s
-// against 126-137), so those regions are left as they are
-bool moecache_mapping_advise_stream(moecache & mc) {
+// against 126-137), so those regions are left as they are. Called once the slot arena and the dense part are
+// locked: the memory free is what the prompt's pages will have
+void moecache_mapping_advise_stream(moecache & mc) {
 #if defined(MADV_HUGEPAGE)
     int64_t experts = 0;
     for (const moecache_layer & L : mc.layers) {
@@ -502,15 +504,13 @@ bool moecache_mapping_advise_stream(moecache & mc) {
     }
     const int64_t room = read_room();
     if (room < 0 || room >= experts) {
-        return false;
+        return;
     }
     for (const moecache_layer & L : mc.layers) {
         advise_experts(mc, L, MADV_HUGEPAGE);
     }
-    return true;
 #else
     (void) mc;
-    return false;
 #endif
 }
 

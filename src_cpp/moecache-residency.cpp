@@ -281,9 +281,6 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
         L.res.keep.assign(mc.n_expert, 0);
         L.res.locked.assign(mc.n_expert, 0);
     }
-    if (cp.residency == MOECACHE_RESIDENCY_STREAM) {
-        moecache_mapping_advise_stream(mc);
-    }
     if (cp.lock_dense) {
         moecache_dense_lock(mc, model);
     }
@@ -303,6 +300,9 @@ int32_t moecache_residency_init(moecache & mc, const llama_model * model) {
     rc = rc == MOECACHE_OK ? moecache_vram_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_vram_direct_init(mc) : rc;
     rc = rc == MOECACHE_OK ? moecache_lowbit_init(mc) : rc;
+    if (rc == MOECACHE_OK) {
+        moecache_mapping_advise_stream(mc); // (STREAM here: MMAP returned above)
+    }
     rc = rc == MOECACHE_OK ? moecache_slots_fill_all(mc) : rc;
     if (rc == MOECACHE_OK) {
         moecache_residency_hold_all(mc);

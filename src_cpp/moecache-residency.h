@@ -91,7 +91,7 @@ void    moecache_mapping_begin(moecache & mc, int32_t il_prompt, const int32_t *
 // they follow L's cache; STREAM prompts copy the cached experts into their slots
 void    moecache_mapping_sync(moecache & mc, moecache_layer & L, const int32_t * ids, int64_t n_ids, bool decode);
 void    moecache_mapping_advise_random(moecache & mc, const moecache_layer & L); // MMAP: no readahead on L's experts
-bool    moecache_mapping_advise_stream(moecache & mc); // STREAM short of memory for its experts: 2 MiB folios
+void    moecache_mapping_advise_stream(moecache & mc); // STREAM short of memory for its experts: 2 MiB folios
 void    moecache_residency_clear(moecache & mc);                               // moecache_clear: no bytes kept
 void    moecache_residency_hold_all(moecache & mc);                            // slots of every expert: all cached
 void    moecache_mapping_unlock_all(moecache & mc);                            // teardown: the locked experts' pages

@@ -40,6 +40,15 @@ def built(request, real_dir):
     path.with_suffix(".json").unlink()
 
 
+@pytest.fixture(scope="module")
+def mixtral2(real_dir):
+    """Mixtral's shape with two layers (8 experts of 102 MiB a layer), for the tests under a cap."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
+                        "--out-dir", str(real_dir)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
 def test_the_full_size_files_are_the_real_ones_sizes():
     """The full files as the real GGUFs are (random weights aside): Qwen3-30B-A3B Q4_K_M 18.6 GB of which 48 x 128
     experts of 2.7 MiB; gpt-oss-20b MXFP4 12.1 GB; OLMoE-1B-7B Q4_K_M 4.2 GB (the published files' sizes); DeepSeek-V2-Lite's
@@ -243,7 +252,7 @@ print(json.dumps({"n_cached": int(llm.moe_stats().capacity_per_layer[0]), "spans
 """
 
 
-def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(tmp_path):
+def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(tmp_path, mixtral2):
     """A prompt layer the memory leaves no room to ask for whole (a cap: the matmul faults it in through the kernel's
     readahead) used to copy the experts the cache keeps from the mapping before its matmul: pages the matmul's own
     faults then evicted and read again (Mixtral's shape at a third: 9.3 GB read for a 7.2 GB file, a fifth of the
@@ -254,10 +263,7 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     no reads ahead, for which the cap left no room), bit for bit."""
     from memcap import MemoryCap
 
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
-                        "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    model = Path(r.stdout.strip().splitlines()[-1])  # (2 layers: the last computes the prompt's output row alone)
+    model = mixtral2  # (2 layers: the last computes the prompt's output row alone)
 
     def run(n_cached, cap=None, prefetch="auto"):
         cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy"),
@@ -316,7 +322,7 @@ print(json.dumps({"rss_loaded": rss_loaded, "layer_bytes": rs.expert_bytes * 8, 
 """
 
 
-def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_reached(tmp_path):
+def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_reached(tmp_path, mixtral2):
     """A prompt computes on the mapping, not on the slots, and copies the experts the cache keeps into the slots as
     each layer runs; under a cap it had room for its layer's reads and little more (gpt-oss-20b's shape at a third:
     its 420 MB and 50 MB), so it read nothing ahead. Now, with room for its layer but not two, the last layers lend
@@ -327,10 +333,7 @@ def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_rea
     the run without a cap, bit for bit."""
     from memcap import MemoryCap
 
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_size.py"), "mixtral-8x7b", "--layers", "2",
-                        "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    model = Path(r.stdout.strip().splitlines()[-1])
+    model = mixtral2
 
     def run(name, cap=None):
         cmd = [sys.executable, "-c", LEND_SCRIPT, str(model), str(tmp_path / f"{name}.npy")]
@@ -355,3 +358,59 @@ def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_rea
     assert capped["after_decode"] == [True, arena, arena], capped
     assert capped["prefetch"] == free["prefetch"]  # (the same cache, read ahead the same way)
     assert np.array_equal(logits, expect)
+
+
+FOLIO_SCRIPT = r"""
+import json, sys
+import gguf
+import pymoecache
+path = sys.argv[1]
+llm = pymoecache.Llama(path, n_ctx=64, n_threads=2, verbose=False)  # (the defaults: stream)
+experts = [(t.data_offset, t.data_offset + t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps" in t.name]
+regions, head = [], None
+with open("/proc/self/smaps") as f:
+    for line in f:
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:  # a region's first line
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            head = (int(parts[2], 16), int(parts[2], 16) + hi - lo) if parts[-1] == path else None
+        elif line.startswith("VmFlags:") and head:
+            regions.append([head[0], head[1], " hg" in line])
+print(json.dumps({"experts": experts, "regions": regions}))
+"""
+
+
+def test_a_stream_short_of_memory_for_its_experts_reads_them_in_2_mib_folios(tmp_path, mixtral2):
+    """Where the memory free once the cache is locked holds less than the file's experts, a prompt's pages are
+    reclaimed again as it goes, and 4 KiB pages cost the kernel more than the reads (qwen3-30b-a3b's shape at a
+    third: a 128-token prompt in 8.1 s with 2 MiB folios against 11.1-12.0). So STREAM advises the expert regions of
+    the mapping MADV_HUGEPAGE there, and only there: uncapped, small folios measured faster. Mixtral's two layers,
+    the defaults, a fresh process: uncapped no region of the file is advised; under a cap of a third of the file the
+    expert tensors are (VmFlags `hg` in /proc/self/smaps), and nothing outside them."""
+    from memcap import MemoryCap
+
+    if not Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        pytest.skip("no transparent huge pages in this kernel: nothing to advise")
+
+    def run(cap=None):
+        cmd = [sys.executable, "-c", FOLIO_SCRIPT, str(mixtral2)]
+        if cap is None:  # (cwd outside the checkout: the installed package, as a user has it)
+            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        else:
+            with MemoryCap(cap) as c:
+                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    free = run()
+    assert free["regions"] and not any(hg for _, _, hg in free["regions"]), free["regions"]
+    try:
+        capped = run(cap=mixtral2.stat().st_size // 3)
+    except RuntimeError as e:  # (MemoryCapError: no memory cgroup this process may make)
+        pytest.skip(str(e))
+    advised = [(lo, hi) for lo, hi, hg in capped["regions"] if hg]
+    experts = capped["experts"]
+    assert all(any(a <= lo and hi <= b for a, b in experts) for lo, hi in advised), (advised, experts)
+    covered = sum(hi - lo for lo, hi in advised)
+    whole = sum(b - a for a, b in experts)
+    assert covered > whole - len(experts) * 2 * 4096, (covered, whole)  # (every tensor but its edge pages)
