@@ -33,6 +33,7 @@ import numpy as np
 from . import kv
 from .config import ConfigError
 from .errors import ClosedError
+from .step_order import StepOrder
 
 
 @dataclass(eq=False)
@@ -127,9 +128,12 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed, penaltie
 class BatchDecoder:
     """Sequences decoded together on ``llm`` (a :class:`pymoecache.Llama` made with ``n_seq_max`` > 1:
     that many run at once; more wait for a slot). One thread drives it (:meth:`step` or :meth:`run`);
-    :meth:`add` may be called from any thread. The Llama's own ``eval`` shares the context's slot 0."""
+    :meth:`add` may be called from any thread. The Llama's own ``eval`` shares the context's slot 0.
+    ``order``: which running sequences a step decodes: ``"together"`` (all), ``"one-ahead"`` (one at a
+    time, in turns), ``"auto"`` (whichever measured faster; ``serve -np N``'s default): step_order.py."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, *, order: str = "together"):
+        self.order = StepOrder(order)  # (first: a bad order raises before anything is allocated)
         n = int(llama_cpp.llama_n_seq_max(llm._ctx.ctx))  # (a llama_cpp.Llama's context too: stock llama.cpp)
         self.llm = llm
         self.n_slots = n
@@ -460,9 +464,11 @@ class BatchDecoder:
                 self._kept[longest.slot] = []
             if not self._running:
                 return
-        running = list(self._running)
+        running = self.order.pick(list(self._running))
+        t0, n_out = time.perf_counter(), len(out)
         for i in range(0, len(running), self._step_max):  # (more sequences than a step's slots: several steps)
             self._decode_part(running[i:i + self._step_max], out)
+        self.order.record(len(running), time.perf_counter() - t0, len(out) - n_out)
 
     def _decode_part(self, run: list, out: list) -> None:
         if run != self._rows:  # (the engine's sums are for the rows of the steps before)

@@ -19,7 +19,10 @@ GPU's speed); "vram hits" is the share of the decoded selections computed from t
 
 --model trained: the trained benchmark model (model C widened to 2048, bench_residency.py), Tiny Shakespeare
 prompts; a path: that GGUF, WikiText-2 prompts. Routings: default (the server's defaults), lru (top-k + LRU),
-no-share (the defaults with --no-batch-share), or any --routing spec.
+no-share (the defaults with --no-batch-share), together and lru-together (default and lru with --batch-order
+together: every running request in every step, as before serve's step order; serve's default measures that against
+one request at a time in turns and takes the faster), or any --routing spec. "of them one ahead": the steps that
+decoded one request while others waited (step_order.py).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from bench_parallel import get, post, prompts_of, server  # noqa: E402
 from bench_residency import trained_bench_model  # noqa: E402
 from memcap import MemoryCap  # noqa: E402
 
-ROUTING_ARGS = {"default": [], "lru": ["--routing", "lru"], "no-share": ["--no-batch-share"]}
+ROUTING_ARGS = {"default": [], "lru": ["--routing", "lru"], "no-share": ["--no-batch-share"],
+                "together": ["--batch-order", "together"], "lru-together": ["--routing", "lru", "--batch-order", "together"]}
 
 
 @contextlib.contextmanager
@@ -74,11 +78,13 @@ def run_way(base: str, prompts: list, tokens: int, together: bool) -> dict:
     after = get(base + "/moecache/stats")
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_steps", "decode_tokens", "decode_loads",
                                                          "decode_selections", "decode_union", "vram_hits")}
+    d["alone_steps"] = (after.get("batch_order", {}).get("alone_steps", 0)
+                        - before.get("batch_order", {}).get("alone_steps", 0))  # (steps one ahead: step_order.py)
     n = sum(o["usage"]["completion_tokens"] for o in out)
     return dict(tok_s=n / wall, wall=wall, tokens=n, steps=d["decode_steps"],
                 reads_per_token=d["decode_loads"] / d["decode_tokens"] if d["decode_tokens"] else 0.0,
                 union=d["decode_union"] / d["decode_selections"] if d["decode_selections"] else 0.0,
-                vram_hits=d["vram_hits"] / d["decode_selections"] if d["decode_selections"] else 0.0,
+                alone_steps=d["alone_steps"], vram_hits=d["vram_hits"] / d["decode_selections"] if d["decode_selections"] else 0.0,
                 texts=[o["choices"][0]["text"] for o in out])
 
 
@@ -106,6 +112,7 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
         tok_s = statistics.median(r["tok_s"] for r in rs)
         rows.append(dict(model=model.name, routing=routing, np=n, way=label, tok_s=tok_s, x=tok_s / alone,
                          steps=int(statistics.median(r["steps"] for r in rs)),
+                         alone_steps=int(statistics.median(r["alone_steps"] for r in rs)),
                          tokens=int(statistics.median(r["tokens"] for r in rs)),
                          reads_per_token=statistics.mean(r["reads_per_token"] for r in rs),
                          union=statistics.mean(r["union"] for r in rs), peak=peak, oom_kills=kills,
@@ -115,11 +122,11 @@ def bench(model: Path, routing: str, n: int, a, cap: int) -> list:
 
 
 def table(rows: list, title: str) -> str:
-    out = [title, "", "| routing | -np | way | tok/s | x | steps / tokens | reads/tok | union / selections | vram hits |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [title, "", "| routing | -np | way | tok/s | x | steps / tokens | of them one ahead | reads/tok | "
+           "union / selections | vram hits |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['routing']} | {r['np']} | {r['way']} | {r['tok_s']:.2f} | {r['x']:.2f}x | "
-                   f"{r['steps']} / {r['tokens']} | {r['reads_per_token']:.2f} | {r['union']:.3f} | "
+                   f"{r['steps']} / {r['tokens']} | {r['alone_steps']} | {r['reads_per_token']:.2f} | {r['union']:.3f} | "
                    f"{r['vram_hits']:.1%} |")
     return "\n".join(out)
 
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="trained", help="trained, or a GGUF path (default %(default)s)")
     ap.add_argument("--np", default="4,16", help="requests at once, serve -np; comma-separated (default %(default)s)")
     ap.add_argument("--routings", default="default,lru,no-share",
-                    help="default, lru, no-share or --routing specs, comma-separated (default %(default)s)")
+                    help="default, lru, no-share, together, lru-together or --routing specs, comma-separated (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request (default %(default)s)")
     ap.add_argument("--cache-size", default="0.25", help="serve --cache-size (default %(default)s; auto under a cap)")
     ap.add_argument("--cap-share", type=float, default=0.0,

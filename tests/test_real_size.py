@@ -40,6 +40,21 @@ def built(request, real_dir):
     path.with_suffix(".json").unlink()
 
 
+def run_capped(cmd: list, cwd: Path, cap=None) -> subprocess.CompletedProcess:
+    """``cmd`` in a fresh process, in a memory cgroup of ``cap`` bytes where given (MemoryCapError, a RuntimeError,
+    where this process may make none), from ``cwd`` (outside the checkout: the installed package, as a user has
+    it); it must succeed."""
+    from memcap import MemoryCap
+
+    if cap is None:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+    else:
+        with MemoryCap(cap) as c:
+            r = subprocess.run(cmd, cwd=cwd, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
 @pytest.fixture(scope="module")
 def mixtral2(real_dir):
     """Mixtral's shape with two layers (8 experts of 102 MiB a layer), for the tests under a cap."""
@@ -261,19 +276,12 @@ def test_a_prompt_under_a_cap_reads_its_slots_behind_it_not_through_the_mapping(
     process: no copy from the mapping, every read of the prompt's cached experts queued after the prompt's
     matmuls; and the 4 tokens decoded after it give the logits of the same cache uncapped (the copies; its size, and
     no reads ahead, for which the cap left no room), bit for bit."""
-    from memcap import MemoryCap
-
     model = mixtral2  # (2 layers: the last computes the prompt's output row alone)
 
     def run(n_cached, cap=None, prefetch="auto"):
         cmd = [sys.executable, "-c", BEHIND_SCRIPT, str(model), str(n_cached), str(tmp_path / f"logits{n_cached}.npy"),
                prefetch]
-        if cap is None:
-            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        else:  # (cwd outside the checkout: the installed package, as a user has it)
-            with MemoryCap(cap) as c:
-                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = run_capped(cmd, tmp_path, cap)
         return json.loads(r.stdout.strip().splitlines()[-1]), np.load(tmp_path / f"logits{n_cached}.npy")
 
     try:
@@ -331,18 +339,11 @@ def test_a_prompt_short_of_memory_borrows_the_slots_of_the_layers_it_has_not_rea
     a cap (nothing lent), then under a cap that leaves a layer and a half beyond what the load took: after the prompt
     the arena is locked less the lent slots, after a decode whole again, and the 24 tokens decoded give the logits of
     the run without a cap, bit for bit."""
-    from memcap import MemoryCap
-
     model = mixtral2
 
     def run(name, cap=None):
         cmd = [sys.executable, "-c", LEND_SCRIPT, str(model), str(tmp_path / f"{name}.npy")]
-        if cap is None:  # (cwd outside the checkout: the installed package, as a user has it)
-            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        else:
-            with MemoryCap(cap) as c:
-                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = run_capped(cmd, tmp_path, cap)
         return json.loads(r.stdout.strip().splitlines()[-1]), np.load(tmp_path / f"{name}.npy")
 
     free, expect = run("free")
@@ -387,19 +388,12 @@ def test_a_stream_short_of_memory_for_its_experts_reads_them_in_2_mib_folios(tmp
     the mapping MADV_HUGEPAGE there, and only there: uncapped, small folios measured faster. Mixtral's two layers,
     the defaults, a fresh process: uncapped no region of the file is advised; under a cap of a third of the file the
     expert tensors are (VmFlags `hg` in /proc/self/smaps), and nothing outside them."""
-    from memcap import MemoryCap
-
     if not Path("/sys/kernel/mm/transparent_hugepage").is_dir():
         pytest.skip("no transparent huge pages in this kernel: nothing to advise")
 
     def run(cap=None):
         cmd = [sys.executable, "-c", FOLIO_SCRIPT, str(mixtral2)]
-        if cap is None:  # (cwd outside the checkout: the installed package, as a user has it)
-            r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        else:
-            with MemoryCap(cap) as c:
-                r = subprocess.run(cmd, cwd=tmp_path, preexec_fn=c.join, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = run_capped(cmd, tmp_path, cap)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     free = run()

@@ -90,7 +90,8 @@ def cmd_serve(args) -> int:
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
                      n_parallel=args.parallel, kv_unified=args.kv_unified, chat_template=args.chat_template,
-                     chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, prompt_cache=prompts, **kw)
+                     chat_template_file=args.chat_template_file, slot_save_path=args.slot_save_path, prompt_cache=prompts,
+                     batch_order=args.batch_order, **kw)
     url = f"http://{args.host}:{args.port}"
     if kw.get("n_ctx") and app.state.n_ctx != kw["n_ctx"]:
         ctx_note += f" (-c {kw['n_ctx']}, rounded up by llama.cpp)"
@@ -135,6 +136,12 @@ def add_command(subparsers) -> None:
                         "prefers what the other slots read); a request with logprobs, a grammar, logit_bias or a "
                         "routing of its own runs alone between batches. The cache keeps (N - 1) x K more slots per "
                         "layer for a batch; /slots shows them (default %(default)s)")
+    s.add_argument("--batch-order", choices=["auto", "together", "one-ahead"], default="auto",
+                   help="which of the -np N running slots a decode step takes: together (each expert a step needs "
+                        "read once), one-ahead (one slot at a time, in turns of 32 tokens, the others waiting: where "
+                        "the cache cannot hold what they all select, e.g. top-k + LRU under a memory cap, together "
+                        "reads more a token and is slower), or auto: whichever measured more tokens a second, "
+                        "measured again as the load changes (default %(default)s)")
     s.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
                    help="every slot may use the whole context, shared (llama-server's -kvu); without it each of the "
                         "-np N slots has n_ctx / N of it, as llama-server's, and a request that cannot fit its slot "

@@ -21,6 +21,7 @@ from .. import __version__
 from ..config import CacheConfig, Preset, Routing, parse_routing
 from ..errors import ConfigError
 from ..files import make_directory
+from ..step_order import StepOrder
 from . import batch as server_batch
 from . import completions, info, native, slots
 from .model import Queue, Served, _log, authenticate, load_model, perf_counters
@@ -32,7 +33,8 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
                n_threads: Optional[int] = None, profile: "str | Path | None" = None, pin_hot: int = 0,
                max_queue: int = 16, alias: Optional[str] = None, api_key: Optional[str] = None,
                n_parallel: int = 1, kv_unified: bool = False, chat_template: Optional[str] = None, chat_template_file: Optional[str] = None,
-               slot_save_path: "str | Path | None" = None, prompt_cache=None, **llama_kwargs):
+               slot_save_path: "str | Path | None" = None, prompt_cache=None, batch_order: str = "auto",
+               **llama_kwargs):
     """A FastAPI app serving ``model_path`` through llama-cpp-python's OpenAI-compatible endpoints, llama-server's
     and ours (``/moecache/stats``). Loads the model now (errors surface here, not at the first request); run it
     with ``uvicorn.run(app, host=..., port=...)``. One app per process (llama_cpp.server keeps its model in a
@@ -44,7 +46,9 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     name). api_key: every endpoint but /health answers 401 without ``Authorization: Bearer KEY`` or ``X-Api-Key:
     KEY``; "A1,B2" is two keys, either of which opens it (llama-server's).
     n_parallel: slots, as llama-server's -np, decoded together (server/batch.py); a request the batch does not
-    take (logprobs, a grammar, a routing of its own, ...) runs alone between batches. Each slot's context is
+    take (logprobs, a grammar, a routing of its own, ...) runs alone between batches; batch_order: which of the
+    running slots a step decodes ("auto": together or one at a time in turns, whichever measured faster;
+    "together"; "one-ahead": pymoecache/step_order.py). Each slot's context is
     n_ctx / n_parallel, as llama-server's; kv_unified (-kvu): every slot may use the whole context. prompt_cache: a
     :class:`pymoecache.prompt_cache.PromptCache`. slot_save_path: the directory of llama-server's slot files
     (server/slots.py; without it those actions answer 501). chat_template: a llama.cpp built-in name;
@@ -57,6 +61,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
 
     # (the slot directory made where missing, as llama-server does, before the model loads)
     slot_dir = make_directory(slot_save_path, "--slot-save-path", ConfigError) if slot_save_path is not None else None
+    StepOrder(batch_order)  # (checked before the model loads)
     cache = cache if cache is not None else CacheConfig()
     routing = parse_routing(routing) if isinstance(routing, str) else routing
     if routing is None:  # as Llama: the default preset (top-k where every expert is cached)
@@ -94,7 +99,7 @@ def create_app(model_path: "str | Path", *, cache: Optional[CacheConfig] = None,
     app.add_exception_handler(Exception, internal_error)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     if n_parallel > 1:  # the slots decoded together (server/batch.py); the requests it does not take run alone
-        served.batch = server_batch.BatchServer(llm, app_mod.get_llama_proxy, served.model_id)
+        served.batch = server_batch.BatchServer(llm, app_mod.get_llama_proxy, served.model_id, batch_order)
         app.router.on_shutdown.append(served.batch.close)
     served.perf0 = perf_counters(llm)  # /metrics counts from here: the load's own decodes are not requests
     router = APIRouter()

@@ -128,11 +128,12 @@ class _Request:
 
 class BatchServer:
     """The engine of ``serve -np N`` (see the module's doc). ``model_lock()`` is llama_cpp.server's
-    dependency that holds its model lock (an async context manager)."""
+    dependency that holds its model lock (an async context manager); ``order``: BatchDecoder's (which running
+    slots a step decodes: pymoecache/step_order.py)."""
 
-    def __init__(self, llm, model_lock, model_id: str):
+    def __init__(self, llm, model_lock, model_id: str, order: str = "auto"):
         self.llm, self.model_lock, self.model_id = llm, model_lock, model_id
-        self.dec = BatchDecoder(llm)
+        self.dec = BatchDecoder(llm, order=order)
         self._cv = threading.Condition()
         self._requests: List[_Request] = []
         self._evals = llm.n_evals

@@ -152,7 +152,10 @@ def moecache_stats(request: Request) -> dict:
     llm = served.llm()
     if llm.moecache is None:
         raise HTTPException(status_code=404, detail=f"{served.model_path} has no MoE layers: there is no expert cache")
-    return stats_json(llm, served.routing, served.routing_scope)
+    out = stats_json(llm, served.routing, served.routing_scope)
+    if getattr(served, "batch", None) is not None:  # (-np N: which running slots a step took, and why)
+        out["batch_order"] = served.batch.dec.order.state()
+    return out
 
 
 def models(request: Request) -> dict:
