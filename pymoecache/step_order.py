@@ -11,10 +11,12 @@ Qwen3-30B-A3B's file), four sequences together read more per token than one at a
   order they joined), the others waiting with their KV cache kept: one after another, in turns that
   bound how long a sequence waits;
 * ``"auto"`` (serve's default): whichever of the two measured more tokens a second, per number of
-  running sequences. Each is measured over a window of :data:`WINDOW` steps (the first step after a
-  change of width not counted: the cache adjusts), and the one not taken is measured again every
-  :data:`REFRESH` steps, so a changed load or cache is noticed. Steps of one sequence (one request at a
-  time) measure one-ahead too.
+  running sequences (a number not measured yet: the nearest one's verdict). Each is measured over a
+  window of :data:`WINDOW` steps (the first step after a change of width not counted: the cache
+  adjusts), and the one not taken is measured again after :data:`REFRESH` steps, twice as long after
+  each time it lost again (up to :data:`REFRESH_MAX`): a measurement of the slower way costs more than
+  its steps, since it changes what the cache holds. Steps of one sequence (one request at a time)
+  measure one-ahead too.
 
 >>> o = StepOrder("auto")
 >>> o.pick(["a", "b"])        # nothing measured yet: together first
@@ -23,15 +25,17 @@ Qwen3-30B-A3B's file), four sequences together read more per token than one at a
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from collections import deque
+from typing import Deque, Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 
 ORDERS = ("together", "one-ahead", "auto")
-TURN = 32      # steps a sequence decodes alone before the next one's turn (one-ahead)
-WINDOW = 4     # steps a measurement of a way takes (after the one step not counted)
-REFRESH = 128  # steps after which the way not taken is measured again
-ALPHA = 0.3    # weight of a new step's tokens a second in a way's average
+TURN = 32            # steps a sequence decodes alone before the next one's turn (one-ahead)
+WINDOW = 3           # steps a measurement of a way takes (after the one step not counted)
+REFRESH = 256        # steps after which the way not taken is measured again; doubled each time it loses again
+REFRESH_MAX = 4096   #   up to this
+LAST = 24            # a width's tokens a second: the tokens over the seconds of its last LAST steps counted
 
 
 class StepOrder:
@@ -42,11 +46,15 @@ class StepOrder:
             raise ConfigError(f"order must be one of {', '.join(ORDERS)}, got {order!r:.40}")
         self.order = order
         self.rate: Dict[int, float] = {}  # width (sequences a step decodes; 1: one ahead) -> tokens a second
+        self.steps: Dict[int, Deque[Tuple[int, float]]] = {}  # width -> its last steps' (tokens, seconds)
         self.age: Dict[int, int] = {}     # width -> steps since it was last measured
         self.holder = None                # the sequence whose turn it is (one ahead)
         self.turn_used = 0
         self.way: Optional[str] = None    # auto: "together" or "alone", kept for `window` more steps
         self.window = 0
+        self.choice: Optional[str] = None  # auto: the way measured faster (None: not both measured yet)
+        self.refresh = REFRESH
+        self.explored = False
         self.width = 0                    # the last step's width (a change: the next step is not counted)
         self.counted = True               # whether the step picked last is counted
         self.alone_steps = 0              # steps decoded one ahead while others waited
@@ -71,8 +79,10 @@ class StepOrder:
             self.age[w] += 1
         if not self.counted or seconds <= 0 or tokens <= 0:
             return
-        r = tokens / seconds
-        self.rate[width] = r if width not in self.rate else (1 - ALPHA) * self.rate[width] + ALPHA * r
+        last = self.steps.setdefault(width, deque(maxlen=LAST))
+        last.append((tokens, seconds))
+        # (a step's time varies with its misses: the tokens over the seconds, not the average of steps' rates)
+        self.rate[width] = sum(n for n, _ in last) / sum(t for _, t in last)
         self.age[width] = 0
 
     def _width(self, picked: List) -> List:
@@ -84,15 +94,25 @@ class StepOrder:
         if self.window > 0:
             self.window -= 1
             return self.way
-        if k not in self.rate or self.age.get(k, 0) > REFRESH:
-            self.way = "together"
-        elif 1 not in self.rate or self.age.get(1, 0) > REFRESH:
-            self.way = "alone"
-        else:
-            self.way = "alone" if self.rate[1] > self.rate[k] else "together"
-            return self.way
-        self.window = WINDOW  # (this step, not counted, and WINDOW more)
-        return self.way
+        together = [w for w in self.rate if w >= 2]
+        if not together or (self.choice == "alone" and min(self.age[w] for w in together) > self.refresh):
+            return self._explore("together")
+        if 1 not in self.rate or (self.choice == "together" and self.age[1] > self.refresh):
+            return self._explore("alone")
+        # (a width not measured yet takes the verdict of the nearest one measured: a cache that four sequences
+        # together overrun, three overrun too)
+        w = k if k in self.rate else min(together, key=lambda w: (abs(w - k), -w))
+        choice = "alone" if self.rate[1] > self.rate[w] else "together"
+        if self.explored:  # (the way not taken, measured again: lost again, so measured less often)
+            self.refresh = min(REFRESH_MAX, 2 * self.refresh) if choice == self.choice else REFRESH
+            self.explored = False
+        self.choice = self.way = choice
+        return choice
+
+    def _explore(self, way: str) -> str:
+        self.explored = self.choice is not None
+        self.way, self.window = way, WINDOW  # (this step, not counted, and WINDOW more)
+        return way
 
     def state(self) -> dict:
         """What it measured, for the server's stats: tokens a second per width, steps decoded one ahead."""

@@ -46,6 +46,16 @@ def test_auto_takes_the_way_that_measured_more_tokens_a_second(alone_s, together
     assert o.rate[1] == pytest.approx(1 / alone_s) and o.rate[4] == pytest.approx(4 / together_s)
 
 
+def test_the_way_that_keeps_losing_is_measured_less_and_less_often():
+    """Measuring the slower way costs more than its steps (it changes what the cache holds): each time it loses
+    again, auto waits twice as long before the next measurement (REFRESH, 2 REFRESH, 4 REFRESH...)."""
+    o = StepOrder("auto")
+    widths = drive(o, 8 * REFRESH, lambda w: 0.2 if w == 1 else 1.0)
+    starts = [i for i in range(2 * WINDOW + 3, len(widths)) if widths[i] == 4 and widths[i - 1] == 1]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and all(b > 1.8 * a for a, b in zip(gaps, gaps[1:])) and gaps[0] > REFRESH, starts
+
+
 def test_auto_follows_a_change_of_speed():
     """Together became slower (the cache stopped holding what the four select): auto turns to one at a time by
     the next measurement of it."""
