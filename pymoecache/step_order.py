@@ -8,8 +8,8 @@ Qwen3-30B-A3B's file), four sequences together read more per token than one at a
 
 * ``"together"``: every running sequence in every step (as BatchDecoder always did);
 * ``"one-ahead"``: one sequence decodes alone for a turn of :data:`TURN` steps, then the next (in the
-  order they joined), the others waiting with their KV cache kept: one after another, in turns that
-  bound how long a sequence waits;
+  order they joined; where the one whose turn it was ended, the first), the others waiting with their KV
+  cache kept: one after another, in turns that bound how long a sequence waits;
 * ``"auto"`` (serve's default): whichever of the two measured more tokens a second, per number of
   running sequences (a number not measured yet: the nearest one's verdict). Each is measured over a
   window of :data:`WINDOW` steps (the first step after a change of width not counted: the cache

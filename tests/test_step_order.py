@@ -35,7 +35,7 @@ def drive(order: StepOrder, n_steps: int, seconds, running=("a", "b", "c", "d"))
 @pytest.mark.parametrize("alone_s, together_s, faster", [(0.20, 1.00, 1), (0.20, 0.50, 4)])
 def test_auto_takes_the_way_that_measured_more_tokens_a_second(alone_s, together_s, faster):
     """Four sequences: one alone takes ``alone_s`` a token, four together ``together_s`` a step. After a window of
-    each (together first) auto keeps to the faster, and measures the other again every REFRESH steps, briefly."""
+    each (together first) auto keeps to the faster, and measures the other again after REFRESH steps, briefly."""
     o = StepOrder("auto")
     widths = drive(o, 3 * REFRESH, lambda w: alone_s if w == 1 else together_s)
     assert widths[:WINDOW + 1] == [4] * (WINDOW + 1) and widths[WINDOW + 1:2 * WINDOW + 2] == [1] * (WINDOW + 1)
@@ -57,8 +57,8 @@ def test_the_way_that_keeps_losing_is_measured_less_and_less_often():
 
 
 def test_auto_follows_a_change_of_speed():
-    """Together became slower (the cache stopped holding what the four select): auto turns to one at a time by
-    the next measurement of it."""
+    """Together became slower (the cache stopped holding what the four select): auto, measuring the way it takes
+    as it goes, turns to one at a time within a few steps."""
     o = StepOrder("auto")
     drive(o, 50, lambda w: 0.2 if w == 1 else 0.4)  # together 10 tok/s, alone 5
     widths = drive(o, REFRESH, lambda w: 0.2 if w == 1 else 2.0)  # together 2 tok/s now
@@ -71,7 +71,7 @@ def test_one_ahead_decodes_each_sequence_in_turns_in_the_order_they_joined():
     picked = [o.pick(seqs)[0] for _ in range(2 * TURN + 3)]
     assert picked[:TURN] == [seqs[0]] * TURN and picked[TURN:2 * TURN] == [seqs[1]] * TURN
     assert picked[2 * TURN:] == [seqs[2]] * 3
-    assert o.pick([seqs[0], seqs[1]]) == [seqs[0]]  # (the holder ended: the next one's turn)
+    assert o.pick([seqs[0], seqs[1]]) == [seqs[0]]  # (the holder ended: the turn goes to the first one running)
     assert StepOrder("together").pick(seqs) == seqs and StepOrder("one-ahead").pick(seqs[:1]) == seqs[:1]
     with pytest.raises(ConfigError, match="order must be one of together, one-ahead, auto"):
         StepOrder("fastest")
