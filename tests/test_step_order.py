@@ -9,12 +9,11 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
-import threading
 
 import pytest
 
 from conftest import http_request, model_path
+from test_batch import _all_at_once, run_script
 from test_features_as_installed import installed_server
 from test_rpc_as_installed import installed_env
 
@@ -77,13 +76,6 @@ def test_one_ahead_decodes_each_sequence_in_turns_in_the_order_they_joined():
         StepOrder("fastest")
 
 
-def run_script(tmp_path, code: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=installed_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 ONE_AHEAD = """
     import json
     from pymoecache import BatchDecoder, ConfigError, Llama
@@ -129,9 +121,6 @@ def test_a_batch_decoder_one_ahead_decodes_one_sequence_a_step_in_turns(fixture_
     assert "order must be one of" in d["refused"]
 
 
-PROMPTS = ["Once upon a time", "The history of the city", "Q: what is an expert?\nA:", "def fibonacci(n):"]
-
-
 def test_serve_batch_order_reaches_the_batch_and_says_what_it_measured(fixture_dir, tmp_path):
     """`serve -np 4 --batch-order one-ahead`: four requests at once are decoded one a step (the steps are the
     tokens) with the answers -np 1 gives; /moecache/stats says the order and what it measured; the default, auto,
@@ -140,17 +129,7 @@ def test_serve_batch_order_reaches_the_batch_and_says_what_it_measured(fixture_d
     shutil.copy(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"), m)
 
     def all_at_once(base):
-        out = [None] * len(PROMPTS)
-
-        def ask(i):
-            body = {"prompt": PROMPTS[i], "max_tokens": 16, "temperature": 0}
-            out[i] = json.loads(http_request(base + "/v1/completions", body)[1])
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = _all_at_once(base)
         return [o["choices"][0]["text"] for o in out], json.loads(http_request(base + "/moecache/stats")[1])
 
     common = ("--routing", "lru", "--cache-size", "0.25")
