@@ -60,6 +60,7 @@ class Sequence:
     error: Optional[BaseException] = None  # what its on_token raised (it then ended, finish_reason "error")
     _sampler: object = None
     _cancel: bool = False
+    _unfilled: bool = False            # admitted, its prompt prefilled at its first step (step order one ahead)
 
     @property
     def done(self) -> bool:
@@ -268,11 +269,12 @@ class BatchDecoder:
             self.step()
 
     def step(self) -> List[tuple]:
-        """Admit waiting sequences into free slots (each prefilled alone, its first token sampled), then
-        decode one token of every running sequence in one llama_decode. Returns the (sequence, token)
-        pairs of this step. What an ``on_token`` raised is raised after the step (its sequence ended,
-        finish_reason "error"); ConfigError where the Llama's own completion used the context since the
-        last step (the running sequences' KV cache is gone: they end, "error")."""
+        """Admit waiting sequences into free slots (their prompts prefilled together, each one's first token
+        sampled; where the step order goes one ahead, each prompt at its sequence's first turn instead), then
+        decode one token of the running sequences the step order picks (all, with "together") in one
+        llama_decode. Returns the (sequence, token) pairs of this step. What an ``on_token`` raised is raised
+        after the step (its sequence ended, finish_reason "error"); ConfigError where the Llama's own completion
+        used the context since the last step (the running sequences' KV cache is gone: they end, "error")."""
         self._check_open()
         out = []
         if getattr(self.llm, "n_evals", 0) != self._evals:
@@ -390,8 +392,8 @@ class BatchDecoder:
             self._end(s, "length")
 
     def _admit(self, out: list) -> None:
-        """Waiting sequences into free slots, their prompts prefilled together: one ubatch of every new
-        prompt's tokens (n_batch at a time), so an expert the prompts share is read once."""
+        """Waiting sequences into free slots, their prompts prefilled together (:meth:`_prefill`), or, where the
+        step order goes one ahead, each at its first turn (step_order.StepOrder.defers)."""
         new = []
         pending = 0  # cells the prompts admitted in this step will take (not in _kept before their prefill)
         while len(self._running) < self.n_slots:
@@ -424,8 +426,18 @@ class BatchDecoder:
             new.append(s)
         if not new:
             return
+        if self.order.defers():  # (one at a time: each prompt at its turn, as one after another would)
+            for s in new:
+                s._unfilled = True
+            return
+        self._prefill(new, out)
+
+    def _prefill(self, new: list, out: list) -> None:
+        """The prompts of ``new`` (admitted) in one ubatch of all their tokens (n_batch at a time), so an expert the
+        prompts share is read once; each one's first token sampled."""
         items = []  # (token, pos, slot, logits, sequence)
         for s in new:
+            s._unfilled = False
             n_keep = len(self._kept[s.slot])
             todo = s.prompt[n_keep:]
             items += [(t, n_keep + j, s.slot, j == len(todo) - 1, s) for j, t in enumerate(todo)]
@@ -451,8 +463,9 @@ class BatchDecoder:
             raise
 
     def _cells(self) -> int:
-        """Cells of the KV cache the slots hold."""
-        return sum(len(k) for k in self._kept)
+        """Cells of the KV cache the slots hold, and those the prompts admitted but not prefilled yet will."""
+        return (sum(len(k) for k in self._kept)
+                + sum(len(s.prompt) - len(self._kept[s.slot]) for s in self._running if s._unfilled))
 
     def _decode_step(self, out: list) -> None:
         if self._cells() + len(self._running) > self._n_ctx:  # (each running sequence takes one more cell)
@@ -465,10 +478,15 @@ class BatchDecoder:
             if not self._running:
                 return
         running = self.order.pick(list(self._running))
+        fresh = [s for s in running if s._unfilled]
+        if fresh:  # (their turn came: their prompts, which this step's time is not measured with)
+            self._prefill(fresh, out)
         t0, n_out = time.perf_counter(), len(out)
-        for i in range(0, len(running), self._step_max):  # (more sequences than a step's slots: several steps)
-            self._decode_part(running[i:i + self._step_max], out)
-        self.order.record(len(running), time.perf_counter() - t0, len(out) - n_out)
+        decode = [s for s in running if s not in fresh and s in self._running]
+        for i in range(0, len(decode), self._step_max):  # (more sequences than a step's slots: several steps)
+            self._decode_part(decode[i:i + self._step_max], out)
+        if not fresh:
+            self.order.record(len(running), time.perf_counter() - t0, len(out) - n_out)
 
     def _decode_part(self, run: list, out: list) -> None:
         if run != self._rows:  # (the engine's sums are for the rows of the steps before)

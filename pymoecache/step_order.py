@@ -9,14 +9,17 @@ Qwen3-30B-A3B's file), four sequences together read more per token than one at a
 * ``"together"``: every running sequence in every step (as BatchDecoder always did);
 * ``"one-ahead"``: one sequence decodes alone for a turn of :data:`TURN` steps, then the next (in the
   order they joined; where the one whose turn it was ended, the first), the others waiting with their KV
-  cache kept: one after another, in turns that bound how long a sequence waits;
+  cache kept: one after another, in turns that bound how long a sequence waits. A prompt admitted then is
+  prefilled at its sequence's first turn (:meth:`StepOrder.defers`), so its first token comes then;
 * ``"auto"`` (serve's default): whichever of the two measured more tokens a second, per number of
   running sequences (a number not measured yet: the nearest one's verdict). Each is measured over a
   window of :data:`WINDOW` steps (the first step after a change of width not counted: the cache
   adjusts), and the one not taken is measured again after :data:`REFRESH` steps, twice as long after
   each time it lost again (up to :data:`REFRESH_MAX`): a measurement of the slower way costs more than
-  its steps, since it changes what the cache holds. Steps of one sequence (one request at a time)
-  measure one-ahead too.
+  its steps, since it changes what the cache holds. Together, measured again, takes two sequences (the
+  one whose turn it is and the next), not all: two that lose to one at a time leave four losing too (four
+  select more than two), at half the cost to the cache; where the two win, the full width is measured
+  next. Steps of one sequence (one request at a time) measure one-ahead too.
 
 >>> o = StepOrder("auto")
 >>> o.pick(["a", "b"])        # nothing measured yet: together first
@@ -52,6 +55,7 @@ class StepOrder:
         self.turn_used = 0
         self.way: Optional[str] = None    # auto: "together" or "alone", kept for `window` more steps
         self.window = 0
+        self.way_width: Optional[int] = None  # auto: sequences a measurement of together takes (None: all)
         self.choice: Optional[str] = None  # auto: the way measured faster (None: not both measured yet)
         self.refresh = REFRESH
         self.explored = False
@@ -65,13 +69,19 @@ class StepOrder:
         if k < 2 or self.order == "together":
             return self._width(running)
         if self.order == "auto" and self._choose(k) == "together":
-            return self._width(running)
+            return self._width(self._from_holder(running, self.way_width or k))
         if self.holder not in running or self.turn_used >= TURN:
             i = running.index(self.holder) + 1 if self.holder in running else 0
             self.holder, self.turn_used = running[i % k], 0
         self.turn_used += 1
         self.alone_steps += 1
         return self._width([self.holder])
+
+    def defers(self) -> bool:
+        """Whether a sequence admitted now has its prompt prefilled at its first step rather than at once with the
+        others: where steps go one ahead (one-ahead, or auto's verdict one at a time). Then each prompt's experts are
+        read just before its turn, as one after another would, rather than all prompts' before the first turn."""
+        return self.order == "one-ahead" or (self.order == "auto" and self.choice == "alone")
 
     def record(self, width: int, seconds: float, tokens: int) -> None:
         """A step of ``width`` sequences took ``seconds`` and gave ``tokens``."""
@@ -85,6 +95,14 @@ class StepOrder:
         self.rate[width] = sum(n for n, _ in last) / sum(t for _, t in last)
         self.age[width] = 0
 
+    def _from_holder(self, running: List, n: int) -> List:
+        """``n`` of ``running``: the one whose turn it is and those after it, in the order they joined."""
+        if n >= len(running):
+            return running
+        i = running.index(self.holder) if self.holder in running else 0
+        keep = {(i + j) % len(running) for j in range(n)}
+        return [s for j, s in enumerate(running) if j in keep]
+
     def _width(self, picked: List) -> List:
         self.counted = len(picked) == self.width
         self.width = len(picked)
@@ -94,24 +112,31 @@ class StepOrder:
         if self.window > 0:
             self.window -= 1
             return self.way
+        self.way_width = None
         together = [w for w in self.rate if w >= 2]
-        if not together or (self.choice == "alone" and min(self.age[w] for w in together) > self.refresh):
+        if not together:
             return self._explore("together")
+        if self.choice == "alone" and min(self.age[w] for w in together) > self.refresh:
+            return self._explore("together", 2)  # (the cheapest measurement of together: two sequences)
         if 1 not in self.rate or (self.choice == "together" and self.age[1] > self.refresh):
             return self._explore("alone")
         # (a width not measured yet takes the verdict of the nearest one measured: a cache that four sequences
         # together overrun, three overrun too)
         w = k if k in self.rate else min(together, key=lambda w: (abs(w - k), -w))
         choice = "alone" if self.rate[1] > self.rate[w] else "together"
+        if choice == "alone" and any(v < w and self.age[v] < self.age[w] and self.rate[v] > self.rate[1]
+                                     for v in together):
+            return self._explore("together")  # (fewer together won since this width was measured: measure it)
         if self.explored:  # (the way not taken, measured again: lost again, so measured less often)
             self.refresh = min(REFRESH_MAX, 2 * self.refresh) if choice == self.choice else REFRESH
             self.explored = False
         self.choice = self.way = choice
         return choice
 
-    def _explore(self, way: str) -> str:
+    def _explore(self, way: str, width: Optional[int] = None) -> str:
         self.explored = self.choice is not None
         self.way, self.window = way, WINDOW  # (this step, not counted, and WINDOW more)
+        self.way_width = width
         return way
 
     def state(self) -> dict:

@@ -158,6 +158,8 @@ CONTINUOUS = """
         dec.run()
         alone.append(s.tokens)
     dec.forget()
+    dec.close()
+    dec = BatchDecoder(llm, order={order!r})
     seqs = [dec.add(p, max_tokens=10) for p in prompts]   # 4 sequences, 2 slots: 2 wait
     firsts, running = [], []
     while not dec.idle():
@@ -177,11 +179,14 @@ CONTINUOUS = """
 """
 
 
-def test_sequences_join_and_leave_the_batch(fixture_dir, tmp_path):
+@pytest.mark.parametrize("order", ["together", "one-ahead"])
+def test_sequences_join_and_leave_the_batch(fixture_dir, tmp_path, order):
     """Continuous batching: 4 sequences on 2 slots run 2 at a time, each with its tokens alone; a
     conversation that comes back is not prefilled again (its slot kept it); a cancelled sequence ends at
-    the next step; sequences longer than the context together end ("length"), not fail."""
-    d = run_script(tmp_path, CONTINUOUS.format(model=str(model_path(fixture_dir, "qwen2moe-60x4.Q8_0")), n_ctx=128))
+    the next step; sequences longer than the context together end ("length"), not fail. One ahead too, where a
+    prompt admitted is prefilled at its turn (its cells counted from its admission)."""
+    d = run_script(tmp_path, CONTINUOUS.format(model=str(model_path(fixture_dir, "qwen2moe-60x4.Q8_0")), n_ctx=128,
+                                               order=order))
     assert d["slots"] == 2 and d["max_running"] == 2
     assert d["same"] == [True] * 4 and d["reasons"] == ["length"] * 4
     assert d["reused"] == 3 + 5 - 1 and d["again"]  # (all but its last token: decoded again for its logits)

@@ -50,9 +50,33 @@ def test_the_way_that_keeps_losing_is_measured_less_and_less_often():
     again, auto waits twice as long before the next measurement (REFRESH, 2 REFRESH, 4 REFRESH...)."""
     o = StepOrder("auto")
     widths = drive(o, 8 * REFRESH, lambda w: 0.2 if w == 1 else 1.0)
-    starts = [i for i in range(2 * WINDOW + 3, len(widths)) if widths[i] == 4 and widths[i - 1] == 1]
+    starts = [i for i in range(2 * WINDOW + 3, len(widths)) if widths[i] >= 2 and widths[i - 1] == 1]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert len(starts) >= 3 and all(b > 1.8 * a for a, b in zip(gaps, gaps[1:])) and gaps[0] > REFRESH, starts
+
+
+def test_together_measured_again_takes_two_sequences_and_the_full_width_only_where_two_win():
+    """Where one at a time won, together is measured again with two sequences (the one whose turn it is and the next;
+    half the cache they overrun). Two that lose leave four alone; two that win bring a measurement of all four, and
+    each width then takes its own verdict: here two together win, four lose."""
+    o = StepOrder("auto")
+    seqs = ["a", "b", "c", "d"]
+    widths = drive(o, 3 * REFRESH, lambda w: 0.2 if w == 1 else 1.0, seqs)  # together always loses
+    again = [w for w in widths[2 * WINDOW + 2:] if w != 1]
+    assert again and set(again) == {2}, again
+    assert o.pick(seqs) in ([s] for s in seqs)
+    o.holder = "d"  # (the pair: the holder and the next in join order, wrapping)
+    o.choice, o.window, o.age = "alone", 0, {w: 10 * REFRESH for w in o.age}
+    assert len(o.pick(seqs)) == 2 and o.pick(seqs) == ["a", "d"]
+
+    o = StepOrder("auto")
+    widths = drive(o, 3 * REFRESH, lambda w: {1: 0.2, 2: 0.3}.get(w, 1.0), seqs)  # two win, four lose
+    later = widths[2 * WINDOW + 2:]
+    fours = [i for i in range(1, len(later)) if later[i] == 4 and later[i - 1] != 4]
+    twos = [i for i in range(1, len(later)) if later[i] == 2 and later[i - 1] != 2]
+    assert twos and fours and all(any(0 < f - t <= WINDOW + 2 for t in twos) for f in fours), (twos, fours)
+    assert later.count(1) > 0.9 * len(later)
+    assert o.pick(seqs[:2]) == seqs[:2]  # (two running: together, as measured)
 
 
 def test_auto_follows_a_change_of_speed():
@@ -91,26 +115,32 @@ ONE_AHEAD = """
     dec.close()
     dec = BatchDecoder(llm, order="one-ahead")
     seqs = [dec.add(p, max_tokens=40) for p in prompts]
-    order = []  # the sequence each step decoded (after the first step, which also prefilled them)
+    order = []  # the sequence each step decoded (a step that prefilled its prompt not counted)
+    first = [None] * len(seqs)  # the step() each one's first token came at
+    n = 0
     while not dec.idle():
         before = [len(s.tokens) for s in seqs]
         dec.step()
         order += [i for i, s in enumerate(seqs) if 0 < before[i] < len(s.tokens)]
+        first = [n if f is None and s.tokens else f for f, s in zip(first, seqs)]
+        n += 1
     try:
         BatchDecoder(llm, order="fastest")
         refused = None
     except ConfigError as e:
         refused = str(e)
     print(json.dumps(dict(same=[s.tokens == a for s, a in zip(seqs, alone)], steps=dec.steps,
-                          step_tokens=dec.step_tokens, order=order, refused=refused)))
+                          step_tokens=dec.step_tokens, order=order, first=first, refused=refused)))
 """
 
 
 def test_a_batch_decoder_one_ahead_decodes_one_sequence_a_step_in_turns(fixture_dir, tmp_path):
     """BatchDecoder(order="one-ahead"): each step decodes one sequence, the first for TURN steps, then the next;
-    each sequence's tokens are those it decodes alone (top-k routing); a misspelt order is refused."""
+    each prompt is prefilled at its turn (its first token then), as one after another; each sequence's tokens are
+    those it decodes alone (top-k routing); a misspelt order is refused."""
     d = run_script(tmp_path, ONE_AHEAD.format(model=str(model_path(fixture_dir, "qwen2moe-60x4.Q8_0"))))
     assert d["same"] == [True] * 3
+    assert d["first"] == [0, TURN, 2 * TURN], d["first"]
     assert d["steps"] == d["step_tokens"] and d["steps"] > 0
     runs = [[d["order"][0], 0]]  # (sequence, steps in a row)
     for i in d["order"]:
