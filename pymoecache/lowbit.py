@@ -243,6 +243,34 @@ def _n_bytes(t: int, shape: List[int]) -> int:
     return n // block * size
 
 
+def companion_estimate(model: "os.PathLike[str] | str") -> Optional[Companion]:
+    """The companion ``pymoecache lowbit MODEL`` would make, before it is made: where, at what types, and one
+    expert's bytes in it against the model's. None where it would refuse (no type lower than the experts', as
+    gpt-oss' rows of 2880 values) or ``model`` has no routed experts.
+
+    >>> companion_estimate("mixtral.gguf").ratio   # doctest: +SKIP
+    1.31
+    """
+    try:
+        info = model_info(model)
+        if not info.is_moe or not info.expert_types:
+            return None
+        type = default_type(info.expert_types[0])  # (as make_companion picks it)
+        mats = _expert_matrices(_Header(Path(info.path)))
+    except (ModelFileError, ValueError, KeyError, OSError):
+        return None
+    made = [(made_type(type, shape[0]), _type_name(t), _n_bytes(t, shape)) for _, t, shape, _ in mats]
+    if not made or any(_bits(x) >= _bits(own) for x, own, _ in made):
+        return None  # (make_companion refuses: a companion must be smaller)
+    own_bytes = sum(n for _, _, n in made)
+    low_bytes = sum(n * _bits(x) / _bits(own) for x, own, n in made)
+    held: Dict[str, int] = {}
+    for x, _, _ in made:
+        held[x] = held.get(x, 0) + 1
+    return Companion(path=str(default_path(info.path, held_name(held))), model=str(info.path), type=type, types=held,
+                     expert_bytes=info.expert_bytes * low_bytes / own_bytes, model_expert_bytes=info.expert_bytes)
+
+
 def check_companion(model: "os.PathLike[str] | str", companion: "os.PathLike[str] | str | None" = None) -> Companion:
     """Check that ``companion`` (default: the one beside ``model``) holds ``model``'s routed experts at
     a lower type, made from this very file; raise :class:`CompanionError` with the reason otherwise.

@@ -221,7 +221,7 @@ def cmd_chat(args) -> int:
         say(note)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
     conv = Conversation(llm, args.system or None, chat_template_from_args(args, llm))
-    print_plan(llm)
+    print_plan(llm, asked=getattr(args, "miss", None) or getattr(args, "lowbit", None))
     out = sys.stdout
     interactive = sys.stdin.isatty()
     color = use_color(args)

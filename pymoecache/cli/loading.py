@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from pathlib import Path
 
 from .options import UserError, cache_from_args, resolve_seed, runtime_kwargs
 
@@ -45,14 +46,41 @@ def cache_line(llm, routing_spec: str) -> str:
     return f"[{routing_spec}, cache {n}/{llm.moecache.n_expert} experts per layer{why}]"
 
 
-def print_plan(llm, forecast: bool = False) -> None:
+def print_plan(llm, forecast: bool = False, asked: "str | None" = None) -> None:
     """The memory plan, one line on stderr, once the command's checks have passed and work begins; where
-    the cache streams (or ``forecast``), the decode speed forecast after it (pymoecache.forecast)."""
+    the cache streams (or ``forecast``), the decode speed forecast after it (pymoecache.forecast), and where
+    a companion the model has not got would read less, how to make it (:func:`companion_tip`; ``asked``: the
+    --miss or --lowbit given, which silence it)."""
     plan = llm.memory_plan()
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
         if (plan.streamed or forecast) and decode_forecast(llm) is not None:
             print("forecast: decode " + decode_forecast(llm).text(), file=sys.stderr, flush=True)
+        tip = companion_tip(plan, llm.model_path, asked)
+        if tip:
+            print(tip, file=sys.stderr, flush=True)
+
+
+def companion_tip(plan, model: str, asked: "str | None") -> "str | None":
+    """Where the cache streams whole experts by default (no low-bit companion beside the model, no --miss or
+    --lowbit ``asked``) and a companion can be made smaller: the command that makes it and what a miss would read
+    then. A model over its memory reads most of its decode (Mixtral-8x7B's shape at a third of its file: 4.7x
+    stock's mmap with the model alone, 12.1x with a Q2_K companion: docs/benchmarks.md)."""
+    from .. import lowbit
+    from ..plan import _fmt
+
+    if plan is None or not plan.streamed or plan.miss != "full" or asked:
+        return None
+    if lowbit.companions_beside(model):
+        return None  # (one is there and unused: the load said why)
+    c = lowbit.companion_estimate(model)
+    if c is None or c.ratio < 1.2:
+        return None
+    size = c.expert_bytes * plan.n_expert * plan.n_moe_layer
+    return (f"tip: a miss reads a whole expert ({_fmt(c.model_expert_bytes)}); `pymoecache lowbit {model}`, once, "
+            f"makes {Path(c.path).name} beside it ({_fmt(size)}), which later runs take by default: the cache then "
+            f"holds {c.ratio:.2f}x as many experts in the same memory and a miss reads {c.ratio:.2f}x fewer bytes"
+            + (" (--type Q2_K: fewer still, at about 1% perplexity)" if c.type == "Q3_K" else ""))
 
 
 def decode_forecast(llm):
