@@ -202,7 +202,7 @@ def save_conversation(conv: Conversation, path: str) -> int:
 def cmd_chat(args) -> int:
     from ..config import parse_routing
     from ..errors import Error
-    from .loading import cache_line, llama_from_args, print_plan
+    from .loading import cache_line, llama_from_args, miss_asked, print_plan
 
     routing = routing_from_args(args)
     args.system = system_prompt(args)
@@ -221,7 +221,7 @@ def cmd_chat(args) -> int:
         say(note)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now, not at the first answer
     conv = Conversation(llm, args.system or None, chat_template_from_args(args, llm))
-    print_plan(llm, asked=getattr(args, "miss", None) or getattr(args, "lowbit", None))
+    print_plan(llm, asked=miss_asked(args))
     out = sys.stdout
     interactive = sys.stdin.isatty()
     color = use_color(args)

@@ -15,7 +15,7 @@ import sys
 import time
 
 from ..config import DEFAULT_PRESET, resolved_top_j
-from .loading import cache_line, decode_forecast, llama_from_args, print_plan
+from .loading import cache_line, decode_forecast, llama_from_args, miss_asked, print_plan
 from .options import (UserError, add_cache_options, add_conversation_options, add_hub_options, add_model_argument,
                       add_routing_options, add_runtime_options, add_sampling_options, chat_template_from_args,
                       check_profile_args, load_profile_from_args, prompt_text, read_text_file, resolve_model,
@@ -138,7 +138,7 @@ def cmd_run(args) -> int:
     # llama-cpp-python reads max_tokens 0 as "until the context is full": -n 0 evaluates the prompt only
     kw = dict(max_tokens=args.n, stream=True, **sampling_kwargs(args, llm))
     llm.special_text = args.special
-    print_plan(llm, asked=getattr(args, "miss", None) or getattr(args, "lowbit", None))
+    print_plan(llm, asked=miss_asked(args))
     if args.n == 0:
         import llama_cpp
 
@@ -254,7 +254,7 @@ def cmd_bench(args) -> int:
     if llm.cache_choice is not None:
         print(f"cache size {llm.cache_choice}", file=sys.stderr)
     sampling_kwargs(args, llm)  # a bad --grammar is an error now
-    print_plan(llm, forecast=True, asked=getattr(args, "miss", None) or getattr(args, "lowbit", None))
+    print_plan(llm, forecast=True, asked=miss_asked(args))
     if all_fit(llm) and len(routings) > 1:
         print("note: every expert is cached, so cache-aware routing (prior, max-rank, cumsum) picks the model's own "
               "experts: those rows differ from lru only by noise; give --cache-size below the experts to compare",
@@ -329,7 +329,7 @@ def bench_parallel(args, routings: list, prompts: list, model: str) -> int:
     if kw.get("grammar") is not None or kw.get("logit_bias") or kw.get("stop"):
         llm.close()
         raise UserError("bench --parallel samples as serve -np batches: without --grammar, --ignore-eos or -r")
-    print_plan(llm, asked=getattr(args, "miss", None) or getattr(args, "lowbit", None))
+    print_plan(llm, asked=miss_asked(args))
     toks = [llm.tokenize(p.encode("utf-8")) for p in prompts]
     dec = BatchDecoder(llm)
     seed = kw["seed"] if kw.get("seed") is not None and kw["seed"] >= 0 else 0

@@ -3,6 +3,7 @@ what it caches, the memory plan's line and the decode forecast after it."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 import weakref
 from pathlib import Path
@@ -61,6 +62,11 @@ def print_plan(llm, forecast: bool = False, asked: "str | None" = None) -> None:
             print(tip, file=sys.stderr, flush=True)
 
 
+def miss_asked(args) -> "str | None":
+    """The --miss or --lowbit given on the command line (None: neither), which silence :func:`companion_tip`."""
+    return getattr(args, "miss", None) or getattr(args, "lowbit", None)
+
+
 def companion_tip(plan, model: str, asked: "str | None") -> "str | None":
     """Where the cache streams whole experts by default (no low-bit companion beside the model, no --miss or
     --lowbit ``asked``) and a companion can be made smaller: the command that makes it and what a miss would read
@@ -77,9 +83,10 @@ def companion_tip(plan, model: str, asked: "str | None") -> "str | None":
     if c is None or c.ratio < 1.2:
         return None
     size = c.expert_bytes * plan.n_expert * plan.n_moe_layer
-    return (f"tip: a miss reads a whole expert ({_fmt(c.model_expert_bytes)}); `pymoecache lowbit {model}`, once, "
-            f"makes {Path(c.path).name} beside it ({_fmt(size)}), which later runs take by default: the cache then "
-            f"holds {c.ratio:.2f}x as many experts in the same memory and a miss reads {c.ratio:.2f}x fewer bytes"
+    return (f"tip: a miss reads a whole expert ({_fmt(c.model_expert_bytes)}); "
+            f"`pymoecache lowbit {shlex.quote(str(model))}`, once, makes {Path(c.path).name} beside it "
+            f"({_fmt(size)}), which later runs take by default: the cache then holds {c.ratio:.2f}x as many "
+            f"experts in the same memory and a miss reads {c.ratio:.2f}x fewer bytes"
             + (" (--type Q2_K: fewer still, at about 1% perplexity)" if c.type == "Q3_K" else ""))
 
 

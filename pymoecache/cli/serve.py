@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .loading import companion_tip
+from .loading import companion_tip, miss_asked
 from .options import (UserError, add_hub_options, add_model_argument, add_prompt_cache_options, add_routing_options,
                       add_runtime_options, add_template_options, cache_from_args, check_profile_args,
                       prompt_cache_from_args, resolve_model, routing_from_args, runtime_kwargs)
@@ -100,7 +100,7 @@ def cmd_serve(args) -> int:
     plan = app.state.memory_plan
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
-        tip = companion_tip(plan, str(model), getattr(args, "miss", None) or getattr(args, "lowbit", None))
+        tip = companion_tip(plan, str(model), miss_asked(args))
         if tip:
             print(tip, file=sys.stderr, flush=True)
     print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
