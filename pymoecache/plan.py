@@ -205,6 +205,19 @@ def _kv_bytes(info: ModelInfo, n_ctx: int) -> int:
     return 2 * n_ctx * info.n_layer * (info.n_embd_kv or 2 * max(info.n_embd, 0))
 
 
+def memory_context(info: ModelInfo, available: Optional[int] = None) -> Tuple[int, str]:
+    """(n_ctx, note) for -c 0 (run, chat, bench, serve): the model's training context, halved while its KV cache
+    (F16) would take more than a quarter of the memory left beside the dense part; at least 512. Under a cap of a third
+    of qwen3-30b-a3b's file its 40960 tokens' KV cache (3.8 GiB of 5.7) left the expert cache 8 of 128 per layer."""
+    n = info.n_ctx_train or 4096
+    free = _available_memory() if available is None else available
+    room = max(0, free - max(0, info.non_expert_bytes)) // 4
+    want = n
+    while free and n > 512 and _kv_bytes(info, n) > room:
+        n //= 2
+    return n, (" (the model's)" if n == want else f" (the model's {want} capped by the free memory)")
+
+
 def _on_host(info: ModelInfo, n_ctx: int, gpu_layers: int) -> Tuple[int, int]:
     """(dense part, KV cache) in RAM with ``gpu_layers`` repeating layers on a GPU (:func:`gpu_layers`): the
     dense part as llama.cpp places it (:meth:`ModelInfo.dense_bytes`) but an untied input layer (a token reads a row

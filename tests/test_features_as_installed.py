@@ -48,15 +48,9 @@ def installed_server(tmp_path, model, *args):
 def test_lowbit_companion_and_miss_path(fixture_dir, tmp_path):
     m = tmp_path / "model.gguf"
     shutil.copy(model_path(fixture_dir, MODEL, ".Q8_0"), m)
-    # (no companion yet: the run streams whole experts and says how to make the one it would take)
+    # (no companion yet, a cache size given: no tip, which is for a cache the memory left short: test_real_size.py)
     r = installed(tmp_path, "run", m, "--cache-size", "8", "-n", "4", "-p", "Once upon a time")
-    assert r.returncode == 0 and f"`pymoecache lowbit {m}`" in r.stderr and "makes model.lowbit-Q5_0.gguf" in r.stderr
-    assert "1.55x fewer bytes" in r.stderr, r.stderr  # (Q8_0's 8.5 bits a weight against Q5_0's 5.5)
-    r = installed(tmp_path, "run", m, "--cache-size", "8", "--miss", "full", "-n", "4")  # (asked for: no tip)
     assert r.returncode == 0 and "tip:" not in r.stderr, r.stderr
-    with installed_server(tmp_path, m, "--cache-size", "8"):
-        pass
-    assert f"`pymoecache lowbit {m}`, once, makes model.lowbit-Q5_0.gguf" in (tmp_path / "server.log").read_text()
     r = installed(tmp_path, "lowbit", m)
     # (named by what llama.cpp made: the fixture's 64-wide rows take Q4_K's fallback, Q5_0)
     assert r.returncode == 0 and (tmp_path / "model.lowbit-Q5_0.gguf").is_file(), r.stderr

@@ -408,3 +408,28 @@ def test_a_stream_short_of_memory_for_its_experts_reads_them_in_2_mib_folios(tmp
     covered = sum(hi - lo for lo, hi in advised)
     whole = sum(b - a for a, b in experts)
     assert covered > whole - len(experts) * 2 * 4096, (covered, whole)  # (every tensor but its edge pages)
+
+
+def test_a_cache_the_memory_left_short_says_how_to_make_a_companion(tmp_path, mixtral2):
+    """`pymoecache run M` as a user with a model over their memory types it: under a cap of a third of Mixtral's
+    two-layer file the context (-c 0) is capped by the memory, as serve's (the model's 32768 tokens got the run
+    killed), the cache (sized from the memory) streams whole experts, and a tip says how to make the companion
+    that later runs would take, what it would be and what a miss would read (Q3_K for Q4_K_M's experts: 1.41x fewer
+    bytes). Uncapped every expert fits: no tip. Once a companion lies beside the model: no tip either."""
+    m = tmp_path / "mixtral.gguf"
+    m.symlink_to(mixtral2)
+    cmd = [sys.executable, "-m", "pymoecache", "run", str(m), "-n", "1", "-p", "Hello"]  # (-c 0: capped by memory)
+    free = run_capped(cmd, tmp_path)
+    assert "tip:" not in free.stderr and "from memory" in free.stderr, free.stderr[-2000:]
+    try:
+        capped = run_capped(cmd, tmp_path, cap=mixtral2.stat().st_size // 3)
+    except RuntimeError as e:  # (MemoryCapError: no memory cgroup this process may make)
+        pytest.skip(str(e))
+    # (its 32768 tokens' KV cache, 256 MiB, would leave no slot: the context is halved to fit a quarter of the memory)
+    assert "tokens (the model's 32768 capped by the free memory); -c N sets it" in capped.stderr, capped.stderr[-2000:]
+    tip = next((ln for ln in capped.stderr.splitlines() if ln.startswith("tip: ")), "")
+    assert f"`pymoecache lowbit {m}`, once, makes mixtral.lowbit-Q3_K.gguf" in tip, capped.stderr[-2000:]
+    assert "a miss reads 1.41x fewer bytes" in tip and "--type Q2_K" in tip, tip
+    (tmp_path / "mixtral.lowbit-Q3_K.gguf").write_bytes(b"")  # (one beside it, unusable: the load says why)
+    again = run_capped(cmd, tmp_path, cap=mixtral2.stat().st_size // 3)
+    assert "tip:" not in again.stderr, again.stderr[-2000:]

@@ -223,7 +223,7 @@ def test_max_completion_tokens_and_n_predict_are_limits(keyed):
 
 
 def test_serve_context_is_capped_by_memory():
-    from pymoecache.cli.serve import serve_context
+    from pymoecache.plan import memory_context as serve_context
     from pymoecache.model_info import ModelInfo
 
     info = ModelInfo(path="m.gguf", arch="qwen2moe", name="", file_bytes=4 << 30, n_layer=32, moe_layers=[1],

@@ -20,10 +20,18 @@ def llama_from_args(args, routing, model: str, dense_ok: bool = False, **kw):
 
     from ..llama import Llama
 
+    runtime = runtime_kwargs(args)
+    if args.ctx == 0:  # (-c 0, the default: the model's training context, capped by the memory as serve's)
+        from ..model_info import model_info
+        from ..plan import memory_context
+
+        runtime["n_ctx"], note = memory_context(model_info(model))
+        if "capped" in note:
+            print(f"context {runtime['n_ctx']} tokens{note}; -c N sets it", file=sys.stderr, flush=True)
     with warnings.catch_warnings():  # a dense model's warning: said below in the CLI's words
         warnings.filterwarnings("ignore", message=r".*no MoE layers")
         llm = Llama(model, cache=cache_from_args(args), routing=routing, routing_scope=args.scope,
-                    seed=resolve_seed(args), **runtime_kwargs(args), **kw)
+                    seed=resolve_seed(args), **runtime, **kw)
     if llm.moecache is None:
         if dense_ok:
             print(f"note: {model} is a dense model (no routed experts): it runs as plain llama.cpp, without an "
@@ -57,7 +65,7 @@ def print_plan(llm, forecast: bool = False, asked: "str | None" = None) -> None:
         print(plan.summary(), file=sys.stderr, flush=True)
         if (plan.streamed or forecast) and decode_forecast(llm) is not None:
             print("forecast: decode " + decode_forecast(llm).text(), file=sys.stderr, flush=True)
-        tip = companion_tip(plan, llm.model_path, asked)
+        tip = companion_tip(plan, llm.model_path, asked, sized_by_memory=llm.cache_choice is not None)
         if tip:
             print(tip, file=sys.stderr, flush=True)
 
@@ -67,15 +75,15 @@ def miss_asked(args) -> "str | None":
     return getattr(args, "miss", None) or getattr(args, "lowbit", None)
 
 
-def companion_tip(plan, model: str, asked: "str | None") -> "str | None":
-    """Where the cache streams whole experts by default (no low-bit companion beside the model, no --miss or
-    --lowbit ``asked``) and a companion can be made smaller: the command that makes it and what a miss would read
-    then. A model over its memory reads most of its decode (Mixtral-8x7B's shape at a third of its file: 4.7x
+def companion_tip(plan, model: str, asked: "str | None", sized_by_memory: bool) -> "str | None":
+    """Where the memory left the cache short (``sized_by_memory``: --cache-size auto, the default, chose to stream),
+    a miss reads a whole expert by default (no low-bit companion beside the model, no --miss or --lowbit ``asked``)
+    and a companion can be made smaller: the command that makes it and what a miss would read then. A model over its memory reads most of its decode (Mixtral-8x7B's shape at a third of its file: 4.7x
     stock's mmap with the model alone, 12.1x with a Q2_K companion: docs/benchmarks.md)."""
     from .. import lowbit
     from ..plan import _fmt
 
-    if plan is None or not plan.streamed or plan.miss != "full" or asked:
+    if plan is None or not sized_by_memory or not plan.streamed or plan.miss != "full" or asked:
         return None
     if lowbit.companions_beside(model):
         return None  # (one is there and unused: the load said why)

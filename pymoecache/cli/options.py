@@ -252,7 +252,9 @@ def add_runtime_options(p: argparse.ArgumentParser, ctx_default: int = 0, seed: 
                        help="random seed; -1 = a random one, printed (default %(default)s, as llama.cpp)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=ctx_default, metavar="N",
                    help=f"context length in tokens (default {ctx_default}"
-                        + (": the model's training context)" if ctx_default == 0 else "; 0: the model's training context)"))
+                        + (": the model's training context" if ctx_default == 0 else "; 0: the model's training context")
+                        + ", halved while its KV cache would take over a quarter of the memory left beside the "
+                          "dense part)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads while generating (default: llama.cpp's choice)")
     p.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",

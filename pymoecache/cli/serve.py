@@ -29,20 +29,6 @@ def _check_port(host: str, port: int) -> None:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def serve_context(info, available=None):
-    """(n_ctx, note) for -c 0: the model's training context, halved while its KV cache (F16)
-    would take more than a quarter of the memory left beside the dense part; at least 512."""
-    from ..plan import _available_memory, _kv_bytes
-
-    n = info.n_ctx_train or 4096
-    free = _available_memory() if available is None else available
-    room = max(0, free - max(0, info.non_expert_bytes)) // 4
-    want = n
-    while free and n > 512 and _kv_bytes(info, n) > room:
-        n //= 2
-    return n, (" (the model's)" if n == want else f" (the model's {want} capped by the free memory)")
-
-
 def _check_llama_server_flags(args) -> None:
     """llama-server's flags that mean nothing here are refused with the reason (exit 2); --slots and --metrics
     are accepted: /slots and /metrics are always on here."""
@@ -63,6 +49,7 @@ def _slot_note(n_ctx: int, args) -> str:
 
 def cmd_serve(args) -> int:
     from ..model_info import model_info
+    from ..plan import memory_context
     from ..server import create_app, server_module
 
     _check_llama_server_flags(args)
@@ -87,7 +74,7 @@ def cmd_serve(args) -> int:
     prompts = prompt_cache_from_args(args)
     ctx_note = ""
     if args.ctx == 0:  # llama-server's -c 0: the model's training context, capped by the memory
-        kw["n_ctx"], ctx_note = serve_context(info)
+        kw["n_ctx"], ctx_note = memory_context(info)
     app = create_app(model, cache=cache, routing=routing, routing_scope=args.scope, profile=args.profile,
                      pin_hot=args.pin_hot, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
                      n_parallel=args.parallel, kv_unified=args.kv_unified, chat_template=args.chat_template,
@@ -100,7 +87,7 @@ def cmd_serve(args) -> int:
     plan = app.state.memory_plan
     if plan is not None:
         print(plan.summary(), file=sys.stderr, flush=True)
-        tip = companion_tip(plan, str(model), miss_asked(args))
+        tip = companion_tip(plan, str(model), miss_asked(args), sized_by_memory=choice is not None)
         if tip:
             print(tip, file=sys.stderr, flush=True)
     print(f"pymoecache serve: {args.alias or Path(model).name} [{routing.spec()}] at {url}/v1 (OpenAI API), "
