@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -433,3 +434,31 @@ def test_a_cache_the_memory_left_short_says_how_to_make_a_companion(tmp_path, mi
     (tmp_path / "mixtral.lowbit-Q3_K.gguf").write_bytes(b"")  # (one beside it, unusable: the load says why)
     again = run_capped(cmd, tmp_path, cap=mixtral2.stat().st_size // 3)
     assert "tip:" not in again.stderr, again.stderr[-2000:]
+
+
+def test_serve_under_a_cap_gives_the_same_tip_and_context_line(tmp_path, mixtral2):
+    """`pymoecache serve M` under the same cap as the run above: its memory-capped context and the tip, said
+    before the banner (the server then answers; it is stopped once the banner is out)."""
+    from conftest import free_port
+    from memcap import MemoryCap
+
+    m = tmp_path / "mixtral.gguf"
+    m.symlink_to(mixtral2)
+    log = tmp_path / "serve.log"
+    try:
+        with MemoryCap(mixtral2.stat().st_size // 3) as c, open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pymoecache", "serve", str(m), "--port", str(free_port())],
+                                    cwd=tmp_path, preexec_fn=c.join, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 300
+                while "(OpenAI API)" not in log.read_text() and proc.poll() is None:  # (the banner)
+                    assert time.monotonic() < deadline, log.read_text()[-2000:]
+                    time.sleep(0.25)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    except RuntimeError as e:  # (MemoryCapError: no memory cgroup this process may make)
+        pytest.skip(str(e))
+    text = log.read_text()
+    assert "(OpenAI API)" in text, text[-2000:]
+    assert "capped by the free memory" in text and f"`pymoecache lowbit {m}`, once, makes mixtral.lowbit-Q3_K.gguf" in text
