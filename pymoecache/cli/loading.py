@@ -78,8 +78,9 @@ def miss_asked(args) -> "str | None":
 def companion_tip(plan, model: str, asked: "str | None", sized_by_memory: bool) -> "str | None":
     """Where the memory left the cache short (``sized_by_memory``: --cache-size auto, the default, chose to stream),
     a miss reads a whole expert by default (no low-bit companion beside the model, no --miss or --lowbit ``asked``)
-    and a companion can be made smaller: the command that makes it and what a miss would read then. A model over its memory reads most of its decode (Mixtral-8x7B's shape at a third of its file: 4.7x
-    stock's mmap with the model alone, 12.1x with a Q2_K companion: docs/benchmarks.md)."""
+    and a companion can be made smaller: the command that makes it and what a miss would read then. A model over
+    its memory reads most of its decode (Mixtral-8x7B's shape at a third of its file: 4.7x stock's mmap with the
+    model alone, 12.1x with a Q2_K companion: docs/benchmarks.md)."""
     from .. import lowbit
     from ..plan import _fmt
 
